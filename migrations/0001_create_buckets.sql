@@ -1,0 +1,38 @@
+-- One row per rate-limit key: the token bucket as of its last refill.
+--
+-- Why these choices:
+-- * Logged (not UNLOGGED): an UNLOGGED table comes back empty after a crash, which would refill
+--   every bucket at once. Rate-limit state is soft, but not that soft.
+-- * numeric(30, 9): tokens are exact fixed-point decimals with nine fraction digits, the same
+--   scale as the library's in-memory `Tokens`, so the SQL and the pure bucket agree exactly.
+-- * The policy (capacity, refill rate) is stored on the row so the row alone explains itself to
+--   an operator (`tokenlease inspect`), and a changed policy takes effect on the next call.
+-- * CHECK constraints bound every number from both sides: in PostgreSQL 'NaN' compares greater
+--   than every number, so `x > 0` alone lets NaN through, and a NaN refill rate would make a
+--   bucket that never denies. An upper bound refuses NaN and Infinity together; the explicit
+--   `<> 'NaN'` says so to the reader.
+-- * updated_at is the database's own clock (now()), never an application clock.
+CREATE TABLE IF NOT EXISTS tokenlease_buckets (
+    key               text           PRIMARY KEY,
+    tokens            numeric(30, 9) NOT NULL,
+    capacity          numeric(30, 9) NOT NULL,
+    refill_per_second numeric(30, 9) NOT NULL,
+    updated_at        timestamptz    NOT NULL,
+    last_granted      numeric(30, 9) NOT NULL DEFAULT 0,
+    CONSTRAINT tokenlease_buckets_capacity_range
+        CHECK (capacity <> 'NaN' AND capacity > 0 AND capacity <= 18446744073709551615),
+    CONSTRAINT tokenlease_buckets_rate_range
+        CHECK (refill_per_second <> 'NaN' AND refill_per_second > 0
+               AND refill_per_second <= 1000000000),
+    CONSTRAINT tokenlease_buckets_tokens_range
+        CHECK (tokens <> 'NaN' AND tokens >= 0 AND tokens <= capacity),
+    CONSTRAINT tokenlease_buckets_last_granted_range
+        CHECK (last_granted <> 'NaN' AND last_granted >= 0 AND last_granted <= capacity),
+    CONSTRAINT tokenlease_buckets_updated_at_finite
+        CHECK (isfinite(updated_at))
+);
+
+COMMENT ON TABLE tokenlease_buckets IS
+    'tokenlease token buckets: tokens as of updated_at (database time); an absent row is a full bucket';
+COMMENT ON COLUMN tokenlease_buckets.last_granted IS
+    'tokens granted by the most recent acquire statement, so RETURNING can report the grant';

@@ -1,0 +1,2 @@
+//! The `tokenlease` command.
+fn main() {}

@@ -1,0 +1,102 @@
+//! The crate's error types.
+//!
+//! A denial is a [`Decision`](crate::Decision), never an error. Errors are for requests that can
+//! never succeed as written (a bad key, a cost that cannot fit, an unknown plan) and for store
+//! failures that no fallback absorbed.
+
+use std::time::Duration;
+
+use crate::store::StoreError;
+
+/// Why [`Limiter::try_acquire`](crate::Limiter::try_acquire) could not decide.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The key is not usable: empty, too long, or holding a NUL byte.
+    #[error(transparent)]
+    InvalidKey(#[from] KeyError),
+    /// The cost is zero, negative, not finite, or larger than the plan's capacity.
+    #[error("invalid cost {cost} for plan {plan:?}: {reason}")]
+    InvalidCost {
+        /// The cost as given.
+        cost: f64,
+        /// The plan whose bucket was asked.
+        plan: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// No plan matches the key, and the policy names no default plan.
+    #[error("no plan matches key {key:?} and the policy has no default_plan")]
+    NoPlanForKey {
+        /// The first 64 characters of the key.
+        key: String,
+    },
+    /// The store failed and the plan's fallback does not decide in its place.
+    #[error("store failed: {0}")]
+    Store(#[source] StoreError),
+    /// The decision took longer than the configured maximum wait.
+    #[error("no decision within {0:?}")]
+    Timeout(Duration),
+}
+
+/// The longest key in bytes. PostgreSQL refuses btree index entries above 2704 bytes; the rest
+/// of the limit leaves room for the row header and prefixes that the HTTP layer adds.
+pub const MAX_KEY_BYTES: usize = 1024;
+
+/// Why a key was refused before it reached the store.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The key is the empty string.
+    #[error("invalid key: the key is empty")]
+    Empty,
+    /// The key is longer than [`MAX_KEY_BYTES`].
+    #[error("invalid key: {len} bytes is longer than the limit of {MAX_KEY_BYTES} bytes")]
+    TooLong {
+        /// The key's length in bytes.
+        len: usize,
+    },
+    /// The key holds a NUL byte, which PostgreSQL text cannot store.
+    #[error("invalid key: NUL byte at offset {offset}")]
+    Nul {
+        /// Byte offset of the first NUL.
+        offset: usize,
+    },
+    /// The key (given as bytes) is not valid UTF-8.
+    #[error("invalid key: not UTF-8 at byte offset {offset}")]
+    NotUtf8 {
+        /// Byte offset where the invalid sequence starts.
+        offset: usize,
+    },
+}
+
+/// Checks a key for the store: non-empty, at most [`MAX_KEY_BYTES`] bytes, no NUL.
+///
+/// # Errors
+///
+/// The first [`KeyError`] that applies.
+pub fn validate_key(key: &str) -> Result<(), KeyError> {
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.len() > MAX_KEY_BYTES {
+        return Err(KeyError::TooLong { len: key.len() });
+    }
+    if let Some(offset) = key.bytes().position(|b| b == 0) {
+        return Err(KeyError::Nul { offset });
+    }
+    Ok(())
+}
+
+/// Checks a key given as bytes: valid UTF-8, then as [`validate_key`].
+///
+/// # Errors
+///
+/// The first [`KeyError`] that applies.
+pub fn validate_key_bytes(key: &[u8]) -> Result<&str, KeyError> {
+    let key = std::str::from_utf8(key).map_err(|e| KeyError::NotUtf8 {
+        offset: e.valid_up_to(),
+    })?;
+    validate_key(key)?;
+    Ok(key)
+}

@@ -1,0 +1,2 @@
+//! PostgreSQL store.
+pub mod migrate;
