@@ -1,2 +1,49 @@
-//! The `tokenlease` command.
-fn main() {}
+//! The `tokenlease` command: check policies, run migrations, inspect buckets.
+//!
+//! Every subcommand that needs PostgreSQL uses `DATABASE_URL` when it is set, and otherwise
+//! starts a throwaway cluster from the local server binaries (see `tokenlease::embedded`).
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod check;
+mod inspect;
+mod migrate;
+
+/// Distributed rate limiting with token leases over PostgreSQL.
+#[derive(Debug, Parser)]
+#[command(name = "tokenlease", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Validate a policy file: print a one-line summary, or the first error and exit 1.
+    Check(check::Args),
+    /// Apply pending migrations to the database (idempotent).
+    Migrate(migrate::Args),
+    /// Show a bucket's row as the database sees it now.
+    Inspect(inspect::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Check(args) => check::run(args),
+        Command::Migrate(args) => migrate::run(args),
+        Command::Inspect(args) => inspect::run(args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("tokenlease: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// What a subcommand returns: its exit code, or an error printed as `tokenlease: {err}`.
+type CmdResult = Result<ExitCode, Box<dyn std::error::Error>>;
