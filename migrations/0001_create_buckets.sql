@@ -36,3 +36,20 @@ COMMENT ON TABLE tokenlease_buckets IS
     'tokenlease token buckets: tokens as of updated_at (database time); an absent row is a full bucket';
 COMMENT ON COLUMN tokenlease_buckets.last_granted IS
     'tokens granted by the most recent acquire statement, so RETURNING can report the grant';
+
+-- The refill, written once: tokens at `at` for a bucket that held `tokens` at `updated_at`.
+-- floor(elapsed × rate × 10⁹) nanotokens, capped at capacity; a negative elapsed time (a clock
+-- that went backwards, or a refill time in the future) refills nothing. This is exactly the
+-- arithmetic of the library's pure bucket (src/bucket/math.rs). Multiplying by 0.000000001
+-- instead of dividing by 10⁹ keeps numeric exact: division picks its own result scale.
+-- IMMUTABLE with an immutable body (timestamptz - timestamptz, extract from an interval), so
+-- the planner inlines it into each statement.
+CREATE OR REPLACE FUNCTION tokenlease_refill(
+    tokens numeric, capacity numeric, rate numeric, updated_at timestamptz, at timestamptz
+) RETURNS numeric
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN least(
+    capacity,
+    tokens + floor(greatest(0, extract(epoch FROM (at - updated_at))) * rate * 1000000000)
+             * 0.000000001
+);

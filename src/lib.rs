@@ -14,6 +14,7 @@
 //! - [`embedded`]: a throwaway PostgreSQL cluster for tests, the demo and the load test.
 
 pub mod bucket;
+pub mod clock;
 pub mod embedded;
 pub mod error;
 pub mod limiter;

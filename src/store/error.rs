@@ -1,10 +1,92 @@
-//! Store errors.
+//! Store errors, classified so the limiter can tell a slow store from a broken one.
 
-/// A store call failed.
+use std::fmt;
+use std::time::Duration;
+
+/// Which wait ran out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TimeoutKind {
+    /// Waiting for a pooled connection (the pool was exhausted or could not connect in time).
+    Pool,
+    /// The whole call, from asking the pool to reading the reply.
+    Call,
+}
+
+impl fmt::Display for TimeoutKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TimeoutKind::Pool => "waiting for a pooled connection",
+            TimeoutKind::Call => "the store call",
+        })
+    }
+}
+
+/// A store call failed; the limiter's fallback decides what that means for the request.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
-    /// Placeholder.
-    #[error("other: {0}")]
-    Other(String),
+    /// A wait ran out. The statement may still have run on the server (its tokens then count
+    /// as spent); the server's own `statement_timeout` stops it soon after.
+    #[error("timed out after {after:?} {kind}")]
+    Timeout {
+        /// Which wait.
+        kind: TimeoutKind,
+        /// How long it waited.
+        after: Duration,
+    },
+    /// The connection failed or was closed (server down, reset, terminated backend).
+    #[error("connection to the store failed")]
+    Connection(#[source] tokio_postgres::Error),
+    /// The database refused the statement.
+    #[error("database error {code}: {message}")]
+    Database {
+        /// SQLSTATE, e.g. `57014` for a cancelled statement.
+        code: String,
+        /// The server's message.
+        message: String,
+    },
+    /// The store answered with something this version cannot read (a schema mismatch).
+    #[error("unexpected reply from the store: {0}")]
+    Protocol(String),
+}
+
+impl StoreError {
+    /// Whether retrying later may succeed: timeouts, connection failures, and database errors
+    /// of the classes that mean "not now" (connection exceptions, insufficient resources,
+    /// operator intervention such as a shutdown or a cancelled statement, lock timeouts,
+    /// serialisation failures and deadlocks).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            StoreError::Timeout { .. } | StoreError::Connection(_) => true,
+            StoreError::Database { code, .. } => {
+                let class = code.get(..2).unwrap_or("");
+                matches!(class, "08" | "53" | "57" | "40") || code == "55P03"
+            }
+            StoreError::Protocol(_) => false,
+        }
+    }
+
+    /// The SQLSTATE, when the database refused the statement.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            StoreError::Database { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+}
+
+impl From<tokio_postgres::Error> for StoreError {
+    fn from(err: tokio_postgres::Error) -> Self {
+        if let Some(db) = err.as_db_error() {
+            return StoreError::Database {
+                code: db.code().code().to_owned(),
+                message: db.message().to_owned(),
+            };
+        }
+        if err.is_closed() || std::error::Error::source(&err).is_some() {
+            return StoreError::Connection(err);
+        }
+        StoreError::Protocol(err.to_string())
+    }
 }

@@ -1,4 +1,147 @@
-//! Where buckets live: the [`Store`] contract and its implementations.
-pub use self::error::StoreError;
+//! Where buckets live: the [`Store`] contract and its two implementations.
+//!
+//! - [`PostgresStore`]: the shared store. Every call is one atomic SQL statement that refills by
+//!   the database's `now()` and takes tokens; many service instances share its buckets.
+//! - [`MemoryStore`]: the same contract inside one process, for single-instance services, tests,
+//!   and as the embedded default where no database is wanted.
+//!
+//! Both pass the one contract suite in `tests/store_contract.rs`.
+
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+
+use crate::bucket::{BucketConfig, Tokens};
+
 mod error;
+mod memory;
 pub mod postgres;
+
+pub use self::error::{StoreError, TimeoutKind};
+pub use self::memory::MemoryStore;
+pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
+
+/// One request to take tokens from a key's bucket.
+///
+/// A plain take asks for `min == want == cost`. A lease asks for `want` tokens but accepts any
+/// amount from `min` up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AcquireRequest<'a> {
+    /// The bucket's key; already validated (see [`crate::error::validate_key`]).
+    pub key: &'a str,
+    /// The bucket's shape under the key's plan. A row stored with another shape takes this one.
+    pub bucket: BucketConfig,
+    /// Take nothing unless at least this many tokens are there. Never above the capacity.
+    pub min: Tokens,
+    /// Take up to this many tokens. Treated as `min` when below it.
+    pub want: Tokens,
+}
+
+/// What the store did with one [`AcquireRequest`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Acquired {
+    /// Tokens taken: zero, or between the request's `min` and `want`.
+    pub granted: Tokens,
+    /// Tokens left in the bucket after the take.
+    pub remaining: Tokens,
+    /// How long until `min` tokens will be there, if nobody else takes any; zero when granted.
+    pub retry_after: Duration,
+    /// How long until the bucket is full again, if nobody takes any.
+    pub reset_after: Duration,
+    /// The store's clock when it decided (PostgreSQL's `now()`).
+    pub store_now: SystemTime,
+}
+
+/// A bucket as the store holds it, for `tokenlease inspect` and tests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketRow {
+    /// The key.
+    pub key: String,
+    /// Tokens as of `updated_at`.
+    pub tokens: Tokens,
+    /// The bucket's capacity when it was last written.
+    pub capacity: Tokens,
+    /// The refill rate when it was last written, in tokens per second.
+    pub refill_per_second: Tokens,
+    /// When the bucket was last refilled (store time).
+    pub updated_at: SystemTime,
+    /// The store's clock now.
+    pub store_now: SystemTime,
+    /// Tokens the bucket holds at `store_now`, refilled.
+    pub tokens_now: Tokens,
+}
+
+/// The contract every bucket store keeps.
+///
+/// - **Atomic.** [`acquire`](Store::acquire) refills a bucket by the store's own clock and takes
+///   tokens in one indivisible step: two callers never both take the same tokens, whatever
+///   number of processes share the store.
+/// - **Same arithmetic as the pure bucket.** For the same timeline a store decides exactly as
+///   [`BucketState::grant`](crate::bucket::BucketState::grant) does, with the store's clock as
+///   `now`.
+/// - **An absent bucket is full.** The first request for a key sees `capacity` tokens, even when
+///   many callers race to create it; and a bucket that has refilled to full may be deleted
+///   ([`delete_idle`](Store::delete_idle)) without changing any later decision.
+/// - **Time never rewinds.** A bucket's refill time never moves backwards, so a store clock that
+///   steps back refills nothing and removes nothing.
+/// - **Failures are errors, not decisions.** A store that cannot answer returns a [`StoreError`];
+///   the limiter, not the store, decides what a failure means (the plan's fallback).
+/// - **Timeouts are the store's job.** Every call returns within the store's configured call
+///   timeout (plus scheduling), with [`StoreError::Timeout`] if it had to give up.
+#[async_trait]
+pub trait Store: Send + Sync + fmt::Debug + 'static {
+    /// Refills the bucket and takes between `min` and `want` tokens if `min` are there.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError`] when the store could not decide (timeout, connection, database error).
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: dropping the future after the store received the request may leave the
+    /// tokens taken in the store without telling anyone (they count as spent).
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError>;
+
+    /// Does [`acquire`](Store::acquire) for several distinct keys at once (one statement in
+    /// PostgreSQL). Results come in request order.
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire`](Store::acquire); on error none or all of the requests took effect in
+    /// PostgreSQL, and the caller cannot know which.
+    ///
+    /// # Panics
+    ///
+    /// Implementations may panic when two requests name the same key.
+    async fn acquire_many(
+        &self,
+        requests: &[AcquireRequest<'_>],
+    ) -> Result<Vec<Acquired>, StoreError> {
+        let mut out = Vec::with_capacity(requests.len());
+        for request in requests {
+            out.push(self.acquire(*request).await?);
+        }
+        Ok(out)
+    }
+
+    /// Deletes up to `limit` buckets that have refilled to full (an absent bucket is a full
+    /// bucket, so no decision changes). Returns how many were deleted.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError`] when the store could not answer.
+    async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError>;
+
+    /// The bucket as stored now, or `None` when no row exists (the bucket is full).
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError`] when the store could not answer.
+    async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError>;
+}
+
+/// Converts nanoseconds to a [`Duration`].
+pub(crate) const fn nanos(n: u64) -> Duration {
+    Duration::from_nanos(n)
+}

@@ -1,2 +1,373 @@
-//! PostgreSQL store.
+//! [`PostgresStore`]: buckets shared through PostgreSQL, one atomic statement per call.
+//!
+//! Every call is a single statement from `sql/` (refill by `now()` and take in one
+//! `INSERT ... ON CONFLICT DO UPDATE ... RETURNING`), sent with `query_typed`: no named prepared
+//! statements, so the store works behind PgBouncer in transaction pooling. Every call is bounded
+//! by a client-side timeout, and the server stops abandoned statements itself with
+//! `statement_timeout` and `lock_timeout`, set on every connection.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use bb8::{Pool, RunError};
+use bb8_postgres::PostgresConnectionManager;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{NoTls, Row};
+
+use super::{AcquireRequest, Acquired, BucketRow, Store, StoreError, TimeoutKind, nanos};
+use crate::bucket::Tokens;
+use crate::clock::timestamp_from_system_time;
+
 pub mod migrate;
+
+/// The SQL statements, one file each.
+mod sql {
+    // language=SQL
+    pub(super) const ACQUIRE: &str = include_str!("sql/acquire.sql");
+    // language=SQL
+    pub(super) const DELETE_IDLE: &str = include_str!("sql/delete_idle.sql");
+    // language=SQL
+    pub(super) const INSPECT: &str = include_str!("sql/inspect.sql");
+}
+
+/// The SQL text of the acquire statement, for benchmarks that run it bare (pgbench).
+pub const ACQUIRE_SQL: &str = sql::ACQUIRE;
+
+type Manager = PostgresConnectionManager<NoTls>;
+
+/// Buckets in PostgreSQL, shared by every instance that connects to the same database.
+///
+/// See the [module docs](self). Cheap to clone: clones share one pool.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: Pool<Manager>,
+    call_timeout: Duration,
+    pool_wait_timeout: Duration,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("pool", &self.pool.state())
+            .field("call_timeout", &self.call_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Settings for a [`PostgresStore`]; see each setter for its default.
+#[derive(Debug, Clone)]
+pub struct PostgresStoreBuilder {
+    config: tokio_postgres::Config,
+    pool_size: u32,
+    call_timeout: Duration,
+    pool_wait_timeout: Duration,
+    connect_timeout: Duration,
+    statement_timeout: Duration,
+    lock_timeout: Duration,
+    keepalive: Duration,
+    synchronous_commit: bool,
+    migrate: bool,
+}
+
+impl PostgresStoreBuilder {
+    /// Connections in the pool. Defaults to 4: one statement per hot key in flight is enough,
+    /// and a hot row gets slower with more concurrent writers.
+    pub fn pool_size(mut self, n: u32) -> Self {
+        self.pool_size = n.max(1);
+        self
+    }
+
+    /// The bound on a whole call, from asking the pool to reading the reply. Defaults to 50 ms.
+    pub fn call_timeout(mut self, d: Duration) -> Self {
+        self.call_timeout = d;
+        self
+    }
+
+    /// The bound on waiting for a pooled connection (including connecting a new one). Defaults
+    /// to 50 ms.
+    pub fn pool_wait_timeout(mut self, d: Duration) -> Self {
+        self.pool_wait_timeout = d;
+        self
+    }
+
+    /// The bound on opening a TCP connection and logging in. Defaults to 250 ms.
+    pub fn connect_timeout(mut self, d: Duration) -> Self {
+        self.connect_timeout = d;
+        self
+    }
+
+    /// Server-side `statement_timeout`: the server cancels a limiter statement that runs longer,
+    /// even after the client gave up on it. Defaults to 100 ms.
+    pub fn statement_timeout(mut self, d: Duration) -> Self {
+        self.statement_timeout = d;
+        self
+    }
+
+    /// Server-side `lock_timeout` for the row lock. Defaults to 100 ms.
+    pub fn lock_timeout(mut self, d: Duration) -> Self {
+        self.lock_timeout = d;
+        self
+    }
+
+    /// TCP keepalive idle time and `tcp_user_timeout`: how soon a dead peer is noticed on an
+    /// idle or a stuck connection. Defaults to 5 s.
+    pub fn keepalive(mut self, d: Duration) -> Self {
+        self.keepalive = d;
+        self
+    }
+
+    /// Whether the limiter's own statements wait for their commit record to reach disk. Defaults
+    /// to `true`. With `false` (`synchronous_commit = off` on the limiter's sessions only) a
+    /// take commits without waiting for the WAL flush; a database crash can then lose the takes
+    /// of the last few hundred milliseconds (at most `3 × wal_writer_delay`), which refills those
+    /// buckets by that much once. Never use an UNLOGGED table instead: that refills every bucket.
+    pub fn synchronous_commit(mut self, on: bool) -> Self {
+        self.synchronous_commit = on;
+        self
+    }
+
+    /// Whether [`build`](Self::build) applies pending migrations. Defaults to `true`.
+    pub fn migrate(mut self, on: bool) -> Self {
+        self.migrate = on;
+        self
+    }
+
+    /// Opens the pool (one connection up front, to fail early) and applies migrations.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError`] when the first connection or a migration fails.
+    pub async fn build(self) -> Result<PostgresStore, StoreError> {
+        let mut config = self.config;
+        config
+            .connect_timeout(self.connect_timeout)
+            .keepalives(true)
+            .keepalives_idle(self.keepalive)
+            .tcp_user_timeout(self.keepalive)
+            .options(format!(
+                "-c statement_timeout={} -c lock_timeout={} -c synchronous_commit={}",
+                self.statement_timeout.as_millis().max(1),
+                self.lock_timeout.as_millis().max(1),
+                if self.synchronous_commit { "on" } else { "off" },
+            ));
+        if config.get_application_name().is_none() {
+            config.application_name("tokenlease");
+        }
+        let manager = PostgresConnectionManager::new(config, NoTls);
+        let pool = Pool::builder()
+            .max_size(self.pool_size)
+            .min_idle(Some(0))
+            .connection_timeout(self.pool_wait_timeout)
+            .test_on_check_out(false)
+            .build_unchecked(manager);
+        let store = PostgresStore {
+            pool,
+            call_timeout: self.call_timeout,
+            pool_wait_timeout: self.pool_wait_timeout,
+        };
+        let setup = async {
+            let mut conn = store.pool.get().await.map_err(pool_error(store.pool_wait_timeout))?;
+            if self.migrate {
+                run_migrations(&mut conn).await?;
+            }
+            Ok::<_, StoreError>(())
+        };
+        // Setup may connect and migrate: allow it the connect timeout plus ten seconds.
+        match tokio::time::timeout(self.connect_timeout + Duration::from_secs(10), setup).await {
+            Ok(result) => result?,
+            Err(_) => {
+                return Err(StoreError::Timeout {
+                    kind: TimeoutKind::Pool,
+                    after: self.connect_timeout,
+                });
+            }
+        }
+        Ok(store)
+    }
+}
+
+/// Applies pending migrations on one connection.
+async fn run_migrations(_client: &mut tokio_postgres::Client) -> Result<(), StoreError> {
+    // Wired to `migrate::migrate` once that lands.
+    Ok(())
+}
+
+fn pool_error(after: Duration) -> impl Fn(RunError<tokio_postgres::Error>) -> StoreError {
+    move |e| match e {
+        RunError::User(e) => StoreError::from(e),
+        RunError::TimedOut => StoreError::Timeout {
+            kind: TimeoutKind::Pool,
+            after,
+        },
+    }
+}
+
+impl PostgresStore {
+    /// Settings for a store on `connection` (a `postgres://` URL or `key=value` string).
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Protocol`] when the connection string does not parse.
+    pub fn builder(connection: &str) -> Result<PostgresStoreBuilder, StoreError> {
+        let config = tokio_postgres::Config::from_str(connection)
+            .map_err(|e| StoreError::Protocol(format!("invalid connection string: {e}")))?;
+        Ok(PostgresStoreBuilder {
+            config,
+            pool_size: 4,
+            call_timeout: Duration::from_millis(50),
+            pool_wait_timeout: Duration::from_millis(50),
+            connect_timeout: Duration::from_millis(250),
+            statement_timeout: Duration::from_millis(100),
+            lock_timeout: Duration::from_millis(100),
+            keepalive: Duration::from_secs(5),
+            synchronous_commit: true,
+            migrate: true,
+        })
+    }
+
+    /// A store on `connection` with default settings.
+    ///
+    /// # Errors
+    ///
+    /// As [`PostgresStoreBuilder::build`].
+    pub async fn connect(connection: &str) -> Result<PostgresStore, StoreError> {
+        Self::builder(connection)?.build().await
+    }
+
+    /// The connection pool, for operators' queries and tests.
+    pub fn pool(&self) -> &Pool<Manager> {
+        &self.pool
+    }
+
+    /// Runs one statement with a pooled connection, inside the call timeout.
+    async fn query(
+        &self,
+        statement: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>, StoreError> {
+        let call = async {
+            let conn = self
+                .pool
+                .get()
+                .await
+                .map_err(pool_error(self.pool_wait_timeout))?;
+            conn.query_typed(statement, params)
+                .await
+                .map_err(StoreError::from)
+        };
+        match tokio::time::timeout(self.call_timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout {
+                kind: TimeoutKind::Call,
+                after: self.call_timeout,
+            }),
+        }
+    }
+}
+
+fn tokens(row: &Row, idx: usize) -> Result<Tokens, StoreError> {
+    let text: &str = row.try_get(idx).map_err(StoreError::from)?;
+    Tokens::from_str(text).map_err(|e| StoreError::Protocol(e.to_string()))
+}
+
+fn time(row: &Row, idx: usize) -> Result<SystemTime, StoreError> {
+    row.try_get(idx).map_err(StoreError::from)
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
+        let mut out = self.acquire_many(std::slice::from_ref(&request)).await?;
+        out.pop()
+            .ok_or_else(|| StoreError::Protocol("acquire returned no row".into()))
+    }
+
+    async fn acquire_many(
+        &self,
+        requests: &[AcquireRequest<'_>],
+    ) -> Result<Vec<Acquired>, StoreError> {
+        let keys: Vec<&str> = requests.iter().map(|r| r.key).collect();
+        let text = |f: &dyn Fn(&AcquireRequest<'_>) -> Tokens| -> Vec<String> {
+            requests.iter().map(|r| f(r).to_string()).collect()
+        };
+        let capacities = text(&|r| r.bucket.capacity());
+        let rates = text(&|r| r.bucket.rate().per_second_amount());
+        let mins = text(&|r| r.min);
+        let wants = text(&|r| r.want);
+        let rows = self
+            .query(
+                sql::ACQUIRE,
+                &[
+                    (&keys, Type::TEXT_ARRAY),
+                    (&capacities, Type::TEXT_ARRAY),
+                    (&rates, Type::TEXT_ARRAY),
+                    (&mins, Type::TEXT_ARRAY),
+                    (&wants, Type::TEXT_ARRAY),
+                ],
+            )
+            .await?;
+        let mut by_key: HashMap<&str, &Row> = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let key: &str = row.try_get(0).map_err(StoreError::from)?;
+            by_key.insert(key, row);
+        }
+        requests
+            .iter()
+            .map(|request| {
+                let row = by_key.get(request.key).ok_or_else(|| {
+                    StoreError::Protocol(format!("no row returned for key {:?}", request.key))
+                })?;
+                let remaining = tokens(row, 1)?;
+                let granted = tokens(row, 2)?;
+                let updated_at = timestamp_from_system_time(time(row, 3)?);
+                let store_now = time(row, 4)?;
+                let now = timestamp_from_system_time(store_now);
+                let config = &request.bucket;
+                // The refill time may be ahead of now() when another writer's clock ran ahead.
+                let ahead = updated_at.saturating_since(now);
+                let retry_after = if granted.is_zero() && !request.min.is_zero() {
+                    ahead.saturating_add(config.time_to_refill(request.min.saturating_sub(remaining)))
+                } else {
+                    0
+                };
+                let reset = ahead.saturating_add(
+                    config.time_to_refill(config.capacity().saturating_sub(remaining)),
+                );
+                Ok(Acquired {
+                    granted,
+                    remaining,
+                    retry_after: nanos(retry_after),
+                    reset_after: nanos(reset),
+                    store_now,
+                })
+            })
+            .collect()
+    }
+
+    async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
+        let limit = i64::from(limit);
+        let rows = self
+            .query(sql::DELETE_IDLE, &[(&limit, Type::INT8)])
+            .await?;
+        Ok(rows.len() as u64)
+    }
+
+    async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
+        let rows = self.query(sql::INSPECT, &[(&key, Type::TEXT)]).await?;
+        rows.first()
+            .map(|row| {
+                Ok(BucketRow {
+                    key: row.try_get::<_, String>(0).map_err(StoreError::from)?,
+                    tokens: tokens(row, 1)?,
+                    capacity: tokens(row, 2)?,
+                    refill_per_second: tokens(row, 3)?,
+                    updated_at: time(row, 4)?,
+                    store_now: time(row, 5)?,
+                    tokens_now: tokens(row, 6)?,
+                })
+            })
+            .transpose()
+    }
+}

@@ -1,0 +1,93 @@
+//! Clocks for the parts that keep time locally.
+//!
+//! The shared bucket never reads a local clock: PostgreSQL decides with `now()`. Local state (the
+//! in-memory store, lease expiry, local fallback buckets) reads time through [`Clock`], so tests
+//! can drive it by hand with [`ManualClock`].
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use crate::bucket::Timestamp;
+
+/// A source of [`Timestamp`]s that never goes backwards on its own.
+pub trait Clock: Send + Sync + fmt::Debug + 'static {
+    /// The current time.
+    fn now(&self) -> Timestamp;
+}
+
+/// The process's monotonic clock, reading nanoseconds since the Unix epoch as the wall clock
+/// stood when this value was created, then advancing with [`Instant`] (so it never steps back
+/// when the wall clock does).
+#[derive(Clone, Copy, Debug)]
+pub struct MonotonicClock {
+    origin: Instant,
+    origin_wall: Timestamp,
+}
+
+impl MonotonicClock {
+    /// A clock that reads the wall-clock time now.
+    pub fn new() -> Self {
+        MonotonicClock {
+            origin: Instant::now(),
+            origin_wall: timestamp_from_system_time(SystemTime::now()),
+        }
+    }
+}
+
+impl Default for MonotonicClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for MonotonicClock {
+    fn now(&self) -> Timestamp {
+        let elapsed = u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.origin_wall.saturating_add(elapsed)
+    }
+}
+
+/// A clock that moves only when told to; cheap to clone, all clones share one time.
+#[derive(Clone, Debug, Default)]
+pub struct ManualClock {
+    nanos: Arc<AtomicU64>,
+}
+
+impl ManualClock {
+    /// A clock that reads `start`.
+    pub fn new(start: Timestamp) -> Self {
+        ManualClock {
+            nanos: Arc::new(AtomicU64::new(start.0)),
+        }
+    }
+
+    /// Moves the clock forward by `nanos`.
+    pub fn advance(&self, nanos: u64) {
+        self.nanos.fetch_add(nanos, Ordering::SeqCst);
+    }
+
+    /// Sets the clock to `to`, which may be earlier than now (to test clocks that step back).
+    pub fn set(&self, to: Timestamp) {
+        self.nanos.store(to.0, Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> Timestamp {
+        Timestamp(self.nanos.load(Ordering::SeqCst))
+    }
+}
+
+/// Converts a wall-clock time (as PostgreSQL's `now()` arrives) to nanoseconds since the Unix
+/// epoch; times before 1970 read as zero.
+pub fn timestamp_from_system_time(t: SystemTime) -> Timestamp {
+    let nanos = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    Timestamp(u64::try_from(nanos).unwrap_or(u64::MAX))
+}
+
+/// Converts nanoseconds since the Unix epoch back to a wall-clock time.
+pub fn system_time_from_timestamp(t: Timestamp) -> SystemTime {
+    UNIX_EPOCH + std::time::Duration::from_nanos(t.0)
+}

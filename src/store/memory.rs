@@ -1,0 +1,137 @@
+//! [`MemoryStore`]: the store contract inside one process.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+
+use super::{AcquireRequest, Acquired, BucketRow, Store, StoreError, nanos};
+use crate::bucket::{BucketConfig, BucketState};
+use crate::clock::{Clock, MonotonicClock, system_time_from_timestamp};
+
+/// Shards of the key map; a power of two so a hash picks one with a mask.
+const SHARDS: usize = 64;
+
+/// One shard: the buckets whose key hashes here, with the shape each was last written with.
+///
+/// The lock is held only for the arithmetic on one bucket; nothing awaits while holding it.
+type Shard = Mutex<HashMap<String, (BucketConfig, BucketState)>>;
+
+/// Buckets in process memory, behind sharded mutexes.
+///
+/// Keeps the [`Store`] contract for one process: use it for a single-instance service, in tests,
+/// or wherever no database is wanted. Time comes from a [`Clock`] (by default the process's
+/// monotonic clock), so a wall clock that steps back changes nothing.
+#[derive(Debug, Clone)]
+pub struct MemoryStore {
+    shards: Arc<[Shard]>,
+    hasher: RandomState,
+    clock: Arc<dyn Clock>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store on the process's monotonic clock.
+    pub fn new() -> Self {
+        Self::with_clock(MonotonicClock::new())
+    }
+
+    /// An empty store reading time from `clock` (a [`ManualClock`](crate::clock::ManualClock) in
+    /// tests).
+    pub fn with_clock(clock: impl Clock) -> Self {
+        MemoryStore {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: RandomState::new(),
+            clock: Arc::new(clock),
+        }
+    }
+
+    /// How many buckets are stored (full buckets deleted by
+    /// [`delete_idle`](Store::delete_idle) are not).
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().len()).sum()
+    }
+
+    /// Whether no bucket is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn shard(&self, key: &str) -> &Shard {
+        let hash = self.hasher.hash_one(key) as usize;
+        &self.shards[hash & (SHARDS - 1)]
+    }
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
+        let now = self.clock.now();
+        let config = request.bucket;
+        let mut shard = self.shard(request.key).lock();
+        let state = shard
+            .get(request.key)
+            .map_or(BucketState::full(&config, now), |(_, state)| *state);
+        let min = std::cmp::min(request.min, config.capacity());
+        let (state, grant) = state
+            .grant(&config, now, min, request.want)
+            .map_err(|e| StoreError::Protocol(e.to_string()))?;
+        match shard.get_mut(request.key) {
+            Some(slot) => *slot = (config, state),
+            None => {
+                shard.insert(request.key.to_owned(), (config, state));
+            }
+        }
+        drop(shard);
+        Ok(Acquired {
+            granted: grant.granted,
+            remaining: grant.remaining,
+            retry_after: nanos(grant.retry_after),
+            reset_after: nanos(state.time_to_full(&config, now)),
+            store_now: system_time_from_timestamp(now),
+        })
+    }
+
+    async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
+        let now = self.clock.now();
+        let mut left = limit as usize;
+        let mut deleted = 0;
+        for shard in self.shards.iter() {
+            if left == 0 {
+                break;
+            }
+            let mut shard = shard.lock();
+            shard.retain(|_, (config, state)| {
+                let full = left > 0 && state.refill(config, now).tokens >= config.capacity();
+                if full {
+                    left -= 1;
+                    deleted += 1;
+                }
+                !full
+            });
+        }
+        Ok(deleted)
+    }
+
+    async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
+        let now = self.clock.now();
+        let shard = self.shard(key).lock();
+        Ok(shard.get(key).map(|(config, state)| BucketRow {
+            key: key.to_owned(),
+            tokens: state.tokens,
+            capacity: config.capacity(),
+            refill_per_second: config.rate().per_second_amount(),
+            updated_at: system_time_from_timestamp(state.last_refill),
+            store_now: system_time_from_timestamp(now),
+            tokens_now: state.refill(config, now).tokens,
+        }))
+    }
+}
+

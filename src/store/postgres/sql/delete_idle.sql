@@ -1,0 +1,15 @@
+-- language=SQL
+-- Delete up to $1 buckets that have refilled to full. An absent row is a full bucket, so this
+-- changes no decision. SKIP LOCKED leaves rows that a take is updating right now to a later
+-- round; FOR UPDATE re-checks the condition on the newest row version before deleting.
+WITH idle AS (
+    SELECT key
+    FROM tokenlease_buckets
+    WHERE tokenlease_refill(tokens, capacity, refill_per_second, updated_at, now()) >= capacity
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM tokenlease_buckets AS b
+USING idle
+WHERE b.key = idle.key
+RETURNING b.key
