@@ -53,3 +53,16 @@ RETURN least(
     tokens + floor(greatest(0, extract(epoch FROM (at - updated_at))) * rate * 1000000000)
              * 0.000000001
 );
+
+-- What a bucket holding `available` tokens grants for a request (min, want, step): the largest
+-- multiple of `step` that is at most `want` and at most `available`, if that reaches `min`;
+-- otherwise 0. The library's AcquireRequest::grantable computes the same. The outer least(..,
+-- available) guards against numeric division rounding a quotient up.
+CREATE OR REPLACE FUNCTION tokenlease_grantable(
+    available numeric, min_take numeric, want numeric, step numeric
+) RETURNS numeric
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN (
+    SELECT CASE WHEN c.candidate >= min_take AND c.candidate > 0 THEN c.candidate ELSE 0 END
+    FROM (SELECT least(want, available, step * floor(available / step)) AS candidate) AS c
+);

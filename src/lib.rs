@@ -17,6 +17,7 @@ pub mod bucket;
 pub mod clock;
 pub mod embedded;
 pub mod error;
+mod fallback;
 pub mod limiter;
 pub mod policy;
 pub mod store;

@@ -1,6 +1,7 @@
 //! Store errors, classified so the limiter can tell a slow store from a broken one.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Which wait ran out.
@@ -23,7 +24,7 @@ impl fmt::Display for TimeoutKind {
 }
 
 /// A store call failed; the limiter's fallback decides what that means for the request.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
     /// A wait ran out. The statement may still have run on the server (its tokens then count
@@ -37,7 +38,7 @@ pub enum StoreError {
     },
     /// The connection failed or was closed (server down, reset, terminated backend).
     #[error("connection to the store failed")]
-    Connection(#[source] tokio_postgres::Error),
+    Connection(#[source] Arc<tokio_postgres::Error>),
     /// The database refused the statement.
     #[error("database error {code}: {message}")]
     Database {
@@ -85,7 +86,7 @@ impl From<tokio_postgres::Error> for StoreError {
             };
         }
         if err.is_closed() || std::error::Error::source(&err).is_some() {
-            return StoreError::Connection(err);
+            return StoreError::Connection(Arc::new(err));
         }
         StoreError::Protocol(err.to_string())
     }

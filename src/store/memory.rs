@@ -79,9 +79,13 @@ impl Store for MemoryStore {
         let state = shard
             .get(request.key)
             .map_or(BucketState::full(&config, now), |(_, state)| *state);
-        let min = std::cmp::min(request.min, config.capacity());
+        let state = state.refill(&config, now);
+        let amount = match request.grantable(state.tokens) {
+            zero if zero.is_zero() => request.min,
+            amount => amount,
+        };
         let (state, grant) = state
-            .grant(&config, now, min, request.want)
+            .grant(&config, now, amount, amount)
             .map_err(|e| StoreError::Protocol(e.to_string()))?;
         match shard.get_mut(request.key) {
             Some(slot) => *slot = (config, state),

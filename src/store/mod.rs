@@ -24,18 +24,61 @@ pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
 
 /// One request to take tokens from a key's bucket.
 ///
-/// A plain take asks for `min == want == cost`. A lease asks for `want` tokens but accepts any
-/// amount from `min` up.
+/// The store grants the largest multiple of `step` that is at most `want` and at most the
+/// tokens there, if that is at least `min`; otherwise nothing. A plain take is
+/// [`AcquireRequest::take`] (`min == want == step == cost`); `n` coalesced takes of one cost are
+/// `min = step = cost, want = n × cost`; a lease accepts any amount from `min` to `want`
+/// ([`AcquireRequest::lease`], `step` one nanotoken).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AcquireRequest<'a> {
     /// The bucket's key; already validated (see [`crate::error::validate_key`]).
     pub key: &'a str,
     /// The bucket's shape under the key's plan. A row stored with another shape takes this one.
     pub bucket: BucketConfig,
-    /// Take nothing unless at least this many tokens are there. Never above the capacity.
+    /// Take nothing unless at least this many tokens are there. At most the capacity, and a
+    /// multiple of `step`.
     pub min: Tokens,
-    /// Take up to this many tokens. Treated as `min` when below it.
+    /// Take up to this many tokens.
     pub want: Tokens,
+    /// Grant in multiples of this amount (not zero).
+    pub step: Tokens,
+}
+
+impl<'a> AcquireRequest<'a> {
+    /// Take exactly `cost`, or nothing.
+    pub const fn take(key: &'a str, bucket: BucketConfig, cost: Tokens) -> Self {
+        AcquireRequest {
+            key,
+            bucket,
+            min: cost,
+            want: cost,
+            step: cost,
+        }
+    }
+
+    /// Take anything from `min` to `want`, to the nanotoken.
+    pub const fn lease(key: &'a str, bucket: BucketConfig, min: Tokens, want: Tokens) -> Self {
+        AcquireRequest {
+            key,
+            bucket,
+            min,
+            want,
+            step: Tokens::from_nanos(1),
+        }
+    }
+
+    /// What a bucket holding `available` tokens grants: the largest multiple of `step` up to
+    /// `want` and `available`, if at least `min`; else zero. The SQL statement computes the same.
+    pub fn grantable(&self, available: Tokens) -> Tokens {
+        let step = std::cmp::max(self.step.as_nanos(), 1);
+        let whole_steps = Tokens::from_nanos(available.as_nanos() / step * step);
+        let candidate = std::cmp::min(self.want, whole_steps);
+        if candidate >= self.min && !candidate.is_zero() {
+            candidate
+        } else {
+            Tokens::ZERO
+        }
+    }
 }
 
 /// What the store did with one [`AcquireRequest`].

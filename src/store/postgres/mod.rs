@@ -296,6 +296,7 @@ impl Store for PostgresStore {
         let rates = text(&|r| r.bucket.rate().per_second_amount());
         let mins = text(&|r| r.min);
         let wants = text(&|r| r.want);
+        let steps = text(&|r| r.step);
         let rows = self
             .query(
                 sql::ACQUIRE,
@@ -305,6 +306,7 @@ impl Store for PostgresStore {
                     (&rates, Type::TEXT_ARRAY),
                     (&mins, Type::TEXT_ARRAY),
                     (&wants, Type::TEXT_ARRAY),
+                    (&steps, Type::TEXT_ARRAY),
                 ],
             )
             .await?;

@@ -4,45 +4,41 @@
 -- $1 text[]  keys (distinct)
 -- $2 text[]  capacities   (decimal text, nine fraction digits)
 -- $3 text[]  refill rates (tokens per second, decimal text)
--- $4 text[]  min: take nothing unless this many tokens are there
+-- $4 text[]  min:  take nothing unless this many tokens can be granted
 -- $5 text[]  want: take up to this many
+-- $6 text[]  step: grant a multiple of this (the cost, for coalesced takes of one cost)
 --
 -- A new key is inserted as a full bucket less its grant. An existing key is refilled by the
--- database's now() (never rewinding updated_at), and the grant is taken if min tokens are there.
+-- database's now() (never rewinding updated_at), then granted what tokenlease_grantable allows.
 -- The row lock taken by ON CONFLICT DO UPDATE makes refill-and-take atomic; rows are inserted
 -- in key order so concurrent multi-key statements lock in the same order and cannot deadlock.
 -- last_granted carries the grant out through RETURNING, which sees only the new row.
 WITH req AS (
     SELECT *
     FROM unnest($1::text[], $2::text[]::numeric[], $3::text[]::numeric[],
-                $4::text[]::numeric[], $5::text[]::numeric[])
-        AS r(key, capacity, rate, min_take, want)
+                $4::text[]::numeric[], $5::text[]::numeric[], $6::text[]::numeric[])
+        AS r(key, capacity, rate, min_take, want, step)
 )
 INSERT INTO tokenlease_buckets AS b
     (key, tokens, capacity, refill_per_second, updated_at, last_granted)
 SELECT req.key, req.capacity - g.granted, req.capacity, req.rate, now(), g.granted
 FROM req
 CROSS JOIN LATERAL (
-    SELECT CASE WHEN req.capacity >= req.min_take
-                THEN least(greatest(req.want, req.min_take), req.capacity)
-                ELSE 0 END AS granted
+    SELECT tokenlease_grantable(req.capacity, req.min_take, req.want, req.step) AS granted
 ) AS g
 ORDER BY req.key
 ON CONFLICT (key) DO UPDATE SET
     (tokens, capacity, refill_per_second, updated_at, last_granted) = (
-        SELECT t.refilled - t.granted, req.capacity, req.rate, t.refilled_at, t.granted
+        SELECT f.refilled - g.granted, req.capacity, req.rate,
+               greatest(b.updated_at, now()), g.granted
         FROM req
         CROSS JOIN LATERAL (
             SELECT tokenlease_refill(b.tokens, req.capacity, req.rate, b.updated_at, now())
-                       AS refilled,
-                   greatest(b.updated_at, now()) AS refilled_at
+                       AS refilled
         ) AS f
         CROSS JOIN LATERAL (
-            SELECT f.refilled, f.refilled_at,
-                   CASE WHEN f.refilled >= req.min_take
-                        THEN least(greatest(req.want, req.min_take), f.refilled)
-                        ELSE 0 END AS granted
-        ) AS t
+            SELECT tokenlease_grantable(f.refilled, req.min_take, req.want, req.step) AS granted
+        ) AS g
         WHERE req.key = b.key
     )
 RETURNING b.key, b.tokens::text, b.last_granted::text, b.updated_at, now()
