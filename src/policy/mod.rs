@@ -1,1 +1,75 @@
-//! Policy file.
+//! The policy file: named plans (bucket shapes), key prefix rules and HTTP routes, read from
+//! JSON and checked into [`Policies`].
+//!
+//! The full reference of every field, its default and the errors is in `docs/policy.md`; this
+//! is the short version.
+//!
+//! # Parameters
+//!
+//! - **capacity**: the most tokens a bucket holds, so the largest burst. A whole number ≥ 1.
+//! - **refill**: how fast tokens come back, either `refill_per_second` (a number, up to 10⁹,
+//!   exact to 10⁻⁹) or `refill: { "tokens": N, "period_ms": P }` (N tokens every P ms, as in
+//!   "150 per minute"). Exactly one of the two.
+//! - **lease**: absent means direct mode, one SQL statement per call. Present (even `{}`) means
+//!   leased mode: each process reserves batches of at most `max_fraction × capacity` tokens for
+//!   at most `ttl_ms`, and spends them from memory. See [`LeaseSettings`].
+//! - **fallback**: what decides while the database is slow or down: `allow`, `deny`, or a
+//!   `local` bucket sized for `instances` processes. See [`FallbackMode`].
+//!
+//! # Example
+//!
+//! ```
+//! use tokenlease::policy::{EntitySource, Policies};
+//!
+//! let json = r#"{
+//!   "plans": {
+//!     "per-route":   { "capacity": 100, "refill_per_second": 50, "lease": {} },
+//!     "per-booking": { "capacity": 150, "refill": { "tokens": 150, "period_ms": 60000 } }
+//!   },
+//!   "default_plan": "per-route",
+//!   "keys": [ { "prefix": "ratelimit:entity:", "plan": "per-booking" } ],
+//!   "routes": [ { "method": "GET", "path": "/bookings/{bookingId}", "global": "per-route",
+//!                 "entity": { "path_param": "bookingId", "type": "booking",
+//!                             "plan": "per-booking" } } ]
+//! }"#;
+//! let policies = Policies::from_json_str(json, None)?;
+//! assert_eq!(policies.summary(), "<policy>: 2 plans, 1 route, 1 key rule");
+//! let plan = policies.plan_for_key("ratelimit:entity:GET:/bookings/{bookingId}:123").unwrap();
+//! assert_eq!(plan.name(), "per-booking");
+//! assert_eq!(plan.rate().as_f64(), 2.5);
+//! let route = &policies.routes()[0];
+//! assert_eq!(route.endpoint(), "GET:/bookings/{bookingId}");
+//! assert_eq!(route.entity.as_ref().unwrap().source, EntitySource::PathParam("bookingId".into()));
+//! # Ok::<(), tokenlease::policy::PolicyError>(())
+//! ```
+//!
+//! # Errors
+//!
+//! A file is refused with one [`PolicyError`] naming the file, the field (a JSON path such as
+//! `plans.standard.capacity`) and, for syntax and type errors, the line and column:
+//!
+//! ```text
+//! policy.json:3:17: plans.standard.capacity: invalid type: string "100", expected u64
+//! policy.json: plans.standard.capacity: must be a whole number of tokens ≥ 1, got 0
+//! ```
+//!
+//! Unknown fields are errors, not ignored settings, and so is a plan name defined twice (which
+//! serde_json would otherwise resolve silently by keeping the last one).
+//!
+//! # Layout
+//!
+//! - `types.rs`: the validated [`Plan`], [`LeaseSettings`], [`FallbackSettings`], [`Route`].
+//! - `raw.rs`: the file as written (serde types).
+//! - `load.rs`: [`Policies`], parsing and the checks.
+//! - `error.rs`: [`PolicyError`].
+
+mod error;
+mod load;
+mod raw;
+mod types;
+
+pub use error::PolicyError;
+pub use load::Policies;
+pub use types::{
+    EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings, Plan, Route,
+};

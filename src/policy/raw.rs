@@ -1,0 +1,234 @@
+//! The policy file exactly as written: serde types with no checks beyond JSON types.
+//!
+//! [`load`](super::load) turns these into the validated types. Every struct denies unknown
+//! fields so a typo is an error, not a silently ignored setting.
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use serde::Deserialize;
+use serde::de::value::MapAccessDeserializer;
+use serde::de::{MapAccess, Visitor};
+
+/// A raw type read from a JSON object, with a name for error messages.
+pub(super) trait Object {
+    /// What the object is, as in "expected {WHAT}".
+    const WHAT: &'static str;
+}
+
+/// A `T` that must be written as a JSON object.
+///
+/// serde's derived structs also accept a JSON array of the field values in order
+/// (`[10, 5]` for a plan); this wrapper refuses that, so only the documented form is read.
+#[derive(Debug)]
+pub(super) struct Obj<T>(pub(super) T);
+
+impl<'de, T: Deserialize<'de> + Object> Deserialize<'de> for Obj<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ObjVisitor<T>(PhantomData<T>);
+
+        impl<'de, T: Deserialize<'de> + Object> Visitor<'de> for ObjVisitor<T> {
+            type Value = Obj<T>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(T::WHAT)
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Obj<T>, A::Error> {
+                T::deserialize(MapAccessDeserializer::new(map)).map(Obj)
+            }
+        }
+
+        deserializer.deserialize_map(ObjVisitor(PhantomData))
+    }
+}
+
+macro_rules! object {
+    ($($ty:ty => $what:literal,)*) => {
+        $(impl Object for $ty {
+            const WHAT: &'static str = $what;
+        })*
+    };
+}
+
+object! {
+    RawPolicies => "a policy object",
+    RawPlan => "a plan object",
+    RawRefill => "a refill object",
+    RawLease => "a lease object",
+    RawFallback => "a fallback object",
+    RawKeyRule => "a key rule object",
+    RawRoute => "a route object",
+    RawEntity => "an entity object",
+}
+
+/// The whole file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPolicies {
+    pub(super) plans: RawPlans,
+    #[serde(default)]
+    pub(super) default_plan: Option<String>,
+    #[serde(default)]
+    pub(super) keys: Vec<Obj<RawKeyRule>>,
+    #[serde(default)]
+    pub(super) routes: Vec<Obj<RawRoute>>,
+}
+
+/// The `plans` object, in document order, remembering names that appear more than once
+/// (serde_json would otherwise keep the last one silently).
+#[derive(Debug, Default)]
+pub(super) struct RawPlans {
+    pub(super) plans: Vec<(String, RawPlan)>,
+    pub(super) duplicates: Vec<String>,
+}
+
+impl<'de> Deserialize<'de> for RawPlans {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct PlansVisitor;
+
+        impl<'de> Visitor<'de> for PlansVisitor {
+            type Value = RawPlans;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an object of plans by name")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawPlans, A::Error> {
+                let mut out = RawPlans::default();
+                while let Some(name) = map.next_key::<String>()? {
+                    let Obj(plan) = map.next_value::<Obj<RawPlan>>()?;
+                    if out.plans.iter().any(|(seen, _)| *seen == name) {
+                        if !out.duplicates.contains(&name) {
+                            out.duplicates.push(name);
+                        }
+                    } else {
+                        out.plans.push((name, plan));
+                    }
+                }
+                Ok(out)
+            }
+        }
+
+        deserializer.deserialize_map(PlansVisitor)
+    }
+}
+
+/// One plan.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPlan {
+    pub(super) capacity: u64,
+    #[serde(default)]
+    pub(super) refill_per_second: Option<f64>,
+    #[serde(default)]
+    pub(super) refill: Option<Obj<RawRefill>>,
+    #[serde(default)]
+    pub(super) lease: Option<Obj<RawLease>>,
+    #[serde(default)]
+    pub(super) fallback: Option<Obj<RawFallback>>,
+}
+
+/// `refill: { tokens, period_ms }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRefill {
+    pub(super) tokens: u64,
+    pub(super) period_ms: u64,
+}
+
+/// `lease: { ... }`; every field has a default.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLease {
+    #[serde(default)]
+    pub(super) ttl_ms: Option<u64>,
+    #[serde(default)]
+    pub(super) max_fraction: Option<f64>,
+    #[serde(default)]
+    pub(super) low_water: Option<f64>,
+    #[serde(default)]
+    pub(super) refresh_ms: Option<u64>,
+    #[serde(default)]
+    pub(super) max_wait_ms: Option<u64>,
+}
+
+/// `fallback: { mode, instances }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawFallback {
+    pub(super) mode: RawFallbackMode,
+    #[serde(default)]
+    pub(super) instances: Option<u32>,
+}
+
+/// `fallback.mode`: a string, `"allow"`, `"deny"` or `"local"`.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum RawFallbackMode {
+    Allow,
+    Deny,
+    Local,
+}
+
+impl<'de> Deserialize<'de> for RawFallbackMode {
+    // Hand-written because derived enums also accept `{"local": null}`.
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        const MODES: &[&str] = &["allow", "deny", "local"];
+
+        struct ModeVisitor;
+
+        impl Visitor<'_> for ModeVisitor {
+            type Value = RawFallbackMode;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("one of \"allow\", \"deny\", \"local\"")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, mode: &str) -> Result<RawFallbackMode, E> {
+                match mode {
+                    "allow" => Ok(RawFallbackMode::Allow),
+                    "deny" => Ok(RawFallbackMode::Deny),
+                    "local" => Ok(RawFallbackMode::Local),
+                    other => Err(E::unknown_variant(other, MODES)),
+                }
+            }
+        }
+
+        deserializer.deserialize_str(ModeVisitor)
+    }
+}
+
+/// One entry of `keys`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawKeyRule {
+    pub(super) prefix: String,
+    pub(super) plan: String,
+}
+
+/// One entry of `routes`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRoute {
+    pub(super) method: String,
+    pub(super) path: String,
+    #[serde(default)]
+    pub(super) global: Option<String>,
+    #[serde(default)]
+    pub(super) entity: Option<Obj<RawEntity>>,
+}
+
+/// `routes[i].entity`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEntity {
+    #[serde(default)]
+    pub(super) path_param: Option<String>,
+    #[serde(default)]
+    pub(super) header: Option<String>,
+    #[serde(default)]
+    pub(super) client_ip: Option<bool>,
+    #[serde(default, rename = "type")]
+    pub(super) entity_type: Option<String>,
+    pub(super) plan: String,
+}

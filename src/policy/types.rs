@@ -1,0 +1,216 @@
+//! The validated policy types: plans, lease and fallback settings, routes and key rules.
+//!
+//! Everything here is built by [`Policies`](super::Policies) from a checked file, or by hand
+//! with [`Plan::new`] for tests and embedders. See the [module docs](super) for the file format.
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use crate::bucket::{BucketConfig, Rate, Tokens};
+
+/// One named bucket shape with its lease and fallback settings.
+///
+/// A plan says how big a bucket is ([`capacity`](Plan::capacity)), how fast it refills
+/// ([`rate`](Plan::rate)), whether callers hold in-process leases on it
+/// ([`lease`](Plan::lease), `None` = direct mode, one SQL statement per call) and what decides
+/// while the database cannot ([`fallback`](Plan::fallback)). Plans are shared as `Arc<Plan>` by
+/// [`Policies`](super::Policies).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// The plan's name, unique within one policy file.
+    name: String,
+    /// Capacity and refill rate.
+    bucket: BucketConfig,
+    /// Lease settings; `None` for direct mode.
+    lease: Option<LeaseSettings>,
+    /// What decides while the store is slow or down.
+    fallback: FallbackSettings,
+}
+
+/// # Construction
+impl Plan {
+    /// A direct-mode plan (no lease) with the default fallback, a local bucket for one instance.
+    ///
+    /// The name is not checked here; names read from a policy file are (see the
+    /// [module docs](super)).
+    pub fn new(name: impl Into<String>, bucket: BucketConfig) -> Plan {
+        Plan {
+            name: name.into(),
+            bucket,
+            lease: None,
+            fallback: FallbackSettings::default(),
+        }
+    }
+
+    /// The same plan in leased mode with `lease`.
+    pub fn with_lease(mut self, lease: LeaseSettings) -> Plan {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// The same plan with `fallback`.
+    pub fn with_fallback(mut self, fallback: FallbackSettings) -> Plan {
+        self.fallback = fallback;
+        self
+    }
+}
+
+/// # Accessors
+impl Plan {
+    /// The plan's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The bucket's capacity and refill rate.
+    pub fn bucket(&self) -> &BucketConfig {
+        &self.bucket
+    }
+
+    /// The most tokens the bucket holds (the largest burst).
+    pub fn capacity(&self) -> Tokens {
+        self.bucket.capacity()
+    }
+
+    /// How fast the bucket refills.
+    pub fn rate(&self) -> Rate {
+        self.bucket.rate()
+    }
+
+    /// Lease settings, or `None` when the plan runs in direct mode.
+    pub fn lease(&self) -> Option<&LeaseSettings> {
+        self.lease.as_ref()
+    }
+
+    /// What decides while the store is slow or down.
+    pub fn fallback(&self) -> &FallbackSettings {
+        &self.fallback
+    }
+}
+
+/// How a process holds tokens of a leased plan in memory.
+///
+/// A lease is a batch of tokens reserved from the shared bucket and spent locally. It lives for
+/// at most [`ttl`](Self::ttl); unspent tokens go back when it expires. The actor refills it in
+/// the background once it falls below [`low_water`](Self::low_water) of its size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LeaseSettings {
+    /// How long a lease lives before its unspent tokens go back. Defaults to 1 s. File field
+    /// `ttl_ms`, at least 1.
+    pub ttl: Duration,
+    /// The largest lease as a fraction of the plan's capacity, in (0, 1]. Defaults to 0.1.
+    /// Together with `ttl` this bounds the overshoot: see `DESIGN.md`.
+    pub max_fraction: f64,
+    /// Refill the lease when what is left falls below this fraction of its size, in (0, 1].
+    /// Defaults to 0.5.
+    pub low_water: f64,
+    /// How often the actor looks at its leases (refills, expiries). Defaults to 100 ms. File
+    /// field `refresh_ms`, at least 1 and at most `ttl_ms`.
+    pub refresh: Duration,
+    /// The longest a caller waits for an in-flight refill when its lease is empty; then the
+    /// fallback decides. Defaults to 50 ms. File field `max_wait_ms`, may be 0 (never wait).
+    pub max_wait: Duration,
+}
+
+impl Default for LeaseSettings {
+    fn default() -> Self {
+        LeaseSettings {
+            ttl: Duration::from_secs(1),
+            max_fraction: 0.1,
+            low_water: 0.5,
+            refresh: Duration::from_millis(100),
+            max_wait: Duration::from_millis(50),
+        }
+    }
+}
+
+/// What decides while the store is slow, failing or behind an open circuit breaker.
+///
+/// Defaults to [`FallbackMode::Local`] with one instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FallbackSettings {
+    /// The fallback decision.
+    pub mode: FallbackMode,
+}
+
+/// The decision made in place of the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FallbackMode {
+    /// Admit every request (fail open).
+    Allow,
+    /// Deny every request (fail closed).
+    Deny,
+    /// Decide with an in-process bucket holding `1 / instances` of the plan's capacity and
+    /// rate, so that `instances` processes together stay near the shared limit.
+    Local {
+        /// How many processes share the plan; each takes its share of the limit.
+        instances: NonZeroU32,
+    },
+}
+
+impl Default for FallbackMode {
+    fn default() -> Self {
+        FallbackMode::Local {
+            instances: NonZeroU32::MIN,
+        }
+    }
+}
+
+/// One protected HTTP endpoint: its global bucket and its entity bucket.
+///
+/// The endpoint key is `METHOD:path` with the route pattern, not the request path
+/// ([`Route::endpoint`]), so `/bookings/1` and `/bookings/2` share the global bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// The HTTP method, upper-case (`GET`, `POST`, ...).
+    pub method: String,
+    /// The route pattern as axum writes it, e.g. `/bookings/{bookingId}`.
+    pub path: String,
+    /// The plan of the endpoint's one global bucket, if it has one.
+    pub global: Option<String>,
+    /// The per-entity bucket, if the endpoint has one.
+    pub entity: Option<EntityRule>,
+}
+
+impl Route {
+    /// The endpoint key, `METHOD:path` (for example `GET:/bookings/{bookingId}`).
+    pub fn endpoint(&self) -> String {
+        format!("{}:{}", self.method, self.path)
+    }
+}
+
+/// Where a route finds the entity (booking, customer, vendor, ...) a request is about, and the
+/// plan of each entity's bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntityRule {
+    /// Where the entity id comes from.
+    pub source: EntitySource,
+    /// What kind of entity this is, for metrics and logs (`"booking"`); free text.
+    pub entity_type: Option<String>,
+    /// The plan of each entity's bucket.
+    pub plan: String,
+}
+
+/// Where the entity id of a request comes from. A request without one skips the entity check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EntitySource {
+    /// A path parameter of the route, named as in the pattern (`bookingId` for
+    /// `/bookings/{bookingId}`).
+    PathParam(String),
+    /// A request header, by its lower-case name.
+    Header(String),
+    /// The client's IP address as the server sees it (the peer address).
+    ///
+    /// Behind a reverse proxy or load balancer this is the proxy's address, so every client
+    /// shares one bucket. Use [`EntitySource::Header`] with the header your proxy sets instead.
+    ClientIp,
+}
+
+/// A key prefix rule: keys starting with `prefix` use `plan`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyRule {
+    /// The key prefix, non-empty.
+    pub prefix: String,
+    /// The plan for matching keys.
+    pub plan: String,
+}
