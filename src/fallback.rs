@@ -28,6 +28,7 @@ impl Fallback {
             retry_after,
             reset_after: Duration::ZERO,
             decided_by: DecidedBy::Fallback(plan.fallback().mode),
+            store_time: None,
         };
         match plan.fallback().mode {
             FallbackMode::Allow => decision(true, limit, Duration::ZERO),
@@ -38,7 +39,11 @@ impl Fallback {
                 if cost > share.capacity() {
                     return decision(false, Tokens::ZERO, Duration::from_secs(1));
                 }
-                match self.local.acquire(AcquireRequest::take(key, share, cost)).await {
+                match self
+                    .local
+                    .acquire(AcquireRequest::take(key, share, cost))
+                    .await
+                {
                     Ok(a) => Decision {
                         reset_after: a.reset_after,
                         ..decision(!a.granted.is_zero(), a.remaining, a.retry_after)

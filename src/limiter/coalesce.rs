@@ -189,9 +189,8 @@ fn take_batch(queue: &mut Vec<Waiter>, capacity: Tokens) -> Vec<Waiter> {
 fn share_out(batch: Vec<Waiter>, acquired: &Acquired, bucket: &BucketConfig) {
     let cost = batch[0].cost.as_nanos().max(1);
     let admitted = (acquired.granted.as_nanos() / cost) as usize;
-    let denied_retry = nanos(
-        bucket.time_to_refill(Tokens::from_nanos(cost).saturating_sub(acquired.remaining)),
-    );
+    let denied_retry =
+        nanos(bucket.time_to_refill(Tokens::from_nanos(cost).saturating_sub(acquired.remaining)));
     for (i, waiter) in batch.into_iter().enumerate() {
         let reply = if i < admitted {
             // What this caller would have seen had the takes after it not happened yet.

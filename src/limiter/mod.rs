@@ -5,7 +5,7 @@
 //! decides, and the [`Decision`] says so.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use crate::bucket::Tokens;
 use crate::error::{Error, validate_key};
@@ -43,6 +43,9 @@ pub struct Decision {
     pub reset_after: Duration,
     /// Who decided.
     pub decided_by: DecidedBy,
+    /// The store's clock when it decided (PostgreSQL's `now()`); `None` when the store did not
+    /// decide.
+    pub store_time: Option<SystemTime>,
 }
 
 impl Decision {
@@ -54,6 +57,7 @@ impl Decision {
             retry_after: acquired.retry_after,
             reset_after: acquired.reset_after,
             decided_by: DecidedBy::Store,
+            store_time: Some(acquired.store_now),
         }
     }
 }

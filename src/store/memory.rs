@@ -138,4 +138,3 @@ impl Store for MemoryStore {
         }))
     }
 }
-

@@ -1,1 +1,472 @@
-//! Migrations.
+//! Migrations: the SQL files in `migrations/`, embedded in the library and applied by
+//! [`migrate`].
+//!
+//! Each file `migrations/<VERSION>_<DESCRIPTION>.sql` is one [`Migration`] in [`MIGRATIONS`].
+//! Applied versions are recorded in `tokenlease_migrations(version, description, checksum,
+//! applied_at)`, so a second run applies nothing and a file edited after it was applied is an
+//! error ([`MigrateError::ChecksumMismatch`]) rather than a silent drift.
+//!
+//! # Concurrency and connection poolers
+//!
+//! Any number of processes may run [`migrate`] at once: each migration runs in its own
+//! transaction that first takes `pg_advisory_xact_lock(`[`MIGRATION_LOCK_ID`]`)`, then checks
+//! again whether the version is already recorded. A transaction-level advisory lock is released
+//! by the commit or rollback, so it also works behind PgBouncer in transaction pooling mode,
+//! where a session-level lock could stay behind on a server connection another client gets next.
+//! Only the simple query protocol and unnamed statements (`batch_execute`, `query_typed`) are
+//! used: no named prepared statements, which PgBouncer's transaction mode breaks.
+//!
+//! # Writing a migration
+//!
+//! Add `migrations/<next version, 4 digits>_<description>.sql`, open it with a comment saying
+//! why, and add it to [`MIGRATIONS`] (a unit test checks that the list and the directory agree).
+//! The whole file runs as one transaction, so statements that refuse to run inside a transaction
+//! (`CREATE INDEX CONCURRENTLY`, `ALTER TYPE … ADD VALUE` on older servers) cannot be used.
+//! Never edit a file that has been released: add a new one.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+use tokio_postgres::types::Type;
+
+/// The key of the transaction-level advisory lock that serialises migrators: the ASCII bytes
+/// of `"tokenlea"` as a big-endian `i64`.
+pub const MIGRATION_LOCK_ID: i64 = 0x746f_6b65_6e6c_6561;
+
+/// The table recording applied migrations.
+pub const MIGRATIONS_TABLE: &str = "tokenlease_migrations";
+
+/// One migration: a SQL file from `migrations/`, embedded at compile time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Migration {
+    /// The number before the first `_` in the file name; strictly increasing along the list.
+    pub version: i64,
+    /// The rest of the file name without `.sql`, e.g. `create_buckets`.
+    pub description: &'static str,
+    /// The file's contents, run as one transaction.
+    pub sql: &'static str,
+}
+
+impl Migration {
+    /// SHA-256 of the SQL, lower-case hex. Line endings are normalised to `\n` first, so a
+    /// checkout that converted them (Git on Windows) does not count as an edit.
+    pub fn checksum(&self) -> String {
+        let normalised = self.sql.replace("\r\n", "\n");
+        Sha256::digest(normalised.as_bytes())
+            .iter()
+            .fold(String::with_capacity(64), |mut hex, byte| {
+                use fmt::Write;
+                let _ = write!(hex, "{byte:02x}");
+                hex
+            })
+    }
+}
+
+impl fmt::Display for Migration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:04}_{}", self.version, self.description)
+    }
+}
+
+/// Every migration of this version of the library, oldest first.
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    description: "create_buckets",
+    sql: include_str!("../../../migrations/0001_create_buckets.sql"),
+}];
+
+/// What [`migrate`] found and did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MigrationReport {
+    /// Migrations this call applied, in order.
+    pub applied: Vec<Migration>,
+    /// Migrations that were already applied (by an earlier run or a concurrent migrator), with
+    /// matching checksums.
+    pub already_present: Vec<Migration>,
+    /// Versions recorded in the database that this library does not know: applied by a newer
+    /// version of it. Not an error, so an older instance keeps working during a rolling deploy.
+    pub unknown_versions: Vec<i64>,
+}
+
+impl MigrationReport {
+    /// Whether this call changed nothing.
+    pub fn is_noop(&self) -> bool {
+        self.applied.is_empty()
+    }
+}
+
+impl fmt::Display for MigrationReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.applied.is_empty() {
+            write!(
+                f,
+                "no migrations applied; {} already present",
+                self.already_present.len()
+            )?;
+        } else {
+            let names: Vec<String> = self.applied.iter().map(ToString::to_string).collect();
+            write!(
+                f,
+                "applied {} migration(s): {}; {} already present",
+                self.applied.len(),
+                names.join(", "),
+                self.already_present.len()
+            )?;
+        }
+        if !self.unknown_versions.is_empty() {
+            write!(
+                f,
+                "; the database also has versions {:?}, unknown to this build (newer)",
+                self.unknown_versions
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Why [`migrate`] failed. Messages include the server's own error text.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MigrateError {
+    /// A migration was applied with different SQL than this build embeds: its file was edited
+    /// after it was released.
+    #[error(
+        "migration {version} ({description}) was applied with checksum {applied}, but this build \
+         has checksum {expected}: the file was changed after it was applied; restore it and put \
+         the change in a new migration"
+    )]
+    ChecksumMismatch {
+        /// The version whose checksums differ.
+        version: i64,
+        /// Its description.
+        description: &'static str,
+        /// The checksum recorded in the database.
+        applied: String,
+        /// The checksum of the embedded SQL.
+        expected: String,
+    },
+    /// A migration's SQL failed; its transaction was rolled back.
+    #[error("migration {version} ({description}) failed and was rolled back: {detail}")]
+    Apply {
+        /// The failing version.
+        version: i64,
+        /// Its description.
+        description: &'static str,
+        /// The server's error, with SQLSTATE.
+        detail: String,
+        /// The underlying error, for [`tokio_postgres::Error::code`].
+        error: tokio_postgres::Error,
+    },
+    /// Reading or writing the bookkeeping (`tokenlease_migrations`, the advisory lock, the
+    /// transaction itself) failed, e.g. the connection broke.
+    #[error("could not {step}: {detail}")]
+    Database {
+        /// What was being done.
+        step: &'static str,
+        /// The server's error, with SQLSTATE.
+        detail: String,
+        /// The underlying error.
+        error: tokio_postgres::Error,
+    },
+    /// The migration list itself is malformed (versions not strictly increasing, or ≤ 0).
+    #[error("invalid migration list: {0}")]
+    InvalidList(String),
+}
+
+impl MigrateError {
+    /// The underlying PostgreSQL error, when there is one.
+    pub fn db_error(&self) -> Option<&tokio_postgres::Error> {
+        match self {
+            MigrateError::Apply { error, .. } | MigrateError::Database { error, .. } => Some(error),
+            _ => None,
+        }
+    }
+
+    fn database(step: &'static str) -> impl FnOnce(tokio_postgres::Error) -> MigrateError {
+        move |error| MigrateError::Database {
+            step,
+            detail: describe(&error),
+            error,
+        }
+    }
+}
+
+fn describe(error: &tokio_postgres::Error) -> String {
+    match (error.as_db_error(), std::error::Error::source(error)) {
+        (Some(db), _) => format!("{db} (SQLSTATE {})", db.code().code()),
+        (None, Some(source)) => format!("{error}: {source}"),
+        (None, None) => error.to_string(),
+    }
+}
+
+// language=SQL
+const BOOTSTRAP: &str = "
+SELECT pg_advisory_xact_lock(8390042714202989921);
+CREATE TABLE IF NOT EXISTS tokenlease_migrations (
+    version     bigint      PRIMARY KEY,
+    description text        NOT NULL,
+    checksum    text        NOT NULL,
+    applied_at  timestamptz NOT NULL DEFAULT now()
+);";
+
+// language=SQL
+const LOCK: &str = "SELECT pg_advisory_xact_lock(8390042714202989921)";
+
+// language=SQL
+const SELECT_APPLIED: &str = "SELECT version, checksum FROM tokenlease_migrations ORDER BY version";
+
+// language=SQL
+const SELECT_ONE: &str = "SELECT checksum FROM tokenlease_migrations WHERE version = $1";
+
+// language=SQL
+const RECORD: &str =
+    "INSERT INTO tokenlease_migrations (version, description, checksum) VALUES ($1, $2, $3)";
+
+/// Applies the pending [`MIGRATIONS`]; see the [module docs](self).
+///
+/// Safe to run from many processes at once and idempotent: a second run applies nothing and
+/// reports every migration as already present.
+///
+/// # Errors
+///
+/// [`MigrateError::ChecksumMismatch`] naming the version when an applied migration's SQL
+/// changed; [`MigrateError::Apply`] when a migration fails (it is rolled back, the ones before
+/// it stay applied); [`MigrateError::Database`] when the connection or the bookkeeping fails.
+///
+/// # Cancel safety
+///
+/// Dropping the future mid-way leaves each migration either applied and recorded, or not at
+/// all (one transaction each), but may leave the client inside a transaction that its
+/// `Transaction` guard is rolling back; use a fresh connection after cancelling.
+pub async fn migrate(
+    client: &mut tokio_postgres::Client,
+) -> Result<MigrationReport, MigrateError> {
+    migrate_with(client, MIGRATIONS).await
+}
+
+/// [`migrate`] with a list other than [`MIGRATIONS`], for tests of the migrator itself.
+///
+/// # Errors
+///
+/// As [`migrate`], plus [`MigrateError::InvalidList`] when the versions are not positive and
+/// strictly increasing.
+pub async fn migrate_with(
+    client: &mut tokio_postgres::Client,
+    migrations: &[Migration],
+) -> Result<MigrationReport, MigrateError> {
+    validate(migrations)?;
+
+    let tx = client
+        .transaction()
+        .await
+        .map_err(MigrateError::database("begin the bookkeeping transaction"))?;
+    tx.batch_execute(BOOTSTRAP)
+        .await
+        .map_err(MigrateError::database("create the tokenlease_migrations table"))?;
+    tx.commit()
+        .await
+        .map_err(MigrateError::database("commit the bookkeeping transaction"))?;
+
+    let rows = client
+        .query_typed(SELECT_APPLIED, &[])
+        .await
+        .map_err(MigrateError::database("read tokenlease_migrations"))?;
+    let mut applied_before = Vec::with_capacity(rows.len());
+    for row in rows {
+        let version: i64 = row
+            .try_get(0)
+            .map_err(MigrateError::database("read tokenlease_migrations.version"))?;
+        let checksum: String = row
+            .try_get(1)
+            .map_err(MigrateError::database("read tokenlease_migrations.checksum"))?;
+        applied_before.push((version, checksum));
+    }
+
+    let mut report = MigrationReport {
+        unknown_versions: applied_before
+            .iter()
+            .map(|(v, _)| *v)
+            .filter(|v| !migrations.iter().any(|m| m.version == *v))
+            .collect(),
+        ..MigrationReport::default()
+    };
+
+    for migration in migrations {
+        let expected = migration.checksum();
+        if let Some((_, applied)) = applied_before.iter().find(|(v, _)| *v == migration.version) {
+            check_checksum(migration, applied, &expected)?;
+            report.already_present.push(*migration);
+            continue;
+        }
+        if apply_one(client, migration, &expected).await? {
+            report.applied.push(*migration);
+        } else {
+            report.already_present.push(*migration);
+        }
+    }
+    Ok(report)
+}
+
+/// Applies one migration under the lock; `false` when a concurrent migrator already had.
+async fn apply_one(
+    client: &mut tokio_postgres::Client,
+    migration: &Migration,
+    expected: &str,
+) -> Result<bool, MigrateError> {
+    let tx = client
+        .transaction()
+        .await
+        .map_err(MigrateError::database("begin a migration transaction"))?;
+    tx.batch_execute(LOCK)
+        .await
+        .map_err(MigrateError::database("take the migration advisory lock"))?;
+    let existing = tx
+        .query_typed(SELECT_ONE, &[(&migration.version, Type::INT8)])
+        .await
+        .map_err(MigrateError::database("read tokenlease_migrations"))?;
+    if let Some(row) = existing.first() {
+        let applied: String = row
+            .try_get(0)
+            .map_err(MigrateError::database("read tokenlease_migrations.checksum"))?;
+        check_checksum(migration, &applied, expected)?;
+        return Ok(false); // the transaction rolls back on drop; it changed nothing
+    }
+    tx.batch_execute(migration.sql)
+        .await
+        .map_err(|error| MigrateError::Apply {
+            version: migration.version,
+            description: migration.description,
+            detail: describe(&error),
+            error,
+        })?;
+    tx.execute_typed(
+        RECORD,
+        &[
+            (&migration.version, Type::INT8),
+            (&migration.description, Type::TEXT),
+            (&expected, Type::TEXT),
+        ],
+    )
+    .await
+    .map_err(MigrateError::database("record the migration in tokenlease_migrations"))?;
+    tx.commit()
+        .await
+        .map_err(MigrateError::database("commit a migration"))?;
+    Ok(true)
+}
+
+fn check_checksum(migration: &Migration, applied: &str, expected: &str) -> Result<(), MigrateError> {
+    if applied == expected {
+        Ok(())
+    } else {
+        Err(MigrateError::ChecksumMismatch {
+            version: migration.version,
+            description: migration.description,
+            applied: applied.to_string(),
+            expected: expected.to_string(),
+        })
+    }
+}
+
+fn validate(migrations: &[Migration]) -> Result<(), MigrateError> {
+    let mut previous = 0;
+    for m in migrations {
+        if m.version <= previous {
+            return Err(MigrateError::InvalidList(format!(
+                "version {} ({}) must be positive and greater than the one before it ({previous})",
+                m.version, m.description
+            )));
+        }
+        previous = m.version;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_id_is_tokenlea_and_matches_the_sql() {
+        assert_eq!(MIGRATION_LOCK_ID.to_be_bytes(), *b"tokenlea");
+        let literal = MIGRATION_LOCK_ID.to_string();
+        assert!(BOOTSTRAP.contains(&format!("pg_advisory_xact_lock({literal})")));
+        assert!(LOCK.contains(&format!("pg_advisory_xact_lock({literal})")));
+    }
+
+    /// The const list and `migrations/` must agree: same files, versions, descriptions, SQL.
+    #[test]
+    fn list_matches_the_migrations_directory() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+        let mut files: Vec<(i64, String, String)> = std::fs::read_dir(&dir)
+            .expect("migrations/ exists")
+            .map(|e| e.expect("readable entry").path())
+            .filter(|p| p.extension().is_some_and(|e| e == "sql"))
+            .map(|p| {
+                let stem = p.file_stem().unwrap().to_string_lossy().into_owned();
+                let (version, description) = stem
+                    .split_once('_')
+                    .unwrap_or_else(|| panic!("{stem}.sql is not <VERSION>_<DESCRIPTION>.sql"));
+                let version: i64 = version
+                    .parse()
+                    .unwrap_or_else(|_| panic!("{stem}.sql: version {version:?} is not a number"));
+                let sql = std::fs::read_to_string(&p).unwrap();
+                (version, description.to_string(), sql)
+            })
+            .collect();
+        files.sort();
+        let listed: Vec<(i64, String, String)> = MIGRATIONS
+            .iter()
+            .map(|m| (m.version, m.description.to_string(), m.sql.to_string()))
+            .collect();
+        assert_eq!(
+            listed.iter().map(|(v, d, _)| (*v, d.clone())).collect::<Vec<_>>(),
+            files.iter().map(|(v, d, _)| (*v, d.clone())).collect::<Vec<_>>(),
+            "MIGRATIONS must list exactly the files in migrations/"
+        );
+        assert_eq!(listed, files, "embedded SQL differs from the file");
+        validate(MIGRATIONS).expect("versions strictly increasing");
+    }
+
+    #[test]
+    fn checksum_is_sha256_hex_and_ignores_crlf() {
+        let m = Migration {
+            version: 1,
+            description: "x",
+            sql: "abc",
+        };
+        assert_eq!(
+            m.checksum(),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        let lf = Migration { sql: "a;\nb;\n", ..m };
+        let crlf = Migration { sql: "a;\r\nb;\r\n", ..m };
+        assert_eq!(lf.checksum(), crlf.checksum());
+    }
+
+    #[test]
+    fn invalid_lists_are_rejected() {
+        let a = Migration {
+            version: 2,
+            description: "a",
+            sql: "",
+        };
+        let b = Migration { version: 2, ..a };
+        assert!(matches!(validate(&[a, b]), Err(MigrateError::InvalidList(_))));
+        let zero = Migration { version: 0, ..a };
+        assert!(matches!(validate(&[zero]), Err(MigrateError::InvalidList(_))));
+    }
+
+    #[test]
+    fn report_says_what_happened() {
+        let mut report = MigrationReport {
+            already_present: MIGRATIONS.to_vec(),
+            ..MigrationReport::default()
+        };
+        assert!(report.is_noop());
+        assert!(report.to_string().starts_with("no migrations applied"));
+        report.applied = report.already_present.drain(..).collect();
+        assert!(report.to_string().contains("0001_create_buckets"));
+    }
+}

@@ -168,9 +168,15 @@ impl PostgresStoreBuilder {
             pool_wait_timeout: self.pool_wait_timeout,
         };
         let setup = async {
-            let mut conn = store.pool.get().await.map_err(pool_error(store.pool_wait_timeout))?;
+            let mut conn = store
+                .pool
+                .get()
+                .await
+                .map_err(pool_error(store.pool_wait_timeout))?;
             if self.migrate {
-                run_migrations(&mut conn).await?;
+                migrate::migrate(&mut conn)
+                    .await
+                    .map_err(|e| StoreError::Protocol(format!("migration failed: {e}")))?;
             }
             Ok::<_, StoreError>(())
         };
@@ -186,12 +192,6 @@ impl PostgresStoreBuilder {
         }
         Ok(store)
     }
-}
-
-/// Applies pending migrations on one connection.
-async fn run_migrations(_client: &mut tokio_postgres::Client) -> Result<(), StoreError> {
-    // Wired to `migrate::migrate` once that lands.
-    Ok(())
 }
 
 fn pool_error(after: Duration) -> impl Fn(RunError<tokio_postgres::Error>) -> StoreError {
@@ -330,7 +330,9 @@ impl Store for PostgresStore {
                 // The refill time may be ahead of now() when another writer's clock ran ahead.
                 let ahead = updated_at.saturating_since(now);
                 let retry_after = if granted.is_zero() && !request.min.is_zero() {
-                    ahead.saturating_add(config.time_to_refill(request.min.saturating_sub(remaining)))
+                    ahead.saturating_add(
+                        config.time_to_refill(request.min.saturating_sub(remaining)),
+                    )
                 } else {
                     0
                 };

@@ -1,0 +1,80 @@
+//! Helpers shared by the integration tests: databases, plans, and the ideal-bucket envelope.
+#![allow(dead_code, unreachable_pub)]
+
+use std::time::{Duration, SystemTime};
+
+use tokenlease::bucket::{BucketConfig, Rate, Tokens};
+use tokenlease::embedded::TestDatabase;
+use tokenlease::policy::Plan;
+use tokenlease::store::PostgresStore;
+
+/// A fresh database with migrations applied (DATABASE_URL's server, or a throwaway cluster).
+pub async fn database() -> TestDatabase {
+    TestDatabase::create()
+        .await
+        .expect("a test database (install PostgreSQL server binaries or set DATABASE_URL)")
+}
+
+/// A store on `db` with its own pool of `pool` connections and generous timeouts (these tests
+/// are about correctness, not about failure behaviour).
+pub async fn store(db: &TestDatabase, pool: u32) -> PostgresStore {
+    PostgresStore::builder(&db.connection_string())
+        .expect("connection string")
+        .pool_size(pool)
+        .call_timeout(Duration::from_secs(5))
+        .pool_wait_timeout(Duration::from_secs(5))
+        .connect_timeout(Duration::from_secs(5))
+        .statement_timeout(Duration::from_secs(5))
+        .lock_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .expect("store")
+}
+
+/// A bucket of `capacity` whole tokens refilling at `per_second` tokens a second.
+pub fn bucket(capacity: u64, per_second: f64) -> BucketConfig {
+    BucketConfig::new(
+        Tokens::whole(capacity),
+        Rate::from_f64(per_second).expect("rate"),
+    )
+    .expect("bucket")
+}
+
+/// A direct-mode plan named "test" over [`bucket`].
+pub fn plan(capacity: u64, per_second: f64) -> Plan {
+    Plan::new("test", bucket(capacity, per_second))
+}
+
+/// Seconds between two store timestamps.
+pub fn secs_between(earlier: SystemTime, later: SystemTime) -> f64 {
+    later
+        .duration_since(earlier)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The largest excess over the envelope `capacity + rate × (w + slack)` of the admitted cost in
+/// any window of length `w`, over admissions given as (seconds, cost) sorted by time. Two
+/// pointers, linear time. Returns (worst excess, the window's admitted cost).
+pub fn worst_window(
+    admissions: &[(f64, f64)],
+    w: f64,
+    capacity: f64,
+    rate: f64,
+    slack: f64,
+) -> (f64, f64) {
+    let mut worst = (f64::NEG_INFINITY, 0.0);
+    let mut start = 0;
+    let mut sum = 0.0;
+    for end in 0..admissions.len() {
+        sum += admissions[end].1;
+        while admissions[end].0 - admissions[start].0 > w {
+            sum -= admissions[start].1;
+            start += 1;
+        }
+        let excess = sum - (capacity + rate * (w + slack));
+        if excess > worst.0 {
+            worst = (excess, sum);
+        }
+    }
+    worst
+}

@@ -1,0 +1,272 @@
+//! The store contract (see `tokenlease::store::Store`), run against both stores.
+//!
+//! Time is moved by hand: the memory store reads a `ManualClock`; for PostgreSQL, which decides
+//! with its own `now()`, "advance by d" shifts every stored refill time back by d, which is the
+//! same thing to the arithmetic. Rates are low (1 token/s) so the few milliseconds of real time
+//! that pass between statements cannot change a whole-token outcome.
+
+mod common;
+
+use std::time::Duration;
+
+use tokenlease::bucket::{BucketConfig, Timestamp, Tokens};
+use tokenlease::clock::ManualClock;
+use tokenlease::embedded::TestDatabase;
+use tokenlease::store::{AcquireRequest, MemoryStore, PostgresStore, Store};
+
+/// A store under test and a way to move its time.
+#[async_trait::async_trait]
+trait Harness: Send + Sync {
+    fn store(&self) -> &dyn Store;
+    async fn advance(&self, by: Duration);
+}
+
+struct Memory {
+    store: MemoryStore,
+    clock: ManualClock,
+}
+
+#[async_trait::async_trait]
+impl Harness for Memory {
+    fn store(&self) -> &dyn Store {
+        &self.store
+    }
+    async fn advance(&self, by: Duration) {
+        self.clock.advance(by.as_nanos() as u64);
+    }
+}
+
+struct Postgres {
+    _db: TestDatabase,
+    store: PostgresStore,
+}
+
+#[async_trait::async_trait]
+impl Harness for Postgres {
+    fn store(&self) -> &dyn Store {
+        &self.store
+    }
+    async fn advance(&self, by: Duration) {
+        let conn = self.store.pool().get().await.expect("connection");
+        conn.batch_execute(&format!(
+            "UPDATE tokenlease_buckets SET updated_at = updated_at - interval '{} microseconds'",
+            by.as_micros()
+        ))
+        .await
+        .expect("shift updated_at");
+    }
+}
+
+fn memory() -> Memory {
+    let clock = ManualClock::new(Timestamp(1_700_000_000_000_000_000));
+    Memory {
+        store: MemoryStore::with_clock(clock.clone()),
+        clock,
+    }
+}
+
+async fn postgres() -> Postgres {
+    let db = common::database().await;
+    let store = common::store(&db, 4).await;
+    Postgres { _db: db, store }
+}
+
+const C: u64 = 10;
+
+fn cfg() -> BucketConfig {
+    common::bucket(C, 1.0)
+}
+
+fn t(n: u64) -> Tokens {
+    Tokens::whole(n)
+}
+
+async fn take(h: &dyn Harness, key: &str, cost: Tokens) -> tokenlease::store::Acquired {
+    h.store()
+        .acquire(AcquireRequest::take(key, cfg(), cost))
+        .await
+        .expect("acquire")
+}
+
+async fn absent_key_is_a_full_bucket(h: &dyn Harness) {
+    let a = take(h, "new", t(1)).await;
+    assert_eq!(a.granted, t(1));
+    assert_eq!(a.remaining.floor(), C - 1);
+    assert!(
+        h.store()
+            .inspect("never-touched")
+            .await
+            .expect("inspect")
+            .is_none()
+    );
+}
+
+async fn bursts_to_capacity_then_denies_with_retry_after(h: &dyn Harness) {
+    for i in 0..C {
+        let a = take(h, "burst", t(1)).await;
+        assert_eq!(a.granted, t(1), "take {i} of a full bucket");
+    }
+    let a = take(h, "burst", t(1)).await;
+    assert!(a.granted.is_zero(), "the bucket is empty");
+    // One token at 1 token/s: about a second, less the real time that passed.
+    assert!(
+        a.retry_after <= Duration::from_secs(1),
+        "{:?}",
+        a.retry_after
+    );
+    assert!(
+        a.retry_after >= Duration::from_millis(500),
+        "{:?}",
+        a.retry_after
+    );
+    // A denial takes nothing.
+    assert!(a.remaining < t(1));
+}
+
+async fn refills_by_elapsed_time_and_never_above_capacity(h: &dyn Harness) {
+    take(h, "refill", t(C)).await;
+    h.advance(Duration::from_secs(3)).await;
+    let a = take(h, "refill", t(1)).await;
+    assert_eq!(a.granted, t(1));
+    assert_eq!(a.remaining.floor(), 2, "3 s at 1/s refilled 3, one taken");
+    h.advance(Duration::from_secs(3600)).await;
+    let row = h
+        .store()
+        .inspect("refill")
+        .await
+        .expect("inspect")
+        .expect("row");
+    assert_eq!(row.tokens_now, t(C), "capped at capacity");
+    let a = take(h, "refill", t(C)).await;
+    assert_eq!(a.granted, t(C));
+}
+
+async fn a_lease_takes_what_is_there_between_min_and_want(h: &dyn Harness) {
+    take(h, "lease", t(7)).await; // 3 left
+    let a = h
+        .store()
+        .acquire(AcquireRequest::lease("lease", cfg(), t(1), t(5)))
+        .await
+        .expect("acquire");
+    assert_eq!(a.granted.floor(), 3);
+    let a = h
+        .store()
+        .acquire(AcquireRequest::lease("lease", cfg(), t(1), t(5)))
+        .await
+        .expect("acquire");
+    assert!(a.granted.is_zero(), "below min: nothing");
+}
+
+async fn grants_come_in_whole_steps(h: &dyn Harness) {
+    take(h, "steps", t(3)).await; // 7 left
+    let request = AcquireRequest {
+        key: "steps",
+        bucket: cfg(),
+        min: t(2),
+        want: t(20),
+        step: t(2),
+    };
+    let a = h.store().acquire(request).await.expect("acquire");
+    assert_eq!(a.granted, t(6), "three whole steps of 2 from 7 tokens");
+    assert_eq!(a.remaining.floor(), 1);
+}
+
+async fn fractional_costs_are_exact(h: &dyn Harness) {
+    let half = Tokens::from_f64(0.5).expect("half");
+    for _ in 0..(2 * C) {
+        assert_eq!(take(h, "half", half).await.granted, half);
+    }
+    assert!(take(h, "half", half).await.granted.is_zero());
+}
+
+async fn many_keys_in_one_call(h: &dyn Harness) {
+    take(h, "m2", t(C)).await;
+    let requests = [
+        AcquireRequest::take("m1", cfg(), t(4)),
+        AcquireRequest::take("m2", cfg(), t(1)),
+        AcquireRequest::take("m3", cfg(), t(C)),
+    ];
+    let out = h
+        .store()
+        .acquire_many(&requests)
+        .await
+        .expect("acquire_many");
+    assert_eq!(out.len(), 3);
+    assert_eq!(out[0].granted, t(4));
+    assert!(out[1].granted.is_zero(), "m2 was emptied");
+    assert_eq!(out[2].granted, t(C));
+}
+
+async fn idle_buckets_are_deleted_without_changing_decisions(h: &dyn Harness) {
+    take(h, "idle-full", t(1)).await;
+    take(h, "idle-busy", t(C)).await;
+    h.advance(Duration::from_secs(2)).await; // idle-full is full again; idle-busy holds 2
+    let deleted = h.store().delete_idle(100).await.expect("delete_idle");
+    assert_eq!(deleted, 1);
+    assert!(
+        h.store()
+            .inspect("idle-full")
+            .await
+            .expect("inspect")
+            .is_none()
+    );
+    let busy = h
+        .store()
+        .inspect("idle-busy")
+        .await
+        .expect("inspect")
+        .expect("row");
+    assert_eq!(busy.tokens_now.floor(), 2);
+    // The deleted bucket still decides as a full one.
+    assert_eq!(take(h, "idle-full", t(C)).await.granted, t(C));
+    assert_eq!(h.store().delete_idle(100).await.expect("delete_idle"), 0);
+}
+
+async fn a_new_shape_takes_effect_on_the_next_call(h: &dyn Harness) {
+    take(h, "shape", t(1)).await; // 9 of 10
+    let smaller = common::bucket(5, 1.0);
+    let a = h
+        .store()
+        .acquire(AcquireRequest::take("shape", smaller, t(1)))
+        .await
+        .expect("acquire");
+    assert_eq!(a.granted, t(1));
+    assert_eq!(
+        a.remaining.floor(),
+        4,
+        "cut to the new capacity of 5, one taken"
+    );
+}
+
+macro_rules! contract {
+    ($($case:ident),* $(,)?) => {
+        mod memory_store {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    super::$case(&super::memory()).await;
+                }
+            )*
+        }
+        mod postgres_store {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    super::$case(&super::postgres().await).await;
+                }
+            )*
+        }
+    };
+}
+
+contract!(
+    absent_key_is_a_full_bucket,
+    bursts_to_capacity_then_denies_with_retry_after,
+    refills_by_elapsed_time_and_never_above_capacity,
+    a_lease_takes_what_is_there_between_min_and_want,
+    grants_come_in_whole_steps,
+    fractional_costs_are_exact,
+    many_keys_in_one_call,
+    idle_buckets_are_deleted_without_changing_decisions,
+    a_new_shape_takes_effect_on_the_next_call,
+);
