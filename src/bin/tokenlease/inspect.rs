@@ -27,7 +27,9 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     let (_server, url) = match args.database_url {
         Some(url) => (None, url),
         None => {
-            eprintln!("DATABASE_URL is not set: starting a throwaway PostgreSQL (it holds no buckets)");
+            eprintln!(
+                "DATABASE_URL is not set: starting a throwaway PostgreSQL (it holds no buckets)"
+            );
             let server = tokenlease::embedded::TempPostgres::start()?;
             let url = server.url();
             (Some(server), url)

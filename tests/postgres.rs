@@ -1,0 +1,376 @@
+//! SQL correctness on the real server (test plan B2, B4, B5, B6, and "the database decides as
+//! the pure bucket does").
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokenlease::bucket::{BucketState, Timestamp, Tokens};
+use tokenlease::clock::timestamp_from_system_time;
+use tokenlease::error::{Error, KeyError, MAX_KEY_BYTES};
+use tokenlease::store::{AcquireRequest, PostgresStore, Store};
+use tokenlease::{DecidedBy, Limiter};
+
+async fn exec(store: &PostgresStore, sql: &str) {
+    let conn = store.pool().get().await.expect("connection");
+    conn.batch_execute(sql).await.expect(sql);
+}
+
+/// For the same timeline, the database's decisions equal the pure bucket's, to the nanotoken.
+/// The timeline is the database's own: each step first ages the row by a chosen amount, then
+/// takes; the model is driven with the `now()` the statement returns.
+#[tokio::test]
+async fn database_decides_exactly_as_the_pure_bucket() {
+    let db = common::database().await;
+    let store = common::store(&db, 1).await;
+    let config = common::bucket(100, 2.0 / 3.0);
+    let mut model: Option<BucketState> = None;
+    // A fixed pseudo-random walk: ages in ms and costs in thousandths of a token.
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = |m: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % m
+    };
+    let (mut allowed, mut denied) = (0, 0);
+    for step in 0..400 {
+        let age_ms = next(4_000);
+        let cost = Tokens::from_nanos(u128::from(1 + next(20_000)) * 1_000_000);
+        if model.is_some() {
+            exec(
+                &store,
+                &format!(
+                    "UPDATE tokenlease_buckets SET updated_at = updated_at - interval '{age_ms} milliseconds'"
+                ),
+            )
+            .await;
+            if let Some(m) = model.as_mut() {
+                m.last_refill = Timestamp(m.last_refill.0 - age_ms * 1_000_000);
+            }
+        }
+        let got = store
+            .acquire(AcquireRequest::take("model", config, cost))
+            .await
+            .expect("acquire");
+        let now = timestamp_from_system_time(got.store_now);
+        let state = model.unwrap_or(BucketState::full(&config, now));
+        let (next_state, outcome) = state.take(&config, now, cost).expect("cost fits");
+        assert_eq!(
+            got.granted.is_zero(),
+            !outcome.is_allowed(),
+            "step {step}: decision differs (cost {cost}, model {state:?})"
+        );
+        assert_eq!(
+            got.remaining, next_state.tokens,
+            "step {step}: remaining differs"
+        );
+        if outcome.is_allowed() {
+            allowed += 1;
+        } else {
+            denied += 1;
+        }
+        model = Some(next_state);
+    }
+    assert!(
+        allowed > 50 && denied > 50,
+        "the walk exercises both: {allowed} allowed, {denied} denied"
+    );
+}
+
+/// B2: the first touch of a new key by k concurrent callers (Bucket4j's parallel
+/// initialisation bug): exactly min(k, C) granted, one row, holding C − granted.
+#[tokio::test]
+async fn first_touch_race_creates_one_row_and_grants_exactly() {
+    let db = common::database().await;
+    for k in [4usize, 64] {
+        let store = Arc::new(common::store(&db, k as u32).await);
+        let config = common::bucket(10, 1.0 / 60.0);
+        let key = format!("first-touch-{k}");
+        let barrier = Arc::new(tokio::sync::Barrier::new(k));
+        let tasks: Vec<_> = (0..k)
+            .map(|_| {
+                let (store, key, barrier) = (Arc::clone(&store), key.clone(), Arc::clone(&barrier));
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    store
+                        .acquire(AcquireRequest::take(&key, config, Tokens::whole(1)))
+                        .await
+                        .expect("acquire")
+                        .granted
+                })
+            })
+            .collect();
+        let mut granted = 0;
+        for task in tasks {
+            granted += task.await.expect("task").floor();
+        }
+        let expected = k.min(10) as u64;
+        assert_eq!(granted, expected, "k = {k}");
+        let conn = store.pool().get().await.expect("connection");
+        let row = conn
+            .query_one(
+                "SELECT count(*), min(tokens)::text FROM tokenlease_buckets WHERE key = $1",
+                &[&key],
+            )
+            .await
+            .expect("count");
+        assert_eq!(row.get::<_, i64>(0), 1, "exactly one row");
+        let tokens: String = row.get(1);
+        let tokens: Tokens = tokens.parse().expect("tokens");
+        // At 1 token/minute, the few milliseconds of the race add well under a token.
+        assert_eq!(tokens.floor(), 10 - expected, "k = {k}");
+    }
+}
+
+/// B4: a stored refill time in the future (another writer's clock ahead, or a failover to a
+/// host whose clock lags) refills nothing and is not rewound; one in 1970 gives a full bucket.
+#[tokio::test]
+async fn refill_time_in_the_future_or_in_1970() {
+    let db = common::database().await;
+    let store = common::store(&db, 1).await;
+    let config = common::bucket(100, 50.0);
+    let take = |cost| AcquireRequest::take("skew", config, Tokens::whole(cost));
+    store.acquire(take(100)).await.expect("drain");
+    exec(
+        &store,
+        "UPDATE tokenlease_buckets SET updated_at = now() + interval '10 seconds', tokens = 5",
+    )
+    .await;
+    let before = store.inspect("skew").await.expect("inspect").expect("row");
+    let a = store.acquire(take(1)).await.expect("acquire");
+    assert_eq!(a.granted, Tokens::whole(1));
+    assert_eq!(
+        a.remaining,
+        Tokens::whole(4),
+        "no refill while the refill time is ahead"
+    );
+    let after = store.inspect("skew").await.expect("inspect").expect("row");
+    assert_eq!(
+        after.updated_at, before.updated_at,
+        "the refill time is not rewound"
+    );
+    let denied = store.acquire(take(10)).await.expect("acquire");
+    assert!(denied.granted.is_zero());
+    // 6 tokens at 50/s take 120 ms, after the ~10 s that the refill time is ahead.
+    assert!(
+        denied.retry_after > Duration::from_secs(9),
+        "{:?}",
+        denied.retry_after
+    );
+    assert!(
+        denied.retry_after < Duration::from_secs(11),
+        "{:?}",
+        denied.retry_after
+    );
+
+    exec(
+        &store,
+        "UPDATE tokenlease_buckets SET updated_at = '1970-01-01T00:00:00Z', tokens = 0",
+    )
+    .await;
+    let a = store.acquire(take(1)).await.expect("acquire");
+    assert_eq!(a.granted, Tokens::whole(1));
+    assert_eq!(
+        a.remaining,
+        Tokens::whole(99),
+        "56 years refill to exactly the capacity"
+    );
+    let row = store.inspect("skew").await.expect("inspect").expect("row");
+    assert!(row.updated_at > std::time::UNIX_EPOCH + Duration::from_secs(1_000_000_000));
+}
+
+/// B5: the table is logged, and its CHECK constraints refuse NaN, infinities and out-of-range
+/// values with SQLSTATE 23514.
+#[tokio::test]
+async fn schema_refuses_nan_infinity_and_out_of_range_values() {
+    let db = common::database().await;
+    let store = common::store(&db, 1).await;
+    let conn = store.pool().get().await.expect("connection");
+    let persistence: String = conn
+        .query_one(
+            "SELECT relpersistence::text FROM pg_class WHERE relname = 'tokenlease_buckets'",
+            &[],
+        )
+        .await
+        .expect("relpersistence")
+        .get(0);
+    assert_eq!(persistence, "p", "permanent (logged), not UNLOGGED");
+    let bad = [
+        ("tokens", "'NaN'"),
+        ("tokens", "-1"),
+        ("tokens", "11"),
+        ("tokens", "'Infinity'"),
+        ("capacity", "'NaN'"),
+        ("capacity", "0"),
+        ("capacity", "-5"),
+        ("capacity", "'Infinity'"),
+        ("refill_per_second", "'NaN'"),
+        ("refill_per_second", "0"),
+        ("refill_per_second", "'-Infinity'"),
+        ("refill_per_second", "'Infinity'"),
+        ("refill_per_second", "1000000001"),
+        ("updated_at", "'infinity'"),
+    ];
+    for (column, value) in bad {
+        let mut values = [
+            ("tokens", "1"),
+            ("capacity", "10"),
+            ("refill_per_second", "1"),
+            ("updated_at", "now()"),
+        ];
+        for v in values.iter_mut() {
+            if v.0 == column {
+                v.1 = value;
+            }
+        }
+        let sql = format!(
+            "INSERT INTO tokenlease_buckets (key, tokens, capacity, refill_per_second, updated_at) \
+             VALUES ('bad', {}, {}, {}, {})",
+            values[0].1, values[1].1, values[2].1, values[3].1
+        );
+        let err = conn.batch_execute(&sql).await.expect_err(&sql);
+        let code = err.code().map(|c| c.code().to_owned());
+        // Infinity in numeric(30, 9) overflows the type (22003) before the CHECK sees it.
+        assert!(
+            matches!(code.as_deref(), Some("23514") | Some("22003")),
+            "{column} = {value}: {err:?}"
+        );
+    }
+}
+
+/// B6: hostile keys. SQL in a key is stored verbatim (bind parameters only); NUL bytes, invalid
+/// UTF-8 and overlong keys are refused before the database, so its log shows no 22021 or 54000.
+#[tokio::test]
+async fn hostile_keys_never_reach_sql_as_text() {
+    let db = common::database().await;
+    let store = common::store(&db, 2).await;
+    let limiter = Limiter::builder(store.clone()).build();
+    let plan = common::plan(10, 1.0);
+    let injection = "'; DROP TABLE tokenlease_buckets; --";
+    let d = limiter
+        .try_acquire_with(&plan, injection, 1.0)
+        .await
+        .expect("decision");
+    assert!(d.allowed);
+    assert_eq!(d.decided_by, DecidedBy::Store);
+    let row = store
+        .inspect(injection)
+        .await
+        .expect("inspect")
+        .expect("row stored verbatim");
+    assert_eq!(row.key, injection);
+
+    let nul = "a\0b";
+    assert!(matches!(
+        limiter.try_acquire_with(&plan, nul, 1.0).await,
+        Err(Error::InvalidKey(KeyError::Nul { offset: 1 }))
+    ));
+    assert!(matches!(
+        tokenlease::error::validate_key_bytes(b"ok\xff\xfe"),
+        Err(KeyError::NotUtf8 { offset: 2 })
+    ));
+    // Incompressible: a 2,705-byte key and a 1 MiB key.
+    let mut x: u32 = 12345;
+    let random: String = (0..(1 << 20))
+        .map(|_| {
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+            char::from(b'!' + (x >> 16) as u8 % 90)
+        })
+        .collect();
+    for len in [MAX_KEY_BYTES + 1, 2705, 1 << 20] {
+        let key = &random[..len];
+        assert!(
+            matches!(
+                limiter.try_acquire_with(&plan, key, 1.0).await,
+                Err(Error::InvalidKey(KeyError::TooLong { .. }))
+            ),
+            "a {len}-byte key is refused"
+        );
+    }
+    let at_limit = &random[..MAX_KEY_BYTES];
+    assert!(
+        limiter
+            .try_acquire_with(&plan, at_limit, 1.0)
+            .await
+            .expect("decision")
+            .allowed
+    );
+
+    let conn = store.pool().get().await.expect("connection");
+    let n: i64 = conn
+        .query_one("SELECT count(*) FROM tokenlease_buckets", &[])
+        .await
+        .expect("table intact")
+        .get(0);
+    assert_eq!(n, 2);
+    if let Some(server) = db.server() {
+        let log = server.log_contents();
+        assert!(
+            !log.contains("22021") && !log.contains("invalid byte sequence"),
+            "{log}"
+        );
+        assert!(
+            !log.contains("54000") && !log.contains("index row size"),
+            "{log}"
+        );
+    }
+}
+
+/// Costs that can never fit are typed errors and make no store call.
+#[tokio::test]
+async fn impossible_costs_are_errors_without_a_store_call() {
+    let db = common::database().await;
+    let store = common::store(&db, 1).await;
+    let limiter = Limiter::builder(store.clone()).build();
+    let plan = common::plan(100, 50.0);
+    for cost in [
+        0.0,
+        -1.0,
+        f64::NAN,
+        f64::INFINITY,
+        100.000_001,
+        101.0,
+        1e300,
+    ] {
+        let err = limiter
+            .try_acquire_with(&plan, "k", cost)
+            .await
+            .expect_err("refused");
+        assert!(matches!(err, Error::InvalidCost { .. }), "{cost}: {err}");
+        assert!(
+            err.to_string().contains("\"test\""),
+            "names the plan: {err}"
+        );
+    }
+    assert!(
+        store.inspect("k").await.expect("inspect").is_none(),
+        "no row: no call"
+    );
+}
+
+/// `synchronous_commit = off` is applied to the limiter's own sessions only.
+#[tokio::test]
+async fn synchronous_commit_off_applies_to_the_limiter_sessions() {
+    let db = common::database().await;
+    let store = PostgresStore::builder(&db.connection_string())
+        .expect("config")
+        .synchronous_commit(false)
+        .build()
+        .await
+        .expect("store");
+    let conn = store.pool().get().await.expect("connection");
+    let setting: String = conn
+        .query_one("SHOW synchronous_commit", &[])
+        .await
+        .expect("show")
+        .get(0);
+    assert_eq!(setting, "off");
+    let timeout: String = conn
+        .query_one("SHOW statement_timeout", &[])
+        .await
+        .expect("show")
+        .get(0);
+    assert_eq!(timeout, "100ms");
+}
