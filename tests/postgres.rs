@@ -374,3 +374,45 @@ async fn synchronous_commit_off_applies_to_the_limiter_sessions() {
         .get(0);
     assert_eq!(timeout, "100ms");
 }
+
+/// The idle-row task deletes buckets that refilled to full, and keeps busy ones.
+#[tokio::test]
+async fn the_idle_cleanup_task_deletes_full_rows_in_batches() {
+    let db = common::database().await;
+    let store = common::store(&db, 2).await;
+    let config = common::bucket(10, 1.0);
+    for i in 0..25 {
+        let key = format!("idle-{i}");
+        store
+            .acquire(AcquireRequest::take(&key, config, Tokens::whole(1)))
+            .await
+            .expect("acquire");
+    }
+    store
+        .acquire(AcquireRequest::take("busy", config, Tokens::whole(10)))
+        .await
+        .expect("acquire");
+    // The idle rows refilled long ago; "busy" is still 10 tokens short.
+    exec(&store, "UPDATE tokenlease_buckets SET updated_at = updated_at - interval '1 minute' WHERE key <> 'busy'").await;
+    let cleanup = tokenlease::store::IdleCleanup::spawn(
+        Arc::new(store.clone()),
+        Duration::from_millis(20),
+        10,
+    );
+    let conn = store.pool().get().await.expect("connection");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let n: i64 = conn
+            .query_one("SELECT count(*) FROM tokenlease_buckets", &[])
+            .await
+            .expect("count")
+            .get(0);
+        if n == 1 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{n} rows left");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(cleanup);
+    assert!(store.inspect("busy").await.expect("inspect").is_some());
+}

@@ -14,10 +14,12 @@ use async_trait::async_trait;
 
 use crate::bucket::{BucketConfig, Tokens};
 
+mod cleanup;
 mod error;
 mod memory;
 pub mod postgres;
 
+pub use self::cleanup::IdleCleanup;
 pub use self::error::{StoreError, TimeoutKind};
 pub use self::memory::MemoryStore;
 pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
