@@ -52,13 +52,14 @@ impl Migration {
     /// checkout that converted them (Git on Windows) does not count as an edit.
     pub fn checksum(&self) -> String {
         let normalised = self.sql.replace("\r\n", "\n");
-        Sha256::digest(normalised.as_bytes())
-            .iter()
-            .fold(String::with_capacity(64), |mut hex, byte| {
+        Sha256::digest(normalised.as_bytes()).iter().fold(
+            String::with_capacity(64),
+            |mut hex, byte| {
                 use fmt::Write;
                 let _ = write!(hex, "{byte:02x}");
                 hex
-            })
+            },
+        )
     }
 }
 
@@ -239,9 +240,7 @@ const RECORD: &str =
 /// Dropping the future mid-way leaves each migration either applied and recorded, or not at
 /// all (one transaction each), but may leave the client inside a transaction that its
 /// `Transaction` guard is rolling back; use a fresh connection after cancelling.
-pub async fn migrate(
-    client: &mut tokio_postgres::Client,
-) -> Result<MigrationReport, MigrateError> {
+pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<MigrationReport, MigrateError> {
     migrate_with(client, MIGRATIONS).await
 }
 
@@ -263,7 +262,9 @@ pub async fn migrate_with(
         .map_err(MigrateError::database("begin the bookkeeping transaction"))?;
     tx.batch_execute(BOOTSTRAP)
         .await
-        .map_err(MigrateError::database("create the tokenlease_migrations table"))?;
+        .map_err(MigrateError::database(
+            "create the tokenlease_migrations table",
+        ))?;
     tx.commit()
         .await
         .map_err(MigrateError::database("commit the bookkeeping transaction"))?;
@@ -277,9 +278,9 @@ pub async fn migrate_with(
         let version: i64 = row
             .try_get(0)
             .map_err(MigrateError::database("read tokenlease_migrations.version"))?;
-        let checksum: String = row
-            .try_get(1)
-            .map_err(MigrateError::database("read tokenlease_migrations.checksum"))?;
+        let checksum: String = row.try_get(1).map_err(MigrateError::database(
+            "read tokenlease_migrations.checksum",
+        ))?;
         applied_before.push((version, checksum));
     }
 
@@ -326,9 +327,9 @@ async fn apply_one(
         .await
         .map_err(MigrateError::database("read tokenlease_migrations"))?;
     if let Some(row) = existing.first() {
-        let applied: String = row
-            .try_get(0)
-            .map_err(MigrateError::database("read tokenlease_migrations.checksum"))?;
+        let applied: String = row.try_get(0).map_err(MigrateError::database(
+            "read tokenlease_migrations.checksum",
+        ))?;
         check_checksum(migration, &applied, expected)?;
         return Ok(false); // the transaction rolls back on drop; it changed nothing
     }
@@ -349,14 +350,20 @@ async fn apply_one(
         ],
     )
     .await
-    .map_err(MigrateError::database("record the migration in tokenlease_migrations"))?;
+    .map_err(MigrateError::database(
+        "record the migration in tokenlease_migrations",
+    ))?;
     tx.commit()
         .await
         .map_err(MigrateError::database("commit a migration"))?;
     Ok(true)
 }
 
-fn check_checksum(migration: &Migration, applied: &str, expected: &str) -> Result<(), MigrateError> {
+fn check_checksum(
+    migration: &Migration,
+    applied: &str,
+    expected: &str,
+) -> Result<(), MigrateError> {
     if applied == expected {
         Ok(())
     } else {
@@ -421,8 +428,14 @@ mod tests {
             .map(|m| (m.version, m.description.to_string(), m.sql.to_string()))
             .collect();
         assert_eq!(
-            listed.iter().map(|(v, d, _)| (*v, d.clone())).collect::<Vec<_>>(),
-            files.iter().map(|(v, d, _)| (*v, d.clone())).collect::<Vec<_>>(),
+            listed
+                .iter()
+                .map(|(v, d, _)| (*v, d.clone()))
+                .collect::<Vec<_>>(),
+            files
+                .iter()
+                .map(|(v, d, _)| (*v, d.clone()))
+                .collect::<Vec<_>>(),
             "MIGRATIONS must list exactly the files in migrations/"
         );
         assert_eq!(listed, files, "embedded SQL differs from the file");
@@ -440,8 +453,14 @@ mod tests {
             m.checksum(),
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
-        let lf = Migration { sql: "a;\nb;\n", ..m };
-        let crlf = Migration { sql: "a;\r\nb;\r\n", ..m };
+        let lf = Migration {
+            sql: "a;\nb;\n",
+            ..m
+        };
+        let crlf = Migration {
+            sql: "a;\r\nb;\r\n",
+            ..m
+        };
         assert_eq!(lf.checksum(), crlf.checksum());
     }
 
@@ -453,9 +472,15 @@ mod tests {
             sql: "",
         };
         let b = Migration { version: 2, ..a };
-        assert!(matches!(validate(&[a, b]), Err(MigrateError::InvalidList(_))));
+        assert!(matches!(
+            validate(&[a, b]),
+            Err(MigrateError::InvalidList(_))
+        ));
         let zero = Migration { version: 0, ..a };
-        assert!(matches!(validate(&[zero]), Err(MigrateError::InvalidList(_))));
+        assert!(matches!(
+            validate(&[zero]),
+            Err(MigrateError::InvalidList(_))
+        ));
     }
 
     #[test]
