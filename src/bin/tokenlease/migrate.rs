@@ -1,12 +1,67 @@
-//! `tokenlease migrate`.
+//! `tokenlease migrate`: apply the embedded migrations and print what was applied.
 
 use std::process::ExitCode;
 
+use tokenlease::embedded::TempPostgres;
+use tokenlease::store::postgres::migrate::migrate;
+
 /// Arguments of `tokenlease migrate`.
 #[derive(Debug, clap::Args)]
-pub(crate) struct Args {}
+pub(crate) struct Args {
+    /// The database to migrate (URL or key=value). Without it, a throwaway PostgreSQL is
+    /// started, migrated and removed again: a demonstration only.
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: Option<String>,
+}
 
-/// Runs the subcommand.
-pub(crate) fn run(_args: Args) -> super::CmdResult {
-    Ok(ExitCode::FAILURE)
+/// Runs the subcommand on a tokio runtime of its own.
+pub(crate) fn run(args: Args) -> super::CmdResult {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    // Declared before the runtime's work so it outlives every connection made below.
+    let mut _throwaway = None;
+    let conn = match args.database_url.filter(|u| !u.trim().is_empty()) {
+        Some(url) => url,
+        None => {
+            eprintln!(
+                "tokenlease: DATABASE_URL is not set: starting a throwaway PostgreSQL (removed \
+                 when this command exits, so this only demonstrates the migrations)"
+            );
+            let pg = TempPostgres::start()?;
+            eprintln!(
+                "tokenlease: throwaway PostgreSQL {} at {}",
+                pg.version(),
+                pg.url()
+            );
+            let conn = pg.connection_string("postgres");
+            _throwaway = Some(pg);
+            conn
+        }
+    };
+    let report = runtime.block_on(async {
+        let (mut client, connection) = tokio_postgres::connect(&conn, tokio_postgres::NoTls)
+            .await
+            .map_err(|err| format!("could not connect to the database: {}", describe(&err)))?;
+        let connection = tokio::spawn(connection);
+        let report = migrate(&mut client).await?;
+        drop(client);
+        let _ = connection.await;
+        Ok::<_, Box<dyn std::error::Error>>(report)
+    })?;
+    for migration in &report.applied {
+        println!("applied {migration}");
+    }
+    for migration in &report.already_present {
+        println!("already present {migration}");
+    }
+    println!("{report}");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn describe(err: &tokio_postgres::Error) -> String {
+    match std::error::Error::source(err) {
+        Some(source) => format!("{err}: {source}"),
+        None => err.to_string(),
+    }
 }
