@@ -1,0 +1,240 @@
+//! Migrations against a real server: idempotence, checksums, failures, concurrent migrators,
+//! and the `tokenlease migrate` command.
+
+use std::process::Command;
+
+use tokenlease::embedded::TestDatabase;
+use tokenlease::store::postgres::migrate::{
+    MIGRATIONS, MigrateError, Migration, migrate, migrate_with,
+};
+use tokio_postgres::Client;
+
+/// A migration list of our own, for tests that need more than one version.
+const LONGER: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "one",
+        sql: "CREATE TABLE m_one (n int);",
+    },
+    Migration {
+        version: 2,
+        description: "two",
+        sql: "CREATE TABLE m_two (n int); INSERT INTO m_two VALUES (2);",
+    },
+    Migration {
+        version: 3,
+        description: "three",
+        sql: "ALTER TABLE m_two ADD COLUMN note text;",
+    },
+    Migration {
+        version: 10,
+        description: "ten",
+        sql: "CREATE INDEX m_two_n ON m_two (n);",
+    },
+];
+
+/// A client whose session works in a schema of its own (created if missing; not concurrently),
+/// so lists other than MIGRATIONS get their own `tokenlease_migrations` table.
+async fn client_in_schema(db: &TestDatabase, schema: &str) -> Client {
+    let client = db.client().await.expect("connect");
+    client
+        .batch_execute(&format!(
+            "CREATE SCHEMA IF NOT EXISTS {schema}; SET search_path = {schema}"
+        ))
+        .await
+        .expect("schema");
+    client
+}
+
+#[tokio::test]
+async fn test_database_is_migrated_and_a_second_run_is_a_noop() {
+    let db = TestDatabase::create().await.expect("create");
+    let mut client = db.client().await.expect("connect");
+    let report = migrate(&mut client).await.expect("migrate");
+    assert!(report.is_noop());
+    assert_eq!(report.already_present, MIGRATIONS.to_vec());
+    assert!(report.unknown_versions.is_empty());
+
+    let rows = client
+        .query_typed(
+            "SELECT version, description, checksum FROM tokenlease_migrations ORDER BY version",
+            &[],
+        )
+        .await
+        .expect("select");
+    assert_eq!(rows.len(), MIGRATIONS.len());
+    for (row, m) in rows.iter().zip(MIGRATIONS) {
+        assert_eq!(row.get::<_, i64>(0), m.version);
+        assert_eq!(row.get::<_, String>(1), m.description);
+        assert_eq!(row.get::<_, String>(2), m.checksum());
+    }
+}
+
+#[tokio::test]
+async fn edited_migration_is_a_checksum_error_naming_the_version() {
+    let db = TestDatabase::create().await.expect("create");
+    let mut client = db.client().await.expect("connect");
+    client
+        .batch_execute("UPDATE tokenlease_migrations SET checksum = 'edited' WHERE version = 1")
+        .await
+        .expect("update");
+    let err = migrate(&mut client).await.expect_err("checksum mismatch");
+    assert!(
+        matches!(err, MigrateError::ChecksumMismatch { version: 1, .. }),
+        "{err:?}"
+    );
+    let message = err.to_string();
+    assert!(
+        message.contains("migration 1 (create_buckets)") && message.contains("edited"),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn versions_from_a_newer_build_are_reported_not_fatal() {
+    let db = TestDatabase::create().await.expect("create");
+    let mut client = db.client().await.expect("connect");
+    client
+        .batch_execute(
+            "INSERT INTO tokenlease_migrations (version, description, checksum)
+             VALUES (9999, 'from_the_future', 'x')",
+        )
+        .await
+        .expect("insert");
+    let report = migrate(&mut client).await.expect("migrate");
+    assert_eq!(report.unknown_versions, vec![9999]);
+    assert!(report.to_string().contains("9999"));
+}
+
+#[tokio::test]
+async fn failing_migration_rolls_back_and_keeps_the_ones_before() {
+    let db = TestDatabase::create().await.expect("create");
+    let mut client = client_in_schema(&db, "failing").await;
+    let list = [
+        LONGER[0],
+        Migration {
+            version: 2,
+            description: "broken",
+            sql: "CREATE TABLE m_half (n int); SELECT no_such_function();",
+        },
+    ];
+    let err = migrate_with(&mut client, &list)
+        .await
+        .expect_err("broken migration");
+    match &err {
+        MigrateError::Apply {
+            version, detail, ..
+        } => {
+            assert_eq!(*version, 2);
+            assert!(detail.contains("42883"), "{detail}"); // undefined_function
+        }
+        other => panic!("expected Apply, got {other:?}"),
+    }
+    assert!(err.to_string().contains("migration 2 (broken)"));
+    let tables = client
+        .query_typed(
+            "SELECT table_name::text FROM information_schema.tables
+             WHERE table_schema = 'failing' ORDER BY 1",
+            &[],
+        )
+        .await
+        .expect("tables");
+    let names: Vec<String> = tables.iter().map(|r| r.get(0)).collect();
+    assert_eq!(names, ["m_one", "tokenlease_migrations"]);
+
+    // The connection is usable afterwards and a fixed list continues from version 2.
+    let report = migrate_with(&mut client, &LONGER[..2])
+        .await
+        .expect("retry");
+    assert_eq!(report.applied, vec![LONGER[1]]);
+    assert_eq!(report.already_present, vec![LONGER[0]]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_concurrent_migrators_apply_each_of_four_versions_exactly_once() {
+    let db = std::sync::Arc::new(TestDatabase::create().await.expect("create"));
+    drop(client_in_schema(&db, "racing").await); // concurrent CREATE SCHEMA IF NOT EXISTS races
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let db = db.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut client = client_in_schema(&db, "racing").await;
+            migrate_with(&mut client, LONGER).await.expect("migrate")
+        }));
+    }
+    let mut reports = Vec::new();
+    for task in tasks {
+        reports.push(task.await.expect("task"));
+    }
+    for m in LONGER {
+        let appliers = reports.iter().filter(|r| r.applied.contains(m)).count();
+        assert_eq!(appliers, 1, "{m} applied {appliers} times");
+    }
+    for r in &reports {
+        assert_eq!(r.applied.len() + r.already_present.len(), LONGER.len());
+    }
+    let client = db.client().await.expect("connect");
+    let n: i64 = client
+        .query_typed_one("SELECT count(*) FROM racing.m_two", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(n, 1, "migration 2's INSERT ran more than once");
+}
+
+#[tokio::test]
+async fn cli_migrate_uses_database_url() {
+    let db = TestDatabase::create().await.expect("create");
+    let output = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+        .arg("migrate")
+        .env("DATABASE_URL", db.connection_string())
+        .output()
+        .expect("run tokenlease");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        stdout.contains("already present 0001_create_buckets"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("no migrations applied"), "{stdout}");
+    assert!(!stderr.contains("throwaway"), "{stderr}");
+}
+
+#[test]
+fn cli_migrate_without_database_url_starts_a_throwaway_server() {
+    let output = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+        .arg("migrate")
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run tokenlease");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(stderr.contains("throwaway PostgreSQL"), "{stderr}");
+    assert!(stdout.contains("applied 0001_create_buckets"), "{stdout}");
+}
+
+#[test]
+fn cli_migrate_reports_an_unreachable_database() {
+    let output = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+        .args([
+            "migrate",
+            "--database-url",
+            "host=127.0.0.1 port=1 user=x connect_timeout=2",
+        ])
+        .output()
+        .expect("run tokenlease");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("could not connect to the database"),
+        "{stderr}"
+    );
+}
