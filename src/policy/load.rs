@@ -174,6 +174,21 @@ fn json_error(file: &str, err: &serde_json::Error) -> PolicyError {
         Some(rest) => format!("end of file {rest}"),
         None => message.to_owned(),
     };
+    // serde quotes unknown field names and strings as written; keep the message on one line.
+    let message = if message.chars().any(char::is_control) {
+        message
+            .chars()
+            .map(|c| {
+                if c.is_control() {
+                    c.escape_debug().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect()
+    } else {
+        message
+    };
     PolicyError::new(file, message).with_line_column((line > 0).then_some((line, column)))
 }
 
