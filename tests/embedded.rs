@@ -271,3 +271,151 @@ async fn test_database_create_gives_two_separate_migrated_databases() {
         MIGRATIONS.len() as i64
     );
 }
+
+/// Runs the ignored test `name` of this binary in a child process with `env` set; the helpers
+/// below do nothing unless `TOKENLEASE_TEST_HELPER` is set, so `--ignored` runs stay quick.
+fn helper(name: &str, env: &[(&str, &str)]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(std::env::current_exe().expect("current exe"));
+    cmd.args([
+        name,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("TOKENLEASE_TEST_HELPER", "1");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+fn is_helper() -> bool {
+    std::env::var_os("TOKENLEASE_TEST_HELPER").is_some()
+}
+
+#[test]
+#[ignore = "helper: run by leftovers_of_a_killed_process_are_removed"]
+fn helper_hold_a_cluster_until_killed() {
+    if !is_helper() {
+        return;
+    }
+    let pg = TempPostgres::start().expect("start");
+    println!(
+        "HOLDING {} {}",
+        pg.postmaster_pid().expect("pid"),
+        pg.data_dir().display()
+    );
+    std::thread::sleep(std::time::Duration::from_secs(60));
+}
+
+/// A test process killed by a timeout (nextest's terminate-after) cannot run Drop: the next
+/// cluster started on the machine removes what it left, and kills its server.
+#[test]
+fn leftovers_of_a_killed_process_are_removed() {
+    use std::io::BufRead;
+    let mut child = helper("helper_hold_a_cluster_until_killed", &[])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn helper");
+    let stdout = child.stdout.take().expect("stdout");
+    let line = std::io::BufReader::new(stdout)
+        .lines()
+        .map(|l| l.expect("line"))
+        .find_map(|l| l.split_once("HOLDING ").map(|(_, rest)| rest.to_string()))
+        .expect("helper reports its cluster");
+    // libtest prints "test name ... " before the test runs, on the same line.
+    let mut words = line.split_whitespace();
+    let pid: u32 = words.next().unwrap().parse().unwrap();
+    let data = std::path::PathBuf::from(words.next().unwrap());
+    child.kill().expect("kill helper");
+    child.wait().expect("reap helper");
+    assert!(data.exists(), "nothing left to clean up?");
+
+    let _next = TempPostgres::start().expect("start");
+    assert!(!data.exists(), "{} left behind", data.display());
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().chars().next())
+        })
+        .flatten();
+    assert!(
+        state.is_none() || state == Some('Z'),
+        "orphaned postmaster {pid} still running"
+    );
+}
+
+#[tokio::test]
+#[ignore = "helper: run by test_database_uses_database_url_when_set"]
+async fn helper_test_databases_on_database_url() {
+    if !is_helper() {
+        return;
+    }
+    let a = TestDatabase::create().await.expect("create a");
+    let b = TestDatabase::create().await.expect("create b");
+    assert!(a.server().is_none() && b.server().is_none());
+    assert_ne!(a.name(), b.name());
+    let client = a.client().await.expect("connect a");
+    assert_eq!(
+        count_rows(&client, "tokenlease_migrations").await,
+        MIGRATIONS.len() as i64
+    );
+    println!("CREATED {} {}", a.name(), b.name());
+}
+
+/// With DATABASE_URL set, TestDatabase makes databases on that server (no cluster of its own)
+/// and drops them again. The variable is process-wide, so the check runs in a child process.
+#[tokio::test]
+async fn test_database_uses_database_url_when_set() {
+    let pg = TempPostgres::start().expect("start");
+    let output = helper(
+        "helper_test_databases_on_database_url",
+        &[("DATABASE_URL", &pg.url())],
+    )
+    .output()
+    .expect("run helper");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && stdout.contains("CREATED "),
+        "helper failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let client = connect(&pg.connection_string("postgres"))
+        .await
+        .expect("connect");
+    let left = client
+        .query_typed_one(
+            "SELECT count(*) FROM pg_database WHERE datname LIKE 'tokenlease_test_%'",
+            &[],
+        )
+        .await
+        .expect("count")
+        .get::<_, i64>(0);
+    assert_eq!(left, 0, "test databases were not dropped");
+}
+
+/// Not a check: prints how long a cluster takes to start with and without the template cache.
+/// `cargo test --test embedded start_times -- --ignored --nocapture`
+#[test]
+#[ignore = "timing report, run by hand"]
+fn start_times_with_and_without_the_template_cache() {
+    let _warm = TempPostgres::start().expect("warm the cache");
+    for _ in 0..3 {
+        let t = Instant::now();
+        let pg = TempPostgres::start().expect("cached");
+        let cached = t.elapsed();
+        let t = Instant::now();
+        drop(pg);
+        let dropped = t.elapsed();
+        let t = Instant::now();
+        let pg = TempPostgres::builder()
+            .template_cache(false)
+            .start()
+            .expect("uncached");
+        let uncached = t.elapsed();
+        drop(pg);
+        println!("start cached {cached:?}, uncached (initdb) {uncached:?}; drop {dropped:?}");
+    }
+}
