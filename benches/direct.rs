@@ -1,0 +1,233 @@
+//! Direct mode against a real PostgreSQL, side by side with pgbench running the bare statement
+//! on the same server at the same concurrency.
+//!
+//! `cargo bench --bench direct` starts a throwaway cluster (durable settings), runs the criterion
+//! groups, then pgbench, and prints one table with both. Every call is allowed (a bucket far too
+//! large to run dry), so the figures are the statement's cost, not denials.
+//!
+//! - `direct/{1,16}_tasks/{hot,10k_keys}`: `Limiter::try_acquire_with`, one pool per limiter
+//!   (as many connections as tasks), concurrent callers of one key coalesced (the default).
+//! - `direct/16_tasks/hot_uncoalesced`: one statement per call, as a naive limiter would.
+//! - `direct/*/hot_sync_off`: the same with `synchronous_commit = off` on the limiter's sessions.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput};
+use tokenlease::Limiter;
+use tokenlease::bucket::{BucketConfig, Rate, Tokens};
+use tokenlease::embedded::TempPostgres;
+use tokenlease::policy::Plan;
+use tokenlease::store::PostgresStore;
+use tokenlease::store::postgres::ACQUIRE_SQL;
+
+const KEYS: u64 = 10_000;
+const CAPACITY: u64 = 1_000_000_000_000;
+const RATE: u64 = 1_000_000_000;
+
+fn plan() -> Plan {
+    let bucket = BucketConfig::new(
+        Tokens::whole(CAPACITY),
+        Rate::per_second(RATE).expect("rate"),
+    )
+    .expect("bucket");
+    Plan::new("bench", bucket)
+}
+
+struct Setup {
+    runtime: tokio::runtime::Runtime,
+    server: TempPostgres,
+}
+
+fn limiter(setup: &Setup, pool: u32, coalesce: bool, sync_commit: bool) -> Limiter {
+    setup.runtime.block_on(async {
+        let store = PostgresStore::builder(&setup.server.connection_string("postgres"))
+            .expect("config")
+            .pool_size(pool)
+            .call_timeout(Duration::from_secs(10))
+            .pool_wait_timeout(Duration::from_secs(10))
+            .statement_timeout(Duration::from_secs(10))
+            .lock_timeout(Duration::from_secs(10))
+            .synchronous_commit(sync_commit)
+            .build()
+            .await
+            .expect("store");
+        Limiter::builder(store).coalesce(coalesce).build()
+    })
+}
+
+/// Runs `iters` calls spread over `tasks` tasks and returns the wall time they took.
+fn run(setup: &Setup, limiter: &Limiter, tasks: u64, iters: u64, many_keys: bool) -> Duration {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let plan = Arc::new(plan());
+    setup.runtime.block_on(async {
+        let per_task = iters.div_ceil(tasks);
+        let started = Instant::now();
+        let handles: Vec<_> = (0..tasks)
+            .map(|_| {
+                let (limiter, plan) = (limiter.clone(), Arc::clone(&plan));
+                tokio::spawn(async move {
+                    for _ in 0..per_task {
+                        let key = if many_keys {
+                            format!("k{}", NEXT.fetch_add(1, Ordering::Relaxed) % KEYS)
+                        } else {
+                            "hot".to_owned()
+                        };
+                        let d = limiter
+                            .try_acquire_with(&plan, &key, 1.0)
+                            .await
+                            .expect("ok");
+                        assert!(d.allowed);
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.await.expect("task");
+        }
+        let elapsed = started.elapsed();
+        // Scale to exactly `iters` calls.
+        elapsed.mul_f64(iters as f64 / (per_task * tasks) as f64)
+    })
+}
+
+fn bench_direct(c: &mut Criterion, setup: &Setup) {
+    let mut group = c.benchmark_group("direct");
+    group.throughput(Throughput::Elements(1));
+    group.sample_size(10);
+    group.warm_up_time(Duration::from_secs(1));
+    group.measurement_time(Duration::from_secs(4));
+    for tasks in [1u64, 16] {
+        for (name, many, coalesce, sync) in [
+            ("hot", false, true, true),
+            ("10k_keys", true, true, true),
+            ("hot_uncoalesced", false, false, true),
+            ("hot_sync_off", false, true, false),
+        ] {
+            if tasks == 1 && name == "hot_uncoalesced" {
+                continue; // one task never coalesces
+            }
+            let limiter = limiter(setup, tasks as u32, coalesce, sync);
+            group.bench_function(format!("{tasks}_tasks/{name}"), |b| {
+                b.iter_custom(|iters| run(setup, &limiter, tasks, iters, many));
+            });
+        }
+    }
+    group.finish();
+}
+
+/// pgbench on the bare statement: the same SQL, keys and concurrency, extended protocol.
+fn pgbench(setup: &Setup, clients: u32, many_keys: bool, sync_commit: bool) -> Option<f64> {
+    let key = if many_keys {
+        "ARRAY['pg' || :n]"
+    } else {
+        "ARRAY['pghot']"
+    };
+    let one = |v: u64| format!("ARRAY['{v}']");
+    let sql = ACQUIRE_SQL
+        .replace("$1::text[]", &format!("{key}::text[]"))
+        .replace("$2::text[]", &format!("{}::text[]", one(CAPACITY)))
+        .replace("$3::text[]", &format!("{}::text[]", one(RATE)))
+        .replace("$4::text[]", "ARRAY['1']::text[]")
+        .replace("$5::text[]", "ARRAY['1']::text[]")
+        .replace("$6::text[]", "ARRAY['1']::text[]");
+    let sql: String = sql
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("--"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let script = format!("\\set n random(1, {KEYS})\n{sql};\n");
+    let dir = std::env::temp_dir().join(format!("tokenlease-pgbench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).ok()?;
+    let file = dir.join("acquire.sql");
+    std::fs::write(&file, script).ok()?;
+    let options = if sync_commit {
+        ""
+    } else {
+        "-c synchronous_commit=off"
+    };
+    let out = Command::new(setup.server.bin_dir().join("pgbench"))
+        .args([
+            "-h",
+            setup.server.host(),
+            "-p",
+            &setup.server.port().to_string(),
+        ])
+        .args([
+            "-U", "postgres", "-n", "-M", "extended", "-T", "5", "-j", "2",
+        ])
+        .args(["-c", &clients.to_string(), "-f"])
+        .arg(&file)
+        .arg("postgres")
+        .env("PGOPTIONS", options)
+        .output()
+        .ok()?;
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let tps = text
+        .lines()
+        .find(|l| l.starts_with("tps"))
+        .and_then(|l| l.split_whitespace().nth(2))
+        .and_then(|v| v.parse().ok());
+    if tps.is_none() {
+        eprintln!("pgbench failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    tps
+}
+
+/// Reads criterion's mean time per call for one benchmark, as calls per second.
+fn criterion_rate(id: &str) -> Option<f64> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("target/criterion/direct")
+        .join(id.replace('/', "_"))
+        .join("new/estimates.json");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+    let mean_ns = json["mean"]["point_estimate"].as_f64()?;
+    Some(1e9 / mean_ns)
+}
+
+fn main() {
+    let server = TempPostgres::start().expect("throwaway PostgreSQL");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let setup = Setup { runtime, server };
+    let mut criterion = Criterion::default().configure_from_args();
+    bench_direct(&mut criterion, &setup);
+    criterion.final_summary();
+
+    println!(
+        "\n| concurrency | keys | tokenlease direct (calls/s) | pgbench, bare statement (tx/s) |"
+    );
+    println!("|---|---|---|---|");
+    for tasks in [1u32, 16] {
+        for (name, label, many, sync) in [
+            ("hot", "1 hot key", false, true),
+            ("10k_keys", "10,000 keys", true, true),
+            ("hot_uncoalesced", "1 hot key, uncoalesced", false, true),
+            (
+                "hot_sync_off",
+                "1 hot key, synchronous_commit = off",
+                false,
+                false,
+            ),
+        ] {
+            if tasks == 1 && name == "hot_uncoalesced" {
+                continue;
+            }
+            let ours = criterion_rate(&format!("{tasks}_tasks/{name}"));
+            let theirs = if name == "hot_uncoalesced" {
+                None
+            } else {
+                pgbench(&setup, tasks, many, sync)
+            };
+            let fmt = |v: Option<f64>| v.map_or("–".to_owned(), |v| format!("{v:.0}"));
+            println!("| {tasks} | {label} | {} | {} |", fmt(ours), fmt(theirs));
+        }
+    }
+}
