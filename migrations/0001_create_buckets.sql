@@ -3,8 +3,9 @@
 -- Why these choices:
 -- * Logged (not UNLOGGED): an UNLOGGED table comes back empty after a crash, which would refill
 --   every bucket at once. Rate-limit state is soft, but not that soft.
--- * numeric(30, 9): tokens are exact fixed-point decimals with nine fraction digits, the same
---   scale as the library's in-memory `Tokens`, so the SQL and the pure bucket agree exactly.
+-- * numeric(38, 18): tokens are exact fixed-point decimals with eighteen fraction digits (20
+--   integer digits hold u64::MAX), the same scale as the library's in-memory `Tokens`, so the
+--   SQL and the pure bucket agree exactly.
 -- * The policy (capacity, refill rate) is stored on the row so the row alone explains itself to
 --   an operator (`tokenlease inspect`), and a changed policy takes effect on the next call.
 -- * CHECK constraints bound every number from both sides: in PostgreSQL 'NaN' compares greater
@@ -14,11 +15,11 @@
 -- * updated_at is the database's own clock (now()), never an application clock.
 CREATE TABLE IF NOT EXISTS tokenlease_buckets (
     key               text           PRIMARY KEY,
-    tokens            numeric(30, 9) NOT NULL,
-    capacity          numeric(30, 9) NOT NULL,
-    refill_per_second numeric(30, 9) NOT NULL,
+    tokens            numeric(38, 18) NOT NULL,
+    capacity          numeric(38, 18) NOT NULL,
+    refill_per_second numeric(38, 18) NOT NULL,
     updated_at        timestamptz    NOT NULL,
-    last_granted      numeric(30, 9) NOT NULL DEFAULT 0,
+    last_granted      numeric(38, 18) NOT NULL DEFAULT 0,
     CONSTRAINT tokenlease_buckets_capacity_range
         CHECK (capacity <> 'NaN' AND capacity > 0 AND capacity <= 18446744073709551615),
     CONSTRAINT tokenlease_buckets_rate_range
@@ -37,22 +38,18 @@ COMMENT ON TABLE tokenlease_buckets IS
 COMMENT ON COLUMN tokenlease_buckets.last_granted IS
     'tokens granted by the most recent acquire statement, so RETURNING can report the grant';
 
--- The refill, written once: tokens at `at` for a bucket that held `tokens` at `updated_at`.
--- floor(elapsed × rate × 10⁹) nanotokens, capped at capacity; a negative elapsed time (a clock
--- that went backwards, or a refill time in the future) refills nothing. This is exactly the
--- arithmetic of the library's pure bucket (src/bucket/math.rs). Multiplying by 0.000000001
--- instead of dividing by 10⁹ keeps numeric exact: division picks its own result scale.
--- IMMUTABLE with an immutable body (timestamptz - timestamptz, extract from an interval), so
--- the planner inlines it into each statement.
+-- The refill, written once: tokens at `at` for a bucket that held `tokens` at `updated_at`:
+-- elapsed seconds × rate, capped at capacity. Elapsed time has six fraction digits (microseconds)
+-- and the rate nine (whole nanotokens per second), so the product is exact in numeric and fits
+-- the eighteen-digit scale: no rounding, no drift. A negative elapsed time (a clock that went
+-- backwards, or a refill time in the future) refills nothing. This is exactly the arithmetic of
+-- the library's pure bucket (src/bucket/math.rs). IMMUTABLE with an immutable body
+-- (timestamptz - timestamptz, extract from an interval), so the planner inlines it.
 CREATE OR REPLACE FUNCTION tokenlease_refill(
     tokens numeric, capacity numeric, rate numeric, updated_at timestamptz, at timestamptz
 ) RETURNS numeric
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
-RETURN least(
-    capacity,
-    tokens + floor(greatest(0, extract(epoch FROM (at - updated_at))) * rate * 1000000000)
-             * 0.000000001
-);
+RETURN least(capacity, tokens + greatest(0, extract(epoch FROM (at - updated_at))) * rate);
 
 -- What a bucket holding `available` tokens grants for a request (min, want, step): the largest
 -- multiple of `step` that is at most `want` and at most `available`, if that reaches `min`;

@@ -56,10 +56,10 @@ impl Fallback {
 }
 
 /// One instance's share of a bucket: capacity and rate divided by `instances` (at least one
-/// nanotoken of each).
+/// attotoken of capacity and one nanotoken per second of rate).
 pub(crate) fn local_share(bucket: &BucketConfig, instances: u32) -> BucketConfig {
     let n = u128::from(instances.max(1));
-    let capacity = Tokens::from_nanos((bucket.capacity().as_nanos() / n).max(1));
+    let capacity = Tokens::from_atto((bucket.capacity().as_atto() / n).max(1));
     let rate = Rate::from_nanos_per_second(
         (bucket.rate().as_nanos_per_second() / instances.max(1) as u64).max(1),
     )

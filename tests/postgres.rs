@@ -37,7 +37,7 @@ async fn database_decides_exactly_as_the_pure_bucket() {
     let (mut allowed, mut denied) = (0, 0);
     for step in 0..400 {
         let age_ms = next(4_000);
-        let cost = Tokens::from_nanos(u128::from(1 + next(20_000)) * 1_000_000);
+        let cost = Tokens::from_atto(u128::from(1 + next(20_000)) * 1_000_000_000_000_000);
         if model.is_some() {
             exec(
                 &store,

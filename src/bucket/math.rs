@@ -58,19 +58,19 @@ impl BucketConfig {
         self.rate
     }
 
-    /// Tokens that `elapsed` nanoseconds add, before the capacity cap.
+    /// Tokens that `elapsed` nanoseconds add, before the capacity cap: exactly `elapsed × rate`
+    /// attotokens (nanoseconds × nanotokens per second).
     pub fn refill_amount(&self, elapsed: u64) -> Tokens {
         // elapsed < 2^64 and rate <= 10^18 < 2^60: the product fits in u128.
-        let nanos = elapsed as u128 * self.rate.as_nanos_per_second() as u128 / Tokens::SCALE;
-        Tokens::from_nanos(nanos)
+        Tokens::from_atto(elapsed as u128 * self.rate.as_nanos_per_second() as u128)
     }
 
     /// Nanoseconds until `deficit` more tokens have been refilled (rounded up), saturating at
     /// `u64::MAX`.
     pub fn time_to_refill(&self, deficit: Tokens) -> u64 {
         let rate = self.rate.as_nanos_per_second() as u128;
-        // deficit <= 2^64 * 10^9 < 2^94; times 10^9 < 2^124: fits.
-        let nanos = (deficit.as_nanos() * Tokens::SCALE).div_ceil(rate);
+        // Attotokens over nanotokens per second: nanoseconds.
+        let nanos = deficit.as_atto().div_ceil(rate);
         u64::try_from(nanos).unwrap_or(u64::MAX)
     }
 }

@@ -8,17 +8,18 @@
 //!
 //! # The arithmetic
 //!
-//! With capacity `C`, rate `r` (nanotokens per second) and elapsed time `e` (nanoseconds):
+//! With capacity `C`, rate `r` (nanotokens per second) and elapsed time `e` (nanoseconds), in
+//! attotokens (10⁻¹⁸ token):
 //!
 //! ```text
-//! refilled = min(C, tokens + floor(e × r / 10⁹))
+//! refilled = min(C, tokens + e × r)
 //! ```
 //!
 //! and `last_refill` becomes `max(last_refill, now)`, so a clock that goes backwards refills
-//! nothing and never removes tokens. Flooring loses less than one nanotoken per call, so a bucket
-//! driven ten times a second for a year (3.2 × 10⁸ calls) falls behind by less than 0.32 token
-//! (0.21 at 2/3 token/s; `tests/bucket_props.rs`). It only ever loses, never over-grants. On a
-//! clock that ticks in exact steps, those lost nanotokens can delay a take by one step.
+//! nothing and never removes tokens. A nanosecond times a nanotoken per second is exactly one
+//! attotoken, so the refill is an exact integer product: no rounding, no drift, however often the
+//! bucket is called. The only rounding is of the rate itself to whole nanotokens per second
+//! (2/3 token/s becomes 0.666666667), which is under 10⁻⁹ token per second.
 
 mod math;
 mod tokens;

@@ -1,13 +1,13 @@
 //! Fixed-point token amounts and refill rates.
 //!
-//! One token is [`Tokens::SCALE`] (10⁹) units, so amounts carry nine decimal places exactly, the
-//! same scale as the `numeric(30, 9)` columns in PostgreSQL. Integer arithmetic keeps the pure
+//! One token is [`Tokens::SCALE`] (10¹⁸) units, so amounts carry eighteen decimal places exactly, the
+//! same scale as the `numeric(38, 18)` columns in PostgreSQL. Integer arithmetic keeps the pure
 //! bucket and the SQL statement bit-for-bit identical and free of floating-point drift.
 
 use std::fmt;
 use std::str::FromStr;
 
-/// An amount of tokens with nine exact decimal places (a count of nanotokens).
+/// An amount of tokens with eighteen exact decimal places (a count of attotokens, 10⁻¹⁸ token).
 ///
 /// The largest amount is `u64::MAX` whole tokens, which keeps every product in the refill
 /// arithmetic inside `u128`.
@@ -15,8 +15,8 @@ use std::str::FromStr;
 pub struct Tokens(u128);
 
 impl Tokens {
-    /// Units (nanotokens) in one whole token.
-    pub const SCALE: u128 = 1_000_000_000;
+    /// Units (attotokens) in one whole token.
+    pub const SCALE: u128 = 1_000_000_000_000_000_000;
     /// No tokens.
     pub const ZERO: Tokens = Tokens(0);
     /// The largest amount: `u64::MAX` whole tokens.
@@ -27,8 +27,8 @@ impl Tokens {
         Tokens(n as u128 * Self::SCALE)
     }
 
-    /// An amount given in nanotokens, saturating at [`Tokens::MAX`].
-    pub const fn from_nanos(nanos: u128) -> Self {
+    /// An amount given in attotokens, saturating at [`Tokens::MAX`].
+    pub const fn from_atto(nanos: u128) -> Self {
         if nanos > Self::MAX.0 {
             Self::MAX
         } else {
@@ -36,12 +36,22 @@ impl Tokens {
         }
     }
 
-    /// The amount in nanotokens.
+    /// An amount given in nanotokens (10⁻⁹ token), saturating at [`Tokens::MAX`].
+    pub const fn from_nanos(nanos: u128) -> Self {
+        Self::from_atto(nanos.saturating_mul(1_000_000_000))
+    }
+
+    /// The amount in whole nanotokens, rounded down.
     pub const fn as_nanos(self) -> u128 {
+        self.0 / 1_000_000_000
+    }
+
+    /// The amount in attotokens.
+    pub const fn as_atto(self) -> u128 {
         self.0
     }
 
-    /// Converts a floating-point amount, rounding to the nearest nanotoken.
+    /// Converts a floating-point amount, rounding to the nearest attotoken.
     ///
     /// Returns `None` for NaN, infinities, negative values and values above [`Tokens::MAX`].
     pub fn from_f64(x: f64) -> Option<Self> {
@@ -57,7 +67,7 @@ impl Tokens {
         Some(Tokens(nanos as u128))
     }
 
-    /// The amount as a float (exact up to 2⁵³ nanotokens, rounded above).
+    /// The amount as a float (rounded to 53 significant bits).
     pub fn as_f64(self) -> f64 {
         let whole = (self.0 / Self::SCALE) as f64;
         let frac = (self.0 % Self::SCALE) as f64 / Self::SCALE as f64;
@@ -81,7 +91,7 @@ impl Tokens {
 
     /// `self + rhs`, saturating at [`Tokens::MAX`].
     pub const fn saturating_add(self, rhs: Tokens) -> Tokens {
-        Tokens::from_nanos(self.0.saturating_add(rhs.0))
+        Tokens::from_atto(self.0.saturating_add(rhs.0))
     }
 
     /// `self - rhs`, saturating at zero.
@@ -95,11 +105,12 @@ impl Tokens {
     }
 }
 
-/// Writes the amount as a decimal with exactly nine fraction digits (`"12.500000000"`), the text
+/// Writes the amount as a decimal with exactly eighteen fraction digits
+/// (`"12.500000000000000000"`), the text
 /// form PostgreSQL's `numeric` reads and writes.
 impl fmt::Display for Tokens {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.{:09}", self.0 / Self::SCALE, self.0 % Self::SCALE)
+        write!(f, "{}.{:018}", self.0 / Self::SCALE, self.0 % Self::SCALE)
     }
 }
 
@@ -112,7 +123,7 @@ pub struct ParseTokensError {
 }
 
 /// Parses a plain non-negative decimal (`"12"`, `"12.5"`, `"0.000000001"`), as PostgreSQL prints
-/// `numeric`. More than nine fraction digits, signs, exponents, `NaN` and `Infinity` are refused.
+/// `numeric`. More than eighteen fraction digits, signs, exponents, `NaN` and `Infinity` are refused.
 impl FromStr for Tokens {
     type Err = ParseTokensError;
 
@@ -128,21 +139,21 @@ impl FromStr for Tokens {
         if !frac.bytes().all(|b| b.is_ascii_digit()) {
             return Err(err("expected digits after the decimal point"));
         }
-        if frac.len() > 9 {
-            return Err(err("more than nine fraction digits"));
+        if frac.len() > 18 {
+            return Err(err("more than eighteen fraction digits"));
         }
         let int: u128 = int.parse().map_err(|_| err("too large"))?;
-        let mut frac_nanos: u128 = if frac.is_empty() {
+        let mut frac_atto: u128 = if frac.is_empty() {
             0
         } else {
             frac.parse().map_err(|_| err("bad fraction"))?
         };
-        for _ in frac.len()..9 {
-            frac_nanos *= 10;
+        for _ in frac.len()..18 {
+            frac_atto *= 10;
         }
         let nanos = int
             .checked_mul(Self::SCALE)
-            .and_then(|n| n.checked_add(frac_nanos))
+            .and_then(|n| n.checked_add(frac_atto))
             .filter(|&n| n <= Self::MAX.0)
             .ok_or_else(|| err("too large"))?;
         Ok(Tokens(nanos))
@@ -202,7 +213,7 @@ impl Rate {
 
     /// The rate in tokens per second as a [`Tokens`] amount (its decimal text is what SQL binds).
     pub const fn per_second_amount(self) -> Tokens {
-        Tokens(self.0 as u128)
+        Tokens(self.0 as u128 * 1_000_000_000)
     }
 }
 

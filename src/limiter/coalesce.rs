@@ -147,7 +147,7 @@ impl Coalescer {
                 take_batch(&mut in_flight.queue, bucket.capacity())
             };
             let cost = batch[0].cost;
-            let want = Tokens::from_nanos(cost.as_nanos() * batch.len() as u128);
+            let want = Tokens::from_atto(cost.as_atto() * batch.len() as u128);
             let request = AcquireRequest {
                 key: &key,
                 bucket,
@@ -171,7 +171,7 @@ impl Coalescer {
 /// one bucket; the others keep their places.
 fn take_batch(queue: &mut Vec<Waiter>, capacity: Tokens) -> Vec<Waiter> {
     let cost = queue[0].cost;
-    let max = std::cmp::max(1, capacity.as_nanos() / std::cmp::max(cost.as_nanos(), 1)) as usize;
+    let max = std::cmp::max(1, capacity.as_atto() / std::cmp::max(cost.as_atto(), 1)) as usize;
     let mut batch = Vec::new();
     let mut rest = Vec::new();
     for waiter in queue.drain(..) {
@@ -187,17 +187,17 @@ fn take_batch(queue: &mut Vec<Waiter>, capacity: Tokens) -> Vec<Waiter> {
 
 /// Hands a grant of `k × cost` to the first `k` waiters; the rest are denied.
 fn share_out(batch: Vec<Waiter>, acquired: &Acquired, bucket: &BucketConfig) {
-    let cost = batch[0].cost.as_nanos().max(1);
-    let admitted = (acquired.granted.as_nanos() / cost) as usize;
+    let cost = batch[0].cost.as_atto().max(1);
+    let admitted = (acquired.granted.as_atto() / cost) as usize;
     let denied_retry =
-        nanos(bucket.time_to_refill(Tokens::from_nanos(cost).saturating_sub(acquired.remaining)));
+        nanos(bucket.time_to_refill(Tokens::from_atto(cost).saturating_sub(acquired.remaining)));
     for (i, waiter) in batch.into_iter().enumerate() {
         let reply = if i < admitted {
             // What this caller would have seen had the takes after it not happened yet.
             let later = (admitted - 1 - i) as u128 * cost;
             Acquired {
                 granted: waiter.cost,
-                remaining: acquired.remaining.saturating_add(Tokens::from_nanos(later)),
+                remaining: acquired.remaining.saturating_add(Tokens::from_atto(later)),
                 retry_after: std::time::Duration::ZERO,
                 ..*acquired
             }

@@ -223,7 +223,7 @@ fn validate_cost(plan: &Plan, cost: f64) -> Result<Tokens, Error> {
     }
     let tokens = Tokens::from_f64(cost).ok_or_else(|| invalid("the cost is too large"))?;
     if tokens.is_zero() {
-        return Err(invalid("the cost is below one nanotoken"));
+        return Err(invalid("the cost is below one attotoken (10⁻¹⁸ token)"));
     }
     if tokens > plan.capacity() {
         return Err(invalid("the cost is larger than the plan's capacity"));

@@ -30,7 +30,7 @@ pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
 /// tokens there, if that is at least `min`; otherwise nothing. A plain take is
 /// [`AcquireRequest::take`] (`min == want == step == cost`); `n` coalesced takes of one cost are
 /// `min = step = cost, want = n × cost`; a lease accepts any amount from `min` to `want`
-/// ([`AcquireRequest::lease`], `step` one nanotoken).
+/// ([`AcquireRequest::lease`], `step` one attotoken).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AcquireRequest<'a> {
     /// The bucket's key; already validated (see [`crate::error::validate_key`]).
@@ -58,22 +58,22 @@ impl<'a> AcquireRequest<'a> {
         }
     }
 
-    /// Take anything from `min` to `want`, to the nanotoken.
+    /// Take anything from `min` to `want`, to the attotoken.
     pub const fn lease(key: &'a str, bucket: BucketConfig, min: Tokens, want: Tokens) -> Self {
         AcquireRequest {
             key,
             bucket,
             min,
             want,
-            step: Tokens::from_nanos(1),
+            step: Tokens::from_atto(1),
         }
     }
 
     /// What a bucket holding `available` tokens grants: the largest multiple of `step` up to
     /// `want` and `available`, if at least `min`; else zero. The SQL statement computes the same.
     pub fn grantable(&self, available: Tokens) -> Tokens {
-        let step = std::cmp::max(self.step.as_nanos(), 1);
-        let whole_steps = Tokens::from_nanos(available.as_nanos() / step * step);
+        let step = std::cmp::max(self.step.as_atto(), 1);
+        let whole_steps = Tokens::from_atto(available.as_atto() / step * step);
         let candidate = std::cmp::min(self.want, whole_steps);
         if candidate >= self.min && !candidate.is_zero() {
             candidate
