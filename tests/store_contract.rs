@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokenlease::bucket::{BucketConfig, Timestamp, Tokens};
 use tokenlease::clock::ManualClock;
 use tokenlease::embedded::TestDatabase;
-use tokenlease::store::{AcquireRequest, MemoryStore, PostgresStore, Store};
+use tokenlease::store::{AcquireRequest, GiveBack, MemoryStore, PostgresStore, Store};
 
 /// A store under test and a way to move its time.
 #[async_trait::async_trait]
@@ -238,6 +238,52 @@ async fn a_new_shape_takes_effect_on_the_next_call(h: &dyn Harness) {
     );
 }
 
+/// B3: a return carries an id; replaying it credits once, and the credit is capped at the
+/// capacity.
+async fn returns_are_idempotent_and_capped(h: &dyn Harness) {
+    take(h, "ret", t(C)).await; // empty
+    let give = |id, amount| GiveBack {
+        id,
+        key: "ret",
+        bucket: cfg(),
+        amount: t(amount),
+    };
+    for attempt in 0..3 {
+        let credited = h.store().give_back(&[give(7, 4)]).await.expect("give_back");
+        assert_eq!(credited, u64::from(attempt == 0), "attempt {attempt}");
+    }
+    let row = h
+        .store()
+        .inspect("ret")
+        .await
+        .expect("inspect")
+        .expect("row");
+    assert_eq!(row.tokens_now.floor(), 4, "credited once");
+    h.advance(Duration::from_secs(3600)).await; // refilled to C
+    assert_eq!(
+        h.store().give_back(&[give(8, 5)]).await.expect("give_back"),
+        1
+    );
+    let row = h
+        .store()
+        .inspect("ret")
+        .await
+        .expect("inspect")
+        .expect("row");
+    assert_eq!(
+        row.tokens_now,
+        t(C),
+        "a return into a full bucket leaves it full"
+    );
+    // A return for a bucket with no row (a full one) leaves a full bucket.
+    let other = GiveBack {
+        key: "ret-absent",
+        ..give(9, 3)
+    };
+    h.store().give_back(&[other]).await.expect("give_back");
+    assert_eq!(take(h, "ret-absent", t(C)).await.granted, t(C));
+}
+
 macro_rules! contract {
     ($($case:ident),* $(,)?) => {
         mod memory_store {
@@ -269,4 +315,5 @@ contract!(
     many_keys_in_one_call,
     idle_buckets_are_deleted_without_changing_decisions,
     a_new_shape_takes_effect_on_the_next_call,
+    returns_are_idempotent_and_capped,
 );

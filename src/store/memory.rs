@@ -7,8 +7,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use parking_lot::Mutex;
 
-use super::{AcquireRequest, Acquired, BucketRow, Store, StoreError, nanos};
-use crate::bucket::{BucketConfig, BucketState};
+use super::{AcquireRequest, Acquired, BucketRow, GiveBack, Store, StoreError, nanos};
+use crate::bucket::{BucketConfig, BucketState, Timestamp};
 use crate::clock::{Clock, MonotonicClock, system_time_from_timestamp};
 
 /// Shards of the key map; a power of two so a hash picks one with a mask.
@@ -27,6 +27,8 @@ type Shard = Mutex<HashMap<String, (BucketConfig, BucketState)>>;
 #[derive(Debug, Clone)]
 pub struct MemoryStore {
     shards: Arc<[Shard]>,
+    /// Return ids already credited, with when; forgotten by `delete_idle` after a day.
+    returned: Arc<Mutex<HashMap<i64, Timestamp>>>,
     hasher: RandomState,
     clock: Arc<dyn Clock>,
 }
@@ -48,6 +50,7 @@ impl MemoryStore {
     pub fn with_clock(clock: impl Clock) -> Self {
         MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            returned: Arc::default(),
             hasher: RandomState::new(),
             clock: Arc::new(clock),
         }
@@ -103,8 +106,29 @@ impl Store for MemoryStore {
         })
     }
 
+    async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
+        let now = self.clock.now();
+        let mut credited = 0;
+        for ret in returns {
+            if self.returned.lock().insert(ret.id, now).is_some() {
+                continue;
+            }
+            credited += 1;
+            let mut shard = self.shard(ret.key).lock();
+            if let Some((config, state)) = shard.get_mut(ret.key) {
+                *config = ret.bucket;
+                *state = state.credit(config, now, ret.amount);
+            }
+        }
+        Ok(credited)
+    }
+
     async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
         let now = self.clock.now();
+        let day = 86_400_000_000_000;
+        self.returned
+            .lock()
+            .retain(|_, at| now.saturating_since(*at) < day);
         let mut left = limit as usize;
         let mut deleted = 0;
         for shard in self.shards.iter() {

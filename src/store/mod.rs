@@ -98,6 +98,19 @@ pub struct Acquired {
     pub store_now: SystemTime,
 }
 
+/// Unused lease tokens going back to a bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GiveBack<'a> {
+    /// Names this return: a retry of the same return must reuse it, so it credits once.
+    pub id: i64,
+    /// The bucket's key.
+    pub key: &'a str,
+    /// The bucket's shape under the key's plan.
+    pub bucket: BucketConfig,
+    /// Tokens to credit; the bucket is capped at its capacity.
+    pub amount: Tokens,
+}
+
 /// A bucket as the store holds it, for `tokenlease inspect` and tests.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BucketRow {
@@ -169,6 +182,15 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         }
         Ok(out)
     }
+
+    /// Credits unused lease tokens back to their buckets (refilled first, capped at capacity).
+    /// A return whose id was already credited credits nothing: retrying after a timeout is
+    /// safe. Keys must be distinct within one call. Returns how many returns credited.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError`] when the store could not answer; the caller may retry with the same ids.
+    async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError>;
 
     /// Deletes up to `limit` buckets that have refilled to full (an absent bucket is a full
     /// bucket, so no decision changes). Returns how many were deleted.

@@ -70,11 +70,18 @@ impl fmt::Display for Migration {
 }
 
 /// Every migration of this version of the library, oldest first.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "create_buckets",
-    sql: include_str!("../../../migrations/0001_create_buckets.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "create_buckets",
+        sql: include_str!("../../../migrations/0001_create_buckets.sql"),
+    },
+    Migration {
+        version: 2,
+        description: "create_returns",
+        sql: include_str!("../../../migrations/0002_create_returns.sql"),
+    },
+];
 
 /// What [`migrate`] found and did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -16,7 +16,7 @@ use bb8_postgres::PostgresConnectionManager;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{NoTls, Row};
 
-use super::{AcquireRequest, Acquired, BucketRow, Store, StoreError, TimeoutKind, nanos};
+use super::{AcquireRequest, Acquired, BucketRow, GiveBack, Store, StoreError, TimeoutKind, nanos};
 use crate::bucket::Tokens;
 use crate::clock::timestamp_from_system_time;
 
@@ -26,6 +26,8 @@ pub mod migrate;
 mod sql {
     // language=SQL
     pub(super) const ACQUIRE: &str = include_str!("sql/acquire.sql");
+    // language=SQL
+    pub(super) const GIVE_BACK: &str = include_str!("sql/give_back.sql");
     // language=SQL
     pub(super) const DELETE_IDLE: &str = include_str!("sql/delete_idle.sql");
     // language=SQL
@@ -348,6 +350,33 @@ impl Store for PostgresStore {
                 })
             })
             .collect()
+    }
+
+    async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
+        if returns.is_empty() {
+            return Ok(0);
+        }
+        let ids: Vec<i64> = returns.iter().map(|r| r.id).collect();
+        let keys: Vec<&str> = returns.iter().map(|r| r.key).collect();
+        let text = |f: &dyn Fn(&GiveBack<'_>) -> Tokens| -> Vec<String> {
+            returns.iter().map(|r| f(r).to_string()).collect()
+        };
+        let amounts = text(&|r| r.amount);
+        let capacities = text(&|r| r.bucket.capacity());
+        let rates = text(&|r| r.bucket.rate().per_second_amount());
+        let rows = self
+            .query(
+                sql::GIVE_BACK,
+                &[
+                    (&ids, Type::INT8_ARRAY),
+                    (&keys, Type::TEXT_ARRAY),
+                    (&amounts, Type::TEXT_ARRAY),
+                    (&capacities, Type::TEXT_ARRAY),
+                    (&rates, Type::TEXT_ARRAY),
+                ],
+            )
+            .await?;
+        Ok(rows.len() as u64)
     }
 
     async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {

@@ -8,6 +8,13 @@ WITH idle AS (
     WHERE tokenlease_refill(tokens, capacity, refill_per_second, updated_at, now()) >= capacity
     LIMIT $1
     FOR UPDATE SKIP LOCKED
+),
+-- Lease returns older than a day can no longer be retried: forget their ids.
+old_returns AS (
+    DELETE FROM tokenlease_returns
+    WHERE id IN (SELECT id FROM tokenlease_returns
+                 WHERE returned_at < now() - interval '1 day'
+                 LIMIT $1 FOR UPDATE SKIP LOCKED)
 )
 DELETE FROM tokenlease_buckets AS b
 USING idle
