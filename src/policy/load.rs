@@ -21,6 +21,9 @@ use crate::bucket::{BucketConfig, Rate, Tokens};
 /// The name used in errors for a policy given as a string without a file.
 const NO_ORIGIN: &str = "<policy>";
 
+/// The unit of [`Rate`]: nanotokens per token.
+const NANOTOKENS_PER_TOKEN: u128 = 1_000_000_000;
+
 /// The longest plan name, in characters.
 const MAX_PLAN_NAME: usize = 64;
 
@@ -451,8 +454,9 @@ impl Checker {
                         "must be ≥ 1 millisecond, got 0",
                     ));
                 }
-                // tokens × 10⁹ nanotokens × 1000 ms/s fits in u128 (< 2⁶⁴ × 2⁴⁰).
-                let numerator = u128::from(refill.tokens) * Tokens::SCALE * 1000;
+                // Rate counts nanotokens per second (its own unit, independent of the finer
+                // scale of Tokens): tokens × 10⁹ × 1000 ms/s fits in u128 (< 2⁶⁴ × 2⁴⁰).
+                let numerator = u128::from(refill.tokens) * NANOTOKENS_PER_TOKEN * 1000;
                 let period = u128::from(refill.period_ms);
                 let nanos = (numerator + period / 2) / period;
                 let noun = if refill.tokens == 1 {
