@@ -100,6 +100,16 @@ async fn settings_are_durable_and_builder_settings_apply() {
             .start()
             .is_err()
     );
+    // A setting the server refuses: the error carries the server's own words from its log.
+    let err = TempPostgres::builder()
+        .setting("max_connections", "lots")
+        .start()
+        .expect_err("the server refuses max_connections = lots");
+    let message = err.to_string();
+    assert!(
+        message.contains("could not start PostgreSQL") && message.contains("max_connections"),
+        "{message}"
+    );
 }
 
 #[tokio::test]
@@ -418,4 +428,37 @@ fn start_times_with_and_without_the_template_cache() {
         drop(pg);
         println!("start cached {cached:?}, uncached (initdb) {uncached:?}; drop {dropped:?}");
     }
+}
+
+/// D7 freezes the server with SIGSTOP; a test that fails before resuming it must still not
+/// leave a frozen server behind.
+#[test]
+fn drop_stops_a_server_frozen_with_sigstop() {
+    let pg = TempPostgres::start().expect("start");
+    let pid = pg.postmaster_pid().expect("pid");
+    let data = pg.data_dir().to_path_buf();
+    let status = std::process::Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .expect("kill -STOP");
+    assert!(status.success());
+    let started = Instant::now();
+    drop(pg);
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "drop took {:?}",
+        started.elapsed()
+    );
+    assert!(!data.exists());
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().chars().next())
+        })
+        .flatten();
+    assert!(
+        state.is_none() || state == Some('Z'),
+        "postmaster {pid}: {state:?}"
+    );
 }

@@ -530,11 +530,16 @@ impl TempPostgres {
 }
 
 impl Drop for TempPostgres {
-    /// Stops the server at once (`pg_ctl stop -m immediate`; if that fails, SIGKILL to the
-    /// postmaster) and removes the temp dir. Never panics; errors are ignored.
+    /// Stops the server at once (SIGCONT first if a test stopped it with SIGSTOP, then
+    /// `pg_ctl stop -m immediate`; if that fails, SIGKILL to the postmaster) and removes the
+    /// temp dir. Never panics; errors are ignored.
     fn drop(&mut self) {
         if let Some(pid) = read_postmaster_pid(&self.data_dir) {
             if os::process_alive(pid) != Some(false) {
+                // A fault test may have SIGSTOPped the server; a stopped server cannot stop.
+                if os::is_postmaster_of(pid, &self.data_dir) {
+                    os::resume_stopped(pid);
+                }
                 let mut cmd = self.pg_ctl();
                 cmd.args(["stop", "-D"])
                     .arg(&self.data_dir)
@@ -606,6 +611,13 @@ mod tests {
         assert!(validate_setting("bad name", "1").is_err());
         assert!(validate_setting("x", "1\nfsync = off").is_err());
         assert_eq!(conf_quote("it's"), "'it''s'");
+    }
+
+    #[test]
+    fn handles_can_be_shared_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<TempPostgres>();
+        assert_send_sync::<TempPostgresBuilder>();
     }
 
     #[test]

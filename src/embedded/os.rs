@@ -414,3 +414,41 @@ pub(crate) fn wait_gone(pid: u32, wait: Duration) {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// Sends SIGCONT to `pid` and its direct children, so that a shutdown can proceed even if a
+/// fault test stopped them with SIGSTOP. Unconditionally: a SIGSTOP still pending (the target
+/// not yet scheduled on a busy machine) does not show in `/proc` yet, and SIGCONT discards it.
+/// Harmless to running processes. Linux only; a no-op elsewhere.
+pub(crate) fn resume_stopped(pid: u32) {
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return;
+    };
+    let mut targets = vec![pid.to_string()];
+    for entry in entries.flatten() {
+        let Some(p) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid ..."; comm may contain spaces, so split after the last ')'.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            targets.push(p.to_string());
+        }
+    }
+    let _ = Command::new("kill")
+        .arg("-CONT")
+        .args(&targets)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+}
