@@ -455,6 +455,35 @@ fn errors_are_one_lower_case_line() {
     }
 }
 
+/// The schema is at most five objects deep and every object refuses unknown fields, so deep
+/// input is refused at the first level that does not fit, long before serde_json's recursion
+/// limit (128) or the stack.
+#[test]
+fn deep_nesting_is_an_error_not_a_stack_overflow() {
+    let deep = format!("{{\"plans\": {}", "[".repeat(100_000));
+    let err = Policies::from_json_str(&deep, None).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "<policy>:1:10: plans: invalid type: sequence, expected an object of plans by name"
+    );
+    let deep = format!(
+        "{{\"plans\": {{\"p\": {{\"lease\": {}",
+        "{\"a\":".repeat(50_000)
+    );
+    let err = Policies::from_json_str(&deep, None).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "<policy>:1:30: plans.p.lease.a: unknown field `a`, expected one of `ttl_ms`, \
+         `max_fraction`, `low_water`, `refresh_ms`, `max_wait_ms`"
+    );
+    let deep = "[".repeat(100_000);
+    let err = Policies::from_json_str(&deep, None).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "<policy>:1:0: invalid type: sequence, expected a policy object"
+    );
+}
+
 #[test]
 fn from_file_names_the_path_as_given() {
     let path = fixtures().join("invalid/capacity_zero.json");
