@@ -18,6 +18,7 @@ pub mod clock;
 pub mod embedded;
 pub mod error;
 mod fallback;
+pub mod lease;
 pub mod limiter;
 pub mod policy;
 pub mod store;

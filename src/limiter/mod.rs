@@ -7,9 +7,13 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use std::sync::OnceLock;
+use std::time::Instant;
+
 use crate::bucket::Tokens;
 use crate::error::{Error, validate_key};
 use crate::fallback::Fallback;
+use crate::lease::{Fast, LeaseStats, Leases, TableSettings};
 use crate::policy::{FallbackMode, Plan, Policies};
 use crate::store::{AcquireRequest, Acquired, Store};
 
@@ -23,6 +27,9 @@ use coalesce::Coalescer;
 pub enum DecidedBy {
     /// The shared store (one statement in PostgreSQL).
     Store,
+    /// This process's lease on the key: tokens reserved from the store earlier, or the store's
+    /// last word that the bucket is empty until `retry_after`.
+    Lease,
     /// The plan's fallback, because the store failed or timed out.
     Fallback(FallbackMode),
 }
@@ -90,6 +97,18 @@ struct Inner {
     policies: Option<Policies>,
     coalescer: Option<Arc<Coalescer>>,
     fallback: Fallback,
+    /// The lease table and its actor, started by the first call on a leased plan.
+    leases: OnceLock<Arc<Leases>>,
+    table: TableSettings,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The actor gives every lease back and stops.
+        if let Some(leases) = self.leases.get() {
+            leases.stop();
+        }
+    }
 }
 
 /// Settings for a [`Limiter`].
@@ -98,6 +117,7 @@ pub struct LimiterBuilder {
     store: Arc<dyn Store>,
     policies: Option<Policies>,
     coalesce: bool,
+    table: TableSettings,
 }
 
 impl LimiterBuilder {
@@ -115,6 +135,21 @@ impl LimiterBuilder {
         self
     }
 
+    /// The most keys the lease table holds. Beyond it, new keys are decided without a lease (one
+    /// store call each) while the actor evicts idle keys, so memory stays bounded however many
+    /// distinct keys arrive. Defaults to 100,000.
+    pub fn max_lease_keys(mut self, n: usize) -> Self {
+        self.table.max_entries = n.max(1);
+        self
+    }
+
+    /// How often the lease actor looks for expired and idle leases. Defaults to 50 ms; lease
+    /// lifetimes are kept to within about this much.
+    pub fn lease_tick(mut self, every: Duration) -> Self {
+        self.table.tick = every.max(Duration::from_millis(1));
+        self
+    }
+
     /// The limiter.
     pub fn build(self) -> Limiter {
         Limiter {
@@ -123,6 +158,8 @@ impl LimiterBuilder {
                 policies: self.policies,
                 coalescer: self.coalesce.then(Coalescer::new),
                 fallback: Fallback::default(),
+                leases: OnceLock::new(),
+                table: self.table,
             }),
         }
     }
@@ -140,6 +177,10 @@ impl Limiter {
             store,
             policies: None,
             coalesce: true,
+            table: TableSettings {
+                max_entries: 100_000,
+                tick: Duration::from_millis(50),
+            },
         }
     }
 
@@ -191,6 +232,89 @@ impl Limiter {
     ) -> Result<Decision, Error> {
         validate_key(key)?;
         let cost = validate_cost(plan, cost)?;
+        if let Some(settings) = plan.lease() {
+            let leases = self.leases();
+            let nanos = lease_cost(cost);
+            let fast = match leases.try_take(plan, key, nanos) {
+                Fast::Short(slot) if !settings.max_wait.is_zero() => {
+                    leases
+                        .wait(slot, nanos, Instant::now() + settings.max_wait)
+                        .await
+                }
+                other => other,
+            };
+            match fast {
+                Fast::Taken {
+                    left,
+                    store_remaining,
+                } => return Ok(lease_allowed(plan, left, store_remaining)),
+                Fast::Dry { retry_after } => return Ok(lease_denied(plan, retry_after)),
+                Fast::Failing | Fast::Short(_) => {
+                    return Ok(self.inner.fallback.decide(plan, key, cost).await);
+                }
+                Fast::NoRoom => {}
+            }
+        }
+        self.direct(plan, key, cost).await
+    }
+
+    /// Decides from the lease alone, never waiting: `Ok(None)` when that would need the store
+    /// (no live lease with enough tokens, or a direct-mode plan). A refill is asked for in the
+    /// background, so a later call may find the tokens.
+    ///
+    /// This is the fast path with nothing around it: a table lookup and a CAS.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_acquire_with`](Self::try_acquire_with).
+    ///
+    /// # Panics
+    ///
+    /// On a leased plan, when called outside a tokio runtime before any leased call started the
+    /// lease actor.
+    pub fn try_acquire_now_with(
+        &self,
+        plan: &Plan,
+        key: &str,
+        cost: f64,
+    ) -> Result<Option<Decision>, Error> {
+        validate_key(key)?;
+        let cost = validate_cost(plan, cost)?;
+        if plan.lease().is_none() {
+            return Ok(None);
+        }
+        Ok(match self.leases().try_take(plan, key, lease_cost(cost)) {
+            Fast::Taken {
+                left,
+                store_remaining,
+            } => Some(lease_allowed(plan, left, store_remaining)),
+            Fast::Dry { retry_after } => Some(lease_denied(plan, retry_after)),
+            Fast::Failing | Fast::Short(_) | Fast::NoRoom => None,
+        })
+    }
+
+    /// Counters of the lease table: tokens leased, returned, stranded and outstanding. `None`
+    /// before the first call on a leased plan.
+    pub fn lease_stats(&self) -> Option<LeaseStats> {
+        self.inner.leases.get().map(|l| l.stats())
+    }
+
+    /// Gives every lease back to the store and stops the lease actor; waits until done. Later
+    /// calls on leased plans are decided without leases (one store call each).
+    pub async fn shutdown(&self) {
+        if let Some(leases) = self.inner.leases.get() {
+            leases.shutdown().await;
+        }
+    }
+
+    fn leases(&self) -> &Arc<Leases> {
+        self.inner.leases.get_or_init(|| {
+            Leases::start(Arc::clone(&self.inner.store), self.inner.table)
+        })
+    }
+
+    /// Direct mode: one store statement (shared with concurrent callers of the key).
+    async fn direct(&self, plan: &Plan, key: &str, cost: Tokens) -> Result<Decision, Error> {
         let bucket = *plan.bucket();
         let result = match &self.inner.coalescer {
             Some(coalescer) => coalescer.take(&self.inner.store, key, bucket, cost).await,
@@ -205,6 +329,35 @@ impl Limiter {
             Ok(acquired) => Ok(Decision::from_store(plan, &acquired)),
             Err(_) => Ok(self.inner.fallback.decide(plan, key, cost).await),
         }
+    }
+}
+
+/// A cost in whole nanotokens, the lease word's unit (rounded up).
+fn lease_cost(cost: Tokens) -> u64 {
+    u64::try_from(cost.as_atto().div_ceil(1_000_000_000)).unwrap_or(u64::MAX)
+}
+
+fn lease_allowed(plan: &Plan, left: u64, store_remaining: u64) -> Decision {
+    Decision {
+        allowed: true,
+        remaining: Tokens::from_nanos(u128::from(left) + u128::from(store_remaining)),
+        limit: plan.capacity(),
+        retry_after: Duration::ZERO,
+        reset_after: Duration::ZERO,
+        decided_by: DecidedBy::Lease,
+        store_time: None,
+    }
+}
+
+fn lease_denied(plan: &Plan, retry_after: u64) -> Decision {
+    Decision {
+        allowed: false,
+        remaining: Tokens::ZERO,
+        limit: plan.capacity(),
+        retry_after: Duration::from_nanos(retry_after),
+        reset_after: Duration::from_nanos(retry_after),
+        decided_by: DecidedBy::Lease,
+        store_time: None,
     }
 }
 

@@ -1,0 +1,380 @@
+//! The lease actor: refills, expiry, eviction and give-backs for one lease table.
+//!
+//! One tokio task per limiter. It sleeps until a caller nudges it or its tick comes, then:
+//! 1. gathers the slots that asked for a refill (nudges, plus a scan for `PENDING` on ticks),
+//! 2. on ticks, closes expired leases (their tokens go back) and evicts idle keys,
+//! 3. refills every gathered slot with one `acquire_many` statement per 256 keys,
+//! 4. gives back what was reclaimed, one statement per 256 keys, retrying failures with the
+//!    same return ids (so a retry never credits twice).
+//!
+//! Only the actor adds tokens to a word or takes them back, and it handles one round at a time,
+//! so at most one refill is in flight per key.
+
+use std::collections::HashSet;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::Leases;
+use super::slot::Slot;
+use super::word::{CLOSED, PENDING, TOKENS};
+use crate::bucket::Tokens;
+use crate::policy::LeaseSettings;
+use crate::store::{AcquireRequest, GiveBack};
+
+/// Keys per store statement.
+const CHUNK: usize = 256;
+/// Attempts at giving a return back before its tokens count as stranded.
+const RETURN_ATTEMPTS: u32 = 5;
+/// After a failed refill, callers of the key go to the fallback for this long instead of
+/// waiting for another refill.
+const FAILURE_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Unused tokens on their way back to the store.
+struct Return {
+    id: i64,
+    slot: Arc<Slot>,
+    amount: u64,
+    attempts: u32,
+}
+
+/// Return ids: 63 random bits each, from a per-actor random hasher over a counter.
+struct Ids {
+    hasher: RandomState,
+    next: u64,
+}
+
+impl Ids {
+    fn next(&mut self) -> i64 {
+        self.next += 1;
+        (self.hasher.hash_one(self.next) >> 1) as i64
+    }
+}
+
+/// The actor's loop; ends after giving everything back once the limiter stops.
+pub(super) async fn run(leases: Arc<Leases>) {
+    let mut tick = tokio::time::interval(leases.settings.tick);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut returns: Vec<Return> = Vec::new();
+    let mut ids = Ids {
+        hasher: RandomState::new(),
+        next: 0,
+    };
+    loop {
+        let scan = tokio::select! {
+            () = leases.wake.notified() => false,
+            _ = tick.tick() => true,
+        };
+        if leases.stopping.load(Ordering::Acquire) {
+            break;
+        }
+        let now = leases.now();
+        let mut due = Vec::new();
+        let mut seen = HashSet::new();
+        while let Some(slot) = leases.nudges.pop() {
+            if seen.insert(Arc::as_ptr(&slot) as usize) {
+                due.push(slot);
+            }
+        }
+        if scan {
+            sweep(&leases, now, &mut due, &mut seen, &mut returns, &mut ids);
+        }
+        if !due.is_empty() {
+            refill(&leases, due, &mut returns, &mut ids).await;
+        }
+        if !returns.is_empty() {
+            give_back(&leases, &mut returns).await;
+        }
+        if scan {
+            let stats = leases.stats();
+            metrics::gauge!("tokenlease_lease_outstanding_tokens").set(stats.outstanding);
+            metrics::gauge!("tokenlease_lease_table_keys").set(stats.keys as f64);
+        }
+    }
+    shut_down(&leases, &mut returns, &mut ids).await;
+}
+
+/// The tick's scan: find slots that asked for a refill but whose nudge was dropped, close expired
+/// leases, and evict keys that stayed idle for a lease lifetime after closing.
+fn sweep(
+    leases: &Leases,
+    now: u64,
+    due: &mut Vec<Arc<Slot>>,
+    seen: &mut HashSet<usize>,
+    returns: &mut Vec<Return>,
+    ids: &mut Ids,
+) {
+    let table = leases.table.pin();
+    let mut evict = Vec::new();
+    for (key, slot) in table.iter() {
+        let word = slot.word.load();
+        let ttl = lease_settings(slot).ttl.as_nanos() as u64;
+        let mut book = slot.book.lock();
+        let spent = book.spent(word & TOKENS);
+        if spent != book.spent_at_sample || word & PENDING != 0 {
+            book.active_at = now;
+        }
+        if word & PENDING != 0 && seen.insert(Arc::as_ptr(slot) as usize) {
+            due.push(Arc::clone(slot));
+        }
+        if word & CLOSED == 0 && now >= book.expires_at {
+            let reclaimed = slot.word.close();
+            book.reclaimed += reclaimed;
+            if reclaimed > 0 {
+                returns.push(Return {
+                    id: ids.next(),
+                    slot: Arc::clone(slot),
+                    amount: reclaimed,
+                    attempts: 0,
+                });
+            }
+        } else if word & CLOSED != 0
+            && word & PENDING == 0
+            && now.saturating_sub(book.active_at) >= ttl
+        {
+            evict.push(key.clone());
+        }
+    }
+    for key in evict {
+        if let Some(slot) = table.remove(&key) {
+            slot.evicted.store(true, Ordering::Release);
+            let reclaimed = slot.word.close();
+            if reclaimed > 0 {
+                slot.book.lock().reclaimed += reclaimed;
+                returns.push(Return {
+                    id: ids.next(),
+                    slot: Arc::clone(slot),
+                    amount: reclaimed,
+                    attempts: 0,
+                });
+            }
+            slot.notify.notify_waiters();
+        }
+    }
+}
+
+fn lease_settings(slot: &Slot) -> LeaseSettings {
+    slot.plan.lease().copied().unwrap_or_default()
+}
+
+/// What one slot asks the store for: (min, want) in nanotokens, or `None` when nothing is
+/// needed. Samples the slot's demand and sets its next target size.
+fn plan_refill(slot: &Slot, now: u64) -> Option<(u64, u64)> {
+    let settings = lease_settings(slot);
+    let capacity = u64::try_from(slot.plan.capacity().as_nanos()).unwrap_or(TOKENS);
+    let largest = ((capacity as f64 * settings.max_fraction) as u64).clamp(1, TOKENS);
+    let available = slot.word.available();
+    let needed = slot.needed.swap(0, Ordering::AcqRel);
+    let waiting = slot.waiting.swap(0, Ordering::AcqRel);
+    let mut book = slot.book.lock();
+    let elapsed = now.saturating_sub(book.sampled_at);
+    if elapsed >= 1_000_000 {
+        let spent = book.spent(available);
+        let rate = (spent - book.spent_at_sample.min(spent)) as f64 * 1e9 / elapsed as f64;
+        book.demand = if book.demand == 0.0 {
+            rate
+        } else {
+            0.5 * book.demand + 0.5 * rate
+        };
+        book.sampled_at = now;
+        book.spent_at_sample = spent;
+    }
+    // About one refresh interval of demand, at most max_fraction of the capacity.
+    let target = ((book.demand * settings.refresh.as_secs_f64()) as u64).min(largest);
+    book.target = target;
+    let want = target
+        .max(waiting)
+        .saturating_sub(available)
+        .max(needed)
+        .min(largest.max(needed));
+    if want == 0 {
+        return None;
+    }
+    Some((needed.max(1).min(want), want))
+}
+
+/// Refills `due` slots, one statement per chunk of distinct keys.
+async fn refill(leases: &Leases, due: Vec<Arc<Slot>>, returns: &mut Vec<Return>, ids: &mut Ids) {
+    let now = leases.now();
+    let mut asks: Vec<(Arc<Slot>, u64, u64)> = Vec::with_capacity(due.len());
+    let mut keys = HashSet::new();
+    for slot in due {
+        if slot.evicted.load(Ordering::Acquire) {
+            continue;
+        }
+        if !keys.insert(slot.key.clone()) {
+            // Another slot of the same key (evicted and re-created): next round.
+            slot.word.request_refill();
+            continue;
+        }
+        match plan_refill(&slot, now) {
+            Some((min, want)) => asks.push((slot, min, want)),
+            None => {
+                slot.word.clear_pending();
+                slot.notify.notify_waiters();
+            }
+        }
+    }
+    for chunk in asks.chunks(CHUNK) {
+        let requests: Vec<AcquireRequest<'_>> = chunk
+            .iter()
+            .map(|(slot, min, want)| AcquireRequest {
+                key: &slot.key,
+                bucket: *slot.plan.bucket(),
+                min: Tokens::from_nanos(u128::from(*min)),
+                want: Tokens::from_nanos(u128::from(*want)),
+                step: Tokens::from_nanos(1),
+            })
+            .collect();
+        let started = Instant::now();
+        leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
+        metrics::counter!("tokenlease_db_calls_total", "kind" => "lease").increment(1);
+        let result = leases.store.acquire_many(&requests).await;
+        metrics::histogram!("tokenlease_lease_refill_seconds").record(started.elapsed());
+        let now = leases.now();
+        match result {
+            Ok(answers) => {
+                for ((slot, _, _), answer) in chunk.iter().zip(answers) {
+                    apply(leases, slot, &answer, now, returns, ids);
+                }
+            }
+            Err(_) => {
+                metrics::counter!("tokenlease_db_errors_total", "kind" => "lease").increment(1);
+                let until = now + FAILURE_BACKOFF.as_nanos() as u64;
+                for (slot, _, _) in chunk {
+                    slot.fallback_until.store(until, Ordering::Release);
+                    slot.word.clear_pending();
+                    slot.notify.notify_waiters();
+                }
+            }
+        }
+    }
+}
+
+/// Puts one refill's answer into its slot and wakes the slot's waiters.
+fn apply(
+    leases: &Leases,
+    slot: &Arc<Slot>,
+    answer: &crate::store::Acquired,
+    now: u64,
+    returns: &mut Vec<Return>,
+    ids: &mut Ids,
+) {
+    let granted = u64::try_from(answer.granted.as_nanos()).unwrap_or(TOKENS);
+    let remaining = u64::try_from(answer.remaining.as_nanos()).unwrap_or(u64::MAX);
+    slot.store_remaining.store(remaining, Ordering::Relaxed);
+    if granted == 0 {
+        let retry = u64::try_from(answer.retry_after.as_nanos()).unwrap_or(u64::MAX);
+        slot.deny_until
+            .store(now.saturating_add(retry.max(1)), Ordering::Release);
+        slot.word.clear_pending();
+    } else {
+        leases.counters.leased.fetch_add(granted, Ordering::AcqRel);
+        metrics::counter!("tokenlease_lease_tokens_leased_total").increment(granted / 1_000_000_000);
+        let settings = lease_settings(slot);
+        let unplaced = if slot.evicted.load(Ordering::Acquire) {
+            granted
+        } else {
+            slot.word.top_up(granted)
+        };
+        let mut book = slot.book.lock();
+        book.credited += granted - unplaced;
+        book.expires_at = now.saturating_add(settings.ttl.as_nanos() as u64);
+        book.active_at = now;
+        let size = book.target.max(slot.word.available());
+        slot.low_water
+            .store((size as f64 * settings.low_water) as u64, Ordering::Relaxed);
+        drop(book);
+        slot.deny_until.store(0, Ordering::Release);
+        slot.fallback_until.store(0, Ordering::Release);
+        if unplaced > 0 {
+            returns.push(Return {
+                id: ids.next(),
+                slot: Arc::clone(slot),
+                amount: unplaced,
+                attempts: 0,
+            });
+        }
+    }
+    slot.notify.notify_waiters();
+}
+
+/// Gives reclaimed tokens back, one statement per chunk of distinct keys. Failed returns stay
+/// queued with their ids; after [`RETURN_ATTEMPTS`] they count as stranded.
+async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
+    let mut pending = std::mem::take(returns);
+    while !pending.is_empty() {
+        let mut keys = HashSet::new();
+        let (batch, rest): (Vec<Return>, Vec<Return>) = pending
+            .into_iter()
+            .partition(|r| keys.len() < CHUNK && keys.insert(r.slot.key.clone()));
+        pending = rest;
+        let requests: Vec<GiveBack<'_>> = batch
+            .iter()
+            .map(|r| GiveBack {
+                id: r.id,
+                key: &r.slot.key,
+                bucket: *r.slot.plan.bucket(),
+                amount: Tokens::from_nanos(u128::from(r.amount)),
+            })
+            .collect();
+        leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
+        metrics::counter!("tokenlease_db_calls_total", "kind" => "return").increment(1);
+        let result = leases.store.give_back(&requests).await;
+        drop(requests);
+        match result {
+            Ok(_) => {
+                let total: u64 = batch.iter().map(|r| r.amount).sum();
+                leases.counters.returned.fetch_add(total, Ordering::AcqRel);
+                metrics::counter!("tokenlease_lease_tokens_returned_total")
+                    .increment(total / 1_000_000_000);
+            }
+            Err(_) => {
+                metrics::counter!("tokenlease_db_errors_total", "kind" => "return").increment(1);
+                for mut r in batch {
+                    r.attempts += 1;
+                    if r.attempts >= RETURN_ATTEMPTS {
+                        leases.counters.stranded.fetch_add(r.amount, Ordering::AcqRel);
+                        metrics::counter!("tokenlease_lease_tokens_stranded_total")
+                            .increment(r.amount / 1_000_000_000);
+                    } else {
+                        returns.push(r);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Closes every lease, empties the table and gives everything back (retrying each return up
+/// to its attempts).
+async fn shut_down(leases: &Leases, returns: &mut Vec<Return>, ids: &mut Ids) {
+    {
+        let table = leases.table.pin();
+        for (_, slot) in table.iter() {
+            slot.evicted.store(true, Ordering::Release);
+            let reclaimed = slot.word.close();
+            if reclaimed > 0 {
+                slot.book.lock().reclaimed += reclaimed;
+                returns.push(Return {
+                    id: ids.next(),
+                    slot: Arc::clone(slot),
+                    amount: reclaimed,
+                    attempts: 0,
+                });
+            }
+            slot.notify.notify_waiters();
+        }
+        table.clear();
+    }
+    for _ in 0..RETURN_ATTEMPTS {
+        if returns.is_empty() {
+            break;
+        }
+        give_back(leases, returns).await;
+    }
+    for r in returns.drain(..) {
+        leases.counters.stranded.fetch_add(r.amount, Ordering::AcqRel);
+    }
+}

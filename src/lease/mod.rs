@@ -1,0 +1,301 @@
+//! Leased mode: per-key token leases held in memory, spent with one CAS, refilled in the
+//! background by an actor.
+//!
+//! A [`Leases`] owns the lease table (key → [`Slot`]) and is shared by the limiter's callers
+//! and one actor task (`actor.rs`). A caller whose key has a live lease with enough tokens is
+//! answered by [`Leases::try_take`]: a table lookup and a CAS on the slot's word
+//! ([`word`]); no lock, no allocation, no system call, no `.await`. Below the low-water mark
+//! the same CAS asks for a refill and the caller wakes the actor; it does not wait. A caller that
+//! finds the lease empty registers what it needs and waits (bounded by the plan's `max_wait`)
+//! for the one refill in flight for the key.
+//!
+//! The actor gathers the keys that asked, sizes each lease from the key's observed demand, and
+//! refills them all with one statement; it closes expired leases and gives their unspent tokens
+//! back (idempotently, by return id), evicts idle keys to keep the table within its bound, and on
+//! shutdown gives every lease back. See `DESIGN.md` §8 for the overshoot bound.
+
+use std::cell::Cell;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::ArrayQueue;
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+use crate::policy::Plan;
+use crate::store::Store;
+
+mod actor;
+mod slot;
+mod sync;
+pub(crate) mod word;
+
+pub(crate) use slot::Slot;
+use word::Take;
+
+/// Lease counters, in tokens, since the limiter started. Exact: every nanotoken leased is spent
+/// by a caller, given back, stranded (a give-back that failed for good), or still held.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LeaseStats {
+    /// Tokens granted to this process's leases by the store.
+    pub leased: f64,
+    /// Tokens given back to the store (expiry, eviction, shutdown).
+    pub returned: f64,
+    /// Tokens whose give-back failed for good (they count as spent in the store).
+    pub stranded: f64,
+    /// Tokens held in live leases now: how far this process can exceed its share right now.
+    pub outstanding: f64,
+    /// Keys in the lease table now.
+    pub keys: usize,
+    /// Store calls the actor made (refills and give-backs).
+    pub store_calls: u64,
+}
+
+/// Counters in nanotokens, written by the actor.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) leased: AtomicU64,
+    pub(crate) returned: AtomicU64,
+    pub(crate) stranded: AtomicU64,
+    pub(crate) store_calls: AtomicU64,
+}
+
+/// Settings of the lease table and actor that do not belong to one plan.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TableSettings {
+    /// The most keys the table holds; beyond it new keys are decided without a lease.
+    pub(crate) max_entries: usize,
+    /// How often the actor scans for expired and idle leases.
+    pub(crate) tick: Duration,
+}
+
+/// The lease table and the handle to its actor.
+#[derive(Debug)]
+pub(crate) struct Leases {
+    table: papaya::HashMap<Box<str>, Arc<Slot>>,
+    settings: TableSettings,
+    /// Slots that asked for a refill; the actor drains it. Bounded and lock-free: when full,
+    /// a nudge is dropped and the actor finds the slot on its next scan (it has `PENDING`).
+    nudges: ArrayQueue<Arc<Slot>>,
+    /// Wakes the actor.
+    wake: Notify,
+    /// Set when the limiter is dropped or shut down.
+    stopping: AtomicBool,
+    origin: Instant,
+    store: Arc<dyn Store>,
+    pub(crate) counters: Counters,
+    actor: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What the fast path found.
+#[derive(Debug)]
+pub(crate) enum Fast {
+    /// Spent from the lease.
+    Taken {
+        /// The slot, for the decision's numbers.
+        left: u64,
+        /// The store's remaining tokens at the last refill (nanotokens).
+        store_remaining: u64,
+    },
+    /// The store said the bucket is empty: denied here until then.
+    Dry {
+        /// Nanoseconds until the store expects tokens.
+        retry_after: u64,
+    },
+    /// The store failed recently for this key: the fallback decides.
+    Failing,
+    /// Not enough in the lease; a refill is asked for. Wait on the slot, or decide otherwise.
+    Short(Arc<Slot>),
+    /// No slot and the table is full: decide without a lease.
+    NoRoom,
+}
+
+thread_local! {
+    /// Decisions made from a lease on this thread, not yet added to the metric (batched so the
+    /// fast path touches no shared counter).
+    static SAVED: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Counts one store call saved by a lease; flushes to the metric every 256.
+#[inline]
+fn count_saved() {
+    SAVED.with(|saved| {
+        let n = saved.get() + 1;
+        if n >= 256 {
+            metrics::counter!("tokenlease_db_calls_saved_total").increment(n);
+            saved.set(0);
+        } else {
+            saved.set(n);
+        }
+    });
+}
+
+impl Leases {
+    /// A table over `store`, with its actor spawned on the current runtime.
+    pub(crate) fn start(store: Arc<dyn Store>, settings: TableSettings) -> Arc<Leases> {
+        let leases = Arc::new(Leases {
+            table: papaya::HashMap::new(),
+            settings,
+            nudges: ArrayQueue::new(4096),
+            wake: Notify::new(),
+            stopping: AtomicBool::new(false),
+            origin: Instant::now(),
+            store,
+            counters: Counters::default(),
+            actor: Mutex::new(None),
+        });
+        let handle = tokio::spawn(actor::run(Arc::clone(&leases)));
+        *leases.actor.lock() = Some(handle);
+        leases
+    }
+
+    /// Local monotonic time in nanoseconds.
+    pub(crate) fn now(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The fast path: spend `cost` nanotokens from `key`'s lease.
+    ///
+    /// With a live lease holding enough, this is a lookup and a CAS. Creating a slot for a new
+    /// key allocates once.
+    #[inline]
+    pub(crate) fn try_take(&self, plan: &Plan, key: &str, cost: u64) -> Fast {
+        let table = self.table.pin();
+        let slot = match table.get(key) {
+            Some(slot) => slot,
+            None => {
+                if table.len() >= self.settings.max_entries
+                    || self.stopping.load(Ordering::Relaxed)
+                {
+                    return Fast::NoRoom;
+                }
+                let now = self.now();
+                let slot = table.get_or_insert_with(key.into(), || {
+                    Arc::new(Slot::new(key, Arc::new(plan.clone()), now))
+                });
+                slot.want(cost);
+                self.nudge(slot);
+                return Fast::Short(Arc::clone(slot));
+            }
+        };
+        match slot.word.try_take(cost, slot.low_water.load(Ordering::Relaxed)) {
+            Take::Taken { left, nudge } => {
+                if nudge {
+                    self.nudge(slot);
+                }
+                count_saved();
+                Fast::Taken {
+                    left,
+                    store_remaining: slot.store_remaining.load(Ordering::Relaxed),
+                }
+            }
+            Take::Short { .. } => self.short(slot, cost),
+        }
+    }
+
+    /// The lease could not pay: denied, failing, or ask for a refill.
+    #[cold]
+    fn short(&self, slot: &Arc<Slot>, cost: u64) -> Fast {
+        let now = self.now();
+        let deny_until = slot.deny_until.load(Ordering::Acquire);
+        if deny_until > now {
+            return Fast::Dry {
+                retry_after: deny_until - now,
+            };
+        }
+        if slot.fallback_until.load(Ordering::Acquire) > now {
+            return Fast::Failing;
+        }
+        slot.want(cost);
+        if slot.word.request_refill() {
+            self.nudge(slot);
+        }
+        Fast::Short(Arc::clone(slot))
+    }
+
+    /// Waits for `slot`'s refill and spends `cost` from it, until `deadline`.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a dropped waiter leaves only its cost in the slot's `waiting` sum, which
+    /// makes the next refill a little larger; the refill itself goes on.
+    pub(crate) async fn wait(&self, slot: Arc<Slot>, cost: u64, deadline: Instant) -> Fast {
+        loop {
+            let notified = slot.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            match slot.word.try_take(cost, slot.low_water.load(Ordering::Relaxed)) {
+                Take::Taken { left, nudge } => {
+                    if nudge {
+                        self.nudge(&slot);
+                    }
+                    return Fast::Taken {
+                        left,
+                        store_remaining: slot.store_remaining.load(Ordering::Relaxed),
+                    };
+                }
+                Take::Short { pending, .. } => {
+                    let now = self.now();
+                    let deny_until = slot.deny_until.load(Ordering::Acquire);
+                    if deny_until > now {
+                        return Fast::Dry {
+                            retry_after: deny_until - now,
+                        };
+                    }
+                    if slot.fallback_until.load(Ordering::Acquire) > now {
+                        return Fast::Failing;
+                    }
+                    if !pending {
+                        slot.want(cost);
+                        if slot.word.request_refill() {
+                            self.nudge(&slot);
+                        }
+                    }
+                }
+            }
+            if tokio::time::timeout_at(deadline.into(), notified).await.is_err() {
+                break;
+            }
+        }
+        Fast::Short(slot)
+    }
+
+    /// Tells the actor that `slot` wants a refill. Never blocks.
+    fn nudge(&self, slot: &Arc<Slot>) {
+        // A full queue drops the nudge; the actor's scan finds the slot by its PENDING flag.
+        let _ = self.nudges.push(Arc::clone(slot));
+        self.wake.notify_one();
+    }
+
+    /// Counters now.
+    pub(crate) fn stats(&self) -> LeaseStats {
+        let table = self.table.pin();
+        let outstanding: u64 = table.values().map(|s| s.word.available()).sum();
+        let tokens = |n: u64| n as f64 / 1e9;
+        LeaseStats {
+            leased: tokens(self.counters.leased.load(Ordering::Acquire)),
+            returned: tokens(self.counters.returned.load(Ordering::Acquire)),
+            stranded: tokens(self.counters.stranded.load(Ordering::Acquire)),
+            outstanding: tokens(outstanding),
+            keys: table.len(),
+            store_calls: self.counters.store_calls.load(Ordering::Acquire),
+        }
+    }
+
+    /// Asks the actor to give every lease back and stop, and waits for it.
+    pub(crate) async fn shutdown(&self) {
+        self.stop();
+        let handle = self.actor.lock().take();
+        if let Some(handle) = handle {
+            let _ = handle.await;
+        }
+    }
+
+    /// Asks the actor to give every lease back and stop, without waiting.
+    pub(crate) fn stop(&self) {
+        self.stopping.store(true, Ordering::Release);
+        self.wake.notify_one();
+    }
+}

@@ -1,0 +1,150 @@
+//! The lease word: one atomic `u64` holding a lease's unspent tokens and two flags.
+//!
+//! ```text
+//! bit 63..58  unused (zero)
+//! bit 57      CLOSED   no live lease: nothing may be spent (new, expired, evicted, shut down)
+//! bit 56      PENDING  a refill has been asked for and not yet answered
+//! bit 55..0   unspent tokens of the lease, in nanotokens (at most 2⁵⁶ − 1, about 7.2 × 10⁷ tokens)
+//! ```
+//!
+//! Callers spend with one compare-and-swap ([`LeaseWord::try_take`]); the lease actor alone
+//! adds tokens ([`LeaseWord::top_up`]) and takes them all back ([`LeaseWord::close`]). Every
+//! change is a CAS on the whole word, so a token is either spent by exactly one caller or
+//! returned by the actor, never both: `admitted + returned = leased` holds exactly.
+//!
+//! This file uses nothing but the atomics of `super::sync`, so the loom model in
+//! `tests/loom_lease_word.rs` can compile it against loom's.
+
+use super::sync::{AtomicU64, Ordering};
+
+/// Mask of the token count.
+pub(crate) const TOKENS: u64 = (1 << 56) - 1;
+/// A refill has been asked for.
+pub(crate) const PENDING: u64 = 1 << 56;
+/// No live lease.
+pub(crate) const CLOSED: u64 = 1 << 57;
+
+/// What [`LeaseWord::try_take`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Take {
+    /// The cost was spent. `nudge` is true when this call set `PENDING` because the lease fell
+    /// below its low-water mark: the caller must wake the actor.
+    Taken {
+        /// Tokens left in the lease.
+        left: u64,
+        /// Whether this call asked for a refill.
+        nudge: bool,
+    },
+    /// Not enough tokens (or no live lease); nothing was spent.
+    Short {
+        /// No live lease.
+        closed: bool,
+        /// A refill is already asked for.
+        pending: bool,
+    },
+}
+
+/// One lease's tokens and flags. See the [module docs](self).
+#[derive(Debug)]
+pub(crate) struct LeaseWord {
+    word: AtomicU64,
+}
+
+impl LeaseWord {
+    /// A word with no live lease and a refill already asked for: what a new slot starts as.
+    pub(crate) fn new_pending() -> Self {
+        LeaseWord {
+            word: AtomicU64::new(CLOSED | PENDING),
+        }
+    }
+
+    /// Spends `cost` nanotokens if the lease is live and holds that many. When what is left
+    /// falls below `low_water` and no refill is asked for yet, asks for one (sets `PENDING`).
+    ///
+    /// Lock-free: a CAS loop that retries only when another caller changed the word.
+    #[inline]
+    pub(crate) fn try_take(&self, cost: u64, low_water: u64) -> Take {
+        let mut current = self.word.load(Ordering::Acquire);
+        loop {
+            let tokens = current & TOKENS;
+            if current & CLOSED != 0 || tokens < cost {
+                return Take::Short {
+                    closed: current & CLOSED != 0,
+                    pending: current & PENDING != 0,
+                };
+            }
+            let left = tokens - cost;
+            let nudge = left < low_water && current & PENDING == 0;
+            let next = (current - cost) | if nudge { PENDING } else { 0 };
+            match self.word.compare_exchange_weak(
+                current,
+                next,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Take::Taken { left, nudge },
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// Sets `PENDING` unless it is set. Returns whether this call set it (and so must wake the
+    /// actor).
+    pub(crate) fn request_refill(&self) -> bool {
+        self.word.fetch_or(PENDING, Ordering::AcqRel) & PENDING == 0
+    }
+
+    /// The actor adds `amount` nanotokens, opens the lease (clears `CLOSED`) and clears
+    /// `PENDING`. Returns what did not fit under [`TOKENS`] (to be given back).
+    pub(crate) fn top_up(&self, amount: u64) -> u64 {
+        let mut current = self.word.load(Ordering::Acquire);
+        loop {
+            let tokens = current & TOKENS;
+            let fits = amount.min(TOKENS - tokens);
+            let next = tokens + fits;
+            match self.word.compare_exchange_weak(
+                current,
+                next,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return amount - fits,
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// The actor clears `PENDING` without adding tokens (the refill granted nothing or failed).
+    pub(crate) fn clear_pending(&self) {
+        self.word.fetch_and(!PENDING, Ordering::AcqRel);
+    }
+
+    /// The actor ends the lease: sets `CLOSED` and takes every unspent token, keeping `PENDING`
+    /// as it is (a caller may have asked for a new lease meanwhile). Returns the tokens (to be
+    /// given back to the store).
+    pub(crate) fn close(&self) -> u64 {
+        let mut current = self.word.load(Ordering::Acquire);
+        loop {
+            let next = CLOSED | (current & PENDING);
+            match self.word.compare_exchange_weak(
+                current,
+                next,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return current & TOKENS,
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// Unspent tokens now (a snapshot).
+    pub(crate) fn available(&self) -> u64 {
+        self.word.load(Ordering::Acquire) & TOKENS
+    }
+
+    /// The whole word now (a snapshot), for the actor's bookkeeping.
+    pub(crate) fn load(&self) -> u64 {
+        self.word.load(Ordering::Acquire)
+    }
+}
