@@ -253,6 +253,10 @@ mod tests {
         Tokens::from_nanos(n)
     }
 
+    fn atto(n: u128) -> Tokens {
+        Tokens::from_atto(n)
+    }
+
     fn config(capacity: u64, per_second: u64) -> BucketConfig {
         BucketConfig::new(t(capacity), Rate::per_second(per_second).unwrap()).unwrap()
     }
@@ -320,14 +324,48 @@ mod tests {
     }
 
     #[test]
-    fn refill_floors_to_the_nanotoken() {
-        // 2/3 token/s rounds to 666_666_667 nanotokens/s; 1 ns adds 0.666… nanotoken: none.
+    fn refill_is_exact_in_attotokens() {
+        // 2/3 token/s rounds to 666_666_667 nanotokens/s; each nanosecond adds exactly that
+        // many attotokens, with nothing floored away.
         let c = BucketConfig::new(t(1), Rate::from_f64(2.0 / 3.0).unwrap()).unwrap();
-        assert_eq!(c.refill_amount(1), Tokens::ZERO);
-        assert_eq!(c.refill_amount(2), nanos(1));
-        assert_eq!(c.refill_amount(3), nanos(2));
+        assert_eq!(c.rate().as_nanos_per_second(), 666_666_667);
+        assert_eq!(c.refill_amount(0), Tokens::ZERO);
+        assert_eq!(c.refill_amount(1), atto(666_666_667));
+        assert_eq!(c.refill_amount(2), atto(1_333_333_334));
+        assert_eq!(c.refill_amount(3), atto(2_000_000_001));
         assert_eq!(c.refill_amount(SEC), nanos(666_666_667));
-        assert_eq!(c.refill_amount(100 * MS), nanos(66_666_666));
+        assert_eq!(c.refill_amount(100 * MS), atto(66_666_666_700_000_000));
+        // 1.5 s at the rounded rate is a whole token and 0.5 nanotoken.
+        assert_eq!(c.refill_amount(1_500 * MS), atto(1_000_000_000_500_000_000));
+    }
+
+    /// The refill of a span equals the sum of the refills of its parts, however it is split:
+    /// calling often loses nothing (the nanotoken floor lost up to one nanotoken per call).
+    #[test]
+    fn refill_in_steps_equals_refill_at_once() {
+        let c = BucketConfig::new(t(1_000), Rate::from_f64(2.0 / 3.0).unwrap()).unwrap();
+        let empty = at(Tokens::ZERO, 0);
+        let once = empty.refill(&c, Timestamp(SEC));
+        let mut stepped = empty;
+        for now in (1..=3)
+            .chain((1..=10).map(|i| i * 100 * MS))
+            .chain([SEC - 1, SEC])
+        {
+            stepped = stepped.refill(&c, Timestamp(now));
+        }
+        assert_eq!(stepped, once);
+        let mut per_ns = empty;
+        for now in 1..=1_000 {
+            per_ns = per_ns.refill(&c, Timestamp(now));
+        }
+        assert_eq!(per_ns.tokens, atto(1_000 * 666_666_667));
+        // One nanotoken per second adds one attotoken per nanosecond, each one kept.
+        let slow = BucketConfig::new(t(1), Rate::from_nanos_per_second(1).unwrap()).unwrap();
+        let mut s = empty;
+        for now in 1..=1_000 {
+            s = s.refill(&slow, Timestamp(now));
+        }
+        assert_eq!(s.tokens, atto(1_000));
     }
 
     #[test]
@@ -376,7 +414,7 @@ mod tests {
     #[test]
     fn fractional_cost_and_rate() {
         // Cost 0.5 at 2/3 token/s, C = 1: two takes empty the bucket, then the third waits
-        // ceil(0.5e9 × 1e9 / 666_666_667) ns.
+        // ceil(0.5e18 attotokens / 666_666_667 nanotokens/s) ns.
         let c = BucketConfig::new(t(1), Rate::from_f64(2.0 / 3.0).unwrap()).unwrap();
         let half = nanos(500_000_000);
         let now = Timestamp(0);
@@ -387,14 +425,18 @@ mod tests {
         assert_eq!(allowed(o), Tokens::ZERO);
         let (s, o) = s.take(&c, now, half).unwrap();
         let (_, retry_after) = denied(o);
-        let expected = (500_000_000u128 * 1_000_000_000).div_ceil(666_666_667) as u64;
+        let expected = (500_000_000_000_000_000u128).div_ceil(666_666_667) as u64;
         assert_eq!(retry_after, expected);
         assert_eq!(retry_after, 750_000_000);
-        // Denied one nanosecond early, allowed on time.
+        // Denied one nanosecond early: 749_999_999 × 666_666_667 attotokens is short of half.
         let (_, o) = s.take(&c, Timestamp(retry_after - 1), half).unwrap();
-        assert!(!o.is_allowed());
-        let (_, o) = s.take(&c, Timestamp(retry_after), half).unwrap();
-        assert_eq!(allowed(o), Tokens::ZERO);
+        let (remaining, wait) = denied(o);
+        assert_eq!(remaining, atto(499_999_999_583_333_333));
+        assert_eq!(wait, 1);
+        // Allowed on time, and the 0.25 nanotoken refilled beyond the cost is kept.
+        let (after, o) = s.take(&c, Timestamp(retry_after), half).unwrap();
+        assert_eq!(allowed(o), atto(250_000_000));
+        assert_eq!(after.tokens, atto(250_000_000));
     }
 
     #[test]
@@ -463,13 +505,21 @@ mod tests {
         );
         assert_eq!(
             err.to_string(),
-            "cost 10.000000001 is larger than the capacity 10.000000000"
+            "cost 10.000000001000000000 is larger than the capacity 10.000000000000000000"
+        );
+        // One attotoken above the capacity is refused too.
+        let just_over = t(10).saturating_add(atto(1));
+        let err = s.take(&c, Timestamp(0), just_over).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "cost 10.000000000000000001 is larger than the capacity 10.000000000000000000"
         );
         // Exactly the capacity is fine.
         let (_, o) = s.take(&c, Timestamp(0), t(10)).unwrap();
         assert_eq!(allowed(o), Tokens::ZERO);
         // grant checks `min`, not `want`.
         assert!(s.grant(&c, Timestamp(0), t(11), t(11)).is_err());
+        assert!(s.grant(&c, Timestamp(0), just_over, just_over).is_err());
         assert!(s.grant(&c, Timestamp(0), t(1), t(1_000)).is_ok());
     }
 
@@ -565,12 +615,58 @@ mod tests {
     #[test]
     fn time_to_refill_rounds_up() {
         let c = BucketConfig::new(t(1), Rate::from_nanos_per_second(3).unwrap()).unwrap();
-        // 1 nanotoken at 3 nanotokens/s: 333_333_333.3 ns, rounded up.
+        // 1 nanotoken (10⁹ attotokens) at 3 nanotokens/s: 333_333_333.3 ns, rounded up.
         assert_eq!(c.time_to_refill(nanos(1)), 333_333_334);
         assert_eq!(c.time_to_refill(Tokens::ZERO), 0);
+        // One attotoken still takes a whole nanosecond.
+        assert_eq!(c.time_to_refill(atto(1)), 1);
+        assert_eq!(c.time_to_refill(atto(3)), 1);
+        assert_eq!(c.time_to_refill(atto(4)), 2);
         let fast = BucketConfig::new(t(1), Rate::MAX).unwrap();
         assert_eq!(fast.time_to_refill(t(1)), 1);
         assert_eq!(fast.time_to_refill(nanos(1)), 1);
+        assert_eq!(fast.time_to_refill(atto(1)), 1);
+        assert_eq!(fast.time_to_refill(t(1).saturating_add(atto(1))), 2);
+    }
+
+    /// `time_to_refill(d)` is the least whole number of nanoseconds whose refill covers `d`.
+    #[test]
+    fn time_to_refill_is_the_least_sufficient_wait() {
+        let rates = [
+            1,
+            3,
+            7,
+            666_666_667,
+            SEC,
+            1_234_567_891_011,
+            Rate::MAX.as_nanos_per_second(),
+        ];
+        let deficits = [
+            1,
+            2,
+            999_999_999,
+            1_000_000_000,
+            500_000_000_000_000_000,
+            Tokens::SCALE,
+            Tokens::SCALE + 1,
+            123_456_789_123_456_789_123,
+        ];
+        for rate in rates {
+            let c =
+                BucketConfig::new(Tokens::MAX, Rate::from_nanos_per_second(rate).unwrap()).unwrap();
+            for d in deficits {
+                let wait = c.time_to_refill(atto(d));
+                if d.div_ceil(u128::from(rate)) > u128::from(u64::MAX) {
+                    assert_eq!(wait, u64::MAX, "rate {rate}, deficit {d}: saturates");
+                    continue;
+                }
+                assert!(c.refill_amount(wait) >= atto(d), "rate {rate}, deficit {d}");
+                assert!(
+                    c.refill_amount(wait - 1) < atto(d),
+                    "rate {rate}, deficit {d}: {wait} ns is not the least"
+                );
+            }
+        }
     }
 
     #[test]
