@@ -13,6 +13,8 @@
 //! - [`limiter`]: [`Limiter::try_acquire`], the entry point.
 //! - [`embedded`]: a throwaway PostgreSQL cluster for tests, the demo and the load test.
 
+#![forbid(unsafe_code)]
+
 pub mod bucket;
 pub mod clock;
 pub mod embedded;

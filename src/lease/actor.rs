@@ -180,8 +180,14 @@ fn plan_refill(slot: &Slot, now: u64) -> Option<(u64, u64)> {
         book.sampled_at = now;
         book.spent_at_sample = spent;
     }
-    // About one refresh interval of demand, at most max_fraction of the capacity.
-    let target = ((book.demand * settings.refresh.as_secs_f64()) as u64).min(largest);
+    // About one refresh interval of demand, at most max_fraction of the capacity. A key whose
+    // bucket ran dry wants more than it gets: ask for the largest lease, so that a dry bucket
+    // is asked about once per lease's worth of refill instead of once per token.
+    let target = if book.dry {
+        largest
+    } else {
+        ((book.demand * settings.refresh.as_secs_f64()) as u64).min(largest)
+    };
     book.target = target;
     let want = target
         .max(waiting)
@@ -191,32 +197,54 @@ fn plan_refill(slot: &Slot, now: u64) -> Option<(u64, u64)> {
     if want == 0 {
         return None;
     }
-    Some((needed.max(1).min(want), want))
+    // A top-up is worth a round trip only if it brings a good part of what is wanted; a bucket
+    // that ran dry is asked for the whole lease or nothing.
+    let min = if book.dry {
+        want
+    } else {
+        needed.max(want / 2).clamp(1, want)
+    };
+    Some((min, want))
 }
 
 /// Refills `due` slots, one statement per chunk of distinct keys.
 async fn refill(leases: &Leases, due: Vec<Arc<Slot>>, returns: &mut Vec<Return>, ids: &mut Ids) {
+    // Chunk first, so the round's temporaries stay small however many keys are due.
+    for part in due.chunks(CHUNK) {
+        refill_chunk(leases, part, returns, ids).await;
+    }
+}
+
+/// Refills up to [`CHUNK`] slots with one statement.
+async fn refill_chunk(
+    leases: &Leases,
+    part: &[Arc<Slot>],
+    returns: &mut Vec<Return>,
+    ids: &mut Ids,
+) {
     let now = leases.now();
-    let mut asks: Vec<(Arc<Slot>, u64, u64)> = Vec::with_capacity(due.len());
-    let mut keys = HashSet::new();
-    for slot in due {
+    let mut asks: Vec<(Arc<Slot>, u64, u64)> = Vec::with_capacity(part.len());
+    let mut keys = HashSet::with_capacity(part.len());
+    for slot in part {
         if slot.evicted.load(Ordering::Acquire) {
             continue;
         }
-        if !keys.insert(slot.key.clone()) {
+        if !keys.insert(&*slot.key) {
             // Another slot of the same key (evicted and re-created): next round.
             slot.word.request_refill();
             continue;
         }
-        match plan_refill(&slot, now) {
-            Some((min, want)) => asks.push((slot, min, want)),
+        match plan_refill(slot, now) {
+            Some((min, want)) => asks.push((Arc::clone(slot), min, want)),
             None => {
                 slot.word.clear_pending();
                 slot.notify.notify_waiters();
             }
         }
     }
-    for chunk in asks.chunks(CHUNK) {
+    drop(keys);
+    {
+        let chunk = &asks[..];
         let requests: Vec<AcquireRequest<'_>> = chunk
             .iter()
             .map(|(slot, min, want)| AcquireRequest {
@@ -235,8 +263,8 @@ async fn refill(leases: &Leases, due: Vec<Arc<Slot>>, returns: &mut Vec<Return>,
         let now = leases.now();
         match result {
             Ok(answers) => {
-                for ((slot, _, _), answer) in chunk.iter().zip(answers) {
-                    apply(leases, slot, &answer, now, returns, ids);
+                for ((slot, _, want), answer) in chunk.iter().zip(answers) {
+                    apply(leases, slot, *want, &answer, now, returns, ids);
                 }
             }
             Err(_) => {
@@ -256,6 +284,7 @@ async fn refill(leases: &Leases, due: Vec<Arc<Slot>>, returns: &mut Vec<Return>,
 fn apply(
     leases: &Leases,
     slot: &Arc<Slot>,
+    want: u64,
     answer: &crate::store::Acquired,
     now: u64,
     returns: &mut Vec<Return>,
@@ -264,14 +293,27 @@ fn apply(
     let granted = u64::try_from(answer.granted.as_nanos()).unwrap_or(TOKENS);
     let remaining = u64::try_from(answer.remaining.as_nanos()).unwrap_or(u64::MAX);
     slot.store_remaining.store(remaining, Ordering::Relaxed);
+    // How long until the bucket could grant what was wanted, if nobody else takes from it: a
+    // scarce bucket is asked again then, not sooner, so it costs one round trip per lease.
+    let until_want = slot
+        .plan
+        .bucket()
+        .time_to_refill(Tokens::from_nanos(u128::from(
+            want.saturating_sub(remaining),
+        )));
     if granted == 0 {
         let retry = u64::try_from(answer.retry_after.as_nanos()).unwrap_or(u64::MAX);
-        slot.deny_until
-            .store(now.saturating_add(retry.max(1)), Ordering::Release);
+        slot.deny_until.store(
+            now.saturating_add(retry.max(until_want).max(1)),
+            Ordering::Release,
+        );
+        slot.dry.store(true, Ordering::Release);
         slot.word.clear_pending();
+        slot.book.lock().dry = true;
     } else {
         leases.counters.leased.fetch_add(granted, Ordering::AcqRel);
-        metrics::counter!("tokenlease_lease_tokens_leased_total").increment(granted / 1_000_000_000);
+        metrics::counter!("tokenlease_lease_tokens_leased_total")
+            .increment(granted / 1_000_000_000);
         let settings = lease_settings(slot);
         let unplaced = if slot.evicted.load(Ordering::Acquire) {
             granted
@@ -282,12 +324,27 @@ fn apply(
         book.credited += granted - unplaced;
         book.expires_at = now.saturating_add(settings.ttl.as_nanos() as u64);
         book.active_at = now;
+        // Less than wanted: the bucket is scarce. No background top-up then (it would find the
+        // bucket empty); when this lease is spent, callers are denied until a whole lease has
+        // refilled, and the next refill asks for all of it.
+        let scarce = granted < want;
+        book.dry = scarce;
         let size = book.target.max(slot.word.available());
-        slot.low_water
-            .store((size as f64 * settings.low_water) as u64, Ordering::Relaxed);
+        let low_water = if scarce {
+            0
+        } else {
+            (size as f64 * settings.low_water) as u64
+        };
+        slot.low_water.store(low_water, Ordering::Relaxed);
         drop(book);
-        slot.deny_until.store(0, Ordering::Release);
+        let deny_until = if scarce {
+            now.saturating_add(until_want)
+        } else {
+            0
+        };
+        slot.deny_until.store(deny_until, Ordering::Release);
         slot.fallback_until.store(0, Ordering::Release);
+        slot.dry.store(scarce, Ordering::Release);
         if unplaced > 0 {
             returns.push(Return {
                 id: ids.next(),
@@ -335,7 +392,10 @@ async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
                 for mut r in batch {
                     r.attempts += 1;
                     if r.attempts >= RETURN_ATTEMPTS {
-                        leases.counters.stranded.fetch_add(r.amount, Ordering::AcqRel);
+                        leases
+                            .counters
+                            .stranded
+                            .fetch_add(r.amount, Ordering::AcqRel);
                         metrics::counter!("tokenlease_lease_tokens_stranded_total")
                             .increment(r.amount / 1_000_000_000);
                     } else {
@@ -375,6 +435,9 @@ async fn shut_down(leases: &Leases, returns: &mut Vec<Return>, ids: &mut Ids) {
         give_back(leases, returns).await;
     }
     for r in returns.drain(..) {
-        leases.counters.stranded.fetch_add(r.amount, Ordering::AcqRel);
+        leases
+            .counters
+            .stranded
+            .fetch_add(r.amount, Ordering::AcqRel);
     }
 }

@@ -74,7 +74,9 @@ pub(crate) struct TableSettings {
 /// The lease table and the handle to its actor.
 #[derive(Debug)]
 pub(crate) struct Leases {
-    table: papaya::HashMap<Box<str>, Arc<Slot>>,
+    table: papaya::HashMap<Arc<str>, Arc<Slot>>,
+    /// One shared copy of each plan the slots use, by name.
+    plans: papaya::HashMap<String, Arc<Plan>>,
     settings: TableSettings,
     /// Slots that asked for a refill; the actor drains it. Bounded and lock-free: when full,
     /// a nudge is dropped and the actor finds the slot on its next scan (it has `PENDING`).
@@ -137,6 +139,7 @@ impl Leases {
     pub(crate) fn start(store: Arc<dyn Store>, settings: TableSettings) -> Arc<Leases> {
         let leases = Arc::new(Leases {
             table: papaya::HashMap::new(),
+            plans: papaya::HashMap::new(),
             settings,
             nudges: ArrayQueue::new(4096),
             wake: Notify::new(),
@@ -166,21 +169,24 @@ impl Leases {
         let slot = match table.get(key) {
             Some(slot) => slot,
             None => {
-                if table.len() >= self.settings.max_entries
-                    || self.stopping.load(Ordering::Relaxed)
+                if table.len() >= self.settings.max_entries || self.stopping.load(Ordering::Relaxed)
                 {
                     return Fast::NoRoom;
                 }
                 let now = self.now();
-                let slot = table.get_or_insert_with(key.into(), || {
-                    Arc::new(Slot::new(key, Arc::new(plan.clone()), now))
-                });
+                let plan = self.shared_plan(plan);
+                let key: Arc<str> = Arc::from(key);
+                let slot = table
+                    .get_or_insert_with(Arc::clone(&key), || Arc::new(Slot::new(key, plan, now)));
                 slot.want(cost);
                 self.nudge(slot);
                 return Fast::Short(Arc::clone(slot));
             }
         };
-        match slot.word.try_take(cost, slot.low_water.load(Ordering::Relaxed)) {
+        match slot
+            .word
+            .try_take(cost, slot.low_water.load(Ordering::Relaxed))
+        {
             Take::Taken { left, nudge } => {
                 if nudge {
                     self.nudge(slot);
@@ -201,6 +207,7 @@ impl Leases {
         let now = self.now();
         let deny_until = slot.deny_until.load(Ordering::Acquire);
         if deny_until > now {
+            slot.needed.fetch_max(cost, Ordering::AcqRel);
             return Fast::Dry {
                 retry_after: deny_until - now,
             };
@@ -211,6 +218,13 @@ impl Leases {
         slot.want(cost);
         if slot.word.request_refill() {
             self.nudge(slot);
+        }
+        if slot.dry.load(Ordering::Acquire) {
+            // The store said empty and its retry time has passed: a refill is on its way, but
+            // until it grants, the store's last word stands. Nobody waits on a dry bucket.
+            return Fast::Dry {
+                retry_after: self.settings.tick.as_nanos() as u64,
+            };
         }
         Fast::Short(Arc::clone(slot))
     }
@@ -226,7 +240,10 @@ impl Leases {
             let notified = slot.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            match slot.word.try_take(cost, slot.low_water.load(Ordering::Relaxed)) {
+            match slot
+                .word
+                .try_take(cost, slot.low_water.load(Ordering::Relaxed))
+            {
                 Take::Taken { left, nudge } => {
                     if nudge {
                         self.nudge(&slot);
@@ -255,11 +272,27 @@ impl Leases {
                     }
                 }
             }
-            if tokio::time::timeout_at(deadline.into(), notified).await.is_err() {
+            if tokio::time::timeout_at(deadline.into(), notified)
+                .await
+                .is_err()
+            {
                 break;
             }
         }
         Fast::Short(slot)
+    }
+
+    /// The table's shared copy of `plan` (the first one seen with its name).
+    fn shared_plan(&self, plan: &Plan) -> Arc<Plan> {
+        let plans = self.plans.pin();
+        match plans.get(plan.name()) {
+            Some(shared) if **shared == *plan => Arc::clone(shared),
+            _ => {
+                let shared = Arc::new(plan.clone());
+                plans.insert(plan.name().to_owned(), Arc::clone(&shared));
+                shared
+            }
+        }
     }
 
     /// Tells the actor that `slot` wants a refill. Never blocks.

@@ -308,9 +308,9 @@ impl Limiter {
     }
 
     fn leases(&self) -> &Arc<Leases> {
-        self.inner.leases.get_or_init(|| {
-            Leases::start(Arc::clone(&self.inner.store), self.inner.table)
-        })
+        self.inner
+            .leases
+            .get_or_init(|| Leases::start(Arc::clone(&self.inner.store), self.inner.table))
     }
 
     /// Direct mode: one store statement (shared with concurrent callers of the key).

@@ -1,0 +1,478 @@
+//! Leased mode against the real server (test plan C1, C4, C5, C9) and in memory (E4, E5):
+//! conservation, the sliding-window bound with its lease term, liveness, store round trips,
+//! expiry, a dead instance, a flood of keys, and cancelled callers. Runs in the nextest `serial`
+//! group: timing-dependent.
+
+// The live-heap count of E4 needs a counting global allocator, the one unsafe impl in the
+// project's tests; the library itself forbids unsafe code.
+#![allow(unsafe_code)]
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokenlease::policy::{LeaseSettings, Plan};
+use tokenlease::store::{MemoryStore, Store};
+use tokenlease::{DecidedBy, Limiter};
+
+const C: f64 = 100.0;
+const R: f64 = 50.0;
+const B: f64 = 10.0;
+const SLACK: f64 = 0.02;
+
+fn leased_plan(capacity: u64, rate: f64) -> Plan {
+    common::plan(capacity, rate).with_lease(LeaseSettings {
+        ttl: Duration::from_secs(1),
+        max_fraction: 0.1,
+        low_water: 0.5,
+        refresh: Duration::from_millis(100),
+        max_wait: Duration::from_millis(50),
+    })
+}
+
+/// What one instance saw in [`run_instances`].
+#[derive(Default)]
+struct Seen {
+    /// Admission times (local monotonic clock, shared by all instances in this process).
+    admitted: Vec<Instant>,
+    denied: u64,
+    fallback: u64,
+    latencies_ns: Vec<u64>,
+}
+
+/// `limiters.len()` instances × `tasks` tasks on one key for `duration`, at most `max_calls`
+/// calls per task.
+async fn run_instances(
+    limiters: &[Limiter],
+    plan: &Arc<Plan>,
+    tasks: usize,
+    duration: Duration,
+) -> Vec<Seen> {
+    let mut handles = Vec::new();
+    for (i, limiter) in limiters.iter().enumerate() {
+        for _ in 0..tasks {
+            let (limiter, plan) = (limiter.clone(), Arc::clone(plan));
+            handles.push(tokio::spawn(async move {
+                let mut seen = Seen::default();
+                let deadline = Instant::now() + duration;
+                let mut calls = 0;
+                while Instant::now() < deadline && calls < 10_000 {
+                    calls += 1;
+                    let started = Instant::now();
+                    let d = limiter
+                        .try_acquire_with(&plan, "hot", 1.0)
+                        .await
+                        .expect("decision");
+                    let at = Instant::now();
+                    seen.latencies_ns.push((at - started).as_nanos() as u64);
+                    if matches!(d.decided_by, DecidedBy::Fallback(_)) {
+                        seen.fallback += 1;
+                    } else if d.allowed {
+                        seen.admitted.push(at);
+                    } else {
+                        seen.denied += 1;
+                    }
+                    tokio::time::sleep(Duration::from_micros(500)).await;
+                }
+                (i, seen)
+            }));
+        }
+    }
+    let mut out: Vec<Seen> = (0..limiters.len()).map(|_| Seen::default()).collect();
+    for h in handles {
+        let (i, seen) = h.await.expect("task");
+        out[i].admitted.extend(seen.admitted);
+        out[i].denied += seen.denied;
+        out[i].fallback += seen.fallback;
+        out[i].latencies_ns.extend(seen.latencies_ns);
+    }
+    out
+}
+
+fn p99(mut v: Vec<u64>) -> u64 {
+    v.sort_unstable();
+    v[(v.len() * 99 / 100).min(v.len() - 1)]
+}
+
+/// C1 and C9 in leased mode: 2 instances × 16 tasks on one key for 5 s, C = 100, r = 50/s,
+/// leases of at most B = 10. Conservation is exact per instance; every sliding window holds
+/// C + r·(w + ε) + N·B; admissions reach 0.8 of the ideal less N·B; the store sees at most 100
+/// round trips; each instance is denied at least once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_share_one_key_through_leases() {
+    let db = common::database().await;
+    let plan = Arc::new(leased_plan(100, R));
+    let mut limiters = Vec::new();
+    for _ in 0..2 {
+        limiters.push(Limiter::builder(common::store(&db, 4).await).build());
+    }
+    let started = Instant::now();
+    let seen = run_instances(&limiters, &plan, 16, Duration::from_secs(5)).await;
+    let elapsed = started.elapsed().as_secs_f64();
+    let mut calls = 0;
+    let mut all = Vec::new();
+    for (i, (limiter, s)) in limiters.iter().zip(&seen).enumerate() {
+        limiter.shutdown().await;
+        let stats = limiter.lease_stats().expect("leased");
+        let admitted = s.admitted.len() as f64;
+        // Conservation, exact (costs are whole tokens, the counters exact in nanotokens).
+        assert!(
+            (admitted + stats.returned + stats.stranded - stats.leased).abs() < 1e-9,
+            "instance {i}: admitted {admitted} + returned {} + stranded {} != leased {}",
+            stats.returned,
+            stats.stranded,
+            stats.leased
+        );
+        assert_eq!(stats.outstanding, 0.0, "shutdown gave everything back");
+        assert!(s.denied >= 1, "instance {i} never denied (Gubernator #208)");
+        assert_eq!(s.fallback, 0, "instance {i}: the store never failed");
+        calls += stats.store_calls;
+        all.extend(s.admitted.iter().copied());
+        eprintln!(
+            "C1 leased, instance {i}: admitted {admitted}, denied {}, leased {}, returned {}, store calls {}, p99 {} µs",
+            s.denied,
+            stats.leased,
+            stats.returned,
+            stats.store_calls,
+            p99(s.latencies_ns.clone()) / 1000
+        );
+    }
+    all.sort();
+    let t0 = all[0];
+    let points: Vec<(f64, f64)> = all.iter().map(|t| ((*t - t0).as_secs_f64(), 1.0)).collect();
+    for w in [0.1, 0.5, 1.0, 2.0, 5.0] {
+        let (excess, count) = common::worst_window(&points, w, C, R, SLACK);
+        assert!(
+            excess <= 2.0 * B,
+            "window {w} s admitted {count} > {C} + {R}·({w} + {SLACK}) + N·B"
+        );
+    }
+    let admitted = all.len() as f64;
+    let ideal = C + R * elapsed;
+    assert!(
+        admitted >= 0.8 * ideal - 2.0 * B,
+        "liveness: {admitted} of {ideal}"
+    );
+    assert!(
+        calls <= 100,
+        "{calls} store round trips: leases should batch"
+    );
+    let latencies: Vec<u64> = seen
+        .iter()
+        .flat_map(|s| s.latencies_ns.iter().copied())
+        .collect();
+    eprintln!(
+        "C1 leased: {admitted} admitted of ideal {ideal:.0}, {calls} store calls, p99 {} µs",
+        p99(latencies) / 1000
+    );
+}
+
+/// C4: an idle instance's lease expires after its lifetime and its unused tokens go back to the
+/// row (capped at C); it admits nothing from the expired lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_lease_goes_back_to_the_bucket() {
+    let db = common::database().await;
+    let store = common::store(&db, 2).await;
+    let limiter = Limiter::builder(store.clone()).build();
+    let plan = leased_plan(100, 0.001); // next to no refill during the test
+    // Build demand so the lease grows past one token, then stop.
+    for _ in 0..40 {
+        let d = limiter
+            .try_acquire_with(&plan, "idle", 1.0)
+            .await
+            .expect("decision");
+        assert!(d.allowed);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let stats = limiter.lease_stats().expect("leased");
+    let held = stats.outstanding;
+    assert!(held >= 1.0, "the lease holds tokens ({held})");
+    let row = store.inspect("idle").await.expect("inspect").expect("row");
+    assert!(
+        (row.tokens_now.as_f64() - (100.0 - 40.0 - held)).abs() < 0.1,
+        "{row:?}, held {held}"
+    );
+    tokio::time::sleep(Duration::from_millis(1300)).await; // ttl 1 s + a tick
+    let stats = limiter.lease_stats().expect("leased");
+    assert!(
+        (stats.returned - held).abs() < 1e-9,
+        "returned {} of {held}",
+        stats.returned
+    );
+    assert_eq!(stats.outstanding, 0.0);
+    let row = store.inspect("idle").await.expect("inspect").expect("row");
+    assert!(
+        (row.tokens_now.as_f64() - 60.0).abs() < 0.1,
+        "the unused tokens are back: {row:?}"
+    );
+    // Nothing is spent from the expired lease: the next call must ask the store again.
+    assert_eq!(
+        limiter
+            .try_acquire_now_with(&plan, "idle", 1.0)
+            .expect("ok"),
+        None
+    );
+}
+
+/// C5: an instance dies holding a lease (its runtime is dropped: no shutdown, no give-back).
+/// The survivor loses at most that lease and keeps at least 0.8·r·T − B over the next 3 s.
+#[test]
+fn a_dead_instance_loses_at_most_one_lease() {
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let db = main.block_on(common::database());
+    let plan = Arc::new(leased_plan(100, R));
+    // The doomed instance, on its own runtime: hammer until its lease is large, then die.
+    let doomed_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let held = doomed_rt.block_on(async {
+        let limiter = Limiter::builder(common::store(&db, 2).await).build();
+        let deadline = Instant::now() + Duration::from_millis(500);
+        while Instant::now() < deadline {
+            let _ = limiter
+                .try_acquire_with(&plan, "hot", 1.0)
+                .await
+                .expect("decision");
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        let stats = limiter.lease_stats().expect("leased");
+        std::mem::forget(limiter); // no Drop, no shutdown: the process "dies"
+        stats.outstanding
+    });
+    drop(doomed_rt); // kills the actor mid-flight
+    assert!(held <= B, "a lease holds at most B = {B} tokens ({held})");
+    main.block_on(async {
+        let survivor = Limiter::builder(common::store(&db, 2).await).build();
+        let seen = run_instances(
+            std::slice::from_ref(&survivor),
+            &plan,
+            4,
+            Duration::from_secs(3),
+        )
+        .await;
+        let admitted = seen[0].admitted.len() as f64;
+        assert!(
+            admitted >= 0.8 * R * 3.0 - B,
+            "survivor admitted {admitted} in 3 s"
+        );
+        survivor.shutdown().await;
+    });
+}
+
+/// E4: a flood of a million distinct keys stays inside the table's bound (100,000 keys) and a
+/// bounded amount of memory; once idle, every key is evicted and its tokens given back.
+#[test]
+fn a_million_keys_stay_inside_the_table_bound() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let limiter = Limiter::builder(Unlimited)
+            .max_lease_keys(100_000)
+            .lease_tick(Duration::from_millis(20))
+            .build();
+        let plan = Plan::new("flood", common::bucket(10, 1.0)).with_lease(LeaseSettings {
+            ttl: Duration::from_millis(200),
+            ..LeaseSettings::default()
+        });
+        let heap_before = live_heap();
+        let mut peak = 0isize;
+        let started = Instant::now();
+        let mut key = String::new();
+        for i in 0..1_000_000u32 {
+            key.clear();
+            key.push_str("flood:");
+            key.push_str(&i.to_string());
+            let _ = limiter.try_acquire_now_with(&plan, &key, 1.0).expect("ok");
+            if i % 10_000 == 0 {
+                let keys = limiter.lease_stats().map_or(0, |s| s.keys);
+                assert!(keys <= 100_000, "{keys} keys at {i}");
+                peak = peak.max(live_heap() - heap_before);
+                tokio::task::yield_now().await;
+            }
+        }
+        assert!(peak <= 64 << 20, "live heap grew by {} MiB", peak >> 20);
+        eprintln!(
+            "E4: peak live heap {:.1} MiB for at most 100,000 keys",
+            peak as f64 / 1048576.0
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            started.elapsed()
+        );
+        // Idle: leases expire, keys are evicted, tokens go back.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let stats = limiter.lease_stats().expect("leased");
+            if stats.keys == 0 && stats.outstanding == 0.0 {
+                assert!(
+                    (stats.leased - stats.returned - stats.stranded).abs() < 1e-6,
+                    "{stats:?}"
+                );
+                break;
+            }
+            assert!(Instant::now() < deadline, "{stats:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}
+
+/// A store that grants whatever is asked and keeps nothing: isolates the lease table's memory.
+#[derive(Debug)]
+struct Unlimited;
+
+#[async_trait::async_trait]
+impl Store for Unlimited {
+    async fn acquire(
+        &self,
+        r: tokenlease::store::AcquireRequest<'_>,
+    ) -> Result<tokenlease::store::Acquired, tokenlease::store::StoreError> {
+        Ok(tokenlease::store::Acquired {
+            granted: r.want,
+            remaining: r.bucket.capacity(),
+            retry_after: Duration::ZERO,
+            reset_after: Duration::ZERO,
+            store_now: std::time::SystemTime::now(),
+        })
+    }
+    async fn give_back(
+        &self,
+        r: &[tokenlease::store::GiveBack<'_>],
+    ) -> Result<u64, tokenlease::store::StoreError> {
+        Ok(r.len() as u64)
+    }
+    async fn delete_idle(&self, _: u32) -> Result<u64, tokenlease::store::StoreError> {
+        Ok(0)
+    }
+    async fn inspect(
+        &self,
+        _: &str,
+    ) -> Result<Option<tokenlease::store::BucketRow>, tokenlease::store::StoreError> {
+        Ok(None)
+    }
+}
+
+/// Counts live heap bytes: allocated minus freed, by every thread of this test binary.
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: every method forwards to the system allocator with the caller's arguments unchanged,
+// so the caller's obligations pass through; the counter has no effect on the memory returned.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: same layout as given to us, as `GlobalAlloc::alloc` requires.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: `ptr` came from `alloc` above with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+fn live_heap() -> isize {
+    LIVE.load(Ordering::Relaxed)
+}
+
+/// A store that answers after a delay: a slow database, in process.
+#[derive(Debug)]
+struct Slow(MemoryStore, Duration);
+
+#[async_trait::async_trait]
+impl Store for Slow {
+    async fn acquire(
+        &self,
+        r: tokenlease::store::AcquireRequest<'_>,
+    ) -> Result<tokenlease::store::Acquired, tokenlease::store::StoreError> {
+        tokio::time::sleep(self.1).await;
+        self.0.acquire(r).await
+    }
+    async fn acquire_many(
+        &self,
+        r: &[tokenlease::store::AcquireRequest<'_>],
+    ) -> Result<Vec<tokenlease::store::Acquired>, tokenlease::store::StoreError> {
+        tokio::time::sleep(self.1).await;
+        self.0.acquire_many(r).await
+    }
+    async fn give_back(
+        &self,
+        r: &[tokenlease::store::GiveBack<'_>],
+    ) -> Result<u64, tokenlease::store::StoreError> {
+        self.0.give_back(r).await
+    }
+    async fn delete_idle(&self, limit: u32) -> Result<u64, tokenlease::store::StoreError> {
+        self.0.delete_idle(limit).await
+    }
+    async fn inspect(
+        &self,
+        key: &str,
+    ) -> Result<Option<tokenlease::store::BucketRow>, tokenlease::store::StoreError> {
+        self.0.inspect(key).await
+    }
+}
+
+/// E5: callers cancelled (1 ms timeout) while their refill is in flight leave nothing stuck and
+/// lose no token: the refill completes, later callers are served from it, and conservation holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_callers_leave_nothing_stuck() {
+    let memory = MemoryStore::new();
+    let limiter = Limiter::builder(Slow(memory.clone(), Duration::from_millis(200))).build();
+    let plan = common::plan(100, 0.001).with_lease(LeaseSettings {
+        max_wait: Duration::from_secs(1),
+        ..LeaseSettings::default()
+    });
+    for _ in 0..5 {
+        let r = tokio::time::timeout(
+            Duration::from_millis(1),
+            limiter.try_acquire_with(&plan, "cancel", 1.0),
+        )
+        .await;
+        assert!(r.is_err(), "cancelled while the refill is in flight");
+    }
+    let mut admitted = 0.0_f64;
+    for _ in 0..5 {
+        let d = limiter
+            .try_acquire_with(&plan, "cancel", 1.0)
+            .await
+            .expect("decision");
+        assert!(d.allowed, "{d:?}");
+        assert_eq!(d.decided_by, DecidedBy::Lease);
+        admitted += 1.0;
+    }
+    limiter.shutdown().await;
+    let stats = limiter.lease_stats().expect("leased");
+    assert!(
+        (admitted + stats.returned + stats.stranded - stats.leased).abs() < 1e-9,
+        "{admitted} + {} + {} != {}",
+        stats.returned,
+        stats.stranded,
+        stats.leased
+    );
+    let row = memory
+        .inspect("cancel")
+        .await
+        .expect("inspect")
+        .expect("row");
+    assert!(
+        (row.tokens_now.as_f64() - (100.0 - admitted)).abs() < 0.01,
+        "{row:?}"
+    );
+}
