@@ -22,6 +22,7 @@ pub mod error;
 mod fallback;
 pub mod lease;
 pub mod limiter;
+pub mod metrics;
 pub mod policy;
 pub mod store;
 

@@ -20,6 +20,7 @@ use super::Leases;
 use super::slot::Slot;
 use super::word::{CLOSED, PENDING, TOKENS};
 use crate::bucket::Tokens;
+use crate::metrics as m;
 use crate::policy::LeaseSettings;
 use crate::store::{AcquireRequest, GiveBack};
 
@@ -87,12 +88,21 @@ pub(super) async fn run(leases: Arc<Leases>) {
             give_back(&leases, &mut returns).await;
         }
         if scan {
-            let stats = leases.stats();
-            metrics::gauge!("tokenlease_lease_outstanding_tokens").set(stats.outstanding);
-            metrics::gauge!("tokenlease_lease_table_keys").set(stats.keys as f64);
+            publish(&leases);
         }
     }
     shut_down(&leases, &mut returns, &mut ids).await;
+    publish(&leases);
+}
+
+/// Sets the lease gauges and token counters from the exact counters.
+fn publish(leases: &Leases) {
+    let stats = leases.stats();
+    metrics::gauge!(m::OUTSTANDING).set(stats.outstanding);
+    metrics::gauge!(m::TABLE_KEYS).set(stats.keys as f64);
+    metrics::counter!(m::TOKENS_LEASED).absolute(stats.leased as u64);
+    metrics::counter!(m::TOKENS_RETURNED).absolute(stats.returned as u64);
+    metrics::counter!(m::TOKENS_STRANDED).absolute(stats.stranded as u64);
 }
 
 /// The tick's scan: find slots that asked for a refill but whose nudge was dropped, close expired
@@ -257,9 +267,9 @@ async fn refill_chunk(
             .collect();
         let started = Instant::now();
         leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
-        metrics::counter!("tokenlease_db_calls_total", "kind" => "lease").increment(1);
+        metrics::counter!(m::DB_CALLS, "kind" => "lease").increment(1);
         let result = leases.store.acquire_many(&requests).await;
-        metrics::histogram!("tokenlease_lease_refill_seconds").record(started.elapsed());
+        metrics::histogram!(m::REFILL_SECONDS).record(started.elapsed());
         let now = leases.now();
         match result {
             Ok(answers) => {
@@ -268,7 +278,7 @@ async fn refill_chunk(
                 }
             }
             Err(_) => {
-                metrics::counter!("tokenlease_db_errors_total", "kind" => "lease").increment(1);
+                metrics::counter!(m::DB_ERRORS, "kind" => "lease").increment(1);
                 let until = now + FAILURE_BACKOFF.as_nanos() as u64;
                 for (slot, _, _) in chunk {
                     slot.fallback_until.store(until, Ordering::Release);
@@ -312,8 +322,6 @@ fn apply(
         slot.book.lock().dry = true;
     } else {
         leases.counters.leased.fetch_add(granted, Ordering::AcqRel);
-        metrics::counter!("tokenlease_lease_tokens_leased_total")
-            .increment(granted / 1_000_000_000);
         let settings = lease_settings(slot);
         let unplaced = if slot.evicted.load(Ordering::Acquire) {
             granted
@@ -377,18 +385,16 @@ async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
             })
             .collect();
         leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
-        metrics::counter!("tokenlease_db_calls_total", "kind" => "return").increment(1);
+        metrics::counter!(m::DB_CALLS, "kind" => "return").increment(1);
         let result = leases.store.give_back(&requests).await;
         drop(requests);
         match result {
             Ok(_) => {
                 let total: u64 = batch.iter().map(|r| r.amount).sum();
                 leases.counters.returned.fetch_add(total, Ordering::AcqRel);
-                metrics::counter!("tokenlease_lease_tokens_returned_total")
-                    .increment(total / 1_000_000_000);
             }
             Err(_) => {
-                metrics::counter!("tokenlease_db_errors_total", "kind" => "return").increment(1);
+                metrics::counter!(m::DB_ERRORS, "kind" => "return").increment(1);
                 for mut r in batch {
                     r.attempts += 1;
                     if r.attempts >= RETURN_ATTEMPTS {
@@ -396,8 +402,6 @@ async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
                             .counters
                             .stranded
                             .fetch_add(r.amount, Ordering::AcqRel);
-                        metrics::counter!("tokenlease_lease_tokens_stranded_total")
-                            .increment(r.amount / 1_000_000_000);
                     } else {
                         returns.push(r);
                     }

@@ -14,7 +14,6 @@
 //! back (idempotently, by return id), evicts idle keys to keep the table within its bound, and on
 //! shutdown gives every lease back. See `DESIGN.md` §8 for the overshoot bound.
 
-use std::cell::Cell;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -114,26 +113,6 @@ pub(crate) enum Fast {
     NoRoom,
 }
 
-thread_local! {
-    /// Decisions made from a lease on this thread, not yet added to the metric (batched so the
-    /// fast path touches no shared counter).
-    static SAVED: Cell<u64> = const { Cell::new(0) };
-}
-
-/// Counts one store call saved by a lease; flushes to the metric every 256.
-#[inline]
-fn count_saved() {
-    SAVED.with(|saved| {
-        let n = saved.get() + 1;
-        if n >= 256 {
-            metrics::counter!("tokenlease_db_calls_saved_total").increment(n);
-            saved.set(0);
-        } else {
-            saved.set(n);
-        }
-    });
-}
-
 impl Leases {
     /// A table over `store`, with its actor spawned on the current runtime.
     pub(crate) fn start(store: Arc<dyn Store>, settings: TableSettings) -> Arc<Leases> {
@@ -191,7 +170,7 @@ impl Leases {
                 if nudge {
                     self.nudge(slot);
                 }
-                count_saved();
+                crate::metrics::record_lease_allowed();
                 Fast::Taken {
                     left,
                     store_remaining: slot.store_remaining.load(Ordering::Relaxed),

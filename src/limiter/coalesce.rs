@@ -103,7 +103,11 @@ impl Coalescer {
             key: key.to_owned(),
             bucket,
         };
+        metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
         let result = store.acquire(AcquireRequest::take(key, bucket, cost)).await;
+        if result.is_err() {
+            metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
+        }
         drop(guard);
         result
     }
@@ -155,9 +159,11 @@ impl Coalescer {
                 want,
                 step: cost,
             };
+            metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
             match store.acquire(request).await {
                 Ok(acquired) => share_out(batch, &acquired, &bucket),
                 Err(err) => {
+                    metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
                     for waiter in batch {
                         let _ = waiter.reply.send(Err(err.clone()));
                     }

@@ -248,14 +248,14 @@ impl Limiter {
                     left,
                     store_remaining,
                 } => return Ok(lease_allowed(plan, left, store_remaining)),
-                Fast::Dry { retry_after } => return Ok(lease_denied(plan, retry_after)),
+                Fast::Dry { retry_after } => return Ok(recorded(lease_denied(plan, retry_after))),
                 Fast::Failing | Fast::Short(_) => {
-                    return Ok(self.inner.fallback.decide(plan, key, cost).await);
+                    return Ok(recorded(self.inner.fallback.decide(plan, key, cost).await));
                 }
                 Fast::NoRoom => {}
             }
         }
-        self.direct(plan, key, cost).await
+        self.direct(plan, key, cost).await.map(recorded)
     }
 
     /// Decides from the lease alone, never waiting: `Ok(None)` when that would need the store
@@ -319,10 +319,16 @@ impl Limiter {
         let result = match &self.inner.coalescer {
             Some(coalescer) => coalescer.take(&self.inner.store, key, bucket, cost).await,
             None => {
-                self.inner
+                metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
+                let result = self
+                    .inner
                     .store
                     .acquire(AcquireRequest::take(key, bucket, cost))
-                    .await
+                    .await;
+                if result.is_err() {
+                    metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
+                }
+                result
             }
         };
         match result {
@@ -330,6 +336,12 @@ impl Limiter {
             Err(_) => Ok(self.inner.fallback.decide(plan, key, cost).await),
         }
     }
+}
+
+/// Counts a decision made off the fast path.
+fn recorded(decision: Decision) -> Decision {
+    crate::metrics::record(&decision);
+    decision
 }
 
 /// A cost in whole nanotokens, the lease word's unit (rounded up).

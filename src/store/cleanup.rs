@@ -35,13 +35,13 @@ impl IdleCleanup {
                 for _ in 0..100 {
                     match store.delete_idle(batch).await {
                         Ok(n) => {
-                            metrics::counter!("tokenlease_idle_rows_deleted_total").increment(n);
+                            metrics::counter!(crate::metrics::IDLE_ROWS_DELETED).increment(n);
                             if n < u64::from(batch) {
                                 break;
                             }
                         }
                         Err(_) => {
-                            metrics::counter!("tokenlease_idle_cleanup_errors_total").increment(1);
+                            metrics::counter!(crate::metrics::IDLE_CLEANUP_ERRORS).increment(1);
                             break;
                         }
                     }

@@ -1,0 +1,151 @@
+//! Metric names and the helpers that record them, through the [`metrics`] facade.
+//!
+//! Install any `metrics` recorder (the demo uses the Prometheus exporter) and call [`describe`]
+//! once to attach units and help texts. Every name starts with `tokenlease_`. `docs/metrics.md`
+//! says what each one means for an operator.
+//!
+//! The fast path records nothing shared: decisions answered from a lease are counted in a
+//! thread-local batch and added to the counters every 256 (so the counters may lag by up to
+//! 255 per thread).
+
+use std::cell::Cell;
+
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+
+use crate::limiter::{DecidedBy, Decision};
+use crate::policy::FallbackMode;
+
+/// Decisions, by `outcome` (`allowed`, `denied`) and `decided_by` (`store`, `lease`, `fallback`).
+pub const DECISIONS: &str = "tokenlease_decisions_total";
+/// Store calls, by `kind` (`take`: direct mode, `lease`: lease refills, `return`: give-backs).
+pub const DB_CALLS: &str = "tokenlease_db_calls_total";
+/// Store calls that failed or timed out, by `kind`.
+pub const DB_ERRORS: &str = "tokenlease_db_errors_total";
+/// Decisions answered from a lease without a store call.
+pub const DB_CALLS_SAVED: &str = "tokenlease_db_calls_saved_total";
+/// Tokens granted to this process's leases.
+pub const TOKENS_LEASED: &str = "tokenlease_lease_tokens_leased_total";
+/// Tokens given back to the store.
+pub const TOKENS_RETURNED: &str = "tokenlease_lease_tokens_returned_total";
+/// Tokens whose give-back failed for good.
+pub const TOKENS_STRANDED: &str = "tokenlease_lease_tokens_stranded_total";
+/// Tokens held in live leases now: how far this process can run ahead of the shared bucket.
+pub const OUTSTANDING: &str = "tokenlease_lease_outstanding_tokens";
+/// Keys in the lease table now.
+pub const TABLE_KEYS: &str = "tokenlease_lease_table_keys";
+/// Time of one lease refill statement, in seconds.
+pub const REFILL_SECONDS: &str = "tokenlease_lease_refill_seconds";
+/// Decisions made by the fallback, by `mode` (`allow`, `deny`, `local`) and `outcome`.
+pub const FALLBACK_DECISIONS: &str = "tokenlease_fallback_decisions_total";
+/// Idle bucket rows deleted.
+pub const IDLE_ROWS_DELETED: &str = "tokenlease_idle_rows_deleted_total";
+/// Idle-row cleanup rounds that failed.
+pub const IDLE_CLEANUP_ERRORS: &str = "tokenlease_idle_cleanup_errors_total";
+
+/// Attaches units and help texts to every metric.
+pub fn describe() {
+    describe_counter!(DECISIONS, Unit::Count, "decisions by outcome and decider");
+    describe_counter!(DB_CALLS, Unit::Count, "store calls by kind");
+    describe_counter!(
+        DB_ERRORS,
+        Unit::Count,
+        "store calls that failed or timed out, by kind"
+    );
+    describe_counter!(
+        DB_CALLS_SAVED,
+        Unit::Count,
+        "decisions answered from a lease"
+    );
+    describe_counter!(TOKENS_LEASED, Unit::Count, "tokens granted to leases");
+    describe_counter!(TOKENS_RETURNED, Unit::Count, "lease tokens given back");
+    describe_counter!(
+        TOKENS_STRANDED,
+        Unit::Count,
+        "lease tokens whose give-back failed"
+    );
+    describe_gauge!(
+        OUTSTANDING,
+        Unit::Count,
+        "tokens held in live leases (overshoot bound)"
+    );
+    describe_gauge!(TABLE_KEYS, Unit::Count, "keys in the lease table");
+    describe_histogram!(
+        REFILL_SECONDS,
+        Unit::Seconds,
+        "lease refill statement latency"
+    );
+    describe_counter!(
+        FALLBACK_DECISIONS,
+        Unit::Count,
+        "fallback decisions by mode and outcome"
+    );
+    describe_counter!(IDLE_ROWS_DELETED, Unit::Count, "idle bucket rows deleted");
+    describe_counter!(
+        IDLE_CLEANUP_ERRORS,
+        Unit::Count,
+        "idle-row cleanup rounds that failed"
+    );
+}
+
+fn outcome(allowed: bool) -> &'static str {
+    if allowed { "allowed" } else { "denied" }
+}
+
+/// The label value of a fallback mode.
+pub(crate) fn mode_label(mode: FallbackMode) -> &'static str {
+    match mode {
+        FallbackMode::Allow => "allow",
+        FallbackMode::Deny => "deny",
+        FallbackMode::Local { .. } => "local",
+    }
+}
+
+/// Records one decision made off the fast path.
+pub(crate) fn record(decision: &Decision) {
+    let by = match decision.decided_by {
+        DecidedBy::Store => "store",
+        DecidedBy::Lease => "lease",
+        DecidedBy::Fallback(mode) => {
+            metrics::counter!(FALLBACK_DECISIONS, "mode" => mode_label(mode), "outcome" => outcome(decision.allowed))
+                .increment(1);
+            "fallback"
+        }
+    };
+    metrics::counter!(DECISIONS, "outcome" => outcome(decision.allowed), "decided_by" => by)
+        .increment(1);
+}
+
+thread_local! {
+    /// Lease decisions on this thread not yet added to the counters.
+    static FROM_LEASE: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Counts one decision allowed from a lease (a store call saved), batched per thread.
+#[inline]
+pub(crate) fn record_lease_allowed() {
+    FROM_LEASE.with(|pending| {
+        let n = pending.get() + 1;
+        if n >= 256 {
+            flush(n);
+            pending.set(0);
+        } else {
+            pending.set(n);
+        }
+    });
+}
+
+#[cold]
+fn flush(n: u64) {
+    metrics::counter!(DB_CALLS_SAVED).increment(n);
+    metrics::counter!(DECISIONS, "outcome" => "allowed", "decided_by" => "lease").increment(n);
+}
+
+/// Adds this thread's pending lease decisions to the counters now (tests and shutdown).
+pub fn flush_thread() {
+    FROM_LEASE.with(|pending| {
+        let n = pending.replace(0);
+        if n > 0 {
+            flush(n);
+        }
+    });
+}
