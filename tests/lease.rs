@@ -476,3 +476,26 @@ async fn cancelled_callers_leave_nothing_stuck() {
         "{row:?}"
     );
 }
+
+/// A refund on a leased plan goes back into the live lease, not to the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_goes_back_into_the_live_lease() {
+    let memory = MemoryStore::new();
+    let limiter = Limiter::builder(memory.clone()).build();
+    let plan = leased_plan(100, 0.001);
+    for _ in 0..30 {
+        assert!(
+            limiter
+                .try_acquire_with(&plan, "r", 1.0)
+                .await
+                .expect("decision")
+                .allowed
+        );
+    }
+    // Let the refills the calls asked for land; nothing asks for more after this.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = limiter.lease_stats().expect("leased").outstanding;
+    limiter.refund(&plan, "r", 2.0).await.expect("refund");
+    let after = limiter.lease_stats().expect("leased").outstanding;
+    assert!((after - before - 2.0).abs() < 1e-9, "{before} -> {after}");
+}

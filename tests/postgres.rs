@@ -416,3 +416,46 @@ async fn the_idle_cleanup_task_deletes_full_rows_in_batches() {
     drop(cleanup);
     assert!(store.inspect("busy").await.expect("inspect").is_some());
 }
+
+/// A refund puts back what a decision took: into the row in direct mode, capped at capacity.
+#[tokio::test]
+async fn a_refund_puts_tokens_back_into_the_bucket() {
+    let db = common::database().await;
+    let store = common::store(&db, 2).await;
+    let limiter = Limiter::builder(store.clone()).build();
+    let plan = common::plan(10, 0.001);
+    for _ in 0..10 {
+        assert!(
+            limiter
+                .try_acquire_with(&plan, "refund", 1.0)
+                .await
+                .expect("decision")
+                .allowed
+        );
+    }
+    assert!(
+        !limiter
+            .try_acquire_with(&plan, "refund", 1.0)
+            .await
+            .expect("decision")
+            .allowed
+    );
+    limiter.refund(&plan, "refund", 3.0).await.expect("refund");
+    let row = store
+        .inspect("refund")
+        .await
+        .expect("inspect")
+        .expect("row");
+    assert_eq!(row.tokens_now.floor(), 3, "{row:?}");
+    limiter.refund(&plan, "refund", 10.0).await.expect("refund");
+    let row = store
+        .inspect("refund")
+        .await
+        .expect("inspect")
+        .expect("row");
+    assert_eq!(row.tokens_now, Tokens::whole(10), "capped at capacity");
+    assert!(
+        limiter.refund(&plan, "refund", 11.0).await.is_err(),
+        "above capacity"
+    );
+}

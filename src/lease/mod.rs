@@ -281,6 +281,15 @@ impl Leases {
         self.wake.notify_one();
     }
 
+    /// Puts `cost` nanotokens back into `key`'s live lease; `false` when there is none (the
+    /// caller then gives them back to the store).
+    pub(crate) fn refund(&self, key: &str, cost: u64) -> bool {
+        self.table
+            .pin()
+            .get(key)
+            .is_some_and(|slot| slot.word.refund(cost))
+    }
+
     /// Counters now.
     pub(crate) fn stats(&self) -> LeaseStats {
         let table = self.table.pin();

@@ -114,6 +114,27 @@ impl LeaseWord {
         }
     }
 
+    /// A caller puts back `amount` nanotokens it spent (a request refused further on). Only into
+    /// a live lease, and only what fits under [`TOKENS`]; returns whether it went in. When it
+    /// did not, the caller gives the tokens back to the store instead.
+    pub(crate) fn refund(&self, amount: u64) -> bool {
+        let mut current = self.word.load(Ordering::Acquire);
+        loop {
+            if current & CLOSED != 0 || TOKENS - (current & TOKENS) < amount {
+                return false;
+            }
+            match self.word.compare_exchange_weak(
+                current,
+                current + amount,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return true,
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
     /// The actor clears `PENDING` without adding tokens (the refill granted nothing or failed).
     pub(crate) fn clear_pending(&self) {
         self.word.fetch_and(!PENDING, Ordering::AcqRel);

@@ -15,7 +15,7 @@ use crate::error::{Error, validate_key};
 use crate::fallback::Fallback;
 use crate::lease::{Fast, LeaseStats, Leases, TableSettings};
 use crate::policy::{FallbackMode, Plan, Policies};
-use crate::store::{AcquireRequest, Acquired, Store};
+use crate::store::{AcquireRequest, Acquired, GiveBack, Store};
 
 mod coalesce;
 
@@ -291,6 +291,42 @@ impl Limiter {
             Fast::Dry { retry_after } => Some(lease_denied(plan, retry_after)),
             Fast::Failing | Fast::Short(_) | Fast::NoRoom => None,
         })
+    }
+
+    /// Gives back `cost` tokens that a decision of this limiter allowed, because the request was
+    /// refused further on (the HTTP layer refunds the endpoint's token when the entity's bucket
+    /// denies). With a live lease the tokens go back into it; otherwise to the store, capped at
+    /// the capacity. A refund the store cannot take (it is failing) is dropped: those tokens
+    /// count as spent, which under-admits and never over-admits.
+    ///
+    /// Refund only what was allowed: the limiter cannot tell, and a refund of tokens never taken
+    /// lets the bucket admit more than its limit.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_acquire_with`](Self::try_acquire_with), for an invalid key or cost.
+    pub async fn refund(&self, plan: &Plan, key: &str, cost: f64) -> Result<(), Error> {
+        validate_key(key)?;
+        let cost = validate_cost(plan, cost)?;
+        if plan.lease().is_some()
+            && let Some(leases) = self.inner.leases.get()
+            && leases.refund(key, lease_cost(cost))
+        {
+            return Ok(());
+        }
+        let id =
+            (std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), key) >> 1) as i64;
+        let give = GiveBack {
+            id,
+            key,
+            bucket: *plan.bucket(),
+            amount: cost,
+        };
+        metrics::counter!(crate::metrics::DB_CALLS, "kind" => "return").increment(1);
+        if self.inner.store.give_back(&[give]).await.is_err() {
+            metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "return").increment(1);
+        }
+        Ok(())
     }
 
     /// Counters of the lease table: tokens leased, returned, stranded and outstanding. `None`
