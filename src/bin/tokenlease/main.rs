@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 
 mod check;
 mod inspect;
+mod loadtest;
 mod migrate;
 
 /// Distributed rate limiting with token leases over PostgreSQL.
@@ -27,6 +28,9 @@ enum Command {
     Migrate(migrate::Args),
     /// Show a bucket's row as the database sees it now.
     Inspect(inspect::Args),
+    /// Run N limiter instances × M tasks against PostgreSQL and report database calls,
+    /// accuracy against an ideal bucket, throughput and latency.
+    Loadtest(loadtest::Args),
 }
 
 fn main() -> ExitCode {
@@ -35,6 +39,7 @@ fn main() -> ExitCode {
         Command::Check(args) => check::run(args),
         Command::Migrate(args) => migrate::run(args),
         Command::Inspect(args) => inspect::run(args),
+        Command::Loadtest(args) => loadtest::run(args),
     };
     match result {
         Ok(code) => code,
