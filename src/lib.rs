@@ -19,6 +19,7 @@ pub mod bucket;
 pub mod clock;
 pub mod embedded;
 pub mod error;
+pub mod http;
 mod fallback;
 pub mod lease;
 pub mod limiter;

@@ -1,0 +1,225 @@
+//! The response header fields and the problem body.
+//!
+//! - `RateLimit-Policy` and `RateLimit`: draft-ietf-httpapi-ratelimit-headers (-09/-10) syntax,
+//!   a structured-field list with one item per layer, named `"api"` and `"entity"`.
+//! - `X-RateLimit-Api-Remaining` / `X-RateLimit-Entity-Remaining`: whole tokens left, per layer.
+//! - `Retry-After`: whole seconds, rounded up, at least 1 (denials only).
+
+use std::time::Duration;
+
+use axum::http::header::{HeaderName, HeaderValue};
+use axum::http::{HeaderMap, StatusCode};
+
+use crate::bucket::Tokens;
+use crate::policy::Plan;
+
+/// `RateLimit-Policy`: each layer's quota (`q`, the capacity) and window (`w`, seconds to refill
+/// from empty).
+pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// `RateLimit`: each layer's remaining quota (`r`) and seconds until it is full again, or, when
+/// that layer denied, until the next request fits (`t`).
+pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+/// `X-RateLimit-Api-Remaining`: whole tokens left in the endpoint's global bucket.
+pub const X_RATELIMIT_API_REMAINING: HeaderName =
+    HeaderName::from_static("x-ratelimit-api-remaining");
+/// `X-RateLimit-Entity-Remaining`: whole tokens left in the entity's bucket.
+pub const X_RATELIMIT_ENTITY_REMAINING: HeaderName =
+    HeaderName::from_static("x-ratelimit-entity-remaining");
+
+/// Which of the two limits a header item or a denial belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layer {
+    /// The endpoint's global bucket (`ratelimit:api:...`), policy name `"api"`.
+    Api,
+    /// The entity's bucket (`ratelimit:entity:...`), policy name `"entity"`.
+    Entity,
+}
+
+impl Layer {
+    /// The policy name in the header fields and the problem body: `api` or `entity`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layer::Api => "api",
+            Layer::Entity => "entity",
+        }
+    }
+}
+
+/// Whole seconds for `Retry-After`: rounded up, at least 1.
+pub fn retry_after_secs(d: Duration) -> u64 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    secs.max(1)
+}
+
+/// Whole seconds, rounded up (0 stays 0).
+fn ceil_secs(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+/// The policy's window: seconds to refill the bucket from empty, rounded up, at least 1.
+fn window_secs(plan: &Plan) -> u64 {
+    let rate = plan.rate().as_f64();
+    let secs = plan.capacity().as_f64() / rate;
+    if secs.is_finite() && secs >= 1.0 {
+        secs.ceil() as u64
+    } else {
+        1
+    }
+}
+
+/// One `RateLimit-Policy` item, e.g. `"api";q=100;w=2`.
+pub(crate) fn policy_item(layer: Layer, plan: &Plan) -> String {
+    format!(
+        "\"{}\";q={};w={}",
+        layer.name(),
+        plan.capacity().floor(),
+        window_secs(plan)
+    )
+}
+
+/// What one layer decided, as the headers report it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Report {
+    pub(crate) layer: Layer,
+    pub(crate) remaining: Tokens,
+    /// Seconds for the `t` parameter.
+    pub(crate) t: u64,
+}
+
+impl Report {
+    /// The report of an allowed (or refunded) take: `t` is the time to refill to full.
+    pub(crate) fn allowed(layer: Layer, plan: &Plan, remaining: Tokens) -> Report {
+        let missing = plan.capacity().saturating_sub(remaining);
+        let secs = missing.as_f64() / plan.rate().as_f64();
+        let t = if secs.is_finite() && secs > 0.0 {
+            ceil_secs(Duration::from_secs_f64(secs.min(1e12)))
+        } else {
+            0
+        };
+        Report {
+            layer,
+            remaining,
+            t,
+        }
+    }
+
+    /// The report of a denial: `t` is the `Retry-After` value.
+    pub(crate) fn denied(layer: Layer, remaining: Tokens, retry_after: Duration) -> Report {
+        Report {
+            layer,
+            remaining,
+            t: retry_after_secs(retry_after),
+        }
+    }
+}
+
+/// Writes `RateLimit-Policy`, `RateLimit` and the `X-RateLimit-*-Remaining` fields.
+pub(crate) fn write(headers: &mut HeaderMap, policy: &HeaderValue, reports: &[Report]) {
+    headers.insert(RATELIMIT_POLICY, policy.clone());
+    if reports.is_empty() {
+        return;
+    }
+    let items: Vec<String> = reports
+        .iter()
+        .map(|r| format!("\"{}\";r={};t={}", r.layer.name(), r.remaining.floor(), r.t))
+        .collect();
+    if let Ok(v) = HeaderValue::try_from(items.join(", ")) {
+        headers.insert(RATELIMIT, v);
+    }
+    for r in reports {
+        let name = match r.layer {
+            Layer::Api => X_RATELIMIT_API_REMAINING,
+            Layer::Entity => X_RATELIMIT_ENTITY_REMAINING,
+        };
+        headers.insert(name, HeaderValue::from(r.remaining.floor()));
+    }
+}
+
+/// The status and `application/problem+json` body (RFC 9457) of a denial.
+///
+/// ```json
+/// {"type":"about:blank","title":"Too Many Requests","status":429,
+///  "detail":"rate limit of the entity layer exceeded for GET:/bookings/{bookingId}",
+///  "layer":"entity","endpoint":"GET:/bookings/{bookingId}","retry_after":12}
+/// ```
+///
+/// A denial by the `deny` fallback (the store could not decide) is `503 Service Unavailable`
+/// with the same fields: the client did nothing wrong, the limiter could not answer.
+pub(crate) fn problem(
+    layer: Layer,
+    endpoint: &str,
+    retry_after: u64,
+    unavailable: bool,
+) -> (StatusCode, String) {
+    let (status, detail) = if unavailable {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "the rate limiter could not decide for the {} layer of {endpoint} and its fallback denies",
+                layer.name()
+            ),
+        )
+    } else {
+        (
+            StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "rate limit of the {} layer exceeded for {endpoint}",
+                layer.name()
+            ),
+        )
+    };
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": status.canonical_reason().unwrap_or("Too Many Requests"),
+        "status": status.as_u16(),
+        "detail": detail,
+        "layer": layer.name(),
+        "endpoint": endpoint,
+        "retry_after": retry_after,
+    });
+    (status, body.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bucket::{BucketConfig, Rate};
+
+    fn plan(capacity: u64, per_second: f64) -> Plan {
+        Plan::new(
+            "p",
+            BucketConfig::new(Tokens::whole(capacity), Rate::from_f64(per_second).unwrap())
+                .unwrap(),
+        )
+    }
+
+    #[test]
+    fn retry_after_rounds_up_to_at_least_one() {
+        assert_eq!(retry_after_secs(Duration::ZERO), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1000)), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1001)), 2);
+        assert_eq!(retry_after_secs(Duration::from_secs(12)), 12);
+    }
+
+    #[test]
+    fn policy_items_use_capacity_and_refill_window() {
+        assert_eq!(
+            policy_item(Layer::Api, &plan(100, 50.0)),
+            "\"api\";q=100;w=2"
+        );
+        assert_eq!(
+            policy_item(Layer::Entity, &plan(150, 2.5)),
+            "\"entity\";q=150;w=60"
+        );
+        assert_eq!(policy_item(Layer::Api, &plan(1, 1000.0)), "\"api\";q=1;w=1");
+    }
+
+    #[test]
+    fn allowed_report_counts_seconds_to_full() {
+        let p = plan(100, 50.0);
+        assert_eq!(Report::allowed(Layer::Api, &p, Tokens::whole(100)).t, 0);
+        assert_eq!(Report::allowed(Layer::Api, &p, Tokens::whole(99)).t, 1);
+        assert_eq!(Report::allowed(Layer::Api, &p, Tokens::whole(0)).t, 2);
+    }
+}

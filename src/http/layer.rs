@@ -1,0 +1,236 @@
+//! [`RateLimitLayer`]: the configuration, built from a policy file or route by route.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::http::HeaderValue;
+use tower::Layer;
+
+use super::headers::{Layer as Which, policy_item};
+use super::key::{EntityKey, TrustedProxies};
+use super::service::RateLimit;
+use crate::Limiter;
+use crate::policy::{EntitySource, Plan, Policies};
+
+/// A tower [`Layer`] that rate-limits requests with two independent buckets per route: one
+/// global bucket per endpoint and one bucket per entity per endpoint.
+///
+/// Build it from the `routes` of a policy file with [`from_policies`](Self::from_policies) and
+/// apply it once with axum's `Router::route_layer`, or build one per route with
+/// [`new`](Self::new), [`global`](Self::global) and [`entity`](Self::entity) and apply it to
+/// that route. See the [module docs](super) for the keys, the order of the checks and the
+/// response header fields.
+#[derive(Clone, Debug)]
+pub struct RateLimitLayer {
+    config: Arc<Config>,
+}
+
+/// Everything the service needs, shared by all clones.
+#[derive(Clone, Debug)]
+pub(crate) struct Config {
+    pub(crate) limiter: Limiter,
+    pub(crate) routes: Routes,
+    pub(crate) trusted: TrustedProxies,
+}
+
+/// Which limits apply to a request.
+#[derive(Clone, Debug)]
+pub(crate) enum Routes {
+    /// From a policy file: by endpoint (`METHOD:pattern`, the pattern from axum's `MatchedPath`).
+    Table(HashMap<String, Arc<RouteLimits>>),
+    /// One route's limits, for every request the layer sees.
+    One(Arc<RouteLimits>),
+}
+
+/// The limits of one route.
+#[derive(Clone, Debug)]
+pub(crate) struct RouteLimits {
+    pub(crate) global: Option<Arc<Plan>>,
+    pub(crate) entity: Option<(EntityKey, Arc<Plan>)>,
+    /// The route pattern when not taken from axum's `MatchedPath`.
+    pub(crate) pattern: Option<String>,
+    /// `RateLimit-Policy`, precomputed.
+    pub(crate) policy: HeaderValue,
+}
+
+impl RouteLimits {
+    fn new(
+        global: Option<Arc<Plan>>,
+        entity: Option<(EntityKey, Arc<Plan>)>,
+        pattern: Option<String>,
+    ) -> RouteLimits {
+        let mut items = Vec::new();
+        if let Some(plan) = &global {
+            items.push(policy_item(Which::Api, plan));
+        }
+        if let Some((_, plan)) = &entity {
+            items.push(policy_item(Which::Entity, plan));
+        }
+        let policy = HeaderValue::try_from(items.join(", "))
+            .unwrap_or_else(|_| HeaderValue::from_static(""));
+        RouteLimits {
+            global,
+            entity,
+            pattern,
+            policy,
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.global.is_none() && self.entity.is_none()
+    }
+}
+
+/// A route in the policy file that the layer cannot use.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RouteConfigError {
+    /// A route names a plan the policy file does not define.
+    #[error("route {endpoint}: unknown plan {plan:?}")]
+    UnknownPlan {
+        /// The route's endpoint, `METHOD:pattern`.
+        endpoint: String,
+        /// The plan name.
+        plan: String,
+    },
+    /// A route's entity header is not a valid header name.
+    #[error("route {endpoint}: {header:?} is not a valid header name")]
+    InvalidHeader {
+        /// The route's endpoint, `METHOD:pattern`.
+        endpoint: String,
+        /// The header name as written.
+        header: String,
+    },
+}
+
+impl RateLimitLayer {
+    /// A layer for one route with no limits yet: add them with [`global`](Self::global) and
+    /// [`entity`](Self::entity). Apply it to that route only (in axum, on its `MethodRouter` or
+    /// with `route_layer` on a router holding just that route).
+    pub fn new(limiter: Limiter) -> Self {
+        RateLimitLayer {
+            config: Arc::new(Config {
+                limiter,
+                routes: Routes::One(Arc::new(RouteLimits::new(None, None, None))),
+                trusted: TrustedProxies::none(),
+            }),
+        }
+    }
+
+    /// A layer for every route of `policies` (its `routes` list), matched by method and the
+    /// route pattern axum matched (`MatchedPath`). Apply it once with `Router::route_layer`;
+    /// requests to routes not in the file pass untouched.
+    ///
+    /// # Errors
+    ///
+    /// [`RouteConfigError`] for a route naming an unknown plan or an invalid header name.
+    pub fn from_policies(policies: &Policies, limiter: Limiter) -> Result<Self, RouteConfigError> {
+        let mut table = HashMap::new();
+        for route in policies.routes() {
+            let endpoint = route.endpoint();
+            let plan = |name: &str| {
+                policies
+                    .plan(name)
+                    .cloned()
+                    .ok_or_else(|| RouteConfigError::UnknownPlan {
+                        endpoint: endpoint.clone(),
+                        plan: name.to_owned(),
+                    })
+            };
+            let global = route.global.as_deref().map(plan).transpose()?;
+            let entity = match &route.entity {
+                None => None,
+                Some(rule) => {
+                    let key = match &rule.source {
+                        EntitySource::PathParam(name) => EntityKey::path_param(name.clone()),
+                        EntitySource::Header(name) => {
+                            if axum::http::HeaderName::try_from(name.as_str()).is_err() {
+                                return Err(RouteConfigError::InvalidHeader {
+                                    endpoint,
+                                    header: name.clone(),
+                                });
+                            }
+                            EntityKey::header(name)
+                        }
+                        EntitySource::ClientIp => EntityKey::client_ip(),
+                    };
+                    Some((key, plan(&rule.plan)?))
+                }
+            };
+            table.insert(endpoint, Arc::new(RouteLimits::new(global, entity, None)));
+        }
+        Ok(RateLimitLayer {
+            config: Arc::new(Config {
+                limiter,
+                routes: Routes::Table(table),
+                trusted: TrustedProxies::none(),
+            }),
+        })
+    }
+
+    /// Limits the whole route (all callers together) with one bucket under `plan`, keyed
+    /// `ratelimit:api:{METHOD}:{route pattern}`.
+    ///
+    /// # Panics
+    ///
+    /// On a layer made by [`from_policies`](Self::from_policies), whose limits come from the
+    /// file.
+    pub fn global(self, plan: Arc<Plan>) -> Self {
+        self.edit_route(|r| RouteLimits::new(Some(plan), r.entity.clone(), r.pattern.clone()))
+    }
+
+    /// Limits each entity of the route with its own bucket under `plan`, keyed
+    /// `ratelimit:entity:{METHOD}:{route pattern}:{id}`, the id found by `key`.
+    ///
+    /// # Panics
+    ///
+    /// On a layer made by [`from_policies`](Self::from_policies).
+    pub fn entity(self, key: EntityKey, plan: Arc<Plan>) -> Self {
+        self.edit_route(|r| {
+            RouteLimits::new(r.global.clone(), Some((key, plan)), r.pattern.clone())
+        })
+    }
+
+    /// The route pattern for the keys (and for finding path parameters), for services without
+    /// axum's router (plain hyper, tonic). Without it the pattern is axum's `MatchedPath`, and a
+    /// request without one passes unlimited.
+    ///
+    /// # Panics
+    ///
+    /// On a layer made by [`from_policies`](Self::from_policies).
+    pub fn route_pattern(self, pattern: impl Into<String>) -> Self {
+        let pattern = pattern.into();
+        self.edit_route(|r| RouteLimits::new(r.global.clone(), r.entity.clone(), Some(pattern)))
+    }
+
+    /// The proxies whose `X-Forwarded-For` is believed for [`EntityKey::client_ip`]. By default
+    /// none: the peer address is the client.
+    pub fn trusted_proxies(mut self, trusted: TrustedProxies) -> Self {
+        Arc::make_mut(&mut self.config).trusted = trusted;
+        self
+    }
+
+    /// The limiter the layer decides with.
+    pub fn limiter(&self) -> &Limiter {
+        &self.config.limiter
+    }
+
+    fn edit_route(mut self, f: impl FnOnce(&RouteLimits) -> RouteLimits) -> Self {
+        let config = Arc::make_mut(&mut self.config);
+        match &mut config.routes {
+            Routes::One(route) => *route = Arc::new(f(route)),
+            Routes::Table(_) => {
+                panic!("RateLimitLayer: a layer from a policy file takes its limits from the file")
+            }
+        }
+        self
+    }
+}
+
+impl<S> Layer<S> for RateLimitLayer {
+    type Service = RateLimit<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimit::new(inner, Arc::clone(&self.config))
+    }
+}

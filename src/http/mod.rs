@@ -1,0 +1,108 @@
+//! The HTTP layer: two independent rate limits per route, as a tower [`Layer`](tower::Layer)
+//! for axum, tonic and hyper services.
+//!
+//! - **Global**: one bucket per endpoint, keyed `ratelimit:api:{METHOD}:{route pattern}` with
+//!   the matched route pattern (axum's `MatchedPath`), so `/bookings/1` and `/bookings/2`
+//!   share it.
+//! - **Entity**: one bucket per entity per endpoint, keyed
+//!   `ratelimit:entity:{METHOD}:{route pattern}:{id}`, the id from a named path parameter, a
+//!   header, the client IP or a closure ([`EntityKey`]). An id the store would refuse (over
+//!   1 KiB, NUL) is replaced by `sha256:` and its digest.
+//!
+//! The global bucket is checked first and a global denial stops there. A request without an
+//! entity id skips the entity check. When the entity layer denies, the global token already
+//! taken is given back, so one abusive entity cannot drain the endpoint for everyone.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use axum::{Router, routing::get};
+//! use tokenlease::Limiter;
+//! use tokenlease::http::{RateLimitLayer, TrustedProxies};
+//! use tokenlease::policy::Policies;
+//! use tokenlease::store::MemoryStore;
+//!
+//! # fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let policies = Policies::from_file("examples/policies/demo.json")?;
+//! let limiter = Limiter::builder(MemoryStore::new()).policies(policies.clone()).build();
+//! // Every route listed in the file's "routes", by method and pattern:
+//! let limits = RateLimitLayer::from_policies(&policies, limiter.clone())?
+//!     .trusted_proxies(TrustedProxies::parse(["10.0.0.0/8"])?);
+//! let app: Router = Router::new()
+//!     .route("/bookings/{bookingId}", get(|| async { "booking" }))
+//!     .route_layer(limits);
+//!
+//! // Or one route at a time, in code:
+//! use tokenlease::http::EntityKey;
+//! let (global, entity) = (policies.plan("bookings-read").unwrap(), policies.plan("booking-read").unwrap());
+//! let app: Router = Router::new().route(
+//!     "/bookings/{bookingId}",
+//!     get(|| async { "booking" }).route_layer(
+//!         RateLimitLayer::new(limiter)
+//!             .global(global.clone())
+//!             .entity(EntityKey::path_param("bookingId"), entity.clone()),
+//!     ),
+//! );
+//! # Ok(()) }
+//! ```
+//!
+//! Use `route_layer`, not `layer`: the pattern comes from axum's `MatchedPath`, which exists
+//! only after routing. A request the layer cannot match passes unlimited.
+//!
+//! # Responses
+//!
+//! Every response of a limited route carries, per layer that was checked:
+//!
+//! ```text
+//! RateLimit-Policy: "api";q=100;w=2, "entity";q=150;w=60
+//! RateLimit: "api";r=57;t=1, "entity";r=149;t=1
+//! X-RateLimit-Api-Remaining: 57
+//! X-RateLimit-Entity-Remaining: 149
+//! ```
+//!
+//! `q` is the capacity, `w` the seconds to refill from empty, `r` whole tokens left, `t` the
+//! seconds until the bucket is full (or, for the layer that denied, until the next request
+//! fits). A denial is `429 Too Many Requests` with `Retry-After` (whole seconds, rounded up,
+//! at least 1) and an `application/problem+json` body naming the layer:
+//!
+//! ```json
+//! {"type":"about:blank","title":"Too Many Requests","status":429,
+//!  "detail":"rate limit of the entity layer exceeded for GET:/bookings/{bookingId}",
+//!  "layer":"entity","endpoint":"GET:/bookings/{bookingId}","retry_after":24}
+//! ```
+//!
+//! The layer never returns an error and never answers 500. When the store is slow or down the
+//! plan's fallback decides; a denial by the `deny` fallback is `503` with the same fields.
+//!
+//! # Client IP and `X-Forwarded-For`
+//!
+//! [`EntityKey::client_ip`] uses the peer address unless the peer is one of the
+//! [`TrustedProxies`]; only then is `X-Forwarded-For` read, right to left, and the first
+//! address that is not a trusted proxy is the client ([`client_ip`]). Trusting the header from
+//! anyone lets every client pick its own bucket.
+//!
+//! # Layout
+//!
+//! - `layer.rs`: [`RateLimitLayer`], its configuration.
+//! - `service.rs`: [`RateLimit`], [`ResponseFuture`], the checks.
+//! - `key.rs`: [`EntityKey`], [`TrustedProxies`], [`client_ip`].
+//! - `headers.rs`: the header fields and the problem body.
+//! - `refund.rs`: giving the global token back.
+
+mod headers;
+mod key;
+mod layer;
+mod refund;
+mod service;
+
+pub use headers::{
+    Layer, RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_API_REMAINING, X_RATELIMIT_ENTITY_REMAINING,
+    retry_after_secs,
+};
+pub use key::{
+    EntityKey, MAX_FORWARDED_BYTES, MAX_FORWARDED_HOPS, TrustedProxies, TrustedProxyError,
+    client_ip,
+};
+pub use layer::{RateLimitLayer, RouteConfigError};
+pub use refund::HTTP_REFUNDS;
+pub use service::{HTTP_DENIED, HTTP_ERRORS, RateLimit, ResponseFuture};

@@ -1,0 +1,296 @@
+//! [`RateLimit`]: the service, and the two checks it makes before the inner service runs.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::extract::{FromRequestParts, MatchedPath, RawPathParams};
+use axum::http::header::{CONTENT_TYPE, RETRY_AFTER};
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, Request, Response};
+use sha2::{Digest, Sha256};
+use tower::Service;
+
+use super::headers::{self, Layer, Report, problem, retry_after_secs};
+use super::key::match_pattern;
+use super::layer::{Config, RouteLimits, Routes};
+use super::refund::refund;
+use crate::bucket::Tokens;
+use crate::error::validate_key;
+use crate::policy::FallbackMode;
+use crate::{DecidedBy, Decision};
+
+/// Counter of requests the HTTP layer denied, by `layer` (`api`, `entity`).
+pub const HTTP_DENIED: &str = "tokenlease_http_denied_total";
+/// Counter of requests the HTTP layer could not check (the limiter refused the key or cost),
+/// by `layer`; they pass unlimited by that layer.
+pub const HTTP_ERRORS: &str = "tokenlease_http_errors_total";
+
+/// The service [`RateLimitLayer`](super::RateLimitLayer) wraps around `S`.
+///
+/// It never returns an error of its own: a denial is a `429` (or a `503` when the store is down
+/// and the plan's fallback denies) and a limiter error lets the request through.
+#[derive(Clone)]
+pub struct RateLimit<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S: fmt::Debug> fmt::Debug for RateLimit<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimit")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> RateLimit<S> {
+    pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
+        RateLimit { inner, config }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+/// The future of [`RateLimit`]: the two checks, then the inner service.
+pub struct ResponseFuture<R, E> {
+    inner: Pin<Box<dyn Future<Output = Result<R, E>> + Send>>,
+}
+
+impl<R, E> fmt::Debug for ResponseFuture<R, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ResponseFuture")
+    }
+}
+
+impl<R, E> Future for ResponseFuture<R, E> {
+    type Output = Result<R, E>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    ReqBody: Send + 'static,
+    ResBody: From<String> + Send + 'static,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = ResponseFuture<Response<ResBody>, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        // The clone may not be ready; the one poll_ready readied is the one we call.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let config = Arc::clone(&self.config);
+        ResponseFuture {
+            inner: Box::pin(async move {
+                let (mut parts, body) = req.into_parts();
+                let verdict = check(&config, &mut parts).await;
+                match verdict {
+                    Verdict::Pass => inner.call(Request::from_parts(parts, body)).await,
+                    Verdict::Allow { policy, reports } => {
+                        let mut response = inner.call(Request::from_parts(parts, body)).await?;
+                        headers::write(response.headers_mut(), &policy, &reports);
+                        Ok(response)
+                    }
+                    Verdict::Deny(response) => Ok(response.map(ResBody::from)),
+                }
+            }),
+        }
+    }
+}
+
+/// What the checks decided.
+enum Verdict {
+    /// No limit applies to the request.
+    Pass,
+    /// Every applicable layer allowed it.
+    Allow {
+        policy: HeaderValue,
+        reports: Vec<Report>,
+    },
+    /// A layer denied it: the whole response.
+    Deny(Response<String>),
+}
+
+/// The two checks: global first; a global denial stops there; then the entity, if the request
+/// has one; an entity denial gives the global token back.
+async fn check(config: &Config, parts: &mut Parts) -> Verdict {
+    let matched = parts
+        .extensions
+        .get::<MatchedPath>()
+        .map(|m| m.as_str().to_owned());
+    let (limits, pattern) = match &config.routes {
+        Routes::One(limits) => match limits.pattern.clone().or(matched) {
+            Some(p) => (Arc::clone(limits), p),
+            None => return Verdict::Pass,
+        },
+        Routes::Table(table) => {
+            let Some(pattern) = matched else {
+                return Verdict::Pass;
+            };
+            let endpoint = format!("{}:{}", parts.method, pattern);
+            match table.get(&endpoint) {
+                Some(limits) => (Arc::clone(limits), pattern),
+                None => return Verdict::Pass,
+            }
+        }
+    };
+    if limits.is_empty() {
+        return Verdict::Pass;
+    }
+    let method = parts.method.as_str().to_owned();
+    let endpoint = format!("{method}:{pattern}");
+    let limiter = &config.limiter;
+    let cost = Tokens::whole(1);
+    let mut reports = Vec::with_capacity(2);
+
+    let mut global_taken: Option<(Arc<crate::policy::Plan>, String, Decision)> = None;
+    if let Some(plan) = &limits.global {
+        let key = format!("ratelimit:api:{endpoint}");
+        match limiter.try_acquire_with(plan, &key, 1.0).await {
+            Ok(d) if d.allowed => {
+                reports.push(Report::allowed(Layer::Api, plan, d.remaining));
+                global_taken = Some((Arc::clone(plan), key, d));
+            }
+            Ok(d) => {
+                reports.push(Report::denied(Layer::Api, d.remaining, d.retry_after));
+                return deny(Layer::Api, &d, &endpoint, &limits, &reports);
+            }
+            Err(_) => {
+                metrics::counter!(HTTP_ERRORS, "layer" => "api").increment(1);
+            }
+        }
+    }
+
+    if let Some((entity_key, plan)) = &limits.entity {
+        let params = if entity_key.needs_path_params() {
+            path_params(parts, &pattern).await
+        } else {
+            Vec::new()
+        };
+        if let Some(id) = entity_key.extract(parts, &params, &config.trusted) {
+            let key = entity_bucket_key(&endpoint, &id);
+            match limiter.try_acquire_with(plan, &key, 1.0).await {
+                Ok(d) if d.allowed => {
+                    reports.push(Report::allowed(Layer::Entity, plan, d.remaining));
+                }
+                Ok(d) => {
+                    if let Some((gplan, gkey, gd)) = &global_taken {
+                        if refund(limiter, gplan, gkey, cost, gd).await {
+                            let back =
+                                std::cmp::min(gd.remaining.saturating_add(cost), gplan.capacity());
+                            reports[0] = Report::allowed(Layer::Api, gplan, back);
+                        }
+                    }
+                    reports.push(Report::denied(Layer::Entity, d.remaining, d.retry_after));
+                    return deny(Layer::Entity, &d, &endpoint, &limits, &reports);
+                }
+                Err(_) => {
+                    metrics::counter!(HTTP_ERRORS, "layer" => "entity").increment(1);
+                }
+            }
+        }
+    }
+    Verdict::Allow {
+        policy: limits.policy.clone(),
+        reports,
+    }
+}
+
+/// The matched route's path parameters: axum's, or the pattern matched against the path.
+async fn path_params(parts: &mut Parts, pattern: &str) -> Vec<(String, String)> {
+    match RawPathParams::from_request_parts(parts, &()).await {
+        Ok(params) => params
+            .iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+        Err(_) => match_pattern(pattern, parts.uri.path()).unwrap_or_default(),
+    }
+}
+
+/// `ratelimit:entity:{endpoint}:{id}`; an id that would make the key unusable (too long, NUL)
+/// is replaced by `sha256:` and its hex digest, so every id still gets its own bucket.
+pub(crate) fn entity_bucket_key(endpoint: &str, id: &str) -> String {
+    let key = format!("ratelimit:entity:{endpoint}:{id}");
+    if validate_key(&key).is_ok() {
+        return key;
+    }
+    let digest = Sha256::digest(id.as_bytes());
+    let mut hex = String::with_capacity(64);
+    for b in digest.iter() {
+        hex.push_str(&format!("{b:02x}"));
+    }
+    format!("ratelimit:entity:{endpoint}:sha256:{hex}")
+}
+
+/// The denial response: status, problem body and every header field.
+fn deny(
+    layer: Layer,
+    decision: &Decision,
+    endpoint: &str,
+    limits: &RouteLimits,
+    reports: &[Report],
+) -> Verdict {
+    metrics::counter!(HTTP_DENIED, "layer" => layer.name()).increment(1);
+    let retry = retry_after_secs(decision.retry_after);
+    let unavailable = decision.decided_by == DecidedBy::Fallback(FallbackMode::Deny);
+    let (status, body) = problem(layer, endpoint, retry, unavailable);
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    let h = response.headers_mut();
+    h.insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    h.insert(RETRY_AFTER, HeaderValue::from(retry));
+    headers::write(h, &limits.policy, reports);
+    Verdict::Deny(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entity_keys_hash_ids_the_store_would_refuse() {
+        let e = "GET:/bookings/{bookingId}";
+        assert_eq!(
+            entity_bucket_key(e, "123"),
+            "ratelimit:entity:GET:/bookings/{bookingId}:123"
+        );
+        let long = "x".repeat(5000);
+        let k = entity_bucket_key(e, &long);
+        assert!(k.starts_with("ratelimit:entity:GET:/bookings/{bookingId}:sha256:"));
+        assert_eq!(
+            k.len(),
+            "ratelimit:entity:GET:/bookings/{bookingId}:sha256:".len() + 64
+        );
+        assert_ne!(k, entity_bucket_key(e, &"y".repeat(5000)));
+        assert!(validate_key(&entity_bucket_key(e, "a\0b")).is_ok());
+    }
+}
