@@ -50,16 +50,25 @@ pub enum StoreError {
     /// The store answered with something this version cannot read (a schema mismatch).
     #[error("unexpected reply from the store: {0}")]
     Protocol(String),
+    /// A circuit breaker ([`CircuitBreaker`](crate::store::CircuitBreaker)) is open after
+    /// repeated failures: the call was not sent to the store at all.
+    #[error("circuit open after repeated store failures; next probe in {retry_in:?}")]
+    CircuitOpen {
+        /// How long until the breaker lets a probe call through.
+        retry_in: Duration,
+    },
 }
 
 impl StoreError {
-    /// Whether retrying later may succeed: timeouts, connection failures, and database errors
-    /// of the classes that mean "not now" (connection exceptions, insufficient resources,
-    /// operator intervention such as a shutdown or a cancelled statement, lock timeouts,
-    /// serialisation failures and deadlocks).
+    /// Whether retrying later may succeed: timeouts, connection failures, an open circuit
+    /// breaker, and database errors of the classes that mean "not now" (connection exceptions,
+    /// insufficient resources, operator intervention such as a shutdown or a cancelled
+    /// statement, lock timeouts, serialisation failures and deadlocks).
     pub fn is_transient(&self) -> bool {
         match self {
-            StoreError::Timeout { .. } | StoreError::Connection(_) => true,
+            StoreError::Timeout { .. }
+            | StoreError::Connection(_)
+            | StoreError::CircuitOpen { .. } => true,
             StoreError::Database { code, .. } => {
                 let class = code.get(..2).unwrap_or("");
                 matches!(class, "08" | "53" | "57" | "40") || code == "55P03"

@@ -14,11 +14,13 @@ use async_trait::async_trait;
 
 use crate::bucket::{BucketConfig, Tokens};
 
+mod breaker;
 mod cleanup;
 mod error;
 mod memory;
 pub mod postgres;
 
+pub use self::breaker::{CircuitBreaker, CircuitState};
 pub use self::cleanup::IdleCleanup;
 pub use self::error::{StoreError, TimeoutKind};
 pub use self::memory::MemoryStore;
