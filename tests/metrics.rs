@@ -1,0 +1,528 @@
+//! The metrics of `src/metrics.rs`, asserted with `metrics_util`'s `DebuggingRecorder`.
+//!
+//! Each test installs a recorder with `metrics::with_local_recorder` around a current-thread
+//! runtime's `block_on`: the limiter's lease actor is spawned on that runtime, so it runs on the
+//! same thread and records into the same recorder. A snapshot swaps every counter to zero and
+//! drains every histogram, so the tests snapshot between phases and check each phase's deltas.
+//! Gauges and the `absolute` token counters are set by the actor on its ticks and at shutdown.
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use metrics_util::{CompositeKey, MetricKind};
+use tokenlease::bucket::{BucketConfig, Rate, Tokens};
+use tokenlease::metrics as m;
+use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
+use tokenlease::store::{
+    AcquireRequest, Acquired, BucketRow, GiveBack, MemoryStore, Store, StoreError, TimeoutKind,
+};
+use tokenlease::{DecidedBy, Limiter};
+
+/// A bucket of `capacity` whole tokens refilling at `per_second` tokens a second.
+fn bucket(capacity: u64, per_second: f64) -> BucketConfig {
+    BucketConfig::new(
+        Tokens::whole(capacity),
+        Rate::from_f64(per_second).expect("rate"),
+    )
+    .expect("bucket")
+}
+
+/// A leased plan whose leases outlive the test (no expiry), refilled every 100 ms of demand.
+fn leased_plan(name: &str, capacity: u64, per_second: f64) -> Plan {
+    Plan::new(name, bucket(capacity, per_second)).with_lease(LeaseSettings {
+        ttl: Duration::from_secs(60),
+        max_fraction: 1.0,
+        low_water: 0.5,
+        refresh: Duration::from_millis(100),
+        max_wait: Duration::from_millis(500),
+    })
+}
+
+/// Label (key, value) pairs, sorted.
+type Labels = Vec<(String, String)>;
+
+/// One snapshot, by metric kind, name and sorted labels.
+#[derive(Debug, Default)]
+struct Seen {
+    values: HashMap<(MetricKind, String, Labels), DebugValue>,
+}
+
+impl Seen {
+    fn take(snapshotter: &Snapshotter) -> Seen {
+        let mut values = HashMap::new();
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            let key: CompositeKey = key;
+            let (kind, key) = key.into_parts();
+            let mut labels: Labels = key
+                .labels()
+                .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                .collect();
+            labels.sort();
+            values.insert((kind, key.name().to_owned(), labels), value);
+        }
+        Seen { values }
+    }
+
+    fn get(&self, kind: MetricKind, name: &str, labels: &[(&str, &str)]) -> Option<&DebugValue> {
+        let mut labels: Labels = labels
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        labels.sort();
+        self.values.get(&(kind, name.to_owned(), labels))
+    }
+
+    /// A counter's value since the last snapshot; 0 when it was never touched.
+    fn counter(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+        match self.get(MetricKind::Counter, name, labels) {
+            Some(DebugValue::Counter(n)) => *n,
+            None => 0,
+            Some(other) => panic!("{name} is not a counter: {other:?}"),
+        }
+    }
+
+    /// A gauge's value; `None` when it was never set.
+    fn gauge(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        match self.get(MetricKind::Gauge, name, labels) {
+            Some(DebugValue::Gauge(v)) => Some(v.0),
+            None => None,
+            Some(other) => panic!("{name} is not a gauge: {other:?}"),
+        }
+    }
+
+    /// A histogram's samples since the last snapshot.
+    fn histogram(&self, name: &str) -> Vec<f64> {
+        match self.get(MetricKind::Histogram, name, &[]) {
+            Some(DebugValue::Histogram(v)) => v.iter().map(|x| x.0).collect(),
+            None => Vec::new(),
+            Some(other) => panic!("{name} is not a histogram: {other:?}"),
+        }
+    }
+
+    /// The sum of a counter over every label set.
+    fn counter_total(&self, name: &str) -> u64 {
+        self.values
+            .iter()
+            .filter(|((kind, n, _), _)| *kind == MetricKind::Counter && n == name)
+            .map(|(_, v)| match v {
+                DebugValue::Counter(n) => *n,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// Every label set a counter was recorded with.
+    fn label_sets(&self, name: &str) -> Vec<Labels> {
+        let mut sets: Vec<_> = self
+            .values
+            .keys()
+            .filter(|(_, n, _)| n == name)
+            .map(|(_, _, labels)| labels.clone())
+            .collect();
+        sets.sort();
+        sets
+    }
+}
+
+/// Runs `body` on a current-thread runtime with a fresh debugging recorder installed for this
+/// thread, and returns the recorder's snapshotter (for a final snapshot) with the body's value.
+fn recorded<T>(body: impl AsyncFnOnce(&Snapshotter) -> T) -> (Snapshotter, T) {
+    // Anything this thread batched before belongs to no test.
+    tokenlease::metrics::flush_thread();
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let out = metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let out = body(&snapshotter).await;
+            tokenlease::metrics::flush_thread();
+            out
+        })
+    });
+    (snapshotter, out)
+}
+
+/// Lets the lease actor run a few ticks (its tick is 5 ms in these tests), so that every
+/// refill asked for has been answered and the gauges were published after it.
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(60)).await;
+}
+
+#[test]
+fn leased_and_direct_decisions_store_calls_and_lease_gauges() {
+    let store_calls_seen = std::cell::Cell::new(0u64);
+    let (snapshotter, stats) = recorded(async |snapshotter: &Snapshotter| {
+        let limiter = Limiter::builder(MemoryStore::new())
+            .lease_tick(Duration::from_millis(5))
+            .build();
+        let hot = leased_plan("hot", 1_000_000, 1_000.0);
+
+        // Phase 1, warm-up: leased calls until the key holds a lease of at least 500 tokens.
+        // Which of these waited for a refill and which were answered from the lease depends on
+        // timing, so this phase only checks the store-call bookkeeping.
+        let mut warm_calls = 0u64;
+        while limiter.lease_stats().map_or(0.0, |s| s.outstanding) < 500.0 {
+            warm_calls += 1;
+            assert!(
+                warm_calls < 100_000,
+                "no lease of 500 tokens after 100,000 calls"
+            );
+            let d = limiter
+                .try_acquire_with(&hot, "hot", 1.0)
+                .await
+                .expect("decision");
+            assert!(d.allowed && d.decided_by == DecidedBy::Lease, "{d:?}");
+            if warm_calls % 64 == 0 {
+                tokio::task::yield_now().await;
+            }
+        }
+        settle().await;
+        tokenlease::metrics::flush_thread();
+        let warm = Seen::take(snapshotter);
+        let stats = limiter.lease_stats().expect("lease stats");
+        assert!(
+            warm.counter(m::DB_CALLS, &[("kind", "lease")]) >= 1,
+            "the warm-up refilled the lease"
+        );
+        assert_eq!(
+            warm.counter(m::DB_CALLS, &[("kind", "lease")])
+                + warm.counter(m::DB_CALLS, &[("kind", "return")]),
+            stats.store_calls,
+            "db_calls{{lease, return}} count exactly the actor's store calls"
+        );
+        assert_eq!(warm.counter(m::DB_CALLS, &[("kind", "take")]), 0);
+        assert_eq!(
+            warm.histogram(m::REFILL_SECONDS).len() as u64,
+            warm.counter(m::DB_CALLS, &[("kind", "lease")]),
+            "one refill latency sample per refill statement"
+        );
+        assert!(
+            warm.histogram(m::REFILL_SECONDS)
+                .iter()
+                .all(|s| (0.0..1.0).contains(s)),
+            "refill latencies are seconds, and an in-memory refill takes well under one"
+        );
+        // Published on the actor's last tick, after its last refill.
+        assert_eq!(
+            warm.gauge(m::OUTSTANDING, &[]),
+            Some(stats.outstanding),
+            "outstanding gauge"
+        );
+        assert_eq!(
+            warm.gauge(m::TABLE_KEYS, &[]),
+            Some(1.0),
+            "one key in the table"
+        );
+        assert_eq!(
+            warm.counter(m::TOKENS_LEASED, &[]),
+            stats.leased as u64,
+            "tokens leased"
+        );
+        assert_eq!(
+            warm.counter(m::TOKENS_RETURNED, &[]),
+            0,
+            "nothing returned yet"
+        );
+        assert_eq!(
+            warm.counter(m::DB_CALLS_SAVED, &[]),
+            warm.counter(
+                m::DECISIONS,
+                &[("outcome", "allowed"), ("decided_by", "lease")]
+            ),
+            "every lease admission on the fast path is a saved store call"
+        );
+        // At most one decision per call (the calls that waited for a refill are not counted:
+        // see `every_lease_admission_is_counted_as_a_decision`).
+        assert!(
+            warm.counter(
+                m::DECISIONS,
+                &[("outcome", "allowed"), ("decided_by", "lease")]
+            ) <= warm_calls
+        );
+        store_calls_seen.set(stats.store_calls);
+
+        // Phase 2, the fast path alone: 300 calls on the live lease, no await in between (so
+        // the actor cannot run). Every one is allowed from the lease: 300 decisions, 300 store
+        // calls saved, no store call.
+        for _ in 0..300 {
+            let d = limiter
+                .try_acquire_now_with(&hot, "hot", 1.0)
+                .expect("valid")
+                .expect("answered from the live lease");
+            assert!(d.allowed && d.decided_by == DecidedBy::Lease);
+        }
+        tokenlease::metrics::flush_thread();
+        let fast = Seen::take(snapshotter);
+        assert_eq!(
+            fast.counter(
+                m::DECISIONS,
+                &[("outcome", "allowed"), ("decided_by", "lease")]
+            ),
+            300
+        );
+        assert_eq!(fast.counter(m::DB_CALLS_SAVED, &[]), 300);
+        assert_eq!(
+            fast.counter_total(m::DB_CALLS),
+            0,
+            "the fast path makes no store call"
+        );
+        assert_eq!(
+            fast.label_sets(m::DECISIONS),
+            vec![vec![
+                ("decided_by".to_owned(), "lease".to_owned()),
+                ("outcome".to_owned(), "allowed".to_owned()),
+            ]]
+        );
+
+        // Phase 3, direct mode: a 5-token bucket, 8 calls: 5 allowed and 3 denied by the
+        // store, one `take` call each.
+        let direct = Plan::new("direct", bucket(5, 0.001));
+        let mut allowed = 0;
+        for _ in 0..8 {
+            let d = limiter
+                .try_acquire_with(&direct, "direct", 1.0)
+                .await
+                .expect("decision");
+            assert_eq!(d.decided_by, DecidedBy::Store);
+            allowed += u64::from(d.allowed);
+        }
+        assert_eq!(allowed, 5);
+        // Phase 4, a leased key whose bucket runs dry: 3 tokens, next one in 1,000 s. The
+        // store's "empty" is remembered in the slot: the calls after it are denied by the
+        // lease.
+        let scarce = leased_plan("scarce", 3, 0.001);
+        let mut denied_by_lease = 0;
+        let mut admitted_scarce = 0;
+        for _ in 0..10 {
+            let d = limiter
+                .try_acquire_with(&scarce, "scarce", 1.0)
+                .await
+                .expect("decision");
+            assert_eq!(d.decided_by, DecidedBy::Lease, "{d:?}");
+            if d.allowed {
+                admitted_scarce += 1;
+            } else {
+                denied_by_lease += 1;
+            }
+        }
+        assert_eq!(admitted_scarce, 3, "the whole bucket and nothing more");
+        settle().await;
+        tokenlease::metrics::flush_thread();
+        let mixed = Seen::take(snapshotter);
+        let stats = limiter.lease_stats().expect("lease stats");
+        assert_eq!(mixed.counter(m::DB_CALLS, &[("kind", "take")]), 8);
+        assert_eq!(
+            mixed.counter(
+                m::DECISIONS,
+                &[("outcome", "allowed"), ("decided_by", "store")]
+            ),
+            5
+        );
+        assert_eq!(
+            mixed.counter(
+                m::DECISIONS,
+                &[("outcome", "denied"), ("decided_by", "store")]
+            ),
+            3
+        );
+        assert_eq!(
+            mixed.counter(
+                m::DECISIONS,
+                &[("outcome", "denied"), ("decided_by", "lease")]
+            ),
+            denied_by_lease,
+            "lease denials"
+        );
+        assert_eq!(
+            mixed.counter(m::DB_CALLS, &[("kind", "lease")])
+                + mixed.counter(m::DB_CALLS, &[("kind", "return")]),
+            stats.store_calls - store_calls_seen.get(),
+        );
+        assert_eq!(
+            mixed.histogram(m::REFILL_SECONDS).len() as u64,
+            mixed.counter(m::DB_CALLS, &[("kind", "lease")])
+        );
+        assert_eq!(mixed.gauge(m::TABLE_KEYS, &[]), Some(2.0), "hot and scarce");
+        assert_eq!(mixed.gauge(m::OUTSTANDING, &[]), Some(stats.outstanding));
+        assert_eq!(mixed.counter(m::TOKENS_LEASED, &[]), stats.leased as u64);
+        assert_eq!(mixed.counter_total(m::FALLBACK_DECISIONS), 0);
+        assert_eq!(mixed.counter_total(m::DB_ERRORS), 0);
+        store_calls_seen.set(stats.store_calls);
+
+        // Phase 5, shutdown: every lease goes back, the gauges drop to zero and the token
+        // counters are final.
+        limiter.shutdown().await;
+        let stats = limiter.lease_stats().expect("lease stats");
+        assert!(stats.returned > 0.0, "the hot lease had tokens left");
+        assert_eq!(stats.outstanding, 0.0);
+        assert_eq!(stats.stranded, 0.0);
+        stats
+    });
+    let last = Seen::take(&snapshotter);
+    assert!(
+        last.counter(m::DB_CALLS, &[("kind", "return")]) >= 1,
+        "the give-back"
+    );
+    assert_eq!(
+        last.counter(m::DB_CALLS, &[("kind", "lease")])
+            + last.counter(m::DB_CALLS, &[("kind", "return")]),
+        stats.store_calls - store_calls_seen.get(),
+    );
+    assert_eq!(last.counter(m::TOKENS_LEASED, &[]), stats.leased as u64);
+    assert_eq!(last.counter(m::TOKENS_RETURNED, &[]), stats.returned as u64);
+    assert!(last.counter(m::TOKENS_RETURNED, &[]) > 0);
+    assert_eq!(last.counter(m::TOKENS_STRANDED, &[]), 0);
+    assert_eq!(last.gauge(m::OUTSTANDING, &[]), Some(0.0));
+    assert_eq!(last.gauge(m::TABLE_KEYS, &[]), Some(0.0));
+}
+
+/// A store that fails every call, as a store behind a dead server does.
+#[derive(Debug, Default)]
+struct FailingStore;
+
+fn failure() -> StoreError {
+    StoreError::Timeout {
+        kind: TimeoutKind::Call,
+        after: Duration::from_millis(50),
+    }
+}
+
+#[async_trait]
+impl Store for FailingStore {
+    async fn acquire(&self, _: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
+        Err(failure())
+    }
+
+    async fn give_back(&self, _: &[GiveBack<'_>]) -> Result<u64, StoreError> {
+        Err(failure())
+    }
+
+    async fn delete_idle(&self, _: u32) -> Result<u64, StoreError> {
+        Err(failure())
+    }
+
+    async fn inspect(&self, _: &str) -> Result<Option<BucketRow>, StoreError> {
+        Err(failure())
+    }
+}
+
+/// With a failing store, each fallback mode decides and is counted by mode and outcome, in
+/// direct mode (one failed `take` per call) and in leased mode (one failed refill, then the
+/// slot sends callers straight to the fallback for a while).
+#[test]
+fn fallback_decisions_by_mode_and_outcome() {
+    let local = FallbackMode::Local {
+        instances: NonZeroU32::new(1).expect("one"),
+    };
+    // (mode, its label, what 4 calls on a 2-token bucket give: allowed, denied)
+    let modes = [
+        (FallbackMode::Allow, "allow", 4, 0),
+        (FallbackMode::Deny, "deny", 0, 4),
+        (local, "local", 2, 2),
+    ];
+    for leased in [false, true] {
+        for (mode, label, want_allowed, want_denied) in modes {
+            let (snapshotter, ()) = recorded(async |_: &Snapshotter| {
+                let limiter = Limiter::builder(FailingStore)
+                    .lease_tick(Duration::from_millis(5))
+                    .build();
+                let base = if leased {
+                    leased_plan(label, 2, 0.001)
+                } else {
+                    Plan::new(label, bucket(2, 0.001))
+                };
+                let plan = base.with_fallback(FallbackSettings { mode });
+                for _ in 0..4 {
+                    let d = limiter
+                        .try_acquire_with(&plan, "k", 1.0)
+                        .await
+                        .expect("a decision, not an error");
+                    assert_eq!(d.decided_by, DecidedBy::Fallback(mode), "{d:?}");
+                }
+            });
+            let seen = Seen::take(&snapshotter);
+            let what = format!("{label} fallback, leased = {leased}");
+            let by_outcome = |outcome| {
+                seen.counter(
+                    m::FALLBACK_DECISIONS,
+                    &[("mode", label), ("outcome", outcome)],
+                )
+            };
+            assert_eq!(by_outcome("allowed"), want_allowed, "{what}: allowed");
+            assert_eq!(by_outcome("denied"), want_denied, "{what}: denied");
+            assert_eq!(
+                seen.counter_total(m::FALLBACK_DECISIONS),
+                4,
+                "{what}: only this mode"
+            );
+            assert_eq!(
+                seen.counter(
+                    m::DECISIONS,
+                    &[("outcome", "allowed"), ("decided_by", "fallback")]
+                ),
+                want_allowed,
+                "{what}"
+            );
+            assert_eq!(
+                seen.counter(
+                    m::DECISIONS,
+                    &[("outcome", "denied"), ("decided_by", "fallback")]
+                ),
+                want_denied,
+                "{what}"
+            );
+            if leased {
+                // The first call's refill fails; the slot then sends callers to the fallback
+                // for 100 ms without asking the store again.
+                assert_eq!(seen.counter(m::DB_CALLS, &[("kind", "lease")]), 1, "{what}");
+                assert_eq!(
+                    seen.counter(m::DB_ERRORS, &[("kind", "lease")]),
+                    1,
+                    "{what}"
+                );
+                assert_eq!(seen.counter(m::DB_CALLS, &[("kind", "take")]), 0, "{what}");
+            } else {
+                assert_eq!(seen.counter(m::DB_CALLS, &[("kind", "take")]), 4, "{what}");
+                assert_eq!(seen.counter(m::DB_ERRORS, &[("kind", "take")]), 4, "{what}");
+            }
+        }
+    }
+}
+
+/// Bug pin: a lease admission made after waiting for a refill is not counted.
+///
+/// `Limiter::try_acquire_with` returns `Fast::Taken` from `Leases::wait` without recording it
+/// (`src/limiter/mod.rs`, the `Fast::Taken` arm after `leases.wait(..)`), and `Leases::wait`
+/// (`src/lease/mod.rs`) does not call `record_lease_allowed` either, unlike `Leases::try_take`.
+/// So `tokenlease_decisions_total{outcome="allowed",decided_by="lease"}` misses the first call
+/// on every key, and every call that found its lease empty: the decisions counter undercounts
+/// exactly the slow admissions.
+#[test]
+#[ignore = "bug: lease admissions after a wait are not counted (see the doc comment)"]
+fn every_lease_admission_is_counted_as_a_decision() {
+    let (snapshotter, calls) = recorded(async |_: &Snapshotter| {
+        let limiter = Limiter::builder(MemoryStore::new())
+            .lease_tick(Duration::from_millis(5))
+            .build();
+        let plan = leased_plan("p", 1_000, 100.0);
+        // A new key: the call waits for the key's first refill, then spends from it.
+        let d = limiter
+            .try_acquire_with(&plan, "new-key", 1.0)
+            .await
+            .expect("decision");
+        assert!(d.allowed && d.decided_by == DecidedBy::Lease, "{d:?}");
+        1u64
+    });
+    let seen = Seen::take(&snapshotter);
+    assert_eq!(
+        seen.counter_total(m::DECISIONS),
+        calls,
+        "one decision, counted once"
+    );
+}
