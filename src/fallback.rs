@@ -3,13 +3,63 @@
 //! The plan's [`FallbackMode`] is applied to one request whenever its store call fails or times
 //! out. `Local` keeps an in-process bucket per key holding `1 / instances` of the plan's capacity
 //! and rate, so `instances` processes deciding alone together stay near the shared limit.
+//!
+//! Besides the decisions (`tokenlease_fallback_decisions_total{mode, outcome}`, counted by the
+//! limiter), the time spent in fallback is exported as `tokenlease_fallback_active_seconds{mode}`:
+//! a gauge that only grows, the total seconds during which fallback decisions of that mode kept
+//! coming no more than [`ACTIVE_GAP`] apart. The fallback does not see the store come back, so an
+//! episode ends at its last fallback decision (the time to the next request is not counted).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use crate::bucket::{BucketConfig, Rate, Tokens};
 use crate::limiter::{DecidedBy, Decision};
 use crate::policy::{FallbackMode, Plan};
 use crate::store::{AcquireRequest, MemoryStore, Store};
+
+/// Seconds spent in fallback, by mode: a gauge that only grows.
+pub(crate) const FALLBACK_ACTIVE_SECONDS: &str = "tokenlease_fallback_active_seconds";
+
+/// Two fallback decisions at most this far apart belong to one episode, and the time between
+/// them counts as time in fallback.
+pub(crate) const ACTIVE_GAP: Duration = Duration::from_secs(1);
+
+/// Time in fallback, per mode (allow, deny, local), across every limiter in the process: the
+/// last fallback decision and the total so far. The lock is held for a few instructions and
+/// nothing awaits under it.
+static ACTIVE: Active = Mutex::new([(None, Duration::ZERO); 3]);
+
+/// Per mode: the last fallback decision and the total time in fallback.
+type Active = Mutex<[(Option<Instant>, Duration); 3]>;
+
+/// Adds the time since the previous fallback decision of `mode` (if within [`ACTIVE_GAP`]) to
+/// the mode's total, and publishes it.
+fn record_active(mode: FallbackMode, now: Instant) {
+    let total = add_active(&ACTIVE, mode, now);
+    metrics::gauge!(FALLBACK_ACTIVE_SECONDS, "mode" => crate::metrics::mode_label(mode))
+        .set(total.as_secs_f64());
+}
+
+/// The bookkeeping of [`record_active`]; returns the mode's new total.
+fn add_active(active: &Active, mode: FallbackMode, now: Instant) -> Duration {
+    let index = match mode {
+        FallbackMode::Allow => 0,
+        FallbackMode::Deny => 1,
+        FallbackMode::Local { .. } => 2,
+    };
+    let mut active = active.lock();
+    let (last, total) = &mut active[index];
+    if let Some(previous) = *last {
+        let gap = now.saturating_duration_since(previous);
+        if gap <= ACTIVE_GAP {
+            *total += gap;
+        }
+    }
+    *last = Some(std::cmp::max(now, last.unwrap_or(now)));
+    *total
+}
 
 /// The local buckets of [`FallbackMode::Local`], shared by every plan of one limiter.
 #[derive(Debug, Default, Clone)]
@@ -20,6 +70,7 @@ pub(crate) struct Fallback {
 impl Fallback {
     /// Decides `cost` on `key` under `plan`'s fallback mode.
     pub(crate) async fn decide(&self, plan: &Plan, key: &str, cost: Tokens) -> Decision {
+        record_active(plan.fallback().mode, Instant::now());
         let limit = plan.capacity();
         let decision = |allowed: bool, remaining: Tokens, retry_after: Duration| Decision {
             allowed,
@@ -65,4 +116,72 @@ pub(crate) fn local_share(bucket: &BucketConfig, instances: u32) -> BucketConfig
     )
     .unwrap_or(bucket.rate());
     BucketConfig::new(capacity, rate).unwrap_or(*bucket)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+
+    use super::*;
+    use crate::policy::FallbackSettings;
+
+    fn plan(mode: FallbackMode) -> Plan {
+        let bucket = BucketConfig::new(Tokens::whole(100), Rate::from_f64(50.0).unwrap()).unwrap();
+        Plan::new("p", bucket).with_fallback(FallbackSettings { mode })
+    }
+
+    #[test]
+    fn local_share_divides_capacity_and_rate() {
+        let bucket = BucketConfig::new(Tokens::whole(100), Rate::from_f64(50.0).unwrap()).unwrap();
+        let share = local_share(&bucket, 2);
+        assert_eq!(share.capacity(), Tokens::whole(50));
+        assert_eq!(share.rate(), Rate::from_f64(25.0).unwrap());
+        assert_eq!(local_share(&bucket, 1), bucket);
+    }
+
+    /// Local mode with N = 2 admits C/N at once, then about r/N per second.
+    #[tokio::test]
+    async fn local_mode_admits_one_share() {
+        let fallback = Fallback::default();
+        let plan = plan(FallbackMode::Local {
+            instances: NonZeroU32::new(2).unwrap(),
+        });
+        let one = Tokens::whole(1);
+        let mut admitted = 0;
+        for _ in 0..200 {
+            let d = fallback.decide(&plan, "k", one).await;
+            assert_eq!(d.decided_by, DecidedBy::Fallback(plan.fallback().mode));
+            admitted += u32::from(d.allowed);
+        }
+        // 50 at once; a slow test machine may add a token or two of refill at 25/s.
+        assert!((50..=53).contains(&admitted), "admitted {admitted}");
+        let d = fallback.decide(&plan, "k", Tokens::whole(51)).await;
+        assert!(!d.allowed, "a cost above the local share is denied");
+    }
+
+    #[tokio::test]
+    async fn allow_and_deny() {
+        let fallback = Fallback::default();
+        let one = Tokens::whole(1);
+        let allow = fallback.decide(&plan(FallbackMode::Allow), "k", one).await;
+        assert!(allow.allowed);
+        let deny = fallback.decide(&plan(FallbackMode::Deny), "k", one).await;
+        assert!(!deny.allowed);
+        assert_eq!(deny.retry_after, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn active_time_adds_gaps_within_an_episode() {
+        let active: Active = Mutex::new([(None, Duration::ZERO); 3]);
+        let t0 = Instant::now();
+        let at = |ms| add_active(&active, FallbackMode::Deny, t0 + Duration::from_millis(ms));
+        at(0);
+        at(300);
+        assert_eq!(at(700), Duration::from_millis(700));
+        // A gap longer than ACTIVE_GAP starts a new episode: not counted.
+        at(2_700);
+        assert_eq!(at(2_800), Duration::from_millis(800));
+        // Other modes keep their own time.
+        assert_eq!(add_active(&active, FallbackMode::Allow, t0), Duration::ZERO);
+    }
 }

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: databases, plans, and the ideal-bucket envelope.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod proxy;
+
 use std::time::{Duration, SystemTime};
 
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
