@@ -9,6 +9,7 @@
 //! `capacity + rate × window` (`overshoot_tokens`).
 
 use std::io::IsTerminal;
+use std::num::NonZeroU32;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use serde::Serialize;
 use tokenlease::bucket::{BucketConfig, BucketState, Rate, Timestamp, Tokens};
-use tokenlease::policy::{LeaseSettings, Plan};
+use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::{
     AcquireRequest, Acquired, BucketRow, GiveBack, PostgresStore, Store, StoreError,
 };
@@ -71,9 +72,17 @@ pub(crate) struct Args {
     /// Longest wait for an in-flight refill, in milliseconds, before the fallback decides.
     #[arg(long, default_value_t = 50)]
     max_wait_ms: u64,
+    /// What decides when the store is slow or failing: `deny` (the default here, so that every
+    /// admission is the store's or a lease's and the overshoot measures them alone), `allow`, or
+    /// `local` (each instance a bucket of capacity / instances).
+    #[arg(long, value_enum, default_value_t = Fallback::Deny)]
+    fallback: Fallback,
     /// Connections per instance.
     #[arg(long, default_value_t = 4)]
     pool: u32,
+    /// Run the limiter's statements with `synchronous_commit = off` (see DESIGN.md).
+    #[arg(long)]
+    sync_commit_off: bool,
     /// The database; without it a throwaway cluster is started.
     #[arg(long, env = "DATABASE_URL")]
     database_url: Option<String>,
@@ -87,6 +96,13 @@ pub(crate) struct Args {
 enum Mode {
     Direct,
     Leased,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Fallback {
+    Allow,
+    Deny,
+    Local,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -120,7 +136,9 @@ struct Report {
     p50_us: f64,
     p99_us: f64,
     p999_us: f64,
+    fallback: &'static str,
     fallback_decisions: u64,
+    synchronous_commit: bool,
 }
 
 /// One request: when it finished (ns since the start), its key, and whether it was allowed.
@@ -219,7 +237,14 @@ fn validate(args: &Args) -> Result<(), String> {
 fn plan(args: &Args) -> Result<Plan, String> {
     let rate = Rate::from_f64(args.refill).ok_or("--refill is out of range (1e-9 to 1e9)")?;
     let bucket = BucketConfig::new(Tokens::whole(args.capacity), rate).ok_or("--capacity is 0")?;
-    let plan = Plan::new("loadtest", bucket);
+    let mode = match args.fallback {
+        Fallback::Allow => FallbackMode::Allow,
+        Fallback::Deny => FallbackMode::Deny,
+        Fallback::Local => FallbackMode::Local {
+            instances: NonZeroU32::new(args.instances as u32).unwrap_or(NonZeroU32::MIN),
+        },
+    };
+    let plan = Plan::new("loadtest", bucket).with_fallback(FallbackSettings { mode });
     Ok(match args.mode {
         Mode::Direct => plan,
         Mode::Leased => plan.with_lease(LeaseSettings {
@@ -276,6 +301,7 @@ async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Erro
     for _ in 0..args.instances {
         let store = PostgresStore::builder(url)?
             .pool_size(args.pool)
+            .synchronous_commit(!args.sync_commit_off)
             .build()
             .await?;
         let counting = Counting {
@@ -432,7 +458,13 @@ async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Erro
         p50_us: latency.value_at_quantile(0.5) as f64 / 1000.0,
         p99_us: latency.value_at_quantile(0.99) as f64 / 1000.0,
         p999_us: latency.value_at_quantile(0.999) as f64 / 1000.0,
+        fallback: match args.fallback {
+            Fallback::Allow => "allow",
+            Fallback::Deny => "deny",
+            Fallback::Local => "local",
+        },
         fallback_decisions: fallback,
+        synchronous_commit: !args.sync_commit_off,
     })
 }
 
@@ -528,5 +560,8 @@ fn print_table(r: &Report) {
             r.p50_us, r.p99_us, r.p999_us
         ),
     );
-    row("fallback decisions", r.fallback_decisions.to_string());
+    row(
+        "fallback decisions",
+        format!("{} (fallback: {})", r.fallback_decisions, r.fallback),
+    );
 }
