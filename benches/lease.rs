@@ -1,0 +1,528 @@
+//! Leased mode: the fast path beside `governor`, on one and two threads, and leased against
+//! direct mode on a real PostgreSQL.
+//!
+//! `cargo bench --bench lease` runs the criterion groups, then (only under `--bench`) the
+//! PostgreSQL comparison, and prints the summary tables that `benches/README.md` quotes.
+//!
+//! - `fast_path/*`: ns per call of `Limiter::try_acquire_now_with` on keys with a live lease
+//!   (an in-memory store; a bucket far too large to run dry, and leases sized for an hour of the
+//!   key's demand, so they never run dry either), with 1 key and with 100,000 keys round-robin,
+//!   beside governor's direct `check()` and its keyed `check_key()` with 1 and 100,000 `String`
+//!   keys, on quotas too large to deny. Also `Limiter::try_acquire_with` (the async wrapper,
+//!   polled inside a current-thread runtime's `block_on`).
+//! - `hot_key_threads/*`: one hot key on 1 and on 2 threads (std threads, each doing half the
+//!   iterations), ours against governor's direct limiter. Time is wall time, so a figure below
+//!   the 1-thread one means more total throughput.
+//! - PostgreSQL (printed table): 16 tasks on one hot key and on 10,000 keys, leased and direct,
+//!   for 3 s after a 1 s warm-up: calls per second and store calls per 1,000 calls.
+
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use criterion::{Criterion, Throughput};
+use governor::{Quota, RateLimiter};
+use tokenlease::bucket::{BucketConfig, Rate, Tokens};
+use tokenlease::embedded::TempPostgres;
+use tokenlease::policy::{LeaseSettings, Plan};
+use tokenlease::store::{
+    AcquireRequest, Acquired, BucketRow, GiveBack, MemoryStore, PostgresStore, Store, StoreError,
+};
+use tokenlease::{DecidedBy, Limiter};
+
+const CAPACITY: u64 = 1_000_000_000_000;
+const RATE: u64 = 1_000_000_000;
+const MANY_KEYS: usize = 100_000;
+const PG_KEYS: u64 = 10_000;
+
+/// A bucket that never runs dry at benchmark speeds.
+fn huge_bucket() -> BucketConfig {
+    BucketConfig::new(
+        Tokens::whole(CAPACITY),
+        Rate::per_second(RATE).expect("rate"),
+    )
+    .expect("bucket")
+}
+
+/// The fast-path plan: leases live an hour and hold an hour of the key's demand (capped at
+/// the lease word's 7.2 × 10⁷ tokens), so once warm they are refilled in the background long
+/// before they run dry, and the benchmark measures the lookup and CAS alone.
+fn fast_plan() -> Plan {
+    Plan::new("fast", huge_bucket()).with_lease(LeaseSettings {
+        ttl: Duration::from_secs(3600),
+        max_fraction: 1.0,
+        low_water: 0.5,
+        refresh: Duration::from_secs(3600),
+        max_wait: Duration::from_secs(1),
+    })
+}
+
+/// A fast-path call that found no live lease (counted, never expected once warm).
+static MISSES: AtomicU64 = AtomicU64::new(0);
+
+#[inline]
+fn ours(limiter: &Limiter, plan: &Plan, key: &str) {
+    match limiter.try_acquire_now_with(plan, key, 1.0) {
+        Ok(Some(d)) => {
+            black_box(d.allowed);
+        }
+        _ => {
+            MISSES.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Runs leased calls until every key answers from a live lease on the fast path.
+fn warm(runtime: &tokio::runtime::Runtime, limiter: &Limiter, plan: &Arc<Plan>, keys: &[String]) {
+    for round in 0..10 {
+        let keys = Arc::new(keys.to_vec());
+        runtime.block_on(async {
+            let tasks = 64.min(keys.len());
+            let handles: Vec<_> = (0..tasks)
+                .map(|t| {
+                    let (limiter, plan, keys) =
+                        (limiter.clone(), Arc::clone(plan), Arc::clone(&keys));
+                    tokio::spawn(async move {
+                        for key in keys.iter().skip(t).step_by(tasks) {
+                            for _ in 0..2 {
+                                let d = limiter.try_acquire_with(&plan, key, 1.0).await;
+                                assert!(d.expect("decision").allowed);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.await.expect("warm task");
+            }
+            // Let the actor land the refills the last calls asked for.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        });
+        let misses = keys
+            .iter()
+            .filter(|k| !matches!(limiter.try_acquire_now_with(plan, k, 1.0), Ok(Some(_))))
+            .count();
+        if misses == 0 {
+            return;
+        }
+        eprintln!("warm-up round {round}: {misses} keys without a live lease yet");
+    }
+    panic!("keys still without a live lease after 10 warm-up rounds");
+}
+
+struct Fast {
+    /// Runs the lease actor (refills in the background); kept alive for the whole run.
+    _runtime: tokio::runtime::Runtime,
+    limiter: Limiter,
+    plan: Arc<Plan>,
+    keys: Vec<String>,
+}
+
+fn fast_setup() -> Fast {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let limiter = runtime.block_on(async {
+        Limiter::builder(MemoryStore::new())
+            .max_lease_keys(2 * MANY_KEYS)
+            .build()
+    });
+    let plan = Arc::new(fast_plan());
+    let keys: Vec<String> = (0..MANY_KEYS).map(|i| format!("key:{i}")).collect();
+    warm(&runtime, &limiter, &plan, &keys[..1]);
+    warm(&runtime, &limiter, &plan, &keys);
+    Fast {
+        _runtime: runtime,
+        limiter,
+        plan,
+        keys,
+    }
+}
+
+fn governor_quota() -> Quota {
+    Quota::per_second(NonZeroU32::MAX)
+}
+
+fn bench_fast_path(c: &mut Criterion, fast: &Fast) {
+    let mut group = c.benchmark_group("fast_path");
+    group.throughput(Throughput::Elements(1));
+    let (limiter, plan, keys) = (&fast.limiter, &*fast.plan, &fast.keys);
+
+    group.bench_function("tokenlease/1_key", |b| {
+        b.iter(|| ours(limiter, plan, &keys[0]));
+    });
+    let mut i = 0;
+    group.bench_function("tokenlease/100k_keys", |b| {
+        b.iter(|| {
+            i = if i + 1 == keys.len() { 0 } else { i + 1 };
+            ours(limiter, plan, &keys[i]);
+        });
+    });
+    let async_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    group.bench_function("tokenlease_async/1_key", |b| {
+        b.iter_custom(|iters| {
+            async_rt.block_on(async {
+                let started = Instant::now();
+                for _ in 0..iters {
+                    let d = limiter.try_acquire_with(plan, &keys[0], 1.0).await;
+                    black_box(d.expect("decision").allowed);
+                }
+                started.elapsed()
+            })
+        });
+    });
+
+    let direct = RateLimiter::direct(governor_quota());
+    group.bench_function("governor_direct", |b| {
+        b.iter(|| black_box(direct.check().is_ok()));
+    });
+    let keyed = RateLimiter::keyed(governor_quota());
+    for key in keys {
+        assert!(keyed.check_key(key).is_ok());
+    }
+    group.bench_function("governor_keyed/1_key", |b| {
+        b.iter(|| black_box(keyed.check_key(&keys[0]).is_ok()));
+    });
+    let mut i = 0;
+    group.bench_function("governor_keyed/100k_keys", |b| {
+        b.iter(|| {
+            i = if i + 1 == keys.len() { 0 } else { i + 1 };
+            black_box(keyed.check_key(&keys[i]).is_ok())
+        });
+    });
+    group.finish();
+}
+
+/// `iters` calls of `call` split over `threads` std threads started together; wall time.
+fn threaded(threads: u64, iters: u64, call: &(dyn Fn() + Sync)) -> Duration {
+    let per_thread = iters.div_ceil(threads);
+    let barrier = Barrier::new(threads as usize + 1);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    barrier.wait();
+                    for _ in 0..per_thread {
+                        call();
+                    }
+                })
+            })
+            .collect();
+        barrier.wait();
+        let started = Instant::now();
+        for h in handles {
+            h.join().expect("thread");
+        }
+        started
+            .elapsed()
+            .mul_f64(iters as f64 / (per_thread * threads) as f64)
+    })
+}
+
+fn bench_hot_key_threads(c: &mut Criterion, fast: &Fast) {
+    let mut group = c.benchmark_group("hot_key_threads");
+    group.throughput(Throughput::Elements(1));
+    let (limiter, plan, key) = (&fast.limiter, &*fast.plan, fast.keys[0].as_str());
+    let direct = RateLimiter::direct(governor_quota());
+    for threads in [1u64, 2] {
+        group.bench_function(format!("tokenlease/{threads}_threads"), |b| {
+            b.iter_custom(|iters| threaded(threads, iters, &|| ours(limiter, plan, key)));
+        });
+        group.bench_function(format!("governor_direct/{threads}_threads"), |b| {
+            b.iter_custom(|iters| {
+                threaded(threads, iters, &|| {
+                    black_box(direct.check().is_ok());
+                })
+            });
+        });
+    }
+    group.finish();
+}
+
+/// Reads criterion's mean time per element (ns) for one benchmark of this file.
+fn criterion_ns(group: &str, id: &str) -> Option<f64> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("target/criterion")
+        .join(group)
+        .join(id.replace('/', "_"))
+        .join("new/estimates.json");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+    json["mean"]["point_estimate"].as_f64()
+}
+
+fn print_fast_tables() {
+    let fmt = |v: Option<f64>| v.map_or("–".to_owned(), |v| format!("{v:.1}"));
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) => format!("{:.2}×", b / a),
+        _ => "–".to_owned(),
+    };
+    println!(
+        "\n| fast path, 1 thread | tokenlease (ns/call) | governor (ns/call) | governor ÷ tokenlease |"
+    );
+    println!("|---|---|---|---|");
+    for (label, ours, theirs) in [
+        ("1 key (keyed)", "tokenlease/1_key", "governor_keyed/1_key"),
+        (
+            "100,000 keys (keyed)",
+            "tokenlease/100k_keys",
+            "governor_keyed/100k_keys",
+        ),
+        (
+            "1 key vs governor direct",
+            "tokenlease/1_key",
+            "governor_direct",
+        ),
+        (
+            "async `try_acquire_with`, 1 key, vs governor keyed",
+            "tokenlease_async/1_key",
+            "governor_keyed/1_key",
+        ),
+    ] {
+        let (a, b) = (
+            criterion_ns("fast_path", ours),
+            criterion_ns("fast_path", theirs),
+        );
+        println!("| {label} | {} | {} | {} |", fmt(a), fmt(b), ratio(a, b));
+    }
+    println!(
+        "\n| one hot key | 1 thread (M calls/s) | 2 threads, total (M calls/s) | 2 threads ÷ 1 thread |"
+    );
+    println!("|---|---|---|---|");
+    for (label, id) in [
+        ("tokenlease", "tokenlease"),
+        ("governor direct", "governor_direct"),
+    ] {
+        let one = criterion_ns("hot_key_threads", &format!("{id}/1_threads")).map(|n| 1e3 / n);
+        let two = criterion_ns("hot_key_threads", &format!("{id}/2_threads")).map(|n| 1e3 / n);
+        let rate = |v: Option<f64>| v.map_or("–".to_owned(), |v| format!("{v:.1}"));
+        let scale = match (one, two) {
+            (Some(a), Some(b)) => format!("{:.2}", b / a),
+            _ => "–".to_owned(),
+        };
+        println!("| {label} | {} | {} | {scale} |", rate(one), rate(two));
+    }
+    println!(
+        "\nfast-path calls that found no live lease: {}",
+        MISSES.load(Ordering::Relaxed)
+    );
+}
+
+/// Forwards to a store and counts the calls made to it.
+#[derive(Debug)]
+struct Counting {
+    inner: PostgresStore,
+    calls: Arc<AtomicU64>,
+}
+
+#[async_trait]
+impl Store for Counting {
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.acquire(request).await
+    }
+
+    async fn acquire_many(
+        &self,
+        requests: &[AcquireRequest<'_>],
+    ) -> Result<Vec<Acquired>, StoreError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.acquire_many(requests).await
+    }
+
+    async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.give_back(returns).await
+    }
+
+    async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
+        self.inner.delete_idle(limit).await
+    }
+
+    async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
+        self.inner.inspect(key).await
+    }
+}
+
+/// What one PostgreSQL run measured.
+#[derive(Debug, Default, Clone, Copy)]
+struct PgRun {
+    calls: u64,
+    allowed: u64,
+    fallback: u64,
+    store_calls: u64,
+    lease_store_calls: Option<u64>,
+    secs: f64,
+}
+
+const PG_TASKS: usize = 16;
+
+/// 16 tasks call `try_acquire_with` as fast as they can: 1 s of warm-up, then 3 s measured.
+fn pg_run(
+    runtime: &tokio::runtime::Runtime,
+    server: &TempPostgres,
+    leased: bool,
+    many: bool,
+) -> PgRun {
+    runtime.block_on(async {
+        let calls = Arc::new(AtomicU64::new(0));
+        let store = PostgresStore::builder(&server.connection_string("postgres"))
+            .expect("config")
+            .pool_size(4)
+            .call_timeout(Duration::from_secs(5))
+            .pool_wait_timeout(Duration::from_secs(5))
+            .statement_timeout(Duration::from_secs(5))
+            .lock_timeout(Duration::from_secs(5))
+            .build()
+            .await
+            .expect("store");
+        let limiter = Limiter::builder(Counting {
+            inner: store,
+            calls: Arc::clone(&calls),
+        })
+        .build();
+        let name = format!("pg_{}_{}", leased, many);
+        let mut plan = Plan::new(name, huge_bucket());
+        if leased {
+            plan = plan.with_lease(LeaseSettings::default());
+        }
+        let plan = Arc::new(plan);
+        let next = Arc::new(AtomicU64::new(0));
+        let measuring = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let counts = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
+        let handles: Vec<_> = (0..PG_TASKS)
+            .map(|_| {
+                let (limiter, plan, next, measuring, stop, counts) = (
+                    limiter.clone(),
+                    Arc::clone(&plan),
+                    Arc::clone(&next),
+                    Arc::clone(&measuring),
+                    Arc::clone(&stop),
+                    Arc::clone(&counts),
+                );
+                tokio::spawn(async move {
+                    let mut key = String::new();
+                    let mut n = 0u32;
+                    while !stop.load(Ordering::Relaxed) {
+                        key.clear();
+                        if many {
+                            use std::fmt::Write;
+                            let i = next.fetch_add(1, Ordering::Relaxed) % PG_KEYS;
+                            let _ = write!(key, "pgk:{i}");
+                        } else {
+                            key.push_str("pghot");
+                        }
+                        let d = limiter
+                            .try_acquire_with(&plan, &key, 1.0)
+                            .await
+                            .expect("decision");
+                        if measuring.load(Ordering::Relaxed) {
+                            counts[0].fetch_add(1, Ordering::Relaxed);
+                            counts[1].fetch_add(u64::from(d.allowed), Ordering::Relaxed);
+                            if matches!(d.decided_by, DecidedBy::Fallback(_)) {
+                                counts[2].fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        // The fast path never yields: let the actor and other tasks run.
+                        n = n.wrapping_add(1);
+                        if n % 64 == 0 {
+                            tokio::task::yield_now().await;
+                        }
+                    }
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let store_before = calls.load(Ordering::Relaxed);
+        let lease_before = limiter.lease_stats().map(|s| s.store_calls);
+        measuring.store(true, Ordering::Relaxed);
+        let started = Instant::now();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        measuring.store(false, Ordering::Relaxed);
+        let secs = started.elapsed().as_secs_f64();
+        let store_calls = calls.load(Ordering::Relaxed) - store_before;
+        let lease_after = limiter.lease_stats().map(|s| s.store_calls);
+        stop.store(true, Ordering::Relaxed);
+        for h in handles {
+            h.await.expect("task");
+        }
+        limiter.shutdown().await;
+        PgRun {
+            calls: counts[0].load(Ordering::Relaxed),
+            allowed: counts[1].load(Ordering::Relaxed),
+            fallback: counts[2].load(Ordering::Relaxed),
+            store_calls,
+            lease_store_calls: lease_after.zip(lease_before).map(|(a, b)| a - b),
+            secs,
+        }
+    })
+}
+
+fn print_pg_table() {
+    let server = TempPostgres::start().expect("throwaway PostgreSQL");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    println!(
+        "\n| PostgreSQL, {PG_TASKS} tasks, 3 s | mode | calls/s | store calls per 1,000 calls | allowed | fallback decisions | lease_stats store calls |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let mut per_1k = Vec::new();
+    for (label, many) in [("1 hot key", false), ("10,000 keys", true)] {
+        for leased in [false, true] {
+            let r = pg_run(&runtime, &server, leased, many);
+            let per = 1000.0 * r.store_calls as f64 / r.calls.max(1) as f64;
+            per_1k.push((label, leased, per));
+            println!(
+                "| {label} | {} | {:.0} | {:.2} | {} / {} | {} | {} |",
+                if leased { "leased" } else { "direct" },
+                r.calls as f64 / r.secs,
+                per,
+                r.allowed,
+                r.calls,
+                r.fallback,
+                r.lease_store_calls
+                    .map_or("–".to_owned(), |n| n.to_string()),
+            );
+        }
+    }
+    for pair in per_1k.chunks(2) {
+        if let [(label, _, direct), (_, _, leased)] = pair {
+            println!(
+                "{label}: direct makes {:.0}× the store calls of leased",
+                direct / leased.max(1e-9)
+            );
+        }
+    }
+}
+
+fn main() {
+    let fast = fast_setup();
+    let mut criterion = Criterion::default()
+        .sample_size(20)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    bench_fast_path(&mut criterion, &fast);
+    bench_hot_key_threads(&mut criterion, &fast);
+    criterion.final_summary();
+    // The tables and the PostgreSQL runs only when really benchmarking (`cargo bench`), not
+    // when a test runner lists or smoke-runs the bench target.
+    if !std::env::args().any(|a| a == "--bench") {
+        return;
+    }
+    print_fast_tables();
+    print_pg_table();
+    drop(fast);
+}
