@@ -45,10 +45,14 @@ impl Layer {
     }
 }
 
-/// Whole seconds for `Retry-After`: rounded up, at least 1.
+/// What [`retry_after_secs`] drops before rounding up: rates are stored to 10⁻⁹ token/s, so
+/// "5 per minute" is 0.083333333/s and its next token is 12.000000005 s away, not 12.
+const ROUNDING_SLACK: Duration = Duration::from_millis(1);
+
+/// Whole seconds for `Retry-After`: rounded up, at least 1. An excess of under 1 ms over a
+/// whole second (the trace of the rate's rounding to 10⁻⁹ token/s) is not rounded up.
 pub fn retry_after_secs(d: Duration) -> u64 {
-    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
-    secs.max(1)
+    ceil_secs(d.saturating_sub(ROUNDING_SLACK)).max(1)
 }
 
 /// Whole seconds, rounded up (0 stays 0).
@@ -56,15 +60,18 @@ fn ceil_secs(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 
+/// Seconds rounded up as [`retry_after_secs`] does, but 0 stays 0.
+fn seconds_up(secs: f64) -> u64 {
+    if secs.is_finite() && secs > 0.0 {
+        ceil_secs(Duration::from_secs_f64(secs.min(1e12)).saturating_sub(ROUNDING_SLACK))
+    } else {
+        0
+    }
+}
+
 /// The policy's window: seconds to refill the bucket from empty, rounded up, at least 1.
 fn window_secs(plan: &Plan) -> u64 {
-    let rate = plan.rate().as_f64();
-    let secs = plan.capacity().as_f64() / rate;
-    if secs.is_finite() && secs >= 1.0 {
-        secs.ceil() as u64
-    } else {
-        1
-    }
+    seconds_up(plan.capacity().as_f64() / plan.rate().as_f64()).max(1)
 }
 
 /// One `RateLimit-Policy` item, e.g. `"api";q=100;w=2`.
@@ -90,12 +97,7 @@ impl Report {
     /// The report of an allowed (or refunded) take: `t` is the time to refill to full.
     pub(crate) fn allowed(layer: Layer, plan: &Plan, remaining: Tokens) -> Report {
         let missing = plan.capacity().saturating_sub(remaining);
-        let secs = missing.as_f64() / plan.rate().as_f64();
-        let t = if secs.is_finite() && secs > 0.0 {
-            ceil_secs(Duration::from_secs_f64(secs.min(1e12)))
-        } else {
-            0
-        };
+        let t = seconds_up(missing.as_f64() / plan.rate().as_f64());
         Report {
             layer,
             remaining,
@@ -198,7 +200,8 @@ mod tests {
         assert_eq!(retry_after_secs(Duration::ZERO), 1);
         assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
         assert_eq!(retry_after_secs(Duration::from_millis(1000)), 1);
-        assert_eq!(retry_after_secs(Duration::from_millis(1001)), 2);
+        assert_eq!(retry_after_secs(Duration::from_millis(1002)), 2);
+        assert_eq!(retry_after_secs(Duration::from_nanos(12_000_000_005)), 12);
         assert_eq!(retry_after_secs(Duration::from_secs(12)), 12);
     }
 
@@ -213,6 +216,10 @@ mod tests {
             "\"entity\";q=150;w=60"
         );
         assert_eq!(policy_item(Layer::Api, &plan(1, 1000.0)), "\"api\";q=1;w=1");
+        assert_eq!(
+            policy_item(Layer::Api, &plan(5, 5.0 / 60.0)),
+            "\"api\";q=5;w=60"
+        );
     }
 
     #[test]

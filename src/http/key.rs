@@ -6,6 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use axum::extract::ConnectInfo;
+use axum::extract::connect_info::MockConnectInfo;
 use axum::http::HeaderMap;
 use axum::http::header::HeaderName;
 use axum::http::request::Parts;
@@ -119,12 +120,16 @@ impl EntityKey {
     }
 }
 
-/// The peer address axum recorded (`ConnectInfo<SocketAddr>`, also set by `MockConnectInfo`).
+/// The peer address axum recorded: `ConnectInfo<SocketAddr>` (from
+/// `into_make_service_with_connect_info`), or `MockConnectInfo<SocketAddr>` in tests.
 pub(crate) fn peer_addr(parts: &Parts) -> Option<SocketAddr> {
+    if let Some(ConnectInfo(addr)) = parts.extensions.get::<ConnectInfo<SocketAddr>>() {
+        return Some(*addr);
+    }
     parts
         .extensions
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|ConnectInfo(addr)| *addr)
+        .get::<MockConnectInfo<SocketAddr>>()
+        .map(|MockConnectInfo(addr)| *addr)
 }
 
 /// The proxies whose `X-Forwarded-For` is believed: single addresses and CIDR blocks.
