@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod check;
+mod demo;
 mod inspect;
 mod loadtest;
 mod migrate;
@@ -31,6 +32,8 @@ enum Command {
     /// Run N limiter instances × M tasks against PostgreSQL and report database calls,
     /// accuracy against an ideal bucket, throughput and latency.
     Loadtest(loadtest::Args),
+    /// Serve a booking API protected by both HTTP layers, with /metrics.
+    Demo(demo::Args),
 }
 
 fn main() -> ExitCode {
@@ -40,6 +43,7 @@ fn main() -> ExitCode {
         Command::Migrate(args) => migrate::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Loadtest(args) => loadtest::run(args),
+        Command::Demo(args) => demo::run(args),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,161 @@
+//! `tokenlease demo`: a small booking service protected by both HTTP layers.
+//!
+//! Routes (limits from the policy file's `routes`, the shipped `examples/policies/demo.json` by
+//! default, built into the binary so it runs from any directory):
+//!
+//! - `GET /bookings/{bookingId}`: global `bookings-read`, entity `booking-read` per booking;
+//! - `POST /bookings/{bookingId}/automate/internal`: global `automate`, entity
+//!   `booking-automate` per booking;
+//! - `GET /bookings`: global `bookings-list` only (no entity);
+//! - `GET /metrics`: Prometheus text format, not limited.
+//!
+//! Buckets live in PostgreSQL: `DATABASE_URL`, or a throwaway cluster that is removed on exit.
+//! Ctrl-C (SIGINT) and SIGTERM stop it cleanly: in-flight requests finish, leases go back, the
+//! throwaway cluster is stopped and deleted.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use axum::Router;
+use axum::extract::Path as UrlPath;
+use axum::routing::{get, post};
+use metrics_exporter_prometheus::PrometheusBuilder;
+use tokenlease::Limiter;
+use tokenlease::http::RateLimitLayer;
+use tokenlease::policy::Policies;
+use tokenlease::store::PostgresStore;
+
+/// The shipped demo policy, built in.
+const DEMO_POLICY: &str = include_str!("../../../examples/policies/demo.json");
+
+/// Arguments of `tokenlease demo`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    /// Address to listen on (port 0 picks a free port; the address is printed).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Policy file with the routes' plans [default: the built-in examples/policies/demo.json].
+    #[arg(long)]
+    policy: Option<PathBuf>,
+    /// The database; without it a throwaway PostgreSQL is started and removed on exit.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: Option<String>,
+}
+
+/// Runs the demo until Ctrl-C or SIGTERM.
+pub(crate) fn run(args: Args) -> super::CmdResult {
+    let policies = match &args.policy {
+        Some(path) => Policies::from_file(path)?,
+        None => {
+            Policies::from_json_str(DEMO_POLICY, Some(Path::new("examples/policies/demo.json")))?
+        }
+    };
+    let prometheus = PrometheusBuilder::new().install_recorder()?;
+    tokenlease::metrics::describe();
+
+    let (server, url) = match args.database_url.clone().filter(|u| !u.trim().is_empty()) {
+        Some(url) => (None, url),
+        None => {
+            eprintln!("DATABASE_URL is not set: starting a throwaway PostgreSQL");
+            let server = tokenlease::embedded::TempPostgres::start()?;
+            let url = server.url();
+            (Some(server), url)
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let result = runtime.block_on(serve(args.listen, policies, &url, prometheus));
+    drop(runtime);
+    // Stops and deletes the throwaway cluster, also after an error.
+    drop(server);
+    result?;
+    eprintln!("tokenlease demo: stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn serve(
+    listen: SocketAddr,
+    policies: Policies,
+    url: &str,
+    prometheus: metrics_exporter_prometheus::PrometheusHandle,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let store = PostgresStore::connect(url).await?;
+    let limiter = Limiter::builder(store).policies(policies.clone()).build();
+    let limits = RateLimitLayer::from_policies(&policies, limiter.clone())?;
+
+    let app = Router::new()
+        .route("/bookings", get(list_bookings))
+        .route("/bookings/{bookingId}", get(get_booking))
+        .route(
+            "/bookings/{bookingId}/automate/internal",
+            post(automate_booking),
+        )
+        .route_layer(limits)
+        .route(
+            "/metrics",
+            get(move || std::future::ready(prometheus.render())),
+        );
+
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    let addr = listener.local_addr()?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "tokenlease demo listening on http://{addr}")?;
+    writeln!(out, "try:")?;
+    writeln!(out, "  curl -i http://{addr}/bookings/123")?;
+    writeln!(
+        out,
+        "  for i in 1 2 3 4 5 6; do curl -s -o /dev/null -w '%{{http_code}}\\n' -X POST http://{addr}/bookings/123/automate/internal; done"
+    )?;
+    writeln!(out, "metrics: http://{addr}/metrics")?;
+    out.flush()?;
+    drop(out);
+
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown_signal())
+    .await?;
+    // Give every lease back before the database goes away.
+    limiter.shutdown().await;
+    Ok(())
+}
+
+/// Resolves on Ctrl-C (SIGINT) or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => eprintln!("tokenlease demo: SIGINT, shutting down"),
+        () = term => eprintln!("tokenlease demo: SIGTERM, shutting down"),
+    }
+}
+
+async fn list_bookings() -> axum::Json<serde_json::Value> {
+    axum::Json(serde_json::json!({ "bookings": ["123", "456", "57765"] }))
+}
+
+async fn get_booking(UrlPath(id): UrlPath<String>) -> axum::Json<serde_json::Value> {
+    axum::Json(serde_json::json!({ "bookingId": id, "status": "confirmed" }))
+}
+
+async fn automate_booking(UrlPath(id): UrlPath<String>) -> axum::Json<serde_json::Value> {
+    axum::Json(serde_json::json!({ "bookingId": id, "automation": "queued" }))
+}
