@@ -249,8 +249,13 @@ fn bench_hot_key_threads(c: &mut Criterion, fast: &Fast) {
 
 /// Reads criterion's mean time per element (ns) for one benchmark of this file.
 fn criterion_ns(group: &str, id: &str) -> Option<f64> {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("target/criterion")
+    // Where criterion writes: `CARGO_TARGET_DIR` when set, else the package's `target`.
+    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(
+        || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target"),
+        std::path::PathBuf::from,
+    );
+    let path = target
+        .join("criterion")
         .join(group)
         .join(id.replace('/', "_"))
         .join("new/estimates.json");
