@@ -173,6 +173,10 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 }
 
 /// SO_LINGER 0: the close that follows sends RST instead of FIN.
+///
+/// tokio deprecates `set_linger` because a non-zero linger blocks the thread in `close`; a zero
+/// linger never blocks (the kernel discards the send buffer and sends RST at once).
+#[allow(deprecated)]
 fn reset(stream: &TcpStream) {
     let _ = stream.set_linger(Some(Duration::ZERO));
 }

@@ -1,0 +1,1311 @@
+//! Fault injection (test plan D1–D7, D9), each test in every fallback mode: deny, allow, and
+//! local (C/N, r/N per instance with N = 2).
+//!
+//! Each test starts its own throwaway cluster. Limiters reach it either directly (to stop the
+//! real server) or through the fault proxy of `common/proxy.rs`, with the plan's settings: call
+//! timeout 50 ms, connect timeout 250 ms, server-side `statement_timeout` 100 ms, a pool of 4,
+//! and a [`CircuitBreaker`] with its defaults (opens after 5 transient failures, back-off 50 ms
+//! doubling to 500 ms). Under the breaker a recording wrapper logs every call that reached the
+//! database, so the tests measure store calls and caller waits separately.
+//!
+//! Timing-dependent: runs in the nextest `serial` group, and the tests of this file take a lock
+//! so `cargo test` runs them one at a time too. Each prints its figures (`--nocapture`).
+
+mod common;
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use parking_lot::Mutex;
+use tokenlease::embedded::{StopMode, TempPostgres};
+use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
+use tokenlease::store::{
+    AcquireRequest, Acquired, BucketRow, CircuitBreaker, GiveBack, PostgresStore, Store,
+    StoreError, TimeoutKind,
+};
+use tokenlease::{DecidedBy, Limiter};
+use tokio_postgres::NoTls;
+
+use common::proxy::Proxy;
+
+const C: u64 = 100;
+const R: f64 = 50.0;
+/// Limiter instances.
+const N: usize = 2;
+/// Lease batch: the default lease is at most 0.1 × C.
+const B: f64 = 10.0;
+const EPS: f64 = 0.02;
+const KEY: &str = "faults:hot";
+
+/// One test at a time within this binary, whatever the harness does.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The process's metrics recorder; snapshots return counters since the previous snapshot.
+fn metrics() -> &'static Snapshotter {
+    static SNAPSHOTTER: OnceLock<Snapshotter> = OnceLock::new();
+    SNAPSHOTTER.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder.install().expect("install the metrics recorder");
+        snapshotter
+    })
+}
+
+/// Sum of the counter `name` with all of `labels`, since the previous snapshot.
+fn counter_delta(
+    snapshot: &[(String, Vec<(String, String)>, DebugValue)],
+    name: &str,
+    labels: &[(&str, &str)],
+) -> u64 {
+    snapshot
+        .iter()
+        .filter(|(n, l, _)| {
+            n == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| l.iter().any(|(lk, lv)| lk == k && lv == v))
+        })
+        .map(|(.., v)| match v {
+            DebugValue::Counter(n) => *n,
+            _ => 0,
+        })
+        .sum()
+}
+
+fn snapshot() -> Vec<(String, Vec<(String, String)>, DebugValue)> {
+    metrics()
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(k, _, _, v)| {
+            let key = k.key();
+            let labels = key
+                .labels()
+                .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                .collect();
+            (key.name().to_owned(), labels, v)
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Modes and plans
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Deny,
+    Allow,
+    Local,
+}
+
+impl Mode {
+    fn fallback(self) -> FallbackMode {
+        match self {
+            Mode::Deny => FallbackMode::Deny,
+            Mode::Allow => FallbackMode::Allow,
+            Mode::Local => FallbackMode::Local {
+                instances: NonZeroU32::new(N as u32).expect("N > 0"),
+            },
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Mode::Deny => "deny",
+            Mode::Allow => "allow",
+            Mode::Local => "local",
+        }
+    }
+}
+
+fn direct_plan(mode: Mode, capacity: u64, rate: f64) -> Arc<Plan> {
+    Arc::new(
+        common::plan(capacity, rate).with_fallback(FallbackSettings {
+            mode: mode.fallback(),
+        }),
+    )
+}
+
+fn leased_plan(mode: Mode) -> Arc<Plan> {
+    Arc::new(
+        common::plan(C, R)
+            .with_lease(LeaseSettings::default())
+            .with_fallback(FallbackSettings {
+                mode: mode.fallback(),
+            }),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// A store wrapper that logs every call reaching the database
+
+/// One store call that reached the database (the breaker let it through).
+#[derive(Debug, Clone)]
+struct Call {
+    start: Instant,
+    took: Duration,
+    /// `None` on success, else the error's class.
+    error: Option<String>,
+}
+
+#[derive(Debug, Default, Clone)]
+struct Log {
+    calls: Arc<Mutex<Vec<Call>>>,
+    in_flight: Arc<AtomicUsize>,
+    max_in_flight: Arc<AtomicUsize>,
+}
+
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn class(e: &StoreError) -> String {
+    match e {
+        StoreError::Timeout {
+            kind: TimeoutKind::Pool,
+            ..
+        } => "timeout-pool".into(),
+        StoreError::Timeout { .. } => "timeout-call".into(),
+        StoreError::Connection(_) => "connection".into(),
+        StoreError::Database { code, .. } => format!("db-{code}"),
+        StoreError::CircuitOpen { .. } => "circuit-open".into(),
+        other => format!("other: {other}"),
+    }
+}
+
+impl Log {
+    async fn run<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let n = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_in_flight.fetch_max(n, Ordering::SeqCst);
+        let _guard = InFlight(&self.in_flight);
+        let start = Instant::now();
+        let result = call.await;
+        self.calls.lock().push(Call {
+            start,
+            took: start.elapsed(),
+            error: result.as_ref().err().map(class),
+        });
+        result
+    }
+
+    fn calls(&self) -> Vec<Call> {
+        self.calls.lock().clone()
+    }
+}
+
+#[derive(Debug)]
+struct Recording {
+    inner: PostgresStore,
+    log: Log,
+}
+
+#[async_trait]
+impl Store for Recording {
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
+        self.log.run(self.inner.acquire(request)).await
+    }
+    async fn acquire_many(
+        &self,
+        requests: &[AcquireRequest<'_>],
+    ) -> Result<Vec<Acquired>, StoreError> {
+        self.log.run(self.inner.acquire_many(requests)).await
+    }
+    async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
+        self.log.run(self.inner.give_back(returns)).await
+    }
+    async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
+        self.log.run(self.inner.delete_idle(limit)).await
+    }
+    async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
+        self.log.run(self.inner.inspect(key)).await
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The rig: a cluster, a proxy in front of it, limiter instances
+
+struct Rig {
+    pg: Arc<TempPostgres>,
+    proxy: Proxy,
+}
+
+/// One limiter instance: its own pool, breaker and log.
+#[derive(Clone)]
+struct Instance {
+    limiter: Limiter,
+    breaker: Arc<CircuitBreaker<Recording>>,
+    log: Log,
+}
+
+impl Rig {
+    async fn start() -> Rig {
+        let pg = tokio::task::spawn_blocking(TempPostgres::start)
+            .await
+            .expect("join")
+            .expect(
+                "a throwaway PostgreSQL (install the server binaries: apt-get install postgresql)",
+            );
+        let upstream = format!("127.0.0.1:{}", pg.port()).parse().expect("address");
+        let proxy = Proxy::start(upstream).await;
+        Rig {
+            pg: Arc::new(pg),
+            proxy,
+        }
+    }
+
+    fn direct(&self) -> String {
+        self.pg.connection_string("postgres")
+    }
+
+    fn proxied(&self) -> String {
+        format!(
+            "host=127.0.0.1 port={} user=postgres dbname=postgres",
+            self.proxy.port()
+        )
+    }
+
+    /// A limiter instance on `connection` with the plan's failure settings and `pool`
+    /// connections.
+    async fn instance(&self, connection: &str, pool: u32) -> Instance {
+        let store = PostgresStore::builder(connection)
+            .expect("connection string")
+            .pool_size(pool)
+            .call_timeout(Duration::from_millis(50))
+            .pool_wait_timeout(Duration::from_millis(50))
+            .connect_timeout(Duration::from_millis(250))
+            .statement_timeout(Duration::from_millis(100))
+            .lock_timeout(Duration::from_millis(100));
+        // The builder's first connection must come within the 50 ms pool wait: retry it on a
+        // busy machine.
+        let mut attempts = 0;
+        let store = loop {
+            match store.clone().build().await {
+                Ok(store) => break store,
+                Err(e) if attempts < 20 => {
+                    attempts += 1;
+                    eprintln!("store build attempt {attempts}: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("store: {e}"),
+            }
+        };
+        let log = Log::default();
+        let breaker = Arc::new(CircuitBreaker::new(Recording {
+            inner: store,
+            log: log.clone(),
+        }));
+        let limiter = Limiter::builder_shared(Arc::clone(&breaker) as Arc<dyn Store>).build();
+        Instance {
+            limiter,
+            breaker,
+            log,
+        }
+    }
+
+    /// A plain session straight to the server, for the test's own queries.
+    async fn admin(&self) -> tokio_postgres::Client {
+        let (client, connection) = tokio_postgres::connect(&self.direct(), NoTls)
+            .await
+            .expect("admin connection");
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        client
+    }
+
+    /// The bucket row, read straight from the server.
+    async fn row(&self, key: &str) -> Option<BucketRow> {
+        let store = PostgresStore::builder(&self.direct())
+            .expect("connection string")
+            .pool_size(1)
+            .migrate(false)
+            .call_timeout(Duration::from_secs(5))
+            .pool_wait_timeout(Duration::from_secs(5))
+            .build()
+            .await
+            .expect("inspect store");
+        store.inspect(key).await.expect("inspect")
+    }
+
+    /// Limiter connections open on the server now.
+    async fn limiter_connections(admin: &tokio_postgres::Client) -> i64 {
+        admin
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'tokenlease'",
+                &[],
+            )
+            .await
+            .map(|row| row.get(0))
+            .unwrap_or(-1)
+    }
+
+    /// Runs a blocking server operation off the runtime's workers, returning how long it took.
+    async fn server(&self, op: impl FnOnce(&TempPostgres) + Send + 'static) {
+        let pg = Arc::clone(&self.pg);
+        tokio::task::spawn_blocking(move || op(&pg))
+            .await
+            .expect("server operation");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Load and measurements
+
+/// One decision.
+#[derive(Debug, Clone, Copy)]
+struct Event {
+    /// When the call started, since the run's origin.
+    at: Duration,
+    instance: usize,
+    allowed: bool,
+    by: DecidedBy,
+    /// How long the caller waited.
+    took: Duration,
+}
+
+/// Runs `tasks` callers per instance on [`KEY`] from now until `origin + until`, each pausing
+/// `pace` between calls (demand well above the refill rate).
+fn drive(
+    instances: &[Instance],
+    plan: &Arc<Plan>,
+    tasks: usize,
+    origin: Instant,
+    until: Duration,
+) -> tokio::task::JoinHandle<Vec<Event>> {
+    let mut handles = Vec::new();
+    for (i, instance) in instances.iter().enumerate() {
+        for _ in 0..tasks {
+            let limiter = instance.limiter.clone();
+            let plan = Arc::clone(plan);
+            handles.push(tokio::spawn(async move {
+                let mut events = Vec::new();
+                while origin.elapsed() < until {
+                    let start = Instant::now();
+                    let d = limiter
+                        .try_acquire_with(&plan, KEY, 1.0)
+                        .await
+                        .expect("a decision, never an error");
+                    events.push(Event {
+                        at: start - origin,
+                        instance: i,
+                        allowed: d.allowed,
+                        by: d.decided_by,
+                        took: start.elapsed(),
+                    });
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                events
+            }));
+        }
+    }
+    tokio::spawn(async move {
+        let mut all = Vec::new();
+        for h in handles {
+            all.extend(h.await.expect("no caller panicked"));
+        }
+        all.sort_by_key(|e| e.at);
+        all
+    })
+}
+
+fn percentile(mut v: Vec<Duration>, p: f64) -> Duration {
+    if v.is_empty() {
+        return Duration::ZERO;
+    }
+    v.sort();
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i]
+}
+
+/// Caller waits: (p50, p99, max).
+fn waits(events: &[Event]) -> (Duration, Duration, Duration) {
+    let v: Vec<Duration> = events.iter().map(|e| e.took).collect();
+    let max = v.iter().copied().max().unwrap_or_default();
+    (percentile(v.clone(), 0.5), percentile(v, 0.99), max)
+}
+
+fn in_window(e: &Event, from: Duration, to: Duration) -> bool {
+    e.at >= from && e.at < to
+}
+
+/// The first successful database call at or after `after`, per instance; the latest of them.
+fn recovered_at(instances: &[Instance], origin: Instant, after: Duration) -> Option<Duration> {
+    instances
+        .iter()
+        .map(|i| {
+            i.log
+                .calls()
+                .iter()
+                .filter(|c| c.start - origin >= after && c.error.is_none())
+                .map(|c| c.start + c.took - origin)
+                .min()
+        })
+        .collect::<Option<Vec<_>>>()
+        .and_then(|v| v.into_iter().max())
+}
+
+/// Database calls that started in the window: (count, failed, slowest).
+fn calls_in(
+    instances: &[Instance],
+    origin: Instant,
+    from: Duration,
+    to: Duration,
+) -> (usize, usize, Duration) {
+    let calls: Vec<Call> = instances
+        .iter()
+        .flat_map(|i| i.log.calls())
+        .filter(|c| c.start - origin >= from && c.start - origin < to)
+        .collect();
+    let failed = calls.iter().filter(|c| c.error.is_some()).count();
+    let slowest = calls.iter().map(|c| c.took).max().unwrap_or_default();
+    (calls.len(), failed, slowest)
+}
+
+/// Error classes of the database calls in the window, with counts.
+fn error_classes(
+    instances: &[Instance],
+    origin: Instant,
+    from: Duration,
+    to: Duration,
+) -> Vec<(String, usize)> {
+    let mut classes: Vec<(String, usize)> = Vec::new();
+    for c in instances.iter().flat_map(|i| i.log.calls()) {
+        let t = c.start - origin;
+        if let (Some(e), true) = (c.error, t >= from && t < to) {
+            match classes.iter_mut().find(|(k, _)| *k == e) {
+                Some(entry) => entry.1 += 1,
+                None => classes.push((e, 1)),
+            }
+        }
+    }
+    classes
+}
+
+/// The worst excess over `C + R·(w + EPS) + extra` of admissions in `[from, to)` (local time),
+/// for windows of 0.1, 0.5 and 1 s.
+fn assert_windows(events: &[Event], from: Duration, to: Duration, extra: f64, what: &str) {
+    let points: Vec<(f64, f64)> = events
+        .iter()
+        .filter(|e| e.allowed && in_window(e, from, to))
+        .map(|e| (e.at.as_secs_f64(), 1.0))
+        .collect();
+    for w in [0.1, 0.5, 1.0] {
+        let (excess, count) = common::worst_window(&points, w, C as f64, R, EPS);
+        assert!(
+            excess <= extra + 1e-9,
+            "{what}: a {w} s window admitted {count} > {C} + {R}·({w} + {EPS}) + {extra}"
+        );
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+macro_rules! per_mode {
+    ($($(#[$doc:meta])* $name:ident => $body:ident;)*) => {$(
+        $(#[$doc])*
+        mod $name {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn deny() {
+                let _serial = SERIAL.lock().await;
+                $body(Mode::Deny).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn allow() {
+                let _serial = SERIAL.lock().await;
+                $body(Mode::Allow).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn local() {
+                let _serial = SERIAL.lock().await;
+                $body(Mode::Local).await;
+            }
+        }
+    )*};
+}
+
+per_mode! {
+    /// D1: the database stopped for real mid-run (`pg_ctl stop -m fast` at 2 s, started again
+    /// at 4 s of a 6 s run), two leased instances.
+    d1_database_stopped => d1;
+    /// D2: 2 s of latency on every reply against a 50 ms call timeout, then a session holding
+    /// the bucket row `FOR UPDATE` for 2 s.
+    d2_latency => d2;
+    /// D3: the statement commits but its reply comes after the call timed out; a retried
+    /// return credits once.
+    d3_committed_but_timed_out => d3;
+    /// D4: connections reset by the proxy, then backends terminated by the server.
+    d4_connection_resets => d4;
+    /// D5: a restart, fast and immediate, keeps the buckets.
+    d5_restart_keeps_buckets => d5;
+    /// D6: the pool exhausted by the test holding every connection.
+    d6_pool_exhausted => d6;
+    /// D7: a hung database: the proxy black-holes every byte for 2 s.
+    d7_hung_database => d7;
+    /// D9: the store's clock skew is measured and exported.
+    d9_clock_skew => d9;
+}
+
+// ---------------------------------------------------------------------------------------------
+// D1
+
+async fn d1(mode: Mode) {
+    let rig = Rig::start().await;
+    let mut instances = Vec::new();
+    for _ in 0..N {
+        instances.push(rig.instance(&rig.direct(), 4).await);
+    }
+    let plan = leased_plan(mode);
+    let _ = snapshot();
+    let origin = Instant::now();
+    let run = drive(&instances, &plan, 4, origin, Duration::from_secs(6));
+
+    tokio::time::sleep_until((origin + Duration::from_secs(2)).into()).await;
+    let stop_begin = origin.elapsed();
+    rig.server(|pg| pg.stop(StopMode::Fast).expect("stop"))
+        .await;
+    let stop_end = origin.elapsed();
+    tokio::time::sleep_until((origin + Duration::from_secs(4)).into()).await;
+    // The server accepts connections somewhere between `starting` and `up` (pg_ctl -w polls):
+    // the outage ends at `starting`, and recovery is timed from it (conservative).
+    let starting = origin.elapsed();
+    rig.server(|pg| pg.start_again().expect("start again"))
+        .await;
+    let up = origin.elapsed();
+    let events = run.await.expect("the run");
+    let snap = snapshot();
+
+    let recovered = recovered_at(&instances, origin, starting).expect("recovered");
+    let recovery = recovered.saturating_sub(starting);
+    let (outage_calls, outage_failed, slowest_call) =
+        calls_in(&instances, origin, stop_end, starting);
+    let (p50, p99, max) = waits(&events);
+    let (_, outage_p99, outage_max) = waits(
+        &events
+            .iter()
+            .filter(|e| in_window(e, stop_end, starting))
+            .copied()
+            .collect::<Vec<_>>(),
+    );
+    let lease_admitted = events
+        .iter()
+        .filter(|e| e.allowed && e.by == DecidedBy::Lease && in_window(e, stop_end, starting))
+        .count();
+    let fallback_admitted = events
+        .iter()
+        .filter(|e| e.allowed && matches!(e.by, DecidedBy::Fallback(_)))
+        .count();
+    let fallback_denied = events
+        .iter()
+        .filter(|e| !e.allowed && matches!(e.by, DecidedBy::Fallback(_)))
+        .count();
+    let outage = recovered.saturating_sub(stop_begin).as_secs_f64();
+    let counted_allowed = counter_delta(
+        &snap,
+        "tokenlease_fallback_decisions_total",
+        &[("mode", mode.label()), ("outcome", "allowed")],
+    );
+    let counted_denied = counter_delta(
+        &snap,
+        "tokenlease_fallback_decisions_total",
+        &[("mode", mode.label()), ("outcome", "denied")],
+    );
+    eprintln!(
+        "D1 {}: {} calls; waits p50 {:.3} ms p99 {:.3} ms max {:.1} ms (outage p99 {:.3} ms, max {:.1} ms); \
+         outage {:.2} s: {outage_calls} db calls, {outage_failed} failed, slowest {:.1} ms; \
+         admitted in outage: lease {lease_admitted}, fallback {fallback_admitted} (denied {fallback_denied}); \
+         recovery {:.0} ms after pg_ctl start began (it took {:.0} ms)",
+        mode.label(),
+        events.len(),
+        ms(p50),
+        ms(p99),
+        ms(max),
+        ms(outage_p99),
+        ms(outage_max),
+        outage,
+        ms(slowest_call),
+        ms(recovery),
+        ms(up - starting),
+    );
+
+    // No caller waits longer than the lease's max wait plus a call (and scheduling).
+    assert!(max <= Duration::from_millis(150), "a caller waited {max:?}");
+    assert!(
+        slowest_call <= Duration::from_millis(270),
+        "a database call in the outage took {slowest_call:?}"
+    );
+    assert_eq!(
+        outage_failed, outage_calls,
+        "no call succeeds while the server is down"
+    );
+    assert_eq!(
+        counted_allowed as usize, fallback_admitted,
+        "fallback admissions counted"
+    );
+    assert_eq!(
+        counted_denied as usize, fallback_denied,
+        "fallback denials counted"
+    );
+    let held = N as f64 * B;
+    match mode {
+        Mode::Deny => {
+            assert_eq!(fallback_admitted, 0);
+            assert!(
+                lease_admitted as f64 <= held,
+                "deny: {lease_admitted} admitted from leases > N·B = {held}"
+            );
+        }
+        Mode::Local => {
+            let bound = C as f64 + R * outage + held;
+            let admitted = (lease_admitted + fallback_admitted) as f64;
+            assert!(
+                admitted <= bound,
+                "local: {admitted} admitted in the outage > {bound:.0}"
+            );
+            assert!(fallback_admitted > 0, "the local fallback admitted nothing");
+            for i in 0..N {
+                let share = C as f64 / N as f64 + R / N as f64 * outage;
+                let mine = events
+                    .iter()
+                    .filter(|e| {
+                        e.instance == i && e.allowed && matches!(e.by, DecidedBy::Fallback(_))
+                    })
+                    .count() as f64;
+                assert!(
+                    mine <= share,
+                    "instance {i}: local fallback admitted {mine} > C/N + r/N·t = {share:.0}"
+                );
+            }
+        }
+        Mode::Allow => {
+            let outage_events: Vec<&Event> = events
+                .iter()
+                .filter(|e| in_window(e, stop_end + Duration::from_millis(100), starting))
+                .collect();
+            assert!(!outage_events.is_empty());
+            assert!(
+                outage_events.iter().all(|e| e.allowed),
+                "allow: every call in the outage is admitted"
+            );
+        }
+    }
+    assert!(
+        recovery <= Duration::from_secs(1),
+        "recovery took {recovery:?}"
+    );
+    assert_windows(
+        &events,
+        recovered + Duration::from_secs(1),
+        Duration::from_secs(6),
+        held,
+        "after recovery",
+    );
+    let admin = rig.admin().await;
+    let connections = Rig::limiter_connections(&admin).await;
+    assert!(
+        connections <= (N * 4) as i64,
+        "{connections} limiter connections for {N} pools of 4"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// D2
+
+async fn d2(mode: Mode) {
+    let rig = Rig::start().await;
+    let instance = rig.instance(&rig.proxied(), 4).await;
+    let instances = [instance.clone()];
+    let plan = direct_plan(mode, C, R);
+    let origin = Instant::now();
+    let run = drive(&instances, &plan, 4, origin, Duration::from_millis(7_500));
+    let admin = rig.admin().await;
+
+    // Phase A: every reply 2 s late, from 0.5 s to 2.5 s.
+    tokio::time::sleep_until((origin + Duration::from_millis(500)).into()).await;
+    rig.proxy.delay(Duration::ZERO, Duration::from_secs(2));
+    let a_start = origin.elapsed();
+    tokio::time::sleep_until((origin + Duration::from_millis(2_500)).into()).await;
+    rig.proxy.pass();
+    let a_end = origin.elapsed();
+    // Replies already in the pipe still arrive 2 s late.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stuck_a = old_limiter_statements(&admin).await;
+    tokio::time::sleep_until((origin + Duration::from_millis(4_500)).into()).await;
+    let a_recovered = recovered_at(&instances, origin, a_end);
+
+    // Phase B: a session holds the row lock for 2 s, from 4.5 s to 6.5 s.
+    let b_start = origin.elapsed();
+    let mut locker = rig.admin().await;
+    let tx = locker.transaction().await.expect("begin");
+    tx.execute(
+        "SELECT 1 FROM tokenlease_buckets WHERE key = $1 FOR UPDATE",
+        &[&KEY],
+    )
+    .await
+    .expect("lock the row");
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let stuck_b = old_limiter_statements(&admin).await;
+    tokio::time::sleep_until((origin + Duration::from_millis(6_500)).into()).await;
+    tx.rollback().await.expect("release the row");
+    let b_end = origin.elapsed();
+    let events = run.await.expect("the run");
+    let b_recovered = recovered_at(&instances, origin, b_end);
+
+    let (a_calls, a_failed, a_slowest) = calls_in(&instances, origin, a_start, a_end);
+    let a_timeouts: Vec<Duration> = instance
+        .log
+        .calls()
+        .iter()
+        .filter(|c| {
+            let t = c.start - origin;
+            t >= a_start && t < a_end && c.error.is_some()
+        })
+        .map(|c| c.took)
+        .collect();
+    let (b_calls, b_failed, b_slowest) = calls_in(&instances, origin, b_start, b_end);
+    let (_, p99, max) = waits(&events);
+    let phase = |from, to| {
+        let e: Vec<Event> = events
+            .iter()
+            .filter(|e| in_window(e, from, to))
+            .copied()
+            .collect();
+        let admitted = e.iter().filter(|e| e.allowed).count();
+        (e.len(), admitted, waits(&e).2)
+    };
+    let (a_n, a_admitted, a_max) = phase(a_start, a_end);
+    let (b_n, b_admitted, b_max) = phase(b_start, b_end);
+    eprintln!(
+        "D2 {}: waits p99 {:.3} ms max {:.1} ms. Delay phase: {a_n} decisions ({a_admitted} admitted), \
+         caller max {:.1} ms; {a_calls} db calls, {a_failed} failed, p99 {:.1} ms, slowest {:.1} ms; \
+         stuck statements {stuck_a}; recovered {:?} ms after. Lock phase: {b_n} decisions \
+         ({b_admitted} admitted), caller max {:.1} ms; {b_calls} db calls, {b_failed} failed, slowest \
+         {:.1} ms; stuck statements {stuck_b}; recovered {:?} ms after",
+        mode.label(),
+        ms(p99),
+        ms(max),
+        ms(a_max),
+        ms(percentile(a_timeouts.clone(), 0.99)),
+        ms(a_slowest),
+        a_recovered.map(|t| ms(t.saturating_sub(a_end))),
+        ms(b_max),
+        ms(b_slowest),
+        b_recovered.map(|t| ms(t.saturating_sub(b_end))),
+    );
+    assert!(max <= Duration::from_millis(100), "a caller waited {max:?}");
+    assert!(
+        a_failed > 0 && a_failed == a_calls,
+        "every delayed call times out"
+    );
+    assert!(
+        percentile(a_timeouts, 0.99) <= Duration::from_millis(70),
+        "delayed calls give up within 70 ms"
+    );
+    assert!(
+        a_slowest <= Duration::from_millis(100),
+        "a call took {a_slowest:?}"
+    );
+    assert!(
+        b_slowest <= Duration::from_millis(100),
+        "a call took {b_slowest:?}"
+    );
+    assert!(b_failed > 0, "the locked row makes calls fail");
+    assert_eq!(
+        stuck_a, 0,
+        "limiter statements older than 500 ms (delay phase)"
+    );
+    assert_eq!(
+        stuck_b, 0,
+        "limiter statements older than 500 ms (lock phase)"
+    );
+    if mode == Mode::Deny {
+        assert_eq!(b_admitted, 0, "deny admits nothing while the row is locked");
+    }
+    // The bound: whatever the store admitted plus what the fallback admitted in allow mode.
+    let store_admitted: Vec<Event> = events
+        .iter()
+        .filter(|e| e.allowed && e.by == DecidedBy::Store)
+        .copied()
+        .collect();
+    assert_windows(
+        &store_admitted,
+        Duration::ZERO,
+        Duration::from_secs(8),
+        1.0,
+        "store",
+    );
+    assert!(
+        a_recovered.is_some() && b_recovered.is_some(),
+        "recovered after each phase"
+    );
+}
+
+/// Limiter statements running for more than 500 ms.
+async fn old_limiter_statements(admin: &tokio_postgres::Client) -> i64 {
+    admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'tokenlease' \
+             AND state = 'active' AND now() - query_start > interval '500 milliseconds'",
+            &[],
+        )
+        .await
+        .map(|row| row.get(0))
+        .unwrap_or(-1)
+}
+
+// ---------------------------------------------------------------------------------------------
+// D3
+
+async fn d3(mode: Mode) {
+    let rig = Rig::start().await;
+    let instance = rig.instance(&rig.proxied(), 4).await;
+    // A slow refill, so the row's tokens can be compared exactly.
+    let plan = direct_plan(mode, C, 0.001);
+    let d = instance
+        .limiter
+        .try_acquire_with(&plan, KEY, 10.0)
+        .await
+        .expect("decision");
+    assert_eq!(d.by_store(), true, "first take decided by the store");
+    let before = rig.row(KEY).await.expect("row").tokens_now.to_f64();
+
+    // Replies 200 ms late: the take commits, the client gives up at 50 ms.
+    rig.proxy.delay(Duration::ZERO, Duration::from_millis(200));
+    let started = Instant::now();
+    let d = instance
+        .limiter
+        .try_acquire_with(&plan, KEY, 10.0)
+        .await
+        .expect("decision");
+    let waited = started.elapsed();
+    let last = instance.log.calls().last().cloned().expect("a call");
+    assert_eq!(
+        last.error.as_deref(),
+        Some("timeout-call"),
+        "the client reports a timeout"
+    );
+    assert_eq!(
+        d.decided_by,
+        DecidedBy::Fallback(mode.fallback()),
+        "the fallback decided"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after = rig.row(KEY).await.expect("row").tokens_now.to_f64();
+    assert!(
+        (before - after - 10.0).abs() < 0.01,
+        "the timed-out take is in the row: {before} → {after}"
+    );
+
+    // A return whose reply is late: the client retries with the same id; it credits once.
+    let key_bucket = *plan.bucket();
+    let give = [GiveBack {
+        id: 4242,
+        key: KEY,
+        bucket: key_bucket,
+        amount: tokenlease::bucket::Tokens::whole(5),
+    }];
+    let first = instance.breaker.give_back(&give).await;
+    assert!(
+        matches!(first, Err(StoreError::Timeout { .. })),
+        "the first return times out: {first:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    rig.proxy.pass();
+    let retried = instance.breaker.give_back(&give).await.expect("the retry");
+    let credited = rig.row(KEY).await.expect("row").tokens_now.to_f64();
+    eprintln!(
+        "D3 {}: timed-out take waited {:.1} ms, decided by {:?} (allowed {}); row {before:.3} → {after:.3} \
+         (taken though timed out); return of 5 timed out then retried: retry credited {retried}, row {credited:.3}",
+        mode.label(),
+        ms(waited),
+        d.decided_by,
+        d.allowed,
+    );
+    assert!(
+        waited <= Duration::from_millis(100),
+        "the caller waited {waited:?}"
+    );
+    assert_eq!(retried, 0, "the retry finds the return already credited");
+    assert!(
+        (credited - after - 5.0).abs() < 0.01,
+        "credited once: {after} → {credited}"
+    );
+}
+
+trait ByStore {
+    fn by_store(&self) -> bool;
+}
+
+impl ByStore for tokenlease::Decision {
+    fn by_store(&self) -> bool {
+        self.decided_by == DecidedBy::Store
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// D4
+
+async fn d4(mode: Mode) {
+    let rig = Rig::start().await;
+    let instance = rig.instance(&rig.proxied(), 4).await;
+    let instances = [instance.clone()];
+    let plan = direct_plan(mode, C, R);
+    let admin = rig.admin().await;
+    let origin = Instant::now();
+    let run = drive(&instances, &plan, 4, origin, Duration::from_millis(8_500));
+    let mut most_connections = 0i64;
+
+    // (a) 30% of the proxy's connections reset every 100 ms, from 0.5 s to 3.5 s.
+    tokio::time::sleep_until((origin + Duration::from_millis(500)).into()).await;
+    let a_start = origin.elapsed();
+    while origin.elapsed() < Duration::from_millis(3_500) {
+        rig.proxy.reset_fraction(0.3);
+        most_connections = most_connections.max(Rig::limiter_connections(&admin).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let a_end = origin.elapsed();
+    // (b) pg_terminate_backend on the limiter's sessions every 200 ms, from 5 s to 8 s.
+    while origin.elapsed() < Duration::from_millis(5_000) {
+        most_connections = most_connections.max(Rig::limiter_connections(&admin).await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let b_start = origin.elapsed();
+    let mut terminated = 0i64;
+    while origin.elapsed() < Duration::from_millis(7_000) {
+        let row = admin
+            .query_one(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+                 WHERE application_name = 'tokenlease'",
+                &[],
+            )
+            .await
+            .expect("terminate");
+        terminated += row.get::<_, i64>(0);
+        most_connections = most_connections.max(Rig::limiter_connections(&admin).await);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let b_end = origin.elapsed();
+    while origin.elapsed() < Duration::from_millis(8_400) {
+        most_connections = most_connections.max(Rig::limiter_connections(&admin).await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let events = run.await.expect("the run");
+
+    let a_classes = error_classes(
+        &instances,
+        origin,
+        a_start,
+        a_end + Duration::from_millis(200),
+    );
+    let b_classes = error_classes(
+        &instances,
+        origin,
+        b_start,
+        b_end + Duration::from_millis(200),
+    );
+    let after = |end: Duration, to: Duration| {
+        let (n, failed, _) = calls_in(&instances, origin, end + Duration::from_secs(1), to);
+        (
+            n,
+            failed,
+            if n == 0 {
+                0.0
+            } else {
+                1.0 - failed as f64 / n as f64
+            },
+        )
+    };
+    let (a_n, _, a_ok) = after(a_end, b_start);
+    let (b_n, _, b_ok) = after(b_end, Duration::from_millis(8_500));
+    let (_, p99, max) = waits(&events);
+    eprintln!(
+        "D4 {}: waits p99 {:.3} ms max {:.1} ms; resets by the proxy {}; backends terminated \
+         {terminated}; most limiter connections {most_connections}; errors (a) {a_classes:?}, \
+         (b) {b_classes:?}; success 1 s after (a) {:.1}% of {a_n}, after (b) {:.1}% of {b_n}",
+        mode.label(),
+        ms(p99),
+        ms(max),
+        rig.proxy.resets(),
+        a_ok * 100.0,
+        b_ok * 100.0,
+    );
+    assert!(max <= Duration::from_millis(100), "a caller waited {max:?}");
+    assert!(
+        rig.proxy.resets() > 0 && terminated > 0,
+        "the faults happened"
+    );
+    for (class, _) in a_classes.iter().chain(&b_classes) {
+        assert!(
+            class == "connection"
+                || class.starts_with("timeout")
+                || class.starts_with("db-57P01")
+                || class.starts_with("db-08"),
+            "unexpected error class {class}"
+        );
+    }
+    assert!(a_n > 0 && a_ok >= 0.95, "after resets: {a_ok}");
+    assert!(b_n > 0 && b_ok >= 0.95, "after terminations: {b_ok}");
+    assert!(
+        most_connections <= 4,
+        "{most_connections} connections for a pool of 4"
+    );
+    let store_admitted: Vec<Event> = events
+        .iter()
+        .filter(|e| e.allowed && e.by == DecidedBy::Store)
+        .copied()
+        .collect();
+    assert_windows(
+        &store_admitted,
+        Duration::ZERO,
+        Duration::from_secs(9),
+        1.0,
+        "store",
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// D5
+
+async fn d5(mode: Mode) {
+    let rig = Rig::start().await;
+    let instance = rig.instance(&rig.direct(), 4).await;
+    let plan = direct_plan(mode, C, R);
+    let mut report = Vec::new();
+    for stop in [StopMode::Fast, StopMode::Immediate] {
+        // Drain the bucket.
+        for _ in 0..200 {
+            let d = instance
+                .limiter
+                .try_acquire_with(&plan, KEY, 1.0)
+                .await
+                .expect("decision");
+            if !d.allowed && d.by_store() {
+                break;
+            }
+        }
+        let before = rig.row(KEY).await.expect("row");
+        let down = Instant::now();
+        rig.server(move |pg| pg.restart(stop).expect("restart"))
+            .await;
+        let downtime = down.elapsed();
+        let after = rig.row(KEY).await.expect("row after the restart");
+        let elapsed = common::secs_between(before.store_now, after.store_now);
+        let expected = (before.tokens_now.to_f64() + R * elapsed).min(C as f64);
+        let got = after.tokens_now.to_f64();
+        // The limiter finds the server again.
+        let back = Instant::now();
+        let mut recovered = None;
+        while back.elapsed() < Duration::from_secs(2) {
+            let d = instance
+                .limiter
+                .try_acquire_with(&plan, KEY, 1.0)
+                .await
+                .expect("decision");
+            if d.by_store() {
+                recovered = Some(back.elapsed());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        report.push(format!(
+            "{stop:?}: T0 {:.2}, down {:.0} ms, {elapsed:.3} s of db time → expected {expected:.2}, \
+             row {got:.2}; limiter back after {:?} ms",
+            before.tokens_now.to_f64(),
+            ms(downtime),
+            recovered.map(ms),
+        ));
+        assert!(
+            (got - expected).abs() <= 1.0,
+            "{stop:?}: row {got}, expected {expected}"
+        );
+        let recovered = recovered.expect("the limiter recovers");
+        assert!(
+            recovered <= Duration::from_secs(1),
+            "recovery took {recovered:?}"
+        );
+    }
+    eprintln!("D5 {}: {}", mode.label(), report.join("; "));
+}
+
+trait TokensF64 {
+    fn to_f64(&self) -> f64;
+}
+
+impl TokensF64 for tokenlease::bucket::Tokens {
+    fn to_f64(&self) -> f64 {
+        self.to_string().parse().expect("tokens print as a decimal")
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// D6
+
+async fn d6(mode: Mode) {
+    let rig = Rig::start().await;
+    let instance = rig.instance(&rig.direct(), 2).await;
+    let instances = [instance.clone()];
+    let plan = direct_plan(mode, C, R);
+    let origin = Instant::now();
+    let run = drive(&instances, &plan, 4, origin, Duration::from_millis(3_000));
+    tokio::time::sleep_until((origin + Duration::from_millis(500)).into()).await;
+    // Hold both pooled connections for 1.5 s.
+    let pool = instance.breaker.get_ref().inner.pool().clone();
+    let held = (
+        pool.get().await.expect("first"),
+        pool.get().await.expect("second"),
+    );
+    let hold_start = origin.elapsed();
+    instance.log.max_in_flight.store(0, Ordering::SeqCst);
+    tokio::time::sleep_until((origin + Duration::from_millis(2_000)).into()).await;
+    let in_flight = instance.log.max_in_flight.load(Ordering::SeqCst);
+    drop(held);
+    let release = origin.elapsed();
+    let events = run.await.expect("the run");
+
+    let classes = error_classes(&instances, origin, hold_start, release);
+    let (calls, failed, slowest) = calls_in(&instances, origin, hold_start, release);
+    let recovered = recovered_at(&instances, origin, release).expect("recovered");
+    let recovery = recovered.saturating_sub(release);
+    let hold: Vec<Event> = events
+        .iter()
+        .filter(|e| in_window(e, hold_start, release))
+        .copied()
+        .collect();
+    let by_fallback = hold
+        .iter()
+        .filter(|e| matches!(e.by, DecidedBy::Fallback(_)))
+        .count();
+    let (_, p99, max) = waits(&events);
+    eprintln!(
+        "D6 {}: waits p99 {:.3} ms max {:.1} ms; held 1.5 s: {calls} db calls, {failed} failed \
+         {classes:?}, slowest {:.1} ms, at most {in_flight} in flight; {by_fallback} of {} decisions by the \
+         fallback; recovery {:.0} ms after release",
+        mode.label(),
+        ms(p99),
+        ms(max),
+        ms(slowest),
+        hold.len(),
+        ms(recovery),
+    );
+    assert!(max <= Duration::from_millis(100), "a caller waited {max:?}");
+    assert!(
+        slowest <= Duration::from_millis(70),
+        "a pool wait took {slowest:?}"
+    );
+    assert!(
+        classes.iter().all(|(c, _)| c == "timeout-pool"),
+        "{classes:?}"
+    );
+    assert_eq!(failed, calls);
+    assert!(
+        in_flight <= 1,
+        "{in_flight} statements in flight on one key"
+    );
+    assert_eq!(
+        by_fallback,
+        hold.len(),
+        "the fallback decides while the pool is held"
+    );
+    // The breaker may be open for up to its 500 ms cap when the pool comes back.
+    assert!(
+        recovery <= Duration::from_millis(700),
+        "recovery took {recovery:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// D7
+
+async fn d7(mode: Mode) {
+    let rig = Rig::start().await;
+    let instance = rig.instance(&rig.proxied(), 4).await;
+    let instances = [instance.clone()];
+    let plan = direct_plan(mode, C, R);
+    let origin = Instant::now();
+    let run = drive(&instances, &plan, 4, origin, Duration::from_millis(4_000));
+    tokio::time::sleep_until((origin + Duration::from_millis(500)).into()).await;
+    rig.proxy.black_hole(true);
+    let hole_start = origin.elapsed();
+    tokio::time::sleep_until((origin + Duration::from_millis(2_500)).into()).await;
+    rig.proxy.black_hole(false);
+    let hole_end = origin.elapsed();
+    let events = run.await.expect("the run");
+
+    let (calls, failed, slowest) = calls_in(&instances, origin, hole_start, hole_end);
+    let classes = error_classes(&instances, origin, hole_start, hole_end);
+    let recovered = recovered_at(&instances, origin, hole_end).expect("recovered");
+    let recovery = recovered.saturating_sub(hole_end);
+    let (_, p99, max) = waits(&events);
+    eprintln!(
+        "D7 {}: waits p99 {:.3} ms max {:.1} ms; black hole 2 s: {calls} db calls, {failed} failed \
+         {classes:?}, slowest {:.1} ms; recovery {:.0} ms after unblocking; proxy connections {}",
+        mode.label(),
+        ms(p99),
+        ms(max),
+        ms(slowest),
+        ms(recovery),
+        rig.proxy.active(),
+    );
+    assert!(max <= Duration::from_millis(100), "a caller waited {max:?}");
+    assert_eq!(failed, calls, "no call succeeds through the black hole");
+    assert!(
+        slowest <= Duration::from_millis(100),
+        "a call took {slowest:?}"
+    );
+    assert!(
+        recovery <= Duration::from_secs(1),
+        "recovery took {recovery:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// D9
+
+async fn d9(mode: Mode) {
+    let rig = Rig::start().await;
+    let instance = rig.instance(&rig.direct(), 4).await;
+    let plan = leased_plan(mode);
+    let _ = snapshot();
+    let origin = Instant::now();
+    let events = drive(
+        &[instance.clone()],
+        &plan,
+        2,
+        origin,
+        Duration::from_millis(500),
+    )
+    .await
+    .expect("the run");
+    let skew = instance.breaker.clock_skew().expect("a skew measured");
+    let snap = snapshot();
+    let gauge = snap
+        .iter()
+        .find(|(n, ..)| n == "tokenlease_store_clock_skew_seconds")
+        .map(|(.., v)| format!("{v:?}"));
+    eprintln!(
+        "D9 {}: {} decisions; store clock skew {:.3} ms; gauge {gauge:?}",
+        mode.label(),
+        events.len(),
+        skew * 1e3
+    );
+    // Same host: the store's clock and ours agree to well within a round trip.
+    assert!(skew.abs() < 0.05, "skew {skew} s on one host");
+    assert!(gauge.is_some(), "the skew gauge is exported");
+}
