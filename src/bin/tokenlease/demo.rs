@@ -17,6 +17,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::Path as UrlPath;
@@ -42,6 +43,10 @@ pub(crate) struct Args {
     /// The database; without it a throwaway PostgreSQL is started and removed on exit.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
+    /// Longest wait for one database call, in milliseconds, before the plan's fallback decides
+    /// (the library's default is 50; the demo allows more for busy laptops).
+    #[arg(long, default_value_t = 500)]
+    db_timeout_ms: u64,
 }
 
 /// Runs the demo until Ctrl-C or SIGTERM.
@@ -67,7 +72,8 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let result = runtime.block_on(serve(args.listen, policies, &url, prometheus));
+    let timeout = Duration::from_millis(args.db_timeout_ms.max(1));
+    let result = runtime.block_on(serve(args.listen, policies, &url, timeout, prometheus));
     drop(runtime);
     // Stops and deletes the throwaway cluster, also after an error.
     drop(server);
@@ -80,9 +86,16 @@ async fn serve(
     listen: SocketAddr,
     policies: Policies,
     url: &str,
+    timeout: Duration,
     prometheus: metrics_exporter_prometheus::PrometheusHandle,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let store = PostgresStore::connect(url).await?;
+    let store = PostgresStore::builder(url)?
+        .call_timeout(timeout)
+        .pool_wait_timeout(timeout)
+        .statement_timeout(timeout)
+        .lock_timeout(timeout)
+        .build()
+        .await?;
     let limiter = Limiter::builder(store).policies(policies.clone()).build();
     let limits = RateLimitLayer::from_policies(&policies, limiter.clone())?;
 

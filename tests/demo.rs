@@ -1,0 +1,211 @@
+//! End to end: start `tokenlease demo` (the built binary, on its throwaway PostgreSQL or
+//! `DATABASE_URL`), talk real HTTP/1.1 to it over TCP, and stop it with SIGTERM.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// One HTTP response: status, headers (lower-case names), body.
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    headers: HashMap<String, String>,
+    body: String,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(String::as_str)
+    }
+
+    fn number(&self, name: &str) -> u64 {
+        self.header(name)
+            .unwrap_or_else(|| panic!("no {name} in {self:?}"))
+            .parse()
+            .unwrap_or_else(|_| panic!("{name} is not a whole number in {self:?}"))
+    }
+}
+
+/// A minimal HTTP/1.1 client: one request per connection.
+fn request(addr: &str, method: &str, path: &str) -> Reply {
+    let mut stream = TcpStream::connect(addr).expect("connect to the demo");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).expect("read the reply");
+    let text = String::from_utf8(raw).expect("a UTF-8 reply");
+    let (head, body) = text.split_once("\r\n\r\n").expect("a header section");
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .expect("a status line");
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    Reply {
+        status,
+        headers,
+        body: body.to_owned(),
+    }
+}
+
+/// The running demo; SIGTERM on drop if the test did not stop it.
+struct Demo {
+    child: Child,
+    addr: String,
+}
+
+impl Demo {
+    fn start() -> Demo {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+            .args(["demo", "--listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start tokenlease demo");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                println!("demo: {line}");
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let addr = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = rx
+                .recv_timeout(left)
+                .expect("the demo prints where it listens within 60 s");
+            if let Some(url) = line.strip_prefix("tokenlease demo listening on http://") {
+                break url.trim().to_owned();
+            }
+        };
+        Demo { child, addr }
+    }
+
+    /// SIGTERM, then wait for a clean exit.
+    fn stop(&mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status();
+        assert!(sent.is_ok_and(|s| s.success()), "kill -TERM {pid}");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the demo did not stop within 20 s of SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = Command::new("kill")
+                .args(["-TERM", &self.child.id().to_string()])
+                .status();
+            std::thread::sleep(Duration::from_secs(2));
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+#[test]
+fn demo_serves_both_layers_over_real_http_and_stops_on_sigterm() {
+    let mut demo = Demo::start();
+    let addr = demo.addr.clone();
+    // Ids of their own, in case DATABASE_URL points at a database an earlier run used.
+    let run = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let (a, b) = (format!("a{run}"), format!("b{run}"));
+
+    // An allowed response carries both layers' fields.
+    let r = request(&addr, "GET", &format!("/bookings/{a}"));
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(
+        r.header("ratelimit-policy"),
+        Some("\"api\";q=100;w=2, \"entity\";q=150;w=60")
+    );
+    assert_eq!(r.number("x-ratelimit-entity-remaining"), 149);
+    assert!(r.number("x-ratelimit-api-remaining") <= 100);
+    assert!(
+        r.header("ratelimit")
+            .unwrap()
+            .contains("\"entity\";r=149;t=")
+    );
+    assert!(r.body.contains(&a));
+
+    // No entity on this route: the api layer only.
+    let r = request(&addr, "GET", "/bookings");
+    assert_eq!(r.status, 200);
+    assert!(r.header("x-ratelimit-api-remaining").is_some());
+    assert_eq!(r.header("x-ratelimit-entity-remaining"), None);
+
+    // Booking a: 5 automations a minute, then 429 with Retry-After.
+    let automate = |id: &str| request(&addr, "POST", &format!("/bookings/{id}/automate/internal"));
+    for i in 0..5 {
+        let r = automate(&a);
+        assert_eq!(r.status, 200, "automation {i}: {r:?}");
+        assert_eq!(r.number("x-ratelimit-entity-remaining"), 4 - i);
+    }
+    let r = automate(&a);
+    assert_eq!(r.status, 429, "{r:?}");
+    let retry = r.number("retry-after");
+    assert!((1..=12).contains(&retry), "Retry-After {retry}");
+    assert_eq!(r.header("content-type"), Some("application/problem+json"));
+    assert_eq!(r.number("x-ratelimit-entity-remaining"), 0);
+    let body: serde_json::Value = serde_json::from_str(&r.body).expect("a JSON problem body");
+    assert_eq!(body["layer"], "entity");
+    assert_eq!(body["status"], 429);
+    assert_eq!(body["retry_after"], retry);
+
+    // Booking a keeps hammering: 40 more denials, more than the endpoint's global capacity
+    // (20). Each denied request's global token goes back, so the endpoint stays open...
+    for _ in 0..40 {
+        assert_eq!(automate(&a).status, 429);
+    }
+    // ...for booking b, whose own bucket is untouched, and the global budget with it.
+    let r = automate(&b);
+    assert_eq!(r.status, 200, "another booking after a's 429s: {r:?}");
+    assert_eq!(r.number("x-ratelimit-entity-remaining"), 4);
+    let api_left = r.number("x-ratelimit-api-remaining");
+    assert!(
+        api_left >= 13,
+        "global budget after a's 45 requests: {api_left} of 20 (a took 5, b took 1)"
+    );
+
+    let metrics = request(&addr, "GET", "/metrics");
+    assert_eq!(metrics.status, 200);
+    assert!(
+        metrics
+            .body
+            .contains("tokenlease_http_denied_total{layer=\"entity\"} 41"),
+        "{}",
+        metrics.body
+    );
+    assert!(metrics.body.contains("tokenlease_http_refunds_total"));
+
+    let status = demo.stop();
+    assert!(status.success(), "the demo exited with {status}");
+}
