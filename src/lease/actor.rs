@@ -313,13 +313,20 @@ fn apply(
         )));
     if granted == 0 {
         let retry = u64::try_from(answer.retry_after.as_nanos()).unwrap_or(u64::MAX);
-        slot.deny_until.store(
-            now.saturating_add(retry.max(until_want).max(1)),
-            Ordering::Release,
-        );
+        let streak = {
+            let mut book = slot.book.lock();
+            book.dry = true;
+            book.dry_streak = book.dry_streak.saturating_add(1);
+            book.dry_streak
+        };
+        let wait = retry
+            .max(until_want)
+            .max(1)
+            .saturating_mul(u64::from(streak.min(4)));
+        slot.deny_until
+            .store(now.saturating_add(wait), Ordering::Release);
         slot.dry.store(true, Ordering::Release);
         slot.word.clear_pending();
-        slot.book.lock().dry = true;
     } else {
         leases.counters.leased.fetch_add(granted, Ordering::AcqRel);
         let settings = lease_settings(slot);
@@ -337,6 +344,7 @@ fn apply(
         // refilled, and the next refill asks for all of it.
         let scarce = granted < want;
         book.dry = scarce;
+        book.dry_streak = 0;
         let size = book.target.max(slot.word.available());
         let low_water = if scarce {
             0

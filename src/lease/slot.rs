@@ -70,6 +70,10 @@ pub(crate) struct Book {
     /// The store's last answer granted nothing: the next refill asks for a whole lease or
     /// nothing, so a dry bucket is asked about once per lease's worth of refill, not per token.
     pub(crate) dry: bool,
+    /// Answers in a row that granted nothing: other instances took the refill first. The wait
+    /// before asking again grows with it (up to 4×), so competing instances spread out instead
+    /// of all asking at the moment a lease's worth has refilled.
+    pub(crate) dry_streak: u32,
 }
 
 impl Book {
