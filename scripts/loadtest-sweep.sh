@@ -2,6 +2,9 @@
 # Runs the `tokenlease loadtest` configurations behind README.md's results table and prints the
 # table (markdown) and the raw JSON lines. Every run is 2 instances × 16 tasks at 20,000
 # requests/s in total for $DURATION seconds, against one throwaway PostgreSQL (or DATABASE_URL).
+# The JSON lines are kept in target/loadtest/results.jsonl, and `tokenlease chart` draws
+# docs/loadtest-chart.png from them (needs DejaVu Sans: Debian package fonts-dejavu-core).
+# docs/loadtest.md explains every option and field.
 #
 #   bash scripts/loadtest-sweep.sh            # DURATION=20 by default
 #   DURATION=5 bash scripts/loadtest-sweep.sh
@@ -10,7 +13,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DURATION="${DURATION:-20}"
 cargo build --release --quiet
 bin=target/release/tokenlease
-out="$(mktemp)"
+out=target/loadtest/results.jsonl
+mkdir -p "$(dirname "$out")"
+: >"$out"
 run() {
     echo "loadtest $*" >&2
     "$bin" loadtest --duration "$DURATION" --json "$@" | tee -a "$out"
@@ -38,4 +43,6 @@ for r in rows:
           f'| {r["overshoot_tokens"]:.2f} ({r["overshoot_bound"]:g}) | {r["fallback_decisions"]:,} | {r["throughput_per_s"]:,.0f} '
           f'| {r["p50_us"]:.1f} | {r["p99_us"]:.1f} | {r["p999_us"]:.1f} |')
 PY
-rm -f "$out"
+echo
+echo "results: $out"
+"$bin" chart --input "$out" --output docs/loadtest-chart.png

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod chart;
 mod check;
 mod demo;
 mod inspect;
@@ -32,6 +33,8 @@ enum Command {
     /// Run N limiter instances × M tasks against PostgreSQL and report database calls,
     /// accuracy against an ideal bucket, throughput and latency.
     Loadtest(loadtest::Args),
+    /// Draw database calls and overshoot against lease size from loadtest JSON lines (PNG).
+    Chart(chart::Args),
     /// Serve a booking API protected by both HTTP layers, with /metrics.
     Demo(demo::Args),
 }
@@ -43,6 +46,7 @@ fn main() -> ExitCode {
         Command::Migrate(args) => migrate::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Loadtest(args) => loadtest::run(args),
+        Command::Chart(args) => chart::run(args),
         Command::Demo(args) => demo::run(args),
     };
     match result {
