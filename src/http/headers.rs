@@ -28,19 +28,19 @@ pub const X_RATELIMIT_ENTITY_REMAINING: HeaderName =
 
 /// Which of the two limits a header item or a denial belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Layer {
+pub enum LayerKind {
     /// The endpoint's global bucket (`ratelimit:api:...`), policy name `"api"`.
     Api,
     /// The entity's bucket (`ratelimit:entity:...`), policy name `"entity"`.
     Entity,
 }
 
-impl Layer {
+impl LayerKind {
     /// The policy name in the header fields and the problem body: `api` or `entity`.
     pub fn name(self) -> &'static str {
         match self {
-            Layer::Api => "api",
-            Layer::Entity => "entity",
+            LayerKind::Api => "api",
+            LayerKind::Entity => "entity",
         }
     }
 }
@@ -75,7 +75,7 @@ fn window_secs(plan: &Plan) -> u64 {
 }
 
 /// One `RateLimit-Policy` item, e.g. `"api";q=100;w=2`.
-pub(crate) fn policy_item(layer: Layer, plan: &Plan) -> String {
+pub(crate) fn policy_item(layer: LayerKind, plan: &Plan) -> String {
     format!(
         "\"{}\";q={};w={}",
         layer.name(),
@@ -87,7 +87,7 @@ pub(crate) fn policy_item(layer: Layer, plan: &Plan) -> String {
 /// What one layer decided, as the headers report it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Report {
-    pub(crate) layer: Layer,
+    pub(crate) layer: LayerKind,
     pub(crate) remaining: Tokens,
     /// Seconds for the `t` parameter.
     pub(crate) t: u64,
@@ -95,7 +95,7 @@ pub(crate) struct Report {
 
 impl Report {
     /// The report of an allowed (or refunded) take: `t` is the time to refill to full.
-    pub(crate) fn allowed(layer: Layer, plan: &Plan, remaining: Tokens) -> Report {
+    pub(crate) fn allowed(layer: LayerKind, plan: &Plan, remaining: Tokens) -> Report {
         let missing = plan.capacity().saturating_sub(remaining);
         let t = seconds_up(missing.as_f64() / plan.rate().as_f64());
         Report {
@@ -106,7 +106,7 @@ impl Report {
     }
 
     /// The report of a denial: `t` is the `Retry-After` value.
-    pub(crate) fn denied(layer: Layer, remaining: Tokens, retry_after: Duration) -> Report {
+    pub(crate) fn denied(layer: LayerKind, remaining: Tokens, retry_after: Duration) -> Report {
         Report {
             layer,
             remaining,
@@ -130,8 +130,8 @@ pub(crate) fn write(headers: &mut HeaderMap, policy: &HeaderValue, reports: &[Re
     }
     for r in reports {
         let name = match r.layer {
-            Layer::Api => X_RATELIMIT_API_REMAINING,
-            Layer::Entity => X_RATELIMIT_ENTITY_REMAINING,
+            LayerKind::Api => X_RATELIMIT_API_REMAINING,
+            LayerKind::Entity => X_RATELIMIT_ENTITY_REMAINING,
         };
         headers.insert(name, HeaderValue::from(r.remaining.floor()));
     }
@@ -148,7 +148,7 @@ pub(crate) fn write(headers: &mut HeaderMap, policy: &HeaderValue, reports: &[Re
 /// A denial by the `deny` fallback (the store could not decide) is `503 Service Unavailable`
 /// with the same fields: the client did nothing wrong, the limiter could not answer.
 pub(crate) fn problem(
-    layer: Layer,
+    layer: LayerKind,
     endpoint: &str,
     retry_after: u64,
     unavailable: bool,
@@ -208,16 +208,19 @@ mod tests {
     #[test]
     fn policy_items_use_capacity_and_refill_window() {
         assert_eq!(
-            policy_item(Layer::Api, &plan(100, 50.0)),
+            policy_item(LayerKind::Api, &plan(100, 50.0)),
             "\"api\";q=100;w=2"
         );
         assert_eq!(
-            policy_item(Layer::Entity, &plan(150, 2.5)),
+            policy_item(LayerKind::Entity, &plan(150, 2.5)),
             "\"entity\";q=150;w=60"
         );
-        assert_eq!(policy_item(Layer::Api, &plan(1, 1000.0)), "\"api\";q=1;w=1");
         assert_eq!(
-            policy_item(Layer::Api, &plan(5, 5.0 / 60.0)),
+            policy_item(LayerKind::Api, &plan(1, 1000.0)),
+            "\"api\";q=1;w=1"
+        );
+        assert_eq!(
+            policy_item(LayerKind::Api, &plan(5, 5.0 / 60.0)),
             "\"api\";q=5;w=60"
         );
     }
@@ -225,8 +228,8 @@ mod tests {
     #[test]
     fn allowed_report_counts_seconds_to_full() {
         let p = plan(100, 50.0);
-        assert_eq!(Report::allowed(Layer::Api, &p, Tokens::whole(100)).t, 0);
-        assert_eq!(Report::allowed(Layer::Api, &p, Tokens::whole(99)).t, 1);
-        assert_eq!(Report::allowed(Layer::Api, &p, Tokens::whole(0)).t, 2);
+        assert_eq!(Report::allowed(LayerKind::Api, &p, Tokens::whole(100)).t, 0);
+        assert_eq!(Report::allowed(LayerKind::Api, &p, Tokens::whole(99)).t, 1);
+        assert_eq!(Report::allowed(LayerKind::Api, &p, Tokens::whole(0)).t, 2);
     }
 }

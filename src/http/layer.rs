@@ -6,7 +6,7 @@ use std::sync::Arc;
 use axum::http::HeaderValue;
 use tower::Layer;
 
-use super::headers::{Layer as Which, policy_item};
+use super::headers::{LayerKind, policy_item};
 use super::key::{EntityKey, TrustedProxies};
 use super::service::RateLimit;
 use crate::Limiter;
@@ -61,10 +61,10 @@ impl RouteLimits {
     ) -> RouteLimits {
         let mut items = Vec::new();
         if let Some(plan) = &global {
-            items.push(policy_item(Which::Api, plan));
+            items.push(policy_item(LayerKind::Api, plan));
         }
         if let Some((_, plan)) = &entity {
-            items.push(policy_item(Which::Entity, plan));
+            items.push(policy_item(LayerKind::Entity, plan));
         }
         let policy = HeaderValue::try_from(items.join(", "))
             .unwrap_or_else(|_| HeaderValue::from_static(""));

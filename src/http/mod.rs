@@ -96,8 +96,8 @@ mod refund;
 mod service;
 
 pub use headers::{
-    Layer, RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_API_REMAINING, X_RATELIMIT_ENTITY_REMAINING,
-    retry_after_secs,
+    LayerKind, RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_API_REMAINING,
+    X_RATELIMIT_ENTITY_REMAINING, retry_after_secs,
 };
 pub use key::{
     EntityKey, MAX_FORWARDED_BYTES, MAX_FORWARDED_HOPS, TrustedProxies, TrustedProxyError,

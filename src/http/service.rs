@@ -13,7 +13,7 @@ use axum::http::{HeaderValue, Request, Response};
 use sha2::{Digest, Sha256};
 use tower::Service;
 
-use super::headers::{self, Layer, Report, problem, retry_after_secs};
+use super::headers::{self, LayerKind, Report, problem, retry_after_secs};
 use super::key::match_pattern;
 use super::layer::{Config, RouteLimits, Routes};
 use super::refund::refund;
@@ -174,12 +174,12 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
         let key = format!("ratelimit:api:{endpoint}");
         match limiter.try_acquire_with(plan, &key, 1.0).await {
             Ok(d) if d.allowed => {
-                reports.push(Report::allowed(Layer::Api, plan, d.remaining));
+                reports.push(Report::allowed(LayerKind::Api, plan, d.remaining));
                 global_taken = Some((Arc::clone(plan), key, d));
             }
             Ok(d) => {
-                reports.push(Report::denied(Layer::Api, d.remaining, d.retry_after));
-                return deny(Layer::Api, &d, &endpoint, &limits, &reports);
+                reports.push(Report::denied(LayerKind::Api, d.remaining, d.retry_after));
+                return deny(LayerKind::Api, &d, &endpoint, &limits, &reports);
             }
             Err(_) => {
                 metrics::counter!(HTTP_ERRORS, "layer" => "api").increment(1);
@@ -197,18 +197,22 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
             let key = entity_bucket_key(&endpoint, &id);
             match limiter.try_acquire_with(plan, &key, 1.0).await {
                 Ok(d) if d.allowed => {
-                    reports.push(Report::allowed(Layer::Entity, plan, d.remaining));
+                    reports.push(Report::allowed(LayerKind::Entity, plan, d.remaining));
                 }
                 Ok(d) => {
                     if let Some((gplan, gkey, gd)) = &global_taken {
                         if refund(limiter, gplan, gkey, cost, gd).await {
                             let back =
                                 std::cmp::min(gd.remaining.saturating_add(cost), gplan.capacity());
-                            reports[0] = Report::allowed(Layer::Api, gplan, back);
+                            reports[0] = Report::allowed(LayerKind::Api, gplan, back);
                         }
                     }
-                    reports.push(Report::denied(Layer::Entity, d.remaining, d.retry_after));
-                    return deny(Layer::Entity, &d, &endpoint, &limits, &reports);
+                    reports.push(Report::denied(
+                        LayerKind::Entity,
+                        d.remaining,
+                        d.retry_after,
+                    ));
+                    return deny(LayerKind::Entity, &d, &endpoint, &limits, &reports);
                 }
                 Err(_) => {
                     metrics::counter!(HTTP_ERRORS, "layer" => "entity").increment(1);
@@ -250,7 +254,7 @@ pub(crate) fn entity_bucket_key(endpoint: &str, id: &str) -> String {
 
 /// The denial response: status, problem body and every header field.
 fn deny(
-    layer: Layer,
+    layer: LayerKind,
     decision: &Decision,
     endpoint: &str,
     limits: &RouteLimits,
