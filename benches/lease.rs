@@ -10,6 +10,8 @@
 //!   beside governor's direct `check()` and its keyed `check_key()` with 1 and 100,000 `String`
 //!   keys, on quotas too large to deny. Also `Limiter::try_acquire_with` (the async wrapper,
 //!   polled inside a current-thread runtime's `block_on`).
+//! - `fast_path/parts/*`: pieces of that call measured alone (the cost's conversion, the key
+//!   check, a bare atomic decrement), to show where the time goes.
 //! - `hot_key_threads/*`: one hot key on 1 and on 2 threads (std threads, each doing half the
 //!   iterations), ours against governor's direct limiter. Time is wall time, so a figure below
 //!   the 1-thread one means more total throughput.
@@ -27,6 +29,7 @@ use criterion::{Criterion, Throughput};
 use governor::{Quota, RateLimiter};
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::embedded::TempPostgres;
+use tokenlease::error::validate_key;
 use tokenlease::policy::{LeaseSettings, Plan};
 use tokenlease::store::{
     AcquireRequest, Acquired, BucketRow, GiveBack, MemoryStore, PostgresStore, Store, StoreError,
@@ -117,6 +120,8 @@ struct Fast {
     /// Runs the lease actor (refills in the background); kept alive for the whole run.
     _runtime: tokio::runtime::Runtime,
     limiter: Limiter,
+    /// The same, with a 10 s actor tick.
+    slow_tick: Limiter,
     plan: Arc<Plan>,
     keys: Vec<String>,
 }
@@ -127,18 +132,30 @@ fn fast_setup() -> Fast {
         .enable_all()
         .build()
         .expect("runtime");
-    let limiter = runtime.block_on(async {
-        Limiter::builder(MemoryStore::new())
-            .max_lease_keys(2 * MANY_KEYS)
-            .build()
-    });
+    let limiter = |tick: Duration| {
+        runtime.block_on(async {
+            Limiter::builder(MemoryStore::new())
+                .max_lease_keys(2 * MANY_KEYS)
+                .lease_tick(tick)
+                .build()
+        })
+    };
+    // The default tick (50 ms), and a slow one: the actor's tick scans the whole table, so the
+    // pair shows what that scan costs callers with 100,000 keys on 2 cores.
+    let (default_tick, slow_tick) = (
+        limiter(Duration::from_millis(50)),
+        limiter(Duration::from_secs(10)),
+    );
     let plan = Arc::new(fast_plan());
     let keys: Vec<String> = (0..MANY_KEYS).map(|i| format!("key:{i}")).collect();
-    warm(&runtime, &limiter, &plan, &keys[..1]);
-    warm(&runtime, &limiter, &plan, &keys);
+    for limiter in [&default_tick, &slow_tick] {
+        warm(&runtime, limiter, &plan, &keys[..1]);
+        warm(&runtime, limiter, &plan, &keys);
+    }
     Fast {
         _runtime: runtime,
-        limiter,
+        limiter: default_tick,
+        slow_tick,
         plan,
         keys,
     }
@@ -163,6 +180,13 @@ fn bench_fast_path(c: &mut Criterion, fast: &Fast) {
             ours(limiter, plan, &keys[i]);
         });
     });
+    let mut i = 0;
+    group.bench_function("tokenlease/100k_keys_tick_10s", |b| {
+        b.iter(|| {
+            i = if i + 1 == keys.len() { 0 } else { i + 1 };
+            ours(&fast.slow_tick, plan, &keys[i]);
+        });
+    });
     let async_rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -178,6 +202,20 @@ fn bench_fast_path(c: &mut Criterion, fast: &Fast) {
                 started.elapsed()
             })
         });
+    });
+
+    // What the fast path does before the lease lookup: the cost's conversion to tokens
+    // (`validate_cost` calls `Tokens::from_f64`, which prints the float to read its shortest
+    // decimal) and the key check; and a bare atomic decrement for scale.
+    group.bench_function("parts/tokens_from_f64", |b| {
+        b.iter(|| black_box(Tokens::from_f64(black_box(1.0))));
+    });
+    group.bench_function("parts/validate_key", |b| {
+        b.iter(|| black_box(validate_key(black_box(&keys[0])).is_ok()));
+    });
+    let word = AtomicU64::new(u64::MAX);
+    group.bench_function("parts/atomic_fetch_sub", |b| {
+        b.iter(|| black_box(word.fetch_sub(1, Ordering::AcqRel)));
     });
 
     let direct = RateLimiter::direct(governor_quota());
@@ -282,6 +320,11 @@ fn print_fast_tables() {
             "governor_keyed/100k_keys",
         ),
         (
+            "100,000 keys, actor tick 10 s (keyed)",
+            "tokenlease/100k_keys_tick_10s",
+            "governor_keyed/100k_keys",
+        ),
+        (
             "1 key vs governor direct",
             "tokenlease/1_key",
             "governor_direct",
@@ -297,6 +340,18 @@ fn print_fast_tables() {
             criterion_ns("fast_path", theirs),
         );
         println!("| {label} | {} | {} | {} |", fmt(a), fmt(b), ratio(a, b));
+    }
+    println!("\n| part of the fast path | ns/call |");
+    println!("|---|---|");
+    for (label, id) in [
+        (
+            "`Tokens::from_f64(1.0)` (in `validate_cost`)",
+            "parts/tokens_from_f64",
+        ),
+        ("`validate_key`", "parts/validate_key"),
+        ("bare `AtomicU64::fetch_sub`", "parts/atomic_fetch_sub"),
+    ] {
+        println!("| {label} | {} |", fmt(criterion_ns("fast_path", id)));
     }
     println!(
         "\n| one hot key | 1 thread (M calls/s) | 2 threads, total (M calls/s) | 2 threads ÷ 1 thread |"
