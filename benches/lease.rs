@@ -569,7 +569,10 @@ fn print_pg_table() {
 
 fn main() {
     let fast = fast_setup();
+    // No plots: the tables below are the report. (With plotters' `ab_glyph` feature on, as the
+    // crate's own charts enable it, criterion's plotting panics with `FontUnavailable`.)
     let mut criterion = Criterion::default()
+        .without_plots()
         .sample_size(20)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3))
