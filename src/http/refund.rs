@@ -1,19 +1,11 @@
 //! Giving a global token back when the entity layer denies.
 //!
-//! The [`Limiter`] has no refund call yet, so this credits the token straight into the shared
-//! bucket with [`Store::give_back`](crate::store::Store::give_back) (idempotent by return id,
-//! capped at capacity). That is exact for direct-mode plans. For a leased plan the token was
-//! spent from this process's lease; crediting the shared row instead gives the same total back
-//! to the endpoint, at the price of one statement. A `Limiter::refund` that credits the lease
-//! word for leased plans would make it free; see the HTTP layer's docs.
-
-use std::hash::{BuildHasher, RandomState};
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
+//! [`Limiter::refund`] puts the token back into this process's lease for a leased plan (no
+//! statement at all), and into the shared row otherwise (idempotent by return id, capped at
+//! capacity).
 
 use crate::bucket::Tokens;
 use crate::policy::Plan;
-use crate::store::GiveBack;
 use crate::{DecidedBy, Decision, Limiter};
 
 /// Counter of refunds by result (`credited`, `failed`, `skipped`).
@@ -34,40 +26,14 @@ pub(crate) async fn refund(
         metrics::counter!(HTTP_REFUNDS, "result" => "skipped").increment(1);
         return false;
     }
-    let ret = GiveBack {
-        id: next_id(),
-        key,
-        bucket: *plan.bucket(),
-        amount: cost,
-    };
-    match limiter.store().give_back(&[ret]).await {
-        Ok(_) => {
+    match limiter.refund(plan, key, cost.as_f64()).await {
+        Ok(true) => {
             metrics::counter!(HTTP_REFUNDS, "result" => "credited").increment(1);
             true
         }
-        Err(_) => {
+        Ok(false) | Err(_) => {
             metrics::counter!(HTTP_REFUNDS, "result" => "failed").increment(1);
             false
         }
-    }
-}
-
-/// A fresh return id: 63 bits from a per-process random hasher over a counter, so ids from
-/// different processes sharing a database do not collide in practice.
-fn next_id() -> i64 {
-    static STATE: OnceLock<RandomState> = OnceLock::new();
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let h = STATE.get_or_init(RandomState::new).hash_one(n);
-    (h >> 1) as i64
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn ids_are_non_negative_and_distinct() {
-        let ids: std::collections::HashSet<i64> = (0..10_000).map(|_| super::next_id()).collect();
-        assert_eq!(ids.len(), 10_000);
-        assert!(ids.iter().all(|id| *id >= 0));
     }
 }

@@ -296,8 +296,9 @@ impl Limiter {
     /// Gives back `cost` tokens that a decision of this limiter allowed, because the request was
     /// refused further on (the HTTP layer refunds the endpoint's token when the entity's bucket
     /// denies). With a live lease the tokens go back into it; otherwise to the store, capped at
-    /// the capacity. A refund the store cannot take (it is failing) is dropped: those tokens
-    /// count as spent, which under-admits and never over-admits.
+    /// the capacity. Returns whether they were credited: a refund the store cannot take (it is
+    /// failing) is dropped, and those tokens count as spent, which under-admits and never
+    /// over-admits.
     ///
     /// Refund only what was allowed: the limiter cannot tell, and a refund of tokens never taken
     /// lets the bucket admit more than its limit.
@@ -305,14 +306,14 @@ impl Limiter {
     /// # Errors
     ///
     /// As [`try_acquire_with`](Self::try_acquire_with), for an invalid key or cost.
-    pub async fn refund(&self, plan: &Plan, key: &str, cost: f64) -> Result<(), Error> {
+    pub async fn refund(&self, plan: &Plan, key: &str, cost: f64) -> Result<bool, Error> {
         validate_key(key)?;
         let cost = validate_cost(plan, cost)?;
         if plan.lease().is_some()
             && let Some(leases) = self.inner.leases.get()
             && leases.refund(key, lease_cost(cost))
         {
-            return Ok(());
+            return Ok(true);
         }
         let id =
             (std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), key) >> 1) as i64;
@@ -323,10 +324,11 @@ impl Limiter {
             amount: cost,
         };
         metrics::counter!(crate::metrics::DB_CALLS, "kind" => "return").increment(1);
-        if self.inner.store.give_back(&[give]).await.is_err() {
+        let credited = self.inner.store.give_back(&[give]).await.is_ok();
+        if !credited {
             metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "return").increment(1);
         }
-        Ok(())
+        Ok(credited)
     }
 
     /// Counters of the lease table: tokens leased, returned, stranded and outstanding. `None`
