@@ -41,6 +41,10 @@ const N: usize = 2;
 const B: f64 = 10.0;
 const EPS: f64 = 0.02;
 const KEY: &str = "faults:hot";
+/// The longest a direct-mode caller may wait: a caller that arrives while its key's statement
+/// is in flight waits for it (up to the 50 ms call timeout), then for its own round (another
+/// 50 ms); plus scheduling slack.
+const DIRECT_WAIT: Duration = Duration::from_millis(120);
 
 /// One test at a time within this binary, whatever the harness does.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -700,10 +704,16 @@ async fn d1(mode: Mode) {
                 .filter(|e| in_window(e, stop_end + Duration::from_millis(100), starting))
                 .collect();
             assert!(!outage_events.is_empty());
-            assert!(
-                outage_events.iter().all(|e| e.allowed),
-                "allow: every call in the outage is admitted"
-            );
+            // Every call is admitted, except those a lease denies on the store's last word
+            // before the outage (the bucket was empty until then: at most one lease's refill
+            // time, B / r, plus a tick).
+            let last_word = stop_begin + Duration::from_millis(500);
+            for e in &outage_events {
+                assert!(
+                    e.allowed || (e.by == DecidedBy::Lease && e.at < last_word),
+                    "allow: a call in the outage was denied: {e:?}"
+                );
+            }
         }
     }
     assert!(
@@ -809,7 +819,7 @@ async fn d2(mode: Mode) {
         ms(b_slowest),
         b_recovered.map(|t| ms(t.saturating_sub(b_end))),
     );
-    assert!(max <= Duration::from_millis(100), "a caller waited {max:?}");
+    assert!(max <= DIRECT_WAIT, "a caller waited {max:?}");
     assert!(
         a_failed > 0 && a_failed == a_calls,
         "every delayed call times out"
@@ -1046,7 +1056,7 @@ async fn d4(mode: Mode) {
         a_ok * 100.0,
         b_ok * 100.0,
     );
-    assert!(max <= Duration::from_millis(100), "a caller waited {max:?}");
+    assert!(max <= DIRECT_WAIT, "a caller waited {max:?}");
     assert!(
         rig.proxy.resets() > 0 && terminated > 0,
         "the faults happened"
@@ -1204,7 +1214,7 @@ async fn d6(mode: Mode) {
         hold.len(),
         ms(recovery),
     );
-    assert!(max <= Duration::from_millis(100), "a caller waited {max:?}");
+    assert!(max <= DIRECT_WAIT, "a caller waited {max:?}");
     assert!(
         slowest <= Duration::from_millis(70),
         "a pool wait took {slowest:?}"
@@ -1263,7 +1273,7 @@ async fn d7(mode: Mode) {
         ms(recovery),
         rig.proxy.active(),
     );
-    assert!(max <= Duration::from_millis(100), "a caller waited {max:?}");
+    assert!(max <= DIRECT_WAIT, "a caller waited {max:?}");
     assert_eq!(failed, calls, "no call succeeds through the black hole");
     assert!(
         slowest <= Duration::from_millis(100),
