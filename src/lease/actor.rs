@@ -131,14 +131,7 @@ fn sweep(
         if word & CLOSED == 0 && now >= book.expires_at {
             let reclaimed = slot.word.close();
             book.reclaimed += reclaimed;
-            if reclaimed > 0 {
-                returns.push(Return {
-                    id: ids.next(),
-                    slot: Arc::clone(slot),
-                    amount: reclaimed,
-                    attempts: 0,
-                });
-            }
+            queue_return(returns, ids, slot, reclaimed);
         } else if word & CLOSED != 0
             && word & PENDING == 0
             && now.saturating_sub(book.active_at) >= ttl
@@ -148,20 +141,31 @@ fn sweep(
     }
     for key in evict {
         if let Some(slot) = table.remove(&key) {
-            slot.evicted.store(true, Ordering::Release);
-            let reclaimed = slot.word.close();
-            if reclaimed > 0 {
-                slot.book.lock().reclaimed += reclaimed;
-                returns.push(Return {
-                    id: ids.next(),
-                    slot: Arc::clone(slot),
-                    amount: reclaimed,
-                    attempts: 0,
-                });
-            }
-            slot.notify.notify_waiters();
+            retire(slot, returns, ids);
         }
     }
+}
+
+/// Queues `amount` nanotokens of `slot` to go back to the store, under a fresh return id.
+fn queue_return(returns: &mut Vec<Return>, ids: &mut Ids, slot: &Arc<Slot>, amount: u64) {
+    if amount > 0 {
+        returns.push(Return {
+            id: ids.next(),
+            slot: Arc::clone(slot),
+            amount,
+            attempts: 0,
+        });
+    }
+}
+
+/// Takes a slot out of service for good (evicted, or shutting down): it is never topped up
+/// again, its unspent tokens go back, and its waiters wake to find it closed.
+fn retire(slot: &Arc<Slot>, returns: &mut Vec<Return>, ids: &mut Ids) {
+    slot.evicted.store(true, Ordering::Release);
+    let reclaimed = slot.word.close();
+    slot.book.lock().reclaimed += reclaimed;
+    queue_return(returns, ids, slot, reclaimed);
+    slot.notify.notify_waiters();
 }
 
 fn lease_settings(slot: &Slot) -> LeaseSettings {
@@ -361,14 +365,7 @@ fn apply(
         slot.deny_until.store(deny_until, Ordering::Release);
         slot.fallback_until.store(0, Ordering::Release);
         slot.dry.store(scarce, Ordering::Release);
-        if unplaced > 0 {
-            returns.push(Return {
-                id: ids.next(),
-                slot: Arc::clone(slot),
-                amount: unplaced,
-                attempts: 0,
-            });
-        }
+        queue_return(returns, ids, slot, unplaced);
     }
     slot.notify.notify_waiters();
 }
@@ -425,18 +422,7 @@ async fn shut_down(leases: &Leases, returns: &mut Vec<Return>, ids: &mut Ids) {
     {
         let table = leases.table.pin();
         for (_, slot) in table.iter() {
-            slot.evicted.store(true, Ordering::Release);
-            let reclaimed = slot.word.close();
-            if reclaimed > 0 {
-                slot.book.lock().reclaimed += reclaimed;
-                returns.push(Return {
-                    id: ids.next(),
-                    slot: Arc::clone(slot),
-                    amount: reclaimed,
-                    attempts: 0,
-                });
-            }
-            slot.notify.notify_waiters();
+            retire(slot, returns, ids);
         }
         table.clear();
     }
