@@ -136,10 +136,10 @@ async fn two_instances_share_one_key_through_leases() {
         );
         assert_eq!(stats.outstanding, 0.0, "shutdown gave everything back");
         assert!(s.denied >= 1, "instance {i} never denied (Gubernator #208)");
-        let calls = s.admitted.len() as u64 + s.denied + s.fallback;
+        let decisions = s.admitted.len() as u64 + s.denied + s.fallback;
         assert!(
-            s.fallback * 100 <= calls,
-            "instance {i}: {} of {calls} calls waited out max_wait",
+            s.fallback * 100 <= decisions,
+            "instance {i}: {} of {decisions} calls waited out max_wait",
             s.fallback
         );
         calls += stats.store_calls;
