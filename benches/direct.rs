@@ -197,7 +197,8 @@ fn main() {
         .build()
         .expect("runtime");
     let setup = Setup { runtime, server };
-    let mut criterion = Criterion::default().configure_from_args();
+    // No plots: see benches/bucket.rs.
+    let mut criterion = Criterion::default().without_plots().configure_from_args();
     bench_direct(&mut criterion, &setup);
     criterion.final_summary();
     // The pgbench side and the table only when really benchmarking (`cargo bench`), not when a
