@@ -550,7 +550,7 @@ fn print_pg_table() {
             let per = 1000.0 * r.store_calls as f64 / r.calls.max(1) as f64;
             per_1k.push((label, leased, per));
             println!(
-                "| {label} | {} | {:.0} | {:.2} | {} / {} | {} | {} |",
+                "| {label} | {} | {:.0} | {:.4} | {} / {} | {} | {} |",
                 if leased { "leased" } else { "direct" },
                 r.calls as f64 / r.secs,
                 per,
