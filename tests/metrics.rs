@@ -504,7 +504,7 @@ fn fallback_decisions_by_mode_and_outcome() {
 /// on every key, and every call that found its lease empty: the decisions counter undercounts
 /// exactly the slow admissions.
 #[test]
-#[ignore = "bug: lease admissions after a wait are not counted (see the doc comment)"]
+
 fn every_lease_admission_is_counted_as_a_decision() {
     let (snapshotter, calls) = recorded(async |_: &Snapshotter| {
         let limiter = Limiter::builder(MemoryStore::new())

@@ -70,6 +70,11 @@ impl Tokens {
             // Also -0.0, which `{x}` would print with a sign.
             return Some(Tokens::ZERO);
         }
+        if x.fract() == 0.0 && x <= 9_007_199_254_740_992.0 {
+            // Whole numbers up to 2⁵³ (the common cost of 1) print as exactly their integer
+            // value, so the decimal detour would give the same: skip it on the hot path.
+            return Some(Tokens::whole(x as u64));
+        }
         // The shortest round-trip text has no exponent; below 2⁶⁴ it is at most 20 integer
         // digits, and at most 1 + 324 digits for the smallest subnormal.
         let mut buf = DecimalBuf {

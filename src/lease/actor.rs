@@ -257,6 +257,9 @@ async fn refill_chunk(
         }
     }
     drop(keys);
+    if asks.is_empty() {
+        return;
+    }
     {
         let chunk = &asks[..];
         let requests: Vec<AcquireRequest<'_>> = chunk

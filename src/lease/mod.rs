@@ -224,6 +224,7 @@ impl Leases {
                 .try_take(cost, slot.low_water.load(Ordering::Relaxed))
             {
                 Take::Taken { left, nudge } => {
+                    crate::metrics::record_lease_allowed();
                     if nudge {
                         self.nudge(&slot);
                     }
