@@ -97,29 +97,49 @@ impl Coalescer {
                 ))
             });
         }
-        let guard = HandOff {
+        let mut guard = HandOff {
             coalescer: Arc::clone(self),
             store: Arc::clone(store),
             key: key.to_owned(),
             bucket,
+            failed: None,
         };
         metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
         let result = store.acquire(AcquireRequest::take(key, bucket, cost)).await;
-        if result.is_err() {
+        if let Err(err) = &result {
             metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
+            // Callers that queued behind a failed statement share its failure at once, instead
+            // of waiting for another round (and another timeout): no caller waits longer than
+            // one call timeout.
+            guard.failed = Some(err.clone());
         }
         drop(guard);
         result
     }
 
     /// Called when a statement for `key` finished (or its caller went away): serve the queue in
-    /// a background task, or mark the key idle.
-    fn hand_off(self: Arc<Self>, store: Arc<dyn Store>, key: String, bucket: BucketConfig) {
+    /// a background task, or mark the key idle. After a failed statement, the queued callers
+    /// get its error.
+    fn hand_off(
+        self: Arc<Self>,
+        store: Arc<dyn Store>,
+        key: String,
+        bucket: BucketConfig,
+        failed: Option<StoreError>,
+    ) {
         {
             let mut shard = self.shard(&key).lock();
             let Some(in_flight) = shard.get(&key) else {
                 return;
             };
+            if let Some(err) = failed {
+                let waiters = shard.remove(&key).map(|f| f.queue).unwrap_or_default();
+                drop(shard);
+                for waiter in waiters {
+                    let _ = waiter.reply.send(Err(err.clone()));
+                }
+                return;
+            }
             if in_flight.queue.is_empty() {
                 shard.remove(&key);
                 return;
@@ -164,9 +184,17 @@ impl Coalescer {
                 Ok(acquired) => share_out(batch, &acquired, &bucket),
                 Err(err) => {
                     metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
-                    for waiter in batch {
+                    // Everyone queued now shares the failure: no caller waits another round.
+                    let rest = self
+                        .shard(&key)
+                        .lock()
+                        .remove(&key)
+                        .map(|f| f.queue)
+                        .unwrap_or_default();
+                    for waiter in batch.into_iter().chain(rest) {
                         let _ = waiter.reply.send(Err(err.clone()));
                     }
+                    return;
                 }
             }
         }
@@ -225,11 +253,14 @@ struct HandOff {
     store: Arc<dyn Store>,
     key: String,
     bucket: BucketConfig,
+    /// The leader's statement failed with this: the queue shares the failure.
+    failed: Option<StoreError>,
 }
 
 impl Drop for HandOff {
     fn drop(&mut self) {
         let key = std::mem::take(&mut self.key);
-        Arc::clone(&self.coalescer).hand_off(Arc::clone(&self.store), key, self.bucket);
+        let failed = self.failed.take();
+        Arc::clone(&self.coalescer).hand_off(Arc::clone(&self.store), key, self.bucket, failed);
     }
 }
