@@ -62,6 +62,11 @@ impl Tokens {
     ///
     /// Returns `None` for NaN, infinities, negative values and values above [`Tokens::MAX`].
     pub fn from_f64(x: f64) -> Option<Self> {
+        if (1.0..=9_007_199_254_740_992.0).contains(&x) && x == (x as u64) as f64 {
+            // Whole numbers up to 2⁵³ (the common cost of 1) print as exactly their integer
+            // value, so the decimal detour would give the same: skip it on the hot path.
+            return Some(Tokens::whole(x as u64));
+        }
         // 2⁶⁴ tokens is already above MAX; the bound also keeps the text below short.
         if !(0.0..18_446_744_073_709_551_616.0).contains(&x) {
             return None;
@@ -70,11 +75,7 @@ impl Tokens {
             // Also -0.0, which `{x}` would print with a sign.
             return Some(Tokens::ZERO);
         }
-        if x.fract() == 0.0 && x <= 9_007_199_254_740_992.0 {
-            // Whole numbers up to 2⁵³ (the common cost of 1) print as exactly their integer
-            // value, so the decimal detour would give the same: skip it on the hot path.
-            return Some(Tokens::whole(x as u64));
-        }
+
         // The shortest round-trip text has no exponent; below 2⁶⁴ it is at most 20 integer
         // digits, and at most 1 + 324 digits for the smallest subnormal.
         let mut buf = DecimalBuf {

@@ -73,7 +73,7 @@ pub(crate) struct TableSettings {
 /// The lease table and the handle to its actor.
 #[derive(Debug)]
 pub(crate) struct Leases {
-    table: papaya::HashMap<Arc<str>, Arc<Slot>>,
+    table: papaya::HashMap<Arc<str>, Arc<Slot>, foldhash::fast::RandomState>,
     /// One shared copy of each plan the slots use, by name.
     plans: papaya::HashMap<String, Arc<Plan>>,
     settings: TableSettings,
@@ -117,7 +117,9 @@ impl Leases {
     /// A table over `store`, with its actor spawned on the current runtime.
     pub(crate) fn start(store: Arc<dyn Store>, settings: TableSettings) -> Arc<Leases> {
         let leases = Arc::new(Leases {
-            table: papaya::HashMap::new(),
+            // foldhash: a fast keyed hash (SipHash, the default, costs more than the rest of
+            // the fast path on short keys); seeded per process, like RandomState.
+            table: papaya::HashMap::with_hasher(foldhash::fast::RandomState::default()),
             plans: papaya::HashMap::new(),
             settings,
             nudges: ArrayQueue::new(4096),
