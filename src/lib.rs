@@ -1,17 +1,34 @@
 //! Distributed rate limiting with token leases over PostgreSQL.
 //!
 //! `tokenlease` keeps one token bucket per key in a PostgreSQL table and decides with the
-//! database's own clock, so any number of service instances share one limit. See `DESIGN.md` for
-//! the algorithm, the SQL and the failure behaviour.
+//! database's own clock, so any number of service instances share one limit. In leased mode each
+//! process reserves batches of tokens with one statement and spends them from memory with one
+//! compare-and-swap, so the database sees about one statement per lease instead of one per
+//! request. See `DESIGN.md` for the algorithm, the SQL, the overshoot bound and the failure
+//! behaviour.
+//!
+//! # Parameters
+//!
+//! - **capacity**: the most tokens a bucket holds, i.e. the largest burst.
+//! - **refill**: tokens added per second, up to the capacity.
+//! - **lease** (optional, per plan): leased mode. A lease holds about one refresh interval of the
+//!   key's demand, at most `max_fraction × capacity`; with `N` instances, any window of length
+//!   `w` admits at most `capacity + refill × w + N × max_fraction × capacity`.
+//! - **fallback**: who decides while the database is slow or down: allow, deny, or a local
+//!   bucket holding `1 / instances` of the limit.
 //!
 //! # Layout
 //!
 //! - [`bucket`]: the pure token bucket (no I/O, no clock, no async).
 //! - [`policy`]: the JSON policy file, validated into [`policy::Policies`].
 //! - [`store`]: the [`store::Store`] contract, [`store::PostgresStore`] (one atomic statement per
-//!   call) and [`store::MemoryStore`].
-//! - [`limiter`]: [`Limiter::try_acquire`], the entry point.
+//!   call), [`store::MemoryStore`], and the circuit breaker.
+//! - [`limiter`]: [`Limiter::try_acquire`], the entry point, in direct and leased mode.
+//! - [`lease`]: the lease table, the lock-free lease word and the lease actor.
+//! - [`http`]: the tower layer with a global and an entity limit per route.
+//! - [`metrics`]: metric names and `describe()`.
 //! - [`embedded`]: a throwaway PostgreSQL cluster for tests, the demo and the load test.
+//! - [`clock`]: the clocks local state reads.
 
 #![forbid(unsafe_code)]
 

@@ -511,3 +511,177 @@ async fn a_refund_goes_back_into_the_live_lease() {
     let after = limiter.lease_stats().expect("leased").outstanding;
     assert!((after - before - 2.0).abs() < 1e-9, "{before} -> {after}");
 }
+
+/// Admissions of [`run_traffic`]: when, which key, what cost.
+type Admitted = Vec<(Instant, String, f64)>;
+
+/// Like [`run_instances`], with call `i` of a task taking `cost(i)` from `key(i)`. Returns the
+/// admissions and the number of calls the fallback decided.
+async fn run_traffic(
+    limiters: &[Limiter],
+    plan: &Arc<Plan>,
+    tasks: usize,
+    duration: Duration,
+    key: fn(usize) -> String,
+    cost: fn(usize) -> f64,
+) -> (Admitted, u64) {
+    let mut handles = Vec::new();
+    for (i, limiter) in limiters.iter().enumerate() {
+        for t in 0..tasks {
+            let (limiter, plan) = (limiter.clone(), Arc::clone(plan));
+            handles.push(tokio::spawn(async move {
+                let (mut admitted, mut fallback) = (Vec::new(), 0u64);
+                let deadline = Instant::now() + duration;
+                let mut n = t * 7919 + i * 104_729;
+                while Instant::now() < deadline {
+                    n += 1;
+                    let (k, c) = (key(n), cost(n));
+                    let d = limiter
+                        .try_acquire_with(&plan, &k, c)
+                        .await
+                        .expect("decision");
+                    if matches!(d.decided_by, DecidedBy::Fallback(_)) {
+                        fallback += 1;
+                    } else if d.allowed {
+                        admitted.push((Instant::now(), k, c));
+                    }
+                    tokio::time::sleep(Duration::from_micros(500)).await;
+                }
+                (admitted, fallback)
+            }));
+        }
+    }
+    let (mut all, mut fallback) = (Vec::new(), 0);
+    for h in handles {
+        let (a, f) = h.await.expect("task");
+        all.extend(a);
+        fallback += f;
+    }
+    all.sort_by_key(|a| a.0);
+    (all, fallback)
+}
+
+/// The worst excess over `C + r·(w + ε) + extra` of any window, per key, for w in the plan's
+/// window lengths.
+fn assert_windows(admitted: &Admitted, capacity: f64, rate: f64, extra: f64) {
+    let Some(t0) = admitted.first().map(|a| a.0) else {
+        return;
+    };
+    let mut by_key: std::collections::HashMap<&str, Vec<(f64, f64)>> = Default::default();
+    for (t, k, c) in admitted {
+        by_key
+            .entry(k.as_str())
+            .or_default()
+            .push(((*t - t0).as_secs_f64(), *c));
+    }
+    for (key, points) in by_key {
+        for w in [0.1, 0.5, 1.0, 2.0, 5.0] {
+            let (excess, count) = common::worst_window(&points, w, capacity, rate, SLACK);
+            assert!(
+                excess <= extra + 1e-9,
+                "{key}: window {w} s admitted {count} > {capacity} + {rate}·({w} + {SLACK}) + {extra}"
+            );
+        }
+    }
+}
+
+fn hot(_: usize) -> String {
+    "hot".to_owned()
+}
+
+fn one(_: usize) -> f64 {
+    1.0
+}
+
+fn one_to_ten(n: usize) -> f64 {
+    (1 + n % 10) as f64
+}
+
+fn thousand_keys(n: usize) -> String {
+    format!("k{}", n.wrapping_mul(2_654_435_761) % 1000)
+}
+
+/// C2 in leased mode: a bucket that starts empty admits no more than the refill rate (plus the
+/// leases' N·B).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_from_an_empty_bucket_admits_only_the_refill_rate() {
+    let db = common::database().await;
+    let store = common::store(&db, 1).await;
+    let config = common::bucket(100, R);
+    store
+        .acquire(tokenlease::store::AcquireRequest::take(
+            "hot",
+            config,
+            tokenlease::bucket::Tokens::whole(100),
+        ))
+        .await
+        .expect("drain");
+    let plan = Arc::new(leased_plan(100, R));
+    let limiters = [
+        Limiter::builder(common::store(&db, 4).await).build(),
+        Limiter::builder(common::store(&db, 4).await).build(),
+    ];
+    let started = Instant::now();
+    let (admitted, _) = run_traffic(&limiters, &plan, 16, Duration::from_secs(5), hot, one).await;
+    let t = started.elapsed().as_secs_f64();
+    let n = admitted.len() as f64;
+    assert!(n <= R * t + 2.0 * B, "{n} admitted in {t:.2} s from empty");
+    assert!(n >= 0.8 * R * t - 2.0 * B, "liveness: {n} in {t:.2} s");
+}
+
+/// C3 in leased mode: mixed costs 1..10 obey the same bound in cost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_mixed_costs_hold_the_bound() {
+    let db = common::database().await;
+    let plan = Arc::new(leased_plan(100, R));
+    let limiters = [
+        Limiter::builder(common::store(&db, 4).await).build(),
+        Limiter::builder(common::store(&db, 4).await).build(),
+    ];
+    let started = Instant::now();
+    let (admitted, _) = run_traffic(
+        &limiters,
+        &plan,
+        16,
+        Duration::from_secs(5),
+        hot,
+        one_to_ten,
+    )
+    .await;
+    let t = started.elapsed().as_secs_f64();
+    assert_windows(&admitted, C, R, 2.0 * B);
+    let cost: f64 = admitted.iter().map(|a| a.2).sum();
+    assert!(
+        cost >= 0.8 * (C + R * t) - 2.0 * B,
+        "liveness: {cost} of {}",
+        C + R * t
+    );
+}
+
+/// C7 in leased mode: 1,000 keys, uniform traffic from 2 instances: every key holds its bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_every_key_of_a_thousand_holds_its_bound() {
+    let db = common::database().await;
+    let (c, r) = (10.0, 2.0);
+    let plan = Arc::new(leased_plan(10, r));
+    let limiters = [
+        Limiter::builder(common::store(&db, 4).await).build(),
+        Limiter::builder(common::store(&db, 4).await).build(),
+    ];
+    let (admitted, _) = run_traffic(
+        &limiters,
+        &plan,
+        16,
+        Duration::from_secs(5),
+        thousand_keys,
+        one,
+    )
+    .await;
+    // Leases of at most 10% of a capacity of 10: one token per instance.
+    assert_windows(&admitted, c, r, 2.0 * 1.0);
+    for limiter in &limiters {
+        limiter.shutdown().await;
+        let stats = limiter.lease_stats().expect("leased");
+        assert!(stats.keys <= 1000 && stats.outstanding == 0.0, "{stats:?}");
+    }
+}
