@@ -24,6 +24,9 @@ use crate::metrics as m;
 use crate::policy::LeaseSettings;
 use crate::store::{AcquireRequest, GiveBack};
 
+/// A contended key's lease is spread over one word per core once its target reaches `HOT_PARTS²`
+/// of its largest cost; a top-up is split into parts of at least `HOT_PARTS` costs.
+const HOT_PARTS: u64 = 4;
 /// Keys per store statement.
 const CHUNK: usize = 256;
 /// Attempts at giving a return back before its tokens count as stranded.
@@ -182,6 +185,7 @@ fn plan_refill(slot: &Slot, now: u64) -> Option<(u64, u64)> {
     let needed = slot.needed.swap(0, Ordering::AcqRel);
     let waiting = slot.waiting.swap(0, Ordering::AcqRel);
     let mut book = slot.book.lock();
+    book.max_cost = book.max_cost.max(needed);
     let elapsed = now.saturating_sub(book.sampled_at);
     if elapsed >= 1_000_000 {
         let spent = book.spent(available);
@@ -337,12 +341,18 @@ fn apply(
     } else {
         leases.counters.leased.fetch_add(granted, Ordering::AcqRel);
         let settings = lease_settings(slot);
+        let mut book = slot.book.lock();
+        // Split a top-up over a hot key's words only in parts of a few costs each, so that
+        // no word is left holding less than a caller needs while the others hold the rest.
+        let split_min = book.max_cost.max(1).saturating_mul(HOT_PARTS);
+        if slot.word.contended() && book.target >= split_min.saturating_mul(HOT_PARTS) {
+            slot.word.spread_out();
+        }
         let unplaced = if slot.evicted.load(Ordering::Acquire) {
             granted
         } else {
-            slot.word.top_up(granted)
+            slot.word.top_up(granted, split_min)
         };
-        let mut book = slot.book.lock();
         book.credited += granted - unplaced;
         book.expires_at = now.saturating_add(settings.ttl.as_nanos() as u64);
         book.active_at = now;

@@ -30,6 +30,7 @@ mod actor;
 mod slot;
 mod sync;
 pub(crate) mod word;
+mod words;
 
 pub(crate) use slot::Slot;
 use word::Take;

@@ -6,18 +6,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
-use super::word::LeaseWord;
+use super::words::LeaseWords;
 use crate::policy::Plan;
 
 /// One key's lease slot, shared by callers (through the lease table) and the actor.
 #[derive(Debug)]
 pub(crate) struct Slot {
-    /// The word callers spend from. Not padded to a cache line of its own: the fields that share
-    /// its line are read by callers and written only by the actor once per refill, and words of
-    /// different keys are a whole slot (well over a cache line) apart, so two hot keys never
-    /// share a line. Padding would cost 128 bytes per key for nothing (test plan E4 holds the
-    /// table to 64 MiB for 100,000 keys).
-    pub(crate) word: LeaseWord,
+    /// The words callers spend from (`words.rs`). The first is not padded to a cache line of its
+    /// own: the fields that share its line are read by callers and written only by the actor once
+    /// per refill, and words of different keys are a whole slot apart. A hot key gets extra
+    /// words, one per core, each on its own line. Padding every key would cost 128 bytes per key
+    /// for nothing (test plan E4 holds the table to 64 MiB for 100,000 keys).
+    pub(crate) word: LeaseWords,
     /// Below this many nanotokens left, a caller asks for a refill. Written by the actor at each
     /// top-up, read by callers.
     pub(crate) low_water: AtomicU64,
@@ -74,6 +74,9 @@ pub(crate) struct Book {
     /// before asking again grows with it (up to 4×), so competing instances spread out instead
     /// of all asking at the moment a lease's worth has refilled.
     pub(crate) dry_streak: u32,
+    /// The largest cost a caller of this key has waited for (nanotokens): a top-up is split over
+    /// a hot key's words only in parts of at least a few such costs.
+    pub(crate) max_cost: u64,
 }
 
 impl Book {
@@ -88,7 +91,7 @@ impl Book {
 impl Slot {
     pub(crate) fn new(key: Arc<str>, plan: Arc<Plan>, now: u64) -> Slot {
         Slot {
-            word: LeaseWord::new_pending(),
+            word: LeaseWords::new_pending(),
             low_water: AtomicU64::new(0),
             deny_until: AtomicU64::new(0),
             fallback_until: AtomicU64::new(0),

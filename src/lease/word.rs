@@ -1,7 +1,8 @@
 //! The lease word: one atomic `u64` holding a lease's unspent tokens and two flags.
 //!
 //! ```text
-//! bit 63..58  unused (zero)
+//! bit 63..59  unused (zero)
+//! bit 58      CONTENDED a caller's CAS lost a race since the last top-up (the key is hot)
 //! bit 57      CLOSED   no live lease: nothing may be spent (new, expired, evicted, shut down)
 //! bit 56      PENDING  a refill has been asked for and not yet answered
 //! bit 55..0   unspent tokens of the lease, in nanotokens (at most 2⁵⁶ − 1, about 7.2 × 10⁷ tokens)
@@ -23,6 +24,9 @@ pub(crate) const TOKENS: u64 = (1 << 56) - 1;
 pub(crate) const PENDING: u64 = 1 << 56;
 /// No live lease.
 pub(crate) const CLOSED: u64 = 1 << 57;
+/// A caller's CAS lost a race since the last top-up: several threads spend from this word at
+/// once. Set by the winning retry itself (no extra atomic operation); cleared by `top_up`.
+pub(crate) const CONTENDED: u64 = 1 << 58;
 
 /// What [`LeaseWord::try_take`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +69,7 @@ impl LeaseWord {
     #[inline]
     pub(crate) fn try_take(&self, cost: u64, low_water: u64) -> Take {
         let mut current = self.word.load(Ordering::Acquire);
+        let mut contended = 0;
         loop {
             let tokens = current & TOKENS;
             if current & CLOSED != 0 || tokens < cost {
@@ -75,7 +80,7 @@ impl LeaseWord {
             }
             let left = tokens - cost;
             let nudge = left < low_water && current & PENDING == 0;
-            let next = (current - cost) | if nudge { PENDING } else { 0 };
+            let next = (current - cost) | if nudge { PENDING } else { 0 } | contended;
             match self.word.compare_exchange_weak(
                 current,
                 next,
@@ -83,8 +88,18 @@ impl LeaseWord {
                 Ordering::Acquire,
             ) {
                 Ok(_) => return Take::Taken { left, nudge },
-                Err(actual) => current = actual,
+                Err(actual) => {
+                    current = actual;
+                    contended = CONTENDED;
+                }
             }
+        }
+    }
+
+    /// A word with no live lease and no refill asked for: an extra word joining a closed lease.
+    pub(crate) fn new_closed() -> Self {
+        LeaseWord {
+            word: AtomicU64::new(CLOSED),
         }
     }
 
@@ -95,7 +110,7 @@ impl LeaseWord {
     }
 
     /// The actor adds `amount` nanotokens, opens the lease (clears `CLOSED`) and clears
-    /// `PENDING`. Returns what did not fit under [`TOKENS`] (to be given back).
+    /// `PENDING` and `CONTENDED`. Returns what did not fit under [`TOKENS`] (to be given back).
     pub(crate) fn top_up(&self, amount: u64) -> u64 {
         let mut current = self.word.load(Ordering::Acquire);
         loop {

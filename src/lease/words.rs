@@ -1,0 +1,241 @@
+//! A lease's tokens spread over one or more [`LeaseWord`]s, so that a hot key scales across
+//! cores.
+//!
+//! Every key starts with one word. When callers of a key start losing CAS races on it (the
+//! winning retry sets `CONTENDED`, at no extra cost), the actor adds one word per core, each on
+//! its own cache line, and from then on splits each top-up over them. A caller spends from the word its thread is assigned to and
+//! moves on to the others only when that one is short, so two threads hammering one key mostly
+//! touch different cache lines. Quiet keys never get the extra words, which keeps the table at
+//! about 300 bytes per key.
+//!
+//! Each word keeps the conservation of `word.rs` on its own, so the sum does too. The lease is
+//! live or closed as a whole: the actor opens every word on a top-up and closes every word on
+//! expiry; `CLOSED` is read from the first word.
+
+use std::cell::Cell;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::word::{CLOSED, CONTENDED, LeaseWord, PENDING, TOKENS, Take};
+
+/// A word on a cache line of its own.
+#[derive(Debug)]
+#[repr(align(64))]
+struct Padded(LeaseWord);
+
+/// The words of one lease. See the [module docs](self).
+#[derive(Debug)]
+pub(crate) struct LeaseWords {
+    /// The lease of a quiet key, and the flags of every lease. Once the key is spread, callers
+    /// spend from the extra words and touch this one only when all of those are short, so the
+    /// cache line it shares with the fields below is no longer written on every call.
+    first: LeaseWord,
+    /// The words of a hot key, one per core (a power of two), each on its own cache line; set
+    /// once by the actor, never removed.
+    extra: OnceLock<Box<[Padded]>>,
+}
+
+/// How many words a hot key's lease is spread over: the cores rounded down to a power of two,
+/// at most 8 (a power of two so a thread finds its word with a mask).
+fn spread() -> usize {
+    static SPREAD: OnceLock<usize> = OnceLock::new();
+    *SPREAD.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+        1 << cores.ilog2()
+    })
+}
+
+thread_local! {
+    /// This thread's preferred word, assigned round-robin the first time it spends.
+    static PREFERRED: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+fn preferred() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    PREFERRED.with(|p| {
+        let mut i = p.get();
+        if i == usize::MAX {
+            i = NEXT.fetch_add(1, Ordering::Relaxed);
+            p.set(i);
+        }
+        i
+    })
+}
+
+impl LeaseWords {
+    /// One closed word with a refill asked for: a new slot.
+    pub(crate) fn new_pending() -> Self {
+        LeaseWords {
+            first: LeaseWord::new_pending(),
+            extra: OnceLock::new(),
+        }
+    }
+
+    fn each(&self) -> impl Iterator<Item = &LeaseWord> {
+        std::iter::once(&self.first).chain(
+            self.extra
+                .get()
+                .into_iter()
+                .flat_map(|e| e.iter().map(|p| &p.0)),
+        )
+    }
+
+    /// Spends `cost` nanotokens: from the first word for a quiet key; for a hot key from the
+    /// thread's own word, then the other extra words, then the first. `low_water` is for the
+    /// whole lease; each extra word asks for a refill below its share of it.
+    #[inline]
+    pub(crate) fn try_take(&self, cost: u64, low_water: u64) -> Take {
+        let Some(extra) = self.extra.get() else {
+            return self.first.try_take(cost, low_water);
+        };
+        let n = extra.len();
+        let share = low_water / n as u64;
+        let start = preferred();
+        let mut pending = false;
+        for i in 0..n {
+            match extra[(start + i) & (n - 1)].0.try_take(cost, share) {
+                taken @ Take::Taken { .. } => return taken,
+                Take::Short { pending: p, .. } => pending |= p,
+            }
+        }
+        match self.first.try_take(cost, 0) {
+            taken @ Take::Taken { .. } => taken,
+            Take::Short { closed, pending: p } => Take::Short {
+                closed,
+                pending: pending || p,
+            },
+        }
+    }
+
+    /// Whether a caller lost a CAS race on the first word since its last top-up: a hot key.
+    pub(crate) fn contended(&self) -> bool {
+        self.first.load() & CONTENDED != 0
+    }
+
+    /// Asks for a refill on the first word; `true` when this call set the flag.
+    pub(crate) fn request_refill(&self) -> bool {
+        self.first.request_refill()
+    }
+
+    /// Spreads the lease over one word per core, unless already spread or there is one core.
+    /// Actor only.
+    pub(crate) fn spread_out(&self) {
+        let n = spread();
+        if n > 1 && self.extra.get().is_none() {
+            // New words start closed, like the lease they join; the next top-up opens them all.
+            let words = (0..n).map(|_| Padded(LeaseWord::new_closed())).collect();
+            let _ = self.extra.set(words);
+        }
+    }
+
+    /// Adds `amount` nanotokens and opens every word. A hot key's top-up is split evenly over its
+    /// extra words when each part is at least `split_min`; otherwise, and for a quiet key, it
+    /// all goes to the first word. Returns what did not fit. Actor only.
+    pub(crate) fn top_up(&self, amount: u64, split_min: u64) -> u64 {
+        let Some(extra) = self.extra.get() else {
+            return self.first.top_up(amount);
+        };
+        let n = extra.len() as u64;
+        let part = amount / n;
+        if part < split_min.max(1) {
+            let left = self.first.top_up(amount);
+            for word in extra.iter() {
+                word.0.top_up(0);
+            }
+            return left;
+        }
+        let mut left = self.first.top_up(amount - part * n);
+        for word in extra.iter() {
+            left += word.0.top_up(part);
+        }
+        left
+    }
+
+    /// Clears every word's `PENDING`. Actor only.
+    pub(crate) fn clear_pending(&self) {
+        for word in self.each() {
+            word.clear_pending();
+        }
+    }
+
+    /// Closes every word and returns all their unspent tokens. Actor only.
+    pub(crate) fn close(&self) -> u64 {
+        self.each().map(LeaseWord::close).sum()
+    }
+
+    /// Unspent tokens over all words (a snapshot).
+    pub(crate) fn available(&self) -> u64 {
+        self.each().map(LeaseWord::available).sum()
+    }
+
+    /// A combined snapshot: the tokens of all words, `CLOSED` from the first, `PENDING` from any.
+    pub(crate) fn load(&self) -> u64 {
+        let mut tokens = 0u64;
+        let mut pending = 0;
+        for word in self.each() {
+            let w = word.load();
+            tokens = tokens.saturating_add(w & TOKENS);
+            pending |= w & PENDING;
+        }
+        tokens.min(TOKENS) | pending | (self.first.load() & CLOSED)
+    }
+
+    /// Puts `amount` back into the thread's word (or the first); `false` when the lease is closed
+    /// or the word is full.
+    pub(crate) fn refund(&self, amount: u64) -> bool {
+        let own = self
+            .extra
+            .get()
+            .is_some_and(|e| e[preferred() & (e.len() - 1)].0.refund(amount));
+        own || self.first.refund(amount)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A spread lease keeps every nanotoken: what threads take plus what `close` returns is what
+    /// was topped up, and a caller finds tokens in any word, the first included.
+    #[test]
+    fn a_spread_lease_conserves_tokens_across_threads() {
+        let words = LeaseWords::new_pending();
+        words.first.top_up(3); // held before the key turned hot
+        words.spread_out();
+        let n = words.extra.get().map_or(0, |e| e.len()) as u64;
+        let topped = 10_000 * n.max(1);
+        assert_eq!(words.top_up(topped, 1), 0);
+        assert_eq!(words.available(), topped + 3);
+        let taken: u64 = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut taken = 0;
+                        while let Take::Taken { .. } = words.try_take(7, 0) {
+                            taken += 7;
+                        }
+                        taken
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or(0)).sum()
+        });
+        let returned = words.close();
+        assert_eq!(taken + returned, topped + 3);
+        assert!(matches!(
+            words.try_take(1, 0),
+            Take::Short { closed: true, .. }
+        ));
+    }
+
+    /// A top-up too small to split goes to the first word whole, and still opens every word.
+    #[test]
+    fn a_small_top_up_goes_to_the_first_word() {
+        let words = LeaseWords::new_pending();
+        words.spread_out();
+        assert_eq!(words.top_up(5, 100), 0);
+        assert_eq!(words.first.available(), 5);
+        assert_eq!(words.load() & CLOSED, 0);
+        assert!(matches!(words.try_take(5, 0), Take::Taken { left: 0, .. }));
+    }
+}
