@@ -24,16 +24,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use criterion::{Criterion, Throughput};
 use governor::{Quota, RateLimiter};
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::embedded::TempPostgres;
 use tokenlease::error::validate_key;
 use tokenlease::policy::{LeaseSettings, Plan};
-use tokenlease::store::{
-    AcquireRequest, Acquired, BucketRow, GiveBack, MemoryStore, PostgresStore, Store, StoreError,
-};
+use tokenlease::store::{CountedStore, MemoryStore, PostgresStore};
 use tokenlease::{DecidedBy, Limiter};
 
 const CAPACITY: u64 = 1_000_000_000_000;
@@ -381,42 +378,6 @@ fn print_fast_tables() {
     );
 }
 
-/// Forwards to a store and counts the calls made to it.
-#[derive(Debug)]
-struct Counting {
-    inner: PostgresStore,
-    calls: Arc<AtomicU64>,
-}
-
-#[async_trait]
-impl Store for Counting {
-    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        self.inner.acquire(request).await
-    }
-
-    async fn acquire_many(
-        &self,
-        requests: &[AcquireRequest<'_>],
-    ) -> Result<Vec<Acquired>, StoreError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        self.inner.acquire_many(requests).await
-    }
-
-    async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        self.inner.give_back(returns).await
-    }
-
-    async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
-        self.inner.delete_idle(limit).await
-    }
-
-    async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
-        self.inner.inspect(key).await
-    }
-}
-
 /// What one PostgreSQL run measured.
 #[derive(Debug, Default, Clone, Copy)]
 struct PgRun {
@@ -449,11 +410,8 @@ fn pg_run(
             .build()
             .await
             .expect("store");
-        let limiter = Limiter::builder(Counting {
-            inner: store,
-            calls: Arc::clone(&calls),
-        })
-        .build();
+        let limiter =
+            Limiter::builder(CountedStore::with_counter(store, Arc::clone(&calls))).build();
         let name = format!("pg_{}_{}", leased, many);
         let mut plan = Plan::new(name, huge_bucket());
         if leased {

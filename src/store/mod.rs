@@ -16,12 +16,14 @@ use crate::bucket::{BucketConfig, Tokens};
 
 mod breaker;
 mod cleanup;
+mod counted;
 mod error;
 mod memory;
 pub mod postgres;
 
 pub use self::breaker::{CircuitBreaker, CircuitState};
 pub use self::cleanup::IdleCleanup;
+pub use self::counted::CountedStore;
 pub use self::error::{StoreError, TimeoutKind};
 pub use self::memory::MemoryStore;
 pub use self::postgres::{PostgresStore, PostgresStoreBuilder};

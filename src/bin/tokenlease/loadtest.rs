@@ -15,13 +15,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use serde::Serialize;
 use tokenlease::bucket::{BucketConfig, BucketState, Rate, Timestamp, Tokens};
 use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
-use tokenlease::store::{
-    AcquireRequest, Acquired, BucketRow, GiveBack, PostgresStore, Store, StoreError,
-};
+use tokenlease::store::{CountedStore, PostgresStore};
 use tokenlease::{DecidedBy, Limiter};
 
 /// Arguments of `tokenlease loadtest`.
@@ -149,39 +146,6 @@ struct Request {
     allowed: bool,
 }
 
-/// Counts every store call, whatever the mode: the figure the run is about.
-#[derive(Debug)]
-struct Counting {
-    inner: PostgresStore,
-    calls: Arc<AtomicU64>,
-}
-
-#[async_trait]
-impl Store for Counting {
-    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        self.inner.acquire(request).await
-    }
-    async fn acquire_many(
-        &self,
-        requests: &[AcquireRequest<'_>],
-    ) -> Result<Vec<Acquired>, StoreError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        self.inner.acquire_many(requests).await
-    }
-    async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        self.inner.give_back(returns).await
-    }
-    async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        self.inner.delete_idle(limit).await
-    }
-    async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
-        self.inner.inspect(key).await
-    }
-}
-
 /// Runs the subcommand.
 pub(crate) fn run(args: Args) -> super::CmdResult {
     validate(&args)?;
@@ -304,10 +268,7 @@ async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Erro
             .synchronous_commit(!args.sync_commit_off)
             .build()
             .await?;
-        let counting = Counting {
-            inner: store,
-            calls: Arc::clone(&calls),
-        };
+        let counting = CountedStore::with_counter(store, Arc::clone(&calls));
         limiters.push(Limiter::builder(counting).build());
     }
     // Start every key full, whatever an earlier run left behind.
