@@ -239,18 +239,7 @@ impl Store for Errors {
 
 /// A store through PgBouncer with generous timeouts (this test is about correctness).
 async fn store(connection: &str, migrate: bool) -> PostgresStore {
-    PostgresStore::builder(connection)
-        .expect("connection string")
-        .pool_size(4)
-        .migrate(migrate)
-        .call_timeout(Duration::from_secs(5))
-        .pool_wait_timeout(Duration::from_secs(5))
-        .connect_timeout(Duration::from_secs(5))
-        .statement_timeout(Duration::from_secs(5))
-        .lock_timeout(Duration::from_secs(5))
-        .build()
-        .await
-        .expect("store")
+    common::store_at(connection, 4, migrate).await
 }
 
 async fn client(connection: &str) -> tokio_postgres::Client {

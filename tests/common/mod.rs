@@ -20,9 +20,15 @@ pub async fn database() -> TestDatabase {
 /// A store on `db` with its own pool of `pool` connections and generous timeouts (these tests
 /// are about correctness, not about failure behaviour).
 pub async fn store(db: &TestDatabase, pool: u32) -> PostgresStore {
-    PostgresStore::builder(&db.connection_string())
+    store_at(&db.connection_string(), pool, true).await
+}
+
+/// A store on `connection` (a PgBouncer, a proxy), as [`store`], migrating first when asked.
+pub async fn store_at(connection: &str, pool: u32, migrate: bool) -> PostgresStore {
+    PostgresStore::builder(connection)
         .expect("connection string")
         .pool_size(pool)
+        .migrate(migrate)
         .call_timeout(Duration::from_secs(5))
         .pool_wait_timeout(Duration::from_secs(5))
         .connect_timeout(Duration::from_secs(5))
