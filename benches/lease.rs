@@ -57,6 +57,7 @@ fn fast_plan() -> Plan {
         low_water: 0.5,
         refresh: Duration::from_secs(3600),
         max_wait: Duration::from_secs(1),
+        ..LeaseSettings::default()
     })
 }
 

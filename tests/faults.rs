@@ -986,6 +986,7 @@ async fn d3(mode: Mode) {
     );
 }
 
+        lease: None,
 trait ByStore {
     fn by_store(&self) -> bool;
 }

@@ -35,6 +35,7 @@ fn leased_plan(capacity: u64, rate: f64) -> Plan {
             low_water: 0.5,
             refresh: Duration::from_millis(100),
             max_wait: Duration::from_millis(50),
+            ..LeaseSettings::default()
         })
         .with_fallback(FallbackSettings {
             mode: FallbackMode::Deny,

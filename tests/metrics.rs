@@ -38,6 +38,7 @@ fn leased_plan(name: &str, capacity: u64, per_second: f64) -> Plan {
         low_water: 0.5,
         refresh: Duration::from_millis(100),
         max_wait: Duration::from_millis(500),
+        ..LeaseSettings::default()
     })
 }
 

@@ -199,6 +199,12 @@ const INVALID: &[Case] = &[
         message: r#"key_prefix_empty.json: keys[0].prefix: must not be empty; use default_plan for keys no prefix matches"#,
     },
     Case {
+        file: "lease_accounting_unknown.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.lease.accounting"),
+        message: r#"lease_accounting_unknown.json:3:90: plans.standard.lease.accounting: unknown variant `exact`, expected `relaxed` or `strict`"#,
+    },
+    Case {
         file: "lease_low_water_above_one.json",
         plan: Some("standard"),
         field: Some("plans.standard.lease.low_water"),
@@ -226,7 +232,7 @@ const INVALID: &[Case] = &[
         file: "lease_unknown_field.json",
         plan: Some("standard"),
         field: Some("plans.standard.lease.ttl"),
-        message: r#"lease_unknown_field.json:3:74: plans.standard.lease.ttl: unknown field `ttl`, expected one of `ttl_ms`, `max_fraction`, `low_water`, `refresh_ms`, `max_wait_ms`"#,
+        message: r#"lease_unknown_field.json:3:74: plans.standard.lease.ttl: unknown field `ttl`, expected one of `ttl_ms`, `max_fraction`, `low_water`, `refresh_ms`, `max_wait_ms`, `accounting`"#,
     },
     Case {
         file: "lowercase_method.json",
@@ -474,7 +480,7 @@ fn deep_nesting_is_an_error_not_a_stack_overflow() {
     assert_eq!(
         err.to_string(),
         "<policy>:1:30: plans.p.lease.a: unknown field `a`, expected one of `ttl_ms`, \
-         `max_fraction`, `low_water`, `refresh_ms`, `max_wait_ms`"
+         `max_fraction`, `low_water`, `refresh_ms`, `max_wait_ms`, `accounting`"
     );
     let deep = "[".repeat(100_000);
     let err = Policies::from_json_str(&deep, None).unwrap_err();
@@ -551,6 +557,7 @@ fn full_fixture_is_accepted_with_every_value() {
             low_water: 0.75,
             refresh: Duration::from_millis(200),
             max_wait: Duration::ZERO,
+            accounting: tokenlease::policy::Accounting::Strict,
         })
     );
     assert_eq!(

@@ -2,7 +2,7 @@
 //!
 //! Time is moved by hand: the memory store reads a `ManualClock`; for PostgreSQL, which decides
 //! with its own `now()`, "advance by d" shifts every stored refill time back by d, which is the
-//! same thing to the arithmetic. Rates are low (1 token/s) so the few milliseconds of real time
+//! same thing to the arithmetic (strict lease expiries shift with it). Rates are low (1 token/s) so the few milliseconds of real time
 //! that pass between statements cannot change a whole-token outcome.
 
 mod common;
@@ -12,7 +12,9 @@ use std::time::Duration;
 use tokenlease::bucket::{BucketConfig, Timestamp, Tokens};
 use tokenlease::clock::ManualClock;
 use tokenlease::embedded::TestDatabase;
-use tokenlease::store::{AcquireRequest, GiveBack, MemoryStore, PostgresStore, Store};
+use tokenlease::store::{
+    AcquireRequest, GiveBack, Hold, LeaseRef, MemoryStore, PostgresStore, Store,
+};
 
 /// A store under test and a way to move its time.
 #[async_trait::async_trait]
@@ -49,8 +51,12 @@ impl Harness for Postgres {
     async fn advance(&self, by: Duration) {
         let conn = self.store.pool().get().await.expect("connection");
         conn.batch_execute(&format!(
-            "UPDATE tokenlease_buckets SET updated_at = updated_at - interval '{} microseconds'",
-            by.as_micros()
+            "UPDATE tokenlease_buckets SET updated_at = updated_at - interval '{us} microseconds',
+                 leases = (SELECT coalesce(array_agg(ROW(l.holder, l.lease_id, l.amount,
+                                   l.expires_at - interval '{us} microseconds')::tokenlease_lease),
+                                   '{{}}')
+                           FROM unnest(leases) AS l)",
+            us = by.as_micros()
         ))
         .await
         .expect("shift updated_at");
@@ -165,6 +171,7 @@ async fn grants_come_in_whole_steps(h: &dyn Harness) {
         min: t(2),
         want: t(20),
         step: t(2),
+        hold: None,
     };
     let a = h.store().acquire(request).await.expect("acquire");
     assert_eq!(a.granted, t(6), "three whole steps of 2 from 7 tokens");
@@ -247,6 +254,7 @@ async fn returns_are_idempotent_and_capped(h: &dyn Harness) {
         key: "ret",
         bucket: cfg(),
         amount: t(amount),
+        lease: None,
     };
     for attempt in 0..3 {
         let credited = h.store().give_back(&[give(7, 4)]).await.expect("give_back");
@@ -284,6 +292,136 @@ async fn returns_are_idempotent_and_capped(h: &dyn Harness) {
     assert_eq!(take(h, "ret-absent", t(C)).await.granted, t(C));
 }
 
+/// A strict lease request of holder 7: up to `want` (at least 1), keeping `kept`, counted for
+/// `lifetime`.
+fn held(key: &str, id: i64, kept: u64, want: u64, lifetime: Duration) -> AcquireRequest<'_> {
+    AcquireRequest::lease(key, cfg(), t(1), t(want)).held(Hold {
+        holder: 7,
+        lease_id: id,
+        kept: t(kept),
+        lifetime,
+    })
+}
+
+async fn row(h: &dyn Harness, key: &str) -> tokenlease::store::BucketRow {
+    h.store().inspect(key).await.expect("inspect").expect("row")
+}
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+async fn strict_leases_count_against_capacity_until_settled(h: &dyn Harness) {
+    let store = h.store();
+    let a = store
+        .acquire(held("s", 1, 0, 4, HOUR))
+        .await
+        .expect("lease");
+    assert_eq!(a.granted, t(4));
+    let r = row(h, "s").await;
+    assert_eq!(r.leases.len(), 1);
+    assert_eq!((r.leases[0].holder, r.leases[0].lease_id), (7, 1));
+    assert_eq!(r.leases[0].amount, t(4));
+    h.advance(Duration::from_secs(60)).await;
+    assert_eq!(
+        row(h, "s").await.tokens_now.floor(),
+        C - 4,
+        "the bucket refills to capacity less the tokens out on lease"
+    );
+    assert_eq!(store.delete_idle(100).await.expect("delete_idle"), 0);
+
+    // A renewal: the holder spent 3 and keeps 1; it gets 3 more, its entry holds 4 again, and
+    // the 3 it spent no longer count.
+    let a = store
+        .acquire(held("s", 2, 1, 3, HOUR))
+        .await
+        .expect("renew");
+    assert_eq!(a.granted, t(3));
+    let r = row(h, "s").await;
+    assert_eq!(r.leases.len(), 1, "one entry per holder");
+    assert_eq!((r.leases[0].lease_id, r.leases[0].amount), (2, t(4)));
+    h.advance(Duration::from_secs(60)).await;
+    assert_eq!(row(h, "s").await.tokens_now.floor(), C - 4);
+    assert!(take(h, "s", t(C - 3)).await.granted.is_zero());
+    assert_eq!(take(h, "s", t(C - 4)).await.granted, t(C - 4));
+
+    // A give-back naming the replaced lease credits nothing and leaves the entry.
+    let give = |id, lease_id, amount| GiveBack {
+        id,
+        key: "s",
+        bucket: cfg(),
+        amount: t(amount),
+        lease: Some(LeaseRef {
+            holder: 7,
+            lease_id,
+        }),
+    };
+    store.give_back(&[give(10, 1, 2)]).await.expect("give_back");
+    let r = row(h, "s").await;
+    assert_eq!(r.tokens_now.floor(), 0, "a stale lease id credits nothing");
+    assert_eq!(r.leases.len(), 1);
+    // Settling the live lease credits at most what it holds and removes it; a retry does not.
+    store.give_back(&[give(11, 2, 9)]).await.expect("give_back");
+    let r = row(h, "s").await;
+    assert_eq!(r.tokens_now.floor(), 4, "credit capped at the entry's 4");
+    assert!(r.leases.is_empty());
+    assert_eq!(store.give_back(&[give(11, 2, 9)]).await.expect("retry"), 0);
+    assert_eq!(row(h, "s").await.tokens_now.floor(), 4);
+    h.advance(Duration::from_secs(60)).await;
+    assert_eq!(
+        row(h, "s").await.tokens_now,
+        t(C),
+        "no lease out: full again"
+    );
+}
+
+async fn a_strict_lease_stops_counting_at_its_expiry(h: &dyn Harness) {
+    let store = h.store();
+    let lifetime = Duration::from_secs(10);
+    assert_eq!(
+        store
+            .acquire(held("e", 1, 0, 5, lifetime))
+            .await
+            .unwrap()
+            .granted,
+        t(5)
+    );
+    assert_eq!(take(h, "e", t(5)).await.granted, t(5)); // empty, 5 out on lease
+    h.advance(Duration::from_secs(5)).await;
+    assert_eq!(row(h, "e").await.tokens_now.floor(), 5, "capped at 10 - 5");
+    // 11 s after the grant, 1 s after the expiry: the cap (5) held until then, then 1 s of
+    // refill. Nobody had to settle the lease.
+    h.advance(Duration::from_secs(6)).await;
+    let r = row(h, "e").await;
+    assert!(r.leases.is_empty(), "the expired lease is not counted");
+    assert_eq!(r.tokens_now.floor(), 6);
+    // Its holder's late give-back credits nothing: those tokens came back through the refill.
+    let give = GiveBack {
+        id: 20,
+        key: "e",
+        bucket: cfg(),
+        amount: t(5),
+        lease: Some(LeaseRef {
+            holder: 7,
+            lease_id: 1,
+        }),
+    };
+    store.give_back(&[give]).await.expect("give_back");
+    assert_eq!(row(h, "e").await.tokens_now.floor(), 6);
+}
+
+async fn kept_tokens_beyond_the_entry_come_out_of_the_bucket(h: &dyn Harness) {
+    // A holder without an entry says it keeps 3: they are counted, so they come out of the
+    // bucket before the grant.
+    let a = h
+        .store()
+        .acquire(held("k", 1, 3, 2, HOUR))
+        .await
+        .expect("lease");
+    assert_eq!(a.granted, t(2));
+    let r = row(h, "k").await;
+    assert_eq!(r.tokens_now.floor(), C - 5);
+    assert_eq!(r.leases[0].amount, t(5));
+}
+
 macro_rules! contract {
     ($($case:ident),* $(,)?) => {
         mod memory_store {
@@ -316,4 +454,7 @@ contract!(
     idle_buckets_are_deleted_without_changing_decisions,
     a_new_shape_takes_effect_on_the_next_call,
     returns_are_idempotent_and_capped,
+    strict_leases_count_against_capacity_until_settled,
+    a_strict_lease_stops_counting_at_its_expiry,
+    kept_tokens_beyond_the_entry_come_out_of_the_bucket,
 );

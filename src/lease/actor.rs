@@ -21,8 +21,8 @@ use super::slot::Slot;
 use super::word::{CLOSED, PENDING, TOKENS};
 use crate::bucket::Tokens;
 use crate::metrics as m;
-use crate::policy::LeaseSettings;
-use crate::store::{AcquireRequest, GiveBack};
+use crate::policy::{Accounting, LeaseSettings};
+use crate::store::{AcquireRequest, GiveBack, Hold, LeaseRef};
 
 /// A contended key's lease is spread over one word per core once its target reaches `HOT_PARTS²`
 /// of its largest cost; a top-up is split into parts of at least `HOT_PARTS` costs.
@@ -41,6 +41,8 @@ struct Return {
     slot: Arc<Slot>,
     amount: u64,
     attempts: u32,
+    /// The strict lease the return settles; `None` for relaxed leases.
+    lease: Option<LeaseRef>,
 }
 
 /// Return ids: 63 random bits each, from a per-actor random hasher over a counter.
@@ -83,6 +85,11 @@ pub(super) async fn run(leases: Arc<Leases>) {
         }
         if scan {
             sweep(&leases, now, &mut due, &mut seen, &mut returns, &mut ids);
+        }
+        // Returns first: a strict lease closed in this round is settled before the same slot's
+        // renewal replaces its entry in the store.
+        if !returns.is_empty() {
+            give_back(&leases, &mut returns).await;
         }
         if !due.is_empty() {
             refill(&leases, due, &mut returns, &mut ids).await;
@@ -134,7 +141,7 @@ fn sweep(
         if word & CLOSED == 0 && now >= book.expires_at {
             let reclaimed = slot.word.close();
             book.reclaimed += reclaimed;
-            queue_return(returns, ids, slot, reclaimed);
+            queue_return(returns, ids, slot, reclaimed, book.lease());
         } else if word & CLOSED != 0
             && word & PENDING == 0
             && now.saturating_sub(book.active_at) >= ttl
@@ -149,14 +156,22 @@ fn sweep(
     }
 }
 
-/// Queues `amount` nanotokens of `slot` to go back to the store, under a fresh return id.
-fn queue_return(returns: &mut Vec<Return>, ids: &mut Ids, slot: &Arc<Slot>, amount: u64) {
+/// Queues `amount` nanotokens of `slot` to go back to the store, under a fresh return id,
+/// settling the strict lease `lease` if there is one.
+fn queue_return(
+    returns: &mut Vec<Return>,
+    ids: &mut Ids,
+    slot: &Arc<Slot>,
+    amount: u64,
+    lease: Option<LeaseRef>,
+) {
     if amount > 0 {
         returns.push(Return {
             id: ids.next(),
             slot: Arc::clone(slot),
             amount,
             attempts: 0,
+            lease,
         });
     }
 }
@@ -166,13 +181,42 @@ fn queue_return(returns: &mut Vec<Return>, ids: &mut Ids, slot: &Arc<Slot>, amou
 fn retire(slot: &Arc<Slot>, returns: &mut Vec<Return>, ids: &mut Ids) {
     slot.evicted.store(true, Ordering::Release);
     let reclaimed = slot.word.close();
-    slot.book.lock().reclaimed += reclaimed;
-    queue_return(returns, ids, slot, reclaimed);
+    let lease = {
+        let mut book = slot.book.lock();
+        book.reclaimed += reclaimed;
+        book.lease()
+    };
+    queue_return(returns, ids, slot, reclaimed, lease);
     slot.notify.notify_waiters();
 }
 
 fn lease_settings(slot: &Slot) -> LeaseSettings {
     slot.plan.lease().copied().unwrap_or_default()
+}
+
+/// The strict-lease part of a refill request: the slot's holder id (drawn on its first strict
+/// refill), a fresh lease id, and what the slot keeps of its current lease. The store counts
+/// the lease for twice its lifetime plus two ticks: the actor closes it locally at one lifetime
+/// (measured from before the request was sent, so never later than the store's count runs
+/// out), on a tick, and the margin covers a tick that comes late.
+fn hold(leases: &Leases, slot: &Slot, ids: &mut Ids) -> Option<Hold> {
+    let settings = lease_settings(slot);
+    if settings.accounting != Accounting::Strict {
+        return None;
+    }
+    let holder = {
+        let mut book = slot.book.lock();
+        if book.holder == 0 {
+            book.holder = ids.next().max(1);
+        }
+        book.holder
+    };
+    Some(Hold {
+        holder,
+        lease_id: ids.next(),
+        kept: Tokens::from_nanos(u128::from(slot.word.available())),
+        lifetime: settings.ttl * 2 + leases.settings.tick * 2,
+    })
 }
 
 /// What one slot asks the store for: (min, want) in nanotokens, or `None` when nothing is
@@ -241,7 +285,7 @@ async fn refill_chunk(
     ids: &mut Ids,
 ) {
     let now = leases.now();
-    let mut asks: Vec<(Arc<Slot>, u64, u64)> = Vec::with_capacity(part.len());
+    let mut asks: Vec<(Arc<Slot>, u64, u64, Option<Hold>)> = Vec::with_capacity(part.len());
     let mut keys = HashSet::with_capacity(part.len());
     for slot in part {
         if slot.evicted.load(Ordering::Acquire) {
@@ -253,7 +297,10 @@ async fn refill_chunk(
             continue;
         }
         match plan_refill(slot, now) {
-            Some((min, want)) => asks.push((Arc::clone(slot), min, want)),
+            Some((min, want)) => {
+                let hold = hold(leases, slot, ids);
+                asks.push((Arc::clone(slot), min, want, hold));
+            }
             None => {
                 slot.word.clear_pending();
                 slot.notify.notify_waiters();
@@ -268,14 +315,16 @@ async fn refill_chunk(
         let chunk = &asks[..];
         let requests: Vec<AcquireRequest<'_>> = chunk
             .iter()
-            .map(|(slot, min, want)| AcquireRequest {
+            .map(|(slot, min, want, hold)| AcquireRequest {
                 key: &slot.key,
                 bucket: *slot.plan.bucket(),
                 min: Tokens::from_nanos(u128::from(*min)),
                 want: Tokens::from_nanos(u128::from(*want)),
                 step: Tokens::from_nanos(1),
+                hold: *hold,
             })
             .collect();
+        let sent = leases.now();
         let started = Instant::now();
         leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
         metrics::counter!(m::DB_CALLS, "kind" => "lease").increment(1);
@@ -284,14 +333,15 @@ async fn refill_chunk(
         let now = leases.now();
         match result {
             Ok(answers) => {
-                for ((slot, _, want), answer) in chunk.iter().zip(answers) {
-                    apply(leases, slot, *want, &answer, now, returns, ids);
+                for ((slot, _, want, hold), answer) in chunk.iter().zip(answers) {
+                    let strict = hold.map(|h| (sent, h.lease_id));
+                    apply(leases, slot, *want, &answer, now, strict, returns, ids);
                 }
             }
             Err(_) => {
                 metrics::counter!(m::DB_ERRORS, "kind" => "lease").increment(1);
                 let until = now + FAILURE_BACKOFF.as_nanos() as u64;
-                for (slot, _, _) in chunk {
+                for (slot, _, _, _) in chunk {
                     slot.fallback_until.store(until, Ordering::Release);
                     slot.word.clear_pending();
                     slot.notify.notify_waiters();
@@ -301,16 +351,27 @@ async fn refill_chunk(
     }
 }
 
-/// Puts one refill's answer into its slot and wakes the slot's waiters.
+/// Puts one refill's answer into its slot and wakes the slot's waiters. `strict` is, for a
+/// strict lease, when the request was sent and the new lease's id: the store renewed the
+/// holder's entry under that id, and the lease expires here one lifetime after sending.
+#[allow(clippy::too_many_arguments)]
 fn apply(
     leases: &Leases,
     slot: &Arc<Slot>,
     want: u64,
     answer: &crate::store::Acquired,
     now: u64,
+    strict: Option<(u64, i64)>,
     returns: &mut Vec<Return>,
     ids: &mut Ids,
 ) {
+    let settings = lease_settings(slot);
+    let ttl = settings.ttl.as_nanos() as u64;
+    if let Some((sent, lease_id)) = strict {
+        let mut book = slot.book.lock();
+        book.lease_id = lease_id;
+        book.expires_at = sent.saturating_add(ttl);
+    }
     let granted = u64::try_from(answer.granted.as_nanos()).unwrap_or(TOKENS);
     let remaining = u64::try_from(answer.remaining.as_nanos()).unwrap_or(u64::MAX);
     slot.store_remaining.store(remaining, Ordering::Relaxed);
@@ -340,7 +401,6 @@ fn apply(
         slot.word.clear_pending();
     } else {
         leases.counters.leased.fetch_add(granted, Ordering::AcqRel);
-        let settings = lease_settings(slot);
         let mut book = slot.book.lock();
         // Split a top-up over a hot key's words only in parts of a few costs each, so that
         // no word is left holding less than a caller needs while the others hold the rest.
@@ -354,7 +414,9 @@ fn apply(
             slot.word.top_up(granted, split_min)
         };
         book.credited += granted - unplaced;
-        book.expires_at = now.saturating_add(settings.ttl.as_nanos() as u64);
+        if strict.is_none() {
+            book.expires_at = now.saturating_add(ttl);
+        }
         book.active_at = now;
         // Less than wanted: the bucket is scarce. No background top-up then (it would find the
         // bucket empty); when this lease is spent, callers are denied until a whole lease has
@@ -378,7 +440,11 @@ fn apply(
         slot.deny_until.store(deny_until, Ordering::Release);
         slot.fallback_until.store(0, Ordering::Release);
         slot.dry.store(scarce, Ordering::Release);
-        queue_return(returns, ids, slot, unplaced);
+        let lease = strict.map(|(_, lease_id)| LeaseRef {
+            holder: slot.book.lock().holder,
+            lease_id,
+        });
+        queue_return(returns, ids, slot, unplaced, lease);
     }
     slot.notify.notify_waiters();
 }
@@ -400,6 +466,7 @@ async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
                 key: &r.slot.key,
                 bucket: *r.slot.plan.bucket(),
                 amount: Tokens::from_nanos(u128::from(r.amount)),
+                lease: r.lease,
             })
             .collect();
         leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);

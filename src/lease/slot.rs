@@ -8,6 +8,7 @@ use tokio::sync::Notify;
 
 use super::words::LeaseWords;
 use crate::policy::Plan;
+use crate::store::LeaseRef;
 
 /// One key's lease slot, shared by callers (through the lease table) and the actor.
 #[derive(Debug)]
@@ -77,9 +78,21 @@ pub(crate) struct Book {
     /// The largest cost a caller of this key has waited for (nanotokens): a top-up is split over
     /// a hot key's words only in parts of at least a few such costs.
     pub(crate) max_cost: u64,
+    /// Strict accounting: this slot's holder id in the store (0 until its first strict refill).
+    pub(crate) holder: i64,
+    /// Strict accounting: the id of the grant that last renewed this slot's lease in the store.
+    pub(crate) lease_id: i64,
 }
 
 impl Book {
+    /// The strict lease the slot holds in the store, if it ever had one.
+    pub(crate) fn lease(&self) -> Option<LeaseRef> {
+        (self.holder != 0).then_some(LeaseRef {
+            holder: self.holder,
+            lease_id: self.lease_id,
+        })
+    }
+
     /// Nanotokens callers have spent from this slot so far, given what the word holds now.
     pub(crate) fn spent(&self, available: u64) -> u64 {
         self.credited

@@ -178,6 +178,7 @@ impl Coalescer {
                 min: cost,
                 want,
                 step: cost,
+                hold: None,
             };
             metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
             match store.acquire(request).await {

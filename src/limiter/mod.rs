@@ -322,6 +322,7 @@ impl Limiter {
             key,
             bucket: *plan.bucket(),
             amount: cost,
+            lease: None,
         };
         metrics::counter!(crate::metrics::DB_CALLS, "kind" => "return").increment(1);
         let credited = self.inner.store.give_back(&[give]).await.is_ok();

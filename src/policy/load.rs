@@ -11,10 +11,12 @@ use serde_path_to_error::Segment;
 
 use super::error::PolicyError;
 use super::raw::{
-    Obj, RawEntity, RawFallback, RawFallbackMode, RawLease, RawPlan, RawPolicies, RawRoute,
+    Obj, RawAccounting, RawEntity, RawFallback, RawFallbackMode, RawLease, RawPlan, RawPolicies,
+    RawRoute,
 };
 use super::types::{
-    EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings, Plan, Route,
+    Accounting, EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings,
+    Plan, Route,
 };
 use crate::bucket::{BucketConfig, Rate, Tokens};
 
@@ -568,12 +570,18 @@ impl Checker {
         let max_wait = raw
             .max_wait_ms
             .map_or(defaults.max_wait, Duration::from_millis);
+        let accounting = match raw.accounting {
+            None => defaults.accounting,
+            Some(RawAccounting::Relaxed) => Accounting::Relaxed,
+            Some(RawAccounting::Strict) => Accounting::Strict,
+        };
         Ok(LeaseSettings {
             ttl,
             max_fraction,
             low_water,
             refresh,
             max_wait,
+            accounting,
         })
     }
 

@@ -71,5 +71,6 @@ mod types;
 pub use error::PolicyError;
 pub use load::Policies;
 pub use types::{
-    EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings, Plan, Route,
+    Accounting, EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings,
+    Plan, Route,
 };

@@ -151,6 +151,16 @@ pub(super) struct RawLease {
     pub(super) refresh_ms: Option<u64>,
     #[serde(default)]
     pub(super) max_wait_ms: Option<u64>,
+    #[serde(default)]
+    pub(super) accounting: Option<RawAccounting>,
+}
+
+/// `lease.accounting`: `"relaxed"` or `"strict"`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum RawAccounting {
+    Relaxed,
+    Strict,
 }
 
 /// `fallback: { mode, instances }`.

@@ -110,6 +110,23 @@ pub struct LeaseSettings {
     /// The longest a caller waits for an in-flight refill when its lease is empty; then the
     /// fallback decides. Defaults to 50 ms. File field `max_wait_ms`, may be 0 (never wait).
     pub max_wait: Duration,
+    /// Whether the store counts this plan's leases against the bucket's capacity. Defaults to
+    /// [`Accounting::Relaxed`]. File field `accounting`, `"relaxed"` or `"strict"`.
+    pub accounting: Accounting,
+}
+
+/// How the store accounts for tokens out on lease (see `DESIGN.md` §8 and §13).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Accounting {
+    /// A lease is taken from the bucket and forgotten: the bucket refills behind it, so tokens
+    /// leased before a window opens and spent inside it can exceed what one bucket would admit
+    /// by the leases out (the bound in `DESIGN.md` §8). Fewest statements, simplest rows.
+    #[default]
+    Relaxed,
+    /// The bucket row records every live lease, and `tokens + outstanding ≤ capacity`: no
+    /// window admits more than one bucket would. Costs a small array on the row, a little more
+    /// work per statement, and tokens that sit idle in a lease until it is renewed or expires.
+    Strict,
 }
 
 impl Default for LeaseSettings {
@@ -120,6 +137,7 @@ impl Default for LeaseSettings {
             low_water: 0.5,
             refresh: Duration::from_millis(100),
             max_wait: Duration::from_millis(50),
+            accounting: Accounting::Relaxed,
         }
     }
 }

@@ -7,17 +7,26 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use parking_lot::Mutex;
 
-use super::{AcquireRequest, Acquired, BucketRow, GiveBack, Store, StoreError, nanos};
+use super::held::{self, Entry};
+use super::{AcquireRequest, Acquired, BucketRow, GiveBack, HeldLease, Store, StoreError, nanos};
 use crate::bucket::{BucketConfig, BucketState, Timestamp};
 use crate::clock::{Clock, MonotonicClock, system_time_from_timestamp};
 
 /// Shards of the key map; a power of two so a hash picks one with a mask.
 const SHARDS: usize = 64;
 
-/// One shard: the buckets whose key hashes here, with the shape each was last written with.
+/// One shard: the buckets whose key hashes here.
 ///
 /// The lock is held only for the arithmetic on one bucket; nothing awaits while holding it.
-type Shard = Mutex<HashMap<String, (BucketConfig, BucketState)>>;
+type Shard = Mutex<HashMap<String, Stored>>;
+
+/// One bucket: the shape it was last written with, its state, and its strict leases.
+#[derive(Debug, Clone)]
+struct Stored {
+    config: BucketConfig,
+    state: BucketState,
+    leases: Vec<Entry>,
+}
 
 /// Buckets in process memory, behind sharded mutexes.
 ///
@@ -79,10 +88,16 @@ impl Store for MemoryStore {
         let now = self.clock.now();
         let config = request.bucket;
         let mut shard = self.shard(request.key).lock();
-        let state = shard
-            .get(request.key)
-            .map_or(BucketState::full(&config, now), |(_, state)| *state);
-        let state = state.refill(&config, now);
+        let (state, mut leases) = shard.get(request.key).map_or_else(
+            || (BucketState::full(&config, now), Vec::new()),
+            |stored| (stored.state, stored.leases.clone()),
+        );
+        let refilled = held::refill(state, &config, &leases, now);
+        let available = held::available(refilled.tokens, &leases, request.hold.as_ref(), now);
+        let state = BucketState {
+            tokens: available,
+            ..refilled
+        };
         let amount = match request.grantable(state.tokens) {
             zero if zero.is_zero() => request.min,
             amount => amount,
@@ -90,10 +105,16 @@ impl Store for MemoryStore {
         let (state, grant) = state
             .grant(&config, now, amount, amount)
             .map_err(|e| StoreError::Protocol(e.to_string()))?;
+        held::hold(&mut leases, request.hold.as_ref(), grant.granted, now);
+        let stored = Stored {
+            config,
+            state,
+            leases,
+        };
         match shard.get_mut(request.key) {
-            Some(slot) => *slot = (config, state),
+            Some(slot) => *slot = stored,
             None => {
-                shard.insert(request.key.to_owned(), (config, state));
+                shard.insert(request.key.to_owned(), stored);
             }
         }
         drop(shard);
@@ -115,9 +136,24 @@ impl Store for MemoryStore {
             }
             credited += 1;
             let mut shard = self.shard(ret.key).lock();
-            if let Some((config, state)) = shard.get_mut(ret.key) {
-                *config = ret.bucket;
-                *state = state.credit(config, now, ret.amount);
+            if let Some(stored) = shard.get_mut(ret.key) {
+                stored.config = ret.bucket;
+                let refilled = held::refill(stored.state, &stored.config, &stored.leases, now);
+                let credit = match &ret.lease {
+                    None => {
+                        stored.leases.retain(|l| l.expires_at > now);
+                        ret.amount
+                    }
+                    Some(lease) => held::release(&mut stored.leases, lease, ret.amount, now),
+                };
+                let room = stored
+                    .config
+                    .capacity()
+                    .saturating_sub(held::outstanding(&stored.leases, now));
+                stored.state = BucketState {
+                    tokens: std::cmp::min(room, refilled.tokens.saturating_add(credit)),
+                    ..refilled
+                };
             }
         }
         Ok(credited)
@@ -136,8 +172,11 @@ impl Store for MemoryStore {
                 break;
             }
             let mut shard = shard.lock();
-            shard.retain(|_, (config, state)| {
-                let full = left > 0 && state.refill(config, now).tokens >= config.capacity();
+            shard.retain(|_, stored| {
+                let config = &stored.config;
+                let full = left > 0
+                    && held::refill(stored.state, config, &stored.leases, now).tokens
+                        >= config.capacity();
                 if full {
                     left -= 1;
                     deleted += 1;
@@ -151,14 +190,25 @@ impl Store for MemoryStore {
     async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
         let now = self.clock.now();
         let shard = self.shard(key).lock();
-        Ok(shard.get(key).map(|(config, state)| BucketRow {
+        Ok(shard.get(key).map(|stored| BucketRow {
             key: key.to_owned(),
-            tokens: state.tokens,
-            capacity: config.capacity(),
-            refill_per_second: config.rate().per_second_amount(),
-            updated_at: system_time_from_timestamp(state.last_refill),
+            tokens: stored.state.tokens,
+            capacity: stored.config.capacity(),
+            refill_per_second: stored.config.rate().per_second_amount(),
+            updated_at: system_time_from_timestamp(stored.state.last_refill),
             store_now: system_time_from_timestamp(now),
-            tokens_now: state.refill(config, now).tokens,
+            tokens_now: held::refill(stored.state, &stored.config, &stored.leases, now).tokens,
+            leases: stored
+                .leases
+                .iter()
+                .filter(|l| l.expires_at > now)
+                .map(|l| HeldLease {
+                    holder: l.holder,
+                    lease_id: l.lease_id,
+                    amount: l.amount,
+                    expires_at: system_time_from_timestamp(l.expires_at),
+                })
+                .collect(),
         }))
     }
 }

@@ -18,6 +18,7 @@ mod breaker;
 mod cleanup;
 mod counted;
 mod error;
+pub(crate) mod held;
 mod memory;
 pub mod postgres;
 
@@ -48,6 +49,38 @@ pub struct AcquireRequest<'a> {
     pub want: Tokens,
     /// Grant in multiples of this amount (not zero).
     pub step: Tokens,
+    /// For a strict lease: the holder's entry this grant renews. `None` for plain takes and
+    /// relaxed leases.
+    pub hold: Option<Hold>,
+}
+
+/// A strict lease as the grant that renews it describes it (see `DESIGN.md` §13).
+///
+/// The store keeps one entry per holder and key: `kept + granted` tokens under `lease_id` until
+/// `lifetime` after the store's now. The grant settles the holder's previous entry in the same
+/// step: what it spent is gone, what it keeps carries on. While live, entries count against the
+/// bucket's capacity: `tokens + outstanding ≤ capacity`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hold {
+    /// Who holds the lease: random per lease slot of one process, never reused.
+    pub holder: i64,
+    /// Names this grant; a [`GiveBack`] settling the lease must name it.
+    pub lease_id: i64,
+    /// Tokens the holder still has from its previous lease (at most what that entry holds):
+    /// an upper bound, read before the request is sent.
+    pub kept: Tokens,
+    /// How long the store counts the lease. The holder stops spending it earlier, on its own
+    /// monotonic clock, measured from before it sent the request.
+    pub lifetime: Duration,
+}
+
+/// The strict lease a [`GiveBack`] settles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseRef {
+    /// The lease's holder.
+    pub holder: i64,
+    /// The id of the grant that made the lease what it is now.
+    pub lease_id: i64,
 }
 
 impl<'a> AcquireRequest<'a> {
@@ -59,6 +92,7 @@ impl<'a> AcquireRequest<'a> {
             min: cost,
             want: cost,
             step: cost,
+            hold: None,
         }
     }
 
@@ -70,6 +104,15 @@ impl<'a> AcquireRequest<'a> {
             min,
             want,
             step: Tokens::from_atto(1),
+            hold: None,
+        }
+    }
+
+    /// The same request, as a strict lease under `hold`.
+    pub const fn held(self, hold: Hold) -> Self {
+        AcquireRequest {
+            hold: Some(hold),
+            ..self
         }
     }
 
@@ -111,8 +154,13 @@ pub struct GiveBack<'a> {
     pub key: &'a str,
     /// The bucket's shape under the key's plan.
     pub bucket: BucketConfig,
-    /// Tokens to credit; the bucket is capped at its capacity.
+    /// Tokens to credit; the bucket is capped at its capacity (less the tokens still out on
+    /// strict leases).
     pub amount: Tokens,
+    /// For a strict lease: the lease this return settles. Its entry leaves the bucket, and the
+    /// credit is at most what the entry held; nothing when the entry is already gone (settled,
+    /// renewed under another id, or expired, when its tokens came back through the refill).
+    pub lease: Option<LeaseRef>,
 }
 
 /// A bucket as the store holds it, for `tokenlease inspect` and tests.
@@ -132,6 +180,21 @@ pub struct BucketRow {
     pub store_now: SystemTime,
     /// Tokens the bucket holds at `store_now`, refilled.
     pub tokens_now: Tokens,
+    /// Strict leases out on the bucket and still counted at `store_now`.
+    pub leases: Vec<HeldLease>,
+}
+
+/// A strict lease as the store counts it (see [`Hold`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldLease {
+    /// Who holds it.
+    pub holder: i64,
+    /// The grant that made it what it is.
+    pub lease_id: i64,
+    /// Tokens it counts against the capacity.
+    pub amount: Tokens,
+    /// When the store stops counting it (store time).
+    pub expires_at: SystemTime,
 }
 
 /// The contract every bucket store keeps.

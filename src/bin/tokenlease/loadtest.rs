@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tokenlease::bucket::{BucketConfig, BucketState, Rate, Timestamp, Tokens};
-use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
+use tokenlease::policy::{Accounting, FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::{CountedStore, PostgresStore};
 use tokenlease::{DecidedBy, Limiter};
 
@@ -69,6 +69,10 @@ pub(crate) struct Args {
     /// Longest wait for an in-flight refill, in milliseconds, before the fallback decides.
     #[arg(long, default_value_t = 50)]
     max_wait_ms: u64,
+    /// Lease accounting (leased mode): `relaxed` (the bucket forgets a lease once granted) or
+    /// `strict` (the bucket counts live leases against its capacity: no overshoot).
+    #[arg(long, value_enum, default_value_t = AccountingArg::Relaxed)]
+    accounting: AccountingArg,
     /// What decides when the store is slow or failing: `deny` (the default here, so that every
     /// admission is the store's or a lease's and the overshoot measures them alone), `allow`, or
     /// `local` (each instance a bucket of capacity / instances).
@@ -93,6 +97,13 @@ pub(crate) struct Args {
 enum Mode {
     Direct,
     Leased,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum AccountingArg {
+    Relaxed,
+    Strict,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -120,6 +131,7 @@ struct Report {
     refill_per_second: f64,
     cost: f64,
     lease_fraction: Option<f64>,
+    accounting: Option<AccountingArg>,
     duration_s: f64,
     requests: u64,
     admitted: u64,
@@ -217,6 +229,10 @@ fn plan(args: &Args) -> Result<Plan, String> {
             low_water: args.low_water,
             refresh: Duration::from_millis(args.refresh_ms.max(1)),
             max_wait: Duration::from_millis(args.max_wait_ms),
+            accounting: match args.accounting {
+                AccountingArg::Relaxed => Accounting::Relaxed,
+                AccountingArg::Strict => Accounting::Strict,
+            },
         }),
     })
 }
@@ -380,7 +396,11 @@ async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Erro
     let lease_size = (args.lease_fraction * args.capacity as f64).floor();
     let overshoot_bound = match args.mode {
         // DESIGN.md §8: N instances × one lease of at most B tokens each.
-        Mode::Leased => args.instances as f64 * lease_size,
+        Mode::Leased if args.accounting == AccountingArg::Relaxed => {
+            args.instances as f64 * lease_size
+        }
+        // DESIGN.md §13: strict leases count against the capacity; none beyond the envelope.
+        Mode::Leased => args.cost,
         // DESIGN.md §7: none beyond the envelope, within one request's cost of jitter.
         Mode::Direct => args.cost,
     };
@@ -398,6 +418,7 @@ async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Erro
         refill_per_second: args.refill,
         cost: args.cost,
         lease_fraction: (args.mode == Mode::Leased).then_some(args.lease_fraction),
+        accounting: (args.mode == Mode::Leased).then_some(args.accounting),
         duration_s: elapsed,
         requests: n,
         admitted,
@@ -483,7 +504,14 @@ fn print_table(r: &Report) {
         ),
     );
     if let Some(f) = r.lease_fraction {
-        row("lease", format!("at most {f} × capacity"));
+        let accounting = match r.accounting {
+            Some(AccountingArg::Strict) => "strict",
+            _ => "relaxed",
+        };
+        row(
+            "lease",
+            format!("at most {f} × capacity, {accounting} accounting"),
+        );
     }
     row("duration", format!("{:.2} s", r.duration_s));
     row("requests", r.requests.to_string());

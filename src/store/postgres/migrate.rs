@@ -81,6 +81,11 @@ pub const MIGRATIONS: &[Migration] = &[
         description: "create_returns",
         sql: include_str!("../../../migrations/0002_create_returns.sql"),
     },
+    Migration {
+        version: 3,
+        description: "add_held_leases",
+        sql: include_str!("../../../migrations/0003_add_held_leases.sql"),
+    },
 ];
 
 /// What [`migrate`] found and did.

@@ -16,7 +16,9 @@ use bb8_postgres::PostgresConnectionManager;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{NoTls, Row};
 
-use super::{AcquireRequest, Acquired, BucketRow, GiveBack, Store, StoreError, TimeoutKind, nanos};
+use super::{
+    AcquireRequest, Acquired, BucketRow, GiveBack, HeldLease, Store, StoreError, TimeoutKind, nanos,
+};
 use crate::bucket::Tokens;
 use crate::clock::timestamp_from_system_time;
 
@@ -280,6 +282,32 @@ fn time(row: &Row, idx: usize) -> Result<SystemTime, StoreError> {
     row.try_get(idx).map_err(StoreError::from)
 }
 
+/// The strict leases of `inspect.sql`'s JSON column.
+fn held_leases(json: &str) -> Result<Vec<HeldLease>, StoreError> {
+    #[derive(serde::Deserialize)]
+    struct Raw {
+        holder: i64,
+        lease_id: i64,
+        amount: String,
+        expires_us: i64,
+    }
+    let raw: Vec<Raw> = serde_json::from_str(json)
+        .map_err(|e| StoreError::Protocol(format!("leases column: {e}")))?;
+    raw.into_iter()
+        .map(|l| {
+            let amount = Tokens::from_str(&l.amount)
+                .map_err(|e| StoreError::Protocol(format!("lease amount {:?}: {e}", l.amount)))?;
+            let micros = u64::try_from(l.expires_us).unwrap_or(0);
+            Ok(HeldLease {
+                holder: l.holder,
+                lease_id: l.lease_id,
+                amount,
+                expires_at: SystemTime::UNIX_EPOCH + Duration::from_micros(micros),
+            })
+        })
+        .collect()
+}
+
 #[async_trait]
 impl Store for PostgresStore {
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
@@ -301,6 +329,20 @@ impl Store for PostgresStore {
         let mins = text(&|r| r.min);
         let wants = text(&|r| r.want);
         let steps = text(&|r| r.step);
+        let holders: Vec<Option<i64>> = requests.iter().map(|r| r.hold.map(|h| h.holder)).collect();
+        let lease_ids: Vec<Option<i64>> = requests
+            .iter()
+            .map(|r| r.hold.map(|h| h.lease_id))
+            .collect();
+        let kept = text(&|r| r.hold.map_or(Tokens::ZERO, |h| h.kept));
+        let lifetimes: Vec<i64> = requests
+            .iter()
+            .map(|r| {
+                r.hold.map_or(0, |h| {
+                    i64::try_from(h.lifetime.as_micros()).unwrap_or(i64::MAX)
+                })
+            })
+            .collect();
         let rows = self
             .query(
                 sql::ACQUIRE,
@@ -311,6 +353,10 @@ impl Store for PostgresStore {
                     (&mins, Type::TEXT_ARRAY),
                     (&wants, Type::TEXT_ARRAY),
                     (&steps, Type::TEXT_ARRAY),
+                    (&holders, Type::INT8_ARRAY),
+                    (&lease_ids, Type::INT8_ARRAY),
+                    (&kept, Type::TEXT_ARRAY),
+                    (&lifetimes, Type::INT8_ARRAY),
                 ],
             )
             .await?;
@@ -366,6 +412,11 @@ impl Store for PostgresStore {
         let amounts = text(&|r| r.amount);
         let capacities = text(&|r| r.bucket.capacity());
         let rates = text(&|r| r.bucket.rate().per_second_amount());
+        let holders: Vec<Option<i64>> = returns.iter().map(|r| r.lease.map(|l| l.holder)).collect();
+        let lease_ids: Vec<Option<i64>> = returns
+            .iter()
+            .map(|r| r.lease.map(|l| l.lease_id))
+            .collect();
         let rows = self
             .query(
                 sql::GIVE_BACK,
@@ -375,6 +426,8 @@ impl Store for PostgresStore {
                     (&amounts, Type::TEXT_ARRAY),
                     (&capacities, Type::TEXT_ARRAY),
                     (&rates, Type::TEXT_ARRAY),
+                    (&holders, Type::INT8_ARRAY),
+                    (&lease_ids, Type::INT8_ARRAY),
                 ],
             )
             .await?;
@@ -401,6 +454,7 @@ impl Store for PostgresStore {
                     updated_at: time(row, 4)?,
                     store_now: time(row, 5)?,
                     tokens_now: tokens(row, 6)?,
+                    leases: held_leases(row.try_get(7).map_err(StoreError::from)?)?,
                 })
             })
             .transpose()

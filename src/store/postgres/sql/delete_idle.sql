@@ -1,11 +1,14 @@
 -- language=SQL
 -- Delete up to $1 buckets that have refilled to full. An absent row is a full bucket, so this
--- changes no decision. SKIP LOCKED leaves rows that a take is updating right now to a later
--- round; FOR UPDATE re-checks the condition on the newest row version before deleting.
+-- changes no decision. A bucket with a strict lease still live cannot be full (the refill stops
+-- at capacity less the leased tokens), so no live lease is forgotten. SKIP LOCKED leaves rows
+-- that a take is updating right now to a later round; FOR UPDATE re-checks the condition on the
+-- newest row version before deleting.
 WITH idle AS (
     SELECT key
     FROM tokenlease_buckets
-    WHERE tokenlease_refill(tokens, capacity, refill_per_second, updated_at, now()) >= capacity
+    WHERE tokenlease_refill_held(tokens, capacity, refill_per_second, updated_at, leases, now())
+          >= capacity
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 ),

@@ -1,0 +1,136 @@
+-- Strict lease accounting: the leases a bucket has out, stored on the bucket's own row.
+--
+-- A plan with `accounting = "strict"` records every live lease of a key on its bucket row: who
+-- holds it (a random id per lease slot of one process), which grant it came from (the lease id
+-- a give-back must name), how many tokens the holder may still have, and when the database
+-- stops counting it. The bucket then keeps
+--
+--     tokens + (sum of live lease amounts) <= capacity
+--
+-- so tokens out on lease cannot be refilled a second time while their holder spends them, and
+-- no window admits more than one bucket would (DESIGN.md §13 has the argument).
+--
+-- Why on the bucket row and not in a table of its own: every statement that changes a bucket
+-- takes the row lock through INSERT ... ON CONFLICT DO UPDATE, and in READ COMMITTED the update
+-- sees the newest version of the locked row, but a subquery on another table sees the
+-- statement's snapshot, which can be older than the row it just locked. A lease table read in
+-- the same statement could miss a lease granted by a statement that committed while this one
+-- waited for the lock, and over-grant by that lease's amount. On the row, the leases are
+-- exactly as fresh as the tokens. There is one entry per holding process and key, so the array
+-- stays small; expired entries are dropped by the next statement that writes the row.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_type WHERE typname = 'tokenlease_lease') THEN
+        CREATE TYPE tokenlease_lease AS (
+            holder     bigint,
+            lease_id   bigint,
+            amount     numeric(38, 18),
+            expires_at timestamptz
+        );
+    END IF;
+END
+$$;
+
+ALTER TABLE tokenlease_buckets
+    ADD COLUMN IF NOT EXISTS leases tokenlease_lease[] NOT NULL DEFAULT '{}';
+
+COMMENT ON COLUMN tokenlease_buckets.leases IS
+    'strict-accounting leases out on this bucket: (holder, lease_id, amount, expires_at); an entry stops counting at expires_at';
+
+-- Tokens the live entries of `leases` hold at `at`.
+CREATE OR REPLACE FUNCTION tokenlease_outstanding(leases tokenlease_lease[], at timestamptz)
+RETURNS numeric
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN (SELECT coalesce(sum(l.amount), 0) FROM unnest(leases) AS l WHERE l.expires_at > at);
+
+-- What `holder`'s live entry holds at `at` (0 when it has none, or when holder is NULL).
+CREATE OR REPLACE FUNCTION tokenlease_held_by(
+    leases tokenlease_lease[], holder bigint, at timestamptz
+) RETURNS numeric
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN (
+    SELECT coalesce(sum(l.amount), 0)
+    FROM unnest(leases) AS l
+    WHERE l.holder = tokenlease_held_by.holder AND l.expires_at > at
+);
+
+-- The refill of a bucket with leases out: tokens at `at` for a bucket that held `tokens` at
+-- `updated_at`, never above capacity less the tokens still out on lease. With no lease entries
+-- this is tokenlease_refill exactly.
+--
+-- Between two statements the outstanding total only falls (entries expire; only a statement
+-- adds one), so the room under the cap only grows. The exact refill with a rising cap would
+-- follow each step; this takes three terms whose least is never above it:
+--   1. the plain refill, tokens + elapsed x rate (the cap never limits it more than this);
+--   2. the cap now, capacity - outstanding(at);
+--   3. if entries expired since updated_at: the cap as it stood at updated_at (the lowest it
+--      has been since) plus the refill from the last of those expiries to `at`.
+-- Never above the exact value, so never admits more than one bucket would; below it only for a
+-- while after a lease expired unsettled (its holder died or could not reach the database).
+CREATE OR REPLACE FUNCTION tokenlease_refill_held(
+    tokens numeric, capacity numeric, rate numeric, updated_at timestamptz,
+    leases tokenlease_lease[], at timestamptz
+) RETURNS numeric
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN (
+    SELECT greatest(0, least(
+        tokenlease_refill(tokens, capacity, rate, updated_at, at),
+        capacity - coalesce(sum(l.amount) FILTER (WHERE l.expires_at > at), 0),
+        capacity - coalesce(sum(l.amount) FILTER (WHERE l.expires_at > updated_at), 0)
+            + greatest(0, extract(epoch FROM (at - max(l.expires_at) FILTER (
+                  WHERE l.expires_at > updated_at AND l.expires_at <= at))))
+              * rate
+    ))
+    FROM unnest(leases) AS l
+);
+
+-- The entries of `leases` still live at `at`, with `holder`'s entry replaced by a new one of
+-- `amount` tokens under `lease_id` until `at + lifetime_us` (none when amount is 0). A NULL
+-- holder (a plain take, or a relaxed lease) only drops expired entries.
+CREATE OR REPLACE FUNCTION tokenlease_hold(
+    leases tokenlease_lease[], at timestamptz, holder bigint, lease_id bigint, amount numeric,
+    lifetime_us bigint
+) RETURNS tokenlease_lease[]
+LANGUAGE sql STABLE PARALLEL SAFE
+RETURN (
+    SELECT coalesce(array_agg(e ORDER BY (e).holder), '{}')
+    FROM (
+        SELECT l::tokenlease_lease AS e
+        FROM unnest(leases) AS l
+        WHERE l.expires_at > at
+          AND (tokenlease_hold.holder IS NULL OR l.holder <> tokenlease_hold.holder)
+        UNION ALL
+        SELECT ROW(tokenlease_hold.holder, tokenlease_hold.lease_id, tokenlease_hold.amount,
+                   at + lifetime_us * interval '1 microsecond')::tokenlease_lease
+        WHERE tokenlease_hold.holder IS NOT NULL AND tokenlease_hold.amount > 0
+    ) AS kept
+);
+
+-- The entries of `leases` still live at `at`, less `holder`'s entry if it is lease `lease_id`
+-- (a give-back settling that lease).
+CREATE OR REPLACE FUNCTION tokenlease_release(
+    leases tokenlease_lease[], at timestamptz, holder bigint, lease_id bigint
+) RETURNS tokenlease_lease[]
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN (
+    SELECT coalesce(array_agg(l::tokenlease_lease ORDER BY l.holder), '{}')
+    FROM unnest(leases) AS l
+    WHERE l.expires_at > at
+      AND NOT (l.holder = tokenlease_release.holder AND l.lease_id = tokenlease_release.lease_id)
+);
+
+-- What a give-back of lease `lease_id` by `holder` may credit: at most what the entry still
+-- holds, and nothing when the entry is gone (already settled, replaced by a later grant, or
+-- expired: an expired lease already stopped counting, so its tokens came back through the
+-- refill and must not come back twice).
+CREATE OR REPLACE FUNCTION tokenlease_release_credit(
+    leases tokenlease_lease[], at timestamptz, holder bigint, lease_id bigint, amount numeric
+) RETURNS numeric
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN (
+    SELECT least(tokenlease_release_credit.amount, coalesce(sum(l.amount), 0))
+    FROM unnest(leases) AS l
+    WHERE l.expires_at > at
+      AND l.holder = tokenlease_release_credit.holder
+      AND l.lease_id = tokenlease_release_credit.lease_id
+);
