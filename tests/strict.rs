@@ -1,0 +1,353 @@
+//! Strict lease accounting (issue #8; test plan C1 and C5 with `accounting = "strict"`): the
+//! store counts every live lease against the bucket's capacity, so leased mode admits no more in
+//! any window than one ideal bucket, with no lease term in the bound. Several limiter instances
+//! (each with its own pool and actor) on one real server. Runs in the nextest `serial` group.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tokenlease::policy::{Accounting, FallbackMode, FallbackSettings, LeaseSettings, Plan};
+use tokenlease::store::Store;
+use tokenlease::{DecidedBy, Limiter};
+
+const C: f64 = 100.0;
+const R: f64 = 50.0;
+/// The largest lease: max_fraction 0.1 of C.
+const B: f64 = 10.0;
+/// Clock slack for window checks, in seconds: admissions are stamped when the caller hears the
+/// answer, a little after the token left the bucket.
+const SLACK: f64 = 0.02;
+const WINDOWS: [f64; 6] = [0.05, 0.1, 0.5, 1.0, 2.0, 5.0];
+
+/// The test plan's leased defaults with strict accounting. The fallback denies, so every
+/// admission is a lease's.
+fn strict_plan() -> Plan {
+    common::plan(C as u64, R)
+        .with_lease(LeaseSettings {
+            ttl: Duration::from_secs(1),
+            max_fraction: B / C,
+            refresh: Duration::from_millis(100),
+            accounting: Accounting::Strict,
+            ..LeaseSettings::default()
+        })
+        .with_fallback(FallbackSettings {
+            mode: FallbackMode::Deny,
+        })
+}
+
+/// What one instance saw.
+#[derive(Default)]
+struct Seen {
+    admitted: Vec<Instant>,
+    denied: u64,
+    fallback: u64,
+}
+
+/// `tasks` tasks per limiter on key "hot" for `duration`, one call every 500 µs per task.
+async fn hammer(
+    limiters: &[Limiter],
+    plan: &Arc<Plan>,
+    tasks: usize,
+    duration: Duration,
+) -> Vec<Seen> {
+    let mut handles = Vec::new();
+    for (i, limiter) in limiters.iter().enumerate() {
+        for _ in 0..tasks {
+            let (limiter, plan) = (limiter.clone(), Arc::clone(plan));
+            handles.push(tokio::spawn(async move {
+                let mut seen = Seen::default();
+                let deadline = Instant::now() + duration;
+                while Instant::now() < deadline {
+                    let d = limiter
+                        .try_acquire_with(&plan, "hot", 1.0)
+                        .await
+                        .expect("decision");
+                    let at = Instant::now();
+                    match d.decided_by {
+                        DecidedBy::Fallback(_) => seen.fallback += 1,
+                        _ if d.allowed => seen.admitted.push(at),
+                        _ => seen.denied += 1,
+                    }
+                    tokio::time::sleep(Duration::from_micros(500)).await;
+                }
+                (i, seen)
+            }));
+        }
+    }
+    let mut out: Vec<Seen> = (0..limiters.len()).map(|_| Seen::default()).collect();
+    for h in handles {
+        let (i, seen) = h.await.expect("task");
+        out[i].admitted.extend(seen.admitted);
+        out[i].denied += seen.denied;
+        out[i].fallback += seen.fallback;
+    }
+    out
+}
+
+/// The worst excess over `C + R·(w + SLACK)` in any window of each length in [`WINDOWS`], over
+/// all admissions (any instance), with the window's admitted count.
+fn worst_excess(admitted: &[Instant]) -> Vec<(f64, f64, f64)> {
+    let mut all = admitted.to_vec();
+    all.sort();
+    let t0 = all[0];
+    let points: Vec<(f64, f64)> = all.iter().map(|t| ((*t - t0).as_secs_f64(), 1.0)).collect();
+    WINDOWS
+        .iter()
+        .map(|&w| {
+            let (excess, count) = common::worst_window(&points, w, C, R, SLACK);
+            (w, excess, count)
+        })
+        .collect()
+}
+
+/// C1 strict: 2 instances × 16 tasks on one key for 5 s. Every sliding window holds the ideal
+/// bucket's envelope `C + r·(w + ε)` with no lease term (where relaxed leases allow N·B more);
+/// admissions reach 0.8 of the ideal; leases still batch (few store round trips); conservation is
+/// exact per instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_strict_instances_hold_the_bucket_envelope_exactly() {
+    let db = common::database().await;
+    let plan = Arc::new(strict_plan());
+    let mut limiters = Vec::new();
+    for _ in 0..2 {
+        limiters.push(Limiter::builder(common::store(&db, 4).await).build());
+    }
+    let started = Instant::now();
+    let seen = hammer(&limiters, &plan, 16, Duration::from_secs(5)).await;
+    let elapsed = started.elapsed().as_secs_f64();
+    let mut calls = 0;
+    let mut all = Vec::new();
+    for (i, (limiter, s)) in limiters.iter().zip(&seen).enumerate() {
+        limiter.shutdown().await;
+        let stats = limiter.lease_stats().expect("leased");
+        let admitted = s.admitted.len() as f64;
+        assert!(
+            (admitted + stats.returned + stats.stranded - stats.leased).abs() < 1e-9,
+            "instance {i}: admitted {admitted} + returned {} + stranded {} != leased {}",
+            stats.returned,
+            stats.stranded,
+            stats.leased
+        );
+        assert!(s.denied >= 1, "instance {i} was never denied");
+        calls += stats.store_calls;
+        all.extend(s.admitted.iter().copied());
+        eprintln!(
+            "C1 strict, instance {i}: admitted {admitted}, denied {}, fallback {}, leased {}, returned {}, store calls {}",
+            s.denied, s.fallback, stats.leased, stats.returned, stats.store_calls
+        );
+    }
+    for (w, excess, count) in worst_excess(&all) {
+        eprintln!("C1 strict: worst {w} s window admitted {count} (excess {excess:.2})");
+        assert!(
+            excess <= 1e-9,
+            "window {w} s admitted {count} > {C} + {R}·({w} + {SLACK}): strict leases overshot"
+        );
+    }
+    let admitted = all.len() as f64;
+    let ideal = C + R * elapsed;
+    assert!(
+        admitted >= 0.8 * ideal,
+        "liveness: {admitted} of {ideal:.0}"
+    );
+    assert!(
+        calls <= 200,
+        "{calls} store round trips: leases should batch"
+    );
+    eprintln!("C1 strict: {admitted} admitted of ideal {ideal:.0}, {calls} store calls");
+}
+
+/// C5 strict: an instance dies holding a lease (its runtime is dropped: no shutdown, no
+/// give-back). Its entry stays on the row and counts until its expiry, then stops counting
+/// without anyone settling it; the survivor's windows hold the envelope with no lease term, and
+/// it keeps at least 0.8·r·T − B over the next 3 s.
+#[test]
+fn a_dead_strict_holder_stops_counting_at_its_expiry() {
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let db = main.block_on(common::database());
+    let store = main.block_on(common::store(&db, 2));
+    let plan = Arc::new(strict_plan());
+    let doomed_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (held, doomed_admitted) = doomed_rt.block_on(async {
+        let limiter = Limiter::builder(common::store(&db, 2).await).build();
+        let seen = hammer(
+            std::slice::from_ref(&limiter),
+            &plan,
+            4,
+            Duration::from_millis(500),
+        )
+        .await;
+        let stats = limiter.lease_stats().expect("leased");
+        std::mem::forget(limiter); // no Drop, no shutdown: the process "dies"
+        (
+            stats.outstanding,
+            seen.into_iter().next().expect("seen").admitted,
+        )
+    });
+    drop(doomed_rt); // kills the actor mid-flight
+    let died = SystemTime::now();
+    assert!(held <= B, "a lease holds at most B = {B} tokens ({held})");
+    let row = main
+        .block_on(store.inspect("hot"))
+        .expect("inspect")
+        .expect("row");
+    assert_eq!(
+        row.leases.len(),
+        1,
+        "the dead holder's lease is on the row: {row:?}"
+    );
+    let dead = row.leases[0].clone();
+    assert!(
+        dead.amount.as_f64() >= held - 1e-9 && dead.amount.as_f64() <= B + 1e-9,
+        "{dead:?}"
+    );
+    // Counted for 2 ttl + 2 ticks (50 ms) after its last grant, never longer.
+    let left = dead
+        .expires_at
+        .duration_since(row.store_now)
+        .unwrap_or_default();
+    assert!(left <= Duration::from_millis(2100), "counted {left:?} more");
+    main.block_on(async {
+        let survivor = Limiter::builder(common::store(&db, 2).await).build();
+        let seen = hammer(std::slice::from_ref(&survivor), &plan, 4, Duration::from_secs(3)).await;
+        survivor.shutdown().await;
+        let admitted = seen[0].admitted.len() as f64;
+        eprintln!(
+            "C5 strict: the dead holder held {held:.2} (entry {}), survivor admitted {admitted} in 3 s",
+            dead.amount
+        );
+        assert!(admitted >= 0.8 * R * 3.0 - B, "survivor admitted {admitted} in 3 s");
+        let mut all = doomed_admitted.clone();
+        all.extend(seen[0].admitted.iter().copied());
+        for (w, excess, count) in worst_excess(&all) {
+            assert!(
+                excess <= 1e-9,
+                "window {w} s admitted {count}: the dead lease was counted twice"
+            );
+        }
+    });
+    let row = main
+        .block_on(store.inspect("hot"))
+        .expect("inspect")
+        .expect("row");
+    assert!(
+        row.leases.iter().all(|l| l.holder != dead.holder),
+        "{:?} after its expiry ({:?} after the death): {row:?}",
+        dead,
+        died.elapsed()
+    );
+}
+
+/// The case strict accounting exists for, with relaxed leases as the negative control: two
+/// instances build up leases with steady demand below the rate, pause while their leases are
+/// still live and the bucket refills, then burst. A relaxed bucket refills behind its leases,
+/// so the burst spends a full bucket plus the leases in one short window; a strict bucket
+/// counted the leases, so the burst spends at most one bucket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_after_a_lull_spends_no_more_than_one_bucket() {
+    let db = common::database().await;
+    let mut excess = Vec::new();
+    for accounting in [Accounting::Relaxed, Accounting::Strict] {
+        let plan = Arc::new(
+            common::plan(C as u64, R)
+                .with_lease(LeaseSettings {
+                    ttl: Duration::from_secs(5),
+                    max_fraction: B / C,
+                    refresh: Duration::from_millis(500),
+                    accounting,
+                    ..LeaseSettings::default()
+                })
+                .with_fallback(FallbackSettings {
+                    mode: FallbackMode::Deny,
+                }),
+        );
+        let key = format!("lull-{accounting:?}");
+        let mut limiters = Vec::new();
+        for _ in 0..2 {
+            limiters.push(Limiter::builder(common::store(&db, 4).await).build());
+        }
+        let mut admitted = Vec::new();
+        // 2 s of 20 calls/s per instance (40/s in all, under the 50/s rate): leases grow to
+        // about demand × refresh = 10 tokens each.
+        let mut steady = Vec::new();
+        for limiter in &limiters {
+            let (limiter, plan, key) = (limiter.clone(), Arc::clone(&plan), key.clone());
+            steady.push(tokio::spawn(async move {
+                let mut at = Vec::new();
+                for _ in 0..40 {
+                    let d = limiter
+                        .try_acquire_with(&plan, &key, 1.0)
+                        .await
+                        .expect("decision");
+                    if d.allowed {
+                        at.push(Instant::now());
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                at
+            }));
+        }
+        for s in steady {
+            admitted.extend(s.await.expect("task"));
+        }
+        let held: f64 = limiters
+            .iter()
+            .map(|l| l.lease_stats().expect("leased").outstanding)
+            .sum();
+        // The lull: 2.5 s, enough for the bucket to refill completely; the leases live on.
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        // The burst: 16 tasks per instance for 0.5 s.
+        let mut burst = Vec::new();
+        for limiter in &limiters {
+            for _ in 0..16 {
+                let (limiter, plan, key) = (limiter.clone(), Arc::clone(&plan), key.clone());
+                burst.push(tokio::spawn(async move {
+                    let mut at = Vec::new();
+                    let deadline = Instant::now() + Duration::from_millis(500);
+                    while Instant::now() < deadline {
+                        let d = limiter
+                            .try_acquire_with(&plan, &key, 1.0)
+                            .await
+                            .expect("decision");
+                        if d.allowed {
+                            at.push(Instant::now());
+                        }
+                        tokio::time::sleep(Duration::from_micros(500)).await;
+                    }
+                    at
+                }));
+            }
+        }
+        for b in burst {
+            admitted.extend(b.await.expect("task"));
+        }
+        for limiter in &limiters {
+            limiter.shutdown().await;
+        }
+        let worst = worst_excess(&admitted)
+            .into_iter()
+            .map(|(_, e, _)| e)
+            .fold(f64::NEG_INFINITY, f64::max);
+        eprintln!(
+            "lull then burst, {accounting:?}: {} admitted, {held:.1} tokens on lease at the lull, worst window excess {worst:.2}",
+            admitted.len()
+        );
+        excess.push((accounting, held, worst));
+    }
+    let (_, relaxed_held, relaxed) = excess[0];
+    let (_, _, strict) = excess[1];
+    assert!(
+        relaxed_held >= 5.0 && relaxed >= 5.0,
+        "negative control: relaxed leases ({relaxed_held:.1} held) should overshoot the envelope here, excess {relaxed:.2}"
+    );
+    assert!(strict <= 1e-9, "strict leases overshot by {strict:.2}");
+}
