@@ -23,12 +23,16 @@ run() {
 # One hot key: direct, then leases of 2%, 5%, 10% and 20% of the capacity.
 run --mode direct
 for f in 0.02 0.05 0.1 0.2; do run --mode leased --lease-fraction "$f"; done
+# Strict accounting (DESIGN.md §13): leases counted against the capacity, no overshoot term.
+run --mode leased --accounting strict
 # 10,000 keys, uniform (each key quiet: 2 requests/s against a refill of 50/s).
 run --mode direct --keys 10000
 run --mode leased --keys 10000
+run --mode leased --keys 10000 --accounting strict
 # 1,000 keys, Zipf: a few hot keys and a long quiet tail, with a tighter bucket.
 run --mode direct --keys 1000 --dist zipf --capacity 20 --refill 10
 run --mode leased --keys 1000 --dist zipf --capacity 20 --refill 10
+run --mode leased --keys 1000 --dist zipf --capacity 20 --refill 10 --accounting strict
 echo
 python3 - "$out" <<'PY'
 import json, sys
@@ -37,7 +41,7 @@ print("| keys | mode | lease | requests | db calls / 1k | admitted / ideal | ove
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     keys = "1 hot" if r["keys"] == 1 else f'{r["keys"]:,} {r["dist"]}'
-    lease = "–" if r["lease_fraction"] is None else f'{r["lease_fraction"]:g} × C'
+    lease = "–" if r["lease_fraction"] is None else f'{r["lease_fraction"]:g} × C, {r.get("accounting") or "relaxed"}'
     print(f'| {keys} (C={r["capacity"]}, r={r["refill_per_second"]:g}/s) | {r["mode"]} | {lease} | {r["requests"]:,} '
           f'| {r["db_calls_per_1k"]:.2f} | {r["admitted"]:,} / {r["ideal_admitted"]:,} ({100*r["admitted_vs_ideal"]:.1f}%) '
           f'| {r["overshoot_tokens"]:.2f} ({r["overshoot_bound"]:g}) | {r["fallback_decisions"]:,} | {r["throughput_per_s"]:,.0f} '

@@ -60,6 +60,12 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
                 "refill_per_second": row.refill_per_second.to_string(),
                 "updated_at_unix_s": unix(row.updated_at),
                 "db_now_unix_s": unix(row.store_now),
+                "strict_leases": row.leases.iter().map(|l| serde_json::json!({
+                    "holder": l.holder,
+                    "lease_id": l.lease_id,
+                    "amount": l.amount.to_string(),
+                    "expires_at_unix_s": unix(l.expires_at),
+                })).collect::<Vec<_>>(),
             });
             println!("{json}");
         } else {
@@ -68,6 +74,16 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
             println!("tokens stored      {} (as of updated_at)", row.tokens);
             println!("refill per second  {}", row.refill_per_second);
             println!("updated_at         {}", ago(row.updated_at));
+            for l in &row.leases {
+                let left = l
+                    .expires_at
+                    .duration_since(row.store_now)
+                    .map_or(0.0, |d| d.as_secs_f64());
+                println!(
+                    "strict lease       holder {:x}: {} tokens, counted {left:.3} s more",
+                    l.holder, l.amount
+                );
+            }
         }
         Ok(ExitCode::SUCCESS)
     })
