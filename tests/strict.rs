@@ -351,3 +351,41 @@ async fn a_burst_after_a_lull_spends_no_more_than_one_bucket() {
     );
     assert!(strict <= 1e-9, "strict leases overshot by {strict:.2}");
 }
+
+/// A refund of a strict lease's token goes to the store, not back into the lease word: the
+/// store's entry covers only what the holder kept at its last renewal, so a token put back into
+/// the word could be one the store no longer counts. The store caps the credit at the capacity
+/// less the leases out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_strict_refund_goes_to_the_store() {
+    let db = common::database().await;
+    let store = common::store(&db, 2).await;
+    let limiter = Limiter::builder(store.clone()).build();
+    let plan = common::plan(10, 0.001).with_lease(LeaseSettings {
+        accounting: Accounting::Strict,
+        ..LeaseSettings::default()
+    });
+    for _ in 0..3 {
+        let d = limiter
+            .try_acquire_with(&plan, "refund", 1.0)
+            .await
+            .expect("decision");
+        assert!(d.allowed);
+    }
+    let before = limiter.lease_stats().expect("leased").outstanding;
+    assert!(limiter.refund(&plan, "refund", 1.0).await.expect("refund"));
+    let after = limiter.lease_stats().expect("leased").outstanding;
+    assert_eq!(before, after, "the refund did not go into the lease");
+    let row = store
+        .inspect("refund")
+        .await
+        .expect("inspect")
+        .expect("row");
+    let out: f64 = row.leases.iter().map(|l| l.amount.as_f64()).sum();
+    assert!(
+        row.tokens_now.as_f64() + out <= 10.0 + 1e-9,
+        "tokens {} + leases {out} within the capacity",
+        row.tokens_now
+    );
+    limiter.shutdown().await;
+}

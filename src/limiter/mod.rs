@@ -295,8 +295,8 @@ impl Limiter {
 
     /// Gives back `cost` tokens that a decision of this limiter allowed, because the request was
     /// refused further on (the HTTP layer refunds the endpoint's token when the entity's bucket
-    /// denies). With a live lease the tokens go back into it; otherwise to the store, capped at
-    /// the capacity. Returns whether they were credited: a refund the store cannot take (it is
+    /// denies). With a live relaxed lease the tokens go back into it; otherwise (and always for
+    /// strict accounting) to the store, capped at the capacity less the strict leases out. Returns whether they were credited: a refund the store cannot take (it is
     /// failing) is dropped, and those tokens count as spent, which under-admits and never
     /// over-admits.
     ///
@@ -309,7 +309,12 @@ impl Limiter {
     pub async fn refund(&self, plan: &Plan, key: &str, cost: f64) -> Result<bool, Error> {
         validate_key(key)?;
         let cost = validate_cost(plan, cost)?;
-        if plan.lease().is_some()
+        // A strict lease's entry in the store covers only what its holder kept at the last
+        // renewal: a refund into the word could leave the holder more than the store counts.
+        // Strict refunds go to the store, which caps them under its lease accounting.
+        if plan
+            .lease()
+            .is_some_and(|l| l.accounting == crate::policy::Accounting::Relaxed)
             && let Some(leases) = self.inner.leases.get()
             && leases.refund(key, lease_cost(cost))
         {
