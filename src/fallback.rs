@@ -16,11 +16,9 @@ use parking_lot::Mutex;
 
 use crate::bucket::{BucketConfig, Rate, Tokens};
 use crate::limiter::{DecidedBy, Decision};
+use crate::metrics::FALLBACK_ACTIVE_SECONDS;
 use crate::policy::{FallbackMode, Plan};
 use crate::store::{AcquireRequest, MemoryStore, Store};
-
-/// Seconds spent in fallback, by mode: a gauge that only grows.
-pub(crate) const FALLBACK_ACTIVE_SECONDS: &str = "tokenlease_fallback_active_seconds";
 
 /// Two fallback decisions at most this far apart belong to one episode, and the time between
 /// them counts as time in fallback.

@@ -41,6 +41,21 @@ pub const FALLBACK_DECISIONS: &str = "tokenlease_fallback_decisions_total";
 pub const IDLE_ROWS_DELETED: &str = "tokenlease_idle_rows_deleted_total";
 /// Idle-row cleanup rounds that failed.
 pub const IDLE_CLEANUP_ERRORS: &str = "tokenlease_idle_cleanup_errors_total";
+/// Seconds spent in fallback, by `mode`: a gauge that only grows (see `fallback.rs`).
+pub const FALLBACK_ACTIVE_SECONDS: &str = "tokenlease_fallback_active_seconds";
+/// Circuit breaker state by `store`: 0 closed, 1 open, 2 half-open (a gauge).
+pub const CIRCUIT_STATE: &str = "tokenlease_circuit_state";
+/// Circuit breaker state changes, by `store` and `to` (`closed`, `open`, `half_open`).
+pub const CIRCUIT_TRANSITIONS: &str = "tokenlease_circuit_transitions_total";
+/// The store's clock minus the local wall clock, in seconds, by `store` (a gauge).
+pub const STORE_CLOCK_SKEW: &str = "tokenlease_store_clock_skew_seconds";
+/// Requests the HTTP layer denied, by `layer` (`api`, `entity`).
+pub const HTTP_DENIED: &str = "tokenlease_http_denied_total";
+/// Requests the HTTP layer could not check (the limiter refused the key or cost), by `layer`;
+/// they pass unlimited by that layer.
+pub const HTTP_ERRORS: &str = "tokenlease_http_errors_total";
+/// Global tokens given back on entity denial, by `result` (`credited`, `failed`, `skipped`).
+pub const HTTP_REFUNDS: &str = "tokenlease_http_refunds_total";
 
 /// Attaches units and help texts to every metric.
 pub fn describe() {
@@ -84,6 +99,40 @@ pub fn describe() {
         IDLE_CLEANUP_ERRORS,
         Unit::Count,
         "idle-row cleanup rounds that failed"
+    );
+    describe_gauge!(
+        FALLBACK_ACTIVE_SECONDS,
+        Unit::Seconds,
+        "seconds spent in fallback by mode (only grows)"
+    );
+    describe_gauge!(
+        CIRCUIT_STATE,
+        "circuit breaker state by store: 0 closed, 1 open, 2 half-open"
+    );
+    describe_counter!(
+        CIRCUIT_TRANSITIONS,
+        Unit::Count,
+        "circuit breaker state changes by store and new state"
+    );
+    describe_gauge!(
+        STORE_CLOCK_SKEW,
+        Unit::Seconds,
+        "store clock minus local wall clock (informational)"
+    );
+    describe_counter!(
+        HTTP_DENIED,
+        Unit::Count,
+        "requests the HTTP layer denied, by layer"
+    );
+    describe_counter!(
+        HTTP_ERRORS,
+        Unit::Count,
+        "requests the HTTP layer could not check, by layer"
+    );
+    describe_counter!(
+        HTTP_REFUNDS,
+        Unit::Count,
+        "global tokens given back on entity denial, by result"
     );
 }
 
@@ -148,4 +197,67 @@ pub fn flush_thread() {
             flush(n);
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use metrics::{
+        Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+    };
+    use parking_lot::Mutex;
+
+    /// A recorder that only remembers which names were described.
+    #[derive(Debug, Default)]
+    struct Described(Mutex<BTreeSet<String>>);
+
+    impl Described {
+        fn add(&self, key: KeyName) {
+            self.0.lock().insert(key.as_str().to_owned());
+        }
+    }
+
+    impl Recorder for Described {
+        fn describe_counter(&self, key: KeyName, _: Option<Unit>, _: SharedString) {
+            self.add(key);
+        }
+        fn describe_gauge(&self, key: KeyName, _: Option<Unit>, _: SharedString) {
+            self.add(key);
+        }
+        fn describe_histogram(&self, key: KeyName, _: Option<Unit>, _: SharedString) {
+            self.add(key);
+        }
+        fn register_counter(&self, _: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::noop()
+        }
+        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::noop()
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+
+    /// `describe` covers every metric name defined in this file (its quoted `tokenlease_`
+    /// literals above the tests), and nothing else.
+    #[test]
+    fn describe_covers_every_name() {
+        let source = include_str!("metrics.rs");
+        let body = &source[..source.find("#[cfg(test)]").expect("the tests")];
+        let names: BTreeSet<String> = quoted_names(body).collect();
+        assert!(names.len() >= 20, "names found: {names:?}");
+        let recorder = Described::default();
+        metrics::with_local_recorder(&recorder, super::describe);
+        let described = recorder.0.lock().clone();
+        assert_eq!(described, names, "described vs defined");
+    }
+
+    /// The `"tokenlease_..."` literals in `text`.
+    fn quoted_names(text: &str) -> impl Iterator<Item = String> + '_ {
+        text.split("\"tokenlease_").skip(1).map(|rest| {
+            let end = rest.find('"').unwrap_or(rest.len());
+            format!("tokenlease_{}", &rest[..end])
+        })
+    }
 }

@@ -104,5 +104,8 @@ pub use key::{
     client_ip,
 };
 pub use layer::{RateLimitLayer, RouteConfigError};
-pub use refund::HTTP_REFUNDS;
-pub use service::{HTTP_DENIED, HTTP_ERRORS, RateLimit, ResponseFuture};
+pub use service::{RateLimit, ResponseFuture};
+
+/// The HTTP layer's metric names, defined (and described) in [`crate::metrics`]; re-exported
+/// here where they were first published.
+pub use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_REFUNDS};

@@ -5,11 +5,9 @@
 //! capacity).
 
 use crate::bucket::Tokens;
+use crate::metrics::HTTP_REFUNDS;
 use crate::policy::Plan;
 use crate::{DecidedBy, Decision, Limiter};
-
-/// Counter of refunds by result (`credited`, `failed`, `skipped`).
-pub const HTTP_REFUNDS: &str = "tokenlease_http_refunds_total";
 
 /// Gives back `cost` tokens that `decision` took from `key`. Returns whether they were credited.
 ///

@@ -19,14 +19,9 @@ use super::layer::{Config, RouteLimits, Routes};
 use super::refund::refund;
 use crate::bucket::Tokens;
 use crate::error::validate_key;
+use crate::metrics::{HTTP_DENIED, HTTP_ERRORS};
 use crate::policy::FallbackMode;
 use crate::{DecidedBy, Decision};
-
-/// Counter of requests the HTTP layer denied, by `layer` (`api`, `entity`).
-pub const HTTP_DENIED: &str = "tokenlease_http_denied_total";
-/// Counter of requests the HTTP layer could not check (the limiter refused the key or cost),
-/// by `layer`; they pass unlimited by that layer.
-pub const HTTP_ERRORS: &str = "tokenlease_http_errors_total";
 
 /// The service [`RateLimitLayer`](super::RateLimitLayer) wraps around `S`.
 ///

@@ -56,13 +56,7 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 
 use super::{AcquireRequest, Acquired, BucketRow, GiveBack, Store, StoreError};
-
-/// Gauge: 0 closed, 1 open, 2 half-open, labelled `store`.
-pub(crate) const CIRCUIT_STATE: &str = "tokenlease_circuit_state";
-/// Counter of state changes, labelled `store` and `to` (`closed`, `open`, `half_open`).
-pub(crate) const CIRCUIT_TRANSITIONS: &str = "tokenlease_circuit_transitions_total";
-/// Gauge: the store's clock minus the local wall clock, in seconds, labelled `store`.
-pub(crate) const STORE_CLOCK_SKEW: &str = "tokenlease_store_clock_skew_seconds";
+use crate::metrics::{CIRCUIT_STATE, CIRCUIT_TRANSITIONS, STORE_CLOCK_SKEW};
 
 /// Where a [`CircuitBreaker`] stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
