@@ -3,6 +3,13 @@
 //! The shared bucket never reads a local clock: PostgreSQL decides with `now()`. Local state (the
 //! in-memory store, lease expiry, local fallback buckets) reads time through [`Clock`], so tests
 //! can drive it by hand with [`ManualClock`].
+//!
+//! Two kinds of clock implement the trait. [`MonotonicClock`] reads the wall clock once, then
+//! advances with [`Instant`]: everything that decides (lease expiry, local buckets) uses it, so
+//! a wall clock stepped by NTP or by hand changes no decision. [`SystemClock`] is the wall clock
+//! itself, which may step either way; only reporting reads it (the circuit breaker's
+//! `tokenlease_store_clock_skew_seconds`, see
+//! [`CircuitBreaker::wall_clock`](crate::store::CircuitBreaker::wall_clock)).
 
 use std::fmt;
 use std::sync::Arc;
@@ -11,7 +18,10 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use crate::bucket::Timestamp;
 
-/// A source of [`Timestamp`]s that never goes backwards on its own.
+/// A source of [`Timestamp`]s (nanoseconds since the Unix epoch).
+///
+/// [`MonotonicClock`] never goes backwards on its own; [`SystemClock`] goes wherever the host's
+/// wall clock goes; [`ManualClock`] goes where a test sets it.
 pub trait Clock: Send + Sync + fmt::Debug + 'static {
     /// The current time.
     fn now(&self) -> Timestamp;
@@ -46,6 +56,17 @@ impl Clock for MonotonicClock {
     fn now(&self) -> Timestamp {
         let elapsed = u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.origin_wall.saturating_add(elapsed)
+    }
+}
+
+/// The host's wall clock ([`SystemTime::now`]), read at every call: it steps when the wall clock
+/// is set, backwards included. For reporting only; nothing that decides reads it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Timestamp {
+        timestamp_from_system_time(SystemTime::now())
     }
 }
 

@@ -30,7 +30,9 @@
 //!   `now()` returned by every acquire) minus this process's wall clock at the middle of the
 //!   round trip. Positive when the store is ahead. The limiter never depends on it (the store
 //!   decides by its own clock, leases expire by the local monotonic clock); it is there so an
-//!   operator sees a skewed host.
+//!   operator sees a skewed host. The wall clock is read through [`Clock`]
+//!   ([`SystemClock`] unless [`wall_clock`](CircuitBreaker::wall_clock) says otherwise), so a
+//!   test can step it.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -49,6 +51,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -56,6 +59,7 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 
 use super::{AcquireRequest, Acquired, BucketRow, GiveBack, Store, StoreError};
+use crate::clock::{Clock, SystemClock, system_time_from_timestamp};
 use crate::metrics::{CIRCUIT_STATE, CIRCUIT_TRANSITIONS, STORE_CLOCK_SKEW};
 
 /// Where a [`CircuitBreaker`] stands.
@@ -111,6 +115,8 @@ pub struct CircuitBreaker<S> {
     min_backoff: Duration,
     max_backoff: Duration,
     state: Mutex<State>,
+    /// The local wall clock the skew is measured against.
+    wall: Arc<dyn Clock>,
     /// The last skew measured, in nanoseconds (store minus local); `i64::MIN` before any.
     skew_nanos: AtomicI64,
 }
@@ -123,6 +129,7 @@ impl<S: fmt::Debug> fmt::Debug for CircuitBreaker<S> {
             .field("state", &self.state())
             .field("threshold", &self.threshold)
             .field("backoff", &(self.min_backoff..=self.max_backoff))
+            .field("wall", &self.wall)
             .finish()
     }
 }
@@ -144,6 +151,7 @@ impl<S> CircuitBreaker<S> {
                 open_until: Instant::now(),
                 next_backoff: min_backoff,
             }),
+            wall: Arc::new(SystemClock),
             skew_nanos: AtomicI64::new(i64::MIN),
         }
     }
@@ -163,6 +171,15 @@ impl<S> CircuitBreaker<S> {
         self.min_backoff = min.max(Duration::from_millis(1));
         self.max_backoff = max.max(self.min_backoff);
         self.state.get_mut().next_backoff = self.min_backoff;
+        self
+    }
+
+    /// The local wall clock that [`clock_skew`](Self::clock_skew) and
+    /// `tokenlease_store_clock_skew_seconds` compare the store's `now()` with. Defaults to
+    /// [`SystemClock`]; a test passes a clock it can step. Only the skew reads it: the breaker's
+    /// back-off runs on [`Instant`], and no decision depends on the wall clock.
+    pub fn wall_clock(mut self, clock: impl Clock) -> Self {
+        self.wall = Arc::new(clock);
         self
     }
 
@@ -309,6 +326,11 @@ impl<S> CircuitBreaker<S> {
         result
     }
 
+    /// The local wall clock now.
+    fn wall_now(&self) -> SystemTime {
+        system_time_from_timestamp(self.wall.now())
+    }
+
     /// Records the skew seen by one acquire that was sent at `sent` (wall clock) and took
     /// `rtt`.
     fn record_skew(&self, sent: SystemTime, rtt: Duration, answers: &[Acquired]) {
@@ -328,7 +350,7 @@ impl<S> CircuitBreaker<S> {
 #[async_trait]
 impl<S: Store> Store for CircuitBreaker<S> {
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
-        let (sent, started) = (SystemTime::now(), Instant::now());
+        let (sent, started) = (self.wall_now(), Instant::now());
         let acquired = self.call(|| self.inner.acquire(request)).await?;
         self.record_skew(sent, started.elapsed(), std::slice::from_ref(&acquired));
         Ok(acquired)
@@ -338,7 +360,7 @@ impl<S: Store> Store for CircuitBreaker<S> {
         &self,
         requests: &[AcquireRequest<'_>],
     ) -> Result<Vec<Acquired>, StoreError> {
-        let (sent, started) = (SystemTime::now(), Instant::now());
+        let (sent, started) = (self.wall_now(), Instant::now());
         let acquired = self.call(|| self.inner.acquire_many(requests)).await?;
         self.record_skew(sent, started.elapsed(), &acquired);
         Ok(acquired)
@@ -541,6 +563,30 @@ mod tests {
         assert_eq!(b.state(), CircuitState::Open);
         flaky.failing.store(false, Ordering::SeqCst);
         assert!(take(&b).await.is_ok());
+        assert_eq!(b.state(), CircuitState::Closed);
+    }
+
+    /// The skew is the store's clock minus the injected wall clock: a wall clock an hour behind
+    /// reads +1 h, an hour ahead −1 h; the breaker's back-off (on `Instant`) is unaffected.
+    #[tokio::test]
+    async fn skew_follows_the_injected_wall_clock() {
+        use crate::clock::{ManualClock, timestamp_from_system_time};
+        let hour = 3_600_000_000_000u64;
+        let real = || timestamp_from_system_time(SystemTime::now());
+        let wall = ManualClock::new(real());
+        let b = breaker(&Flaky::default()).wall_clock(wall.clone());
+        assert!(take(&b).await.is_ok());
+        let same = b.clock_skew().expect("a skew");
+        assert!(same.abs() < 0.05, "skew {same} s against the right time");
+        for (set, expected) in [(real().0 - hour, 3600.0), (real().0 + hour, -3600.0)] {
+            wall.set(crate::bucket::Timestamp(set));
+            assert!(take(&b).await.is_ok());
+            let skew = b.clock_skew().expect("a skew");
+            assert!(
+                (skew - expected).abs() < 0.05,
+                "skew {skew} s, expected {expected}"
+            );
+        }
         assert_eq!(b.state(), CircuitState::Closed);
     }
 
