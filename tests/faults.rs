@@ -16,12 +16,14 @@ mod common;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use parking_lot::Mutex;
+use tokenlease::bucket::Timestamp;
+use tokenlease::clock::{Clock, SystemClock, timestamp_from_system_time};
 use tokenlease::embedded::{StopMode, TempPostgres};
 use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::{
@@ -273,15 +275,33 @@ impl Rig {
     }
 
     fn proxied(&self) -> String {
+        Self::via(&self.proxy)
+    }
+
+    /// The connection string through `proxy`.
+    fn via(proxy: &Proxy) -> String {
         format!(
             "host=127.0.0.1 port={} user=postgres dbname=postgres",
-            self.proxy.port()
+            proxy.port()
         )
     }
 
     /// A limiter instance on `connection` with the plan's failure settings and `pool`
     /// connections.
     async fn instance(&self, connection: &str, pool: u32) -> Instance {
+        self.instance_with(connection, pool, "default", SystemClock)
+            .await
+    }
+
+    /// As [`instance`](Self::instance), with the breaker named `name` (the `store` label of its
+    /// metrics) and measuring the clock skew against `wall`.
+    async fn instance_with(
+        &self,
+        connection: &str,
+        pool: u32,
+        name: &str,
+        wall: impl Clock,
+    ) -> Instance {
         let store = PostgresStore::builder(connection)
             .expect("connection string")
             .pool_size(pool)
@@ -305,10 +325,14 @@ impl Rig {
             }
         };
         let log = Log::default();
-        let breaker = Arc::new(CircuitBreaker::new(Recording {
-            inner: store,
-            log: log.clone(),
-        }));
+        let breaker = Arc::new(
+            CircuitBreaker::new(Recording {
+                inner: store,
+                log: log.clone(),
+            })
+            .name(name)
+            .wall_clock(wall),
+        );
         let limiter = Limiter::builder_shared(Arc::clone(&breaker) as Arc<dyn Store>).build();
         Instance {
             limiter,
@@ -376,6 +400,8 @@ struct Event {
     by: DecidedBy,
     /// How long the caller waited.
     took: Duration,
+    /// The store's clock when it decided (store decisions only).
+    store_time: Option<SystemTime>,
 }
 
 /// Runs `tasks` callers per instance on [`KEY`] from now until `origin + until`, each pausing
@@ -406,6 +432,7 @@ fn drive(
                         allowed: d.allowed,
                         by: d.decided_by,
                         took: start.elapsed(),
+                        store_time: d.store_time,
                     });
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
@@ -554,7 +581,8 @@ per_mode! {
     /// D3: the statement commits but its reply comes after the call timed out; a retried
     /// return credits once.
     d3_committed_but_timed_out => d3;
-    /// D4: connections reset by the proxy, then backends terminated by the server.
+    /// D4: connections reset by the proxies, then backends terminated by the server; two
+    /// instances on one key.
     d4_connection_resets => d4;
     /// D5: a restart, fast and immediate, keeps the buckets.
     d5_restart_keeps_buckets => d5;
@@ -562,8 +590,11 @@ per_mode! {
     d6_pool_exhausted => d6;
     /// D7: a hung database: the proxy black-holes every byte for 2 s.
     d7_hung_database => d7;
-    /// D9: the store's clock skew is measured and exported.
-    d9_clock_skew => d9;
+    /// D7: a hung database: the postmaster and its backends stopped with SIGSTOP for 2 s.
+    d7_hung_database_sigstop => d7_sigstop;
+    /// D9: the wall clock stepped +1 h and −1 h mid-run changes no count; the skew gauge shows
+    /// the step.
+    d9_wall_clock_steps => d9;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -957,6 +988,7 @@ async fn d3(mode: Mode) {
         key: KEY,
         bucket: key_bucket,
         amount: tokenlease::bucket::Tokens::whole(5),
+        lease: None,
     }];
     let first = instance.breaker.give_back(&give).await;
     assert!(
@@ -986,7 +1018,6 @@ async fn d3(mode: Mode) {
     );
 }
 
-        lease: None,
 trait ByStore {
     fn by_store(&self) -> bool;
 }
@@ -1000,28 +1031,69 @@ impl ByStore for tokenlease::Decision {
 // ---------------------------------------------------------------------------------------------
 // D4
 
+/// Limiter sessions on the server whose connection came through `proxy`: the sessions of the
+/// one instance behind it.
+async fn sessions_behind(admin: &tokio_postgres::Client, proxy: &Proxy) -> i64 {
+    let ports: Vec<i32> = proxy.upstream_ports().into_iter().map(i32::from).collect();
+    admin
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'tokenlease' \
+             AND client_port = ANY($1)",
+            &[&ports],
+        )
+        .await
+        .map(|row| row.get(0))
+        .unwrap_or(-1)
+}
+
+/// Connection samples: the most sessions seen per instance, and in all.
+#[derive(Debug, Default)]
+struct Sessions {
+    per_instance: [i64; N],
+    total: i64,
+}
+
+impl Sessions {
+    async fn sample(&mut self, admin: &tokio_postgres::Client, proxies: &[Proxy; N]) {
+        for (most, proxy) in self.per_instance.iter_mut().zip(proxies) {
+            *most = (*most).max(sessions_behind(admin, proxy).await);
+        }
+        self.total = self.total.max(Rig::limiter_connections(admin).await);
+    }
+}
+
+/// D4 with two limiter instances on one key, each with its own pool of 4 behind its own proxy
+/// (so the server's sessions can be told apart by `client_port`).
 async fn d4(mode: Mode) {
     let rig = Rig::start().await;
-    let instance = rig.instance(&rig.proxied(), 4).await;
-    let instances = [instance.clone()];
+    let upstream = format!("127.0.0.1:{}", rig.pg.port())
+        .parse()
+        .expect("address");
+    let proxies = [rig.proxy.clone(), Proxy::start(upstream).await];
+    let mut instances = Vec::new();
+    for proxy in &proxies {
+        instances.push(rig.instance(&Rig::via(proxy), 4).await);
+    }
     let plan = direct_plan(mode, C, R);
     let admin = rig.admin().await;
     let origin = Instant::now();
     let run = drive(&instances, &plan, 4, origin, Duration::from_millis(8_500));
-    let mut most_connections = 0i64;
+    let mut sessions = Sessions::default();
 
-    // (a) 30% of the proxy's connections reset every 100 ms, from 0.5 s to 3.5 s.
+    // (a) 30% of each proxy's connections reset every 100 ms, from 0.5 s to 3.5 s.
     tokio::time::sleep_until((origin + Duration::from_millis(500)).into()).await;
     let a_start = origin.elapsed();
     while origin.elapsed() < Duration::from_millis(3_500) {
-        rig.proxy.reset_fraction(0.3);
-        most_connections = most_connections.max(Rig::limiter_connections(&admin).await);
+        for proxy in &proxies {
+            proxy.reset_fraction(0.3);
+        }
+        sessions.sample(&admin, &proxies).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let a_end = origin.elapsed();
-    // (b) pg_terminate_backend on the limiter's sessions every 200 ms, from 5 s to 8 s.
+    // (b) pg_terminate_backend on the limiters' sessions every 200 ms, from 5 s to 7 s.
     while origin.elapsed() < Duration::from_millis(5_000) {
-        most_connections = most_connections.max(Rig::limiter_connections(&admin).await);
+        sessions.sample(&admin, &proxies).await;
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let b_start = origin.elapsed();
@@ -1036,12 +1108,12 @@ async fn d4(mode: Mode) {
             .await
             .expect("terminate");
         terminated += row.get::<_, i64>(0);
-        most_connections = most_connections.max(Rig::limiter_connections(&admin).await);
+        sessions.sample(&admin, &proxies).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let b_end = origin.elapsed();
     while origin.elapsed() < Duration::from_millis(8_400) {
-        most_connections = most_connections.max(Rig::limiter_connections(&admin).await);
+        sessions.sample(&admin, &proxies).await;
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let events = run.await.expect("the run");
@@ -1073,20 +1145,58 @@ async fn d4(mode: Mode) {
     let (a_n, _, a_ok) = after(a_end, b_start);
     let (b_n, _, b_ok) = after(b_end, Duration::from_millis(8_500));
     let (_, p99, max) = waits(&events);
+    let resets: u64 = proxies.iter().map(Proxy::resets).sum();
+    // The store's admissions across both instances, by the store's own clock: any window of
+    // length w holds at most C + r·w of them (+ 1 for the whole-token edge).
+    let store_admitted: Vec<SystemTime> = events
+        .iter()
+        .filter(|e| e.allowed && e.by == DecidedBy::Store)
+        .map(|e| {
+            e.store_time
+                .expect("a store decision carries the store's time")
+        })
+        .collect();
+    let first = store_admitted
+        .iter()
+        .min()
+        .copied()
+        .unwrap_or(SystemTime::UNIX_EPOCH);
+    let mut points: Vec<(f64, f64)> = store_admitted
+        .iter()
+        .map(|t| (common::secs_between(first, *t), 1.0))
+        .collect();
+    points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let worst: Vec<(f64, f64, f64)> = [0.1, 0.5, 1.0]
+        .iter()
+        .map(|&w| {
+            let (excess, count) = common::worst_window(&points, w, C as f64, R, 0.0);
+            (w, count, excess)
+        })
+        .collect();
+    let per_instance: Vec<(usize, usize)> = (0..N)
+        .map(|i| {
+            let mine = events.iter().filter(|e| e.instance == i && e.allowed);
+            let by_store = mine.clone().filter(|e| e.by == DecidedBy::Store).count();
+            (by_store, mine.count() - by_store)
+        })
+        .collect();
     eprintln!(
-        "D4 {}: waits p99 {:.3} ms max {:.1} ms; resets by the proxy {}; backends terminated \
-         {terminated}; most limiter connections {most_connections}; errors (a) {a_classes:?}, \
-         (b) {b_classes:?}; success 1 s after (a) {:.1}% of {a_n}, after (b) {:.1}% of {b_n}",
+        "D4 {} (2 instances): waits p99 {:.3} ms max {:.1} ms; resets by the proxies {resets}; \
+         backends terminated {terminated}; most sessions per instance {:?} (all limiters {}); \
+         errors (a) {a_classes:?}, (b) {b_classes:?}; success 1 s after (a) {:.1}% of {a_n}, \
+         after (b) {:.1}% of {b_n}; admitted per instance (store, fallback) {per_instance:?}; \
+         store windows by db time (w, admitted, excess over C + r·w) {worst:?}",
         mode.label(),
         ms(p99),
         ms(max),
-        rig.proxy.resets(),
+        sessions.per_instance,
+        sessions.total,
         a_ok * 100.0,
         b_ok * 100.0,
     );
     assert!(max <= DIRECT_WAIT, "a caller waited {max:?}");
     assert!(
-        rig.proxy.resets() > 0 && terminated > 0,
+        proxies.iter().all(|p| p.resets() > 0) && terminated > 0,
         "the faults happened"
     );
     for (class, _) in a_classes.iter().chain(&b_classes) {
@@ -1100,22 +1210,43 @@ async fn d4(mode: Mode) {
     }
     assert!(a_n > 0 && a_ok >= 0.95, "after resets: {a_ok}");
     assert!(b_n > 0 && b_ok >= 0.95, "after terminations: {b_ok}");
+    for (i, most) in sessions.per_instance.iter().enumerate() {
+        assert!(*most <= 4, "instance {i}: {most} sessions for a pool of 4");
+    }
     assert!(
-        most_connections <= 4,
-        "{most_connections} connections for a pool of 4"
+        sessions.total <= (N * 4) as i64,
+        "{} limiter sessions for {N} pools of 4",
+        sessions.total
     );
-    let store_admitted: Vec<Event> = events
-        .iter()
-        .filter(|e| e.allowed && e.by == DecidedBy::Store)
-        .copied()
-        .collect();
-    assert_windows(
-        &store_admitted,
-        Duration::ZERO,
-        Duration::from_secs(9),
-        1.0,
-        "store",
-    );
+    for (w, count, excess) in &worst {
+        assert!(
+            *excess <= 1.0 + 1e-9,
+            "the store admitted {count} in a {w} s window > {C} + {R}·{w} + 1"
+        );
+    }
+    // The fallback's own terms: nothing under deny; under local at most C/N + (r/N)·w per
+    // instance in any window (local time, + 1 for the edge).
+    for i in 0..N {
+        let fallback: Vec<(f64, f64)> = events
+            .iter()
+            .filter(|e| e.instance == i && e.allowed && matches!(e.by, DecidedBy::Fallback(_)))
+            .map(|e| (e.at.as_secs_f64(), 1.0))
+            .collect();
+        match mode {
+            Mode::Deny => assert!(fallback.is_empty(), "deny: the fallback admitted"),
+            Mode::Local => {
+                let (c, r) = (C as f64 / N as f64, R / N as f64);
+                for w in [0.1, 0.5, 1.0] {
+                    let (excess, count) = common::worst_window(&fallback, w, c, r, EPS);
+                    assert!(
+                        excess <= 1.0 + 1e-9,
+                        "instance {i}: the local fallback admitted {count} in a {w} s window"
+                    );
+                }
+            }
+            Mode::Allow => {}
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1203,12 +1334,18 @@ async fn d6(mode: Mode) {
     let origin = Instant::now();
     let run = drive(&instances, &plan, 4, origin, Duration::from_millis(3_000));
     tokio::time::sleep_until((origin + Duration::from_millis(500)).into()).await;
-    // Hold both pooled connections for 1.5 s.
+    // Hold both pooled connections for 1.5 s. The callers compete for them, and each `get`
+    // gives up after the pool's 50 ms wait: try again until the test holds both.
     let pool = instance.breaker.get_ref().inner.pool().clone();
-    let held = (
-        pool.get().await.expect("first"),
-        pool.get().await.expect("second"),
-    );
+    let get = || async {
+        for _ in 0..100 {
+            if let Ok(conn) = pool.get().await {
+                return conn;
+            }
+        }
+        panic!("no pooled connection in 100 tries");
+    };
+    let held = (get().await, get().await);
     let hold_start = origin.elapsed();
     instance.log.max_in_flight.store(0, Ordering::SeqCst);
     tokio::time::sleep_until((origin + Duration::from_millis(2_000)).into()).await;
@@ -1314,37 +1451,424 @@ async fn d7(mode: Mode) {
     );
 }
 
+/// Server processes stopped with SIGSTOP; they get SIGCONT when this is dropped, so a failing
+/// test never leaves a hung server behind (the cluster's own drop resumes it too).
+struct Stopped(Vec<u32>);
+
+impl Stopped {
+    /// SIGSTOP to `pids`, in order (the postmaster first, so it forks no new backend).
+    fn stop(pids: Vec<u32>) -> Stopped {
+        signal("STOP", &pids);
+        Stopped(pids)
+    }
+
+    /// SIGCONT to every stopped process.
+    fn resume(mut self) {
+        signal("CONT", &std::mem::take(&mut self.0));
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        if !self.0.is_empty() {
+            signal("CONT", &self.0);
+        }
+    }
+}
+
+/// `kill -<name> <pids>` (the crate forbids `unsafe`, and neither `libc` nor `nix` is a
+/// dependency). A pid that has exited since it was listed is skipped by kill(1) with an error,
+/// which does not matter here.
+fn signal(name: &str, pids: &[u32]) {
+    if pids.is_empty() {
+        return;
+    }
+    let _ = std::process::Command::new("kill")
+        .arg(format!("-{name}"))
+        .args(pids.iter().map(u32::to_string))
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("kill(1)");
+}
+
+/// D7, SIGSTOP variant: the postmaster (from `postmaster.pid`) and every server process listed in
+/// `pg_stat_activity` (by pid, never by name) stopped for 2 s, then continued. One instance is
+/// busy when the server stops (its statements are in flight); a second instance, built before
+/// the stop with an empty pool, calls only during it, so each of its calls needs a new
+/// connection; and a bare `tokio_postgres` connect with a 250 ms connect timeout is timed.
+async fn d7_sigstop(mode: Mode) {
+    let rig = Rig::start().await;
+    let busy = rig.instance(&rig.direct(), 4).await;
+    let fresh = rig.instance(&rig.direct(), 4).await;
+    let plan = direct_plan(mode, C, R);
+    let admin = rig.admin().await;
+    let origin = Instant::now();
+    let run = drive(
+        std::slice::from_ref(&busy),
+        &plan,
+        4,
+        origin,
+        Duration::from_millis(4_000),
+    );
+
+    tokio::time::sleep_until((origin + Duration::from_millis(500)).into()).await;
+    let mut pids = vec![rig.pg.postmaster_pid().expect("the postmaster runs")];
+    let backends = admin
+        .query("SELECT pid FROM pg_stat_activity", &[])
+        .await
+        .expect("server processes");
+    pids.extend(backends.iter().map(|row| row.get::<_, i32>(0) as u32));
+    let processes = pids.len();
+    let stopped = Stopped::stop(pids);
+    let stop_at = origin.elapsed();
+
+    // New connections while stopped: the fresh instance's callers, and a bare connect.
+    tokio::time::sleep_until((origin + Duration::from_millis(700)).into()).await;
+    let fresh_run = drive(
+        std::slice::from_ref(&fresh),
+        &plan,
+        1,
+        origin,
+        Duration::from_millis(4_000),
+    );
+    let mut config: tokio_postgres::Config = rig.direct().parse().expect("connection string");
+    config.connect_timeout(Duration::from_millis(250));
+    let bare = tokio::spawn(async move {
+        let start = Instant::now();
+        let outcome =
+            match tokio::time::timeout(Duration::from_millis(1_500), config.connect(NoTls)).await {
+                Err(_) => "no answer in 1.5 s".to_owned(),
+                Ok(Err(e)) => format!("error: {e}"),
+                Ok(Ok(_)) => "connected".to_owned(),
+            };
+        (start.elapsed(), outcome)
+    });
+
+    tokio::time::sleep_until((origin + Duration::from_millis(2_500)).into()).await;
+    stopped.resume();
+    let cont_at = origin.elapsed();
+    let events = run.await.expect("the run");
+    let fresh_events = fresh_run.await.expect("the fresh run");
+    let (bare_took, bare_outcome) = bare.await.expect("the bare connect");
+
+    // Statements in flight when the server stopped: they end at the call timeout.
+    let in_flight: Vec<Call> = busy
+        .log
+        .calls()
+        .into_iter()
+        .filter(|c| c.start - origin < stop_at && c.start + c.took - origin > stop_at)
+        .collect();
+    let in_flight_slowest = in_flight.iter().map(|c| c.took).max().unwrap_or_default();
+    let (calls, failed, slowest) = calls_in(std::slice::from_ref(&busy), origin, stop_at, cont_at);
+    let classes = error_classes(std::slice::from_ref(&busy), origin, stop_at, cont_at);
+    let (f_calls, f_failed, f_slowest) =
+        calls_in(std::slice::from_ref(&fresh), origin, stop_at, cont_at);
+    let f_classes = error_classes(std::slice::from_ref(&fresh), origin, stop_at, cont_at);
+    let first_fresh = fresh.log.calls().first().cloned().expect("a fresh call");
+    let recovery = |i: &Instance| {
+        recovered_at(std::slice::from_ref(i), origin, cont_at).map(|t| t.saturating_sub(cont_at))
+    };
+    let (busy_recovery, fresh_recovery) = (recovery(&busy), recovery(&fresh));
+    let (_, p99, max) = waits(&events);
+    let (_, f_p99, f_max) = waits(&fresh_events);
+    eprintln!(
+        "D7 SIGSTOP {}: {processes} processes stopped 2 s. Busy instance: {} statements in \
+         flight at the stop, ended after at most {:.1} ms; {calls} db calls in the stop, {failed} \
+         failed {classes:?}, slowest {:.1} ms; waits p99 {:.3} ms max {:.1} ms; recovery \
+         {:?} ms after SIGCONT. Fresh instance (new connections): first call {:?} after {:.1} ms; \
+         {f_calls} db calls, {f_failed} failed {f_classes:?}, slowest {:.1} ms; waits p99 {:.3} \
+         ms max {:.1} ms; recovery {:?} ms. Bare connect (connect_timeout 250 ms): \
+         {bare_outcome} after {:.0} ms",
+        mode.label(),
+        in_flight.len(),
+        ms(in_flight_slowest),
+        ms(slowest),
+        ms(p99),
+        ms(max),
+        busy_recovery.map(ms),
+        first_fresh.error,
+        ms(first_fresh.took),
+        ms(f_slowest),
+        ms(f_p99),
+        ms(f_max),
+        fresh_recovery.map(ms),
+        ms(bare_took),
+    );
+    assert!(max <= DIRECT_WAIT, "a busy caller waited {max:?}");
+    assert!(f_max <= DIRECT_WAIT, "a fresh caller waited {f_max:?}");
+    // Often one statement is in flight at the stop, sometimes none (the callers pause 1 ms
+    // between calls); the calls sent during the stop meet the same stopped backends.
+    assert!(
+        in_flight_slowest <= Duration::from_millis(100),
+        "an in-flight statement ended after {in_flight_slowest:?}"
+    );
+    assert_eq!(
+        failed, calls,
+        "no call succeeds while the server is stopped"
+    );
+    assert_eq!(
+        f_failed, f_calls,
+        "no new connection while the server is stopped"
+    );
+    assert!(
+        slowest <= Duration::from_millis(100) && f_slowest <= Duration::from_millis(100),
+        "a call took {slowest:?} (busy), {f_slowest:?} (fresh)"
+    );
+    assert!(
+        first_fresh
+            .error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("timeout")),
+        "the first new connection times out: {:?}",
+        first_fresh.error
+    );
+    for (class, _) in classes.iter().chain(&f_classes) {
+        assert!(
+            class.starts_with("timeout") || class == "circuit-open",
+            "unexpected error class {class}"
+        );
+    }
+    for (what, recovery) in [("busy", busy_recovery), ("fresh", fresh_recovery)] {
+        let recovery = recovery.unwrap_or_else(|| panic!("the {what} instance recovers"));
+        assert!(
+            recovery <= Duration::from_secs(1),
+            "{what}: recovery took {recovery:?}"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // D9
 
+/// A wall clock for one limiter instance: the host's, plus an offset the test steps, as an
+/// administrator or NTP setting the clock would. Clones share the offset.
+#[derive(Debug, Clone, Default)]
+struct SteppedClock {
+    offset_nanos: Arc<AtomicI64>,
+}
+
+impl SteppedClock {
+    fn step(&self, by_secs: i64) {
+        self.offset_nanos
+            .fetch_add(by_secs * 1_000_000_000, Ordering::SeqCst);
+    }
+}
+
+impl Clock for SteppedClock {
+    fn now(&self) -> Timestamp {
+        let real = timestamp_from_system_time(SystemTime::now()).0;
+        Timestamp(real.saturating_add_signed(self.offset_nanos.load(Ordering::SeqCst)))
+    }
+}
+
+const HOUR: i64 = 3_600;
+/// D9's bucket: small, so that a mis-timed lease or refill would show in the count.
+const D9_C: u64 = 20;
+const D9_R: f64 = 10.0;
+/// One call every 20 ms (50/s, five times the refill rate) for 3 s.
+const D9_EVERY: Duration = Duration::from_millis(20);
+const D9_CALLS: u32 = 150;
+/// The wall clocks step at 1 s; the store becomes unreachable at 2 s.
+const D9_STEP_AT: Duration = Duration::from_secs(1);
+const D9_OUTAGE_AT: Duration = Duration::from_secs(2);
+
+/// Calls `limiter` on `key` once every [`D9_EVERY`] from `origin`, one call at a time,
+/// [`D9_CALLS`] times: a fixed schedule, so two runs make the same calls at the same moments.
+fn paced(
+    limiter: Limiter,
+    plan: Arc<Plan>,
+    key: String,
+    run: usize,
+    origin: Instant,
+) -> tokio::task::JoinHandle<Vec<Event>> {
+    tokio::spawn(async move {
+        let mut events = Vec::new();
+        for k in 0..D9_CALLS {
+            tokio::time::sleep_until((origin + D9_EVERY * k).into()).await;
+            let start = Instant::now();
+            let d = limiter
+                .try_acquire_with(&plan, &key, 1.0)
+                .await
+                .expect("a decision, never an error");
+            events.push(Event {
+                at: start - origin,
+                instance: run,
+                allowed: d.allowed,
+                by: d.decided_by,
+                took: start.elapsed(),
+                store_time: d.store_time,
+            });
+        }
+        events
+    })
+}
+
+/// One D9 run: a limiter instance with its own wall clock, pool and key.
+struct ClockRun {
+    leased: bool,
+    /// The wall clock's step at [`D9_STEP_AT`], in seconds.
+    step: i64,
+    clock: SteppedClock,
+    instance: Instance,
+    name: String,
+}
+
+/// D9: three runs of one workload at once for each of direct and leased mode, with the wall
+/// clock left alone, stepped +1 h and stepped −1 h mid-run. Each run has its own limiter
+/// instance (pool, breaker, wall clock) and its own key with the same plan, so the three see
+/// the same machine load and the same outage at the same moments. For 2 s the store decides
+/// (the step comes at 1 s), then the proxy resets and refuses every connection, and the
+/// fallback (and any lease) decides for the last second. Every stepped run admits the
+/// undisturbed run's count ± 1, and the skew gauge shows each step.
 async fn d9(mode: Mode) {
     let rig = Rig::start().await;
-    let instance = rig.instance(&rig.direct(), 4).await;
-    let plan = leased_plan(mode);
-    let _ = snapshot();
-    let origin = Instant::now();
-    let events = drive(
-        std::slice::from_ref(&instance),
-        &plan,
-        2,
-        origin,
-        Duration::from_millis(500),
-    )
-    .await
-    .expect("the run");
-    let skew = instance.breaker.clock_skew().expect("a skew measured");
-    let snap = snapshot();
-    let gauge = snap
-        .iter()
-        .find(|(n, ..)| n == "tokenlease_store_clock_skew_seconds")
-        .map(|(.., v)| format!("{v:?}"));
-    eprintln!(
-        "D9 {}: {} decisions; store clock skew {:.3} ms; gauge {gauge:?}",
-        mode.label(),
-        events.len(),
-        skew * 1e3
+    let direct = direct_plan(mode, D9_C, D9_R);
+    let leased = Arc::new(
+        common::plan(D9_C, D9_R)
+            .with_lease(LeaseSettings::default())
+            .with_fallback(FallbackSettings {
+                mode: mode.fallback(),
+            }),
     );
-    // Same host: the store's clock and ours agree to well within a round trip.
-    assert!(skew.abs() < 0.05, "skew {skew} s on one host");
-    assert!(gauge.is_some(), "the skew gauge is exported");
+    let mut runs = Vec::new();
+    for leased in [false, true] {
+        for step in [0, HOUR, -HOUR] {
+            let name = format!(
+                "d9-{}-{}",
+                if leased { "leased" } else { "direct" },
+                match step {
+                    0 => "none",
+                    HOUR => "plus1h",
+                    _ => "minus1h",
+                }
+            );
+            let clock = SteppedClock::default();
+            let instance = rig
+                .instance_with(&rig.proxied(), 4, &name, clock.clone())
+                .await;
+            runs.push(ClockRun {
+                leased,
+                step,
+                clock,
+                instance,
+                name,
+            });
+        }
+    }
+    let _ = snapshot();
+    let origin = Instant::now() + Duration::from_millis(50);
+    let handles: Vec<_> = runs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let plan = Arc::clone(if r.leased { &leased } else { &direct });
+            paced(
+                r.instance.limiter.clone(),
+                plan,
+                format!("{KEY}:{}", r.name),
+                i,
+                origin,
+            )
+        })
+        .collect();
+
+    tokio::time::sleep_until((origin + D9_STEP_AT).into()).await;
+    for r in &runs {
+        r.clock.step(r.step);
+    }
+    // Just before the outage: the skew each breaker measured after the step.
+    tokio::time::sleep_until((origin + D9_OUTAGE_AT - Duration::from_millis(100)).into()).await;
+    let skews: Vec<Option<f64>> = runs
+        .iter()
+        .map(|r| r.instance.breaker.clock_skew())
+        .collect();
+    let snap = snapshot();
+    let gauges: Vec<Option<f64>> = runs
+        .iter()
+        .map(|r| {
+            snap.iter()
+                .find(|(n, l, _)| {
+                    n == "tokenlease_store_clock_skew_seconds"
+                        && l.iter().any(|(k, v)| k == "store" && *v == r.name)
+                })
+                .and_then(|(.., v)| match v {
+                    DebugValue::Gauge(g) => Some(g.into_inner()),
+                    _ => None,
+                })
+        })
+        .collect();
+    tokio::time::sleep_until((origin + D9_OUTAGE_AT).into()).await;
+    rig.proxy.refuse(true);
+    rig.proxy.reset_all();
+    let outage = origin.elapsed();
+    let mut events = Vec::new();
+    for h in handles {
+        events.push(h.await.expect("no caller panicked"));
+    }
+
+    let admitted = |events: &[Event], from: Duration, to: Duration| {
+        events
+            .iter()
+            .filter(|e| e.allowed && in_window(e, from, to))
+            .count()
+    };
+    let mut lines = Vec::new();
+    let mut counts = Vec::new();
+    for (r, ev) in runs.iter().zip(&events) {
+        let store = admitted(ev, Duration::ZERO, outage);
+        let after = admitted(ev, outage, Duration::MAX);
+        let by_fallback = ev
+            .iter()
+            .filter(|e| e.at < outage && matches!(e.by, DecidedBy::Fallback(_)))
+            .count();
+        let (_, _, max) = waits(ev);
+        counts.push(store + after);
+        lines.push(format!(
+            "{}: admitted {} ({store} before the outage, {after} in it), {by_fallback} fallback \
+             decisions before the outage, caller max {:.1} ms",
+            r.name,
+            store + after,
+            ms(max),
+        ));
+    }
+    let i = |leased: bool, step: i64| {
+        runs.iter()
+            .position(|r| r.leased == leased && r.step == step)
+            .expect("run")
+    };
+    eprintln!(
+        "D9 {}: {}; skews measured (s) {:?}, gauges {:?}",
+        mode.label(),
+        lines.join("; "),
+        skews,
+        gauges,
+    );
+    for (r, (skew, gauge)) in runs.iter().zip(skews.iter().zip(&gauges)) {
+        // The store's clock minus a local clock stepped by `step`: −step, to within a round
+        // trip (same host).
+        let expected = -r.step as f64;
+        let skew = skew.expect("a skew measured");
+        assert!(
+            (skew - expected).abs() < 0.05,
+            "{}: skew {skew} s, expected {expected}",
+            r.name
+        );
+        let gauge = gauge.expect("the skew gauge is exported");
+        assert!(
+            (gauge - expected).abs() < 0.05,
+            "{}: gauge {gauge} s, expected {expected}",
+            r.name
+        );
+    }
+    for leased in [false, true] {
+        let none = counts[i(leased, 0)];
+        for step in [HOUR, -HOUR] {
+            let stepped = counts[i(leased, step)];
+            assert!(
+                stepped.abs_diff(none) <= 1,
+                "{}: admitted {stepped}, undisturbed {none}",
+                runs[i(leased, step)].name
+            );
+        }
+    }
 }

@@ -17,14 +17,20 @@
 //! - [`close_all`](Proxy::close_all): an orderly close (FIN) of every connection.
 //!
 //! When the upstream cannot be reached, the client's connection is reset.
+//!
+//! [`upstream_ports`](Proxy::upstream_ports) lists the local ports of the proxy's live
+//! connections to the upstream: the `client_port`s the server sees in `pg_stat_activity`, so a
+//! test can count the server sessions of the clients behind one proxy.
 #![allow(dead_code, unreachable_pub)]
 
+use std::collections::BTreeSet;
 use std::hash::{BuildHasher, RandomState};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{broadcast, mpsc, watch};
@@ -55,6 +61,8 @@ struct Shared {
     resets: AtomicU64,
     salt: AtomicU64,
     hasher: RandomState,
+    /// Local ports of the live upstream connections.
+    ports: Mutex<BTreeSet<u16>>,
 }
 
 /// A running proxy; a cheap handle (clones control the same proxy). The listener stops when the
@@ -82,6 +90,7 @@ impl Proxy {
             resets: AtomicU64::new(0),
             salt: AtomicU64::new(0),
             hasher: RandomState::new(),
+            ports: Mutex::new(BTreeSet::new()),
         });
         tokio::spawn(accept_loop(listener, Arc::clone(&shared)));
         Proxy { addr, shared }
@@ -151,6 +160,12 @@ impl Proxy {
     pub fn resets(&self) -> u64 {
         self.shared.resets.load(Ordering::SeqCst)
     }
+
+    /// The local ports of the proxy's live upstream connections (what the server sees as each
+    /// session's `client_port`).
+    pub fn upstream_ports(&self) -> Vec<u16> {
+        self.shared.ports.lock().iter().copied().collect()
+    }
 }
 
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
@@ -190,6 +205,17 @@ impl Drop for Active<'_> {
     }
 }
 
+/// Lists an upstream connection's local port while it is alive.
+struct Port<'a>(&'a Mutex<BTreeSet<u16>>, Option<u16>);
+
+impl Drop for Port<'_> {
+    fn drop(&mut self) {
+        if let Some(port) = self.1 {
+            self.0.lock().remove(&port);
+        }
+    }
+}
+
 async fn serve(
     mut client: TcpStream,
     shared: Arc<Shared>,
@@ -206,6 +232,11 @@ async fn serve(
             return;
         }
     };
+    let port = upstream.local_addr().ok().map(|a| a.port());
+    if let Some(port) = port {
+        shared.ports.lock().insert(port);
+    }
+    let _port = Port(&shared.ports, port);
     let _ = client.set_nodelay(true);
     let _ = upstream.set_nodelay(true);
     let outcome = {
