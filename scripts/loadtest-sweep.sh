@@ -25,6 +25,12 @@ run --mode direct
 for f in 0.02 0.05 0.1 0.2; do run --mode leased --lease-fraction "$f"; done
 # Strict accounting (DESIGN.md §13): leases counted against the capacity, no overshoot term.
 run --mode leased --accounting strict
+# One hot key, lull-burst: steady demand under the rate, an idle 2.5 s, a burst; leases live 5 s
+# and hold 500 ms of demand, so they are still out when the bucket has refilled. Relaxed leases
+# overshoot here (within their bound); strict ones must not.
+run --mode direct --pattern lull-burst
+run --mode leased --pattern lull-burst --lease-ttl-ms 5000 --refresh-ms 500
+run --mode leased --pattern lull-burst --lease-ttl-ms 5000 --refresh-ms 500 --accounting strict
 # 10,000 keys, uniform (each key quiet: 2 requests/s against a refill of 50/s).
 run --mode direct --keys 10000
 run --mode leased --keys 10000
@@ -41,6 +47,8 @@ print("| keys | mode | lease | requests | db calls / 1k | admitted / ideal | ove
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     keys = "1 hot" if r["keys"] == 1 else f'{r["keys"]:,} {r["dist"]}'
+    if r.get("pattern") == "lull-burst":
+        keys += ", lull-burst"
     lease = "–" if r["lease_fraction"] is None else f'{r["lease_fraction"]:g} × C, {r.get("accounting") or "relaxed"}'
     print(f'| {keys} (C={r["capacity"]}, r={r["refill_per_second"]:g}/s) | {r["mode"]} | {lease} | {r["requests"]:,} '
           f'| {r["db_calls_per_1k"]:.2f} | {r["admitted"]:,} / {r["ideal_admitted"]:,} ({100*r["admitted_vs_ideal"]:.1f}%) '

@@ -54,6 +54,12 @@ pub(crate) struct Args {
     /// Requests per second, in total over all tasks (paced, open loop).
     #[arg(long, default_value_t = 20_000.0)]
     rate: f64,
+    /// `steady`: `--rate` throughout. `lull-burst`: cycles of 6 s: 3 s of demand below the
+    /// refill rate (0.8 × refill × keys in all), 2.5 s of nothing, 0.5 s at `--rate`. The lull
+    /// lets buckets refill while leases are still out (with `--lease-ttl-ms` above 2.5 s): the
+    /// case where relaxed leases overshoot and strict ones do not.
+    #[arg(long, value_enum, default_value_t = Pattern::Steady)]
+    pattern: Pattern,
     /// Lease lifetime in milliseconds (leased mode).
     #[arg(long, default_value_t = 1000)]
     lease_ttl_ms: u64,
@@ -113,6 +119,19 @@ enum Fallback {
     Local,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+enum Pattern {
+    Steady,
+    LullBurst,
+}
+
+/// The `lull-burst` cycle, in seconds: steady demand until `STEADY`, nothing until `LULL`, then
+/// a burst until `CYCLE`.
+const CYCLE: f64 = 6.0;
+const STEADY: f64 = 3.0;
+const LULL: f64 = 5.5;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Dist {
     Uniform,
@@ -127,6 +146,7 @@ struct Report {
     tasks: usize,
     keys: u32,
     dist: &'static str,
+    pattern: Pattern,
     capacity: u64,
     refill_per_second: f64,
     cost: f64,
@@ -303,6 +323,10 @@ async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Erro
     let keys = Arc::new(Keys::new(args.keys, args.dist));
     let tasks_total = args.instances * args.tasks;
     let period = Duration::from_secs_f64(tasks_total as f64 / args.rate);
+    // lull-burst's steady phase: 0.8 × the refill rate of every key, in all.
+    let quiet_period =
+        Duration::from_secs_f64(tasks_total as f64 / (0.8 * args.refill * f64::from(args.keys)));
+    let pattern = args.pattern;
     let duration = Duration::from_secs_f64(args.duration);
     let done = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
@@ -325,8 +349,23 @@ async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Erro
                 // Tasks start spread over one period so they do not fire in lockstep.
                 let mut next = start + period.mul_f64((t as f64 + 0.5) / 16.0 % 1.0);
                 while next < start + duration {
+                    let step = match pattern {
+                        Pattern::Steady => period,
+                        Pattern::LullBurst => {
+                            let at = (next - start).as_secs_f64();
+                            let phase = at % CYCLE;
+                            if phase < STEADY {
+                                quiet_period
+                            } else if phase < LULL {
+                                next = start + Duration::from_secs_f64(at - phase + LULL);
+                                continue;
+                            } else {
+                                period
+                            }
+                        }
+                    };
                     tokio::time::sleep_until(next.into()).await;
-                    next += period;
+                    next += step;
                     let key = keys.pick(&mut rng);
                     let began = Instant::now();
                     let decision = limiter
@@ -414,6 +453,7 @@ async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Erro
             Dist::Uniform => "uniform",
             Dist::Zipf => "zipf",
         },
+        pattern: args.pattern,
         capacity: args.capacity,
         refill_per_second: args.refill,
         cost: args.cost,
@@ -496,6 +536,12 @@ fn print_table(r: &Report) {
         format!("{} × {}", r.instances, r.tasks),
     );
     row("keys", format!("{} ({})", r.keys, r.dist));
+    if r.pattern == Pattern::LullBurst {
+        row(
+            "pattern",
+            "lull-burst (3 s under the rate, 2.5 s idle, 0.5 s burst)".into(),
+        );
+    }
     row(
         "bucket",
         format!(

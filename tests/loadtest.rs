@@ -1,0 +1,118 @@
+//! `tokenlease loadtest` end to end against a real PostgreSQL: the JSON report's fields, and the
+//! lull-burst pattern that separates the accounting modes — relaxed leases overshoot the ideal
+//! bucket's envelope there (within their bound), strict ones do not (issue #8). Runs in the
+//! nextest `serial` group: each run takes a few seconds of wall time.
+
+mod common;
+
+use std::process::Command;
+
+use serde_json::Value;
+
+/// Runs the loadtest against `db` with `args` and returns its JSON report.
+fn loadtest(db: &tokenlease::embedded::TestDatabase, args: &[&str]) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+        .arg("loadtest")
+        .args(["--json", "--database-url", &db.connection_string()])
+        .args(args)
+        .output()
+        .expect("run tokenlease loadtest");
+    assert!(
+        out.status.success(),
+        "loadtest {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+fn f(report: &Value, field: &str) -> f64 {
+    report[field]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{field} in {report}"))
+}
+
+/// One 6 s lull-burst cycle per mode: steady demand under the rate builds 5 s leases of about
+/// 10 tokens, the bucket refills during the 2.5 s lull, then a burst. Relaxed accounting spends
+/// a full bucket plus the leases in the burst (the negative control); strict spends at most one
+/// bucket, with about as many store calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_accounting_has_no_overshoot_where_relaxed_has_some() {
+    let db = common::database().await;
+    let common_args = [
+        "--mode",
+        "leased",
+        "--pattern",
+        "lull-burst",
+        "--duration",
+        "6",
+        "--rate",
+        "5000",
+        "--lease-ttl-ms",
+        "5000",
+        "--refresh-ms",
+        "500",
+    ];
+    let run = |accounting: &str| {
+        let mut args = common_args.to_vec();
+        args.extend(["--accounting", accounting]);
+        loadtest(&db, &args)
+    };
+    let relaxed = run("relaxed");
+    let strict = run("strict");
+    for r in [&relaxed, &strict] {
+        eprintln!(
+            "{}: overshoot {} (bound {}), admitted {} of ideal {}, {} db calls per 1k",
+            r["accounting"],
+            r["overshoot_tokens"],
+            r["overshoot_bound"],
+            r["admitted"],
+            r["ideal_admitted"],
+            r["db_calls_per_1k"]
+        );
+        assert_eq!(r["pattern"], "lull-burst");
+        assert!(
+            f(r, "overshoot_tokens") <= f(r, "overshoot_bound") + 1e-9,
+            "{r}"
+        );
+    }
+    assert_eq!(relaxed["accounting"], "relaxed");
+    assert_eq!(strict["accounting"], "strict");
+    assert_eq!(f(&relaxed, "overshoot_bound"), 20.0);
+    assert_eq!(f(&strict, "overshoot_bound"), 1.0);
+    assert!(
+        f(&relaxed, "overshoot_tokens") >= 2.0,
+        "negative control: relaxed leases should overshoot after the lull: {relaxed}"
+    );
+    // Zero within the clock jitter of client-side timestamps (well under one request).
+    assert!(
+        f(&strict, "overshoot_tokens") <= 0.5,
+        "strict leases overshot: {strict}"
+    );
+    assert!(
+        f(&strict, "db_calls_per_1k") <= 2.0 * f(&relaxed, "db_calls_per_1k"),
+        "strict should cost at most twice the store calls of relaxed"
+    );
+    assert!(
+        f(&strict, "admitted_vs_ideal") >= 0.7,
+        "strict liveness: {strict}"
+    );
+}
+
+/// Bad options are refused before anything starts, with a message naming the option.
+#[test]
+fn invalid_options_are_refused() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+        .args(["loadtest", "--accounting", "exact"])
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--accounting"), "{stderr}");
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+        .args(["loadtest", "--lease-fraction", "1.5"])
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--lease-fraction"), "{stderr}");
+}
