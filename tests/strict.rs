@@ -45,23 +45,25 @@ struct Seen {
     fallback: u64,
 }
 
-/// `tasks` tasks per limiter on key "hot" for `duration`, one call every 500 µs per task.
-async fn hammer(
+/// `tasks` tasks per limiter on `key` for `duration`, one call every `every` per task.
+async fn calls(
     limiters: &[Limiter],
     plan: &Arc<Plan>,
+    key: &str,
     tasks: usize,
     duration: Duration,
+    every: Duration,
 ) -> Vec<Seen> {
     let mut handles = Vec::new();
     for (i, limiter) in limiters.iter().enumerate() {
         for _ in 0..tasks {
-            let (limiter, plan) = (limiter.clone(), Arc::clone(plan));
+            let (limiter, plan, key) = (limiter.clone(), Arc::clone(plan), key.to_owned());
             handles.push(tokio::spawn(async move {
                 let mut seen = Seen::default();
                 let deadline = Instant::now() + duration;
                 while Instant::now() < deadline {
                     let d = limiter
-                        .try_acquire_with(&plan, "hot", 1.0)
+                        .try_acquire_with(&plan, &key, 1.0)
                         .await
                         .expect("decision");
                     let at = Instant::now();
@@ -70,7 +72,7 @@ async fn hammer(
                         _ if d.allowed => seen.admitted.push(at),
                         _ => seen.denied += 1,
                     }
-                    tokio::time::sleep(Duration::from_micros(500)).await;
+                    tokio::time::sleep(every).await;
                 }
                 (i, seen)
             }));
@@ -84,6 +86,24 @@ async fn hammer(
         out[i].fallback += seen.fallback;
     }
     out
+}
+
+/// [`calls`] on key "hot", one call every 500 µs per task.
+async fn hammer(
+    limiters: &[Limiter],
+    plan: &Arc<Plan>,
+    tasks: usize,
+    duration: Duration,
+) -> Vec<Seen> {
+    calls(
+        limiters,
+        plan,
+        "hot",
+        tasks,
+        duration,
+        Duration::from_micros(500),
+    )
+    .await
 }
 
 /// The worst excess over `C + R·(w + SLACK)` in any window of each length in [`WINDOWS`], over
@@ -278,27 +298,16 @@ async fn a_burst_after_a_lull_spends_no_more_than_one_bucket() {
         let mut admitted = Vec::new();
         // 2 s of 20 calls/s per instance (40/s in all, under the 50/s rate): leases grow to
         // about demand × refresh = 10 tokens each.
-        let mut steady = Vec::new();
-        for limiter in &limiters {
-            let (limiter, plan, key) = (limiter.clone(), Arc::clone(&plan), key.clone());
-            steady.push(tokio::spawn(async move {
-                let mut at = Vec::new();
-                for _ in 0..40 {
-                    let d = limiter
-                        .try_acquire_with(&plan, &key, 1.0)
-                        .await
-                        .expect("decision");
-                    if d.allowed {
-                        at.push(Instant::now());
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                at
-            }));
-        }
-        for s in steady {
-            admitted.extend(s.await.expect("task"));
-        }
+        let steady = calls(
+            &limiters,
+            &plan,
+            &key,
+            1,
+            Duration::from_secs(2),
+            Duration::from_millis(50),
+        )
+        .await;
+        admitted.extend(steady.into_iter().flat_map(|s| s.admitted));
         let held: f64 = limiters
             .iter()
             .map(|l| l.lease_stats().expect("leased").outstanding)
@@ -306,30 +315,16 @@ async fn a_burst_after_a_lull_spends_no_more_than_one_bucket() {
         // The lull: 2.5 s, enough for the bucket to refill completely; the leases live on.
         tokio::time::sleep(Duration::from_millis(2500)).await;
         // The burst: 16 tasks per instance for 0.5 s.
-        let mut burst = Vec::new();
-        for limiter in &limiters {
-            for _ in 0..16 {
-                let (limiter, plan, key) = (limiter.clone(), Arc::clone(&plan), key.clone());
-                burst.push(tokio::spawn(async move {
-                    let mut at = Vec::new();
-                    let deadline = Instant::now() + Duration::from_millis(500);
-                    while Instant::now() < deadline {
-                        let d = limiter
-                            .try_acquire_with(&plan, &key, 1.0)
-                            .await
-                            .expect("decision");
-                        if d.allowed {
-                            at.push(Instant::now());
-                        }
-                        tokio::time::sleep(Duration::from_micros(500)).await;
-                    }
-                    at
-                }));
-            }
-        }
-        for b in burst {
-            admitted.extend(b.await.expect("task"));
-        }
+        let burst = calls(
+            &limiters,
+            &plan,
+            &key,
+            16,
+            Duration::from_millis(500),
+            Duration::from_micros(500),
+        )
+        .await;
+        admitted.extend(burst.into_iter().flat_map(|s| s.admitted));
         for limiter in &limiters {
             limiter.shutdown().await;
         }
