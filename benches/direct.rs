@@ -132,11 +132,7 @@ fn pgbench(setup: &Setup, clients: u32, many_keys: bool, sync_commit: bool) -> O
         .replace("$3::text[]", &format!("{}::text[]", one(RATE)))
         .replace("$4::text[]", "ARRAY['1']::text[]")
         .replace("$5::text[]", "ARRAY['1']::text[]")
-        .replace("$6::text[]", "ARRAY['1']::text[]")
-        .replace("$7::int8[]", "ARRAY[NULL]::int8[]")
-        .replace("$8::int8[]", "ARRAY[NULL]::int8[]")
-        .replace("$9::text[]", "ARRAY['0']::text[]")
-        .replace("$10::int8[]", "ARRAY[0]::int8[]");
+        .replace("$6::text[]", "ARRAY['1']::text[]");
     let sql: String = sql
         .lines()
         .filter(|l| !l.trim_start().starts_with("--"))

@@ -1,63 +1,52 @@
 -- language=SQL
 -- Refill and take, for one or many keys, in one atomic statement.
 --
--- $1  text[]  keys (distinct)
--- $2  text[]  capacities   (decimal text)
--- $3  text[]  refill rates (tokens per second, decimal text)
--- $4  text[]  min:  take nothing unless this many tokens can be granted
--- $5  text[]  want: take up to this many
--- $6  text[]  step: grant a multiple of this (the cost, for coalesced takes of one cost)
--- $7  int8[]  holder of a strict lease, or NULL (a plain take or a relaxed lease)
--- $8  int8[]  the new lease's id (strict only)
--- $9  text[]  tokens the holder keeps from its previous lease, which the new one carries on
--- $10 int8[]  how long the database counts the new lease, in microseconds
+-- $1 text[]  keys (distinct)
+-- $2 text[]  capacities   (decimal text)
+-- $3 text[]  refill rates (tokens per second, decimal text)
+-- $4 text[]  min:  take nothing unless this many tokens can be granted
+-- $5 text[]  want: take up to this many
+-- $6 text[]  step: grant a multiple of this (the cost, for coalesced takes of one cost)
 --
 -- A new key is inserted as a full bucket less its grant. An existing key is refilled by the
--- database's now() (never rewinding updated_at, never above capacity less the tokens out on
--- strict leases), then granted what tokenlease_grantable allows. A strict request also settles
--- the holder's previous lease in the same step: what the holder spent of it is gone, what it
--- keeps carries into the new entry (kept + granted), so a renewal is one round trip. Should a
--- holder claim to keep more than its live entry holds, the difference is taken from the bucket.
--- The row lock taken by ON CONFLICT DO UPDATE makes all of this atomic; rows are inserted in
+-- database's now() (never rewinding updated_at), then granted what tokenlease_grantable allows.
+-- A row with strict leases out (acquire_held.sql) refills only up to its capacity less the
+-- leases; every other row takes the plain refill, without calling the lease functions. The
+-- row lock taken by ON CONFLICT DO UPDATE makes refill-and-take atomic; rows are inserted in
 -- key order so concurrent multi-key statements lock in the same order and cannot deadlock.
 -- last_granted carries the grant out through RETURNING, which sees only the new row.
 WITH req AS (
     SELECT *
     FROM unnest($1::text[], $2::text[]::numeric[], $3::text[]::numeric[],
-                $4::text[]::numeric[], $5::text[]::numeric[], $6::text[]::numeric[],
-                $7::int8[], $8::int8[], $9::text[]::numeric[], $10::int8[])
-        AS r(key, capacity, rate, min_take, want, step, holder, lease_id, kept, lifetime_us)
+                $4::text[]::numeric[], $5::text[]::numeric[], $6::text[]::numeric[])
+        AS r(key, capacity, rate, min_take, want, step)
 )
 INSERT INTO tokenlease_buckets AS b
-    (key, tokens, capacity, refill_per_second, updated_at, last_granted, leases)
-SELECT req.key, a.available - g.granted, req.capacity, req.rate, now(), g.granted,
-       tokenlease_hold('{}', now(), req.holder, req.lease_id, req.kept + g.granted,
-                       req.lifetime_us)
+    (key, tokens, capacity, refill_per_second, updated_at, last_granted)
+SELECT req.key, req.capacity - g.granted, req.capacity, req.rate, now(), g.granted
 FROM req
 CROSS JOIN LATERAL (
-    SELECT greatest(0, req.capacity - req.kept) AS available
-) AS a
-CROSS JOIN LATERAL (
-    SELECT tokenlease_grantable(a.available, req.min_take, req.want, req.step) AS granted
+    SELECT tokenlease_grantable(req.capacity, req.min_take, req.want, req.step) AS granted
 ) AS g
 ORDER BY req.key
 ON CONFLICT (key) DO UPDATE SET
     (tokens, capacity, refill_per_second, updated_at, last_granted, leases) = (
-        SELECT a.available - g.granted, req.capacity, req.rate,
+        SELECT f.refilled - g.granted, req.capacity, req.rate,
                greatest(b.updated_at, now()), g.granted,
-               tokenlease_hold(b.leases, now(), req.holder, req.lease_id,
-                               req.kept + g.granted, req.lifetime_us)
+               CASE WHEN cardinality(b.leases) = 0 THEN b.leases
+                    ELSE tokenlease_hold(b.leases, now(), NULL, NULL, 0, 0)
+               END
         FROM req
         CROSS JOIN LATERAL (
-            SELECT greatest(0,
-                       tokenlease_refill_held(b.tokens, req.capacity, req.rate, b.updated_at,
-                                              b.leases, now())
-                       - greatest(0, req.kept - tokenlease_held_by(b.leases, req.holder, now()))
-                   ) AS available
-        ) AS a
+            SELECT CASE WHEN cardinality(b.leases) = 0
+                        THEN tokenlease_refill(b.tokens, req.capacity, req.rate, b.updated_at,
+                                               now())
+                        ELSE tokenlease_refill_held(b.tokens, req.capacity, req.rate,
+                                                    b.updated_at, b.leases, now())
+                   END AS refilled
+        ) AS f
         CROSS JOIN LATERAL (
-            SELECT tokenlease_grantable(a.available, req.min_take, req.want, req.step)
-                       AS granted
+            SELECT tokenlease_grantable(f.refilled, req.min_take, req.want, req.step) AS granted
         ) AS g
         WHERE req.key = b.key
     )

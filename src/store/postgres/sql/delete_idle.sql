@@ -7,8 +7,11 @@
 WITH idle AS (
     SELECT key
     FROM tokenlease_buckets
-    WHERE tokenlease_refill_held(tokens, capacity, refill_per_second, updated_at, leases, now())
-          >= capacity
+    WHERE CASE WHEN cardinality(leases) = 0
+               THEN tokenlease_refill(tokens, capacity, refill_per_second, updated_at, now())
+               ELSE tokenlease_refill_held(tokens, capacity, refill_per_second, updated_at,
+                                           leases, now())
+          END >= capacity
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 ),

@@ -38,18 +38,30 @@ FROM credit
 ORDER BY credit.key
 ON CONFLICT (key) DO UPDATE SET
     (tokens, capacity, refill_per_second, updated_at, last_granted, leases) = (
-        SELECT least(greatest(0, credit.capacity - tokenlease_outstanding(s.leases, now())),
-                     tokenlease_refill_held(b.tokens, credit.capacity, credit.rate,
-                                            b.updated_at, b.leases, now()) + s.credited),
+        SELECT least(CASE WHEN cardinality(s.leases) = 0 THEN credit.capacity
+                          ELSE greatest(0, credit.capacity
+                                           - tokenlease_outstanding(s.leases, now()))
+                     END,
+                     f.refilled + s.credited),
                credit.capacity, credit.rate, greatest(b.updated_at, now()), 0, s.leases
         FROM credit
         CROSS JOIN LATERAL (
+            SELECT CASE WHEN cardinality(b.leases) = 0
+                        THEN tokenlease_refill(b.tokens, credit.capacity, credit.rate,
+                                               b.updated_at, now())
+                        ELSE tokenlease_refill_held(b.tokens, credit.capacity, credit.rate,
+                                                    b.updated_at, b.leases, now())
+                   END AS refilled
+        ) AS f
+        CROSS JOIN LATERAL (
             SELECT CASE WHEN credit.holder IS NULL THEN credit.amount
+                        WHEN cardinality(b.leases) = 0 THEN 0
                         ELSE tokenlease_release_credit(b.leases, now(), credit.holder,
                                                        credit.lease_id, credit.amount)
                    END AS credited,
-                   CASE WHEN credit.holder IS NULL THEN tokenlease_hold(b.leases, now(), NULL,
-                                                                        NULL, 0, 0)
+                   CASE WHEN cardinality(b.leases) = 0 THEN b.leases
+                        WHEN credit.holder IS NULL
+                            THEN tokenlease_hold(b.leases, now(), NULL, NULL, 0, 0)
                         ELSE tokenlease_release(b.leases, now(), credit.holder,
                                                 credit.lease_id)
                    END AS leases
