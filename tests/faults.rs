@@ -1495,7 +1495,7 @@ fn signal(name: &str, pids: &[u32]) {
 /// `pg_stat_activity` (by pid, never by name) stopped for 2 s, then continued. One instance is
 /// busy when the server stops (its statements are in flight); a second instance, built before
 /// the stop with an empty pool, calls only during it, so each of its calls needs a new
-/// connection; and a bare `tokio_postgres` connect with a 250 ms connect timeout is timed.
+/// connection; and a store built during the stop must give up at its 250 ms connect timeout.
 async fn d7_sigstop(mode: Mode) {
     let rig = Rig::start().await;
     let busy = rig.instance(&rig.direct(), 4).await;
@@ -1531,16 +1531,21 @@ async fn d7_sigstop(mode: Mode) {
         origin,
         Duration::from_millis(4_000),
     );
-    let mut config: tokio_postgres::Config = rig.direct().parse().expect("connection string");
-    config.connect_timeout(Duration::from_millis(250));
+    // A store built while the server is stopped: its first connection (TCP accepted by the
+    // stopped postmaster's kernel, then no startup answer) must end at the connect timeout.
+    let direct = rig.direct();
     let bare = tokio::spawn(async move {
         let start = Instant::now();
-        let outcome =
-            match tokio::time::timeout(Duration::from_millis(1_500), config.connect(NoTls)).await {
-                Err(_) => "no answer in 1.5 s".to_owned(),
-                Ok(Err(e)) => format!("error: {e}"),
-                Ok(Ok(_)) => "connected".to_owned(),
-            };
+        let built = tokenlease::store::PostgresStore::builder(&direct)
+            .expect("connection string")
+            .connect_timeout(Duration::from_millis(250))
+            .migrate(false)
+            .build()
+            .await;
+        let outcome = match built {
+            Ok(_) => "connected".to_owned(),
+            Err(e) => format!("error: {e}"),
+        };
         (start.elapsed(), outcome)
     });
 
@@ -1577,8 +1582,8 @@ async fn d7_sigstop(mode: Mode) {
          failed {classes:?}, slowest {:.1} ms; waits p99 {:.3} ms max {:.1} ms; recovery \
          {:?} ms after SIGCONT. Fresh instance (new connections): first call {:?} after {:.1} ms; \
          {f_calls} db calls, {f_failed} failed {f_classes:?}, slowest {:.1} ms; waits p99 {:.3} \
-         ms max {:.1} ms; recovery {:?} ms. Bare connect (connect_timeout 250 ms): \
-         {bare_outcome} after {:.0} ms",
+         ms max {:.1} ms; recovery {:?} ms. A store built during the stop (connect_timeout \
+         250 ms): {bare_outcome} after {:.0} ms",
         mode.label(),
         in_flight.len(),
         ms(in_flight_slowest),
@@ -1596,6 +1601,14 @@ async fn d7_sigstop(mode: Mode) {
     );
     assert!(max <= DIRECT_WAIT, "a busy caller waited {max:?}");
     assert!(f_max <= DIRECT_WAIT, "a fresh caller waited {f_max:?}");
+    assert!(
+        bare_outcome.contains("connecting to the database"),
+        "new connections time out at the connect timeout: {bare_outcome}"
+    );
+    assert!(
+        bare_took <= Duration::from_millis(400),
+        "new connections end at the 250 ms connect timeout, took {bare_took:?}"
+    );
     // Often one statement is in flight at the stop, sometimes none (the callers pause 1 ms
     // between calls); the calls sent during the stop meet the same stopped backends.
     assert!(

@@ -12,6 +12,8 @@ pub enum TimeoutKind {
     Pool,
     /// The whole call, from asking the pool to reading the reply.
     Call,
+    /// Opening a connection: TCP connect, startup and login together.
+    Connect,
 }
 
 impl fmt::Display for TimeoutKind {
@@ -19,6 +21,7 @@ impl fmt::Display for TimeoutKind {
         f.write_str(match self {
             TimeoutKind::Pool => "waiting for a pooled connection",
             TimeoutKind::Call => "the store call",
+            TimeoutKind::Connect => "connecting to the database",
         })
     }
 }

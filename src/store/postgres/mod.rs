@@ -12,7 +12,6 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bb8::{Pool, RunError};
-use bb8_postgres::PostgresConnectionManager;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{NoTls, Row};
 
@@ -22,7 +21,10 @@ use super::{
 use crate::bucket::Tokens;
 use crate::clock::timestamp_from_system_time;
 
+mod manager;
 pub mod migrate;
+
+pub use self::manager::ConnectionManager;
 
 /// The SQL statements, one file each.
 mod sql {
@@ -41,7 +43,7 @@ mod sql {
 /// The SQL text of the acquire statement, for benchmarks that run it bare (pgbench).
 pub const ACQUIRE_SQL: &str = sql::ACQUIRE;
 
-type Manager = PostgresConnectionManager<NoTls>;
+type Manager = ConnectionManager;
 
 /// Buckets in PostgreSQL, shared by every instance that connects to the same database.
 ///
@@ -161,7 +163,7 @@ impl PostgresStoreBuilder {
         if config.get_application_name().is_none() {
             config.application_name("tokenlease");
         }
-        let manager = PostgresConnectionManager::new(config.clone(), NoTls);
+        let manager = ConnectionManager::new(config.clone(), self.connect_timeout);
         let pool = Pool::builder()
             .max_size(self.pool_size)
             .min_idle(Some(0))
@@ -177,7 +179,8 @@ impl PostgresStoreBuilder {
         // than the (shorter) pool wait, so a busy machine does not fail the build: it proves the
         // database is reachable and applies the migrations.
         let setup = async {
-            let (mut client, connection) = config.connect(NoTls).await?;
+            let (mut client, connection) =
+                manager::bounded(self.connect_timeout, config.connect(NoTls)).await?;
             let driver = tokio::spawn(connection);
             if self.migrate {
                 migrate::migrate(&mut client)
@@ -202,9 +205,9 @@ impl PostgresStoreBuilder {
     }
 }
 
-fn pool_error(after: Duration) -> impl Fn(RunError<tokio_postgres::Error>) -> StoreError {
+fn pool_error(after: Duration) -> impl Fn(RunError<StoreError>) -> StoreError {
     move |e| match e {
-        RunError::User(e) => StoreError::from(e),
+        RunError::User(e) => e,
         RunError::TimedOut => StoreError::Timeout {
             kind: TimeoutKind::Pool,
             after,
