@@ -29,10 +29,12 @@ use crate::store::Store;
 mod actor;
 mod slot;
 mod sync;
+mod table;
 pub(crate) mod word;
 mod words;
 
 pub(crate) use slot::Slot;
+use table::Table;
 use word::Take;
 
 /// Lease counters, in tokens, since the limiter started. Exact: every nanotoken leased is spent
@@ -74,7 +76,8 @@ pub(crate) struct TableSettings {
 /// The lease table and the handle to its actor.
 #[derive(Debug)]
 pub(crate) struct Leases {
-    table: papaya::HashMap<Arc<str>, Arc<Slot>, foldhash::fast::RandomState>,
+    /// Key → slot (`table.rs`): lock-free lookups, the key inline next to its slot.
+    table: Table,
     /// One shared copy of each plan the slots use, by name.
     plans: papaya::HashMap<String, Arc<Plan>>,
     settings: TableSettings,
@@ -118,9 +121,7 @@ impl Leases {
     /// A table over `store`, with its actor spawned on the current runtime.
     pub(crate) fn start(store: Arc<dyn Store>, settings: TableSettings) -> Arc<Leases> {
         let leases = Arc::new(Leases {
-            // foldhash: a fast keyed hash (SipHash, the default, costs more than the rest of
-            // the fast path on short keys); seeded per process, like RandomState.
-            table: papaya::HashMap::with_hasher(foldhash::fast::RandomState::default()),
+            table: Table::new(),
             plans: papaya::HashMap::new(),
             settings,
             nudges: ArrayQueue::new(4096),
@@ -157,9 +158,8 @@ impl Leases {
                 }
                 let now = self.now();
                 let plan = self.shared_plan(plan);
-                let key: Arc<str> = Arc::from(key);
                 let slot = table
-                    .get_or_insert_with(Arc::clone(&key), || Arc::new(Slot::new(key, plan, now)));
+                    .get_or_insert_with(key, || Arc::new(Slot::new(Arc::from(key), plan, now)));
                 slot.want(cost);
                 self.nudge(slot);
                 return Fast::Short(Arc::clone(slot));

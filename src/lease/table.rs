@@ -1,0 +1,439 @@
+//! The lease table: key → [`Slot`], read without a lock, the key stored inline next to its slot.
+//!
+//! A lookup is one probe of a flat array of buckets. Each bucket holds, in one allocation with
+//! its neighbours, the key's 64-bit hash, its first [`INLINE`] bytes and length, and the
+//! `Arc<Slot>`: a hit costs the bucket's cache line and then the slot's, where `papaya` cost an
+//! entry pointer, the entry, the key's own allocation and then the slot (benches/README.md).
+//!
+//! Buckets are write-once ([`OnceLock`]), so readers need nothing but an acquire load to read
+//! one: a writer fills an empty bucket once, and a removal only marks the entry gone (an atomic
+//! flag), leaving a tombstone the probes walk past. Writers (new keys, removals) take a mutex that
+//! readers never see. When tombstones and live keys fill the array, or tombstones pass a share of
+//! the live keys, a writer copies the live entries into a fresh array and publishes it; the old one
+//! is freed once no reader holds it. The current array sits in a two-entry `papaya` map used only
+//! as that publication cell: its guard (epoch-based reclamation from `seize`) is what lets a reader
+//! hold a bucket reference safely, with no reference count touched and no lock taken. (The second
+//! entry is scratch: replacing it a few times after a rebuild flushes the old array's retirement,
+//! see [`TableRef::rebuild`].) A new key's insert takes the writers' mutex; it allocates its slot
+//! anyway, and the fast path is the lookup of a key that has one.
+//!
+//! A gone entry still holds its `Arc<Slot>` until the next rebuild, so rebuilds are also triggered
+//! by tombstones alone (more than an eighth of the live keys, and at least 256): the memory kept
+//! for removed keys stays a small fraction of the table's own.
+
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+
+use super::slot::Slot;
+
+/// Key bytes stored in the bucket itself. A longer key is compared through its slot's own copy
+/// (one more cache line, only for such keys); 22 bytes makes a bucket 48 bytes.
+const INLINE: usize = 22;
+/// The length byte of a key longer than [`INLINE`].
+const LONG: u8 = u8::MAX;
+/// The smallest array.
+const MIN_BUCKETS: usize = 16;
+
+/// One key's entry: written once, when the key is inserted.
+#[derive(Debug)]
+struct Entry {
+    hash: u64,
+    slot: Arc<Slot>,
+    /// Set when the key was removed: the entry is a tombstone until the next rebuild.
+    gone: AtomicBool,
+    /// The key's length when at most [`INLINE`], else [`LONG`].
+    len: u8,
+    /// The key's first bytes (all of it when `len` is not [`LONG`]), zero-padded.
+    inline: [u8; INLINE],
+}
+
+impl Entry {
+    fn new(hash: u64, key: &str, slot: Arc<Slot>) -> Entry {
+        let bytes = key.as_bytes();
+        let n = bytes.len().min(INLINE);
+        let mut inline = [0; INLINE];
+        inline[..n].copy_from_slice(&bytes[..n]);
+        Entry {
+            hash,
+            slot,
+            gone: AtomicBool::new(false),
+            len: u8::try_from(bytes.len())
+                .ok()
+                .filter(|&l| usize::from(l) <= INLINE)
+                .unwrap_or(LONG),
+            inline,
+        }
+    }
+
+    /// Whether this entry is `key` (gone or not). The hash first, then the inline bytes; only a
+    /// long key reads the slot's copy.
+    #[inline]
+    fn is(&self, hash: u64, key: &str) -> bool {
+        if self.hash != hash {
+            return false;
+        }
+        let bytes = key.as_bytes();
+        if self.len == LONG {
+            bytes.len() > INLINE && *self.slot.key == *key
+        } else {
+            usize::from(self.len) == bytes.len() && self.inline[..bytes.len()] == *bytes
+        }
+    }
+
+    fn live(&self) -> bool {
+        !self.gone.load(Ordering::Acquire)
+    }
+}
+
+/// One array of buckets, open addressing with linear probing.
+#[derive(Debug)]
+struct Buckets {
+    buckets: Box<[OnceLock<Entry>]>,
+}
+
+impl Buckets {
+    fn with_capacity(n: usize) -> Buckets {
+        Buckets {
+            buckets: (0..n.max(MIN_BUCKETS)).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    /// An array of no buckets: what the scratch key holds.
+    fn empty() -> Buckets {
+        Buckets {
+            buckets: Box::new([]),
+        }
+    }
+
+    /// The first bucket to probe for `hash` (multiply-shift, so any array length works).
+    #[inline]
+    fn home(&self, hash: u64) -> usize {
+        ((u128::from(hash) * self.buckets.len() as u128) >> 64) as usize
+    }
+
+    /// The entry for `key`, gone or not, or the index of the empty bucket its probe ended at.
+    #[inline]
+    fn find(&self, hash: u64, key: &str) -> Result<&Entry, usize> {
+        let n = self.buckets.len();
+        let mut i = self.home(hash);
+        loop {
+            match self.buckets[i].get() {
+                None => return Err(i),
+                Some(e) if e.is(hash, key) && e.live() => return Ok(e),
+                Some(_) => i = if i + 1 == n { 0 } else { i + 1 },
+            }
+        }
+    }
+
+    fn live(&self) -> impl Iterator<Item = &Entry> {
+        self.buckets
+            .iter()
+            .filter_map(|b| b.get().filter(|e| e.live()))
+    }
+}
+
+/// What only writers touch, behind the writers' mutex.
+#[derive(Debug, Default)]
+struct Counts {
+    /// Filled buckets in the current array (live and gone).
+    used: usize,
+    /// Gone entries in the current array.
+    gone: usize,
+}
+
+/// The publication cell's key of the current array.
+const CURRENT: u8 = 0;
+/// A second key, replaced after each rebuild to flush the retirement of the old array.
+const SCRATCH: u8 = 1;
+
+/// Retirements after a rebuild: more than the threads that may be reading at once.
+fn flush_count() -> usize {
+    static COUNT: OnceLock<usize> = OnceLock::new();
+    *COUNT.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+        2 * cores + 8
+    })
+}
+
+/// The publication cell's hasher: the cell holds two small keys, so the key is the hash.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Unit(u64);
+
+impl BuildHasher for Unit {
+    type Hasher = Unit;
+    fn build_hasher(&self) -> Unit {
+        Unit(0)
+    }
+}
+
+impl std::hash::Hasher for Unit {
+    fn finish(&self) -> u64 {
+        // Spread the key over the high bits too (papaya takes a tag from them).
+        self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0 << 8 | u64::from(b);
+        }
+    }
+}
+
+/// The lease table. See the [module docs](self).
+#[derive(Debug)]
+pub(crate) struct Table {
+    /// The current array, under the key [`CURRENT`].
+    current: papaya::HashMap<u8, Buckets, Unit>,
+    /// Seeded per process, like `RandomState`; foldhash because SipHash costs more than the rest
+    /// of the fast path on short keys.
+    hasher: foldhash::fast::RandomState,
+    /// Live keys.
+    len: AtomicUsize,
+    /// Serialises writers; readers never take it.
+    writers: Mutex<Counts>,
+}
+
+impl Table {
+    pub(crate) fn new() -> Table {
+        // Reclaim a replaced array as soon as no reader holds it, not after a batch of 32.
+        let collector = seize::Collector::new().batch_size(1);
+        let current = papaya::HashMap::builder()
+            .hasher(Unit::default())
+            .collector(collector)
+            .build();
+        current
+            .pin()
+            .insert(CURRENT, Buckets::with_capacity(MIN_BUCKETS));
+        Table {
+            current,
+            hasher: foldhash::fast::RandomState::default(),
+            len: AtomicUsize::new(0),
+            writers: Mutex::new(Counts::default()),
+        }
+    }
+
+    /// A reader's view: lookups, and the writers' operations, valid while it lives.
+    #[inline]
+    pub(crate) fn pin(&self) -> TableRef<'_> {
+        TableRef {
+            table: self,
+            current: self.current.pin(),
+            rebuilt: std::cell::Cell::new(false),
+        }
+    }
+
+    /// Live keys now.
+    pub(crate) fn len(&self) -> usize {
+        self.len.load(Ordering::Relaxed)
+    }
+}
+
+/// A pinned view of the [`Table`]: what it returns stays valid until it is dropped.
+pub(crate) struct TableRef<'t> {
+    table: &'t Table,
+    current: papaya::HashMapRef<'t, u8, Buckets, Unit, papaya::LocalGuard<'t>>,
+    /// Set once this view rebuilt the array on a removal: the arrays it replaced stay allocated
+    /// until it is dropped (it pins them), so a sweep removing many keys rebuilds once, not once
+    /// per eighth of the table.
+    rebuilt: std::cell::Cell<bool>,
+}
+
+impl std::fmt::Debug for TableRef<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TableRef")
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+impl<'t> TableRef<'t> {
+    #[inline]
+    fn buckets(&self) -> &Buckets {
+        // Always present: `Table::new` inserts it and writers only replace it.
+        self.current.get(&CURRENT).expect("the lease table's array")
+    }
+
+    /// The slot of `key`. No lock, no allocation: a hash, a probe, an acquire load per bucket.
+    #[inline]
+    pub(crate) fn get(&self, key: &str) -> Option<&Arc<Slot>> {
+        let hash = self.table.hasher.hash_one(key);
+        self.buckets().find(hash, key).ok().map(|e| &e.slot)
+    }
+
+    /// The slot of `key`, inserting `make()`'s when there is none. Takes the writers' mutex.
+    pub(crate) fn get_or_insert_with(
+        &self,
+        key: &str,
+        make: impl FnOnce() -> Arc<Slot>,
+    ) -> &Arc<Slot> {
+        let hash = self.table.hasher.hash_one(key);
+        let mut counts = self.table.writers.lock();
+        let mut buckets = self.buckets();
+        if (counts.used + 1) * 8 > buckets.buckets.len() * 7 {
+            buckets = self.rebuild(&mut counts, 1);
+        }
+        match buckets.find(hash, key) {
+            Ok(found) => &found.slot,
+            Err(empty) => {
+                let bucket = &buckets.buckets[empty];
+                // Writers are serialised and the probe ended here, so the bucket is empty.
+                let _ = bucket.set(Entry::new(hash, key, make()));
+                counts.used += 1;
+                self.table.len.fetch_add(1, Ordering::Relaxed);
+                &bucket.get().expect("just filled").slot
+            }
+        }
+    }
+
+    /// Removes `key`, returning its slot. Takes the writers' mutex.
+    pub(crate) fn remove(&self, key: &str) -> Option<&Arc<Slot>> {
+        let hash = self.table.hasher.hash_one(key);
+        let mut counts = self.table.writers.lock();
+        let buckets = self.buckets();
+        let found = buckets.find(hash, key).ok()?;
+        found.gone.store(true, Ordering::Release);
+        counts.gone += 1;
+        self.table.len.fetch_sub(1, Ordering::Relaxed);
+        let live = counts.used - counts.gone;
+        if counts.gone > 256 && counts.gone * 8 > live && !self.rebuilt.replace(true) {
+            self.rebuild(&mut counts, 0);
+        }
+        Some(&found.slot)
+    }
+
+    /// Removes every key.
+    pub(crate) fn clear(&self) {
+        let mut counts = self.table.writers.lock();
+        for entry in self.buckets().live() {
+            entry.gone.store(true, Ordering::Release);
+        }
+        self.table.len.store(0, Ordering::Relaxed);
+        counts.gone = counts.used;
+        self.rebuild(&mut counts, 0);
+    }
+
+    /// Copies the live entries into a new array with room for them and `extra` more, at most
+    /// two thirds full, and publishes it. Under the writers' mutex.
+    fn rebuild(&self, counts: &mut Counts, extra: usize) -> &Buckets {
+        let old = self.buckets();
+        let live = counts.used - counts.gone;
+        let fresh = Buckets::with_capacity((live + extra) * 3 / 2 + MIN_BUCKETS);
+        for entry in old.live() {
+            // Keys are unique, so each goes to the first empty bucket of its probe.
+            let n = fresh.buckets.len();
+            let mut empty = fresh.home(entry.hash);
+            while fresh.buckets[empty].get().is_some() {
+                empty = if empty + 1 == n { 0 } else { empty + 1 };
+            }
+            {
+                let _ = fresh.buckets[empty].set(Entry {
+                    hash: entry.hash,
+                    slot: Arc::clone(&entry.slot),
+                    gone: AtomicBool::new(false),
+                    len: entry.len,
+                    inline: entry.inline,
+                });
+            }
+        }
+        *counts = Counts {
+            used: live,
+            gone: 0,
+        };
+        self.current.insert(CURRENT, fresh);
+        // `seize` hands a retired batch to the readers active at that moment only once it holds
+        // one retired object per such reader; until then the old array, and every slot it holds,
+        // stays allocated. So retire a few empty arrays after it: the old one is freed as soon as
+        // the readers that might hold it have moved on (E4 measured 100 MiB without this).
+        for _ in 0..flush_count() {
+            self.current.insert(SCRATCH, Buckets::empty());
+        }
+        self.buckets()
+    }
+
+    /// Live keys and their slots, as of the current array.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&Arc<str>, &Arc<Slot>)> {
+        self.buckets().live().map(|e| (&e.slot.key, &e.slot))
+    }
+
+    /// Live slots.
+    pub(crate) fn values(&self) -> impl Iterator<Item = &Arc<Slot>> {
+        self.buckets().live().map(|e| &e.slot)
+    }
+
+    /// Live keys now.
+    pub(crate) fn len(&self) -> usize {
+        self.table.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bucket::{BucketConfig, Rate, Tokens};
+    use crate::policy::Plan;
+
+    fn slot(key: &str) -> Arc<Slot> {
+        let bucket = BucketConfig::new(Tokens::whole(10), Rate::per_second(1).expect("rate"))
+            .expect("bucket");
+        Arc::new(Slot::new(
+            Arc::from(key),
+            Arc::new(Plan::new("t", bucket)),
+            0,
+        ))
+    }
+
+    fn key(i: usize) -> String {
+        // Short keys (inline) and keys longer than `INLINE` (compared through the slot).
+        if i % 3 == 0 {
+            format!("a-key-long-enough-to-live-outside-the-bucket:{i}")
+        } else {
+            format!("k{i}")
+        }
+    }
+
+    /// Inserts, lookups, removals (tombstones and rebuilds), re-inserts and `clear` keep exactly
+    /// the live keys, each with the slot it was inserted with.
+    #[test]
+    fn keeps_exactly_the_live_keys_through_rebuilds() {
+        let table = Table::new();
+        let t = table.pin();
+        let slots: Vec<Arc<Slot>> = (0..3000).map(|i| slot(&key(i))).collect();
+        for (i, s) in slots.iter().enumerate() {
+            let got = t.get_or_insert_with(&key(i), || Arc::clone(s));
+            assert!(Arc::ptr_eq(got, s));
+            // A second insert of the key returns the first slot.
+            let again = t.get_or_insert_with(&key(i), || slot("unused"));
+            assert!(Arc::ptr_eq(again, s));
+        }
+        assert_eq!(t.len(), 3000);
+        for i in (0..3000).step_by(2) {
+            let removed = t.remove(&key(i)).expect("present");
+            assert!(Arc::ptr_eq(removed, &slots[i]));
+            assert!(t.remove(&key(i)).is_none(), "removed once");
+        }
+        drop(t);
+        let t = table.pin();
+        assert_eq!(t.len(), 1500);
+        for i in 0..3000 {
+            assert_eq!(t.get(&key(i)).is_some(), i % 2 == 1, "key {i}");
+        }
+        assert!(t.get("k1x").is_none() && t.get("k").is_none());
+        let mut seen: Vec<&str> = t.iter().map(|(k, _)| &**k).collect();
+        seen.sort_unstable();
+        let mut want: Vec<String> = (1..3000).step_by(2).map(key).collect();
+        want.sort_unstable();
+        assert_eq!(seen, want);
+        // A removed key comes back with a new slot.
+        let fresh = slot(&key(0));
+        assert!(Arc::ptr_eq(
+            t.get_or_insert_with(&key(0), || Arc::clone(&fresh)),
+            &fresh
+        ));
+        assert!(Arc::ptr_eq(t.get(&key(0)).expect("back"), &fresh));
+        t.clear();
+        assert_eq!(t.len(), 0);
+        assert!(t.get(&key(1)).is_none() && t.iter().next().is_none());
+    }
+}
