@@ -11,17 +11,42 @@ use crate::policy::Plan;
 use crate::store::LeaseRef;
 
 /// One key's lease slot, shared by callers (through the lease table) and the actor.
+///
+/// Only what a caller reads on the fast path lives in the slot itself (about 70 bytes with the
+/// `Arc`'s counts, so most of it shares one cache line); everything else is in [`SlotCold`],
+/// one pointer away, reached through `Deref`. With 100,000 keys a whole-slot layout was about
+/// 270 bytes a key, 27 MB in all: more than the last-level cache holds beside the table, so
+/// most fast-path calls on a random key missed to memory.
 #[derive(Debug)]
+#[repr(C)]
 pub(crate) struct Slot {
     /// The words callers spend from (`words.rs`). The first is not padded to a cache line of its
     /// own: the fields that share its line are read by callers and written only by the actor once
-    /// per refill, and words of different keys are a whole slot apart. A hot key gets extra
-    /// words, one per core, each on its own line. Padding every key would cost 128 bytes per key
-    /// for nothing (test plan E4 holds the table to 64 MiB for 100,000 keys).
+    /// per refill. A hot key gets extra words, one per core, each on its own line. Padding every
+    /// key would cost 128 bytes per key for nothing (test plan E4 holds the table to 64 MiB for
+    /// 100,000 keys).
     pub(crate) word: LeaseWords,
     /// Below this many nanotokens left, a caller asks for a refill. Written by the actor at each
     /// top-up, read by callers.
     pub(crate) low_water: AtomicU64,
+    /// Tokens (nanotokens, saturating) the shared bucket held after the last refill, for
+    /// `Decision::remaining`.
+    pub(crate) store_remaining: AtomicU64,
+    /// The rest of the slot, off the fast path.
+    cold: Box<SlotCold>,
+}
+
+impl std::ops::Deref for Slot {
+    type Target = SlotCold;
+
+    fn deref(&self) -> &SlotCold {
+        &self.cold
+    }
+}
+
+/// The parts of a [`Slot`] that the fast path does not read.
+#[derive(Debug)]
+pub(crate) struct SlotCold {
     /// Until this local monotonic time (ns), the store said the bucket is empty: callers are
     /// denied here without asking again. Zero when not set.
     pub(crate) deny_until: AtomicU64,
@@ -32,9 +57,6 @@ pub(crate) struct Slot {
     pub(crate) needed: AtomicU64,
     /// The sum of the costs (nanotokens) callers are waiting for.
     pub(crate) waiting: AtomicU64,
-    /// Tokens (nanotokens, saturating) the shared bucket held after the last refill, for
-    /// `Decision::remaining`.
-    pub(crate) store_remaining: AtomicU64,
     /// Set once the actor removed the slot from the table: it will never be topped up again.
     pub(crate) evicted: AtomicBool,
     /// The store's last answer was "empty": until it grants again, callers whose lease is short
@@ -106,20 +128,22 @@ impl Slot {
         Slot {
             word: LeaseWords::new_pending(),
             low_water: AtomicU64::new(0),
-            deny_until: AtomicU64::new(0),
-            fallback_until: AtomicU64::new(0),
-            needed: AtomicU64::new(0),
-            waiting: AtomicU64::new(0),
             store_remaining: AtomicU64::new(0),
-            evicted: AtomicBool::new(false),
-            dry: AtomicBool::new(false),
-            notify: Notify::new(),
-            key,
-            plan,
-            book: Mutex::new(Book {
-                sampled_at: now,
-                active_at: now,
-                ..Book::default()
+            cold: Box::new(SlotCold {
+                deny_until: AtomicU64::new(0),
+                fallback_until: AtomicU64::new(0),
+                needed: AtomicU64::new(0),
+                waiting: AtomicU64::new(0),
+                evicted: AtomicBool::new(false),
+                dry: AtomicBool::new(false),
+                notify: Notify::new(),
+                key,
+                plan,
+                book: Mutex::new(Book {
+                    sampled_at: now,
+                    active_at: now,
+                    ..Book::default()
+                }),
             }),
         }
     }
