@@ -65,11 +65,9 @@ ON CONFLICT (key) DO UPDATE SET
             SELECT CASE WHEN s.plain
                         THEN tokenlease_refill(b.tokens, req.capacity, req.rate, b.updated_at,
                                                now())
-                        ELSE greatest(0,
-                            tokenlease_refill_held(b.tokens, req.capacity, req.rate,
-                                                   b.updated_at, b.leases, now())
-                            - greatest(0, req.kept
-                                          - tokenlease_held_by(b.leases, req.holder, now())))
+                        ELSE tokenlease_available_held(b.tokens, req.capacity, req.rate,
+                                                       b.updated_at, b.leases, now(),
+                                                       req.holder, req.kept)
                    END AS available
         ) AS a
         CROSS JOIN LATERAL (
