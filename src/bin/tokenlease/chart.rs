@@ -60,6 +60,12 @@ struct Run {
     db_calls_per_1k: f64,
     overshoot_tokens: f64,
     overshoot_bound: f64,
+    /// `steady` or `lull-burst`; absent in reports from before `--pattern`.
+    #[serde(default)]
+    pattern: Option<String>,
+    /// `relaxed` or `strict` in leased mode; absent before `--accounting`.
+    #[serde(default)]
+    accounting: Option<String>,
 }
 
 /// One leased hot-key run, placed on the x axis by its largest lease.
@@ -132,11 +138,15 @@ fn read_runs(path: &Path) -> Result<Vec<Run>, String> {
     Ok(runs)
 }
 
-/// Keeps the hot-key runs: the leased ones sorted by lease size, and the last direct one.
+/// Keeps the steady hot-key runs: the relaxed leased ones sorted by lease size, and the last
+/// direct one. Strict and lull-burst runs answer other questions (README's table has them).
 fn select(runs: &[Run]) -> Result<Chart, String> {
-    let hot = || runs.iter().filter(|r| r.keys == 1);
+    let hot = || {
+        runs.iter()
+            .filter(|r| r.keys == 1 && r.pattern.as_deref().is_none_or(|p| p == "steady"))
+    };
     let mut leased: Vec<Point> = hot()
-        .filter(|r| r.mode == "leased")
+        .filter(|r| r.mode == "leased" && r.accounting.as_deref().is_none_or(|a| a == "relaxed"))
         .filter_map(|r| {
             r.lease_fraction.map(|f| Point {
                 lease_tokens: f * r.capacity as f64,
@@ -397,7 +407,36 @@ mod tests {
             db_calls_per_1k: per_1k,
             overshoot_tokens: 1.0,
             overshoot_bound: fraction.map_or(1.0, |f| 2.0 * f * 100.0),
+            pattern: None,
+            accounting: None,
         }
+    }
+
+    #[test]
+    fn leaves_out_strict_and_lull_burst_runs() {
+        let strict = Run {
+            accounting: Some("strict".into()),
+            ..run("leased", 1, Some(0.1), 0.6)
+        };
+        let lull = Run {
+            pattern: Some("lull-burst".into()),
+            ..run("leased", 1, Some(0.1), 3.8)
+        };
+        let lull_direct = Run {
+            pattern: Some("lull-burst".into()),
+            ..run("direct", 1, None, 120.0)
+        };
+        let runs = [
+            run("direct", 1, None, 40.0),
+            run("leased", 1, Some(0.1), 0.7),
+            strict,
+            lull,
+            lull_direct,
+        ];
+        let chart = select(&runs).expect("chart");
+        assert_eq!(chart.leased.len(), 1);
+        assert_eq!(chart.leased[0].db_calls_per_1k, 0.7);
+        assert_eq!(chart.direct_per_1k, Some(40.0));
     }
 
     #[test]
