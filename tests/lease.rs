@@ -128,13 +128,7 @@ async fn two_instances_share_one_key_through_leases() {
         let stats = limiter.lease_stats().expect("leased");
         let admitted = s.admitted.len() as f64;
         // Conservation, exact (costs are whole tokens, the counters exact in nanotokens).
-        assert!(
-            (admitted + stats.returned + stats.stranded - stats.leased).abs() < 1e-9,
-            "instance {i}: admitted {admitted} + returned {} + stranded {} != leased {}",
-            stats.returned,
-            stats.stranded,
-            stats.leased
-        );
+        common::assert_conserved(&format!("instance {i}"), admitted, &stats);
         assert_eq!(stats.outstanding, 0.0, "shutdown gave everything back");
         assert!(s.denied >= 1, "instance {i} never denied (Gubernator #208)");
         let decisions = s.admitted.len() as u64 + s.denied + s.fallback;
@@ -472,13 +466,7 @@ async fn cancelled_callers_leave_nothing_stuck() {
     }
     limiter.shutdown().await;
     let stats = limiter.lease_stats().expect("leased");
-    assert!(
-        (admitted + stats.returned + stats.stranded - stats.leased).abs() < 1e-9,
-        "{admitted} + {} + {} != {}",
-        stats.returned,
-        stats.stranded,
-        stats.leased
-    );
+    common::assert_conserved("the limiter", admitted, &stats);
     let row = memory
         .inspect("cancel")
         .await
@@ -757,13 +745,7 @@ async fn a_flooding_instance_does_not_starve_a_light_one() {
     for (name, limiter, admitted) in [("A", &a, a_admitted), ("B", &b, b_admitted.len() as f64)] {
         limiter.shutdown().await;
         let stats = limiter.lease_stats().expect("leased");
-        assert!(
-            (admitted + stats.returned + stats.stranded - stats.leased).abs() < 1e-9,
-            "instance {name}: admitted {admitted} + returned {} + stranded {} != leased {}",
-            stats.returned,
-            stats.stranded,
-            stats.leased
-        );
+        common::assert_conserved(&format!("instance {name}"), admitted, &stats);
     }
     eprintln!(
         "C6: B admitted {} of {b_calls} ({:.0}%, {b_fallback} by the fallback), A admitted {a_admitted}",

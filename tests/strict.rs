@@ -143,13 +143,7 @@ async fn two_strict_instances_hold_the_bucket_envelope_exactly() {
         limiter.shutdown().await;
         let stats = limiter.lease_stats().expect("leased");
         let admitted = s.admitted.len() as f64;
-        assert!(
-            (admitted + stats.returned + stats.stranded - stats.leased).abs() < 1e-9,
-            "instance {i}: admitted {admitted} + returned {} + stranded {} != leased {}",
-            stats.returned,
-            stats.stranded,
-            stats.leased
-        );
+        common::assert_conserved(&format!("instance {i}"), admitted, &stats);
         assert!(s.denied >= 1, "instance {i} was never denied");
         calls += stats.store_calls;
         all.extend(s.admitted.iter().copied());

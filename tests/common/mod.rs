@@ -86,3 +86,17 @@ pub fn worst_window(
     }
     worst
 }
+
+/// Lease conservation, exact: every token `who` was granted was admitted (`admitted`, whole
+/// tokens), given back, stranded, or is still held.
+pub fn assert_conserved(who: &str, admitted: f64, stats: &tokenlease::lease::LeaseStats) {
+    assert!(
+        (admitted + stats.returned + stats.stranded + stats.outstanding - stats.leased).abs()
+            < 1e-9,
+        "{who}: admitted {admitted} + returned {} + stranded {} + outstanding {} != leased {}",
+        stats.returned,
+        stats.stranded,
+        stats.outstanding,
+        stats.leased
+    );
+}
