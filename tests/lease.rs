@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::traffic::hammer;
 use tokenlease::policy::{Accounting, FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::{MemoryStore, Store};
 use tokenlease::{DecidedBy, Limiter};
@@ -45,65 +46,6 @@ fn leased_plan_with(capacity: u64, rate: f64, accounting: Accounting) -> Plan {
         .with_fallback(FallbackSettings {
             mode: FallbackMode::Deny,
         })
-}
-
-/// What one instance saw in [`run_instances`].
-#[derive(Default)]
-struct Seen {
-    /// Admission times (local monotonic clock, shared by all instances in this process).
-    admitted: Vec<Instant>,
-    denied: u64,
-    fallback: u64,
-    latencies_ns: Vec<u64>,
-}
-
-/// `limiters.len()` instances × `tasks` tasks on one key for `duration`, at most `max_calls`
-/// calls per task.
-async fn run_instances(
-    limiters: &[Limiter],
-    plan: &Arc<Plan>,
-    tasks: usize,
-    duration: Duration,
-) -> Vec<Seen> {
-    let mut handles = Vec::new();
-    for (i, limiter) in limiters.iter().enumerate() {
-        for _ in 0..tasks {
-            let (limiter, plan) = (limiter.clone(), Arc::clone(plan));
-            handles.push(tokio::spawn(async move {
-                let mut seen = Seen::default();
-                let deadline = Instant::now() + duration;
-                let mut calls = 0;
-                while Instant::now() < deadline && calls < 10_000 {
-                    calls += 1;
-                    let started = Instant::now();
-                    let d = limiter
-                        .try_acquire_with(&plan, "hot", 1.0)
-                        .await
-                        .expect("decision");
-                    let at = Instant::now();
-                    seen.latencies_ns.push((at - started).as_nanos() as u64);
-                    if matches!(d.decided_by, DecidedBy::Fallback(_)) {
-                        seen.fallback += 1;
-                    } else if d.allowed {
-                        seen.admitted.push(at);
-                    } else {
-                        seen.denied += 1;
-                    }
-                    tokio::time::sleep(Duration::from_micros(500)).await;
-                }
-                (i, seen)
-            }));
-        }
-    }
-    let mut out: Vec<Seen> = (0..limiters.len()).map(|_| Seen::default()).collect();
-    for h in handles {
-        let (i, seen) = h.await.expect("task");
-        out[i].admitted.extend(seen.admitted);
-        out[i].denied += seen.denied;
-        out[i].fallback += seen.fallback;
-        out[i].latencies_ns.extend(seen.latencies_ns);
-    }
-    out
 }
 
 fn p99(mut v: Vec<u64>) -> u64 {
@@ -182,7 +124,7 @@ async fn c1(accounting: Accounting) -> C1 {
         limiters.push(Limiter::builder(common::store(&db, 4).await).build());
     }
     let started = Instant::now();
-    let seen = run_instances(&limiters, &plan, 16, Duration::from_secs(5)).await;
+    let seen = hammer(&limiters, &plan, 16, Duration::from_secs(5)).await;
     let elapsed = started.elapsed().as_secs_f64();
     let mut calls = 0;
     let mut all = Vec::new();
@@ -321,7 +263,7 @@ fn a_dead_instance_loses_at_most_one_lease() {
     assert!(held <= B, "a lease holds at most B = {B} tokens ({held})");
     main.block_on(async {
         let survivor = Limiter::builder(common::store(&db, 2).await).build();
-        let seen = run_instances(
+        let seen = hammer(
             std::slice::from_ref(&survivor),
             &plan,
             4,
@@ -565,7 +507,7 @@ async fn a_refund_goes_back_into_the_live_lease() {
 /// Admissions of [`run_traffic`]: when, which key, what cost.
 type Admitted = Vec<(Instant, String, f64)>;
 
-/// Like [`run_instances`], with call `i` of a task taking `cost(i)` from `key(i)`. Returns the
+/// Like [`hammer`], with call `i` of a task taking `cost(i)` from `key(i)`. Returns the
 /// admissions and the number of calls the fallback decided.
 async fn run_traffic(
     limiters: &[Limiter],

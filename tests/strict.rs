@@ -10,9 +10,10 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use common::traffic::{calls, hammer};
 use tokenlease::policy::{Accounting, FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::Store;
-use tokenlease::{DecidedBy, Limiter};
+use tokenlease::Limiter;
 
 const C: f64 = 100.0;
 const R: f64 = 50.0;
@@ -37,75 +38,6 @@ fn strict_plan() -> Plan {
         .with_fallback(FallbackSettings {
             mode: FallbackMode::Deny,
         })
-}
-
-/// What one instance saw.
-#[derive(Default)]
-struct Seen {
-    admitted: Vec<Instant>,
-    denied: u64,
-    fallback: u64,
-}
-
-/// `tasks` tasks per limiter on `key` for `duration`, one call every `every` per task.
-async fn calls(
-    limiters: &[Limiter],
-    plan: &Arc<Plan>,
-    key: &str,
-    tasks: usize,
-    duration: Duration,
-    every: Duration,
-) -> Vec<Seen> {
-    let mut handles = Vec::new();
-    for (i, limiter) in limiters.iter().enumerate() {
-        for _ in 0..tasks {
-            let (limiter, plan, key) = (limiter.clone(), Arc::clone(plan), key.to_owned());
-            handles.push(tokio::spawn(async move {
-                let mut seen = Seen::default();
-                let deadline = Instant::now() + duration;
-                while Instant::now() < deadline {
-                    let d = limiter
-                        .try_acquire_with(&plan, &key, 1.0)
-                        .await
-                        .expect("decision");
-                    let at = Instant::now();
-                    match d.decided_by {
-                        DecidedBy::Fallback(_) => seen.fallback += 1,
-                        _ if d.allowed => seen.admitted.push(at),
-                        _ => seen.denied += 1,
-                    }
-                    tokio::time::sleep(every).await;
-                }
-                (i, seen)
-            }));
-        }
-    }
-    let mut out: Vec<Seen> = (0..limiters.len()).map(|_| Seen::default()).collect();
-    for h in handles {
-        let (i, seen) = h.await.expect("task");
-        out[i].admitted.extend(seen.admitted);
-        out[i].denied += seen.denied;
-        out[i].fallback += seen.fallback;
-    }
-    out
-}
-
-/// [`calls`] on key "hot", one call every 500 µs per task.
-async fn hammer(
-    limiters: &[Limiter],
-    plan: &Arc<Plan>,
-    tasks: usize,
-    duration: Duration,
-) -> Vec<Seen> {
-    calls(
-        limiters,
-        plan,
-        "hot",
-        tasks,
-        duration,
-        Duration::from_micros(500),
-    )
-    .await
 }
 
 /// The worst excess over `C + R·(w + SLACK)` in any window of each length in [`WINDOWS`], over

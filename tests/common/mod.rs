@@ -2,6 +2,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod proxy;
+pub mod traffic;
 
 use std::time::{Duration, SystemTime};
 
