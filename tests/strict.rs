@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use common::traffic::{calls, hammer};
+use tokenlease::Limiter;
 use tokenlease::policy::{Accounting, FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::Store;
-use tokenlease::Limiter;
 
 const C: f64 = 100.0;
 const R: f64 = 50.0;
