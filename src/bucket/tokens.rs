@@ -61,12 +61,21 @@ impl Tokens {
     /// would admit nine takes of it, not ten).
     ///
     /// Returns `None` for NaN, infinities, negative values and values above [`Tokens::MAX`].
+    #[inline]
     pub fn from_f64(x: f64) -> Option<Self> {
         if (1.0..=9_007_199_254_740_992.0).contains(&x) && x == (x as u64) as f64 {
             // Whole numbers up to 2⁵³ (the common cost of 1) print as exactly their integer
             // value, so the decimal detour would give the same: skip it on the hot path.
             return Some(Tokens::whole(x as u64));
         }
+        Self::from_f64_decimal(x)
+    }
+
+    /// [`from_f64`](Self::from_f64) for everything but whole numbers: through the shortest
+    /// round-trip decimal. Out of line, so the hot path's frame holds no 400-byte buffer.
+    #[cold]
+    #[inline(never)]
+    fn from_f64_decimal(x: f64) -> Option<Self> {
         // 2⁶⁴ tokens is already above MAX; the bound also keeps the text below short.
         if !(0.0..18_446_744_073_709_551_616.0).contains(&x) {
             return None;
