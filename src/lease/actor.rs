@@ -228,7 +228,6 @@ fn plan_refill(slot: &Slot, now: u64) -> Option<(u64, u64)> {
     let available = slot.word.available();
     let needed = slot.needed.swap(0, Ordering::AcqRel);
     let waiting = slot.waiting.swap(0, Ordering::AcqRel);
-    let refused = slot.refused.swap(0, Ordering::AcqRel);
     let mut book = slot.book.lock();
     book.max_cost = book.max_cost.max(needed);
     let elapsed = now.saturating_sub(book.sampled_at);
@@ -244,14 +243,13 @@ fn plan_refill(slot: &Slot, now: u64) -> Option<(u64, u64)> {
         book.spent_at_sample = spent;
     }
     // About one refresh interval of demand, at most max_fraction of the capacity. A key whose
-    // bucket ran dry and whose callers were refused at least a whole lease's worth meanwhile
-    // wants more than it gets: ask for the largest lease, so that a dry bucket is asked about
-    // once per lease's worth of refill instead of once per token. A light key beside it (test
-    // plan C6) was refused little: it asks for what its callers need, and is not made to win a
-    // whole lease against the instance that drains the bucket.
-    let demand_target = ((book.demand * settings.refresh.as_secs_f64()) as u64).min(largest);
-    let hungry = book.dry && refused >= largest;
-    let target = if hungry { largest } else { demand_target };
+    // bucket ran dry wants more than it gets: ask for the largest lease, so that a dry bucket
+    // is asked about once per lease's worth of refill instead of once per token.
+    let target = if book.dry {
+        largest
+    } else {
+        ((book.demand * settings.refresh.as_secs_f64()) as u64).min(largest)
+    };
     book.target = target;
     let want = target
         .max(waiting)
@@ -263,7 +261,7 @@ fn plan_refill(slot: &Slot, now: u64) -> Option<(u64, u64)> {
     }
     // A top-up is worth a round trip only if it brings a good part of what is wanted; a bucket
     // that ran dry is asked for the whole lease or nothing.
-    let min = if hungry {
+    let min = if book.dry {
         want
     } else {
         needed.max(want / 2).clamp(1, want)

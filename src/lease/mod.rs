@@ -190,7 +190,6 @@ impl Leases {
         let deny_until = slot.deny_until.load(Ordering::Acquire);
         if deny_until > now {
             slot.needed.fetch_max(cost, Ordering::AcqRel);
-            slot.refused.fetch_add(cost, Ordering::Relaxed);
             return Fast::Dry {
                 retry_after: deny_until - now,
             };
@@ -205,7 +204,6 @@ impl Leases {
         if slot.dry.load(Ordering::Acquire) {
             // The store said empty and its retry time has passed: a refill is on its way, but
             // until it grants, the store's last word stands. Nobody waits on a dry bucket.
-            slot.refused.fetch_add(cost, Ordering::Relaxed);
             return Fast::Dry {
                 retry_after: self.settings.tick.as_nanos() as u64,
             };

@@ -57,9 +57,6 @@ pub(crate) struct SlotCold {
     pub(crate) needed: AtomicU64,
     /// The sum of the costs (nanotokens) callers are waiting for.
     pub(crate) waiting: AtomicU64,
-    /// The sum of the costs (nanotokens) refused here because the store said the bucket was
-    /// empty, since the last refill: how hungry the key is while its bucket is dry.
-    pub(crate) refused: AtomicU64,
     /// Set once the actor removed the slot from the table: it will never be topped up again.
     pub(crate) evicted: AtomicBool,
     /// The store's last answer was "empty": until it grants again, callers whose lease is short
@@ -137,7 +134,6 @@ impl Slot {
                 fallback_until: AtomicU64::new(0),
                 needed: AtomicU64::new(0),
                 waiting: AtomicU64::new(0),
-                refused: AtomicU64::new(0),
                 evicted: AtomicBool::new(false),
                 dry: AtomicBool::new(false),
                 notify: Notify::new(),
