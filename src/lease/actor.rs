@@ -128,7 +128,7 @@ fn sweep(
     let table = leases.table.pin();
     let mut evict = Vec::new();
     for (key, slot) in table.iter() {
-        let word = slot.word.load();
+        let word = slot.words().load();
         let ttl = lease_settings(slot).ttl.as_nanos() as u64;
         let mut book = slot.book.lock();
         let spent = book.spent(word & TOKENS);
@@ -139,7 +139,7 @@ fn sweep(
             due.push(Arc::clone(slot));
         }
         if word & CLOSED == 0 && now >= book.expires_at {
-            let reclaimed = slot.word.close();
+            let reclaimed = slot.words().close();
             book.reclaimed += reclaimed;
             queue_return(returns, ids, slot, reclaimed, book.lease());
         } else if word & CLOSED != 0
@@ -180,7 +180,7 @@ fn queue_return(
 /// again, its unspent tokens go back, and its waiters wake to find it closed.
 fn retire(slot: &Arc<Slot>, returns: &mut Vec<Return>, ids: &mut Ids) {
     slot.evicted.store(true, Ordering::Release);
-    let reclaimed = slot.word.close();
+    let reclaimed = slot.words().close();
     let lease = {
         let mut book = slot.book.lock();
         book.reclaimed += reclaimed;
@@ -214,7 +214,7 @@ fn hold(leases: &Leases, slot: &Slot, ids: &mut Ids) -> Option<Hold> {
     Some(Hold {
         holder,
         lease_id: ids.next(),
-        kept: Tokens::from_nanos(u128::from(slot.word.available())),
+        kept: Tokens::from_nanos(u128::from(slot.words().available())),
         lifetime: settings.ttl * 2 + leases.settings.tick * 2,
     })
 }
@@ -225,7 +225,7 @@ fn plan_refill(slot: &Slot, now: u64) -> Option<(u64, u64)> {
     let settings = lease_settings(slot);
     let capacity = u64::try_from(slot.plan.capacity().as_nanos()).unwrap_or(TOKENS);
     let largest = ((capacity as f64 * settings.max_fraction) as u64).clamp(1, TOKENS);
-    let available = slot.word.available();
+    let available = slot.words().available();
     let needed = slot.needed.swap(0, Ordering::AcqRel);
     let waiting = slot.waiting.swap(0, Ordering::AcqRel);
     let mut book = slot.book.lock();
@@ -293,7 +293,7 @@ async fn refill_chunk(
         }
         if !keys.insert(&*slot.key) {
             // Another slot of the same key (evicted and re-created): next round.
-            slot.word.request_refill();
+            slot.words().request_refill();
             continue;
         }
         match plan_refill(slot, now) {
@@ -302,7 +302,7 @@ async fn refill_chunk(
                 asks.push((Arc::clone(slot), min, want, hold));
             }
             None => {
-                slot.word.clear_pending();
+                slot.words().clear_pending();
                 slot.notify.notify_waiters();
             }
         }
@@ -343,7 +343,7 @@ async fn refill_chunk(
                 let until = now + FAILURE_BACKOFF.as_nanos() as u64;
                 for (slot, _, _, _) in chunk {
                     slot.fallback_until.store(until, Ordering::Release);
-                    slot.word.clear_pending();
+                    slot.words().clear_pending();
                     slot.notify.notify_waiters();
                 }
             }
@@ -374,7 +374,9 @@ fn apply(
     }
     let granted = u64::try_from(answer.granted.as_nanos()).unwrap_or(TOKENS);
     let remaining = u64::try_from(answer.remaining.as_nanos()).unwrap_or(u64::MAX);
-    slot.store_remaining.store(remaining, Ordering::Relaxed);
+    slot.hot()
+        .store_remaining
+        .store(remaining, Ordering::Relaxed);
     // How long until the bucket could grant what was wanted, if nobody else takes from it: a
     // scarce bucket is asked again then, not sooner, so it costs one round trip per lease.
     let until_want = slot
@@ -398,20 +400,20 @@ fn apply(
         slot.deny_until
             .store(now.saturating_add(wait), Ordering::Release);
         slot.dry.store(true, Ordering::Release);
-        slot.word.clear_pending();
+        slot.words().clear_pending();
     } else {
         leases.counters.leased.fetch_add(granted, Ordering::AcqRel);
         let mut book = slot.book.lock();
         // Split a top-up over a hot key's words only in parts of a few costs each, so that
         // no word is left holding less than a caller needs while the others hold the rest.
         let split_min = book.max_cost.max(1).saturating_mul(HOT_PARTS);
-        if slot.word.contended() && book.target >= split_min.saturating_mul(HOT_PARTS) {
-            slot.word.spread_out();
+        if slot.words().contended() && book.target >= split_min.saturating_mul(HOT_PARTS) {
+            slot.words().spread_out();
         }
         let unplaced = if slot.evicted.load(Ordering::Acquire) {
             granted
         } else {
-            slot.word.top_up(granted, split_min)
+            slot.words().top_up(granted, split_min)
         };
         book.credited += granted - unplaced;
         if strict.is_none() {
@@ -424,13 +426,13 @@ fn apply(
         let scarce = granted < want;
         book.dry = scarce;
         book.dry_streak = 0;
-        let size = book.target.max(slot.word.available());
+        let size = book.target.max(slot.words().available());
         let low_water = if scarce {
             0
         } else {
             (size as f64 * settings.low_water) as u64
         };
-        slot.low_water.store(low_water, Ordering::Relaxed);
+        slot.hot().low_water.store(low_water, Ordering::Relaxed);
         drop(book);
         let deny_until = if scarce {
             now.saturating_add(until_want)

@@ -27,12 +27,14 @@ use crate::policy::Plan;
 use crate::store::Store;
 
 mod actor;
+mod slab;
 mod slot;
 mod sync;
 mod table;
 pub(crate) mod word;
 mod words;
 
+use slab::Slab;
 pub(crate) use slot::Slot;
 use table::Table;
 use word::Take;
@@ -121,7 +123,12 @@ impl Leases {
     /// A table over `store`, with its actor spawned on the current runtime.
     pub(crate) fn start(store: Arc<dyn Store>, settings: TableSettings) -> Arc<Leases> {
         let leases = Arc::new(Leases {
-            table: Table::new(),
+            // Records for every key the table may hold, the removed keys whose slots are not yet
+            // dropped (at most an eighth more, by the table's rebuild rule, plus what the actor
+            // holds in flight), and slack.
+            table: Table::new(Slab::new(
+                settings.max_entries.saturating_mul(2).saturating_add(4096),
+            )),
             plans: papaya::HashMap::new(),
             settings,
             nudges: ArrayQueue::new(4096),
@@ -149,8 +156,8 @@ impl Leases {
     #[inline]
     pub(crate) fn try_take(&self, plan: &Plan, key: &str, cost: u64) -> Fast {
         let table = self.table.pin();
-        let slot = match table.get(key) {
-            Some(slot) => slot,
+        let (slot, hot) = match table.get(key) {
+            Some(found) => found,
             None => {
                 if table.len() >= self.settings.max_entries || self.stopping.load(Ordering::Relaxed)
                 {
@@ -158,16 +165,20 @@ impl Leases {
                 }
                 let now = self.now();
                 let plan = self.shared_plan(plan);
-                let slot = table
-                    .get_or_insert_with(key, || Arc::new(Slot::new(Arc::from(key), plan, now)));
+                let Some(slot) = table.get_or_insert_with(key, |hot| {
+                    Arc::new(Slot::new(Arc::from(key), plan, now, hot))
+                }) else {
+                    return Fast::NoRoom;
+                };
                 slot.want(cost);
                 self.nudge(slot);
                 return Fast::Short(Arc::clone(slot));
             }
         };
+        // The record alone: a quiet key's call does not read its slot.
         match slot
-            .word
-            .try_take(cost, slot.low_water.load(Ordering::Relaxed))
+            .words_of(hot)
+            .try_take(cost, hot.low_water.load(Ordering::Relaxed))
         {
             Take::Taken { left, nudge } => {
                 if nudge {
@@ -176,7 +187,7 @@ impl Leases {
                 crate::metrics::record_lease_allowed();
                 Fast::Taken {
                     left,
-                    store_remaining: slot.store_remaining.load(Ordering::Relaxed),
+                    store_remaining: hot.store_remaining.load(Ordering::Relaxed),
                 }
             }
             Take::Short { .. } => self.short(slot, cost),
@@ -198,7 +209,7 @@ impl Leases {
             return Fast::Failing;
         }
         slot.want(cost);
-        if slot.word.request_refill() {
+        if slot.words().request_refill() {
             self.nudge(slot);
         }
         if slot.dry.load(Ordering::Acquire) {
@@ -222,9 +233,10 @@ impl Leases {
             let notified = slot.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            let hot = slot.hot();
             match slot
-                .word
-                .try_take(cost, slot.low_water.load(Ordering::Relaxed))
+                .words()
+                .try_take(cost, hot.low_water.load(Ordering::Relaxed))
             {
                 Take::Taken { left, nudge } => {
                     crate::metrics::record_lease_allowed();
@@ -233,7 +245,7 @@ impl Leases {
                     }
                     return Fast::Taken {
                         left,
-                        store_remaining: slot.store_remaining.load(Ordering::Relaxed),
+                        store_remaining: hot.store_remaining.load(Ordering::Relaxed),
                     };
                 }
                 Take::Short { pending, .. } => {
@@ -249,7 +261,7 @@ impl Leases {
                     }
                     if !pending {
                         slot.want(cost);
-                        if slot.word.request_refill() {
+                        if slot.words().request_refill() {
                             self.nudge(&slot);
                         }
                     }
@@ -291,13 +303,13 @@ impl Leases {
         self.table
             .pin()
             .get(key)
-            .is_some_and(|slot| slot.word.refund(cost))
+            .is_some_and(|(slot, hot)| slot.words_of(hot).refund(cost))
     }
 
     /// Counters now.
     pub(crate) fn stats(&self) -> LeaseStats {
         let table = self.table.pin();
-        let outstanding: u64 = table.values().map(|s| s.word.available()).sum();
+        let outstanding: u64 = table.values().map(|s| s.words().available()).sum();
         let tokens = |n: u64| n as f64 / 1e9;
         LeaseStats {
             leased: tokens(self.counters.leased.load(Ordering::Acquire)),

@@ -6,34 +6,26 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
-use super::words::LeaseWords;
+use super::slab::{Hot, HotRef};
+use super::words::{Extra, LeaseWords};
 use crate::policy::Plan;
 use crate::store::LeaseRef;
 
 /// One key's lease slot, shared by callers (through the lease table) and the actor.
 ///
-/// Only what a caller reads on the fast path lives in the slot itself (about 70 bytes with the
-/// `Arc`'s counts, so most of it shares one cache line); everything else is in [`SlotCold`],
-/// one pointer away, reached through `Deref`. With 100,000 keys a whole-slot layout was about
-/// 270 bytes a key, 27 MB in all: more than the last-level cache holds beside the table, so
-/// most fast-path calls on a random key missed to memory.
+/// The fields a call reads on the fast path (the lease word, the low-water mark, the store's
+/// last remaining count) are not here but in the slot's fixed-position record in the table's
+/// slab (`slab.rs`), which the table's bucket points at directly: a call on a quiet key with a
+/// live lease never reads its slot. The slot holds the claim on that record, a hot key's extra
+/// words, and everything the actor and the slow paths need.
 #[derive(Debug)]
-#[repr(C)]
 pub(crate) struct Slot {
-    /// The words callers spend from (`words.rs`). The first is not padded to a cache line of its
-    /// own: the fields that share its line are read by callers and written only by the actor once
-    /// per refill. A hot key gets extra words, one per core, each on its own line. Padding every
-    /// key would cost 128 bytes per key for nothing (test plan E4 holds the table to 64 MiB for
-    /// 100,000 keys).
-    pub(crate) word: LeaseWords,
-    /// Below this many nanotokens left, a caller asks for a refill. Written by the actor at each
-    /// top-up, read by callers.
-    pub(crate) low_water: AtomicU64,
-    /// Tokens (nanotokens, saturating) the shared bucket held after the last refill, for
-    /// `Decision::remaining`.
-    pub(crate) store_remaining: AtomicU64,
-    /// The rest of the slot, off the fast path.
-    cold: Box<SlotCold>,
+    /// The slot's record; released when the slot is dropped.
+    hot: HotRef,
+    /// A hot key's extra words (`words.rs`), each on its own cache line.
+    extra: Extra,
+    /// The rest of the slot.
+    cold: SlotCold,
 }
 
 impl std::ops::Deref for Slot {
@@ -44,7 +36,7 @@ impl std::ops::Deref for Slot {
     }
 }
 
-/// The parts of a [`Slot`] that the fast path does not read.
+/// The parts of a [`Slot`] besides its record and its extra words.
 #[derive(Debug)]
 pub(crate) struct SlotCold {
     /// Until this local monotonic time (ns), the store said the bucket is empty: callers are
@@ -124,12 +116,12 @@ impl Book {
 }
 
 impl Slot {
-    pub(crate) fn new(key: Arc<str>, plan: Arc<Plan>, now: u64) -> Slot {
+    /// A slot for `key` over the fresh record `hot` (see [`Slab::alloc`](super::slab::Slab::alloc)).
+    pub(crate) fn new(key: Arc<str>, plan: Arc<Plan>, now: u64, hot: HotRef) -> Slot {
         Slot {
-            word: LeaseWords::new_pending(),
-            low_water: AtomicU64::new(0),
-            store_remaining: AtomicU64::new(0),
-            cold: Box::new(SlotCold {
+            hot,
+            extra: Extra::default(),
+            cold: SlotCold {
                 deny_until: AtomicU64::new(0),
                 fallback_until: AtomicU64::new(0),
                 needed: AtomicU64::new(0),
@@ -144,8 +136,32 @@ impl Slot {
                     active_at: now,
                     ..Book::default()
                 }),
-            }),
+            },
         }
+    }
+
+    /// The slot's record: its first lease word, low-water mark and the store's remaining count.
+    #[inline]
+    pub(crate) fn hot(&self) -> &Hot {
+        &self.hot
+    }
+
+    /// The record's index in the table's slab.
+    pub(crate) fn hot_index(&self) -> u32 {
+        self.hot.index()
+    }
+
+    /// The lease's words, given the slot's record (`hot`, as the table found it, or
+    /// [`Slot::hot`]).
+    #[inline]
+    pub(crate) fn words_of<'a>(&'a self, hot: &'a Hot) -> LeaseWords<'a> {
+        LeaseWords::new(hot, &self.extra)
+    }
+
+    /// The lease's words.
+    #[inline]
+    pub(crate) fn words(&self) -> LeaseWords<'_> {
+        LeaseWords::new(&self.hot, &self.extra)
     }
 
     /// Records what a caller waits for, so the next refill brings at least that.

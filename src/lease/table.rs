@@ -1,9 +1,11 @@
-//! The lease table: key → [`Slot`], read without a lock, the key stored inline next to its slot.
+//! The lease table: key → [`Slot`] and its fast-path record, read without a lock, the key stored
+//! inline.
 //!
 //! A lookup is one probe of a flat array of buckets. Each bucket holds, in one allocation with
-//! its neighbours, the key's 64-bit hash, its first [`INLINE`] bytes and length, and the
-//! `Arc<Slot>`: a hit costs the bucket's cache line and then the slot's, where `papaya` cost an
-//! entry pointer, the entry, the key's own allocation and then the slot (benches/README.md).
+//! its neighbours, the key's 64-bit hash, its first [`INLINE`] bytes and length, the `Arc<Slot>`
+//! and the index of the slot's record in the table's [`Slab`]: a hit costs the bucket's cache
+//! line and then the record's, where `papaya` cost an entry pointer, the entry, the key's own
+//! allocation and then the slot (benches/README.md).
 //!
 //! Buckets are write-once ([`OnceLock`]), so readers need nothing but an acquire load to read
 //! one: a writer fills an empty bucket once, and a removal only marks the entry gone (an atomic
@@ -27,11 +29,14 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
+use super::slab::{Hot, HotRef, Slab};
 use super::slot::Slot;
 
 /// Key bytes stored in the bucket itself. A longer key is compared through its slot's own copy
-/// (one more cache line, only for such keys); 22 bytes makes a bucket 48 bytes.
-const INLINE: usize = 22;
+/// (one more cache line, only for such keys); 18 bytes make a bucket 48 bytes. (A 64-byte,
+/// line-aligned bucket with 34 bytes inline measured no faster at 100,000 keys, and E4's
+/// flood then peaked above its 64 MiB.)
+const INLINE: usize = 18;
 /// The length byte of a key longer than [`INLINE`].
 const LONG: u8 = u8::MAX;
 /// The smallest array.
@@ -42,6 +47,8 @@ const MIN_BUCKETS: usize = 16;
 struct Entry {
     hash: u64,
     slot: Arc<Slot>,
+    /// The slot's record in the table's slab (the slot holds it, so it lives as long as the entry).
+    hot: u32,
     /// Set when the key was removed: the entry is a tombstone until the next rebuild.
     gone: AtomicBool,
     /// The key's length when at most [`INLINE`], else [`LONG`].
@@ -58,6 +65,7 @@ impl Entry {
         inline[..n].copy_from_slice(&bytes[..n]);
         Entry {
             hash,
+            hot: slot.hot_index(),
             slot,
             gone: AtomicBool::new(false),
             len: u8::try_from(bytes.len())
@@ -88,16 +96,31 @@ impl Entry {
     }
 }
 
+/// One bucket.
+#[derive(Debug)]
+struct Bucket(OnceLock<Entry>);
+
+impl std::ops::Deref for Bucket {
+    type Target = OnceLock<Entry>;
+
+    #[inline]
+    fn deref(&self) -> &OnceLock<Entry> {
+        &self.0
+    }
+}
+
 /// One array of buckets, open addressing with linear probing.
 #[derive(Debug)]
 struct Buckets {
-    buckets: Box<[OnceLock<Entry>]>,
+    buckets: Box<[Bucket]>,
 }
 
 impl Buckets {
     fn with_capacity(n: usize) -> Buckets {
         Buckets {
-            buckets: (0..n.max(MIN_BUCKETS)).map(|_| OnceLock::new()).collect(),
+            buckets: (0..n.max(MIN_BUCKETS))
+                .map(|_| Bucket(OnceLock::new()))
+                .collect(),
         }
     }
 
@@ -186,6 +209,8 @@ impl std::hash::Hasher for Unit {
 pub(crate) struct Table {
     /// The current array, under the key [`CURRENT`].
     current: papaya::HashMap<u8, Buckets, Unit>,
+    /// Where the slots' records live; a bucket holds its record's index.
+    slab: Arc<Slab>,
     /// Seeded per process, like `RandomState`; foldhash because SipHash costs more than the rest
     /// of the fast path on short keys.
     hasher: foldhash::fast::RandomState,
@@ -196,7 +221,8 @@ pub(crate) struct Table {
 }
 
 impl Table {
-    pub(crate) fn new() -> Table {
+    /// An empty table whose slots' records come from `slab`.
+    pub(crate) fn new(slab: Arc<Slab>) -> Table {
         // Reclaim a replaced array as soon as no reader holds it, not after a batch of 32.
         let collector = seize::Collector::new().batch_size(1);
         let current = papaya::HashMap::builder()
@@ -208,6 +234,7 @@ impl Table {
             .insert(CURRENT, Buckets::with_capacity(MIN_BUCKETS));
         Table {
             current,
+            slab,
             hasher: foldhash::fast::RandomState::default(),
             len: AtomicUsize::new(0),
             writers: Mutex::new(Counts::default()),
@@ -255,19 +282,22 @@ impl<'t> TableRef<'t> {
         self.current.get(&CURRENT).expect("the lease table's array")
     }
 
-    /// The slot of `key`. No lock, no allocation: a hash, a probe, an acquire load per bucket.
+    /// The slot of `key` and its record. No lock, no allocation: a hash, a probe, an acquire
+    /// load per bucket, and the record's address (the slot itself is not read).
     #[inline]
-    pub(crate) fn get(&self, key: &str) -> Option<&Arc<Slot>> {
+    pub(crate) fn get(&self, key: &str) -> Option<(&Arc<Slot>, &Hot)> {
         let hash = self.table.hasher.hash_one(key);
-        self.buckets().find(hash, key).ok().map(|e| &e.slot)
+        let entry = self.buckets().find(hash, key).ok()?;
+        Some((&entry.slot, self.table.slab.get(entry.hot)?))
     }
 
-    /// The slot of `key`, inserting `make()`'s when there is none. Takes the writers' mutex.
+    /// The slot of `key`, inserting `make(record)`'s when there is none, over a fresh record from
+    /// the slab. `None` when the slab has no record left. Takes the writers' mutex.
     pub(crate) fn get_or_insert_with(
         &self,
         key: &str,
-        make: impl FnOnce() -> Arc<Slot>,
-    ) -> &Arc<Slot> {
+        make: impl FnOnce(HotRef) -> Arc<Slot>,
+    ) -> Option<&Arc<Slot>> {
         let hash = self.table.hasher.hash_one(key);
         let mut counts = self.table.writers.lock();
         let mut buckets = self.buckets();
@@ -275,14 +305,15 @@ impl<'t> TableRef<'t> {
             buckets = self.rebuild(&mut counts, 1);
         }
         match buckets.find(hash, key) {
-            Ok(found) => &found.slot,
+            Ok(found) => Some(&found.slot),
             Err(empty) => {
+                let slot = make(self.table.slab.alloc()?);
                 let bucket = &buckets.buckets[empty];
                 // Writers are serialised and the probe ended here, so the bucket is empty.
-                let _ = bucket.set(Entry::new(hash, key, make()));
+                let _ = bucket.set(Entry::new(hash, key, slot));
                 counts.used += 1;
                 self.table.len.fetch_add(1, Ordering::Relaxed);
-                &bucket.get().expect("just filled").slot
+                bucket.get().map(|e| &e.slot)
             }
         }
     }
@@ -331,6 +362,7 @@ impl<'t> TableRef<'t> {
                 let _ = fresh.buckets[empty].set(Entry {
                     hash: entry.hash,
                     slot: Arc::clone(&entry.slot),
+                    hot: entry.hot,
                     gone: AtomicBool::new(false),
                     len: entry.len,
                     inline: entry.inline,
@@ -374,13 +406,14 @@ mod tests {
     use crate::bucket::{BucketConfig, Rate, Tokens};
     use crate::policy::Plan;
 
-    fn slot(key: &str) -> Arc<Slot> {
+    fn slot(slab: &Arc<Slab>, key: &str) -> Arc<Slot> {
         let bucket = BucketConfig::new(Tokens::whole(10), Rate::per_second(1).expect("rate"))
             .expect("bucket");
         Arc::new(Slot::new(
             Arc::from(key),
             Arc::new(Plan::new("t", bucket)),
             0,
+            slab.alloc().expect("room in the slab"),
         ))
     }
 
@@ -397,14 +430,19 @@ mod tests {
     /// the live keys, each with the slot it was inserted with.
     #[test]
     fn keeps_exactly_the_live_keys_through_rebuilds() {
-        let table = Table::new();
+        let slab = Slab::new(8192);
+        let table = Table::new(Arc::clone(&slab));
         let t = table.pin();
-        let slots: Vec<Arc<Slot>> = (0..3000).map(|i| slot(&key(i))).collect();
+        let slots: Vec<Arc<Slot>> = (0..3000).map(|i| slot(&slab, &key(i))).collect();
         for (i, s) in slots.iter().enumerate() {
-            let got = t.get_or_insert_with(&key(i), || Arc::clone(s));
+            let got = t
+                .get_or_insert_with(&key(i), |_| Arc::clone(s))
+                .expect("room");
             assert!(Arc::ptr_eq(got, s));
             // A second insert of the key returns the first slot.
-            let again = t.get_or_insert_with(&key(i), || slot("unused"));
+            let again = t
+                .get_or_insert_with(&key(i), |_| slot(&slab, "unused"))
+                .expect("room");
             assert!(Arc::ptr_eq(again, s));
         }
         assert_eq!(t.len(), 3000);
@@ -426,12 +464,16 @@ mod tests {
         want.sort_unstable();
         assert_eq!(seen, want);
         // A removed key comes back with a new slot.
-        let fresh = slot(&key(0));
+        let fresh = slot(&slab, &key(0));
         assert!(Arc::ptr_eq(
-            t.get_or_insert_with(&key(0), || Arc::clone(&fresh)),
+            t.get_or_insert_with(&key(0), |_| Arc::clone(&fresh))
+                .expect("room"),
             &fresh
         ));
-        assert!(Arc::ptr_eq(t.get(&key(0)).expect("back"), &fresh));
+        let (back, hot) = t.get(&key(0)).expect("back");
+        assert!(Arc::ptr_eq(back, &fresh));
+        // The bucket's record is the slot's own.
+        assert!(std::ptr::eq(hot, fresh.hot()));
         t.clear();
         assert_eq!(t.len(), 0);
         assert!(t.get(&key(1)).is_none() && t.iter().next().is_none());

@@ -96,6 +96,12 @@ impl LeaseWord {
         }
     }
 
+    /// Puts the word back into the state of [`LeaseWord::new_pending`]: a recycled record, which
+    /// no one else can reach while this runs.
+    pub(crate) fn reset_pending(&self) {
+        self.word.store(CLOSED | PENDING, Ordering::Release);
+    }
+
     /// A word with no live lease and no refill asked for: an extra word joining a closed lease.
     pub(crate) fn new_closed() -> Self {
         LeaseWord {

@@ -11,11 +11,16 @@
 //! Each word keeps the conservation of `word.rs` on its own, so the sum does too. The lease is
 //! live or closed as a whole: the actor opens every word on a top-up and closes every word on
 //! expiry; `CLOSED` is read from the first word.
+//!
+//! The first word lives in the key's fixed-position record (`slab.rs`), the extra words in the
+//! slot; [`LeaseWords`] is a view of both. The record's `spread` flag says whether there are
+//! extra words, so a quiet key's call reads the record alone.
 
 use std::cell::Cell;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use super::slab::Hot;
 use super::word::{CLOSED, CONTENDED, LeaseWord, PENDING, TOKENS, Take};
 
 /// A word on a cache line of its own.
@@ -23,16 +28,21 @@ use super::word::{CLOSED, CONTENDED, LeaseWord, PENDING, TOKENS, Take};
 #[repr(align(64))]
 struct Padded(LeaseWord);
 
-/// The words of one lease. See the [module docs](self).
-#[derive(Debug)]
-pub(crate) struct LeaseWords {
-    /// The lease of a quiet key, and the flags of every lease. Once the key is spread, callers
-    /// spend from the extra words and touch this one only when all of those are short, so the
-    /// cache line it shares with the fields below is no longer written on every call.
-    first: LeaseWord,
-    /// The words of a hot key, one per core (a power of two), each on its own cache line; set
-    /// once by the actor, never removed.
-    extra: OnceLock<Box<[Padded]>>,
+/// A hot key's extra words, one per core (a power of two), each on its own cache line; set once
+/// by the actor, never removed. Part of the slot.
+#[derive(Debug, Default)]
+pub(crate) struct Extra(OnceLock<Box<[Padded]>>);
+
+/// The words of one lease: the record's first word and the slot's extra words. See the
+/// [module docs](self).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LeaseWords<'a> {
+    /// The record: the lease of a quiet key, and the flags of every lease. Once the key is
+    /// spread, callers spend from the extra words and touch this one only when all of those are
+    /// short, so the cache line it shares with the fields beside it is no longer written on
+    /// every call.
+    hot: &'a Hot,
+    extra: &'a Extra,
 }
 
 /// How many words a hot key's lease is spread over: the cores rounded down to a power of two,
@@ -62,19 +72,30 @@ fn preferred() -> usize {
     })
 }
 
-impl LeaseWords {
-    /// One closed word with a refill asked for: a new slot.
-    pub(crate) fn new_pending() -> Self {
-        LeaseWords {
-            first: LeaseWord::new_pending(),
-            extra: OnceLock::new(),
+impl<'a> LeaseWords<'a> {
+    /// The lease of `hot` with the extra words `extra`.
+    #[inline]
+    pub(crate) fn new(hot: &'a Hot, extra: &'a Extra) -> Self {
+        LeaseWords { hot, extra }
+    }
+
+    /// The extra words, if the key is spread; reads the slot only when the record says so.
+    #[inline]
+    fn extra(&self) -> Option<&'a [Padded]> {
+        if self.hot.spread.load(Ordering::Acquire) {
+            self.extra.0.get().map(|e| &e[..])
+        } else {
+            None
         }
     }
 
-    fn each(&self) -> impl Iterator<Item = &LeaseWord> {
-        std::iter::once(&self.first).chain(
-            self.extra
-                .get()
+    fn first(&self) -> &'a LeaseWord {
+        &self.hot.word
+    }
+
+    fn each(&self) -> impl Iterator<Item = &'a LeaseWord> {
+        std::iter::once(self.first()).chain(
+            self.extra()
                 .into_iter()
                 .flat_map(|e| e.iter().map(|p| &p.0)),
         )
@@ -85,8 +106,8 @@ impl LeaseWords {
     /// whole lease; each extra word asks for a refill below its share of it.
     #[inline]
     pub(crate) fn try_take(&self, cost: u64, low_water: u64) -> Take {
-        let Some(extra) = self.extra.get() else {
-            return self.first.try_take(cost, low_water);
+        let Some(extra) = self.extra() else {
+            return self.first().try_take(cost, low_water);
         };
         let n = extra.len();
         let share = low_water / n as u64;
@@ -98,7 +119,7 @@ impl LeaseWords {
                 Take::Short { pending: p, .. } => pending |= p,
             }
         }
-        match self.first.try_take(cost, 0) {
+        match self.first().try_take(cost, 0) {
             taken @ Take::Taken { .. } => taken,
             Take::Short { closed, pending: p } => Take::Short {
                 closed,
@@ -109,22 +130,24 @@ impl LeaseWords {
 
     /// Whether a caller lost a CAS race on the first word since its last top-up: a hot key.
     pub(crate) fn contended(&self) -> bool {
-        self.first.load() & CONTENDED != 0
+        self.first().load() & CONTENDED != 0
     }
 
     /// Asks for a refill on the first word; `true` when this call set the flag.
     pub(crate) fn request_refill(&self) -> bool {
-        self.first.request_refill()
+        self.first().request_refill()
     }
 
     /// Spreads the lease over one word per core, unless already spread or there is one core.
     /// Actor only.
     pub(crate) fn spread_out(&self) {
         let n = spread();
-        if n > 1 && self.extra.get().is_none() {
+        if n > 1 && self.extra.0.get().is_none() {
             // New words start closed, like the lease they join; the next top-up opens them all.
             let words = (0..n).map(|_| Padded(LeaseWord::new_closed())).collect();
-            let _ = self.extra.set(words);
+            let _ = self.extra.0.set(words);
+            // After the words are in place: a caller that sees the flag finds them.
+            self.hot.spread.store(true, Ordering::Release);
         }
     }
 
@@ -132,19 +155,19 @@ impl LeaseWords {
     /// extra words when each part is at least `split_min`; otherwise, and for a quiet key, it
     /// all goes to the first word. Returns what did not fit. Actor only.
     pub(crate) fn top_up(&self, amount: u64, split_min: u64) -> u64 {
-        let Some(extra) = self.extra.get() else {
-            return self.first.top_up(amount);
+        let Some(extra) = self.extra() else {
+            return self.first().top_up(amount);
         };
         let n = extra.len() as u64;
         let part = amount / n;
         if part < split_min.max(1) {
-            let left = self.first.top_up(amount);
+            let left = self.first().top_up(amount);
             for word in extra.iter() {
                 word.0.top_up(0);
             }
             return left;
         }
-        let mut left = self.first.top_up(amount - part * n);
+        let mut left = self.first().top_up(amount - part * n);
         for word in extra.iter() {
             left += word.0.top_up(part);
         }
@@ -177,17 +200,16 @@ impl LeaseWords {
             tokens = tokens.saturating_add(w & TOKENS);
             pending |= w & PENDING;
         }
-        tokens.min(TOKENS) | pending | (self.first.load() & CLOSED)
+        tokens.min(TOKENS) | pending | (self.first().load() & CLOSED)
     }
 
     /// Puts `amount` back into the thread's word (or the first); `false` when the lease is closed
     /// or the word is full.
     pub(crate) fn refund(&self, amount: u64) -> bool {
         let own = self
-            .extra
-            .get()
+            .extra()
             .is_some_and(|e| e[preferred() & (e.len() - 1)].0.refund(amount));
-        own || self.first.refund(amount)
+        own || self.first().refund(amount)
     }
 }
 
@@ -199,10 +221,11 @@ mod tests {
     /// was topped up, and a caller finds tokens in any word, the first included.
     #[test]
     fn a_spread_lease_conserves_tokens_across_threads() {
-        let words = LeaseWords::new_pending();
-        words.first.top_up(3); // held before the key turned hot
+        let (hot, extra) = (Hot::new_pending(), Extra::default());
+        let words = LeaseWords::new(&hot, &extra);
+        hot.word.top_up(3); // held before the key turned hot
         words.spread_out();
-        let n = words.extra.get().map_or(0, |e| e.len()) as u64;
+        let n = words.extra().map_or(0, <[Padded]>::len) as u64;
         let topped = 10_000 * n.max(1);
         assert_eq!(words.top_up(topped, 1), 0);
         assert_eq!(words.available(), topped + 3);
@@ -231,10 +254,11 @@ mod tests {
     /// A top-up too small to split goes to the first word whole, and still opens every word.
     #[test]
     fn a_small_top_up_goes_to_the_first_word() {
-        let words = LeaseWords::new_pending();
+        let (hot, extra) = (Hot::new_pending(), Extra::default());
+        let words = LeaseWords::new(&hot, &extra);
         words.spread_out();
         assert_eq!(words.top_up(5, 100), 0);
-        assert_eq!(words.first.available(), 5);
+        assert_eq!(hot.word.available(), 5);
         assert_eq!(words.load() & CLOSED, 0);
         assert!(matches!(words.try_take(5, 0), Take::Taken { left: 0, .. }));
     }

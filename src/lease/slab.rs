@@ -1,0 +1,211 @@
+//! The fast path's fields of every lease, packed into fixed-position records.
+//!
+//! A call on a key with a live lease reads its lease word, its low-water mark and the store's
+//! last remaining count, and CASes the word. Those fields live here, in a [`Hot`] record of 32
+//! bytes, and not in the key's [`Slot`](super::Slot): records sit side by side in chunks of
+//! 1,024, and the table's bucket holds the record's index, so a call touches the bucket and one
+//! record and nothing else. With 100,000 keys the records take 3.2 MB, where the slots they came
+//! from (each with its key, its plan, its bookkeeping and its waiters) were spread over tens of
+//! megabytes of heap: most calls on a random key missed the cache and the TLB on the slot
+//! (benches/README.md has the profile).
+//!
+//! A record never moves: chunks are allocated when first needed and kept until the slab is
+//! dropped, and the table's rebuilds copy only the index. A record is handed out by
+//! [`Slab::alloc`] and comes back when its [`HotRef`] (owned by the slot) is dropped; since the
+//! table's entries hold the slot, that is after every reader that could have found the record
+//! through the table has left (the table's arrays are reclaimed by epoch). A recycled record is
+//! reset before it is handed out again.
+
+use std::sync::Arc;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use super::word::LeaseWord;
+
+/// Records per chunk, as a shift.
+const SHIFT: u32 = 10;
+/// Records per chunk.
+const CHUNK: usize = 1 << SHIFT;
+/// The most records a slab holds, whatever the table's bound: 2²⁶ (64 Mi) keys would need tens
+/// of gigabytes of slots, and the chunk directory stays at 1.5 MB.
+const MAX_RECORDS: usize = 1 << 26;
+
+/// One lease's fast-path fields. Two records share a cache line.
+#[derive(Debug)]
+#[repr(C, align(32))]
+pub(crate) struct Hot {
+    /// The word callers spend from: the whole lease of a quiet key, the first of a hot key's
+    /// words (`words.rs`).
+    pub(crate) word: LeaseWord,
+    /// Below this many nanotokens left, a caller asks for a refill. Written by the actor at each
+    /// top-up, read by callers.
+    pub(crate) low_water: AtomicU64,
+    /// Tokens (nanotokens, saturating) the shared bucket held after the last refill, for
+    /// `Decision::remaining`.
+    pub(crate) store_remaining: AtomicU64,
+    /// Set once the slot has a hot key's extra words: callers look for them in the slot only then,
+    /// so a quiet key's call never reads its slot.
+    pub(crate) spread: AtomicBool,
+}
+
+impl Hot {
+    /// A record as a new slot starts: no live lease, a refill asked for.
+    pub(crate) fn new_pending() -> Hot {
+        Hot {
+            word: LeaseWord::new_pending(),
+            low_water: AtomicU64::new(0),
+            store_remaining: AtomicU64::new(0),
+            spread: AtomicBool::new(false),
+        }
+    }
+
+    /// Puts a recycled record back into the state of [`Hot::new_pending`]. Only while no one
+    /// else can reach it (between its release and its next hand-out).
+    fn reset(&self) {
+        self.word.reset_pending();
+        self.low_water.store(0, Ordering::Relaxed);
+        self.store_remaining.store(0, Ordering::Relaxed);
+        self.spread.store(false, Ordering::Relaxed);
+    }
+}
+
+/// The records of one lease table. See the [module docs](self).
+#[derive(Debug)]
+pub(crate) struct Slab {
+    /// Chunk `i` holds records `i · CHUNK ..`; allocated on first use, never freed or moved.
+    chunks: Box<[OnceLock<Box<[Hot]>>]>,
+    /// Records handed out or recycled; only `alloc` and `HotRef::drop` take it.
+    free: Mutex<Free>,
+}
+
+#[derive(Debug, Default)]
+struct Free {
+    /// Released records, reused first (the most recently released, still in cache).
+    recycled: Vec<u32>,
+    /// Records `0 .. next` have been handed out at least once.
+    next: usize,
+}
+
+impl Slab {
+    /// A slab with room for `records` records (rounded up to whole chunks, at most
+    /// [`MAX_RECORDS`]). Allocates only the chunk directory.
+    pub(crate) fn new(records: usize) -> Arc<Slab> {
+        let chunks = records.clamp(1, MAX_RECORDS).div_ceil(CHUNK);
+        Arc::new(Slab {
+            chunks: (0..chunks).map(|_| OnceLock::new()).collect(),
+            free: Mutex::new(Free::default()),
+        })
+    }
+
+    /// Record `index`, if it was ever handed out.
+    #[inline]
+    pub(crate) fn get(&self, index: u32) -> Option<&Hot> {
+        let index = index as usize;
+        self.chunks
+            .get(index >> SHIFT)?
+            .get()
+            .map(|chunk| &chunk[index & (CHUNK - 1)])
+    }
+
+    /// A fresh record (as [`Hot::new_pending`]); `None` when every record is in use.
+    pub(crate) fn alloc(self: &Arc<Self>) -> Option<HotRef> {
+        let mut free = self.free.lock();
+        let index = match free.recycled.pop() {
+            Some(index) => {
+                if let Some(hot) = self.get(index) {
+                    hot.reset();
+                }
+                index
+            }
+            None => {
+                let index = free.next;
+                let chunk = self.chunks.get(index >> SHIFT)?;
+                chunk.get_or_init(|| (0..CHUNK).map(|_| Hot::new_pending()).collect());
+                free.next += 1;
+                u32::try_from(index).ok()?
+            }
+        };
+        Some(HotRef {
+            slab: Arc::clone(self),
+            index,
+        })
+    }
+
+    /// Records handed out and not yet released.
+    #[cfg(test)]
+    fn in_use(&self) -> usize {
+        let free = self.free.lock();
+        free.next - free.recycled.len()
+    }
+}
+
+/// A slot's claim on its record: the record is released when this is dropped.
+#[derive(Debug)]
+pub(crate) struct HotRef {
+    slab: Arc<Slab>,
+    index: u32,
+}
+
+impl HotRef {
+    /// The record's index in its slab: what the table's bucket holds.
+    pub(crate) fn index(&self) -> u32 {
+        self.index
+    }
+}
+
+impl std::ops::Deref for HotRef {
+    type Target = Hot;
+
+    #[inline]
+    fn deref(&self) -> &Hot {
+        self.slab
+            .get(self.index)
+            .expect("a record's chunk is allocated before the record is handed out")
+    }
+}
+
+impl Drop for HotRef {
+    fn drop(&mut self) {
+        self.slab.free.lock().recycled.push(self.index);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::word::Take;
+
+    /// Records are handed out once each, recycled when released and reset before reuse; a full
+    /// slab says so instead of handing out a record twice.
+    #[test]
+    fn hands_out_each_record_once_and_recycles_released_ones() {
+        let slab = Slab::new(2 * CHUNK);
+        let mut held: Vec<HotRef> = (0..2 * CHUNK)
+            .map(|_| slab.alloc().expect("room"))
+            .collect();
+        assert!(slab.alloc().is_none(), "full");
+        let mut seen: Vec<u32> = held.iter().map(HotRef::index).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), 2 * CHUNK);
+
+        // Use a record, release it, get it back clean.
+        let used = held.pop().expect("one");
+        let index = used.index();
+        assert_eq!(used.word.top_up(5), 0);
+        used.low_water.store(3, Ordering::Relaxed);
+        used.spread.store(true, Ordering::Relaxed);
+        assert!(matches!(used.word.try_take(1, 0), Take::Taken { .. }));
+        drop(used);
+        assert_eq!(slab.in_use(), 2 * CHUNK - 1);
+        let again = slab.alloc().expect("recycled");
+        assert_eq!(again.index(), index);
+        assert_eq!(again.word.load(), LeaseWord::new_pending().load());
+        assert_eq!(again.low_water.load(Ordering::Relaxed), 0);
+        assert!(!again.spread.load(Ordering::Relaxed));
+        assert!(std::ptr::eq(&*again, slab.get(index).expect("handed out")));
+        assert!(slab.get(u32::MAX).is_none());
+    }
+}
