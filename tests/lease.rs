@@ -16,9 +16,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::traffic::hammer;
+use tokenlease::error::KeyError;
 use tokenlease::policy::{Accounting, FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::{MemoryStore, Store};
-use tokenlease::{DecidedBy, Limiter};
+use tokenlease::{DecidedBy, Error, Limiter};
 
 const C: f64 = 100.0;
 const R: f64 = 50.0;
@@ -502,6 +503,46 @@ async fn a_refund_goes_back_into_the_live_lease() {
     limiter.refund(&plan, "r", 2.0).await.expect("refund");
     let after = limiter.lease_stats().expect("leased").outstanding;
     assert!((after - before - 2.0).abs() < 1e-9, "{before} -> {after}");
+}
+
+/// A leased call skips the key's scan for NUL bytes when the lease answers, because only
+/// checked keys enter the table: a key with a NUL is still refused with its offset, by both
+/// leased entry points and before any bad cost, and never gets a slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_with_a_nul_is_refused_and_never_leased() {
+    let limiter = Limiter::builder(MemoryStore::new()).build();
+    let plan = leased_plan(100, 1.0);
+    for _ in 0..3 {
+        assert!(matches!(
+            limiter.try_acquire_with(&plan, "a\0b", 1.0).await,
+            Err(Error::InvalidKey(KeyError::Nul { offset: 1 }))
+        ));
+        assert!(matches!(
+            limiter.try_acquire_now_with(&plan, "a\0b", 1.0),
+            Err(Error::InvalidKey(KeyError::Nul { offset: 1 }))
+        ));
+    }
+    assert!(matches!(
+        limiter.try_acquire_now_with(&plan, "a\0b", -1.0),
+        Err(Error::InvalidKey(KeyError::Nul { offset: 1 }))
+    ));
+    assert!(matches!(
+        limiter.try_acquire_now_with(&plan, "", 1.0),
+        Err(Error::InvalidKey(KeyError::Empty))
+    ));
+    assert!(matches!(
+        limiter.try_acquire_now_with(&plan, "ab", -1.0),
+        Err(Error::InvalidCost { .. })
+    ));
+    // The same key without the NUL is leased as usual, and is the only key in the table.
+    assert!(
+        limiter
+            .try_acquire_with(&plan, "ab", 1.0)
+            .await
+            .expect("decision")
+            .allowed
+    );
+    assert_eq!(limiter.lease_stats().expect("leased").keys, 1);
 }
 
 /// Admissions of [`run_traffic`]: when, which key, what cost.

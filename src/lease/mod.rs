@@ -159,7 +159,11 @@ impl Leases {
         let (slot, hot) = match table.get(key) {
             Some(found) => found,
             None => {
-                if table.len() >= self.settings.max_entries || self.stopping.load(Ordering::Relaxed)
+                // A key goes into the table only once checked in full (`validate_key`): the
+                // limiter skips the scan for NUL bytes on a call the lease answers.
+                if table.len() >= self.settings.max_entries
+                    || self.stopping.load(Ordering::Relaxed)
+                    || crate::error::validate_key(key).is_err()
                 {
                     return Fast::NoRoom;
                 }
