@@ -149,10 +149,19 @@ fn sweep(
             evict.push(key.clone());
         }
     }
+    let evicted = !evict.is_empty();
     for key in evict {
         if let Some(slot) = table.remove(&key) {
             retire(slot, returns, ids);
         }
+    }
+    if evicted {
+        // A view rebuilds at most once, so a large batch of evictions leaves most of its keys as
+        // tombstones, each holding its slot. Once this view (and the arrays it pinned) is gone,
+        // rebuild again if they pass the table's share, so a flood's dead slots are freed now and
+        // not at the next tick's first eviction (E4's peak heap).
+        drop(table);
+        leases.table.pin().compact();
     }
 }
 

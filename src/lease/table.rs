@@ -336,6 +336,17 @@ impl<'t> TableRef<'t> {
         Some(&found.slot)
     }
 
+    /// Rebuilds the array if tombstones pass the share at which a removal rebuilds (an eighth
+    /// of the live keys, and more than 256), even if this view rebuilt already. For the end of
+    /// a batch of removals, from a fresh view. Takes the writers' mutex.
+    pub(crate) fn compact(&self) {
+        let mut counts = self.table.writers.lock();
+        let live = counts.used - counts.gone;
+        if counts.gone > 256 && counts.gone * 8 > live {
+            self.rebuild(&mut counts, 0);
+        }
+    }
+
     /// Removes every key.
     pub(crate) fn clear(&self) {
         let mut counts = self.table.writers.lock();
@@ -417,6 +428,34 @@ mod tests {
             0,
             slab.alloc().expect("room in the slab"),
         ))
+    }
+
+    /// A view rebuilds at most once, so a large batch of removals leaves tombstones behind;
+    /// `compact` from a fresh view rebuilds them away and releases their slots.
+    #[test]
+    fn compact_frees_the_tombstones_a_batch_of_removals_left() {
+        let slab = Slab::new(8192);
+        let table = Table::new(Arc::clone(&slab));
+        let slots: Vec<Arc<Slot>> = (0..3000).map(|i| slot(&slab, &key(i))).collect();
+        {
+            let t = table.pin();
+            for (i, s) in slots.iter().enumerate() {
+                t.get_or_insert_with(&key(i), |_| Arc::clone(s))
+                    .expect("room");
+            }
+            for i in 0..2000 {
+                t.remove(&key(i)).expect("present");
+            }
+        }
+        assert!(table.writers.lock().gone > 256, "the batch left tombstones");
+        table.pin().compact();
+        assert_eq!(table.writers.lock().gone, 0);
+        // Only this test's own handles are left on the removed keys' slots.
+        assert!(slots[..2000].iter().all(|s| Arc::strong_count(s) == 1));
+        assert_eq!(table.pin().iter().count(), 1000);
+        // Nothing to do: no rebuild.
+        table.pin().compact();
+        assert_eq!(table.len(), 1000);
     }
 
     fn key(i: usize) -> String {
