@@ -812,3 +812,56 @@ async fn a_flooding_instance_does_not_starve_a_light_one() {
         b_admitted.len()
     );
 }
+
+/// A hot key's lease is spread over per-core words once two threads race on it. Spent by one
+/// thread alone afterwards, it still costs a store call per lease, not per few calls: each
+/// top-up refills the word that thread drained. (An even split gave that word back half of what
+/// it spent, so it stayed under its low-water share: 450,000 store calls per 10⁷ calls.)
+#[test]
+fn a_spread_key_spent_by_one_thread_is_refilled_once_per_lease() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let limiter = runtime.block_on(async { Limiter::builder(MemoryStore::new()).build() });
+    let plan = common::plan(1_000_000_000_000, 1e9).with_lease(LeaseSettings {
+        ttl: Duration::from_secs(60),
+        max_fraction: 1.0,
+        low_water: 0.5,
+        refresh: Duration::from_secs(1),
+        max_wait: Duration::from_secs(1),
+        accounting: Accounting::Relaxed,
+    });
+    let call =
+        || matches!(limiter.try_acquire_now_with(&plan, "hot", 1.0), Ok(Some(d)) if d.allowed);
+    // Starts the actor and the key's first lease.
+    let first = runtime.block_on(limiter.try_acquire_with(&plan, "hot", 1.0));
+    assert!(first.expect("decision").allowed);
+    // Two threads race on the key: it turns hot and the actor spreads it.
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| {
+                let started = Instant::now();
+                while started.elapsed() < Duration::from_millis(400) {
+                    call();
+                }
+            });
+        }
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let calls_before = limiter.lease_stats().expect("leased").store_calls;
+    let (mut allowed, started) = (0u64, Instant::now());
+    while started.elapsed() < Duration::from_secs(1) {
+        for _ in 0..1000 {
+            allowed += u64::from(call());
+        }
+    }
+    let store_calls = limiter.lease_stats().expect("leased").store_calls - calls_before;
+    // A lease holds about a second of demand, so a second of calls needs a few refills.
+    assert!(allowed > 10_000, "{allowed} calls allowed");
+    assert!(
+        store_calls <= 20,
+        "{store_calls} store calls for {allowed} calls from one thread"
+    );
+}

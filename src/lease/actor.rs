@@ -424,7 +424,9 @@ fn apply(
         } else {
             slot.words().top_up(granted, split_min)
         };
-        book.credited += granted - unplaced;
+        // `unplaced` can exceed `granted` by tokens a hot key's words held and could not hold
+        // again (see `LeaseWords::top_up`); they were credited before and leave now.
+        book.credited = (book.credited + granted).saturating_sub(unplaced);
         if strict.is_none() {
             book.expires_at = now.saturating_add(ttl);
         }

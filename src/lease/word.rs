@@ -180,6 +180,23 @@ impl LeaseWord {
         }
     }
 
+    /// The actor takes every unspent token and leaves the flags as they are: tokens moving to
+    /// another word of the same lease. Returns them.
+    pub(crate) fn drain(&self) -> u64 {
+        let mut current = self.word.load(Ordering::Acquire);
+        loop {
+            match self.word.compare_exchange_weak(
+                current,
+                current & !TOKENS,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return current & TOKENS,
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
     /// Unspent tokens now (a snapshot).
     pub(crate) fn available(&self) -> u64 {
         self.word.load(Ordering::Acquire) & TOKENS

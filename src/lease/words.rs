@@ -72,6 +72,36 @@ fn preferred() -> usize {
     })
 }
 
+/// How much of `amount` each of (at most 8) words holding `held` gets so that the emptiest end
+/// level: a water fill. The parts sum to `amount` or (by rounding down) a little less.
+fn level(held: impl Iterator<Item = u64>, amount: u64) -> [u64; 8] {
+    let mut held_each = [0u64; 8];
+    let mut n = 0;
+    for (slot, h) in held_each.iter_mut().zip(held) {
+        *slot = h;
+        n += 1;
+    }
+    let mut sorted = held_each;
+    sorted[..n].sort_unstable();
+    // The water line: raise the k emptiest words together until the next one is reached or the
+    // amount is used up.
+    let mut sum: u128 = 0;
+    let mut line = 0u64;
+    for k in 0..n {
+        sum += u128::from(sorted[k]);
+        let candidate = (u128::from(amount) + sum) / (k as u128 + 1);
+        line = u64::try_from(candidate).unwrap_or(u64::MAX);
+        if k + 1 == n || u128::from(sorted[k + 1]) >= candidate {
+            break;
+        }
+    }
+    let mut gifts = [0u64; 8];
+    for (gift, &h) in gifts.iter_mut().zip(&held_each[..n]) {
+        *gift = line.saturating_sub(h);
+    }
+    gifts
+}
+
 impl<'a> LeaseWords<'a> {
     /// The lease of `hot` with the extra words `extra`.
     #[inline]
@@ -110,7 +140,8 @@ impl<'a> LeaseWords<'a> {
             return self.first().try_take(cost, low_water);
         };
         let n = extra.len();
-        let share = low_water / n as u64;
+        // `n` is a power of two: a shift, where a division costs as much as the rest of the call.
+        let share = low_water >> n.trailing_zeros();
         let start = preferred();
         let mut pending = false;
         for i in 0..n {
@@ -151,25 +182,39 @@ impl<'a> LeaseWords<'a> {
         }
     }
 
-    /// Adds `amount` nanotokens and opens every word. A hot key's top-up is split evenly over its
-    /// extra words when each part is at least `split_min`; otherwise, and for a quiet key, it
-    /// all goes to the first word. Returns what did not fit. Actor only.
+    /// Adds `amount` nanotokens and opens every word. A hot key's top-up, with what its first
+    /// word holds, goes to its extra words, the emptiest first, so that they end as level as it
+    /// allows; it goes to the first
+    /// word instead when an even split would leave a part under `split_min` (and always for a
+    /// quiet key). Returns what did not fit. Actor only.
+    ///
+    /// Levelling matters when threads spend unevenly, one thread alone on a spread key the
+    /// extreme: an even split gave the drained word only half of what it had spent, so it stayed
+    /// under its low-water share and asked for a refill every few calls.
     pub(crate) fn top_up(&self, amount: u64, split_min: u64) -> u64 {
         let Some(extra) = self.extra() else {
             return self.first().top_up(amount);
         };
-        let n = extra.len() as u64;
-        let part = amount / n;
-        if part < split_min.max(1) {
-            let left = self.first().top_up(amount);
-            for word in extra.iter() {
-                word.0.top_up(0);
+        let n = extra.len();
+        if amount / n as u64 >= split_min.max(1) {
+            // The first word's tokens join the fill: they are spent only once every extra word
+            // is short, so left there they would keep the lease looking full while the words
+            // callers spend from run low.
+            // (Both are under 2⁵⁶, so the sum cannot overflow.)
+            let amount = amount + self.first().drain();
+            let gifts = level(extra.iter().map(|w| w.0.available()), amount);
+            let mut placed = 0;
+            for (word, gift) in extra.iter().zip(gifts) {
+                placed += gift - word.0.top_up(gift);
             }
-            return left;
+            // What the fill left (rounding, or a word that was full) goes to the first word.
+            // What does not fit there either may include drained tokens, so it can exceed
+            // `amount`'s own share: the caller books it as returned.
+            return self.first().top_up(amount - placed);
         }
-        let mut left = self.first().top_up(amount - part * n);
+        let left = self.first().top_up(amount);
         for word in extra.iter() {
-            left += word.0.top_up(part);
+            word.0.top_up(0);
         }
         left
     }
@@ -249,6 +294,57 @@ mod tests {
             words.try_take(1, 0),
             Take::Short { closed: true, .. }
         ));
+    }
+
+    /// The water fill: the emptiest words are raised together, a fuller one gets nothing, and
+    /// the parts never add up to more than the amount.
+    #[test]
+    fn level_fills_the_emptiest_words_first() {
+        let gifts = level([10, 100].into_iter(), 50);
+        assert_eq!(&gifts[..2], &[50, 0]);
+        let gifts = level([10, 100].into_iter(), 190);
+        assert_eq!(&gifts[..2], &[140, 50]);
+        let gifts = level([7, 7, 7, 7].into_iter(), 10);
+        assert_eq!(&gifts[..4], &[2, 2, 2, 2]);
+        let gifts = level([0, 30, 5, 1000].into_iter(), 40);
+        assert_eq!(&gifts[..4], &[22, 0, 17, 0]);
+        // Near the word's limit: no overflow, and the line is rounded down.
+        let gifts = level([1 << 55, 3].into_iter(), 1 << 55);
+        assert_eq!(&gifts[..2], &[1, (1 << 55) - 2]);
+        for amount in [0, 1, 99, 12_345] {
+            let gifts = level([3, 900, 41, 41, 0, 17, 2, 8].into_iter(), amount);
+            assert!(gifts.iter().sum::<u64>() <= amount);
+            assert!(
+                amount - gifts.iter().sum::<u64>() < 8,
+                "rounding loses under one per word"
+            );
+        }
+    }
+
+    /// A spread key spent by one thread alone: every top-up refills the word that thread
+    /// drained, so the words end level and the drained one is back above its low-water share.
+    #[test]
+    fn a_top_up_refills_the_word_that_was_drained() {
+        let (hot, extra) = (Hot::new_pending(), Extra::default());
+        let words = LeaseWords::new(&hot, &extra);
+        words.spread_out();
+        let Some(n) = words.extra().map(<[Padded]>::len) else {
+            return; // one core: nothing is spread
+        };
+        assert_eq!(words.top_up(1000 * n as u64, 1), 0);
+        let own = &words.extra().expect("spread")[0].0;
+        for _ in 0..600 {
+            assert!(matches!(own.try_take(1, 0), Take::Taken { .. }));
+        }
+        assert_eq!(words.top_up(600, 1), 0);
+        let each: Vec<u64> = words
+            .extra()
+            .expect("spread")
+            .iter()
+            .map(|w| w.0.available())
+            .collect();
+        assert!(each.iter().all(|&a| a == 1000), "{each:?}");
+        assert_eq!(words.available(), 1000 * n as u64);
     }
 
     /// A top-up too small to split goes to the first word whole, and still opens every word.
