@@ -89,12 +89,43 @@ impl Entry {
         if self.len == LONG {
             bytes.len() > INLINE && *self.slot.key == *key
         } else {
-            usize::from(self.len) == bytes.len() && self.inline[..bytes.len()] == *bytes
+            usize::from(self.len) == bytes.len() && same_short(&self.inline, bytes)
         }
     }
 
     fn live(&self) -> bool {
         !self.gone.load(Ordering::Acquire)
+    }
+}
+
+/// Whether `key` (at most [`INLINE`] bytes) is the first `key.len()` bytes of `inline`, by a few
+/// fixed-size, possibly overlapping loads from each side instead of a call to `memcmp`: the two
+/// loads at the ends of a range of length `n` in `4..=8` or `8..=16` cover it, as do the first,
+/// middle and last byte of a range of 1 to 3 (the trick fast string hashes use).
+#[inline]
+fn same_short(inline: &[u8; INLINE], key: &[u8]) -> bool {
+    fn word<const N: usize>(b: &[u8], at: usize) -> [u8; N] {
+        let mut out = [0; N];
+        out.copy_from_slice(&b[at..at + N]);
+        out
+    }
+    let n = key.len();
+    match n {
+        0 => true,
+        1..=3 => inline[0] == key[0] && inline[n / 2] == key[n / 2] && inline[n - 1] == key[n - 1],
+        4..=7 => {
+            word::<4>(inline, 0) == word::<4>(key, 0)
+                && word::<4>(inline, n - 4) == word::<4>(key, n - 4)
+        }
+        8..=16 => {
+            word::<8>(inline, 0) == word::<8>(key, 0)
+                && word::<8>(inline, n - 8) == word::<8>(key, n - 8)
+        }
+        _ => {
+            word::<8>(inline, 0) == word::<8>(key, 0)
+                && word::<8>(inline, 8) == word::<8>(key, 8)
+                && word::<8>(inline, n - 8) == word::<8>(key, n - 8)
+        }
     }
 }
 
@@ -428,6 +459,23 @@ mod tests {
             0,
             slab.alloc().expect("room in the slab"),
         ))
+    }
+
+    /// `same_short` agrees with a plain comparison for every length up to [`INLINE`] and a
+    /// difference at every position.
+    #[test]
+    fn same_short_compares_every_byte() {
+        for n in 0..=INLINE {
+            let key: Vec<u8> = (0..n).map(|i| b'a' + i as u8).collect();
+            let mut inline = [0u8; INLINE];
+            inline[..n].copy_from_slice(&key);
+            assert!(same_short(&inline, &key), "length {n}");
+            for at in 0..n {
+                let mut other = key.clone();
+                other[at] ^= 0x20;
+                assert!(!same_short(&inline, &other), "length {n}, byte {at}");
+            }
+        }
     }
 
     /// A view rebuilds at most once, so a large batch of removals leaves tombstones behind;

@@ -102,6 +102,16 @@ fn level(held: impl Iterator<Item = u64>, amount: u64) -> [u64; 8] {
     gifts
 }
 
+/// Pours `amount` into `words` with [`level`]; returns what they did not take. Opens every one.
+fn fill(words: &[Padded], amount: u64) -> u64 {
+    let gifts = level(words.iter().map(|w| w.0.available()), amount);
+    let mut placed = 0;
+    for (word, gift) in words.iter().zip(gifts) {
+        placed += gift - word.0.top_up(gift);
+    }
+    amount - placed
+}
+
 impl<'a> LeaseWords<'a> {
     /// The lease of `hot` with the extra words `extra`.
     #[inline]
@@ -182,35 +192,32 @@ impl<'a> LeaseWords<'a> {
         }
     }
 
-    /// Adds `amount` nanotokens and opens every word. A hot key's top-up, with what its first
-    /// word holds, goes to its extra words, the emptiest first, so that they end as level as it
-    /// allows; it goes to the first
-    /// word instead when an even split would leave a part under `split_min` (and always for a
-    /// quiet key). Returns what did not fit. Actor only.
+    /// Adds `amount` nanotokens and opens every word. A hot key's top-up goes to its extra
+    /// words, the emptiest first, so that they end as level as it allows, and then what the
+    /// first word holds follows it the same way; the top-up goes to the first word instead when
+    /// an even split would leave a part under `split_min` (and always for a quiet key). Returns
+    /// what did not fit (which, by the first word's tokens, can exceed `amount`). Actor only.
     ///
     /// Levelling matters when threads spend unevenly, one thread alone on a spread key the
     /// extreme: an even split gave the drained word only half of what it had spent, so it stayed
-    /// under its low-water share and asked for a refill every few calls.
+    /// under its low-water share and asked for a refill every few calls. The first word is
+    /// emptied because callers spend from it only once every extra word is short: tokens left
+    /// there keep the lease looking full while the words callers spend from run low.
     pub(crate) fn top_up(&self, amount: u64, split_min: u64) -> u64 {
         let Some(extra) = self.extra() else {
             return self.first().top_up(amount);
         };
         let n = extra.len();
         if amount / n as u64 >= split_min.max(1) {
-            // The first word's tokens join the fill: they are spent only once every extra word
-            // is short, so left there they would keep the lease looking full while the words
-            // callers spend from run low.
-            // (Both are under 2⁵⁶, so the sum cannot overflow.)
-            let amount = amount + self.first().drain();
-            let gifts = level(extra.iter().map(|w| w.0.available()), amount);
-            let mut placed = 0;
-            for (word, gift) in extra.iter().zip(gifts) {
-                placed += gift - word.0.top_up(gift);
+            // The new tokens first, so callers find them in their own words while the first
+            // word's move; what the fill left (rounding, or full words) opens the first word.
+            let mut left = self.first().top_up(fill(extra, amount));
+            let moved = self.first().drain();
+            let back = fill(extra, moved);
+            if back > 0 && !self.first().refund(back) {
+                left += back;
             }
-            // What the fill left (rounding, or a word that was full) goes to the first word.
-            // What does not fit there either may include drained tokens, so it can exceed
-            // `amount`'s own share: the caller books it as returned.
-            return self.first().top_up(amount - placed);
+            return left;
         }
         let left = self.first().top_up(amount);
         for word in extra.iter() {

@@ -458,8 +458,23 @@ fn lease_denied(plan: &Plan, retry_after: u64) -> Decision {
     }
 }
 
-/// Converts a cost to tokens, refusing what can never be allowed.
+/// Converts a cost to tokens, refusing what can never be allowed. A whole cost within the
+/// capacity (the common case) is answered inline; the rest, errors included, out of line.
+#[inline]
 fn validate_cost(plan: &Plan, cost: f64) -> Result<Tokens, Error> {
+    if (1.0..=9_007_199_254_740_992.0).contains(&cost) && cost == (cost as u64) as f64 {
+        let tokens = Tokens::whole(cost as u64);
+        if tokens <= plan.capacity() {
+            return Ok(tokens);
+        }
+    }
+    validate_cost_slow(plan, cost)
+}
+
+/// [`validate_cost`] for a fractional, invalid or too large cost.
+#[cold]
+#[inline(never)]
+fn validate_cost_slow(plan: &Plan, cost: f64) -> Result<Tokens, Error> {
     let invalid = |reason| Error::InvalidCost {
         cost,
         plan: plan.name().to_owned(),
