@@ -865,3 +865,42 @@ fn a_spread_key_spent_by_one_thread_is_refilled_once_per_lease() {
         "{store_calls} store calls for {allowed} calls from one thread"
     );
 }
+
+/// A key that goes quiet part-way through a lease is evicted like any other: its lease expires
+/// and goes back, and a lifetime later the key leaves the table. (What a caller spent after the
+/// lease's last refill must not count as activity forever.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_that_goes_quiet_mid_lease_is_evicted() {
+    let limiter = Limiter::builder(MemoryStore::new())
+        .lease_tick(Duration::from_millis(10))
+        .build();
+    let plan = common::plan(10_000, 1_000.0).with_lease(LeaseSettings {
+        ttl: Duration::from_millis(200),
+        max_fraction: 0.5,
+        low_water: 0.2,
+        refresh: Duration::from_millis(100),
+        max_wait: Duration::from_millis(500),
+        accounting: Accounting::Relaxed,
+    });
+    // Enough demand for leases of many tokens, then a few calls that leave the last lease
+    // well above its low-water mark (no refill after them).
+    for _ in 0..300 {
+        let d = limiter.try_acquire_with(&plan, "q", 1.0).await;
+        assert!(d.expect("decision").allowed);
+        tokio::time::sleep(Duration::from_micros(300)).await;
+    }
+    let stats = limiter.lease_stats().expect("leased");
+    assert_eq!(stats.keys, 1);
+    let started = Instant::now();
+    loop {
+        let stats = limiter.lease_stats().expect("leased");
+        if stats.keys == 0 && stats.outstanding == 0.0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "still in the table 3 s after its last call (lifetime 200 ms): {stats:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -131,9 +131,13 @@ fn sweep(
         let word = slot.words().load();
         let ttl = lease_settings(slot).ttl.as_nanos() as u64;
         let mut book = slot.book.lock();
+        // Active: spent since the last sweep, or asking for a refill. (Compared with the demand
+        // sample instead, a key that went quiet with its lease above the low-water mark took
+        // no refill to update that sample, looked active on every tick and was never evicted.)
         let spent = book.spent(word & TOKENS);
-        if spent != book.spent_at_sample || word & PENDING != 0 {
+        if spent != book.spent_at_sweep || word & PENDING != 0 {
             book.active_at = now;
+            book.spent_at_sweep = spent;
         }
         if word & PENDING != 0 && seen.insert(Arc::as_ptr(slot) as usize) {
             due.push(Arc::clone(slot));

@@ -80,6 +80,9 @@ pub(crate) struct Book {
     pub(crate) spent_at_sample: u64,
     /// When the slot was last seen spending or asking (local monotonic ns).
     pub(crate) active_at: u64,
+    /// How much had been spent at the sweep that last saw it change: the sweep's own sample,
+    /// apart from the demand sample, which only refills take.
+    pub(crate) spent_at_sweep: u64,
     /// The target lease size at the last refill (nanotokens).
     pub(crate) target: u64,
     /// The store's last answer granted nothing: the next refill asks for a whole lease or
