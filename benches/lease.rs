@@ -15,6 +15,8 @@
 //! - `hot_key_threads/*`: one hot key on 1 and on 2 threads (std threads, each doing half the
 //!   iterations), ours against governor's direct limiter. Time is wall time, so a figure below
 //!   the 1-thread one means more total throughput.
+//! - `TOKENLEASE_BENCH_CRITERION_ONLY=1` skips the printed tables and the PostgreSQL runs (what
+//!   `benches/fast_path_processes.sh` uses to repeat the fast-path pairs in many processes).
 //! - Idle actors (printed line): the process's CPU over 3 s with nobody calling, when the only
 //!   work left is the two limiters' lease actors sweeping their 100,000 warm keys each tick.
 //! - PostgreSQL (printed table): 16 tasks on one hot key and on 10,000 keys, leased and direct,
@@ -556,7 +558,9 @@ fn main() {
     criterion.final_summary();
     // The tables and the PostgreSQL runs only when really benchmarking (`cargo bench`), not
     // when a test runner lists or smoke-runs the bench target.
-    if !std::env::args().any(|a| a == "--bench") {
+    if !std::env::args().any(|a| a == "--bench")
+        || std::env::var_os("TOKENLEASE_BENCH_CRITERION_ONLY").is_some()
+    {
         return;
     }
     print_fast_tables();
