@@ -543,8 +543,12 @@ fn print_pg_table() {
     }
 }
 
+#[path = "lease/readme.rs"]
+mod readme;
+
 fn main() {
-    let fast = fast_setup();
+    // `TOKENLEASE_BENCH_ONLY=readme` runs the README-API group alone.
+    let readme_only = std::env::var("TOKENLEASE_BENCH_ONLY").is_ok_and(|v| v == "readme");
     // No plots: the tables below are the report. (With plotters' `ab_glyph` feature on, as the
     // crate's own charts enable it, criterion's plotting panics with `FontUnavailable`.)
     let mut criterion = Criterion::default()
@@ -553,6 +557,13 @@ fn main() {
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3))
         .configure_from_args();
+    let readme_seen = readme::bench(&mut criterion);
+    if readme_only {
+        criterion.final_summary();
+        readme::print_table(&readme_seen, &criterion_ns);
+        return;
+    }
+    let fast = fast_setup();
     bench_fast_path(&mut criterion, &fast);
     bench_hot_key_threads(&mut criterion, &fast);
     criterion.final_summary();
@@ -563,6 +574,7 @@ fn main() {
     {
         return;
     }
+    readme::print_table(&readme_seen, &criterion_ns);
     print_fast_tables();
     print_idle_actor_cpu();
     print_pg_table();

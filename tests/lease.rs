@@ -487,7 +487,17 @@ async fn cancelled_callers_leave_nothing_stuck() {
 async fn a_refund_goes_back_into_the_live_lease() {
     let memory = MemoryStore::new();
     let limiter = Limiter::builder(memory.clone()).build();
-    let plan = leased_plan(100, 0.001);
+    // Leases of up to the whole capacity: 30 tokens spent leave the lease room for the refund
+    // under its bound (a refund that would lift a lease above it goes to the store instead:
+    // tests/refund.rs).
+    let plan = common::plan(100, 0.001)
+        .with_lease(LeaseSettings {
+            max_fraction: 1.0,
+            ..LeaseSettings::default()
+        })
+        .with_fallback(FallbackSettings {
+            mode: FallbackMode::Deny,
+        });
     for _ in 0..30 {
         assert!(
             limiter

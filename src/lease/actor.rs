@@ -234,10 +234,9 @@ fn hold(leases: &Leases, slot: &Slot, ids: &mut Ids) -> Option<Hold> {
 
 /// What one slot asks the store for: (min, want) in nanotokens, or `None` when nothing is
 /// needed. Samples the slot's demand and sets its next target size.
-fn plan_refill(slot: &Slot, now: u64) -> Option<(u64, u64)> {
+fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64)> {
     let settings = lease_settings(slot);
-    let capacity = u64::try_from(slot.plan.capacity().as_nanos()).unwrap_or(TOKENS);
-    let largest = ((capacity as f64 * settings.max_fraction) as u64).clamp(1, TOKENS);
+    let largest = largest_lease(slot, 0);
     let available = slot.words().available();
     let needed = slot.needed.swap(0, Ordering::AcqRel);
     let waiting = slot.waiting.swap(0, Ordering::AcqRel);
@@ -255,13 +254,18 @@ fn plan_refill(slot: &Slot, now: u64) -> Option<(u64, u64)> {
         book.sampled_at = now;
         book.spent_at_sample = spent;
     }
-    // About one refresh interval of demand, at most max_fraction of the capacity. A key whose
-    // bucket ran dry wants more than it gets: ask for the largest lease, so that a dry bucket
-    // is asked about once per lease's worth of refill instead of once per token.
     let target = if book.dry {
+        // A key whose bucket ran dry wants more than it gets: ask for the largest lease, so
+        // that a dry bucket is asked about once per lease's worth of refill, not once per token.
         largest
     } else {
-        ((book.demand * settings.refresh.as_secs_f64()) as u64).min(largest)
+        target_size(
+            book.demand,
+            book.max_cost,
+            &settings,
+            Duration::from_nanos(landing),
+        )
+        .min(largest)
     };
     book.target = target;
     let want = target
@@ -282,6 +286,40 @@ fn plan_refill(slot: &Slot, now: u64) -> Option<(u64, u64)> {
     Some((min, want))
 }
 
+/// The most a lease of `slot` holds (nanotokens): `B = max_fraction × capacity`, or the largest
+/// cost a caller of the key waited for (`max_cost`) when that is more, since a lease must hold
+/// one call's cost. This is the `B` of the overshoot bound (DESIGN.md §8); refunds and top-ups
+/// never lift a lease above it.
+pub(super) fn largest_lease(slot: &Slot, max_cost: u64) -> u64 {
+    let settings = lease_settings(slot);
+    let capacity = u64::try_from(slot.plan.capacity().as_nanos()).unwrap_or(TOKENS);
+    ((capacity as f64 * settings.max_fraction) as u64)
+        .clamp(1, TOKENS)
+        .max(max_cost.min(TOKENS))
+}
+
+/// The lease size (nanotokens) for a key spending `demand` nanotokens a second in calls of at
+/// most `max_cost`, before the cap of `max_fraction × capacity`:
+///
+/// - **Sparse** (fewer than one call's cost expected over a lease lifetime): zero. The key gets
+///   exactly what its waiting callers need, one batched refill per call, and nothing sits
+///   leased for a lifetime only to be given back.
+/// - Otherwise the largest of: a refresh interval of demand (what a hot key is sized by); a
+///   lifetime of demand, so that a quiet key is refilled about twice per lifetime instead of
+///   twice per refresh interval (a quiet key's lease sized to the refresh interval alone was a
+///   fraction of one call, and every call waited for a refill); and enough that the part left at
+///   the low-water mark serves the calls expected until a refill lands (`landing`), plus one.
+fn target_size(demand: f64, max_cost: u64, settings: &LeaseSettings, landing: Duration) -> u64 {
+    let cost = max_cost.max(1) as f64;
+    let lifetime = demand * settings.ttl.as_secs_f64();
+    if lifetime < cost {
+        return 0;
+    }
+    let refresh = demand * settings.refresh.as_secs_f64();
+    let until_landed = (demand * landing.as_secs_f64() + cost) / settings.low_water.max(0.01);
+    refresh.max(lifetime).max(until_landed) as u64
+}
+
 /// Refills `due` slots, one statement per chunk of distinct keys.
 async fn refill(leases: &Leases, due: Vec<Arc<Slot>>, returns: &mut Vec<Return>, ids: &mut Ids) {
     // Chunk first, so the round's temporaries stay small however many keys are due.
@@ -298,6 +336,12 @@ async fn refill_chunk(
     ids: &mut Ids,
 ) {
     let now = leases.now();
+    // How long a refill takes to land: the last round trips, plus a tick for a nudge that was
+    // dropped and found by the sweep.
+    let landing = leases
+        .refill_ns
+        .load(Ordering::Relaxed)
+        .saturating_add(leases.settings.tick.as_nanos() as u64);
     let mut asks: Vec<(Arc<Slot>, u64, u64, Option<Hold>)> = Vec::with_capacity(part.len());
     let mut keys = HashSet::with_capacity(part.len());
     for slot in part {
@@ -309,7 +353,7 @@ async fn refill_chunk(
             slot.words().request_refill();
             continue;
         }
-        match plan_refill(slot, now) {
+        match plan_refill(slot, now, landing) {
             Some((min, want)) => {
                 let hold = hold(leases, slot, ids);
                 asks.push((Arc::clone(slot), min, want, hold));
@@ -342,7 +386,13 @@ async fn refill_chunk(
         leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
         metrics::counter!(m::DB_CALLS, "kind" => "lease").increment(1);
         let result = leases.store.acquire_many(&requests).await;
-        metrics::histogram!(m::REFILL_SECONDS).record(started.elapsed());
+        let took = started.elapsed();
+        metrics::histogram!(m::REFILL_SECONDS).record(took);
+        let took = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        let before = leases.refill_ns.load(Ordering::Relaxed);
+        leases
+            .refill_ns
+            .store(before / 2 + took / 2, Ordering::Relaxed);
         let now = leases.now();
         match result {
             Ok(answers) => {
@@ -423,10 +473,16 @@ fn apply(
         if slot.words().contended() && book.target >= split_min.saturating_mul(HOT_PARTS) {
             slot.words().spread_out();
         }
+        // A lease never holds more than its bound (`largest_lease`): tokens refunded into the
+        // word while this refill was in flight would otherwise ride on top of the grant, and a
+        // lease that callers keep refunding into would grow past the bound round after round.
+        // What does not fit goes back to the store.
+        let room = largest_lease(slot, book.max_cost).saturating_sub(slot.words().available());
+        let placed = granted.min(room);
         let unplaced = if slot.evicted.load(Ordering::Acquire) {
             granted
         } else {
-            slot.words().top_up(granted, split_min)
+            (granted - placed) + slot.words().top_up(placed, split_min)
         };
         // `unplaced` can exceed `granted` by tokens a hot key's words held and could not hold
         // again (see `LeaseWords::top_up`); they were credited before and leave now.

@@ -93,7 +93,21 @@ pub(crate) struct Leases {
     origin: Instant,
     store: Arc<dyn Store>,
     pub(crate) counters: Counters,
+    /// How long a refill statement takes, in nanoseconds (a moving average the actor keeps):
+    /// leases are sized to last until a refill asked at the low-water mark lands.
+    pub(crate) refill_ns: AtomicU64,
     actor: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What [`Leases::try_take_known`] spent, and under which plan.
+#[derive(Debug)]
+pub(crate) struct Known<'p> {
+    /// The key's plan, as the policies chose it.
+    pub(crate) plan: &'p Arc<Plan>,
+    /// Tokens left in the lease (nanotokens).
+    pub(crate) left: u64,
+    /// The store's remaining tokens at the last refill (nanotokens).
+    pub(crate) store_remaining: u64,
 }
 
 /// What the fast path found.
@@ -137,6 +151,7 @@ impl Leases {
             origin: Instant::now(),
             store,
             counters: Counters::default(),
+            refill_ns: AtomicU64::new(0),
             actor: Mutex::new(None),
         });
         let handle = tokio::spawn(actor::run(Arc::clone(&leases)));
@@ -153,8 +168,18 @@ impl Leases {
     ///
     /// With a live lease holding enough, this is a lookup and a CAS. Creating a slot for a new
     /// key allocates once.
+    ///
+    /// `chosen` is the plan's shared copy and its index among the limiter's policies when the
+    /// policies chose it for `key` (`try_acquire`); a new slot records the index so that later
+    /// calls find the plan through [`Leases::try_take_known`].
     #[inline]
-    pub(crate) fn try_take(&self, plan: &Plan, key: &str, cost: u64) -> Fast {
+    pub(crate) fn try_take(
+        &self,
+        plan: &Plan,
+        chosen: Option<(&Arc<Plan>, u32)>,
+        key: &str,
+        cost: u64,
+    ) -> Fast {
         let table = self.table.pin();
         let (slot, hot) = match table.get(key) {
             Some(found) => found,
@@ -168,9 +193,13 @@ impl Leases {
                     return Fast::NoRoom;
                 }
                 let now = self.now();
-                let plan = self.shared_plan(plan);
+                let (shared, index) = match chosen {
+                    Some((shared, index)) => (Arc::clone(shared), index),
+                    None => (self.shared_plan(plan), slab::NO_PLAN),
+                };
                 let Some(slot) = table.get_or_insert_with(key, |hot| {
-                    Arc::new(Slot::new(Arc::from(key), plan, now, hot))
+                    hot.plan.store(index, Ordering::Relaxed);
+                    Arc::new(Slot::new(Arc::from(key), shared, now, hot))
                 }) else {
                     return Fast::NoRoom;
                 };
@@ -195,6 +224,45 @@ impl Leases {
                 }
             }
             Take::Short { .. } => self.short(slot, cost),
+        }
+    }
+
+    /// `try_acquire`'s fast path: spends from the lease of a key already in the table whose plan
+    /// the policies chose, reading that plan from the key's record (`plans[index]`) instead of
+    /// matching the key's prefixes. `cost` converts the caller's cost under that plan (it
+    /// may refuse it). `None` when this path cannot answer: the key is not in the table, its plan
+    /// was named by a caller, or its lease is short. Then nothing was changed, and the caller
+    /// takes the full path.
+    #[inline]
+    pub(crate) fn try_take_known<'p, E>(
+        &self,
+        key: &str,
+        plans: &'p [Arc<Plan>],
+        cost: impl FnOnce(&Plan) -> Result<u64, E>,
+    ) -> Option<Result<Known<'p>, E>> {
+        let table = self.table.pin();
+        let (slot, hot) = table.get(key)?;
+        let plan = plans.get(hot.plan.load(Ordering::Relaxed) as usize)?;
+        let nanos = match cost(plan) {
+            Ok(nanos) => nanos,
+            Err(e) => return Some(Err(e)),
+        };
+        match slot
+            .words_of(hot)
+            .try_take(nanos, hot.low_water.load(Ordering::Relaxed))
+        {
+            Take::Taken { left, nudge } => {
+                if nudge {
+                    self.nudge(slot);
+                }
+                crate::metrics::record_lease_allowed();
+                Some(Ok(Known {
+                    plan,
+                    left,
+                    store_remaining: hot.store_remaining.load(Ordering::Relaxed),
+                }))
+            }
+            Take::Short { .. } => None,
         }
     }
 
@@ -303,11 +371,20 @@ impl Leases {
 
     /// Puts `cost` nanotokens back into `key`'s live lease; `false` when there is none (the
     /// caller then gives them back to the store).
+    ///
+    /// Only while the lease stays within its bound (`B`, see `actor::largest_lease`): a refund
+    /// that would lift it above goes to the store instead, so refunds never add to the overshoot
+    /// bound. The slot's bookkeeping lock serialises this with the actor's top-ups (which cap
+    /// the lease the same way); callers' takes, which run beside it, only lower the lease.
     pub(crate) fn refund(&self, key: &str, cost: u64) -> bool {
-        self.table
-            .pin()
-            .get(key)
-            .is_some_and(|(slot, hot)| slot.words_of(hot).refund(cost))
+        let table = self.table.pin();
+        let Some((slot, hot)) = table.get(key) else {
+            return false;
+        };
+        let book = slot.book.lock();
+        let words = slot.words_of(hot);
+        let bound = actor::largest_lease(slot, book.max_cost);
+        words.available().saturating_add(cost) <= bound && words.refund(cost)
     }
 
     /// Counters now.

@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
@@ -48,7 +48,14 @@ pub(crate) struct Hot {
     /// Set once the slot has a hot key's extra words: callers look for them in the slot only then,
     /// so a quiet key's call never reads its slot.
     pub(crate) spread: AtomicBool,
+    /// The index of the key's plan among the limiter's policies, when the policies chose it
+    /// ([`NO_PLAN`] when a caller named the plan): `try_acquire` on a key in the table reads its
+    /// plan here instead of matching the key's prefixes again.
+    pub(crate) plan: AtomicU32,
 }
+
+/// [`Hot::plan`] of a key whose plan was not chosen by the policies.
+pub(crate) const NO_PLAN: u32 = u32::MAX;
 
 impl Hot {
     /// A record as a new slot starts: no live lease, a refill asked for.
@@ -58,6 +65,7 @@ impl Hot {
             low_water: AtomicU64::new(0),
             store_remaining: AtomicU64::new(0),
             spread: AtomicBool::new(false),
+            plan: AtomicU32::new(NO_PLAN),
         }
     }
 
@@ -68,6 +76,7 @@ impl Hot {
         self.low_water.store(0, Ordering::Relaxed);
         self.store_remaining.store(0, Ordering::Relaxed);
         self.spread.store(false, Ordering::Relaxed);
+        self.plan.store(NO_PLAN, Ordering::Relaxed);
     }
 }
 
@@ -197,6 +206,7 @@ mod tests {
         assert_eq!(used.word.top_up(5), 0);
         used.low_water.store(3, Ordering::Relaxed);
         used.spread.store(true, Ordering::Relaxed);
+        used.plan.store(3, Ordering::Relaxed);
         assert!(matches!(used.word.try_take(1, 0), Take::Taken { .. }));
         drop(used);
         assert_eq!(slab.in_use(), 2 * CHUNK - 1);
@@ -205,6 +215,7 @@ mod tests {
         assert_eq!(again.word.load(), LeaseWord::new_pending().load());
         assert_eq!(again.low_water.load(Ordering::Relaxed), 0);
         assert!(!again.spread.load(Ordering::Relaxed));
+        assert_eq!(again.plan.load(Ordering::Relaxed), NO_PLAN);
         assert!(std::ptr::eq(&*again, slab.get(index).expect("handed out")));
         assert!(slab.get(u32::MAX).is_none());
     }

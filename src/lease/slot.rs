@@ -60,7 +60,8 @@ pub(crate) struct SlotCold {
     pub(crate) key: Arc<str>,
     /// The key's plan (bucket shape and lease settings).
     pub(crate) plan: Arc<Plan>,
-    /// The actor's bookkeeping; only the actor locks it, never while awaiting.
+    /// The actor's bookkeeping. The actor locks it, and a refund (to serialise with top-ups);
+    /// never while awaiting.
     pub(crate) book: Mutex<Book>,
 }
 

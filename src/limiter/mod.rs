@@ -7,7 +7,10 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::OnceLock;
+use std::task::{Context, Poll};
 use std::time::Instant;
 
 use crate::bucket::Tokens;
@@ -95,6 +98,9 @@ pub struct Limiter {
 struct Inner {
     store: Arc<dyn Store>,
     policies: Option<Policies>,
+    /// The policies' plans, in file order: a key's record in the lease table holds its plan's
+    /// index here.
+    plans: Box<[Arc<Plan>]>,
     coalescer: Option<Arc<Coalescer>>,
     fallback: Fallback,
     /// The lease table and its actor, started by the first call on a leased plan.
@@ -155,6 +161,12 @@ impl LimiterBuilder {
         Limiter {
             inner: Arc::new(Inner {
                 store: self.store,
+                plans: self
+                    .policies
+                    .iter()
+                    .flat_map(Policies::plans)
+                    .cloned()
+                    .collect(),
                 policies: self.policies,
                 coalescer: self.coalesce.then(Coalescer::new),
                 fallback: Fallback::default(),
@@ -196,20 +208,22 @@ impl Limiter {
 
     /// Takes `cost` tokens from `key`'s bucket under the plan the policies give the key.
     ///
+    /// A key already in the lease table is answered from its lease on the first poll, with its
+    /// plan read from the table (no prefix match, no allocation, no reference count); anything
+    /// else takes the full path of [`try_acquire_with`](Self::try_acquire_with).
+    ///
     /// # Errors
     ///
     /// [`Error::NoPlanForKey`] when no plan matches, and as [`try_acquire_with`](Self::try_acquire_with).
-    pub async fn try_acquire(&self, key: &str, cost: f64) -> Result<Decision, Error> {
-        let plan = self
-            .inner
-            .policies
-            .as_ref()
-            .and_then(|p| p.plan_for_key(key))
-            .ok_or_else(|| Error::NoPlanForKey {
-                key: key.chars().take(64).collect(),
-            })?;
-        let plan = Arc::clone(plan);
-        self.try_acquire_with(&plan, key, cost).await
+    pub fn try_acquire<'a>(&'a self, key: &'a str, cost: f64) -> Acquire<'a> {
+        Acquire {
+            state: State::Start {
+                limiter: self,
+                plan: None,
+                key,
+                cost,
+            },
+        }
     }
 
     /// Takes `cost` tokens from `key`'s bucket under `plan`.
@@ -224,45 +238,135 @@ impl Limiter {
     ///
     /// Dropping the future never leaves the key stuck; a take already sent to the store counts
     /// as spent.
-    pub async fn try_acquire_with(
-        &self,
-        plan: &Plan,
-        key: &str,
-        cost: f64,
-    ) -> Result<Decision, Error> {
-        let cost = check_leased_call(plan, key, cost)?;
-        if let Some(settings) = plan.lease() {
-            let leases = self.leases();
-            let nanos = lease_cost(cost);
-            let fast = match leases.try_take(plan, key, nanos) {
-                Fast::Short(slot) if !settings.max_wait.is_zero() => {
-                    leases
-                        .wait(slot, nanos, Instant::now() + settings.max_wait)
-                        .await
-                }
-                other => other,
-            };
-            if let Fast::Taken {
-                left,
-                store_remaining,
-            } = fast
-            {
-                return Ok(lease_allowed(plan, left, store_remaining));
-            }
-            // Only a key already in the table (checked when it went in) is spent from a lease.
-            validate_key(key)?;
-            match fast {
-                Fast::Taken { .. } => unreachable!("returned above"),
-                Fast::Dry { retry_after } => return Ok(recorded(lease_denied(plan, retry_after))),
-                Fast::Failing | Fast::Short(_) => {
-                    return Ok(recorded(self.inner.fallback.decide(plan, key, cost).await));
-                }
-                Fast::NoRoom => {}
-            }
-        } else {
-            validate_key(key)?;
+    pub fn try_acquire_with<'a>(&'a self, plan: &'a Plan, key: &'a str, cost: f64) -> Acquire<'a> {
+        Acquire {
+            state: State::Start {
+                limiter: self,
+                plan: Some(plan),
+                key,
+                cost,
+            },
         }
-        self.direct(plan, key, cost).await.map(recorded)
+    }
+
+    /// The part of a call that never awaits: the lease's fast path, or what the rest of the
+    /// call needs to go on.
+    #[inline]
+    fn start<'a>(
+        &'a self,
+        plan: Option<&'a Plan>,
+        key: &'a str,
+        cost: f64,
+    ) -> Result<Step<'a>, Error> {
+        let (plan, chosen) = match plan {
+            Some(plan) => (plan, None),
+            None => {
+                if let Some(leases) = self.inner.leases.get() {
+                    let known = leases.try_take_known(key, &self.inner.plans, |plan| {
+                        check_leased_call(plan, key, cost).map(lease_cost)
+                    });
+                    match known {
+                        Some(Ok(known)) => {
+                            return Ok(Step::Done(lease_allowed(
+                                known.plan,
+                                known.left,
+                                known.store_remaining,
+                            )));
+                        }
+                        Some(Err(e)) => return Err(e),
+                        None => {}
+                    }
+                }
+                let (plan, index) = self.plan_for_key(key)?;
+                (&**plan, Some((plan, index)))
+            }
+        };
+        let cost_tokens = check_leased_call(plan, key, cost)?;
+        let Some(settings) = plan.lease() else {
+            validate_key(key)?;
+            return Ok(Step::Direct {
+                plan,
+                cost: cost_tokens,
+            });
+        };
+        let nanos = lease_cost(cost_tokens);
+        let fast = self.leases().try_take(plan, chosen, key, nanos);
+        if let Fast::Taken {
+            left,
+            store_remaining,
+        } = fast
+        {
+            return Ok(Step::Done(lease_allowed(plan, left, store_remaining)));
+        }
+        // Only a key already in the table (checked when it went in) is spent from a lease.
+        validate_key(key)?;
+        Ok(match fast {
+            Fast::Short(slot) if !settings.max_wait.is_zero() => Step::Wait {
+                plan,
+                cost: cost_tokens,
+                slot,
+                deadline: Instant::now() + settings.max_wait,
+            },
+            Fast::Dry { retry_after } => Step::Done(recorded(lease_denied(plan, retry_after))),
+            Fast::Failing | Fast::Short(_) => Step::Fallback {
+                plan,
+                cost: cost_tokens,
+            },
+            Fast::NoRoom | Fast::Taken { .. } => Step::Direct {
+                plan,
+                cost: cost_tokens,
+            },
+        })
+    }
+
+    /// The plan the policies give `key`, and its index among them.
+    fn plan_for_key(&self, key: &str) -> Result<(&Arc<Plan>, u32), Error> {
+        let no_plan = || Error::NoPlanForKey {
+            key: key.chars().take(64).collect(),
+        };
+        let plan = self
+            .inner
+            .policies
+            .as_ref()
+            .and_then(|p| p.plan_for_key(key))
+            .ok_or_else(no_plan)?;
+        let index = self
+            .inner
+            .plans
+            .iter()
+            .position(|p| Arc::ptr_eq(p, plan))
+            .ok_or_else(no_plan)?;
+        Ok((&self.inner.plans[index], index as u32))
+    }
+
+    /// The rest of a call that [`start`](Self::start) could not finish without waiting.
+    async fn finish(&self, step: Step<'_>, key: &str) -> Result<Decision, Error> {
+        match step {
+            Step::Done(decision) => Ok(decision),
+            Step::Wait {
+                plan,
+                cost,
+                slot,
+                deadline,
+            } => {
+                let leases = self.leases();
+                match leases.wait(slot, lease_cost(cost), deadline).await {
+                    Fast::Taken {
+                        left,
+                        store_remaining,
+                    } => Ok(lease_allowed(plan, left, store_remaining)),
+                    Fast::Dry { retry_after } => Ok(recorded(lease_denied(plan, retry_after))),
+                    Fast::Failing | Fast::Short(_) => {
+                        Ok(recorded(self.inner.fallback.decide(plan, key, cost).await))
+                    }
+                    Fast::NoRoom => self.direct(plan, key, cost).await.map(recorded),
+                }
+            }
+            Step::Fallback { plan, cost } => {
+                Ok(recorded(self.inner.fallback.decide(plan, key, cost).await))
+            }
+            Step::Direct { plan, cost } => self.direct(plan, key, cost).await.map(recorded),
+        }
     }
 
     /// Decides from the lease alone, never waiting: `Ok(None)` when that would need the store
@@ -290,7 +394,7 @@ impl Limiter {
             validate_key(key)?;
             return Ok(None);
         }
-        match self.leases().try_take(plan, key, lease_cost(cost)) {
+        match self.leases().try_take(plan, None, key, lease_cost(cost)) {
             Fast::Taken {
                 left,
                 store_remaining,
@@ -392,6 +496,83 @@ impl Limiter {
         match result {
             Ok(acquired) => Ok(Decision::from_store(plan, &acquired)),
             Err(_) => Ok(self.inner.fallback.decide(plan, key, cost).await),
+        }
+    }
+}
+
+/// The future of [`Limiter::try_acquire`] and [`Limiter::try_acquire_with`].
+///
+/// Its first poll runs the lease's fast path in place: a key with a live lease holding the cost
+/// is answered then, without allocating. Only a call that must wait (for a refill, the store or
+/// the fallback) boxes the rest of its work.
+#[must_use = "futures do nothing unless polled"]
+pub struct Acquire<'a> {
+    state: State<'a>,
+}
+
+enum State<'a> {
+    Start {
+        limiter: &'a Limiter,
+        plan: Option<&'a Plan>,
+        key: &'a str,
+        cost: f64,
+    },
+    Waiting(Pin<Box<dyn Future<Output = Result<Decision, Error>> + Send + 'a>>),
+    Done,
+}
+
+/// Where [`Limiter::start`] left a call.
+enum Step<'a> {
+    /// Decided.
+    Done(Decision),
+    /// Wait for the slot's refill until `deadline`.
+    Wait {
+        plan: &'a Plan,
+        cost: Tokens,
+        slot: Arc<crate::lease::Slot>,
+        deadline: Instant,
+    },
+    /// The fallback decides.
+    Fallback { plan: &'a Plan, cost: Tokens },
+    /// One store call decides (direct mode, or no room in the lease table).
+    Direct { plan: &'a Plan, cost: Tokens },
+}
+
+impl std::fmt::Debug for Acquire<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match &self.state {
+            State::Start { .. } => "start",
+            State::Waiting(_) => "waiting",
+            State::Done => "done",
+        };
+        f.debug_struct("Acquire").field("state", &state).finish()
+    }
+}
+
+impl Future for Acquire<'_> {
+    type Output = Result<Decision, Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut waiting = match std::mem::replace(&mut self.state, State::Done) {
+            State::Start {
+                limiter,
+                plan,
+                key,
+                cost,
+            } => match limiter.start(plan, key, cost) {
+                Ok(Step::Done(decision)) => return Poll::Ready(Ok(decision)),
+                Err(e) => return Poll::Ready(Err(e)),
+                Ok(step) => Box::pin(limiter.finish(step, key)),
+            },
+            State::Waiting(waiting) => waiting,
+            State::Done => panic!("`Acquire` polled after it completed"),
+        };
+        match waiting.as_mut().poll(cx) {
+            Poll::Ready(out) => Poll::Ready(out),
+            Poll::Pending => {
+                self.state = State::Waiting(waiting);
+                Poll::Pending
+            }
         }
     }
 }

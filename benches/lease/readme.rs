@@ -1,0 +1,193 @@
+//! `readme_api/*`: the README's own call, `limiter.try_acquire(key, 1.0).await`, on a limiter
+//! built the README's way from a policy file whose plan says `"lease": {}` (every lease setting
+//! at its default) and the builder's defaults, over an in-memory store, beside governor's keyed
+//! limiter in the same process, at 1, 10,000, 100,000 and 1,000,000 keys called round robin.
+//!
+//! Each key count gets a fresh limiter, warmed by calling every key from 64 tasks until every key
+//! answers from a live lease. The plan's bucket is far larger than the bench can spend (as
+//! governor's quota is), so both sides measure the allowed path. After the criterion run the
+//! table prints, per key count, the store calls the limiter made per 1,000 calls while measured
+//! (refills and give-backs, counted by `CountedStore`) and the share of calls its leases
+//! answered.
+
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput};
+use governor::{Quota, RateLimiter};
+use tokenlease::policy::Policies;
+use tokenlease::store::{CountedStore, MemoryStore};
+use tokenlease::{DecidedBy, Limiter};
+
+/// The key counts measured.
+pub(crate) const KEY_COUNTS: [usize; 4] = [1, 10_000, 100_000, 1_000_000];
+
+/// The policy file: one plan with the default lease settings, large enough never to deny.
+const POLICY: &str = r#"{
+  "plans": {
+    "per-customer": { "capacity": 1000000000, "refill_per_second": 1000000000, "lease": {} }
+  },
+  "default_plan": "per-customer"
+}"#;
+
+/// What one key count's run saw, for the printed table.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Seen {
+    /// Keys.
+    pub(crate) keys: usize,
+    /// Calls made while criterion measured (warm-up included).
+    pub(crate) calls: u64,
+    /// Store calls over the same calls.
+    pub(crate) store_calls: u64,
+    /// Calls a lease did not answer (decided by the store, the fallback, or denied).
+    pub(crate) off_lease: u64,
+}
+
+fn key_name(i: usize) -> String {
+    format!("customer:{i}")
+}
+
+/// Calls every key from 64 tasks until each answers from its lease.
+fn warm(runtime: &tokio::runtime::Runtime, limiter: &Limiter, keys: &Arc<Vec<String>>) {
+    for round in 0..20 {
+        runtime.block_on(async {
+            let tasks = 64.min(keys.len());
+            let handles: Vec<_> = (0..tasks)
+                .map(|t| {
+                    let (limiter, keys) = (limiter.clone(), Arc::clone(keys));
+                    tokio::spawn(async move {
+                        for key in keys.iter().skip(t).step_by(tasks) {
+                            for _ in 0..3 {
+                                let d = limiter.try_acquire(key, 1.0).await;
+                                assert!(d.expect("decision").allowed);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.await.expect("warm task");
+            }
+        });
+        let off_lease = runtime.block_on(async {
+            let mut off = 0usize;
+            for key in keys.iter() {
+                let d = limiter.try_acquire(key, 1.0).await.expect("decision");
+                if d.decided_by != DecidedBy::Lease {
+                    off += 1;
+                }
+            }
+            off
+        });
+        if off_lease == 0 {
+            return;
+        }
+        eprintln!("readme_api warm-up round {round}: {off_lease} calls off the lease");
+    }
+    eprintln!("readme_api: some keys still off the lease after warming");
+}
+
+/// Runs the `readme_api` group; returns what each key count saw.
+pub(crate) fn bench(c: &mut Criterion) -> Vec<Seen> {
+    let policies = Policies::from_json_str(POLICY, None).expect("policy");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let caller = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut seen = Vec::new();
+    let mut group = c.benchmark_group("readme_api");
+    group.throughput(Throughput::Elements(1));
+    for n in KEY_COUNTS {
+        let keys: Arc<Vec<String>> = Arc::new((0..n).map(key_name).collect());
+        let calls = Arc::new(AtomicU64::new(0));
+        let store = CountedStore::with_counter(MemoryStore::new(), Arc::clone(&calls));
+        let limiter =
+            runtime.block_on(async { Limiter::builder(store).policies(policies.clone()).build() });
+        warm(&runtime, &limiter, &keys);
+        let mut run = Seen {
+            keys: n,
+            ..Seen::default()
+        };
+        let store_before = calls.load(Ordering::Relaxed);
+        let mut i = 0usize;
+        group.bench_function(format!("tokenlease/{n}_keys"), |b| {
+            b.iter_custom(|iters| {
+                caller.block_on(async {
+                    let started = Instant::now();
+                    for _ in 0..iters {
+                        i = if i + 1 >= n { 0 } else { i + 1 };
+                        let d = limiter.try_acquire(&keys[i], 1.0).await;
+                        let d = d.expect("decision");
+                        if d.decided_by != DecidedBy::Lease {
+                            run.off_lease += 1;
+                        }
+                        black_box(d.allowed);
+                    }
+                    run.calls += iters;
+                    started.elapsed()
+                })
+            });
+        });
+        run.store_calls = calls.load(Ordering::Relaxed) - store_before;
+        seen.push(run);
+        runtime.block_on(limiter.shutdown());
+        drop(limiter);
+
+        let keyed = RateLimiter::keyed(Quota::per_second(NonZeroU32::MAX));
+        for key in keys.iter() {
+            assert!(keyed.check_key(key).is_ok());
+        }
+        let mut i = 0usize;
+        group.bench_function(format!("governor_keyed/{n}_keys"), |b| {
+            b.iter(|| {
+                i = if i + 1 >= n { 0 } else { i + 1 };
+                black_box(keyed.check_key(&keys[i]).is_ok())
+            });
+        });
+        // Give the memory back before the next key count.
+        drop(keyed);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    group.finish();
+    seen
+}
+
+/// Prints the table of the `readme_api` group from criterion's estimates.
+pub(crate) fn print_table(seen: &[Seen], criterion_ns: &dyn Fn(&str, &str) -> Option<f64>) {
+    let fmt = |v: Option<f64>| v.map_or("–".to_owned(), |v| format!("{v:.1}"));
+    println!(
+        "\n| README API, `try_acquire(key, 1.0).await`, lease {{}} | tokenlease (ns/call) | governor keyed (ns/call) | governor ÷ tokenlease | store calls / 1,000 calls | calls off the lease |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for run in seen {
+        let ours = criterion_ns("readme_api", &format!("tokenlease/{}_keys", run.keys));
+        let theirs = criterion_ns("readme_api", &format!("governor_keyed/{}_keys", run.keys));
+        let ratio = match (ours, theirs) {
+            (Some(a), Some(b)) => format!("{:.2}×", b / a),
+            _ => "–".to_owned(),
+        };
+        let per_thousand = if run.calls == 0 {
+            "–".to_owned()
+        } else {
+            format!("{:.3}", run.store_calls as f64 * 1000.0 / run.calls as f64)
+        };
+        println!(
+            "| {} keys | {} | {} | {} | {} | {} of {} |",
+            run.keys,
+            fmt(ours),
+            fmt(theirs),
+            ratio,
+            per_thousand,
+            run.off_lease,
+            run.calls
+        );
+    }
+}
