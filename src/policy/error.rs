@@ -148,12 +148,22 @@ pub struct PolicyError {
     plan: Option<String>,
     /// The JSON path of the offending value, e.g. `plans.standard.capacity` or `routes[0].path`.
     field: Option<String>,
-    /// One-based line and column from serde_json, for syntax and type errors.
-    line_column: Option<(usize, usize)>,
+    /// One-based line and column from serde_json, for syntax and type errors (a policy is at
+    /// most 16 MiB, so both fit in 32 bits; kept small so the error stays small).
+    line_column: Option<(u32, u32)>,
     /// What is wrong, lower-case, without file or field.
     message: String,
     /// What kind of problem it is.
-    kind: PolicyErrorKind,
+    kind: Kind,
+}
+
+/// [`PolicyErrorKind`] without its data, one byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Read,
+    TooLarge,
+    Syntax,
+    Invalid,
 }
 
 impl PolicyError {
@@ -166,11 +176,11 @@ impl PolicyError {
             field: None,
             line_column: None,
             message: bounded(message.into()),
-            kind: PolicyErrorKind::Invalid,
+            kind: Kind::Invalid,
         }
     }
 
-    pub(crate) fn with_kind(mut self, kind: PolicyErrorKind) -> Self {
+    pub(crate) fn with_kind(mut self, kind: Kind) -> Self {
         self.kind = kind;
         self
     }
@@ -188,7 +198,8 @@ impl PolicyError {
     }
 
     pub(crate) fn with_line_column(mut self, line_column: Option<(usize, usize)>) -> Self {
-        self.line_column = line_column;
+        let small = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        self.line_column = line_column.map(|(line, column)| (small(line), small(column)));
         self
     }
 
@@ -199,7 +210,14 @@ impl PolicyError {
 
     /// What kind of problem this is: reading, size, syntax or an invalid value.
     pub fn kind(&self) -> PolicyErrorKind {
-        self.kind
+        match self.kind {
+            Kind::Read => PolicyErrorKind::Read,
+            Kind::TooLarge => PolicyErrorKind::TooLarge {
+                limit: super::MAX_POLICY_BYTES,
+            },
+            Kind::Syntax => PolicyErrorKind::Syntax,
+            Kind::Invalid => PolicyErrorKind::Invalid,
+        }
     }
 
     /// The plan the error is about: the plan being defined where the error is, or the unknown
@@ -220,6 +238,7 @@ impl PolicyError {
     /// 0 means the error is at the start of the line, e.g. at end of file).
     pub fn line_column(&self) -> Option<(usize, usize)> {
         self.line_column
+            .map(|(line, column)| (line as usize, column as usize))
     }
 
     /// What is wrong, without the file, position and field.

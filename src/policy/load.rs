@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde_path_to_error::Segment;
 
-use super::error::{PolicyError, PolicyErrorKind, number, quote, shorten, shorten_quoted};
+use super::error::{Kind, PolicyError, number, quote, shorten, shorten_quoted};
 use super::raw::{
     Obj, RawAccounting, RawEntity, RawFallback, RawFallbackMode, RawLease, RawPlan, RawPolicies,
     RawRoute,
@@ -91,7 +91,7 @@ impl Policies {
         let file = path.display().to_string();
         let cannot = |e: std::io::Error| {
             PolicyError::new(&file, format!("cannot read the file: {}", lower(&e)))
-                .with_kind(PolicyErrorKind::Read)
+                .with_kind(Kind::Read)
         };
         let mut reader = std::fs::File::open(path).map_err(cannot)?;
         // The size from the metadata refuses a large file without reading it; reading at most
@@ -112,7 +112,7 @@ impl Policies {
             let offset = e.valid_up_to();
             PolicyError::new(&file, format!("not valid UTF-8 at byte offset {offset}"))
                 .with_line_column(Some(line_column(&bytes, offset)))
-                .with_kind(PolicyErrorKind::Read)
+                .with_kind(Kind::Read)
         })?;
         Self::from_json_str(text, Some(path))
     }
@@ -223,9 +223,7 @@ fn too_large(file: &str, size: Option<u64>) -> PolicyError {
              (16 MiB)"
         ),
     )
-    .with_kind(PolicyErrorKind::TooLarge {
-        limit: MAX_POLICY_BYTES,
-    })
+    .with_kind(Kind::TooLarge)
 }
 
 /// Turns a serde_json error into a [`PolicyError`] with line and column. The values serde
@@ -256,7 +254,7 @@ fn json_error(file: &str, err: &serde_json::Error) -> PolicyError {
     };
     PolicyError::new(file, message)
         .with_line_column((line > 0).then_some((line, column)))
-        .with_kind(PolicyErrorKind::Syntax)
+        .with_kind(Kind::Syntax)
 }
 
 /// The dotted field path of a serde path, and the plan it is inside of, if any.
