@@ -744,3 +744,264 @@ async fn hostile_entity_ids_are_hashed_not_refused() {
         StatusCode::TOO_MANY_REQUESTS
     );
 }
+
+/// A small policy file: `GET /bookings/{bookingId}` with a global bucket of 5 and an entity
+/// bucket of 100, nothing refilling within the test.
+const HEAD_POLICY: &str = r#"{
+  "plans": {
+    "g": { "capacity": 5, "refill": { "tokens": 1, "period_ms": 3600000 } },
+    "e": { "capacity": 100, "refill": { "tokens": 1, "period_ms": 3600000 } }
+  },
+  "routes": [ { "method": "GET", "path": "/bookings/{bookingId}", "global": "g",
+                "entity": { "path_param": "bookingId", "plan": "e" } } ]
+}"#;
+
+fn head(path: &str) -> Request<Body> {
+    Request::head(path).body(Body::empty()).unwrap()
+}
+
+/// HEAD runs the GET handler (axum answers HEAD with it), so it is limited as that GET: the
+/// same global and entity buckets, keyed `GET:...`, shared with GET. Here with a layer made
+/// from a policy file that lists only GET.
+#[tokio::test]
+async fn head_is_limited_as_the_get_it_runs_policy_file() {
+    let policies = Policies::from_json_str(HEAD_POLICY, None).unwrap();
+    let (_clock, store) = manual();
+    let (store, tally) = counting(store);
+    let limiter = Limiter::builder(store).policies(policies.clone()).build();
+    let app = Router::new()
+        .route(BOOKING, get(|| async { "booking" }))
+        .route_layer(RateLimitLayer::from_policies(&policies, limiter.clone()).unwrap())
+        .layer(MockConnectInfo(peer("127.0.0.1")));
+
+    let mut statuses = Vec::new();
+    for _ in 0..300 {
+        statuses.push(send(&app, head("/bookings/1")).await.status());
+    }
+    let ok = statuses.iter().filter(|s| **s == StatusCode::OK).count();
+    assert_eq!(
+        ok, 5,
+        "HEAD got {ok} OK of 300 against a global bucket of 5"
+    );
+    assert!(
+        statuses[5..]
+            .iter()
+            .all(|s| *s == StatusCode::TOO_MANY_REQUESTS)
+    );
+    // The GET buckets paid, and GET now finds them empty.
+    assert_eq!(tally.spent(GLOBAL_KEY), 5.0);
+    let entity = "ratelimit:entity:GET:/bookings/{bookingId}:1";
+    assert_eq!(tally.spent(entity), 5.0);
+    assert_eq!(
+        tally.calls_to("ratelimit:api:HEAD:/bookings/{bookingId}"),
+        0
+    );
+    assert_eq!(
+        get_path(&app, "/bookings/2").await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let r = send(&app, head("/bookings/3")).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(r.headers(), "x-ratelimit-api-remaining"), Some("0"));
+}
+
+/// A file that lists HEAD on its own gives HEAD that route's limits instead.
+#[tokio::test]
+async fn head_listed_in_the_policy_file_has_its_own_limits() {
+    let json = HEAD_POLICY.replace(
+        r#""routes": ["#,
+        r#""routes": [ { "method": "HEAD", "path": "/bookings/{bookingId}", "global": "e" },"#,
+    );
+    let policies = Policies::from_json_str(&json, None).unwrap();
+    let (_clock, store) = manual();
+    let limiter = Limiter::builder(store).policies(policies.clone()).build();
+    let app = Router::new()
+        .route(BOOKING, get(|| async { "booking" }))
+        .route_layer(RateLimitLayer::from_policies(&policies, limiter.clone()).unwrap());
+    for _ in 0..20 {
+        assert_eq!(
+            send(&app, head("/bookings/1")).await.status(),
+            StatusCode::OK
+        );
+    }
+    let row = limiter
+        .store()
+        .inspect("ratelimit:api:HEAD:/bookings/{bookingId}")
+        .await
+        .unwrap()
+        .expect("HEAD's own bucket");
+    assert_eq!(row.tokens_now, Tokens::whole(80));
+    assert!(limiter.store().inspect(GLOBAL_KEY).await.unwrap().is_none());
+}
+
+/// The same with a layer on the route's method router: HEAD and GET share one limit.
+#[tokio::test]
+async fn head_is_limited_as_the_get_it_runs_route_layer() {
+    let (_clock, store) = manual();
+    let limiter = Limiter::builder(store).build();
+    let app = booking_app(&limiter, plan("g", 5, 0.001), plan("e", 100, 0.001));
+    for i in 0..5 {
+        let r = if i % 2 == 0 {
+            send(&app, head("/bookings/1")).await
+        } else {
+            get_path(&app, "/bookings/1").await
+        };
+        assert_eq!(r.status(), StatusCode::OK, "request {i}");
+    }
+    assert_eq!(
+        send(&app, head("/bookings/1")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        get_path(&app, "/bookings/1").await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let row = limiter.store().inspect(GLOBAL_KEY).await.unwrap().unwrap();
+    assert_eq!(row.tokens_now, Tokens::ZERO);
+    let head_key = "ratelimit:api:HEAD:/bookings/{bookingId}";
+    assert!(limiter.store().inspect(head_key).await.unwrap().is_none());
+}
+
+/// Path ids that are not UTF-8 once percent-decoded (`%FF`, `%FE`) used to decode lossily to
+/// the same U+FFFD and share a bucket; they are refused with 400 before any bucket is touched.
+#[tokio::test]
+async fn undecodable_path_ids_are_refused_before_any_bucket() {
+    let (_clock, store) = manual();
+    let (store, tally) = counting(store);
+    let limiter = Limiter::builder(store).build();
+    let app = booking_app(&limiter, plan("g", 100, 0.001), plan("e", 1, 0.001));
+    for id in ["%FF", "%FE", "a%FFb", "%C3"] {
+        let r = get_path(&app, &format!("/bookings/{id}")).await;
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST, "{id}");
+        assert_eq!(
+            header(r.headers(), "content-type"),
+            Some("application/problem+json")
+        );
+        assert_eq!(header(r.headers(), "x-ratelimit-api-remaining"), None);
+        let body = body_json(r).await;
+        assert_eq!(body["status"], 400);
+        assert_eq!(body["layer"], "entity");
+        assert_eq!(body["endpoint"], "GET:/bookings/{bookingId}");
+    }
+    assert!(tally.calls.lock().is_empty(), "{:?}", tally.calls.lock());
+    assert!(limiter.store().inspect(GLOBAL_KEY).await.unwrap().is_none());
+
+    // Valid UTF-8 ids are decoded and kept apart: é and è have buckets of their own.
+    for id in ["%C3%A9", "%C3%A8", "%EF%BF%BD"] {
+        let path = format!("/bookings/{id}");
+        assert_eq!(get_path(&app, &path).await.status(), StatusCode::OK, "{id}");
+        assert_eq!(
+            get_path(&app, &path).await.status(),
+            StatusCode::TOO_MANY_REQUESTS,
+            "{id}"
+        );
+    }
+    let row = limiter.store().inspect(GLOBAL_KEY).await.unwrap().unwrap();
+    assert_eq!(row.tokens_now, Tokens::whole(97));
+}
+
+/// axum gives no path parameter at all when one of them is not UTF-8; the entity's own
+/// parameter is then read from the path, so a bad other parameter neither hides nor merges it.
+#[tokio::test]
+async fn entity_param_is_found_when_another_param_is_undecodable() {
+    let (_clock, store) = manual();
+    let limiter = Limiter::builder(store).build();
+    let app = Router::new().route(
+        "/vendors/{vendor}/bookings/{bookingId}",
+        get(|| async { "booking" }).route_layer(
+            RateLimitLayer::new(limiter.clone())
+                .entity(EntityKey::path_param("bookingId"), plan("e", 1, 0.001)),
+        ),
+    );
+    assert_eq!(
+        get_path(&app, "/vendors/%FF/bookings/7").await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        get_path(&app, "/vendors/%FE/bookings/7").await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        get_path(&app, "/vendors/x/bookings/%FF").await.status(),
+        StatusCode::BAD_REQUEST
+    );
+}
+
+/// Header ids are kept exactly: never trimmed into another id, never decoded lossily. A value
+/// with surrounding whitespace, one that is not UTF-8 or a header sent twice is refused with
+/// 400 and takes no token from either bucket.
+#[tokio::test]
+async fn header_ids_are_kept_exactly_or_refused() {
+    use axum::http::HeaderValue;
+
+    let (_clock, store) = manual();
+    let (store, tally) = counting(store);
+    let limiter = Limiter::builder(store).build();
+    let app = Router::new().route(
+        "/search",
+        post(|| async { "found" }).route_layer(
+            RateLimitLayer::new(limiter.clone())
+                .global(plan("g", 100, 0.001))
+                .entity(EntityKey::header("x-api-key"), plan("e", 1, 0.001)),
+        ),
+    );
+    let req = |values: &[&[u8]]| {
+        let mut r = Request::post("/search").body(Body::empty()).unwrap();
+        for v in values {
+            r.headers_mut()
+                .append("x-api-key", HeaderValue::from_bytes(v).unwrap());
+        }
+        r
+    };
+    let global = "ratelimit:api:POST:/search";
+    for bad in [
+        &[&b" k"[..]][..],
+        &[&b"k "[..]],
+        &[&b"\tk"[..]],
+        &[&b"  "[..]],
+        &[&b"\xff"[..]],
+        &[&b"\xfe"[..]],
+        &[&b"k"[..], &b"k2"[..]],
+    ] {
+        let r = send(&app, req(bad)).await;
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST, "{bad:?}");
+        assert_eq!(body_json(r).await["layer"], "entity");
+    }
+    assert!(tally.calls.lock().is_empty(), "{:?}", tally.calls.lock());
+
+    // Ids that differ get buckets of their own, case and inner spaces included.
+    for id in [&b"k"[..], b"K", b"k k", b"k  k", "k\u{a0}".as_bytes()] {
+        assert_eq!(send(&app, req(&[id])).await.status(), StatusCode::OK);
+        assert_eq!(
+            send(&app, req(&[id])).await.status(),
+            StatusCode::TOO_MANY_REQUESTS
+        );
+    }
+    // Five OK; the five entity denials gave their global tokens back.
+    assert_eq!(tally.spent(global), 5.0);
+}
+
+/// An id written as the digest the layer stores for a long id gets a bucket of its own.
+#[tokio::test]
+async fn an_id_cannot_pose_as_a_hashed_id() {
+    use sha2::{Digest, Sha256};
+
+    let (_clock, store) = manual();
+    let limiter = Limiter::builder(store).build();
+    let app = booking_app(&limiter, plan("g", 100, 50.0), plan("e", 1, 0.001));
+    let long = "x".repeat(5000);
+    assert_eq!(
+        get_path(&app, &format!("/bookings/{long}")).await.status(),
+        StatusCode::OK
+    );
+    let hex: String = Sha256::digest(long.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let posing = format!("/bookings/sha256:{hex}");
+    assert_eq!(get_path(&app, &posing).await.status(), StatusCode::OK);
+    assert_eq!(
+        get_path(&app, &posing).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}

@@ -2,6 +2,7 @@
 //! files are accepted with the values they say, the parser never panics (A7), and
 //! `tokenlease check` reports both through its exit code.
 
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -9,7 +10,9 @@ use std::time::Duration;
 use proptest::prelude::*;
 use serde_json::{Map, Number, Value};
 use tokenlease::bucket::{Rate, Tokens};
-use tokenlease::policy::{EntitySource, FallbackMode, LeaseSettings, Policies};
+use tokenlease::policy::{
+    EntitySource, FallbackMode, LeaseSettings, MAX_POLICY_BYTES, Policies, PolicyErrorKind,
+};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/policy")
@@ -36,6 +39,12 @@ struct Case {
 
 /// One entry per file in `tests/fixtures/policy/invalid/`.
 const INVALID: &[Case] = &[
+    Case {
+        file: "capacity_1e308.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.capacity"),
+        message: r#"capacity_1e308.json:3:35: plans.standard.capacity: invalid type: floating point `1e+308`, expected u64"#,
+    },
     Case {
         file: "capacity_fraction.json",
         plan: Some("standard"),
@@ -157,6 +166,18 @@ const INVALID: &[Case] = &[
         message: r#"entity_type_empty.json: routes[0].entity.type: must be 1 to 64 characters without control characters, got """#,
     },
     Case {
+        file: "fallback_instances_above_capacity.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.fallback.instances"),
+        message: r#"fallback_instances_above_capacity.json: plans.standard.fallback.instances: must be at most the capacity (10), so that each instance's local bucket holds a whole token, got 11"#,
+    },
+    Case {
+        file: "fallback_instances_four_billion.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.fallback.instances"),
+        message: r#"fallback_instances_four_billion.json: plans.standard.fallback.instances: must be from 1 to 10000, got 4000000000"#,
+    },
+    Case {
         file: "fallback_instances_with_allow.json",
         plan: Some("standard"),
         field: Some("plans.standard.fallback.instances"),
@@ -166,7 +187,7 @@ const INVALID: &[Case] = &[
         file: "fallback_instances_zero.json",
         plan: Some("standard"),
         field: Some("plans.standard.fallback.instances"),
-        message: r#"fallback_instances_zero.json: plans.standard.fallback.instances: must be ≥ 1, got 0"#,
+        message: r#"fallback_instances_zero.json: plans.standard.fallback.instances: must be from 1 to 10000, got 0"#,
     },
     Case {
         file: "fallback_mode_as_object.json",
@@ -205,10 +226,22 @@ const INVALID: &[Case] = &[
         message: r#"lease_accounting_unknown.json:3:90: plans.standard.lease.accounting: unknown variant `exact`, expected `relaxed` or `strict`"#,
     },
     Case {
+        file: "lease_default_fraction_below_one_token.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.lease.max_fraction"),
+        message: r#"lease_default_fraction_below_one_token.json: plans.standard.lease.max_fraction: a lease must hold at least one token: the default max_fraction 0.1 × capacity 5 is 0.5 tokens; use at least 0.2"#,
+    },
+    Case {
         file: "lease_low_water_above_one.json",
         plan: Some("standard"),
         field: Some("plans.standard.lease.low_water"),
         message: r#"lease_low_water_above_one.json: plans.standard.lease.low_water: must be a fraction in (0, 1], got 1.5"#,
+    },
+    Case {
+        file: "lease_max_fraction_below_one_token.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.lease.max_fraction"),
+        message: r#"lease_max_fraction_below_one_token.json: plans.standard.lease.max_fraction: a lease must hold at least one token: max_fraction 1e-300 × capacity 10 is 1e-299 tokens; use at least 0.1"#,
     },
     Case {
         file: "lease_max_fraction_zero.json",
@@ -217,16 +250,52 @@ const INVALID: &[Case] = &[
         message: r#"lease_max_fraction_zero.json: plans.standard.lease.max_fraction: must be a fraction in (0, 1], got 0"#,
     },
     Case {
+        file: "lease_max_wait_a_day.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.lease.max_wait_ms"),
+        message: r#"lease_max_wait_a_day.json: plans.standard.lease.max_wait_ms: must be at most 60000 milliseconds (1 minute), got 86400000"#,
+    },
+    Case {
+        file: "lease_max_wait_longer_than_ttl.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.lease.max_wait_ms"),
+        message: r#"lease_max_wait_longer_than_ttl.json: plans.standard.lease.max_wait_ms: must not be longer than the lease ttl_ms (1000 ms), got 5000 ms"#,
+    },
+    Case {
+        file: "lease_max_wait_u64_max.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.lease.max_wait_ms"),
+        message: r#"lease_max_wait_u64_max.json: plans.standard.lease.max_wait_ms: must be at most 60000 milliseconds (1 minute), got 18446744073709551615"#,
+    },
+    Case {
         file: "lease_refresh_longer_than_ttl.json",
         plan: Some("standard"),
         field: Some("plans.standard.lease.refresh_ms"),
         message: r#"lease_refresh_longer_than_ttl.json: plans.standard.lease.refresh_ms: must not be longer than the lease ttl_ms (50 ms), got 100 ms"#,
     },
     Case {
+        file: "lease_ttl_a_day.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.lease.ttl_ms"),
+        message: r#"lease_ttl_a_day.json: plans.standard.lease.ttl_ms: must be from 10 to 600000 milliseconds (10 minutes), got 86400000"#,
+    },
+    Case {
+        file: "lease_ttl_too_short.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.lease.ttl_ms"),
+        message: r#"lease_ttl_too_short.json: plans.standard.lease.ttl_ms: must be from 10 to 600000 milliseconds (10 minutes), got 5"#,
+    },
+    Case {
+        file: "lease_ttl_u64_max.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.lease.ttl_ms"),
+        message: r#"lease_ttl_u64_max.json: plans.standard.lease.ttl_ms: must be from 10 to 600000 milliseconds (10 minutes), got 18446744073709551615"#,
+    },
+    Case {
         file: "lease_ttl_zero.json",
         plan: Some("standard"),
         field: Some("plans.standard.lease.ttl_ms"),
-        message: r#"lease_ttl_zero.json: plans.standard.lease.ttl_ms: must be ≥ 1 millisecond, got 0"#,
+        message: r#"lease_ttl_zero.json: plans.standard.lease.ttl_ms: must be from 10 to 600000 milliseconds (10 minutes), got 0"#,
     },
     Case {
         file: "lease_unknown_field.json",
@@ -278,9 +347,17 @@ const INVALID: &[Case] = &[
     },
     Case {
         file: "plan_name_too_long.json",
-        plan: Some("ppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppp"),
-        field: Some("plans.ppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppp"),
-        message: r#"plan_name_too_long.json: plans.ppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppp: invalid plan name "pppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppp"…: use 1 to 64 of A-Z a-z 0-9 _ . -"#,
+        plan: Some("pppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppp…(65 bytes)"),
+        field: Some(
+            r#"plans["pppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppp"…(65 bytes)]"#,
+        ),
+        message: r#"plan_name_too_long.json: plans["pppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppp"…(65 bytes)]: invalid plan name "pppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppppp"…(65 bytes): use 1 to 64 of A-Z a-z 0-9 _ . -"#,
+    },
+    Case {
+        file: "rate_1e308.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.refill_per_second"),
+        message: r#"rate_1e308.json: plans.standard.refill_per_second: must be at most 1000000000 tokens per second, got 1e308"#,
     },
     Case {
         file: "rate_infinity_string.json",
@@ -537,6 +614,279 @@ fn non_utf8_file_is_an_error_with_its_position() {
     assert_eq!(
         err.to_string(),
         format!("{}:2:18: not valid UTF-8 at byte offset 19", path.display())
+    );
+}
+
+/// The longest whole error line any input may produce: file name, position, field path and
+/// message, each value in them cut to 64 characters.
+const MESSAGE_BOUND: usize = 1400;
+
+/// A policy with one plan called `name` and an entity route and key rule that use it.
+fn one_plan(name: &str, plan: &str) -> String {
+    format!(r#"{{"plans": {{ {}: {plan} }}}}"#, Value::from(name))
+}
+
+/// Hostile values are quoted cut to 64 characters with their length, never whole: a 1 MB plan
+/// name, 1e308 and 1e-300, a 1 MB string where a number goes, a 1 MB field name, key, path.
+#[test]
+fn errors_quote_hostile_values_cut_to_a_bounded_length() {
+    let mega = "p".repeat(1 << 20);
+    let plan = r#"{ "capacity": 10, "refill_per_second": 5 }"#;
+    let cases: Vec<(String, &str)> = vec![
+        // The name is not valid (longer than 64); the field and plan are cut too.
+        (one_plan(&mega, plan), "invalid plan name"),
+        (one_plan(&format!("{mega}."), plan), "invalid plan name"),
+        (one_plan(&format!("{mega} "), plan), "invalid plan name"),
+        (
+            one_plan(
+                "standard",
+                r#"{ "capacity": 10, "refill_per_second": 1e308 }"#,
+            ),
+            "got 1e308",
+        ),
+        (
+            one_plan(
+                "standard",
+                r#"{ "capacity": 10, "refill_per_second": 5, "lease": { "max_fraction": 1e308 } }"#,
+            ),
+            "got 1e308",
+        ),
+        (
+            one_plan(
+                "standard",
+                r#"{ "capacity": 10, "refill_per_second": 5, "lease": { "low_water": -1e300 } }"#,
+            ),
+            "got -1e300",
+        ),
+        (
+            one_plan(
+                "standard",
+                &format!(r#"{{ "capacity": "{mega}", "refill_per_second": 5 }}"#),
+            ),
+            "invalid type: string",
+        ),
+        (
+            one_plan(
+                "standard",
+                &format!(r#"{{ "capacity": 1, "refill_per_second": 5, "{mega}": 1 }}"#),
+            ),
+            "unknown field",
+        ),
+        (
+            one_plan(
+                "standard",
+                &format!(
+                    r#"{{ "capacity": 1, "refill_per_second": 5, "fallback": {{ "mode": "{mega}" }} }}"#
+                ),
+            ),
+            "unknown variant",
+        ),
+        (
+            format!(r#"{{"plans": {{ "s": {plan} }}, "default_plan": "{mega}"}}"#),
+            "unknown plan",
+        ),
+        (
+            format!(
+                r#"{{"plans": {{ "s": {plan} }}, "keys": [ {{ "prefix": "{mega}", "plan": "s" }} ]}}"#
+            ),
+            "no key can start with this prefix",
+        ),
+        (
+            format!(
+                r#"{{"plans": {{ "s": {plan} }}, "routes": [
+                    {{ "method": "GET", "path": "/{mega}", "global": "s" }},
+                    {{ "method": "GET", "path": "/{mega}", "global": "s" }} ]}}"#
+            ),
+            "duplicate route",
+        ),
+        (
+            format!(
+                r#"{{"plans": {{ "s": {plan} }}, "routes": [
+                    {{ "method": "{mega}", "path": "/", "global": "s" }} ]}}"#
+            ),
+            "unknown HTTP method",
+        ),
+        (
+            format!(
+                r#"{{"plans": {{ "s": {plan} }}, "routes": [ {{ "method": "GET", "path": "/x",
+                    "entity": {{ "header": "x", "type": "{mega}", "plan": "s" }} }} ]}}"#
+            ),
+            "must be 1 to 64 characters",
+        ),
+    ];
+    for (json, what) in &cases {
+        let err = Policies::from_json_str(json, None).unwrap_err();
+        let text = err.to_string();
+        let head: String = text.chars().take(200).collect();
+        assert!(text.len() <= MESSAGE_BOUND, "{} bytes: {head}", text.len());
+        assert!(text.contains(what), "{what}: {head}");
+        assert!(!text.contains(&"p".repeat(65)), "{head}");
+        assert!(err.plan().is_none_or(|p| p.len() <= 100), "{head}");
+        assert!(err.field().is_none_or(|f| f.len() <= 200), "{head}");
+    }
+    // The 1 MB plan name: file, cut field, cut name with its length.
+    let err =
+        Policies::from_json_str(&one_plan(&mega, plan), Some(Path::new("big.json"))).unwrap_err();
+    let cut = "p".repeat(64);
+    assert_eq!(
+        err.to_string(),
+        format!(
+            r#"big.json: plans["{cut}"…(1048576 bytes)]: invalid plan name "{cut}"…(1048576 bytes): use 1 to 64 of A-Z a-z 0-9 _ . -"#
+        )
+    );
+    assert_eq!(err.plan(), Some(format!("{cut}…(1048576 bytes)").as_str()));
+    assert_eq!(err.kind(), PolicyErrorKind::Invalid);
+}
+
+/// An unknown plan lists at most ten of the defined ones.
+#[test]
+fn unknown_plan_lists_a_few_defined_plans() {
+    let plans: Vec<String> = (0..1000)
+        .map(|i| format!(r#""p{i:04}": {{ "capacity": 1, "refill_per_second": 1 }}"#))
+        .collect();
+    let json = format!(
+        r#"{{"plans": {{ {} }}, "default_plan": "nope"}}"#,
+        plans.join(", ")
+    );
+    let err = Policies::from_json_str(&json, None).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "<policy>: default_plan: unknown plan \"nope\"; defined plans: p0000, p0001, p0002, \
+         p0003, p0004, p0005, p0006, p0007, p0008, p0009, … (1000 in all)"
+    );
+}
+
+/// A policy of many megabytes (tens of thousands of plans, key rules and routes) loads: every
+/// duplicate check is a hash lookup, so loading is linear in the size of the file (it used to
+/// scan every earlier plan, rule and route for each one).
+#[test]
+fn a_large_policy_loads() {
+    const N: usize = 25_000;
+    let mut json = String::from("{\n\"plans\": {\n");
+    for i in 0..N {
+        let sep = if i + 1 < N { "," } else { "" };
+        let _ = writeln!(
+            json,
+            r#"  "plan-{i:06}": {{ "capacity": 100, "refill_per_second": 50, "lease": {{}} }}{sep}"#
+        );
+    }
+    json.push_str("},\n\"default_plan\": \"plan-000000\",\n\"keys\": [\n");
+    for i in 0..N {
+        let sep = if i + 1 < N { "," } else { "" };
+        let _ = writeln!(
+            json,
+            r#"  {{ "prefix": "ratelimit:entity:tenant-{i:06}:", "plan": "plan-{i:06}" }}{sep}"#
+        );
+    }
+    json.push_str("],\n\"routes\": [\n");
+    for i in 0..N {
+        let sep = if i + 1 < N { "," } else { "" };
+        let _ = writeln!(
+            json,
+            r#"  {{ "method": "GET", "path": "/tenants/{i:06}/bookings/{{bookingId}}", "global": "plan-{i:06}", "entity": {{ "path_param": "bookingId", "plan": "plan-{:06}" }} }}{sep}"#,
+            N - 1 - i
+        );
+    }
+    json.push_str("]\n}\n");
+    assert!(json.len() > 4_000_000, "{} bytes", json.len());
+    assert!((json.len() as u64) < MAX_POLICY_BYTES);
+
+    let p = Policies::from_json_str(&json, Some(Path::new("large.json"))).unwrap();
+    assert_eq!(
+        p.summary(),
+        format!("large.json: {N} plans, {N} routes, {N} key rules")
+    );
+    assert_eq!(p.plans().count(), N);
+    assert_eq!(
+        p.plan("plan-012345").unwrap().capacity(),
+        Tokens::whole(100)
+    );
+    assert_eq!(
+        p.plan_for_key("ratelimit:entity:tenant-024999:x")
+            .unwrap()
+            .name(),
+        "plan-024999"
+    );
+    assert_eq!(
+        p.routes()[N - 1].endpoint(),
+        format!("GET:/tenants/{:06}/bookings/{{bookingId}}", N - 1)
+    );
+
+    // The last of them duplicated is still found, and named with its first occurrence.
+    let dup = json.replacen(
+        "\"plan-000001\": {",
+        &format!("\"plan-{:06}\": {{", N - 1),
+        1,
+    );
+    let err = Policies::from_json_str(&dup, None).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "<policy>: plans.plan-{:06}: duplicate plan name: each plan may be defined once",
+            N - 1
+        )
+    );
+    let dup = json.replacen("tenant-000001:", &format!("tenant-{:06}:", N - 1), 1);
+    let err = Policies::from_json_str(&dup, None).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "<policy>: keys[{}].prefix: duplicate prefix \"ratelimit:entity:tenant-{:06}:\": \
+             already at keys[1]",
+            N - 1,
+            N - 1
+        )
+    );
+}
+
+/// A file over [`MAX_POLICY_BYTES`] is refused from its size, before it is read, with an error
+/// naming the file and the limit; so is a text over the limit.
+#[test]
+fn a_policy_over_the_size_limit_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("huge.json");
+    // Sparse: no 16 MiB written to disk.
+    let file = std::fs::File::create(&path).unwrap();
+    file.set_len(MAX_POLICY_BYTES + 1).unwrap();
+    drop(file);
+    let err = Policies::from_file(&path).unwrap_err();
+    assert_eq!(
+        err.kind(),
+        PolicyErrorKind::TooLarge {
+            limit: MAX_POLICY_BYTES
+        }
+    );
+    assert_eq!(err.file(), path.display().to_string());
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "{}: the policy is too large: 16777217 bytes, more than the limit of 16777216 \
+             bytes (16 MiB)",
+            path.display()
+        )
+    );
+    let out = check_command(&path);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_eq!(String::from_utf8(out.stderr).unwrap(), format!("{err}\n"));
+
+    // Exactly at the limit the file is read (and then refused for what it holds).
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.set_len(MAX_POLICY_BYTES).unwrap();
+    drop(file);
+    let err = Policies::from_file(&path).unwrap_err();
+    assert_eq!(err.kind(), PolicyErrorKind::Syntax);
+
+    let text = " ".repeat(MAX_POLICY_BYTES as usize + 1);
+    let err = Policies::from_json_str(&text, None).unwrap_err();
+    assert_eq!(
+        err.kind(),
+        PolicyErrorKind::TooLarge {
+            limit: MAX_POLICY_BYTES
+        }
+    );
+    assert!(
+        err.to_string()
+            .starts_with("<policy>: the policy is too large")
     );
 }
 
@@ -1004,6 +1354,7 @@ fn check_any(text: &str) {
             assert!(text.starts_with("<policy>"), "{text}");
             assert!(!text.contains('\n'), "{text}");
             assert!(!err.message().is_empty());
+            assert!(text.len() <= MESSAGE_BOUND, "{text}");
         }
     }
 }

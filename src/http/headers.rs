@@ -182,6 +182,20 @@ pub(crate) fn problem(
     (status, body.to_string())
 }
 
+/// The `application/problem+json` body of a request refused for a malformed entity id
+/// (`400 Bad Request`): `reason` says what is wrong, no bucket was touched.
+pub(crate) fn malformed_problem(reason: &dyn std::fmt::Display, endpoint: &str) -> String {
+    serde_json::json!({
+        "type": "about:blank",
+        "title": "Bad Request",
+        "status": 400,
+        "detail": format!("malformed entity id for {endpoint}: {reason}"),
+        "layer": LayerKind::Entity.name(),
+        "endpoint": endpoint,
+    })
+    .to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -50,7 +50,8 @@ impl fmt::Debug for EntityKey {
 
 impl EntityKey {
     /// The named path parameter of the matched route (`bookingId` for `/bookings/{bookingId}`),
-    /// percent-decoded.
+    /// percent-decoded. A value that is not UTF-8 once decoded (`%FF`) is malformed: the layer
+    /// answers `400 Bad Request` before touching any bucket.
     pub fn path_param(name: impl Into<String>) -> Self {
         EntityKey {
             source: Source::PathParam(name.into()),
@@ -58,6 +59,9 @@ impl EntityKey {
     }
 
     /// A request header, such as an API key. An absent or empty header skips the entity check.
+    /// The value is the id exactly as sent, never trimmed; a value that is not UTF-8, starts or
+    /// ends with a space or tab, or is sent on more than one header line is malformed: the
+    /// layer answers `400 Bad Request` before touching any bucket.
     ///
     /// # Panics
     ///
@@ -95,28 +99,109 @@ impl EntityKey {
         matches!(self.source, Source::PathParam(_))
     }
 
-    /// The entity id of a request, or `None` to skip the entity check. `params` are the matched
-    /// route's path parameters (name, percent-decoded value).
+    /// The entity id of a request, `None` to skip the entity check, or why the id is malformed.
+    /// `params` are the matched route's path parameters (name, percent-decoded value, or why
+    /// the value is malformed).
+    ///
+    /// An id is kept exactly as the request carries it, so two different ids never share a
+    /// bucket: a path parameter that is not UTF-8 once percent-decoded, a header value that is
+    /// not UTF-8, has leading or trailing whitespace or appears on more than one header line,
+    /// is malformed rather than decoded lossily or trimmed into some other id.
     pub(crate) fn extract(
         &self,
         parts: &Parts,
-        params: &[(String, String)],
+        params: &[(String, ParamValue)],
         trusted: &TrustedProxies,
-    ) -> Option<String> {
+    ) -> Result<Option<String>, MalformedId> {
         let id = match &self.source {
-            Source::PathParam(name) => params
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, v)| v.clone()),
-            Source::Header(name) => parts
-                .headers
-                .get(name)
-                .map(|v| String::from_utf8_lossy(v.as_bytes()).trim().to_owned()),
+            Source::PathParam(name) => match params.iter().find(|(n, _)| n == name) {
+                Some((_, value)) => Some(value.clone()?),
+                None => None,
+            },
+            Source::Header(name) => header_id(&parts.headers, name)?,
             Source::ClientIp => peer_addr(parts)
                 .map(|peer| client_ip(peer.ip(), &parts.headers, trusted).to_string()),
             Source::Fn(f) => f(parts),
         };
-        id.filter(|id| !id.is_empty())
+        Ok(id.filter(|id| !id.is_empty()))
+    }
+}
+
+/// Why a request's entity id was refused before any bucket was touched: the layer answers
+/// `400 Bad Request`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum MalformedId {
+    /// A path parameter is not valid UTF-8 once percent-decoded (`%FF`).
+    PathNotUtf8 {
+        /// The parameter's name, when known.
+        name: Option<String>,
+    },
+    /// The header value is not valid UTF-8.
+    HeaderNotUtf8 {
+        /// The header's name.
+        header: HeaderName,
+    },
+    /// The header value starts or ends with a space or tab.
+    HeaderWhitespace {
+        /// The header's name.
+        header: HeaderName,
+    },
+    /// The header appears on more than one line.
+    HeaderRepeated {
+        /// The header's name.
+        header: HeaderName,
+    },
+}
+
+impl fmt::Display for MalformedId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MalformedId::PathNotUtf8 { name: Some(name) } => write!(
+                f,
+                "the path parameter {name} is not valid UTF-8 once percent-decoded"
+            ),
+            MalformedId::PathNotUtf8 { name: None } => {
+                f.write_str("a path parameter is not valid UTF-8 once percent-decoded")
+            }
+            MalformedId::HeaderNotUtf8 { header } => {
+                write!(f, "the {header} header is not valid UTF-8")
+            }
+            MalformedId::HeaderWhitespace { header } => {
+                write!(f, "the {header} header has leading or trailing whitespace")
+            }
+            MalformedId::HeaderRepeated { header } => {
+                write!(f, "the {header} header appears more than once")
+            }
+        }
+    }
+}
+
+/// A path parameter's value: percent-decoded, or why it is malformed.
+pub(crate) type ParamValue = Result<String, MalformedId>;
+
+/// The entity id in header `name`: `None` when absent, the value exactly as sent otherwise.
+fn header_id(headers: &HeaderMap, name: &HeaderName) -> Result<Option<String>, MalformedId> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(MalformedId::HeaderRepeated {
+            header: name.clone(),
+        });
+    }
+    let bytes = value.as_bytes();
+    let padded = |b: Option<&u8>| matches!(b, Some(b' ' | b'\t'));
+    if padded(bytes.first()) || padded(bytes.last()) {
+        return Err(MalformedId::HeaderWhitespace {
+            header: name.clone(),
+        });
+    }
+    match std::str::from_utf8(bytes) {
+        Ok(id) => Ok(Some(id.to_owned())),
+        Err(_) => Err(MalformedId::HeaderNotUtf8 {
+            header: name.clone(),
+        }),
     }
 }
 
@@ -282,10 +367,15 @@ fn parse_forwarded_entry(entry: &str) -> Option<IpAddr> {
 /// Values of the named parameters of `pattern` (`/bookings/{bookingId}`) in `path`, for
 /// services without axum's router. Wildcards (`{*rest}`) take the rest of the path. `None` when
 /// the path does not match the pattern.
-pub(crate) fn match_pattern(pattern: &str, path: &str) -> Option<Vec<(String, String)>> {
+pub(crate) fn match_pattern(pattern: &str, path: &str) -> Option<Vec<(String, ParamValue)>> {
     let mut params = Vec::new();
     let mut pat = pattern.trim_start_matches('/').split('/');
     let mut segs = path.trim_start_matches('/').split('/');
+    let decoded = |name: &str, raw: &str| {
+        percent_decode(raw).ok_or_else(|| MalformedId::PathNotUtf8 {
+            name: Some(name.to_owned()),
+        })
+    };
     loop {
         match (pat.next(), segs.next()) {
             (None, None) => return Some(params),
@@ -296,14 +386,14 @@ pub(crate) fn match_pattern(pattern: &str, path: &str) -> Option<Vec<(String, St
                         rest.push('/');
                         rest.push_str(s);
                     }
-                    params.push((name.to_owned(), percent_decode(&rest)));
+                    params.push((name.to_owned(), decoded(name, &rest)));
                     return Some(params);
                 }
                 if let Some(name) = p.strip_prefix('{').and_then(|p| p.strip_suffix('}')) {
                     if s.is_empty() {
                         return None;
                     }
-                    params.push((name.to_owned(), percent_decode(s)));
+                    params.push((name.to_owned(), decoded(name, s)));
                 } else if p != s {
                     return None;
                 }
@@ -313,8 +403,9 @@ pub(crate) fn match_pattern(pattern: &str, path: &str) -> Option<Vec<(String, St
     }
 }
 
-/// Decodes `%XX` escapes; invalid escapes stay as written, invalid UTF-8 becomes U+FFFD.
-fn percent_decode(s: &str) -> String {
+/// Decodes `%XX` escapes; invalid escapes stay as written. `None` when the result is not
+/// UTF-8: decoding it lossily would give different ids the same U+FFFD.
+fn percent_decode(s: &str) -> Option<String> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -330,7 +421,7 @@ fn percent_decode(s: &str) -> String {
         out.push(bytes[i]);
         i += 1;
     }
-    String::from_utf8_lossy(&out).into_owned()
+    String::from_utf8(out).ok()
 }
 
 #[cfg(test)]
@@ -355,14 +446,26 @@ mod tests {
     #[test]
     fn pattern_matching_finds_params() {
         let p = match_pattern("/bookings/{bookingId}/automate", "/bookings/a%20b/automate");
-        assert_eq!(p, Some(vec![("bookingId".into(), "a b".into())]));
+        assert_eq!(p, Some(vec![("bookingId".into(), Ok("a b".into()))]));
         assert_eq!(match_pattern("/bookings/{id}", "/bookings/"), None);
         assert_eq!(match_pattern("/bookings/{id}", "/other/1"), None);
         assert_eq!(
             match_pattern("/files/{*path}", "/files/a/b"),
-            Some(vec![("path".into(), "a/b".into())])
+            Some(vec![("path".into(), Ok("a/b".into()))])
         );
-        assert_eq!(percent_decode("%4"), "%4");
-        assert_eq!(percent_decode("%zz%41"), "%zzA");
+        assert_eq!(percent_decode("%4").as_deref(), Some("%4"));
+        assert_eq!(percent_decode("%zz%41").as_deref(), Some("%zzA"));
+        assert_eq!(percent_decode("%C3%A9").as_deref(), Some("é"));
+        assert_eq!(percent_decode("%FF"), None);
+        assert_eq!(percent_decode("%FE"), None);
+        assert_eq!(
+            match_pattern("/bookings/{id}", "/bookings/%FF"),
+            Some(vec![(
+                "id".into(),
+                Err(MalformedId::PathNotUtf8 {
+                    name: Some("id".into())
+                })
+            )])
+        );
     }
 }

@@ -9,8 +9,11 @@
 //!   header, the client IP or a closure ([`EntityKey`]). An id the store would refuse (over
 //!   1 KiB, NUL) is replaced by `sha256:` and its digest.
 //!
-//! The global bucket is checked first and a global denial stops there. A request without an
-//! entity id skips the entity check. When the entity layer denies, the global token already
+//! The entity id is read first: a malformed one (a path parameter that is not UTF-8 once
+//! percent-decoded; a header value that is not UTF-8, has surrounding whitespace or is sent
+//! twice) is refused with `400 Bad Request` before any bucket is touched, never decoded
+//! lossily or trimmed into another id. Then the global bucket is checked and a global denial
+//! stops there. A request without an entity id skips the entity check. When the entity layer denies, the global token already
 //! taken is given back, so one abusive entity cannot drain the endpoint for everyone.
 //!
 //! # Example
@@ -48,6 +51,9 @@
 //!
 //! Use `route_layer`, not `layer`: the pattern comes from axum's `MatchedPath`, which exists
 //! only after routing. A request the layer cannot match passes unlimited.
+//!
+//! `HEAD` is limited as the `GET` whose handler answers it: same buckets, keyed `GET:...`,
+//! shared with `GET` (unless a policy file lists a `HEAD` route of its own).
 //!
 //! # Responses
 //!

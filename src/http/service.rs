@@ -6,15 +6,16 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use axum::extract::{FromRequestParts, MatchedPath, RawPathParams};
+use axum::extract::rejection::RawPathParamsRejection;
+use axum::extract::{FromRequestParts, MatchedPath, OriginalUri, RawPathParams};
 use axum::http::header::{CONTENT_TYPE, RETRY_AFTER};
 use axum::http::request::Parts;
-use axum::http::{HeaderValue, Request, Response};
+use axum::http::{HeaderValue, Method, Request, Response, StatusCode};
 use sha2::{Digest, Sha256};
 use tower::Service;
 
-use super::headers::{self, LayerKind, Report, problem, retry_after_secs};
-use super::key::match_pattern;
+use super::headers::{self, LayerKind, Report, malformed_problem, problem, retry_after_secs};
+use super::key::{MalformedId, ParamValue, match_pattern};
 use super::layer::{Config, RouteLimits, Routes};
 use super::refund::refund;
 use crate::bucket::Tokens;
@@ -132,25 +133,55 @@ enum Verdict {
     Deny(Response<String>),
 }
 
+/// The method whose limits a request is counted under: its own, but `HEAD` as `GET`, since a
+/// router answers `HEAD` with the `GET` handler (axum does) and the two must share one limit.
+fn limited_method(method: &Method) -> &str {
+    if *method == Method::HEAD {
+        Method::GET.as_str()
+    } else {
+        method.as_str()
+    }
+}
+
 /// The two checks: global first; a global denial stops there; then the entity, if the request
-/// has one; an entity denial gives the global token back.
+/// has one; an entity denial gives the global token back. A malformed entity id is refused
+/// with `400` before either bucket is touched.
 async fn check(config: &Config, parts: &mut Parts) -> Verdict {
     let matched = parts
         .extensions
         .get::<MatchedPath>()
         .map(|m| m.as_str().to_owned());
-    let (limits, pattern) = match &config.routes {
+    let (limits, pattern, method) = match &config.routes {
         Routes::One(limits) => match limits.pattern.clone().or(matched) {
-            Some(p) => (Arc::clone(limits), p),
+            Some(p) => (
+                Arc::clone(limits),
+                p,
+                limited_method(&parts.method).to_owned(),
+            ),
             None => return Verdict::Pass,
         },
         Routes::Table(table) => {
             let Some(pattern) = matched else {
                 return Verdict::Pass;
             };
-            let endpoint = format!("{}:{}", parts.method, pattern);
-            match table.get(&endpoint) {
-                Some(limits) => (Arc::clone(limits), pattern),
+            // A route listed for the method itself first (a file may list HEAD on its own),
+            // then, for HEAD, the GET route whose handler answers it.
+            let own = parts.method.as_str();
+            let counted = limited_method(&parts.method);
+            let found = table
+                .get(&format!("{own}:{pattern}"))
+                .map(|l| (l, own))
+                .or_else(|| {
+                    (counted != own)
+                        .then(|| {
+                            table
+                                .get(&format!("{counted}:{pattern}"))
+                                .map(|l| (l, counted))
+                        })
+                        .flatten()
+                });
+            match found {
+                Some((limits, method)) => (Arc::clone(limits), pattern, method.to_owned()),
                 None => return Verdict::Pass,
             }
         }
@@ -158,11 +189,26 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
     if limits.is_empty() {
         return Verdict::Pass;
     }
-    let method = parts.method.as_str().to_owned();
     let endpoint = format!("{method}:{pattern}");
     let limiter = &config.limiter;
     let cost = Tokens::whole(1);
     let mut reports = Vec::with_capacity(2);
+
+    // The entity id first: a malformed one is refused before any token is taken.
+    let entity = match &limits.entity {
+        None => None,
+        Some((entity_key, plan)) => {
+            let params = if entity_key.needs_path_params() {
+                path_params(parts, &pattern).await
+            } else {
+                Ok(Vec::new())
+            };
+            match params.and_then(|p| entity_key.extract(parts, &p, &config.trusted)) {
+                Ok(id) => id.map(|id| (Arc::clone(plan), id)),
+                Err(why) => return malformed(&why, &endpoint, &limits),
+            }
+        }
+    };
 
     let mut global_taken: Option<(Arc<crate::policy::Plan>, String, Decision)> = None;
     if let Some(plan) = &limits.global {
@@ -182,36 +228,29 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
         }
     }
 
-    if let Some((entity_key, plan)) = &limits.entity {
-        let params = if entity_key.needs_path_params() {
-            path_params(parts, &pattern).await
-        } else {
-            Vec::new()
-        };
-        if let Some(id) = entity_key.extract(parts, &params, &config.trusted) {
-            let key = entity_bucket_key(&endpoint, &id);
-            match limiter.try_acquire_with(plan, &key, 1.0).await {
-                Ok(d) if d.allowed => {
-                    reports.push(Report::allowed(LayerKind::Entity, plan, d.remaining));
-                }
-                Ok(d) => {
-                    if let Some((gplan, gkey, gd)) = &global_taken {
-                        if refund(limiter, gplan, gkey, cost, gd).await {
-                            let back =
-                                std::cmp::min(gd.remaining.saturating_add(cost), gplan.capacity());
-                            reports[0] = Report::allowed(LayerKind::Api, gplan, back);
-                        }
+    if let Some((plan, id)) = &entity {
+        let key = entity_bucket_key(&endpoint, id);
+        match limiter.try_acquire_with(plan, &key, 1.0).await {
+            Ok(d) if d.allowed => {
+                reports.push(Report::allowed(LayerKind::Entity, plan, d.remaining));
+            }
+            Ok(d) => {
+                if let Some((gplan, gkey, gd)) = &global_taken {
+                    if refund(limiter, gplan, gkey, cost, gd).await {
+                        let back =
+                            std::cmp::min(gd.remaining.saturating_add(cost), gplan.capacity());
+                        reports[0] = Report::allowed(LayerKind::Api, gplan, back);
                     }
-                    reports.push(Report::denied(
-                        LayerKind::Entity,
-                        d.remaining,
-                        d.retry_after,
-                    ));
-                    return deny(LayerKind::Entity, &d, &endpoint, &limits, &reports);
                 }
-                Err(_) => {
-                    metrics::counter!(HTTP_ERRORS, "layer" => "entity").increment(1);
-                }
+                reports.push(Report::denied(
+                    LayerKind::Entity,
+                    d.remaining,
+                    d.retry_after,
+                ));
+                return deny(LayerKind::Entity, &d, &endpoint, &limits, &reports);
+            }
+            Err(_) => {
+                metrics::counter!(HTTP_ERRORS, "layer" => "entity").increment(1);
             }
         }
     }
@@ -222,21 +261,38 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
 }
 
 /// The matched route's path parameters: axum's, or the pattern matched against the path.
-async fn path_params(parts: &mut Parts, pattern: &str) -> Vec<(String, String)> {
+///
+/// axum refuses to give any parameter when one of them is not UTF-8 once percent-decoded; the
+/// pattern is then matched against the original path, and when even that fails the request's
+/// parameters are malformed.
+async fn path_params(
+    parts: &mut Parts,
+    pattern: &str,
+) -> Result<Vec<(String, ParamValue)>, MalformedId> {
     match RawPathParams::from_request_parts(parts, &()).await {
-        Ok(params) => params
+        Ok(params) => Ok(params
             .iter()
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect(),
-        Err(_) => match_pattern(pattern, parts.uri.path()).unwrap_or_default(),
+            .map(|(k, v)| (k.to_owned(), Ok(v.to_owned())))
+            .collect()),
+        Err(RawPathParamsRejection::MissingPathParams(_)) => {
+            Ok(match_pattern(pattern, parts.uri.path()).unwrap_or_default())
+        }
+        Err(_) => {
+            let path = match parts.extensions.get::<OriginalUri>() {
+                Some(OriginalUri(uri)) => uri.path(),
+                None => parts.uri.path(),
+            };
+            match_pattern(pattern, path).ok_or(MalformedId::PathNotUtf8 { name: None })
+        }
     }
 }
 
 /// `ratelimit:entity:{endpoint}:{id}`; an id that would make the key unusable (too long, NUL)
-/// is replaced by `sha256:` and its hex digest, so every id still gets its own bucket.
+/// is replaced by `sha256:` and its hex digest, so every id still gets its own bucket. An id
+/// that itself starts with `sha256:` is hashed too, so it can never pose as another id's digest.
 pub(crate) fn entity_bucket_key(endpoint: &str, id: &str) -> String {
     let key = format!("ratelimit:entity:{endpoint}:{id}");
-    if validate_key(&key).is_ok() {
+    if !id.starts_with(HASHED) && validate_key(&key).is_ok() {
         return key;
     }
     let digest = Sha256::digest(id.as_bytes());
@@ -244,7 +300,24 @@ pub(crate) fn entity_bucket_key(endpoint: &str, id: &str) -> String {
     for b in digest.iter() {
         hex.push_str(&format!("{b:02x}"));
     }
-    format!("ratelimit:entity:{endpoint}:sha256:{hex}")
+    format!("ratelimit:entity:{endpoint}:{HASHED}{hex}")
+}
+
+/// What marks a hashed id in an entity key.
+const HASHED: &str = "sha256:";
+
+/// The `400 Bad Request` for a malformed entity id: no bucket was touched.
+fn malformed(why: &MalformedId, endpoint: &str, limits: &RouteLimits) -> Verdict {
+    let body = malformed_problem(why, endpoint);
+    let mut response = Response::new(body);
+    *response.status_mut() = StatusCode::BAD_REQUEST;
+    let h = response.headers_mut();
+    h.insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    headers::write(h, &limits.policy, &[]);
+    Verdict::Deny(response)
 }
 
 /// The denial response: status, problem body and every header field.
@@ -291,5 +364,13 @@ mod tests {
         );
         assert_ne!(k, entity_bucket_key(e, &"y".repeat(5000)));
         assert!(validate_key(&entity_bucket_key(e, "a\0b")).is_ok());
+        // An id written as another id's digest is hashed again: it cannot share its bucket.
+        let posing = k.rsplit_once(':').map(|(_, hex)| format!("sha256:{hex}"));
+        let posing = posing.unwrap();
+        assert_ne!(entity_bucket_key(e, &posing), k);
+        assert!(
+            entity_bucket_key(e, &posing)
+                .starts_with("ratelimit:entity:GET:/bookings/{bookingId}:sha256:")
+        );
     }
 }

@@ -1,6 +1,128 @@
-//! [`PolicyError`]: why a policy file was refused.
+//! [`PolicyError`]: why a policy file was refused, and the helpers that keep its messages
+//! short whatever the input.
 
 use std::fmt;
+
+/// User values (names, numbers, keys) quoted in messages are cut to this many characters,
+/// followed by `…(N bytes)` giving the whole value's length.
+pub(crate) const MAX_QUOTED: usize = 64;
+
+/// The longest message, in bytes, whatever it quotes; longer ones are cut (on a character
+/// boundary) and end in `…(N bytes)`.
+pub(crate) const MAX_MESSAGE: usize = 1024;
+
+/// The byte offset after the first `max` characters of `s`, or `None` when `s` is no longer.
+fn cut_at(s: &str, max: usize) -> Option<usize> {
+    s.char_indices().nth(max).map(|(at, _)| at)
+}
+
+/// `s` as it is when at most [`MAX_QUOTED`] characters, else its first [`MAX_QUOTED`]
+/// characters and `…(N bytes)`.
+pub(crate) fn shorten(s: &str) -> String {
+    match cut_at(s, MAX_QUOTED) {
+        Some(at) => format!("{}…({} bytes)", &s[..at], s.len()),
+        None => s.to_owned(),
+    }
+}
+
+/// `s` in double quotes with escapes, cut as [`shorten`] cuts: `"abc…"…(1048576 bytes)`.
+pub(crate) fn quote(s: &str) -> String {
+    match cut_at(s, MAX_QUOTED) {
+        Some(at) => format!("{:?}…({} bytes)", &s[..at], s.len()),
+        None => format!("{s:?}"),
+    }
+}
+
+/// A number from the file for a message: as written by `Display` when short, else in
+/// exponent form (`1e308`, not 309 digits; `1e-300`, not 300 zeros).
+pub(crate) fn number(x: f64) -> String {
+    let plain = x.to_string();
+    if plain.len() <= 24 {
+        plain
+    } else {
+        format!("{x:e}")
+    }
+}
+
+/// Every span quoted in backticks or double quotes in `message` (as serde writes the values it
+/// echoes) cut as [`shorten`] cuts it.
+pub(crate) fn shorten_quoted(message: &str) -> String {
+    let mut out = String::with_capacity(message.len().min(MAX_MESSAGE));
+    let mut rest = message;
+    while let Some(open) = rest.find(['`', '"']) {
+        let delim = rest.as_bytes()[open];
+        out.push_str(&rest[..=open]);
+        let inner = &rest[open + 1..];
+        // The closing delimiter; inside double quotes a backslash escapes the next character.
+        let mut close = None;
+        let mut escaped = false;
+        for (i, b) in inner.bytes().enumerate() {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' && delim == b'"' {
+                escaped = true;
+            } else if b == delim {
+                close = Some(i);
+                break;
+            }
+        }
+        let end = close.unwrap_or(inner.len());
+        let span = &inner[..end];
+        match cut_at(span, MAX_QUOTED) {
+            Some(at) => {
+                out.push_str(&span[..at]);
+                if close.is_some() {
+                    out.push(delim as char);
+                }
+                out.push_str(&format!("…({} bytes)", span.len()));
+            }
+            None => {
+                out.push_str(span);
+                if close.is_some() {
+                    out.push(delim as char);
+                }
+            }
+        }
+        rest = match close {
+            Some(i) => &inner[i + 1..],
+            None => "",
+        };
+    }
+    out.push_str(rest);
+    out
+}
+
+/// `message` cut to at most about [`MAX_MESSAGE`] bytes.
+fn bounded(message: String) -> String {
+    if message.len() <= MAX_MESSAGE {
+        return message;
+    }
+    let mut at = MAX_MESSAGE;
+    while !message.is_char_boundary(at) {
+        at -= 1;
+    }
+    format!("{}…({} bytes)", &message[..at], message.len())
+}
+
+/// What kind of problem a [`PolicyError`] reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PolicyErrorKind {
+    /// The file could not be read, or is not UTF-8.
+    Read,
+    /// The file (or text) is larger than [`MAX_POLICY_BYTES`](super::MAX_POLICY_BYTES); it
+    /// was not read whole.
+    TooLarge {
+        /// The limit in bytes.
+        limit: u64,
+    },
+    /// Malformed JSON, a wrong type, an unknown or repeated field: found while reading the
+    /// JSON, with a line and column.
+    Syntax,
+    /// A value out of its documented range, a bad name, an unknown plan, a duplicate: found
+    /// while checking the values.
+    Invalid,
+}
 
 /// Why a policy file was refused: one message naming the file, the field and, for syntax and
 /// type errors, the line and column.
@@ -14,6 +136,10 @@ use std::fmt;
 ///
 /// Syntax and type errors (found while reading the JSON) carry a line and column; errors found
 /// while checking the values (a zero capacity, an unknown plan name) name the field only.
+///
+/// Every value from the file that a message quotes (a name, a number, a key, a path) is cut
+/// to 64 characters followed by `…(N bytes)`, and numbers too long to print whole are written
+/// with an exponent (`1e308`), so a hostile file cannot make a huge message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PolicyError {
     /// The file as given to [`Policies::from_file`](super::Policies::from_file), or `<policy>`.
@@ -22,36 +148,58 @@ pub struct PolicyError {
     plan: Option<String>,
     /// The JSON path of the offending value, e.g. `plans.standard.capacity` or `routes[0].path`.
     field: Option<String>,
-    /// One-based line and column from serde_json, for syntax and type errors.
-    line_column: Option<(usize, usize)>,
+    /// One-based line and column from serde_json, for syntax and type errors (a policy is at
+    /// most 16 MiB, so both fit in 32 bits; kept small so the error stays small).
+    line_column: Option<(u32, u32)>,
     /// What is wrong, lower-case, without file or field.
     message: String,
+    /// What kind of problem it is.
+    kind: Kind,
+}
+
+/// [`PolicyErrorKind`] without its data, one byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Read,
+    TooLarge,
+    Syntax,
+    Invalid,
 }
 
 impl PolicyError {
+    /// An [`Invalid`](PolicyErrorKind::Invalid) error; `message` is cut to [`MAX_MESSAGE`]
+    /// bytes.
     pub(crate) fn new(file: &str, message: impl Into<String>) -> Self {
         PolicyError {
             file: file.to_owned(),
             plan: None,
             field: None,
             line_column: None,
-            message: message.into(),
+            message: bounded(message.into()),
+            kind: Kind::Invalid,
         }
+    }
+
+    pub(crate) fn with_kind(mut self, kind: Kind) -> Self {
+        self.kind = kind;
+        self
     }
 
     pub(crate) fn with_field(mut self, field: impl Into<String>) -> Self {
         let field = field.into();
-        self.field = (!field.is_empty()).then_some(field);
+        self.field = (!field.is_empty()).then(|| bounded(field));
         self
     }
 
-    pub(crate) fn with_plan(mut self, plan: impl Into<String>) -> Self {
-        self.plan = Some(plan.into());
+    /// The plan, cut as [`shorten`] cuts (a valid plan name is never cut).
+    pub(crate) fn with_plan(mut self, plan: &str) -> Self {
+        self.plan = Some(shorten(plan));
         self
     }
 
     pub(crate) fn with_line_column(mut self, line_column: Option<(usize, usize)>) -> Self {
-        self.line_column = line_column;
+        let small = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        self.line_column = line_column.map(|(line, column)| (small(line), small(column)));
         self
     }
 
@@ -60,8 +208,21 @@ impl PolicyError {
         &self.file
     }
 
+    /// What kind of problem this is: reading, size, syntax or an invalid value.
+    pub fn kind(&self) -> PolicyErrorKind {
+        match self.kind {
+            Kind::Read => PolicyErrorKind::Read,
+            Kind::TooLarge => PolicyErrorKind::TooLarge {
+                limit: super::MAX_POLICY_BYTES,
+            },
+            Kind::Syntax => PolicyErrorKind::Syntax,
+            Kind::Invalid => PolicyErrorKind::Invalid,
+        }
+    }
+
     /// The plan the error is about: the plan being defined where the error is, or the unknown
-    /// plan a reference names. `None` when no plan is involved.
+    /// plan a reference names. `None` when no plan is involved. A name longer than 64
+    /// characters (never a valid one) is cut to 64 and ends in `…(N bytes)`.
     pub fn plan(&self) -> Option<&str> {
         self.plan.as_deref()
     }
@@ -77,6 +238,7 @@ impl PolicyError {
     /// 0 means the error is at the start of the line, e.g. at end of file).
     pub fn line_column(&self) -> Option<(usize, usize)> {
         self.line_column
+            .map(|(line, column)| (line as usize, column as usize))
     }
 
     /// What is wrong, without the file, position and field.
@@ -100,3 +262,50 @@ impl fmt::Display for PolicyError {
 }
 
 impl std::error::Error for PolicyError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_are_cut_with_their_length() {
+        assert_eq!(shorten("abc"), "abc");
+        let long = "é".repeat(100);
+        assert_eq!(shorten(&long), format!("{}…(200 bytes)", "é".repeat(64)));
+        assert_eq!(quote("a\"b"), r#""a\"b""#);
+        assert_eq!(
+            quote(&"x".repeat(65)),
+            format!("\"{}\"…(65 bytes)", "x".repeat(64))
+        );
+        assert_eq!(number(1e308), "1e308");
+        assert_eq!(number(1e-300), "1e-300");
+        assert_eq!(number(0.0000000001), "0.0000000001");
+        assert_eq!(number(2e9), "2000000000");
+    }
+
+    #[test]
+    fn quoted_spans_are_cut() {
+        let long = "y".repeat(1000);
+        let message = format!("invalid type: string \"{long}\", expected u64");
+        assert_eq!(
+            shorten_quoted(&message),
+            format!(
+                "invalid type: string \"{}\"…(1000 bytes), expected u64",
+                "y".repeat(64)
+            )
+        );
+        let message = format!("unknown field `{long}`, expected `a` or `b`");
+        assert_eq!(
+            shorten_quoted(&message),
+            format!(
+                "unknown field `{}`…(1000 bytes), expected `a` or `b`",
+                "y".repeat(64)
+            )
+        );
+        assert_eq!(shorten_quoted(r#"a "b\"c" d"#), r#"a "b\"c" d"#);
+        assert_eq!(shorten_quoted("unclosed `abc"), "unclosed `abc");
+        let huge = PolicyError::new("f", "z".repeat(100_000));
+        assert!(huge.message().len() < MAX_MESSAGE + 32);
+        assert!(huge.message().ends_with("…(100000 bytes)"));
+    }
+}

@@ -1,7 +1,9 @@
 //! [`Policies`]: reading, checking and looking up a policy file.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::fmt::Write as _;
+use std::io::Read as _;
 use std::num::NonZeroU32;
 use std::path::Path;
 use std::sync::Arc;
@@ -9,7 +11,7 @@ use std::time::Duration;
 
 use serde_path_to_error::Segment;
 
-use super::error::PolicyError;
+use super::error::{Kind, PolicyError, number, quote, shorten, shorten_quoted};
 use super::raw::{
     Obj, RawAccounting, RawEntity, RawFallback, RawFallbackMode, RawLease, RawPlan, RawPolicies,
     RawRoute,
@@ -32,8 +34,22 @@ const MAX_PLAN_NAME: usize = 64;
 /// The longest entity type, in characters.
 const MAX_ENTITY_TYPE: usize = 64;
 
-/// User strings quoted in messages are cut to this many characters.
-const MAX_QUOTED: usize = 64;
+/// The largest policy file (or text) read: 16 MiB. A larger one is refused before it is read
+/// whole. Real policies are a few kilobytes; the limit only bounds what a mistaken or hostile
+/// file costs.
+pub const MAX_POLICY_BYTES: u64 = 16 * 1024 * 1024;
+
+/// Lease `ttl_ms`: from 10 ms to 10 minutes.
+const TTL_MS: std::ops::RangeInclusive<u64> = 10..=600_000;
+
+/// The longest lease `max_wait_ms`: one minute (and never longer than `ttl_ms`).
+const MAX_WAIT_MS: u64 = 60_000;
+
+/// The most `fallback.instances`.
+const MAX_INSTANCES: u32 = 10_000;
+
+/// How many defined plans an "unknown plan" message lists.
+const LISTED_PLANS: usize = 10;
 
 /// The HTTP methods a route may name.
 const METHODS: [&str; 9] = [
@@ -73,12 +89,30 @@ impl Policies {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Policies, PolicyError> {
         let path = path.as_ref();
         let file = path.display().to_string();
-        let bytes = std::fs::read(path)
-            .map_err(|e| PolicyError::new(&file, format!("cannot read the file: {}", lower(&e))))?;
+        let cannot = |e: std::io::Error| {
+            PolicyError::new(&file, format!("cannot read the file: {}", lower(&e)))
+                .with_kind(Kind::Read)
+        };
+        let mut reader = std::fs::File::open(path).map_err(cannot)?;
+        // The size from the metadata refuses a large file without reading it; reading at most
+        // one byte past the limit also catches files that grow or report no size (a pipe).
+        let size = reader.metadata().map_err(cannot)?.len();
+        if size > MAX_POLICY_BYTES {
+            return Err(too_large(&file, Some(size)));
+        }
+        let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+        (&mut reader)
+            .take(MAX_POLICY_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(cannot)?;
+        if bytes.len() as u64 > MAX_POLICY_BYTES {
+            return Err(too_large(&file, None));
+        }
         let text = std::str::from_utf8(&bytes).map_err(|e| {
             let offset = e.valid_up_to();
             PolicyError::new(&file, format!("not valid UTF-8 at byte offset {offset}"))
                 .with_line_column(Some(line_column(&bytes, offset)))
+                .with_kind(Kind::Read)
         })?;
         Self::from_json_str(text, Some(path))
     }
@@ -86,16 +120,23 @@ impl Policies {
     /// Parses and checks a policy given as JSON text. `origin` names the file in errors;
     /// `<policy>` when `None`. A leading byte-order mark is ignored.
     ///
+    /// Loading takes time linear in the size of the text, which may be at most
+    /// [`MAX_POLICY_BYTES`].
+    ///
     /// # Errors
     ///
-    /// The first problem found, as one [`PolicyError`]: malformed JSON, trailing characters,
-    /// a wrong type or an unknown field (with line and column), or a value that is out of range
-    /// or names a plan that does not exist (see the [module docs](super) for the full list).
+    /// The first problem found, as one [`PolicyError`]: a text over [`MAX_POLICY_BYTES`],
+    /// malformed JSON, trailing characters, a wrong type or an unknown field (with line and
+    /// column), or a value that is out of range or names a plan that does not exist (see the
+    /// [module docs](super) for the full list).
     pub fn from_json_str(json: &str, origin: Option<&Path>) -> Result<Policies, PolicyError> {
         let file = match origin {
             Some(path) => path.display().to_string(),
             None => NO_ORIGIN.to_owned(),
         };
+        if json.len() as u64 > MAX_POLICY_BYTES {
+            return Err(too_large(&file, Some(json.len() as u64)));
+        }
         let json = json.strip_prefix('\u{feff}').unwrap_or(json);
         let mut de = serde_json::Deserializer::from_str(json);
         let Obj(raw) =
@@ -103,7 +144,7 @@ impl Policies {
                 let (field, plan) = path_of(e.path());
                 let err = json_error(&file, e.inner()).with_field(field);
                 match plan {
-                    Some(plan) => err.with_plan(plan),
+                    Some(plan) => err.with_plan(&plan),
                     None => err,
                 }
             })?;
@@ -169,12 +210,29 @@ impl Policies {
     }
 }
 
-/// Turns a serde_json error into a [`PolicyError`] with line and column.
+/// The error for a policy over [`MAX_POLICY_BYTES`]; `size` when known.
+fn too_large(file: &str, size: Option<u64>) -> PolicyError {
+    let size = match size {
+        Some(size) => format!("{size} bytes"),
+        None => "larger".to_owned(),
+    };
+    PolicyError::new(
+        file,
+        format!(
+            "the policy is too large: {size}, more than the limit of {MAX_POLICY_BYTES} bytes \
+             (16 MiB)"
+        ),
+    )
+    .with_kind(Kind::TooLarge)
+}
+
+/// Turns a serde_json error into a [`PolicyError`] with line and column. The values serde
+/// quotes (strings, field names, numbers) are cut to 64 characters.
 fn json_error(file: &str, err: &serde_json::Error) -> PolicyError {
     let (line, column) = (err.line(), err.column());
     let text = err.to_string();
     let suffix = format!(" at line {line} column {column}");
-    let message = text.strip_suffix(&suffix).unwrap_or(&text);
+    let message = shorten_quoted(text.strip_suffix(&suffix).unwrap_or(&text));
     let message = match message.strip_prefix("EOF ") {
         Some(rest) => format!("end of file {rest}"),
         None => message.to_owned(),
@@ -194,7 +252,9 @@ fn json_error(file: &str, err: &serde_json::Error) -> PolicyError {
     } else {
         message
     };
-    PolicyError::new(file, message).with_line_column((line > 0).then_some((line, column)))
+    PolicyError::new(file, message)
+        .with_line_column((line > 0).then_some((line, column)))
+        .with_kind(Kind::Syntax)
 }
 
 /// The dotted field path of a serde path, and the plan it is inside of, if any.
@@ -208,7 +268,7 @@ fn path_of(path: &serde_path_to_error::Path) -> (String, Option<String>) {
             }
             Segment::Map { key } => {
                 if i == 1 && field == "plans" {
-                    plan = Some(key.clone());
+                    plan = Some(shorten(key));
                 }
                 push_key(&mut field, key);
             }
@@ -221,9 +281,11 @@ fn path_of(path: &serde_path_to_error::Path) -> (String, Option<String>) {
     (field, plan)
 }
 
-/// Appends `.key`, or `["key"]` when the key is not a plain word (holds a dot, space, ...).
+/// Appends `.key`, or `["key"]` when the key is not a plain word (holds a dot, space, ...)
+/// or is longer than 64 characters (then cut as [`quote`] cuts).
 fn push_key(field: &mut String, key: &str) {
     let plain = !key.is_empty()
+        && key.len() <= super::error::MAX_QUOTED
         && key
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
@@ -234,16 +296,6 @@ fn push_key(field: &mut String, key: &str) {
         field.push_str(key);
     } else {
         let _ = write!(field, "[{}]", quote(key));
-    }
-}
-
-/// `s` in double quotes with escapes, cut to [`MAX_QUOTED`] characters.
-fn quote(s: &str) -> String {
-    if s.chars().count() > MAX_QUOTED {
-        let cut: String = s.chars().take(MAX_QUOTED).collect();
-        format!("{cut:?}…")
-    } else {
-        format!("{s:?}")
     }
 }
 
@@ -312,13 +364,18 @@ impl Checker {
             by_name.get(name).copied().ok_or_else(|| {
                 let mut known: Vec<&str> = by_name.keys().map(String::as_str).collect();
                 known.sort_unstable();
+                let mut listed = known
+                    .iter()
+                    .take(LISTED_PLANS)
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                if known.len() > LISTED_PLANS {
+                    let _ = write!(listed, ", … ({} in all)", known.len());
+                }
                 self.err(
                     field,
-                    format!(
-                        "unknown plan {}; defined plans: {}",
-                        quote(name),
-                        known.join(", ")
-                    ),
+                    format!("unknown plan {}; defined plans: {listed}", quote(name)),
                 )
                 .with_plan(name)
             })
@@ -330,6 +387,8 @@ impl Checker {
         };
 
         let mut keys: Vec<(KeyRule, usize)> = Vec::with_capacity(raw.keys.len());
+        // Prefix → index of its rule, for duplicates in constant time.
+        let mut prefixes: HashMap<String, usize> = HashMap::with_capacity(raw.keys.len());
         for (i, Obj(rule)) in raw.keys.into_iter().enumerate() {
             let field = format!("keys[{i}]");
             if rule.prefix.is_empty() {
@@ -346,14 +405,20 @@ impl Checker {
                     format!("no key can start with this prefix: {reason}"),
                 ));
             }
-            if let Some(first) = keys.iter().position(|(k, _)| k.prefix == rule.prefix) {
-                return Err(self.err(
-                    format!("{field}.prefix"),
-                    format!(
-                        "duplicate prefix {}: already at keys[{first}]",
-                        quote(&rule.prefix)
-                    ),
-                ));
+            match prefixes.entry(rule.prefix.clone()) {
+                Entry::Occupied(first) => {
+                    return Err(self.err(
+                        format!("{field}.prefix"),
+                        format!(
+                            "duplicate prefix {}: already at keys[{}]",
+                            quote(&rule.prefix),
+                            first.get()
+                        ),
+                    ));
+                }
+                Entry::Vacant(slot) => {
+                    slot.insert(i);
+                }
             }
             let plan = lookup(&format!("{field}.plan"), &rule.plan)?;
             keys.push((
@@ -370,27 +435,37 @@ impl Checker {
         let (keys, key_plans) = keys.into_iter().unzip();
 
         let mut routes: Vec<Route> = Vec::with_capacity(raw.routes.len());
-        let mut shapes: Vec<(String, String)> = Vec::with_capacity(raw.routes.len());
+        // Shape (method, path without parameter names) → index of its route.
+        let mut shapes: HashMap<(String, String), usize> = HashMap::with_capacity(raw.routes.len());
         for (i, Obj(raw_route)) in raw.routes.into_iter().enumerate() {
             let field = format!("routes[{i}]");
             let (route, shape) = self.route(&field, raw_route, &lookup)?;
-            if let Some(first) = shapes.iter().position(|s| *s == shape) {
-                let other = &routes[first];
-                let message = if other.path == route.path {
-                    format!(
-                        "duplicate route {} {}: already at routes[{first}]",
-                        route.method, route.path
-                    )
-                } else {
-                    format!(
-                        "duplicate route {} {}: matches the same requests as routes[{first}] \
-                         ({} {})",
-                        route.method, route.path, other.method, other.path
-                    )
-                };
-                return Err(self.err(field, message));
+            match shapes.entry(shape) {
+                Entry::Occupied(first) => {
+                    let first = *first.get();
+                    let other = &routes[first];
+                    let message = if other.path == route.path {
+                        format!(
+                            "duplicate route {} {}: already at routes[{first}]",
+                            route.method,
+                            shorten(&route.path)
+                        )
+                    } else {
+                        format!(
+                            "duplicate route {} {}: matches the same requests as \
+                             routes[{first}] ({} {})",
+                            route.method,
+                            shorten(&route.path),
+                            other.method,
+                            shorten(&other.path)
+                        )
+                    };
+                    return Err(self.err(field, message));
+                }
+                Entry::Vacant(slot) => {
+                    slot.insert(i);
+                }
             }
-            shapes.push(shape);
             routes.push(route);
         }
 
@@ -496,10 +571,10 @@ impl Checker {
             .ok_or_else(|| self.plan_err(name, "capacity", "must be ≥ 1"))?;
         let mut plan = Plan::new(name, bucket);
         if let Some(Obj(lease)) = raw.lease {
-            plan = plan.with_lease(self.lease(name, lease)?);
+            plan = plan.with_lease(self.lease(name, lease, raw.capacity)?);
         }
         if let Some(Obj(fallback)) = raw.fallback {
-            plan = plan.with_fallback(self.fallback(name, fallback)?);
+            plan = plan.with_fallback(self.fallback(name, fallback, raw.capacity)?);
         }
         Ok(plan)
     }
@@ -510,14 +585,20 @@ impl Checker {
             return Err(self.plan_err(
                 name,
                 field,
-                format!("must be a number of tokens per second > 0, got {per_second}"),
+                format!(
+                    "must be a number of tokens per second > 0, got {}",
+                    number(per_second)
+                ),
             ));
         }
         if per_second > 1e9 {
             return Err(self.plan_err(
                 name,
                 field,
-                format!("must be at most 1000000000 tokens per second, got {per_second}"),
+                format!(
+                    "must be at most 1000000000 tokens per second, got {}",
+                    number(per_second)
+                ),
             ));
         }
         Rate::from_f64(per_second).ok_or_else(|| {
@@ -526,36 +607,77 @@ impl Checker {
                 field,
                 format!(
                     "rounds to zero: the slowest rate is 0.000000001 tokens per second, \
-                     got {per_second}"
+                     got {}",
+                    number(per_second)
                 ),
             )
         })
     }
 
-    fn lease(&self, name: &str, raw: RawLease) -> Result<LeaseSettings, PolicyError> {
+    /// The lease settings of plan `name` with `capacity` whole tokens, each within its
+    /// documented range (`docs/policy.md`).
+    fn lease(
+        &self,
+        name: &str,
+        raw: RawLease,
+        capacity: u64,
+    ) -> Result<LeaseSettings, PolicyError> {
         let defaults = LeaseSettings::default();
-        let millis = |field: &str, value: Option<u64>, default: Duration| match value {
-            None => Ok(default),
-            Some(0) => Err(self.plan_err(
-                name,
-                &format!("lease.{field}"),
-                "must be ≥ 1 millisecond, got 0",
-            )),
-            Some(ms) => Ok(Duration::from_millis(ms)),
-        };
         let fraction = |field: &str, value: Option<f64>, default: f64| match value {
             None => Ok(default),
             Some(x) if x > 0.0 && x <= 1.0 => Ok(x),
             Some(x) => Err(self.plan_err(
                 name,
                 &format!("lease.{field}"),
-                format!("must be a fraction in (0, 1], got {x}"),
+                format!("must be a fraction in (0, 1], got {}", number(x)),
             )),
         };
-        let ttl = millis("ttl_ms", raw.ttl_ms, defaults.ttl)?;
+        let ttl_ms = raw.ttl_ms.unwrap_or(defaults.ttl.as_millis() as u64);
+        if !TTL_MS.contains(&ttl_ms) {
+            return Err(self.plan_err(
+                name,
+                "lease.ttl_ms",
+                format!(
+                    "must be from {} to {} milliseconds (10 minutes), got {ttl_ms}",
+                    TTL_MS.start(),
+                    TTL_MS.end()
+                ),
+            ));
+        }
+        let ttl = Duration::from_millis(ttl_ms);
         let max_fraction = fraction("max_fraction", raw.max_fraction, defaults.max_fraction)?;
+        // A lease smaller than one token cannot serve a request of one token.
+        let largest = max_fraction * capacity as f64;
+        if largest < 1.0 - 1e-9 {
+            let given = if raw.max_fraction.is_some() {
+                "max_fraction"
+            } else {
+                "the default max_fraction"
+            };
+            return Err(self.plan_err(
+                name,
+                "lease.max_fraction",
+                format!(
+                    "a lease must hold at least one token: {given} {} × capacity {capacity} is \
+                     {} tokens; use at least {}",
+                    number(max_fraction),
+                    number(largest),
+                    number(1.0 / capacity as f64)
+                ),
+            ));
+        }
         let low_water = fraction("low_water", raw.low_water, defaults.low_water)?;
-        let refresh = millis("refresh_ms", raw.refresh_ms, defaults.refresh)?;
+        let refresh = match raw.refresh_ms {
+            None => defaults.refresh,
+            Some(0) => {
+                return Err(self.plan_err(
+                    name,
+                    "lease.refresh_ms",
+                    "must be ≥ 1 millisecond, got 0",
+                ));
+            }
+            Some(ms) => Duration::from_millis(ms),
+        };
         if refresh > ttl {
             return Err(self.plan_err(
                 name,
@@ -570,6 +692,27 @@ impl Checker {
         let max_wait = raw
             .max_wait_ms
             .map_or(defaults.max_wait, Duration::from_millis);
+        if max_wait > Duration::from_millis(MAX_WAIT_MS) {
+            return Err(self.plan_err(
+                name,
+                "lease.max_wait_ms",
+                format!(
+                    "must be at most {MAX_WAIT_MS} milliseconds (1 minute), got {}",
+                    max_wait.as_millis()
+                ),
+            ));
+        }
+        if max_wait > ttl {
+            return Err(self.plan_err(
+                name,
+                "lease.max_wait_ms",
+                format!(
+                    "must not be longer than the lease ttl_ms ({} ms), got {} ms",
+                    ttl.as_millis(),
+                    max_wait.as_millis()
+                ),
+            ));
+        }
         let accounting = match raw.accounting {
             None => defaults.accounting,
             Some(RawAccounting::Relaxed) => Accounting::Relaxed,
@@ -585,7 +728,15 @@ impl Checker {
         })
     }
 
-    fn fallback(&self, name: &str, raw: RawFallback) -> Result<FallbackSettings, PolicyError> {
+    /// The fallback of plan `name` with `capacity` whole tokens: `instances` from 1 to
+    /// [`MAX_INSTANCES`] and at most the capacity, so that each instance's local bucket holds
+    /// at least one token.
+    fn fallback(
+        &self,
+        name: &str,
+        raw: RawFallback,
+        capacity: u64,
+    ) -> Result<FallbackSettings, PolicyError> {
         let mode = match (raw.mode, raw.instances) {
             (RawFallbackMode::Allow, None) => FallbackMode::Allow,
             (RawFallbackMode::Deny, None) => FallbackMode::Deny,
@@ -597,10 +748,27 @@ impl Checker {
                 ));
             }
             (RawFallbackMode::Local, instances) => {
-                let instances = NonZeroU32::new(instances.unwrap_or(1)).ok_or_else(|| {
-                    self.plan_err(name, "fallback.instances", "must be ≥ 1, got 0")
-                })?;
-                FallbackMode::Local { instances }
+                let n = instances.unwrap_or(1);
+                if n == 0 || n > MAX_INSTANCES {
+                    return Err(self.plan_err(
+                        name,
+                        "fallback.instances",
+                        format!("must be from 1 to {MAX_INSTANCES}, got {n}"),
+                    ));
+                }
+                if u64::from(n) > capacity {
+                    return Err(self.plan_err(
+                        name,
+                        "fallback.instances",
+                        format!(
+                            "must be at most the capacity ({capacity}), so that each \
+                             instance's local bucket holds a whole token, got {n}"
+                        ),
+                    ));
+                }
+                FallbackMode::Local {
+                    instances: NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN),
+                }
             }
         };
         Ok(FallbackSettings { mode })
@@ -702,7 +870,7 @@ impl Checker {
                         let known = if params.is_empty() {
                             "it has none".to_owned()
                         } else {
-                            format!("it has {}", params.join(", "))
+                            format!("it has {}", shorten(&params.join(", ")))
                         };
                         return Err(self.err(
                             format!("{field}.path_param"),
@@ -799,6 +967,7 @@ struct Pattern {
 /// end, `{{` and `}}` for literal braces, no whitespace, control characters, `?` or `#`.
 fn parse_pattern(path: &str) -> Result<Pattern, String> {
     let mut params: Vec<String> = Vec::new();
+    let mut names: std::collections::HashSet<&str> = std::collections::HashSet::new();
     let mut shape = String::with_capacity(path.len());
     let mut chars = path.char_indices().peekable();
     while let Some((at, c)) = chars.next() {
@@ -833,7 +1002,7 @@ fn parse_pattern(path: &str) -> Result<Pattern, String> {
                         quote(name)
                     ));
                 }
-                if params.iter().any(|p| p == name) {
+                if !names.insert(name) {
                     return Err(format!("parameter {} appears twice", quote(name)));
                 }
                 if catch_all && at + 1 + end + 1 != path.len() {

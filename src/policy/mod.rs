@@ -11,8 +11,9 @@
 //!   exact to 10⁻⁹) or `refill: { "tokens": N, "period_ms": P }` (N tokens every P ms, as in
 //!   "150 per minute"). Exactly one of the two.
 //! - **lease**: absent means direct mode, one SQL statement per call. Present (even `{}`) means
-//!   leased mode: each process reserves batches of at most `max_fraction × capacity` tokens for
-//!   at most `ttl_ms`, and spends them from memory. See [`LeaseSettings`].
+//!   leased mode: each process reserves batches of at most `max_fraction × capacity` tokens (at
+//!   least one) for at most `ttl_ms` (10 ms to 10 minutes), and spends them from memory. See
+//!   [`LeaseSettings`].
 //! - **fallback**: what decides while the database is slow or down: `allow`, `deny`, or a
 //!   `local` bucket sized for `instances` processes. See [`FallbackMode`].
 //!
@@ -56,6 +57,12 @@
 //! Unknown fields are errors, not ignored settings, and so is a plan name defined twice (which
 //! serde_json would otherwise resolve silently by keeping the last one).
 //!
+//! Values outside their documented ranges are refused too: a lease `ttl_ms` of 10 ms to 10
+//! minutes, `max_wait_ms` up to a minute and never past `ttl_ms`, `max_fraction × capacity`
+//! of at least one token, `instances` from 1 to 10,000 and at most the capacity (the table is
+//! in `docs/policy.md`). Values quoted in messages are cut to 64 characters plus their length.
+//! A policy is at most [`MAX_POLICY_BYTES`] (16 MiB), and loading is linear in its size.
+//!
 //! # Layout
 //!
 //! - `types.rs`: the validated [`Plan`], [`LeaseSettings`], [`FallbackSettings`], [`Route`].
@@ -68,8 +75,8 @@ mod load;
 mod raw;
 mod types;
 
-pub use error::PolicyError;
-pub use load::Policies;
+pub use error::{PolicyError, PolicyErrorKind};
+pub use load::{MAX_POLICY_BYTES, Policies};
 pub use types::{
     Accounting, EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings,
     Plan, Route,

@@ -3,6 +3,7 @@
 //! [`load`](super::load) turns these into the validated types. Every struct denies unknown
 //! fields so a typo is an error, not a silently ignored setting.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::marker::PhantomData;
 
@@ -96,13 +97,17 @@ impl<'de> Deserialize<'de> for RawPlans {
 
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawPlans, A::Error> {
                 let mut out = RawPlans::default();
+                // Names seen so far, so each check is constant time, not a scan of the plans.
+                let mut seen: HashSet<String> = HashSet::new();
+                let mut repeated: HashSet<String> = HashSet::new();
                 while let Some(name) = map.next_key::<String>()? {
                     let Obj(plan) = map.next_value::<Obj<RawPlan>>()?;
-                    if out.plans.iter().any(|(seen, _)| *seen == name) {
-                        if !out.duplicates.contains(&name) {
+                    if seen.contains(&name) {
+                        if repeated.insert(name.clone()) {
                             out.duplicates.push(name);
                         }
                     } else {
+                        seen.insert(name.clone());
                         out.plans.push((name, plan));
                     }
                 }

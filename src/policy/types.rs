@@ -96,9 +96,10 @@ impl Plan {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LeaseSettings {
     /// How long a lease lives before its unspent tokens go back. Defaults to 1 s. File field
-    /// `ttl_ms`, at least 1.
+    /// `ttl_ms`, from 10 ms to 10 minutes.
     pub ttl: Duration,
-    /// The largest lease as a fraction of the plan's capacity, in (0, 1]. Defaults to 0.1.
+    /// The largest lease as a fraction of the plan's capacity, in (0, 1]. Defaults to 0.1. A
+    /// policy file requires `max_fraction × capacity ≥ 1` token.
     /// Together with `ttl` this bounds the overshoot: see `DESIGN.md`.
     pub max_fraction: f64,
     /// Refill the lease when what is left falls below this fraction of its size, in (0, 1].
@@ -108,7 +109,8 @@ pub struct LeaseSettings {
     /// field `refresh_ms`, at least 1 and at most `ttl_ms`.
     pub refresh: Duration,
     /// The longest a caller waits for an in-flight refill when its lease is empty; then the
-    /// fallback decides. Defaults to 50 ms. File field `max_wait_ms`, may be 0 (never wait).
+    /// fallback decides. Defaults to 50 ms. File field `max_wait_ms`, from 0 (never wait) to a
+    /// minute, and at most `ttl_ms`.
     pub max_wait: Duration,
     /// Whether the store counts this plan's leases against the bucket's capacity. Defaults to
     /// [`Accounting::Relaxed`]. File field `accounting`, `"relaxed"` or `"strict"`.
@@ -161,7 +163,8 @@ pub enum FallbackMode {
     /// Decide with an in-process bucket holding `1 / instances` of the plan's capacity and
     /// rate, so that `instances` processes together stay near the shared limit.
     Local {
-        /// How many processes share the plan; each takes its share of the limit.
+        /// How many processes share the plan; each takes its share of the limit. A policy
+        /// file allows 1 to 10,000, and at most the plan's capacity.
         instances: NonZeroU32,
     },
 }
