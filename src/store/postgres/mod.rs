@@ -77,6 +77,7 @@ pub struct PostgresStoreBuilder {
     keepalive: Duration,
     synchronous_commit: bool,
     migrate: bool,
+    migrate_timeout: Duration,
 }
 
 impl PostgresStoreBuilder {
@@ -142,27 +143,51 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// The bound on applying the migrations in [`build`](Self::build): the whole run on the
+    /// client, and `statement_timeout` and `lock_timeout` of the migrating session on the
+    /// server (which does not use the limiter's short [`statement_timeout`](Self::statement_timeout)
+    /// and [`lock_timeout`](Self::lock_timeout)). Defaults to 30 s.
+    pub fn migrate_timeout(mut self, d: Duration) -> Self {
+        self.migrate_timeout = d;
+        self
+    }
+
     /// Opens the pool (one connection up front, to fail early) and applies migrations.
+    ///
+    /// The first connection is bounded by the [connect timeout](Self::connect_timeout); the
+    /// migrations run on it under their own [`migrate_timeout`](Self::migrate_timeout), never
+    /// under the limiter's statement timeout.
     ///
     /// # Errors
     ///
-    /// [`StoreError`] when the first connection or a migration fails.
+    /// - [`StoreError::Timeout`] with [`TimeoutKind::Connect`], or [`StoreError::Connection`],
+    ///   when the first connection fails;
+    /// - [`StoreError::Migrate`] naming the migration or bookkeeping step that failed;
+    /// - [`StoreError::Timeout`] with [`TimeoutKind::Migrate`] when the migrations took longer
+    ///   than the migrate timeout.
     pub async fn build(self) -> Result<PostgresStore, StoreError> {
         let mut config = self.config;
         config
             .connect_timeout(self.connect_timeout)
             .keepalives(true)
             .keepalives_idle(self.keepalive)
-            .tcp_user_timeout(self.keepalive)
-            .options(format!(
-                "-c statement_timeout={} -c lock_timeout={} -c synchronous_commit={}",
-                self.statement_timeout.as_millis().max(1),
-                self.lock_timeout.as_millis().max(1),
-                if self.synchronous_commit { "on" } else { "off" },
-            ));
+            .tcp_user_timeout(self.keepalive);
         if config.get_application_name().is_none() {
             config.application_name("tokenlease");
         }
+        // The migrating session gets the migrate timeout on the server, set at startup like the
+        // limiter's own settings (no `SET` that could outlive the session behind a pooler).
+        let migrate_ms = self.migrate_timeout.as_millis().max(1);
+        let mut setup_config = config.clone();
+        setup_config.options(format!(
+            "-c statement_timeout={migrate_ms} -c lock_timeout={migrate_ms}"
+        ));
+        config.options(format!(
+            "-c statement_timeout={} -c lock_timeout={} -c synchronous_commit={}",
+            self.statement_timeout.as_millis().max(1),
+            self.lock_timeout.as_millis().max(1),
+            if self.synchronous_commit { "on" } else { "off" },
+        ));
         let manager = ConnectionManager::new(config.clone(), self.connect_timeout);
         let pool = Pool::builder()
             .max_size(self.pool_size)
@@ -178,28 +203,29 @@ impl PostgresStoreBuilder {
         // The first connection is made outside the pool, bounded by the connect timeout rather
         // than the (shorter) pool wait, so a busy machine does not fail the build: it proves the
         // database is reachable and applies the migrations.
-        let setup = async {
-            let (mut client, connection) =
-                manager::bounded(self.connect_timeout, config.connect(NoTls)).await?;
-            let driver = tokio::spawn(connection);
-            if self.migrate {
-                migrate::migrate(&mut client)
-                    .await
-                    .map_err(|e| StoreError::Protocol(format!("migration failed: {e}")))?;
+        let (mut client, connection) =
+            manager::bounded(self.connect_timeout, setup_config.connect(NoTls)).await?;
+        let driver = tokio::spawn(connection);
+        if self.migrate {
+            let migrated =
+                tokio::time::timeout(self.migrate_timeout, migrate::migrate(&mut client)).await;
+            match migrated {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(StoreError::Migrate(std::sync::Arc::new(e))),
+                Err(_) => {
+                    return Err(StoreError::Timeout {
+                        kind: TimeoutKind::Migrate,
+                        after: self.migrate_timeout,
+                    });
+                }
             }
-            drop(client);
-            let _ = driver.await;
-            Ok::<_, StoreError>(())
-        };
-        // Setup may connect and migrate: allow it the connect timeout plus ten seconds.
-        match tokio::time::timeout(self.connect_timeout + Duration::from_secs(10), setup).await {
-            Ok(result) => result?,
-            Err(_) => {
-                return Err(StoreError::Timeout {
-                    kind: TimeoutKind::Pool,
-                    after: self.connect_timeout,
-                });
-            }
+        }
+        drop(client);
+        // The session ends with the client: wait (bounded) for its driver to say goodbye, and
+        // count a connection that ended in an error rather than dropping it silently.
+        match tokio::time::timeout(self.connect_timeout, driver).await {
+            Ok(Ok(Ok(()))) => {}
+            _ => metrics::counter!(crate::metrics::STORE_CONNECTION_ERRORS).increment(1),
         }
         Ok(store)
     }
@@ -235,6 +261,7 @@ impl PostgresStore {
             keepalive: Duration::from_secs(5),
             synchronous_commit: true,
             migrate: true,
+            migrate_timeout: Duration::from_secs(30),
         })
     }
 
