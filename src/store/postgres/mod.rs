@@ -24,7 +24,7 @@ use crate::clock::timestamp_from_system_time;
 mod manager;
 pub mod migrate;
 
-pub use self::manager::ConnectionManager;
+pub use self::manager::{ConnectionManager, PgConnection};
 
 /// The SQL statements, one file each.
 mod sql {
@@ -53,6 +53,9 @@ pub struct PostgresStore {
     pool: Pool<Manager>,
     call_timeout: Duration,
     pool_wait_timeout: Duration,
+    /// Bounds each of the two steps of abandoning a statement (the cancel request, then the
+    /// wait for the session to be idle): the connect timeout.
+    cancel_timeout: Duration,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -199,6 +202,7 @@ impl PostgresStoreBuilder {
             pool,
             call_timeout: self.call_timeout,
             pool_wait_timeout: self.pool_wait_timeout,
+            cancel_timeout: self.connect_timeout,
         };
         // The first connection is made outside the pool, bounded by the connect timeout rather
         // than the (shorter) pool wait, so a busy machine does not fail the build: it proves the
@@ -280,29 +284,110 @@ impl PostgresStore {
     }
 
     /// Runs one statement with a pooled connection, inside the call timeout.
+    ///
+    /// A statement the call gives up on (the call timed out, or its future was dropped) is
+    /// abandoned: see [`InFlight`].
     async fn query(
         &self,
         statement: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, StoreError> {
-        let call = async {
-            let conn = self
-                .pool
-                .get()
-                .await
-                .map_err(pool_error(self.pool_wait_timeout))?;
-            conn.query_typed(statement, params)
-                .await
-                .map_err(StoreError::from)
+        let deadline = tokio::time::Instant::now() + self.call_timeout;
+        let timed_out = || StoreError::Timeout {
+            kind: TimeoutKind::Call,
+            after: self.call_timeout,
         };
-        match tokio::time::timeout(self.call_timeout, call).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout {
-                kind: TimeoutKind::Call,
-                after: self.call_timeout,
-            }),
+        let conn = match tokio::time::timeout_at(deadline, self.pool.get_owned()).await {
+            Ok(conn) => conn.map_err(pool_error(self.pool_wait_timeout))?,
+            Err(_) => return Err(timed_out()),
+        };
+        let in_flight = InFlight {
+            conn: Some(conn),
+            cancel_timeout: self.cancel_timeout,
+        };
+        let outcome =
+            tokio::time::timeout_at(deadline, in_flight.client().query_typed(statement, params))
+                .await;
+        match outcome {
+            Ok(result) => {
+                in_flight.done();
+                result.map_err(StoreError::from)
+            }
+            // `in_flight` drops with the statement still running: it is abandoned.
+            Err(_) => Err(timed_out()),
         }
     }
+}
+
+/// A pooled connection with a statement in flight.
+///
+/// Dropped before [`done`](Self::done), as when the call timed out or the caller dropped the
+/// call's future, the statement is *abandoned*: dropping a tokio-postgres future does not stop
+/// the statement on the server, and returning the connection to the pool would queue the next
+/// caller behind it. So a task (spawned, bounded) sends the server a cancel request for it, waits
+/// until the session is idle (the reply to an empty query comes after the abandoned statement's),
+/// and then closes the connection instead of returning it: the cancel, delivered late, could
+/// otherwise hit the next caller's statement. The connection holds its pool slot until then, so
+/// the pool never has more sessions busy on the server than its size. Each step is bounded by
+/// the connect timeout; a server that does not answer gets its socket closed. Cancels are counted
+/// in `tokenlease_store_cancels_total{result}`.
+struct InFlight {
+    conn: Option<bb8::PooledConnection<'static, Manager>>,
+    cancel_timeout: Duration,
+}
+
+impl InFlight {
+    fn client(&self) -> &tokio_postgres::Client {
+        self.conn
+            .as_ref()
+            .expect("connection present until dropped")
+    }
+
+    /// The statement finished: the connection goes back to the pool.
+    fn done(mut self) {
+        drop(self.conn.take());
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        conn.discard();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(abandon(conn, self.cancel_timeout));
+            }
+            // No runtime to cancel from: close the socket; the server's statement_timeout ends
+            // the statement.
+            Err(_) => conn.abort_driver(),
+        }
+    }
+}
+
+/// Cancels the statement running on `conn`, waits (bounded) until its session is idle, and
+/// closes it. See [`InFlight`].
+async fn abandon(conn: bb8::PooledConnection<'static, Manager>, bound: Duration) {
+    let token = conn.cancel_token();
+    let sent = matches!(
+        tokio::time::timeout(bound, token.cancel_query(NoTls)).await,
+        Ok(Ok(()))
+    );
+    metrics::counter!(
+        crate::metrics::STORE_CANCELS,
+        "result" => if sent { "sent" } else { "failed" }
+    )
+    .increment(1);
+    // Ok(Err(_)) is fine too: the cancel hit the empty query, so the session is idle.
+    let idle = tokio::time::timeout(bound, conn.simple_query(""))
+        .await
+        .is_ok();
+    if !idle {
+        conn.abort_driver();
+    }
+    // Marked discarded: dropping it closes the session rather than pooling it.
+    drop(conn);
 }
 
 fn tokens(row: &Row, idx: usize) -> Result<Tokens, StoreError> {
