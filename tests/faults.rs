@@ -981,7 +981,17 @@ async fn d3(mode: Mode) {
         "the timed-out take is in the row: {before} → {after}"
     );
 
-    // A return whose reply is late: the client retries with the same id; it credits once.
+    // A return whose reply is late: the client retries with the same id; it credits once. The
+    // timed-out take's connection was closed (its statement abandoned), so first put a pooled
+    // connection back while the proxy passes: the return must reach the server at once, not
+    // wait for a new connection through the delaying proxy.
+    rig.proxy.pass();
+    instance
+        .breaker
+        .inspect(KEY)
+        .await
+        .expect("a pooled connection");
+    rig.proxy.delay(Duration::ZERO, Duration::from_millis(200));
     let key_bucket = *plan.bucket();
     let give = [GiveBack {
         id: 4242,
