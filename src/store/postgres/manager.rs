@@ -126,3 +126,19 @@ impl bb8::ManageConnection for ConnectionManager {
         conn.discard || conn.client.is_closed()
     }
 }
+
+/// Counts the connection errors the pool meets in the background (opening a connection no
+/// caller waits for any more) in `tokenlease_store_connection_errors_total`, instead of bb8's
+/// default of dropping them.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CountErrors;
+
+impl bb8::ErrorSink<StoreError> for CountErrors {
+    fn sink(&self, _error: StoreError) {
+        metrics::counter!(crate::metrics::STORE_CONNECTION_ERRORS).increment(1);
+    }
+
+    fn boxed_clone(&self) -> Box<dyn bb8::ErrorSink<StoreError>> {
+        Box::new(*self)
+    }
+}

@@ -197,6 +197,7 @@ impl PostgresStoreBuilder {
             .min_idle(Some(0))
             .connection_timeout(self.pool_wait_timeout)
             .test_on_check_out(false)
+            .error_sink(Box::new(manager::CountErrors))
             .build_unchecked(manager);
         let store = PostgresStore {
             pool,
