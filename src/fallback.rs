@@ -59,13 +59,33 @@ fn add_active(active: &Active, mode: FallbackMode, now: Instant) -> Duration {
     *total
 }
 
+/// The most local buckets one limiter's fallback keeps (about 100 MB at most, counting the
+/// hash map and the key strings). Full buckets are deleted; at the bound with none full, a new
+/// key is denied (see [`MemoryStore`]'s bounded memory): evicting a bucket that is not full
+/// would refill it and admit more than the key's share.
+pub(crate) const FALLBACK_MAX_KEYS: usize = 100_000;
+
 /// The local buckets of [`FallbackMode::Local`], shared by every plan of one limiter.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone)]
 pub(crate) struct Fallback {
     local: MemoryStore,
 }
 
+impl Default for Fallback {
+    fn default() -> Self {
+        Fallback {
+            local: MemoryStore::new().with_max_keys(FALLBACK_MAX_KEYS),
+        }
+    }
+}
+
 impl Fallback {
+    /// A fallback over the given local buckets (tests: a store on a manual clock).
+    #[cfg(test)]
+    fn with_local(local: MemoryStore) -> Self {
+        Fallback { local }
+    }
+
     /// Decides `cost` on `key` under `plan`'s fallback mode.
     pub(crate) async fn decide(&self, plan: &Plan, key: &str, cost: Tokens) -> Decision {
         record_active(plan.fallback().mode, Instant::now());
@@ -97,6 +117,8 @@ impl Fallback {
                         reset_after: a.reset_after,
                         ..decision(!a.granted.is_zero(), a.remaining, a.retry_after)
                     },
+                    // At the key bound with no full bucket to delete (the only error of a
+                    // memory store): a new key is denied until buckets refill.
                     Err(_) => decision(false, Tokens::ZERO, Duration::from_secs(1)),
                 }
             }
@@ -166,6 +188,45 @@ mod tests {
         let deny = fallback.decide(&plan(FallbackMode::Deny), "k", one).await;
         assert!(!deny.allowed);
         assert_eq!(deny.retry_after, Duration::from_secs(1));
+    }
+
+    /// The database is down and a million distinct ids arrive, faster than their local buckets
+    /// refill: at most `FALLBACK_MAX_KEYS` buckets are kept (ids beyond them are denied, never
+    /// admitted by evicting a bucket that is not full), and once the buckets have refilled the
+    /// next calls delete them.
+    #[tokio::test]
+    async fn local_buckets_stay_bounded_under_a_flood_of_ids() {
+        use crate::bucket::Timestamp;
+        use crate::clock::ManualClock;
+
+        let clock = ManualClock::new(Timestamp(1_000_000_000_000_000));
+        let fallback = Fallback::with_local(
+            MemoryStore::with_clock(clock.clone()).with_max_keys(FALLBACK_MAX_KEYS),
+        );
+        let plan = plan(FallbackMode::Local {
+            instances: NonZeroU32::new(2).unwrap(),
+        });
+        let one = Tokens::whole(1);
+        let mut admitted = 0;
+        for i in 0..1_000_000 {
+            let d = fallback.decide(&plan, &format!("id:{i}"), one).await;
+            admitted += usize::from(d.allowed);
+            if i % 10_000 == 0 {
+                assert!(fallback.local.len() <= FALLBACK_MAX_KEYS);
+            }
+        }
+        assert_eq!(admitted, FALLBACK_MAX_KEYS);
+        assert_eq!(fallback.local.len(), FALLBACK_MAX_KEYS);
+        // A stored id still decides by its bucket: 49 of its 50 tokens left.
+        let d = fallback.decide(&plan, "id:0", one).await;
+        assert!(d.allowed);
+        assert_eq!(d.remaining, Tokens::whole(48));
+
+        // A share of 50 refilling at 25/s is full again after 2 s: the next call deletes them.
+        clock.advance(3_000_000_000);
+        let d = fallback.decide(&plan, "later", one).await;
+        assert!(d.allowed);
+        assert_eq!(fallback.local.len(), 1);
     }
 
     #[test]

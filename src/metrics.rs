@@ -41,6 +41,12 @@ pub const FALLBACK_DECISIONS: &str = "tokenlease_fallback_decisions_total";
 pub const IDLE_ROWS_DELETED: &str = "tokenlease_idle_rows_deleted_total";
 /// Idle-row cleanup rounds that failed.
 pub const IDLE_CLEANUP_ERRORS: &str = "tokenlease_idle_cleanup_errors_total";
+/// Server-side cancels of statements whose store call timed out or was dropped, by `result`
+/// (`sent`, `failed`).
+pub const STORE_CANCELS: &str = "tokenlease_store_cancels_total";
+/// Store connections that ended in an error noticed in the background (a broken socket, a
+/// terminated session, a driver that did not finish).
+pub const STORE_CONNECTION_ERRORS: &str = "tokenlease_store_connection_errors_total";
 /// Seconds spent in fallback, by `mode`: a gauge that only grows (see `fallback.rs`).
 pub const FALLBACK_ACTIVE_SECONDS: &str = "tokenlease_fallback_active_seconds";
 /// Circuit breaker state by `store`: 0 closed, 1 open, 2 half-open (a gauge).
@@ -99,6 +105,16 @@ pub fn describe() {
         IDLE_CLEANUP_ERRORS,
         Unit::Count,
         "idle-row cleanup rounds that failed"
+    );
+    describe_counter!(
+        STORE_CANCELS,
+        Unit::Count,
+        "server-side cancels of abandoned statements, by result"
+    );
+    describe_counter!(
+        STORE_CONNECTION_ERRORS,
+        Unit::Count,
+        "store connections that ended in an error in the background"
     );
     describe_gauge!(
         FALLBACK_ACTIVE_SECONDS,

@@ -238,3 +238,166 @@ fn cli_migrate_reports_an_unreachable_database() {
         "{stderr}"
     );
 }
+
+/// A new, empty database `name` on the test database's server; returns its connection string
+/// (key=value or URL, as the test database's).
+async fn unmigrated(db: &TestDatabase, name: &str) -> String {
+    let client = db.client().await.expect("connect");
+    client
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .expect("create database");
+    let cs = db.connection_string();
+    if cs.contains("://") {
+        let (base, query) = cs
+            .split_once('?')
+            .map_or((cs.as_str(), None), |(b, q)| (b, Some(q)));
+        let base = &base[..base.rfind('/').expect("a URL path")];
+        match query {
+            Some(q) => format!("{base}/{name}?{q}"),
+            None => format!("{base}/{name}"),
+        }
+    } else {
+        format!("{cs} dbname={name}")
+    }
+}
+
+/// Migrations run under the builder's migrate timeout, not the limiter's statement and lock
+/// timeouts: with both at 1 ms, and another session holding the migration lock until the
+/// store's session waits for it, the build still migrates.
+#[tokio::test]
+async fn build_migrates_under_its_own_timeout_not_the_statement_timeout() {
+    use std::time::{Duration, Instant};
+    use tokenlease::store::PostgresStore;
+    use tokenlease::store::postgres::migrate::MIGRATION_LOCK_ID;
+
+    let db = TestDatabase::create().await.expect("create");
+    let fresh = unmigrated(&db, &format!("{}_fresh", db.name())).await;
+    let holder = db.client().await.expect("connect");
+    holder
+        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_ID])
+        .await
+        .expect("take the migration lock");
+    let builder = PostgresStore::builder(&fresh)
+        .expect("connection string")
+        .statement_timeout(Duration::from_millis(1))
+        .lock_timeout(Duration::from_millis(1))
+        .connect_timeout(Duration::from_secs(5));
+    let mut build = tokio::spawn(builder.build());
+    // Release the lock once the store's session waits for it (or the build has ended).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = holder
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'tokenlease' \
+                 AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .expect("pg_stat_activity")
+            .get(0);
+        if waiting > 0 || build.is_finished() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the build never waited for the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    holder
+        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK_ID])
+        .await
+        .expect("release the migration lock");
+    let store = tokio::time::timeout(Duration::from_secs(30), &mut build)
+        .await
+        .expect("the build ends")
+        .expect("the build task")
+        .expect("the build migrates under the 1 ms statement timeout");
+    drop(store);
+    let (check, connection) = tokio_postgres::connect(&fresh, tokio_postgres::NoTls)
+        .await
+        .expect("connect to the new database");
+    tokio::spawn(connection);
+    let versions: i64 = check
+        .query_one("SELECT count(*) FROM tokenlease_migrations", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(versions, MIGRATIONS.len() as i64);
+}
+
+/// A migration that fails makes the build fail with a typed error naming that migration; a
+/// migration lock held past the migrate timeout names the bookkeeping step that waited.
+#[tokio::test]
+async fn build_errors_name_the_failing_migration_step() {
+    use std::time::Duration;
+    use tokenlease::store::postgres::migrate::MIGRATION_LOCK_ID;
+    use tokenlease::store::{PostgresStore, StoreError};
+
+    let db = TestDatabase::create().await.expect("create");
+    let broken = unmigrated(&db, &format!("{}_broken", db.name())).await;
+    let (admin, connection) = tokio_postgres::connect(&broken, tokio_postgres::NoTls)
+        .await
+        .expect("connect to the new database");
+    tokio::spawn(connection);
+    // A table of that name without the columns: 0001 skips creating it, then fails commenting
+    // on a column it lacks.
+    admin
+        .batch_execute("CREATE TABLE tokenlease_buckets (key text)")
+        .await
+        .expect("the conflicting table");
+    let err = PostgresStore::builder(&broken)
+        .expect("connection string")
+        .connect_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .expect_err("the first migration fails");
+    match &err {
+        StoreError::Migrate(e) => {
+            assert!(
+                matches!(**e, MigrateError::Apply { version: 1, .. }),
+                "{e:?}"
+            );
+        }
+        other => panic!("expected StoreError::Migrate, got {other:?}"),
+    }
+    let message = err.to_string();
+    assert!(
+        message.contains("migrating the database failed")
+            && message.contains("migration 1 (create_buckets)"),
+        "{message}"
+    );
+    assert!(!err.is_transient());
+
+    // The lock held for longer than the migrate timeout: the server's lock timeout (the migrate
+    // timeout) ends the wait, and the error says which step waited.
+    admin
+        .batch_execute("DROP TABLE tokenlease_buckets")
+        .await
+        .expect("drop");
+    admin
+        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_ID])
+        .await
+        .expect("take the migration lock");
+    let err = PostgresStore::builder(&broken)
+        .expect("connection string")
+        .connect_timeout(Duration::from_secs(5))
+        .migrate_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .expect_err("the lock is held");
+    let message = err.to_string();
+    match &err {
+        StoreError::Migrate(e) => assert!(
+            matches!(**e, MigrateError::Database { .. }) && message.contains("could not "),
+            "{message}"
+        ),
+        StoreError::Timeout {
+            kind: tokenlease::store::TimeoutKind::Migrate,
+            ..
+        } => {}
+        other => panic!("expected a migrate error, got {other:?}"),
+    }
+    assert!(message.contains("migrat"), "{message}");
+}

@@ -14,6 +14,8 @@ pub enum TimeoutKind {
     Call,
     /// Opening a connection: TCP connect, startup and login together.
     Connect,
+    /// Applying the migrations when the store was built (the builder's `migrate_timeout`).
+    Migrate,
 }
 
 impl fmt::Display for TimeoutKind {
@@ -22,6 +24,7 @@ impl fmt::Display for TimeoutKind {
             TimeoutKind::Pool => "waiting for a pooled connection",
             TimeoutKind::Call => "the store call",
             TimeoutKind::Connect => "connecting to the database",
+            TimeoutKind::Migrate => "migrating the database",
         })
     }
 }
@@ -53,6 +56,23 @@ pub enum StoreError {
     /// The store answered with something this version cannot read (a schema mismatch).
     #[error("unexpected reply from the store: {0}")]
     Protocol(String),
+    /// Applying the migrations failed while the store was built. The [`MigrateError`] names
+    /// what failed: the migration (version and description) or the bookkeeping step.
+    ///
+    /// [`MigrateError`]: crate::store::postgres::migrate::MigrateError
+    #[error("migrating the database failed: {0}")]
+    Migrate(#[source] Arc<crate::store::postgres::migrate::MigrateError>),
+    /// The store holds as many keys as it may ([`MemoryStore::max_keys`]), none of them idle:
+    /// a request for a new key is refused rather than evicting a bucket that is not full
+    /// (which would refill it and admit more than the limit). Transient: buckets refill and
+    /// become evictable.
+    ///
+    /// [`MemoryStore::max_keys`]: crate::store::MemoryStore::max_keys
+    #[error("the store holds its maximum of {max_keys} keys and none is idle")]
+    TooManyKeys {
+        /// The bound.
+        max_keys: usize,
+    },
     /// A circuit breaker ([`CircuitBreaker`](crate::store::CircuitBreaker)) is open after
     /// repeated failures: the call was not sent to the store at all.
     #[error("circuit open after repeated store failures; next probe in {retry_in:?}")]
@@ -64,19 +84,20 @@ pub enum StoreError {
 
 impl StoreError {
     /// Whether retrying later may succeed: timeouts, connection failures, an open circuit
-    /// breaker, and database errors of the classes that mean "not now" (connection exceptions,
+    /// breaker, a memory store at its key bound, and database errors of the classes that mean "not now" (connection exceptions,
     /// insufficient resources, operator intervention such as a shutdown or a cancelled
     /// statement, lock timeouts, serialisation failures and deadlocks).
     pub fn is_transient(&self) -> bool {
         match self {
             StoreError::Timeout { .. }
             | StoreError::Connection(_)
-            | StoreError::CircuitOpen { .. } => true,
+            | StoreError::CircuitOpen { .. }
+            | StoreError::TooManyKeys { .. } => true,
             StoreError::Database { code, .. } => {
                 let class = code.get(..2).unwrap_or("");
                 matches!(class, "08" | "53" | "57" | "40") || code == "55P03"
             }
-            StoreError::Protocol(_) => false,
+            StoreError::Protocol(_) | StoreError::Migrate(_) => false,
         }
     }
 

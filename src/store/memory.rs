@@ -1,8 +1,10 @@
-//! [`MemoryStore`]: the store contract inside one process.
+//! [`MemoryStore`]: the store contract inside one process, in bounded memory.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
@@ -15,10 +17,88 @@ use crate::clock::{Clock, MonotonicClock, system_time_from_timestamp};
 /// Shards of the key map; a power of two so a hash picks one with a mask.
 const SHARDS: usize = 64;
 
-/// One shard: the buckets whose key hashes here.
+/// The default bound on keys of [`MemoryStore::new`] and [`MemoryStore::with_clock`].
+pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
+
+/// The default bound on the return ids a [`MemoryStore`] remembers.
+pub const DEFAULT_MAX_RETURN_IDS: usize = 100_000;
+
+/// How long a [`MemoryStore`] remembers a credited return id (unless [`DEFAULT_MAX_RETURN_IDS`]
+/// newer ones push it out first). A retried give-back comes within seconds: the lease actor
+/// retries a failed return on its next few ticks.
+pub const RETURN_ID_TTL: Duration = Duration::from_secs(600);
+
+/// The store deletes its full buckets on a call when it has not done so for this long (by its
+/// clock).
+const TIDY_EVERY: u64 = 1_000_000_000;
+
+/// At the key bound, the store is swept for full buckets again once this long has passed since
+/// the last sweep, or once a sixteenth of the bound was inserted since (so a sweep costs at most
+/// 16 bucket checks per inserted key, and a sweep that finds nothing is not repeated per call).
+const SWEEP_EVERY: u64 = 100_000_000;
+
+/// One shard: the buckets whose key hashes here, and when it last deleted its full ones.
 ///
-/// The lock is held only for the arithmetic on one bucket; nothing awaits while holding it.
-type Shard = Mutex<HashMap<String, Stored>>;
+/// The lock is held only for the arithmetic on one bucket (or one sweep of the shard); nothing
+/// awaits while holding it.
+type Shard = Mutex<ShardMap>;
+
+#[derive(Debug, Default)]
+struct ShardMap {
+    buckets: HashMap<String, Stored>,
+}
+
+impl ShardMap {
+    /// Deletes the buckets that have refilled to full at `now` (an absent bucket is a full one,
+    /// so no decision changes), at most `limit`; gives unused memory back. Returns how many.
+    fn delete_full(&mut self, now: Timestamp, limit: usize) -> usize {
+        let mut left = limit;
+        self.buckets.retain(|_, stored| {
+            let full = left > 0 && is_full(stored, now);
+            if full {
+                left -= 1;
+            }
+            !full
+        });
+        let len = self.buckets.len();
+        if self.buckets.capacity() > 64 && len * 4 < self.buckets.capacity() {
+            self.buckets.shrink_to(len * 2);
+        }
+        limit - left
+    }
+}
+
+/// Whether the bucket holds its capacity at `now` (so no strict lease is out on it).
+fn is_full(stored: &Stored, now: Timestamp) -> bool {
+    held::refill(stored.state, &stored.config, &stored.leases, now).tokens
+        >= stored.config.capacity()
+}
+
+/// Return ids already credited: a set, and the ids in the order they came, with when.
+#[derive(Debug, Default)]
+struct Returned {
+    ids: HashSet<i64>,
+    order: VecDeque<(Timestamp, i64)>,
+}
+
+impl Returned {
+    /// Forgets ids older than [`RETURN_ID_TTL`], and the oldest beyond `room` fewer than `max`.
+    fn prune(&mut self, now: Timestamp, max: usize, room: usize) {
+        let ttl = RETURN_ID_TTL.as_nanos() as u64;
+        while let Some(&(at, id)) = self.order.front() {
+            if now.saturating_since(at) < ttl && self.order.len() + room <= max {
+                break;
+            }
+            self.order.pop_front();
+            self.ids.remove(&id);
+        }
+        let len = self.ids.len();
+        if self.ids.capacity() > 64 && len * 4 < self.ids.capacity() {
+            self.ids.shrink_to(len * 2);
+            self.order.shrink_to(len * 2);
+        }
+    }
+}
 
 /// One bucket: the shape it was last written with, its state, and its strict leases.
 #[derive(Debug, Clone)]
@@ -33,11 +113,36 @@ struct Stored {
 /// Keeps the [`Store`] contract for one process: use it for a single-instance service, in tests,
 /// or wherever no database is wanted. Time comes from a [`Clock`] (by default the process's
 /// monotonic clock), so a wall clock that steps back changes nothing.
+///
+/// # Bounded memory
+///
+/// - **Keys.** At most [`max_keys`](Self::max_keys) buckets ([`DEFAULT_MAX_KEYS`] unless
+///   [`with_max_keys`](Self::with_max_keys) says otherwise). Buckets that have refilled to full
+///   are deleted (an absent bucket is a full one, so that changes no decision) by a sweep of
+///   the whole store: on a call when the last sweep is a second old (by the store's clock), and
+///   when a new key finds the store at its bound and the last sweep is 100 ms old or a
+///   sixteenth of the bound was inserted since. A
+///   bucket that is not full is never evicted, since that would refill it and admit more than
+///   its limit: when the store is at its bound and no bucket is full, a request for a *new*
+///   key is refused with [`StoreError::TooManyKeys`] (the limiter's fallback then decides; the
+///   fallback's own local buckets deny). Keys already stored keep being decided.
+/// - **Return ids.** A credited give-back's id is remembered so a retry credits once, for
+///   [`RETURN_ID_TTL`] and at most [`DEFAULT_MAX_RETURN_IDS`] ids
+///   ([`with_max_return_ids`](Self::with_max_return_ids)); a retry of a forgotten id would
+///   credit again. Retries come within seconds.
 #[derive(Debug, Clone)]
 pub struct MemoryStore {
     shards: Arc<[Shard]>,
-    /// Return ids already credited, with when; forgotten by `delete_idle` after a day.
-    returned: Arc<Mutex<HashMap<i64, Timestamp>>>,
+    /// Buckets stored, across the shards; at most `max_keys`.
+    keys: Arc<AtomicUsize>,
+    max_keys: usize,
+    /// When the store was last swept for full buckets (0: never).
+    swept_at: Arc<AtomicU64>,
+    /// Keys inserted since that sweep.
+    inserted: Arc<AtomicUsize>,
+    /// Return ids already credited, with when.
+    returned: Arc<Mutex<Returned>>,
+    max_return_ids: usize,
     hasher: RandomState,
     clock: Arc<dyn Clock>,
 }
@@ -58,17 +163,45 @@ impl MemoryStore {
     /// tests).
     pub fn with_clock(clock: impl Clock) -> Self {
         MemoryStore {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            keys: Arc::default(),
+            max_keys: DEFAULT_MAX_KEYS,
+            swept_at: Arc::default(),
+            inserted: Arc::default(),
             returned: Arc::default(),
+            max_return_ids: DEFAULT_MAX_RETURN_IDS,
             hasher: RandomState::new(),
             clock: Arc::new(clock),
         }
     }
 
-    /// How many buckets are stored (full buckets deleted by
-    /// [`delete_idle`](Store::delete_idle) are not).
+    /// The same store with at most `n` keys (at least one); see [Bounded
+    /// memory](Self#bounded-memory). Set it before the store is shared.
+    pub fn with_max_keys(mut self, n: usize) -> Self {
+        self.max_keys = n.max(1);
+        self
+    }
+
+    /// The same store remembering at most `n` return ids (at least one); see [Bounded
+    /// memory](Self#bounded-memory).
+    pub fn with_max_return_ids(mut self, n: usize) -> Self {
+        self.max_return_ids = n.max(1);
+        self
+    }
+
+    /// The bound on stored buckets.
+    pub fn max_keys(&self) -> usize {
+        self.max_keys
+    }
+
+    /// How many buckets are stored (full buckets already deleted are not).
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.lock().len()).sum()
+        self.shards.iter().map(|s| s.lock().buckets.len()).sum()
+    }
+
+    /// How many credited return ids are remembered now.
+    pub fn return_ids(&self) -> usize {
+        self.returned.lock().ids.len()
     }
 
     /// Whether no bucket is stored.
@@ -80,6 +213,46 @@ impl MemoryStore {
         let hash = self.hasher.hash_one(key) as usize;
         &self.shards[hash & (SHARDS - 1)]
     }
+
+    /// Takes one of the `max_keys` places for a new bucket.
+    fn reserve(&self) -> bool {
+        let reserved = self
+            .keys
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_keys).then_some(n + 1)
+            })
+            .is_ok();
+        if reserved {
+            self.inserted.fetch_add(1, Ordering::Relaxed);
+        }
+        reserved
+    }
+
+    /// Deletes every full bucket if [`TIDY_EVERY`] has passed since the last sweep, or, when
+    /// `at_bound`, [`SWEEP_EVERY`] or a sixteenth of the bound in insertions. Returns whether it
+    /// swept. Call without holding a shard lock.
+    fn sweep_if_due(&self, now: Timestamp, at_bound: bool) -> bool {
+        let last = self.swept_at.load(Ordering::Acquire);
+        let since = now.0.saturating_sub(last);
+        let due = since >= TIDY_EVERY
+            || (at_bound
+                && (since >= SWEEP_EVERY
+                    || self.inserted.load(Ordering::Relaxed) >= (self.max_keys / 16).max(1)));
+        if !due
+            || self
+                .swept_at
+                .compare_exchange(last, now.0.max(1), Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+        {
+            return false;
+        }
+        self.inserted.store(0, Ordering::Relaxed);
+        for shard in self.shards.iter() {
+            let deleted = shard.lock().delete_full(now, usize::MAX);
+            self.keys.fetch_sub(deleted, Ordering::AcqRel);
+        }
+        true
+    }
 }
 
 #[async_trait]
@@ -87,8 +260,21 @@ impl Store for MemoryStore {
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
         let now = self.clock.now();
         let config = request.bucket;
-        let mut shard = self.shard(request.key).lock();
-        let (state, mut leases) = shard.get(request.key).map_or_else(
+        let mut swept = self.sweep_if_due(now, false);
+        let mut shard = loop {
+            let shard = self.shard(request.key).lock();
+            if shard.buckets.contains_key(request.key) || self.reserve() {
+                break shard;
+            }
+            drop(shard);
+            if swept || !self.sweep_if_due(now, true) {
+                return Err(StoreError::TooManyKeys {
+                    max_keys: self.max_keys,
+                });
+            }
+            swept = true;
+        };
+        let (state, mut leases) = shard.buckets.get(request.key).map_or_else(
             || (BucketState::full(&config, now), Vec::new()),
             |stored| (stored.state, stored.leases.clone()),
         );
@@ -102,19 +288,26 @@ impl Store for MemoryStore {
             zero if zero.is_zero() => request.min,
             amount => amount,
         };
-        let (state, grant) = state
-            .grant(&config, now, amount, amount)
-            .map_err(|e| StoreError::Protocol(e.to_string()))?;
+        let (state, grant) = match state.grant(&config, now, amount, amount) {
+            Ok(granted) => granted,
+            Err(e) => {
+                if !shard.buckets.contains_key(request.key) {
+                    self.keys.fetch_sub(1, Ordering::AcqRel);
+                }
+                return Err(StoreError::Protocol(e.to_string()));
+            }
+        };
         held::hold(&mut leases, request.hold.as_ref(), grant.granted, now);
         let stored = Stored {
             config,
             state,
             leases,
         };
-        match shard.get_mut(request.key) {
+        // A new key has its place reserved above.
+        match shard.buckets.get_mut(request.key) {
             Some(slot) => *slot = stored,
             None => {
-                shard.insert(request.key.to_owned(), stored);
+                shard.buckets.insert(request.key.to_owned(), stored);
             }
         }
         drop(shard);
@@ -131,12 +324,18 @@ impl Store for MemoryStore {
         let now = self.clock.now();
         let mut credited = 0;
         for ret in returns {
-            if self.returned.lock().insert(ret.id, now).is_some() {
-                continue;
+            {
+                let mut returned = self.returned.lock();
+                if returned.ids.contains(&ret.id) {
+                    continue;
+                }
+                returned.prune(now, self.max_return_ids, 1);
+                returned.ids.insert(ret.id);
+                returned.order.push_back((now, ret.id));
             }
             credited += 1;
             let mut shard = self.shard(ret.key).lock();
-            if let Some(stored) = shard.get_mut(ret.key) {
+            if let Some(stored) = shard.buckets.get_mut(ret.key) {
                 stored.config = ret.bucket;
                 let refilled = held::refill(stored.state, &stored.config, &stored.leases, now);
                 let credit = match &ret.lease {
@@ -161,28 +360,17 @@ impl Store for MemoryStore {
 
     async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
         let now = self.clock.now();
-        let day = 86_400_000_000_000;
-        self.returned
-            .lock()
-            .retain(|_, at| now.saturating_since(*at) < day);
+        self.returned.lock().prune(now, self.max_return_ids, 0);
         let mut left = limit as usize;
         let mut deleted = 0;
         for shard in self.shards.iter() {
             if left == 0 {
                 break;
             }
-            let mut shard = shard.lock();
-            shard.retain(|_, stored| {
-                let config = &stored.config;
-                let full = left > 0
-                    && held::refill(stored.state, config, &stored.leases, now).tokens
-                        >= config.capacity();
-                if full {
-                    left -= 1;
-                    deleted += 1;
-                }
-                !full
-            });
+            let n = shard.lock().delete_full(now, left);
+            self.keys.fetch_sub(n, Ordering::AcqRel);
+            left -= n;
+            deleted += n as u64;
         }
         Ok(deleted)
     }
@@ -190,7 +378,7 @@ impl Store for MemoryStore {
     async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
         let now = self.clock.now();
         let shard = self.shard(key).lock();
-        Ok(shard.get(key).map(|stored| BucketRow {
+        Ok(shard.buckets.get(key).map(|stored| BucketRow {
             key: key.to_owned(),
             tokens: stored.state.tokens,
             capacity: stored.config.capacity(),

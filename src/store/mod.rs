@@ -26,7 +26,7 @@ pub use self::breaker::{CircuitBreaker, CircuitState};
 pub use self::cleanup::IdleCleanup;
 pub use self::counted::CountedStore;
 pub use self::error::{StoreError, TimeoutKind};
-pub use self::memory::MemoryStore;
+pub use self::memory::{DEFAULT_MAX_KEYS, DEFAULT_MAX_RETURN_IDS, MemoryStore, RETURN_ID_TTL};
 pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
 
 /// One request to take tokens from a key's bucket.

@@ -26,7 +26,7 @@ use metrics_exporter_prometheus::PrometheusBuilder;
 use tokenlease::Limiter;
 use tokenlease::http::RateLimitLayer;
 use tokenlease::policy::Policies;
-use tokenlease::store::PostgresStore;
+use tokenlease::store::{CircuitBreaker, PostgresStore};
 
 /// The shipped demo policy, built in.
 const DEMO_POLICY: &str = include_str!("../../../examples/policies/demo.json");
@@ -96,6 +96,9 @@ async fn serve(
         .lock_timeout(timeout)
         .build()
         .await?;
+    // As the documented set-up: a failing database is left alone for a back-off, and the plan's
+    // fallback decides at once instead of each request waiting for its timeout.
+    let store = CircuitBreaker::new(store).name("demo");
     let limiter = Limiter::builder(store).policies(policies.clone()).build();
     let limits = RateLimitLayer::from_policies(&policies, limiter.clone())?;
 

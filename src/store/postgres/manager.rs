@@ -1,8 +1,11 @@
-//! The pool's connection manager: bb8-postgres's, with the whole connection setup bounded.
+//! The pool's connection manager: connections opened within a bound, their driver tasks watched,
+//! and connections whose statement was abandoned kept out of the pool.
 
+use std::fmt;
+use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
-use bb8_postgres::PostgresConnectionManager;
+use tokio::task::AbortHandle;
 use tokio_postgres::{Client, NoTls};
 
 use crate::store::{StoreError, TimeoutKind};
@@ -15,16 +18,65 @@ use crate::store::{StoreError, TimeoutKind};
 /// would hold a pool slot until the server resumed.
 #[derive(Debug)]
 pub struct ConnectionManager {
-    inner: PostgresConnectionManager<NoTls>,
+    config: tokio_postgres::Config,
     connect_timeout: Duration,
 }
 
 impl ConnectionManager {
     pub(super) fn new(config: tokio_postgres::Config, connect_timeout: Duration) -> Self {
         ConnectionManager {
-            inner: PostgresConnectionManager::new(config, NoTls),
+            config,
             connect_timeout,
         }
+    }
+}
+
+/// A pooled connection: a [`Client`] (it derefs to one) and the task that drives its socket.
+///
+/// The driver task counts a connection that ends in an error
+/// (`tokenlease_store_connection_errors_total`) instead of dropping the error. A connection
+/// whose statement the store abandoned (its call timed out or was dropped) is marked discarded
+/// and never goes back to the pool: the next caller must not queue behind that statement, nor
+/// receive the cancel that was sent for it.
+pub struct PgConnection {
+    client: Client,
+    driver: AbortHandle,
+    discard: bool,
+}
+
+impl PgConnection {
+    /// Keeps this connection out of the pool: it is closed when its pooled handle is dropped.
+    pub(super) fn discard(&mut self) {
+        self.discard = true;
+    }
+
+    /// Stops the driver task, closing the socket at once (used when the server does not
+    /// answer).
+    pub(super) fn abort_driver(&self) {
+        self.driver.abort();
+    }
+}
+
+impl fmt::Debug for PgConnection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgConnection")
+            .field("closed", &self.client.is_closed())
+            .field("discard", &self.discard)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Deref for PgConnection {
+    type Target = Client;
+
+    fn deref(&self) -> &Client {
+        &self.client
+    }
+}
+
+impl DerefMut for PgConnection {
+    fn deref_mut(&mut self) -> &mut Client {
+        &mut self.client
     }
 }
 
@@ -43,18 +95,50 @@ pub(super) async fn bounded<T>(
 }
 
 impl bb8::ManageConnection for ConnectionManager {
-    type Connection = Client;
+    type Connection = PgConnection;
     type Error = StoreError;
 
-    async fn connect(&self) -> Result<Client, StoreError> {
-        bounded(self.connect_timeout, self.inner.connect()).await
+    async fn connect(&self) -> Result<PgConnection, StoreError> {
+        let (client, connection) =
+            bounded(self.connect_timeout, self.config.connect(NoTls)).await?;
+        let driver = tokio::spawn(async move {
+            if connection.await.is_err() {
+                metrics::counter!(crate::metrics::STORE_CONNECTION_ERRORS).increment(1);
+            }
+        })
+        .abort_handle();
+        Ok(PgConnection {
+            client,
+            driver,
+            discard: false,
+        })
     }
 
-    async fn is_valid(&self, conn: &mut Client) -> Result<(), StoreError> {
-        self.inner.is_valid(conn).await.map_err(StoreError::from)
+    async fn is_valid(&self, conn: &mut PgConnection) -> Result<(), StoreError> {
+        conn.client
+            .simple_query("")
+            .await
+            .map(|_| ())
+            .map_err(StoreError::from)
     }
 
-    fn has_broken(&self, conn: &mut Client) -> bool {
-        self.inner.has_broken(conn)
+    fn has_broken(&self, conn: &mut PgConnection) -> bool {
+        conn.discard || conn.client.is_closed()
+    }
+}
+
+/// Counts the connection errors the pool meets in the background (opening a connection no
+/// caller waits for any more) in `tokenlease_store_connection_errors_total`, instead of bb8's
+/// default of dropping them.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CountErrors;
+
+impl bb8::ErrorSink<StoreError> for CountErrors {
+    fn sink(&self, _error: StoreError) {
+        metrics::counter!(crate::metrics::STORE_CONNECTION_ERRORS).increment(1);
+    }
+
+    fn boxed_clone(&self) -> Box<dyn bb8::ErrorSink<StoreError>> {
+        Box::new(*self)
     }
 }

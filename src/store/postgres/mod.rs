@@ -24,7 +24,7 @@ use crate::clock::timestamp_from_system_time;
 mod manager;
 pub mod migrate;
 
-pub use self::manager::ConnectionManager;
+pub use self::manager::{ConnectionManager, PgConnection};
 
 /// The SQL statements, one file each.
 mod sql {
@@ -53,6 +53,9 @@ pub struct PostgresStore {
     pool: Pool<Manager>,
     call_timeout: Duration,
     pool_wait_timeout: Duration,
+    /// Bounds each of the two steps of abandoning a statement (the cancel request, then the
+    /// wait for the session to be idle): the connect timeout.
+    cancel_timeout: Duration,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -77,6 +80,7 @@ pub struct PostgresStoreBuilder {
     keepalive: Duration,
     synchronous_commit: bool,
     migrate: bool,
+    migrate_timeout: Duration,
 }
 
 impl PostgresStoreBuilder {
@@ -142,64 +146,91 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// The bound on applying the migrations in [`build`](Self::build): the whole run on the
+    /// client, and `statement_timeout` and `lock_timeout` of the migrating session on the
+    /// server (which does not use the limiter's short [`statement_timeout`](Self::statement_timeout)
+    /// and [`lock_timeout`](Self::lock_timeout)). Defaults to 30 s.
+    pub fn migrate_timeout(mut self, d: Duration) -> Self {
+        self.migrate_timeout = d;
+        self
+    }
+
     /// Opens the pool (one connection up front, to fail early) and applies migrations.
+    ///
+    /// The first connection is bounded by the [connect timeout](Self::connect_timeout); the
+    /// migrations run on it under their own [`migrate_timeout`](Self::migrate_timeout), never
+    /// under the limiter's statement timeout.
     ///
     /// # Errors
     ///
-    /// [`StoreError`] when the first connection or a migration fails.
+    /// - [`StoreError::Timeout`] with [`TimeoutKind::Connect`], or [`StoreError::Connection`],
+    ///   when the first connection fails;
+    /// - [`StoreError::Migrate`] naming the migration or bookkeeping step that failed;
+    /// - [`StoreError::Timeout`] with [`TimeoutKind::Migrate`] when the migrations took longer
+    ///   than the migrate timeout.
     pub async fn build(self) -> Result<PostgresStore, StoreError> {
         let mut config = self.config;
         config
             .connect_timeout(self.connect_timeout)
             .keepalives(true)
             .keepalives_idle(self.keepalive)
-            .tcp_user_timeout(self.keepalive)
-            .options(format!(
-                "-c statement_timeout={} -c lock_timeout={} -c synchronous_commit={}",
-                self.statement_timeout.as_millis().max(1),
-                self.lock_timeout.as_millis().max(1),
-                if self.synchronous_commit { "on" } else { "off" },
-            ));
+            .tcp_user_timeout(self.keepalive);
         if config.get_application_name().is_none() {
             config.application_name("tokenlease");
         }
+        // The migrating session gets the migrate timeout on the server, set at startup like the
+        // limiter's own settings (no `SET` that could outlive the session behind a pooler).
+        let migrate_ms = self.migrate_timeout.as_millis().max(1);
+        let mut setup_config = config.clone();
+        setup_config.options(format!(
+            "-c statement_timeout={migrate_ms} -c lock_timeout={migrate_ms}"
+        ));
+        config.options(format!(
+            "-c statement_timeout={} -c lock_timeout={} -c synchronous_commit={}",
+            self.statement_timeout.as_millis().max(1),
+            self.lock_timeout.as_millis().max(1),
+            if self.synchronous_commit { "on" } else { "off" },
+        ));
         let manager = ConnectionManager::new(config.clone(), self.connect_timeout);
         let pool = Pool::builder()
             .max_size(self.pool_size)
             .min_idle(Some(0))
             .connection_timeout(self.pool_wait_timeout)
             .test_on_check_out(false)
+            .error_sink(Box::new(manager::CountErrors))
             .build_unchecked(manager);
         let store = PostgresStore {
             pool,
             call_timeout: self.call_timeout,
             pool_wait_timeout: self.pool_wait_timeout,
+            cancel_timeout: self.connect_timeout,
         };
         // The first connection is made outside the pool, bounded by the connect timeout rather
         // than the (shorter) pool wait, so a busy machine does not fail the build: it proves the
         // database is reachable and applies the migrations.
-        let setup = async {
-            let (mut client, connection) =
-                manager::bounded(self.connect_timeout, config.connect(NoTls)).await?;
-            let driver = tokio::spawn(connection);
-            if self.migrate {
-                migrate::migrate(&mut client)
-                    .await
-                    .map_err(|e| StoreError::Protocol(format!("migration failed: {e}")))?;
+        let (mut client, connection) =
+            manager::bounded(self.connect_timeout, setup_config.connect(NoTls)).await?;
+        let driver = tokio::spawn(connection);
+        if self.migrate {
+            let migrated =
+                tokio::time::timeout(self.migrate_timeout, migrate::migrate(&mut client)).await;
+            match migrated {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(StoreError::Migrate(std::sync::Arc::new(e))),
+                Err(_) => {
+                    return Err(StoreError::Timeout {
+                        kind: TimeoutKind::Migrate,
+                        after: self.migrate_timeout,
+                    });
+                }
             }
-            drop(client);
-            let _ = driver.await;
-            Ok::<_, StoreError>(())
-        };
-        // Setup may connect and migrate: allow it the connect timeout plus ten seconds.
-        match tokio::time::timeout(self.connect_timeout + Duration::from_secs(10), setup).await {
-            Ok(result) => result?,
-            Err(_) => {
-                return Err(StoreError::Timeout {
-                    kind: TimeoutKind::Pool,
-                    after: self.connect_timeout,
-                });
-            }
+        }
+        drop(client);
+        // The session ends with the client: wait (bounded) for its driver to say goodbye, and
+        // count a connection that ended in an error rather than dropping it silently.
+        match tokio::time::timeout(self.connect_timeout, driver).await {
+            Ok(Ok(Ok(()))) => {}
+            _ => metrics::counter!(crate::metrics::STORE_CONNECTION_ERRORS).increment(1),
         }
         Ok(store)
     }
@@ -235,6 +266,7 @@ impl PostgresStore {
             keepalive: Duration::from_secs(5),
             synchronous_commit: true,
             migrate: true,
+            migrate_timeout: Duration::from_secs(30),
         })
     }
 
@@ -253,29 +285,110 @@ impl PostgresStore {
     }
 
     /// Runs one statement with a pooled connection, inside the call timeout.
+    ///
+    /// A statement the call gives up on (the call timed out, or its future was dropped) is
+    /// abandoned: see [`InFlight`].
     async fn query(
         &self,
         statement: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, StoreError> {
-        let call = async {
-            let conn = self
-                .pool
-                .get()
-                .await
-                .map_err(pool_error(self.pool_wait_timeout))?;
-            conn.query_typed(statement, params)
-                .await
-                .map_err(StoreError::from)
+        let deadline = tokio::time::Instant::now() + self.call_timeout;
+        let timed_out = || StoreError::Timeout {
+            kind: TimeoutKind::Call,
+            after: self.call_timeout,
         };
-        match tokio::time::timeout(self.call_timeout, call).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout {
-                kind: TimeoutKind::Call,
-                after: self.call_timeout,
-            }),
+        let conn = match tokio::time::timeout_at(deadline, self.pool.get_owned()).await {
+            Ok(conn) => conn.map_err(pool_error(self.pool_wait_timeout))?,
+            Err(_) => return Err(timed_out()),
+        };
+        let in_flight = InFlight {
+            conn: Some(conn),
+            cancel_timeout: self.cancel_timeout,
+        };
+        let outcome =
+            tokio::time::timeout_at(deadline, in_flight.client().query_typed(statement, params))
+                .await;
+        match outcome {
+            Ok(result) => {
+                in_flight.done();
+                result.map_err(StoreError::from)
+            }
+            // `in_flight` drops with the statement still running: it is abandoned.
+            Err(_) => Err(timed_out()),
         }
     }
+}
+
+/// A pooled connection with a statement in flight.
+///
+/// Dropped before [`done`](Self::done), as when the call timed out or the caller dropped the
+/// call's future, the statement is *abandoned*: dropping a tokio-postgres future does not stop
+/// the statement on the server, and returning the connection to the pool would queue the next
+/// caller behind it. So a task (spawned, bounded) sends the server a cancel request for it, waits
+/// until the session is idle (the reply to an empty query comes after the abandoned statement's),
+/// and then closes the connection instead of returning it: the cancel, delivered late, could
+/// otherwise hit the next caller's statement. The connection holds its pool slot until then, so
+/// the pool never has more sessions busy on the server than its size. Each step is bounded by
+/// the connect timeout; a server that does not answer gets its socket closed. Cancels are counted
+/// in `tokenlease_store_cancels_total{result}`.
+struct InFlight {
+    conn: Option<bb8::PooledConnection<'static, Manager>>,
+    cancel_timeout: Duration,
+}
+
+impl InFlight {
+    fn client(&self) -> &tokio_postgres::Client {
+        self.conn
+            .as_ref()
+            .expect("connection present until dropped")
+    }
+
+    /// The statement finished: the connection goes back to the pool.
+    fn done(mut self) {
+        drop(self.conn.take());
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        conn.discard();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(abandon(conn, self.cancel_timeout));
+            }
+            // No runtime to cancel from: close the socket; the server's statement_timeout ends
+            // the statement.
+            Err(_) => conn.abort_driver(),
+        }
+    }
+}
+
+/// Cancels the statement running on `conn`, waits (bounded) until its session is idle, and
+/// closes it. See [`InFlight`].
+async fn abandon(conn: bb8::PooledConnection<'static, Manager>, bound: Duration) {
+    let token = conn.cancel_token();
+    let sent = matches!(
+        tokio::time::timeout(bound, token.cancel_query(NoTls)).await,
+        Ok(Ok(()))
+    );
+    metrics::counter!(
+        crate::metrics::STORE_CANCELS,
+        "result" => if sent { "sent" } else { "failed" }
+    )
+    .increment(1);
+    // Ok(Err(_)) is fine too: the cancel hit the empty query, so the session is idle.
+    let idle = tokio::time::timeout(bound, conn.simple_query(""))
+        .await
+        .is_ok();
+    if !idle {
+        conn.abort_driver();
+    }
+    // Marked discarded: dropping it closes the session rather than pooling it.
+    drop(conn);
 }
 
 fn tokens(row: &Row, idx: usize) -> Result<Tokens, StoreError> {
