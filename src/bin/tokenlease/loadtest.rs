@@ -107,7 +107,7 @@ pub(crate) struct Args {
     /// Run no load: start the throwaway PostgreSQL, apply the migrations, print its URL on
     /// stdout and keep it up until interrupted (SIGINT or SIGTERM). For running other clients
     /// (scripts/peer-compare.sh) against the same server.
-    #[arg(long, conflicts_with = "database_url")]
+    #[arg(long)]
     serve_db: bool,
 }
 
@@ -363,6 +363,13 @@ fn validate(args: &Args) -> Result<(), String> {
     positive("cost", args.cost)?;
     if let Some(d) = args.duration {
         positive("duration", d)?;
+    }
+    if args.serve_db && args.database_url.is_some() {
+        return Err(
+            "--serve-db starts its own throwaway PostgreSQL: unset DATABASE_URL and \
+                    drop --database-url"
+                .into(),
+        );
     }
     if args.requests == Some(0) {
         return Err("--requests must be at least 1".into());
