@@ -120,7 +120,7 @@ const DEFAULT_DURATION: f64 = 5.0;
 const END_GRACE: Duration = Duration::from_millis(500);
 
 /// How long the instances' shutdown (leases given back) may take before the report goes ahead.
-const SHUTDOWN_GRACE: Duration = Duration::from_millis(1500);
+const SHUTDOWN_GRACE: Duration = Duration::from_millis(500);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
