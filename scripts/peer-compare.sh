@@ -4,14 +4,17 @@
 #   1. rate-limiter-flexible's RateLimiterPostgres (Node, peers/rlf-postgres.js): 10,000 random
 #      keys, 16 requests in flight over a pg Pool of 16 connections;
 #   2. pgbench, 16 clients, running tokenlease's own statement (src/store/postgres/sql/acquire.sql)
-#      for one random key of 10,000: the database's ceiling for one-statement-per-request;
+#      for one random key of 10,000: the database's ceiling for one-statement-per-request, twice:
+#      `-M prepared` (parsed and planned once per connection) and `-M extended` (an unnamed
+#      statement parsed and planned on every call, as tokenlease sends it with `query_typed` so
+#      that it works behind PgBouncer);
 #   3. tokenlease loadtest --mode direct --keys 10000 --instances 1 --tasks 16 --pool 16 (closed
 #      loop: --rate far above what is reachable, so each task sends as soon as it is answered);
 #   4. tokenlease loadtest --mode leased --keys 100000 --rate 100000 --instances 1 --tasks 16
 #      --pool 16 (paced at 100,000 requests/s).
 #
 # and prints one table with the ratios to the Node peer. Each phase runs $PHASE_S seconds (10 by
-# default: under 2 minutes in all, build aside). The server is started by
+# default: about a minute in all, build aside). The server is started by
 # `tokenlease loadtest --serve-db` (migrated, removed at the end). Installs peers/node_modules
 # with `npm ci` when missing. The raw JSON lines go to target/peer-compare/results.jsonl.
 #
@@ -78,13 +81,16 @@ if grep -q '\$[0-9]' "$tmp/acquire.pgbench"; then
     grep -n '\$[0-9]' "$tmp/acquire.pgbench" >&2
     exit 1
 fi
-(cd "$tmp" && pgbench -n -M prepared -c 16 -j 2 -T "$PHASE_S" -f acquire.pgbench \
-    -l --log-prefix=pgbench_log "$url" >pgbench.out 2>pgbench.err) || {
-    cat "$tmp/pgbench.err" >&2
-    exit 1
-}
-python3 - "$tmp" >>"$out" <<'PY'
-import glob, json, re, sys
+for protocol in prepared extended; do
+    echo "== 2/4 pgbench -M $protocol" >&2
+    rm -f "$tmp"/pgbench_log*
+    (cd "$tmp" && pgbench -n -M "$protocol" -c 16 -j 2 -T "$PHASE_S" -f acquire.pgbench \
+        -l --log-prefix=pgbench_log "$url" >pgbench.out 2>pgbench.err) || {
+        cat "$tmp/pgbench.err" >&2
+        exit 1
+    }
+    python3 - "$tmp" "$protocol" >>"$out" <<'PY'
+import glob, json, math, re, sys
 tmp = sys.argv[1]
 text = open(f"{tmp}/pgbench.out").read()
 lat = []
@@ -99,16 +105,18 @@ for path in glob.glob(f"{tmp}/pgbench_log*"):
         else:
             failed += 1
 lat.sort()
-pct = lambda q: lat[min(len(lat) - 1, max(0, -(-int(q * len(lat) * 1000) // 1000) - 1))] if lat else 0
+def pct(q):  # nearest rank
+    return lat[min(len(lat) - 1, max(0, math.ceil(q * len(lat)) - 1))] if lat else 0
 dur = float(re.search(r"duration: (\d+) s", text).group(1))
 tps = float(re.search(r"tps = ([\d.]+) \(without initial", text).group(1))
 print(json.dumps({
-    "client": "pgbench, 16 clients, acquire.sql (1 key)",
+    "client": f"pgbench -M {sys.argv[2]}, 16 clients, acquire.sql (1 key)",
     "requests": len(lat), "per_sec": tps, "p50_us": pct(0.5), "p99_us": pct(0.99),
     "p999_us": pct(0.999), "max_us": lat[-1] if lat else 0, "errors": failed,
     "duration_s": dur, "statements_per_1k": 1000,
 }))
 PY
+done
 
 echo "== 3/4 tokenlease loadtest --mode direct, 10,000 keys, 1 instance × 16 tasks" >&2
 "$bin" loadtest --database-url "$url" --json --mode direct --keys 10000 --instances 1 \
