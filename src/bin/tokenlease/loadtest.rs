@@ -830,3 +830,47 @@ fn print_table(r: &Report) {
         format!("{} (fallback: {})", r.fallback_decisions, r.fallback),
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn schedule(period_ms: u64, end_ms: Option<u64>, quota: Option<u64>) -> Schedule {
+        let start = Instant::now();
+        Schedule {
+            start,
+            next: start,
+            period: Duration::from_millis(period_ms),
+            quiet_period: Duration::from_millis(period_ms),
+            pattern: Pattern::Steady,
+            end: end_ms.map(|ms| start + Duration::from_millis(ms)),
+            quota,
+        }
+    }
+
+    #[test]
+    fn a_steady_schedule_ends_before_the_end() {
+        // Slots at 0, 10, …, 990 ms: 100 before an end at 1 s.
+        let mut s = schedule(10, Some(1000), None);
+        assert_eq!(s.remaining(), 100);
+        assert_eq!(s.next_slot(), None);
+    }
+
+    #[test]
+    fn a_quota_stops_the_schedule_first() {
+        let mut s = schedule(10, Some(1000), Some(7));
+        let first = s.next_slot().expect("a first slot");
+        assert_eq!(first, s.start);
+        assert_eq!(s.remaining(), 6);
+        // Without an end, the quota alone bounds it.
+        assert_eq!(schedule(10, None, Some(42)).remaining(), 42);
+    }
+
+    #[test]
+    fn lull_burst_skips_the_lull() {
+        // 1 slot per 100 ms: 30 in the steady 3 s, none in the 2.5 s lull, 5 in the 0.5 s burst.
+        let mut s = schedule(100, Some(6000), None);
+        s.pattern = Pattern::LullBurst;
+        assert_eq!(s.remaining(), 35);
+    }
+}
