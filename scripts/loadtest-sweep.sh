@@ -1,18 +1,81 @@
 #!/usr/bin/env bash
-# Runs the `tokenlease loadtest` configurations behind README.md's results table and prints the
-# table (markdown) and the raw JSON lines. Every run is 2 instances × 16 tasks at 20,000
-# requests/s in total for $DURATION seconds, against one throwaway PostgreSQL (or DATABASE_URL).
-# The JSON lines are kept in target/loadtest/results.jsonl, and `tokenlease chart` draws
-# docs/loadtest-chart.png from them (needs DejaVu Sans: Debian package fonts-dejavu-core).
+# Two sweeps of `tokenlease loadtest`, against throwaway PostgreSQL clusters (or DATABASE_URL).
 # docs/loadtest.md explains every option and field.
 #
-#   bash scripts/loadtest-sweep.sh            # DURATION=20 by default
+# `leases` (the default): the configurations behind README.md's results table. Every run is
+# 2 instances × 16 tasks at 20,000 requests/s in total for $DURATION seconds (20 by default).
+# Prints the table (markdown) and the raw JSON lines, keeps them in
+# target/loadtest/results.jsonl, and `tokenlease chart` draws docs/loadtest-chart.png from them
+# (needs DejaVu Sans: Debian package fonts-dejavu-core).
+#
+# `bands`: cost and latency by per-key request rate. At a fixed total of $TOTAL_RATE requests/s
+# (5,000 by default) over 2 instances × 16 tasks, the keys are TOTAL_RATE / band for each band of
+# $BANDS requests/s per key (0.1 1 3 10 100: 50,000 keys down to 50), each in direct and leased
+# mode, $DURATION seconds a run (10 by default). Prints a table (band, mode, requests/s served,
+# statements per 1,000 requests, p50/p99/max latency, admitted vs ideal, fallback decisions,
+# requests not sent), and keeps target/loadtest/bands.jsonl (the loadtest reports, each with
+# `band_per_key_rate` added) and target/loadtest/bands.csv.
+#
+#   bash scripts/loadtest-sweep.sh                    # leases, DURATION=20
 #   DURATION=5 bash scripts/loadtest-sweep.sh
+#   bash scripts/loadtest-sweep.sh bands              # 10 runs of 10 s
+#   DURATION=3 BANDS="1 100" bash scripts/loadtest-sweep.sh bands
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-DURATION="${DURATION:-20}"
-cargo build --release --quiet
+SWEEP="${1:-leases}"
+case "$SWEEP" in
+leases | bands) ;;
+*)
+    echo "usage: bash scripts/loadtest-sweep.sh [leases|bands]  (got '$SWEEP')" >&2
+    exit 2
+    ;;
+esac
+cargo build --release --quiet --bin tokenlease
 bin=target/release/tokenlease
+
+if [[ "$SWEEP" == bands ]]; then
+    DURATION="${DURATION:-10}"
+    TOTAL_RATE="${TOTAL_RATE:-5000}"
+    BANDS="${BANDS:-0.1 1 3 10 100}"
+    out=target/loadtest/bands.jsonl
+    mkdir -p "$(dirname "$out")"
+    : >"$out"
+    for band in $BANDS; do
+        keys="$(python3 -c "import sys; print(max(1, round(float(sys.argv[1]) / float(sys.argv[2]))))" "$TOTAL_RATE" "$band")"
+        for mode in direct leased; do
+            echo "loadtest --mode $mode --keys $keys --rate $TOTAL_RATE --duration $DURATION  ($band/s per key)" >&2
+            "$bin" loadtest --json --mode "$mode" --keys "$keys" --rate "$TOTAL_RATE" \
+                --duration "$DURATION" |
+                python3 -c 'import json, sys; r = json.loads(sys.stdin.read()); r["band_per_key_rate"] = float(sys.argv[1]); print(json.dumps(r))' "$band" |
+                tee -a "$out"
+        done
+    done
+    echo
+    python3 - "$out" "${out%.jsonl}.csv" <<'PY'
+import csv, json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+cols = ["band_per_key_rate", "keys", "mode", "rate_per_s", "throughput_per_s", "db_calls_per_1k",
+        "p50_us", "p99_us", "p999_us", "max_us", "admitted", "ideal_admitted", "admitted_vs_ideal",
+        "fallback_decisions", "requests", "unsent", "in_flight_at_end", "duration_s"]
+with open(sys.argv[2], "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(cols)
+    for r in rows:
+        w.writerow([r[c] for c in cols])
+print("| requests/s per key | keys | mode | offered /s | served /s | statements / 1k | p50 µs | p99 µs | max µs | admitted / ideal | fallback | unsent |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+for r in rows:
+    print(f'| {r["band_per_key_rate"]:g} | {r["keys"]:,} | {r["mode"]} | {r["rate_per_s"]:,.0f} | {r["throughput_per_s"]:,.0f} '
+          f'| {r["db_calls_per_1k"]:.1f} | {r["p50_us"]:,.1f} | {r["p99_us"]:,.1f} | {r["max_us"]:,.1f} '
+          f'| {r["admitted"]:,} / {r["ideal_admitted"]:,} ({100 * r["admitted_vs_ideal"]:.1f}%) '
+          f'| {r["fallback_decisions"]:,} | {r["unsent"]:,} |')
+PY
+    echo
+    echo "results: $out and ${out%.jsonl}.csv"
+    exit 0
+fi
+
+DURATION="${DURATION:-20}"
 out=target/loadtest/results.jsonl
 mkdir -p "$(dirname "$out")"
 : >"$out"
@@ -43,8 +106,8 @@ echo
 python3 - "$out" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-print("| keys | mode | lease | requests | db calls / 1k | admitted / ideal | overshoot (bound) | fallback decisions | throughput /s | p50 µs | p99 µs | p99.9 µs |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| keys | mode | lease | requests | db calls / 1k | admitted / ideal | overshoot (bound) | fallback decisions | throughput /s | p50 µs | p99 µs | p99.9 µs | max µs |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     keys = "1 hot" if r["keys"] == 1 else f'{r["keys"]:,} {r["dist"]}'
     if r.get("pattern") == "lull-burst":
@@ -53,7 +116,7 @@ for r in rows:
     print(f'| {keys} (C={r["capacity"]}, r={r["refill_per_second"]:g}/s) | {r["mode"]} | {lease} | {r["requests"]:,} '
           f'| {r["db_calls_per_1k"]:.2f} | {r["admitted"]:,} / {r["ideal_admitted"]:,} ({100*r["admitted_vs_ideal"]:.1f}%) '
           f'| {r["overshoot_tokens"]:.2f} ({r["overshoot_bound"]:g}) | {r["fallback_decisions"]:,} | {r["throughput_per_s"]:,.0f} '
-          f'| {r["p50_us"]:.1f} | {r["p99_us"]:.1f} | {r["p999_us"]:.1f} |')
+          f'| {r["p50_us"]:.1f} | {r["p99_us"]:.1f} | {r["p999_us"]:.1f} | {r.get("max_us", float("nan")):.1f} |')
 PY
 echo
 echo "results: $out"

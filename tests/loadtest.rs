@@ -1,11 +1,13 @@
 //! `tokenlease loadtest` end to end against a real PostgreSQL: the JSON report's fields, and the
 //! lull-burst pattern that separates the accounting modes — relaxed leases overshoot the ideal
-//! bucket's envelope there (within their bound), strict ones do not (issue #8). Runs in the
-//! nextest `serial` group: each run takes a few seconds of wall time.
+//! bucket's envelope there (within their bound), strict ones do not (issue #8); `--duration`
+//! bounding the run and `--requests` fixing its count. Runs in the nextest `serial` group: each
+//! run takes a few seconds of wall time.
 
 mod common;
 
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -98,6 +100,53 @@ async fn strict_accounting_has_no_overshoot_where_relaxed_has_some() {
     );
 }
 
+/// `--duration 3` ends the run after 3 s whatever the limiter keeps up with: at 200,000
+/// requests/s offered (far more than one machine's PostgreSQL answers one by one), the slots the
+/// tasks could not keep are counted as `unsent` instead of being sent after the end. The whole
+/// child process, timed from outside, ends within 4 s: generous on purpose, an integration test
+/// of the bound on a busy machine, not a measurement. The report carries the worst latency.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duration_bounds_the_run_and_reports_max_latency() {
+    let db = common::database().await;
+    let began = Instant::now();
+    let r = loadtest(
+        &db,
+        &["--mode", "direct", "--duration", "3", "--rate", "200000"],
+    );
+    let took = began.elapsed();
+    eprintln!("took {took:?}: {r}");
+    assert!(took < Duration::from_secs(4), "took {took:?}: {r}");
+    assert!(f(&r, "duration_s") < 3.6, "{r}");
+    assert!(f(&r, "requests") > 0.0, "{r}");
+    assert!(f(&r, "unsent") > 0.0, "200,000/s cannot all be sent: {r}");
+    let (p50, p99, max) = (f(&r, "p50_us"), f(&r, "p99_us"), f(&r, "max_us"));
+    assert!(0.0 < p50 && p50 <= p99 && p99 <= max, "{r}");
+    assert!(f(&r, "p999_us") <= max, "{r}");
+}
+
+/// `--requests N` sends exactly N requests (split over the tasks), then stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_fixes_the_count() {
+    let db = common::database().await;
+    let r = loadtest(
+        &db,
+        &[
+            "--mode",
+            "leased",
+            "--keys",
+            "10",
+            "--requests",
+            "997",
+            "--rate",
+            "5000",
+        ],
+    );
+    assert_eq!(r["requests"], 997, "{r}");
+    assert_eq!(r["unsent"], 0, "{r}");
+    assert_eq!(r["in_flight_at_end"], 0, "{r}");
+    assert!(f(&r, "max_us") > 0.0, "{r}");
+}
+
 /// Bad options are refused before anything starts, with a message naming the option.
 #[test]
 fn invalid_options_are_refused() {
@@ -115,4 +164,11 @@ fn invalid_options_are_refused() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--lease-fraction"), "{stderr}");
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+        .args(["loadtest", "--requests", "0"])
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--requests"), "{stderr}");
 }

@@ -2,8 +2,10 @@
 //! what they admitted against one ideal bucket per key.
 //!
 //! Each instance has its own pool and its own lease actor, as separate service processes would.
-//! Tasks send requests at a paced rate (open loop, `--rate` in total) for `--duration` seconds,
-//! on one hot key or on `--keys` keys chosen uniformly or by a Zipf law. Every request's time,
+//! Tasks send requests at a paced rate (open loop, `--rate` in total) for `--duration` seconds
+//! (or `--requests` in all), on one hot key or on `--keys` keys chosen uniformly or by a Zipf
+//! law. No request is sent after the end: slots the tasks could not keep are counted as
+//! `unsent`, so a run lasts about `--duration` whatever the limiter does. Every request's time,
 //! key, cost and outcome is kept, so the run can be replayed through one ideal token bucket per
 //! key (`ideal_admitted`) and every sliding window checked against the envelope
 //! `capacity + rate × window` (`overshoot_tokens`).
@@ -48,9 +50,15 @@ pub(crate) struct Args {
     /// Cost of each request, in tokens.
     #[arg(long, default_value_t = 1.0)]
     cost: f64,
-    /// Seconds to run.
-    #[arg(long, default_value_t = 5.0)]
-    duration: f64,
+    /// Seconds to run: no request is sent after this, and requests the pace called for but the
+    /// tasks could not send by then are counted as unsent. 5 by default; unbounded with
+    /// `--requests` alone.
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Send this many requests in all (paced at `--rate`), then stop; with `--duration` too,
+    /// whichever comes first.
+    #[arg(long)]
+    requests: Option<u64>,
     /// Requests per second, in total over all tasks (paced, open loop).
     #[arg(long, default_value_t = 20_000.0)]
     rate: f64,
@@ -96,7 +104,23 @@ pub(crate) struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Run no load: start the throwaway PostgreSQL, apply the migrations, print its URL on
+    /// stdout and keep it up until interrupted (SIGINT or SIGTERM). For running other clients
+    /// (scripts/peer-compare.sh) against the same server.
+    #[arg(long)]
+    serve_db: bool,
 }
+
+/// Seconds of `--duration` when neither it nor `--requests` is given.
+const DEFAULT_DURATION: f64 = 5.0;
+
+/// How long a call in flight at the end may take to answer before it is dropped and counted as
+/// `in_flight_at_end` (calls are bounded by the store's call timeout and `--max-wait-ms`
+/// anyway; this bounds the run when the machine is starved).
+const END_GRACE: Duration = Duration::from_millis(500);
+
+/// How long the instances' shutdown (leases given back) may take before the report goes ahead.
+const SHUTDOWN_GRACE: Duration = Duration::from_millis(500);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -153,7 +177,10 @@ struct Report {
     lease_fraction: Option<f64>,
     accounting: Option<AccountingArg>,
     duration_s: f64,
+    rate_per_s: f64,
     requests: u64,
+    unsent: u64,
+    in_flight_at_end: u64,
     admitted: u64,
     ideal_admitted: u64,
     admitted_vs_ideal: f64,
@@ -165,6 +192,7 @@ struct Report {
     p50_us: f64,
     p99_us: f64,
     p999_us: f64,
+    max_us: f64,
     fallback: &'static str,
     fallback_decisions: u64,
     synchronous_commit: bool,
@@ -178,12 +206,101 @@ struct Request {
     allowed: bool,
 }
 
+/// Requests so far over every task, for the progress line.
+#[derive(Debug, Default)]
+struct Counters {
+    sent: AtomicU64,
+    admitted: AtomicU64,
+    fallback: AtomicU64,
+}
+
+impl Counters {
+    /// `loadtest: 3.0 s, 60000 sent (20000/s), 41000 admitted, 0 fallback`.
+    fn line(&self, elapsed: f64) -> String {
+        let sent = self.sent.load(Ordering::Relaxed);
+        format!(
+            "loadtest: {elapsed:5.1} s, {sent} sent ({:.0}/s), {} admitted, {} fallback",
+            sent as f64 / elapsed.max(1e-9),
+            self.admitted.load(Ordering::Relaxed),
+            self.fallback.load(Ordering::Relaxed)
+        )
+    }
+}
+
+/// What one task hands back at the end.
+struct TaskResult {
+    requests: Vec<Request>,
+    latency: hdrhistogram::Histogram<u64>,
+    fallback: u64,
+    unsent: u64,
+    in_flight_at_end: u64,
+}
+
+/// One task's send times: every `period` from its first slot (or the lull-burst cycle), before
+/// `end` and at most `quota` of them.
+struct Schedule {
+    start: Instant,
+    next: Instant,
+    period: Duration,
+    quiet_period: Duration,
+    pattern: Pattern,
+    end: Option<Instant>,
+    quota: Option<u64>,
+}
+
+impl Schedule {
+    /// The next slot, or `None` when the schedule is over.
+    fn next_slot(&mut self) -> Option<Instant> {
+        if self.quota == Some(0) {
+            return None;
+        }
+        loop {
+            if self.end.is_some_and(|e| self.next >= e) {
+                return None;
+            }
+            let step = match self.pattern {
+                Pattern::Steady => self.period,
+                Pattern::LullBurst => {
+                    let at = (self.next - self.start).as_secs_f64();
+                    let phase = at % CYCLE;
+                    if phase < STEADY {
+                        self.quiet_period
+                    } else if phase < LULL {
+                        self.next = self.start + Duration::from_secs_f64(at - phase + LULL);
+                        continue;
+                    } else {
+                        self.period
+                    }
+                }
+            };
+            let slot = self.next;
+            self.next += step;
+            if let Some(q) = &mut self.quota {
+                *q -= 1;
+            }
+            return Some(slot);
+        }
+    }
+
+    /// How many slots are left (consuming them).
+    fn remaining(&mut self) -> u64 {
+        let mut n = 0;
+        while self.next_slot().is_some() {
+            n += 1;
+        }
+        n
+    }
+}
+
 /// Runs the subcommand.
 pub(crate) fn run(args: Args) -> super::CmdResult {
     validate(&args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    if args.serve_db {
+        return serve_db(&runtime);
+    }
     let (_server, url) = match &args.database_url {
         Some(url) => (None, url.clone()),
         None => {
@@ -202,6 +319,38 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `--serve-db`: a migrated throwaway PostgreSQL whose URL goes to stdout, up until SIGINT or
+/// SIGTERM, then stopped and removed.
+fn serve_db(runtime: &tokio::runtime::Runtime) -> super::CmdResult {
+    let server = tokenlease::embedded::TempPostgres::start()?;
+    let url = server.url();
+    runtime.block_on(async {
+        let (mut client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .map_err(|e| {
+            format!("could not connect to the throwaway PostgreSQL at {url}: {e}")
+        })?;
+        let connection = tokio::spawn(connection);
+        tokenlease::store::postgres::migrate::migrate(&mut client).await?;
+        drop(client);
+        let _ = connection.await;
+        println!("{url}");
+        eprintln!(
+            "serving a throwaway PostgreSQL {} at {url} (migrated): stop it with Ctrl-C or SIGTERM",
+            server.version()
+        );
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r?,
+            _ = term.recv() => {}
+        }
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })?;
+    eprintln!("stopping the throwaway PostgreSQL");
+    drop(server);
+    Ok(ExitCode::SUCCESS)
+}
+
 fn validate(args: &Args) -> Result<(), String> {
     let positive = |name: &str, v: f64| {
         if v.is_finite() && v > 0.0 {
@@ -212,7 +361,19 @@ fn validate(args: &Args) -> Result<(), String> {
     };
     positive("refill", args.refill)?;
     positive("cost", args.cost)?;
-    positive("duration", args.duration)?;
+    if let Some(d) = args.duration {
+        positive("duration", d)?;
+    }
+    if args.serve_db && args.database_url.is_some() {
+        return Err(
+            "--serve-db starts its own throwaway PostgreSQL: unset DATABASE_URL and \
+                    drop --database-url"
+                .into(),
+        );
+    }
+    if args.requests == Some(0) {
+        return Err("--requests must be at least 1".into());
+    }
     positive("rate", args.rate)?;
     positive("lease-fraction", args.lease_fraction)?;
     if args.lease_fraction > 1.0 {
@@ -327,97 +488,150 @@ async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Erro
     let quiet_period =
         Duration::from_secs_f64(tasks_total as f64 / (0.8 * args.refill * f64::from(args.keys)));
     let pattern = args.pattern;
-    let duration = Duration::from_secs_f64(args.duration);
-    let done = Arc::new(AtomicU64::new(0));
+    let duration = match (args.duration, args.requests) {
+        (Some(d), _) => Some(Duration::from_secs_f64(d)),
+        (None, Some(_)) => None,
+        (None, None) => Some(Duration::from_secs_f64(DEFAULT_DURATION)),
+    };
+    let counters = Arc::new(Counters::default());
     let start = Instant::now();
+    let end = duration.map(|d| start + d);
+    let hard_end = end.map(|e| e + END_GRACE);
     let mut handles = Vec::with_capacity(tasks_total);
     for (i, limiter) in limiters.iter().enumerate() {
         for t in 0..args.tasks {
-            let (limiter, plan, keys, names, done) = (
+            let (limiter, plan, keys, names, counters) = (
                 limiter.clone(),
                 Arc::clone(&plan),
                 Arc::clone(&keys),
                 Arc::clone(&key_names),
-                Arc::clone(&done),
+                Arc::clone(&counters),
             );
             let cost = args.cost;
             let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ ((i as u64) << 32 | t as u64).wrapping_mul(31);
-            handles.push(tokio::spawn(async move {
-                let mut requests = Vec::new();
-                let mut latency = hdrhistogram::Histogram::<u64>::new(3).expect("histogram");
-                let mut fallback = 0u64;
+            // `--requests` split over the tasks, the remainder to the first ones.
+            let index = (i * args.tasks + t) as u64;
+            let quota = args
+                .requests
+                .map(|n| n / tasks_total as u64 + u64::from(index < n % tasks_total as u64));
+            let mut schedule = Schedule {
+                start,
                 // Tasks start spread over one period so they do not fire in lockstep.
-                let mut next = start + period.mul_f64((t as f64 + 0.5) / 16.0 % 1.0);
-                while next < start + duration {
-                    let step = match pattern {
-                        Pattern::Steady => period,
-                        Pattern::LullBurst => {
-                            let at = (next - start).as_secs_f64();
-                            let phase = at % CYCLE;
-                            if phase < STEADY {
-                                quiet_period
-                            } else if phase < LULL {
-                                next = start + Duration::from_secs_f64(at - phase + LULL);
-                                continue;
-                            } else {
-                                period
-                            }
-                        }
-                    };
-                    tokio::time::sleep_until(next.into()).await;
-                    next += step;
+                next: start + period.mul_f64((t as f64 + 0.5) / 16.0 % 1.0),
+                period,
+                quiet_period,
+                pattern,
+                end,
+                quota,
+            };
+            handles.push(tokio::spawn(async move {
+                let mut out = TaskResult {
+                    requests: Vec::new(),
+                    latency: hdrhistogram::Histogram::<u64>::new(3).expect("histogram"),
+                    fallback: 0,
+                    unsent: 0,
+                    in_flight_at_end: 0,
+                };
+                while let Some(slot) = schedule.next_slot() {
+                    tokio::time::sleep_until(slot.into()).await;
+                    // Behind the pace at the end: this slot and the rest are not sent.
+                    if end.is_some_and(|e| Instant::now() >= e) {
+                        out.unsent = 1 + schedule.remaining();
+                        break;
+                    }
                     let key = keys.pick(&mut rng);
                     let began = Instant::now();
-                    let decision = limiter
-                        .try_acquire_with(&plan, &names[key as usize], cost)
-                        .await
-                        .expect("a valid request");
-                    let ended = Instant::now();
-                    let _ = latency.record((ended - began).as_nanos() as u64);
-                    if matches!(decision.decided_by, DecidedBy::Fallback(_)) {
-                        fallback += 1;
+                    let call = limiter.try_acquire_with(&plan, &names[key as usize], cost);
+                    let decision = match hard_end {
+                        None => call.await,
+                        // Dropping the call is cancel safe (a take already sent counts as spent).
+                        Some(h) => match tokio::time::timeout_at(h.into(), call).await {
+                            Ok(d) => d,
+                            Err(_) => {
+                                out.in_flight_at_end = 1;
+                                out.unsent = schedule.remaining();
+                                break;
+                            }
+                        },
                     }
-                    requests.push(Request {
+                    .expect("a valid request");
+                    let ended = Instant::now();
+                    let _ = out.latency.record((ended - began).as_nanos() as u64);
+                    if matches!(decision.decided_by, DecidedBy::Fallback(_)) {
+                        out.fallback += 1;
+                        counters.fallback.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if decision.allowed {
+                        counters.admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    out.requests.push(Request {
                         at: (ended - start).as_nanos() as u64,
                         key,
                         allowed: decision.allowed,
                     });
-                    done.fetch_add(1, Ordering::Relaxed);
+                    counters.sent.fetch_add(1, Ordering::Relaxed);
                 }
-                (requests, latency, fallback)
+                out
             }));
         }
     }
-    let progress = std::io::stderr().is_terminal().then(|| {
-        let done = Arc::clone(&done);
+    let progress = {
+        let counters = Arc::clone(&counters);
+        let terminal = std::io::stderr().is_terminal();
         tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(
+                (start + Duration::from_secs(1)).into(),
+                Duration::from_secs(1),
+            );
             loop {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                let elapsed = start.elapsed().as_secs_f64();
-                eprint!(
-                    "\r{elapsed:5.1} s  {} requests  {:.0}/s   ",
-                    done.load(Ordering::Relaxed),
-                    done.load(Ordering::Relaxed) as f64 / elapsed
-                );
+                tick.tick().await;
+                let line = counters.line(start.elapsed().as_secs_f64());
+                if terminal {
+                    eprint!("\r{line}   ");
+                } else {
+                    eprintln!("{line}");
+                }
             }
         })
-    });
+    };
     let mut requests = Vec::new();
     let mut latency = hdrhistogram::Histogram::<u64>::new(3)?;
-    let mut fallback = 0;
+    let (mut fallback, mut unsent, mut in_flight_at_end) = (0, 0, 0);
     for handle in handles {
-        let (r, l, f) = handle.await?;
-        requests.extend(r);
-        latency.add(&l)?;
-        fallback += f;
+        let r = handle.await?;
+        requests.extend(r.requests);
+        latency.add(&r.latency)?;
+        fallback += r.fallback;
+        unsent += r.unsent;
+        in_flight_at_end += r.in_flight_at_end;
     }
     let elapsed = start.elapsed().as_secs_f64();
-    if let Some(p) = progress {
-        p.abort();
+    progress.abort();
+    let _ = progress.await;
+    if std::io::stderr().is_terminal() {
         eprintln!();
     }
-    for limiter in &limiters {
-        limiter.shutdown().await;
+    eprintln!("{} (done)", counters.line(elapsed));
+    if unsent > 0 || in_flight_at_end > 0 {
+        eprintln!(
+            "loadtest: the run fell behind --rate: {unsent} requests not sent by the end, \
+             {in_flight_at_end} calls still in flight {} ms after it (dropped)",
+            END_GRACE.as_millis()
+        );
+    }
+    let shutdown = async {
+        for limiter in &limiters {
+            limiter.shutdown().await;
+        }
+    };
+    if tokio::time::timeout(SHUTDOWN_GRACE, shutdown)
+        .await
+        .is_err()
+    {
+        eprintln!(
+            "loadtest: the instances' shutdown took over {} ms; reporting without waiting for it",
+            SHUTDOWN_GRACE.as_millis()
+        );
     }
     requests.sort_unstable_by_key(|r| r.at);
     let db_calls = calls.load(Ordering::Relaxed);
@@ -460,7 +674,10 @@ async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Erro
         lease_fraction: (args.mode == Mode::Leased).then_some(args.lease_fraction),
         accounting: (args.mode == Mode::Leased).then_some(args.accounting),
         duration_s: elapsed,
+        rate_per_s: args.rate,
         requests: n,
+        unsent,
+        in_flight_at_end,
         admitted,
         ideal_admitted: ideal,
         admitted_vs_ideal: if ideal == 0 {
@@ -480,6 +697,7 @@ async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Erro
         p50_us: latency.value_at_quantile(0.5) as f64 / 1000.0,
         p99_us: latency.value_at_quantile(0.99) as f64 / 1000.0,
         p999_us: latency.value_at_quantile(0.999) as f64 / 1000.0,
+        max_us: latency.max() as f64 / 1000.0,
         fallback: match args.fallback {
             Fallback::Allow => "allow",
             Fallback::Deny => "deny",
@@ -560,7 +778,19 @@ fn print_table(r: &Report) {
         );
     }
     row("duration", format!("{:.2} s", r.duration_s));
-    row("requests", r.requests.to_string());
+    row(
+        "requests",
+        format!("{} (at --rate {}/s)", r.requests, r.rate_per_s),
+    );
+    if r.unsent > 0 || r.in_flight_at_end > 0 {
+        row(
+            "fell behind",
+            format!(
+                "{} not sent by the end, {} in flight at the end (dropped)",
+                r.unsent, r.in_flight_at_end
+            ),
+        );
+    }
     row(
         "admitted",
         format!(
@@ -591,12 +821,56 @@ fn print_table(r: &Report) {
     row(
         "latency",
         format!(
-            "p50 {:.1} µs, p99 {:.1} µs, p99.9 {:.1} µs",
-            r.p50_us, r.p99_us, r.p999_us
+            "p50 {:.1} µs, p99 {:.1} µs, p99.9 {:.1} µs, max {:.1} µs",
+            r.p50_us, r.p99_us, r.p999_us, r.max_us
         ),
     );
     row(
         "fallback decisions",
         format!("{} (fallback: {})", r.fallback_decisions, r.fallback),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn schedule(period_ms: u64, end_ms: Option<u64>, quota: Option<u64>) -> Schedule {
+        let start = Instant::now();
+        Schedule {
+            start,
+            next: start,
+            period: Duration::from_millis(period_ms),
+            quiet_period: Duration::from_millis(period_ms),
+            pattern: Pattern::Steady,
+            end: end_ms.map(|ms| start + Duration::from_millis(ms)),
+            quota,
+        }
+    }
+
+    #[test]
+    fn a_steady_schedule_ends_before_the_end() {
+        // Slots at 0, 10, …, 990 ms: 100 before an end at 1 s.
+        let mut s = schedule(10, Some(1000), None);
+        assert_eq!(s.remaining(), 100);
+        assert_eq!(s.next_slot(), None);
+    }
+
+    #[test]
+    fn a_quota_stops_the_schedule_first() {
+        let mut s = schedule(10, Some(1000), Some(7));
+        let first = s.next_slot().expect("a first slot");
+        assert_eq!(first, s.start);
+        assert_eq!(s.remaining(), 6);
+        // Without an end, the quota alone bounds it.
+        assert_eq!(schedule(10, None, Some(42)).remaining(), 42);
+    }
+
+    #[test]
+    fn lull_burst_skips_the_lull() {
+        // 1 slot per 100 ms: 30 in the steady 3 s, none in the 2.5 s lull, 5 in the 0.5 s burst.
+        let mut s = schedule(100, Some(6000), None);
+        s.pattern = Pattern::LullBurst;
+        assert_eq!(s.remaining(), 35);
+    }
 }

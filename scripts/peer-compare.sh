@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# tokenlease against a peer on ONE throwaway PostgreSQL, in one run, phase after phase:
+#
+#   1. rate-limiter-flexible's RateLimiterPostgres (Node, peers/rlf-postgres.js): 10,000 random
+#      keys, 16 requests in flight over a pg Pool of 16 connections;
+#   2. pgbench, 16 clients, running tokenlease's own statement (src/store/postgres/sql/acquire.sql)
+#      for one random key of 10,000: the database's ceiling for one-statement-per-request, twice:
+#      `-M prepared` (parsed and planned once per connection) and `-M extended` (an unnamed
+#      statement parsed and planned on every call, as tokenlease sends it with `query_typed` so
+#      that it works behind PgBouncer);
+#   3. tokenlease loadtest --mode direct --keys 10000 --instances 1 --tasks 16 --pool 16 (closed
+#      loop: --rate far above what is reachable, so each task sends as soon as it is answered);
+#   4. tokenlease loadtest --mode leased --keys 100000 --rate 100000 --instances 1 --tasks 16
+#      --pool 16 (paced at 100,000 requests/s).
+#
+# and prints one table with the ratios to the Node peer. Each phase runs $PHASE_S seconds (10 by
+# default: about a minute in all, build aside). The server is started by
+# `tokenlease loadtest --serve-db` (migrated, removed at the end). Installs peers/node_modules
+# with `npm ci` when missing. The raw JSON lines go to target/peer-compare/results.jsonl.
+#
+#   bash scripts/peer-compare.sh
+#   PHASE_S=3 bash scripts/peer-compare.sh    # a quick check
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PHASE_S="${PHASE_S:-10}"
+for tool in node npm pgbench python3; do
+    command -v "$tool" >/dev/null || { echo "peer-compare: $tool is not on PATH" >&2; exit 1; }
+done
+cargo build --release --quiet --bin tokenlease
+bin=target/release/tokenlease
+if [[ ! -d peers/node_modules/rate-limiter-flexible || ! -d peers/node_modules/pg ]]; then
+    echo "peer-compare: installing the Node peer's dependencies (npm ci in peers/)" >&2
+    (cd peers && npm ci --no-audit --no-fund)
+fi
+out_dir=target/peer-compare
+out="$out_dir/results.jsonl"
+mkdir -p "$out_dir"
+: >"$out"
+tmp="$(mktemp -d)"
+
+# One throwaway server for every phase.
+"$bin" loadtest --serve-db >"$tmp/url" 2>"$tmp/serve.log" &
+serve_pid=$!
+cleanup() {
+    kill -TERM "$serve_pid" 2>/dev/null || true
+    wait "$serve_pid" 2>/dev/null || true
+    rm -rf "$tmp"
+}
+trap cleanup EXIT
+for _ in $(seq 1 120); do
+    [[ -s "$tmp/url" ]] && break
+    kill -0 "$serve_pid" 2>/dev/null || { cat "$tmp/serve.log" >&2; exit 1; }
+    sleep 0.5
+done
+url="$(head -n 1 "$tmp/url")"
+[[ -n "$url" ]] || { echo "peer-compare: the throwaway PostgreSQL did not start" >&2; cat "$tmp/serve.log" >&2; exit 1; }
+echo "peer-compare: PostgreSQL at $url, $PHASE_S s per phase" >&2
+
+echo "== 1/4 rate-limiter-flexible RateLimiterPostgres (Node), 10,000 keys, 16 in flight" >&2
+node peers/rlf-postgres.js --url "$url" --keys 10000 --concurrency 16 --pool 16 \
+    --duration "$PHASE_S" | python3 -c '
+import json, sys
+r = json.loads(sys.stdin.read())
+r["client"] = "rate-limiter-flexible (Node), 16 in flight"
+print(json.dumps(r))' >>"$out"
+
+echo "== 2/4 pgbench, 16 clients, tokenlease's acquire.sql on one random key of 10,000" >&2
+# acquire.sql with its six array parameters replaced by one-element arrays: key pgbench:<n>,
+# capacity 100, refill 50/s, take exactly 1 (min = want = step = 1), as direct mode sends it.
+{
+    echo '\set key random(1, 10000)'
+    grep -v '^[[:space:]]*--' src/store/postgres/sql/acquire.sql |
+        sed -e "s/\\\$1::text\\[\\]/ARRAY['pgbench:' || :key::text]::text[]/" \
+            -e "s/\\\$2::text\\[\\]/ARRAY['100']::text[]/" \
+            -e "s/\\\$3::text\\[\\]/ARRAY['50']::text[]/" \
+            -e "s/\\\$[456]::text\\[\\]/ARRAY['1']::text[]/g"
+    echo ';'
+} >"$tmp/acquire.pgbench"
+if grep -q '\$[0-9]' "$tmp/acquire.pgbench"; then
+    echo "peer-compare: acquire.sql has parameters this script does not replace:" >&2
+    grep -n '\$[0-9]' "$tmp/acquire.pgbench" >&2
+    exit 1
+fi
+for protocol in prepared extended; do
+    echo "== 2/4 pgbench -M $protocol" >&2
+    rm -f "$tmp"/pgbench_log*
+    (cd "$tmp" && pgbench -n -M "$protocol" -c 16 -j 2 -T "$PHASE_S" -f acquire.pgbench \
+        -l --log-prefix=pgbench_log "$url" >pgbench.out 2>pgbench.err) || {
+        cat "$tmp/pgbench.err" >&2
+        exit 1
+    }
+    python3 - "$tmp" "$protocol" >>"$out" <<'PY'
+import glob, json, math, re, sys
+tmp = sys.argv[1]
+text = open(f"{tmp}/pgbench.out").read()
+lat = []
+failed = 0
+for path in glob.glob(f"{tmp}/pgbench_log*"):
+    for line in open(path):
+        # client_id transaction_no time script_no time_epoch time_us; time in µs, or
+        # "failed"/"skipped" for a transaction that did not complete.
+        f = line.split()
+        if f[2].isdigit():
+            lat.append(int(f[2]))
+        else:
+            failed += 1
+lat.sort()
+def pct(q):  # nearest rank
+    return lat[min(len(lat) - 1, max(0, math.ceil(q * len(lat)) - 1))] if lat else 0
+dur = float(re.search(r"duration: (\d+) s", text).group(1))
+tps = float(re.search(r"tps = ([\d.]+) \(without initial", text).group(1))
+print(json.dumps({
+    "client": f"pgbench -M {sys.argv[2]}, 16 clients, acquire.sql (1 key)",
+    "requests": len(lat), "per_sec": tps, "p50_us": pct(0.5), "p99_us": pct(0.99),
+    "p999_us": pct(0.999), "max_us": lat[-1] if lat else 0, "errors": failed,
+    "duration_s": dur, "statements_per_1k": 1000,
+}))
+PY
+done
+
+echo "== 3/4 tokenlease loadtest --mode direct, 10,000 keys, 1 instance × 16 tasks" >&2
+"$bin" loadtest --database-url "$url" --json --mode direct --keys 10000 --instances 1 \
+    --tasks 16 --pool 16 --rate 1000000 --duration "$PHASE_S" | python3 -c '
+import json, sys
+r = json.loads(sys.stdin.read())
+r["client"] = "tokenlease direct, 1 × 16 tasks, closed loop"
+print(json.dumps(r))' >>"$out"
+
+echo "== 4/4 tokenlease loadtest --mode leased, 100,000 keys at 100,000/s, 1 instance × 16 tasks" >&2
+"$bin" loadtest --database-url "$url" --json --mode leased --keys 100000 --rate 100000 \
+    --instances 1 --tasks 16 --pool 16 --duration "$PHASE_S" | python3 -c '
+import json, sys
+r = json.loads(sys.stdin.read())
+r["client"] = "tokenlease leased, 1 × 16 tasks, 100,000 keys at 100,000/s"
+print(json.dumps(r))' >>"$out"
+
+echo
+python3 - "$out" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+def per_s(r):
+    return r.get("per_sec", r.get("throughput_per_s", 0.0))
+def stmts(r):
+    return r.get("statements_per_1k", r.get("db_calls_per_1k"))
+base = rows[0]
+def offered(r):
+    # Closed loops (the peers, and loadtest at an unreachable --rate) offer what they are served.
+    rate = r.get("rate_per_s")
+    return "closed loop" if rate is None or rate >= 1e6 else f"{rate:,.0f}"
+print("| client | offered /s | requests | served /s | × Node peer | statements / 1k | p50 µs | × Node peer | p99 µs | max µs | errors (peers) or fallback decisions (tokenlease) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+for r in rows:
+    errs = r.get("errors", r.get("fallback_decisions", 0))
+    print(f'| {r["client"]} | {offered(r)} | {r["requests"]:,} | {per_s(r):,.0f} | {per_s(r) / per_s(base):.2f} '
+          f'| {stmts(r):.1f} | {r["p50_us"]:,.1f} | {r["p50_us"] / base["p50_us"]:.3f} '
+          f'| {r["p99_us"]:,.1f} | {r["max_us"]:,.1f} | {errs} |')
+PY
+echo
+echo "results: $out"
