@@ -35,6 +35,12 @@ pub const OUTSTANDING: &str = "tokenlease_lease_outstanding_tokens";
 pub const TABLE_KEYS: &str = "tokenlease_lease_table_keys";
 /// Time of one lease refill statement, in seconds.
 pub const REFILL_SECONDS: &str = "tokenlease_lease_refill_seconds";
+/// Time from a call's first poll to its decision, in seconds, by `decided_by` (`store`,
+/// `lease`, `fallback`), for every call that had to wait (for a refill, the store or the
+/// fallback). Calls a live lease answers on their first poll are not timed: they take tens of
+/// nanoseconds, and reading the clock would double that; they are counted in
+/// `tokenlease_decisions_total`.
+pub const DECISION_SECONDS: &str = "tokenlease_decision_seconds";
 /// Decisions made by the fallback, by `mode` (`allow`, `deny`, `local`) and `outcome`.
 pub const FALLBACK_DECISIONS: &str = "tokenlease_fallback_decisions_total";
 /// Idle bucket rows deleted.
@@ -94,6 +100,11 @@ pub fn describe() {
         REFILL_SECONDS,
         Unit::Seconds,
         "lease refill statement latency"
+    );
+    describe_histogram!(
+        DECISION_SECONDS,
+        Unit::Seconds,
+        "latency of decisions that waited, by decider"
     );
     describe_counter!(
         FALLBACK_DECISIONS,
@@ -178,6 +189,16 @@ pub(crate) fn record(decision: &Decision) {
     };
     metrics::counter!(DECISIONS, "outcome" => outcome(decision.allowed), "decided_by" => by)
         .increment(1);
+}
+
+/// Records how long a decision that waited took, by who decided.
+pub(crate) fn record_latency(decided_by: DecidedBy, took: std::time::Duration) {
+    let by = match decided_by {
+        DecidedBy::Store => "store",
+        DecidedBy::Lease => "lease",
+        DecidedBy::Fallback(_) => "fallback",
+    };
+    metrics::histogram!(DECISION_SECONDS, "decided_by" => by).record(took);
 }
 
 thread_local! {

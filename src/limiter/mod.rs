@@ -517,7 +517,11 @@ enum State<'a> {
         key: &'a str,
         cost: f64,
     },
-    Waiting(Pin<Box<dyn Future<Output = Result<Decision, Error>> + Send + 'a>>),
+    /// The rest of the call, and when it started waiting.
+    Waiting(
+        Pin<Box<dyn Future<Output = Result<Decision, Error>> + Send + 'a>>,
+        Instant,
+    ),
     Done,
 }
 
@@ -542,7 +546,7 @@ impl std::fmt::Debug for Acquire<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = match &self.state {
             State::Start { .. } => "start",
-            State::Waiting(_) => "waiting",
+            State::Waiting(..) => "waiting",
             State::Done => "done",
         };
         f.debug_struct("Acquire").field("state", &state).finish()
@@ -553,7 +557,7 @@ impl Future for Acquire<'_> {
     type Output = Result<Decision, Error>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut waiting = match std::mem::replace(&mut self.state, State::Done) {
+        let (mut waiting, since) = match std::mem::replace(&mut self.state, State::Done) {
             State::Start {
                 limiter,
                 plan,
@@ -562,15 +566,24 @@ impl Future for Acquire<'_> {
             } => match limiter.start(plan, key, cost) {
                 Ok(Step::Done(decision)) => return Poll::Ready(Ok(decision)),
                 Err(e) => return Poll::Ready(Err(e)),
-                Ok(step) => Box::pin(limiter.finish(step, key)),
+                Ok(step) => (
+                    Box::pin(limiter.finish(step, key))
+                        as Pin<Box<dyn Future<Output = _> + Send + '_>>,
+                    Instant::now(),
+                ),
             },
-            State::Waiting(waiting) => waiting,
+            State::Waiting(waiting, since) => (waiting, since),
             State::Done => panic!("`Acquire` polled after it completed"),
         };
         match waiting.as_mut().poll(cx) {
-            Poll::Ready(out) => Poll::Ready(out),
+            Poll::Ready(out) => {
+                if let Ok(decision) = &out {
+                    crate::metrics::record_latency(decision.decided_by, since.elapsed());
+                }
+                Poll::Ready(out)
+            }
             Poll::Pending => {
-                self.state = State::Waiting(waiting);
+                self.state = State::Waiting(waiting, since);
                 Poll::Pending
             }
         }
