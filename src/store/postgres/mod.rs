@@ -51,6 +51,7 @@ type Manager = ConnectionManager;
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool<Manager>,
+    pool_size: u32,
     call_timeout: Duration,
     pool_wait_timeout: Duration,
 }
@@ -172,6 +173,7 @@ impl PostgresStoreBuilder {
             .build_unchecked(manager);
         let store = PostgresStore {
             pool,
+            pool_size: self.pool_size,
             call_timeout: self.call_timeout,
             pool_wait_timeout: self.pool_wait_timeout,
         };
@@ -471,5 +473,13 @@ impl Store for PostgresStore {
                 })
             })
             .transpose()
+    }
+
+    fn call_timeout(&self) -> Option<Duration> {
+        Some(self.call_timeout)
+    }
+
+    fn max_concurrent_calls(&self) -> Option<usize> {
+        Some(self.pool_size as usize)
     }
 }
