@@ -214,6 +214,8 @@ fn statement_ms(setup: &Setup, n: usize) -> f64 {
             .pool_size(1)
             .call_timeout(Duration::from_secs(10))
             .pool_wait_timeout(Duration::from_secs(10))
+            .statement_timeout(Duration::from_secs(10))
+            .lock_timeout(Duration::from_secs(10))
             .build()
             .await
             .expect("store");
