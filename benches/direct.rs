@@ -9,6 +9,10 @@
 //!   (as many connections as tasks), concurrent callers of one key coalesced (the default).
 //! - `direct/16_tasks/hot_uncoalesced`: one statement per call, as a naive limiter would.
 //! - `direct/*/hot_sync_off`: the same with `synchronous_commit = off` on the limiter's sessions.
+//! - `direct/16_tasks/10k_keys_pool{P}_inflight{K}`: 10,000 keys through a pool of `P` with at
+//!   most `K` statements in flight; callers that arrive while `K` are in flight leave together
+//!   in the next statement. `K ≥ 16` (as many as tasks) never batches: one statement per call,
+//!   as before statements carried many keys. These size the pool and `K` (DESIGN.md §7).
 
 use std::process::Command;
 use std::sync::Arc;
@@ -20,8 +24,8 @@ use tokenlease::Limiter;
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::embedded::TempPostgres;
 use tokenlease::policy::Plan;
-use tokenlease::store::PostgresStore;
 use tokenlease::store::postgres::ACQUIRE_SQL;
+use tokenlease::store::{AcquireRequest, PostgresStore, Store};
 
 const KEYS: u64 = 10_000;
 const CAPACITY: u64 = 1_000_000_000_000;
@@ -42,6 +46,16 @@ struct Setup {
 }
 
 fn limiter(setup: &Setup, pool: u32, coalesce: bool, sync_commit: bool) -> Limiter {
+    limiter_in_flight(setup, pool, coalesce, sync_commit, None)
+}
+
+fn limiter_in_flight(
+    setup: &Setup,
+    pool: u32,
+    coalesce: bool,
+    sync_commit: bool,
+    in_flight: Option<usize>,
+) -> Limiter {
     setup.runtime.block_on(async {
         let store = PostgresStore::builder(&setup.server.connection_string("postgres"))
             .expect("config")
@@ -54,7 +68,11 @@ fn limiter(setup: &Setup, pool: u32, coalesce: bool, sync_commit: bool) -> Limit
             .build()
             .await
             .expect("store");
-        Limiter::builder(store).coalesce(coalesce).build()
+        let builder = Limiter::builder(store).coalesce(coalesce);
+        match in_flight {
+            Some(k) => builder.statements_in_flight(k).build(),
+            None => builder.build(),
+        }
     })
 }
 
@@ -115,8 +133,18 @@ fn bench_direct(c: &mut Criterion, setup: &Setup) {
             });
         }
     }
+    for (pool, in_flight) in BATCHING {
+        let limiter = limiter_in_flight(setup, pool, true, true, Some(in_flight));
+        group.bench_function(
+            format!("16_tasks/10k_keys_pool{pool}_inflight{in_flight}"),
+            |b| b.iter_custom(|iters| run(setup, &limiter, 16, iters, true)),
+        );
+    }
     group.finish();
 }
+
+/// (pool size, statements in flight) for 16 tasks on 10,000 keys.
+const BATCHING: [(u32, usize); 6] = [(4, 16), (4, 4), (4, 2), (4, 1), (8, 8), (16, 16)];
 
 /// pgbench on the bare statement: the same SQL, keys and concurrency, extended protocol.
 fn pgbench(setup: &Setup, clients: u32, many_keys: bool, sync_commit: bool) -> Option<f64> {
@@ -177,6 +205,39 @@ fn pgbench(setup: &Setup, clients: u32, many_keys: bool, sync_commit: bool) -> O
     tps
 }
 
+/// The time of one `acquire_many` statement of `n` distinct keys, alone on the server: the median
+/// of 30 (each on fresh keys, so every row is inserted once and then updated), in milliseconds.
+fn statement_ms(setup: &Setup, n: usize) -> f64 {
+    setup.runtime.block_on(async {
+        let store = PostgresStore::builder(&setup.server.connection_string("postgres"))
+            .expect("config")
+            .pool_size(1)
+            .call_timeout(Duration::from_secs(10))
+            .pool_wait_timeout(Duration::from_secs(10))
+            .statement_timeout(Duration::from_secs(10))
+            .lock_timeout(Duration::from_secs(10))
+            .build()
+            .await
+            .expect("store");
+        let bucket = *plan().bucket();
+        let mut times = Vec::new();
+        for round in 0..30 {
+            let keys: Vec<String> = (0..n)
+                .map(|k| format!("size{n}-{}", k + (round % 2) * n))
+                .collect();
+            let requests: Vec<AcquireRequest<'_>> = keys
+                .iter()
+                .map(|k| AcquireRequest::take(k, bucket, Tokens::whole(1)))
+                .collect();
+            let started = Instant::now();
+            store.acquire_many(&requests).await.expect("statement");
+            times.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+        times.sort_by(f64::total_cmp);
+        times[times.len() / 2]
+    })
+}
+
 /// Reads criterion's mean time per call for one benchmark, as calls per second.
 fn criterion_rate(id: &str) -> Option<f64> {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -235,5 +296,18 @@ fn main() {
             let fmt = |v: Option<f64>| v.map_or("–".to_owned(), |v| format!("{v:.0}"));
             println!("| {tasks} | {label} | {} | {} |", fmt(ours), fmt(theirs));
         }
+    }
+    println!("\n| 16 tasks, 10,000 keys: pool | statements in flight | calls/s |");
+    println!("|---|---|---|");
+    for (pool, in_flight) in BATCHING {
+        let ours = criterion_rate(&format!("16_tasks/10k_keys_pool{pool}_inflight{in_flight}"));
+        let rate = ours.map_or("–".to_owned(), |v| format!("{v:.0}"));
+        println!("| {pool} | {in_flight} | {rate} |");
+    }
+    println!("\n| keys in one statement | median ms | ms per key |");
+    println!("|---|---|---|");
+    for n in [1usize, 16, 64, 256, 1024] {
+        let ms = statement_ms(&setup, n);
+        println!("| {n} | {ms:.2} | {:.3} |", ms / n as f64);
     }
 }

@@ -1,267 +1,511 @@
-//! At most one statement per key in flight per process: concurrent takes on one key share it.
+//! Direct mode's statements: a few in flight, each carrying every key that is waiting.
 //!
-//! A hot row gets slower with every concurrent writer (each holds the row lock through its
-//! commit), so the direct-mode limiter never sends a second statement for a key while one is in
-//! flight. The first caller on an idle key runs its take alone. Callers that arrive while it is
-//! in flight queue up; when it finishes, one background task takes the whole queue to the store
-//! as one request (`min = step = cost`, `want = n × cost`), hands the granted tokens out in
-//! arrival order, and repeats until the queue stays empty.
+//! Two things make a direct-mode take expensive: the round trip and commit of its statement,
+//! and, on a hot row, every other writer queued on the row lock. So the limiter
 //!
-//! Only callers of one cost share a statement, so a grant is always a whole number of their
-//! takes and no token is ever left over; callers of another cost wait for the next round.
+//! - keeps at most one statement per key in flight: callers of a key whose statement is in
+//!   flight queue behind it, and all queued callers of one cost leave together in the key's next
+//!   statement as one request (`min = step = cost`, `want = n × cost`);
+//! - keeps at most `max_in_flight` statements in flight (about the pool size): a caller that
+//!   finds a slot free sends its statement at once, alone (one round trip, no added latency);
+//!   callers that arrive while every slot is busy wait, and the next statement to leave carries
+//!   all of their keys (up to `max_batch`, distinct and sorted) in one `acquire_many`.
+//!
+//! Every caller has a deadline. A caller whose deadline passes before its answer, or that finds
+//! `max_queued` callers already waiting, is not answered here ([`Unanswered`]): the limiter's
+//! fallback decides it at once.
+//!
+//! When a key's statement comes back, the callers that queued behind it and ask for more than
+//! the bucket has left are denied from that answer, at the statement's own store time, without
+//! another statement: the pure bucket at that time denies them too (see [`deny_from`]).
 
-use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
-use crate::bucket::{BucketConfig, Tokens};
+use crate::bucket::{BucketConfig, BucketState, Outcome, Tokens};
+use crate::clock::timestamp_from_system_time;
 use crate::store::{AcquireRequest, Acquired, Store, StoreError, nanos};
 
-/// Shards of the in-flight table; a power of two.
-const SHARDS: usize = 32;
+/// Why a caller got no answer from the store; the plan's fallback decides it.
+#[derive(Debug)]
+pub(crate) enum Unanswered {
+    /// The statement that carried the caller failed (or its task went away).
+    Store,
+    /// The caller's deadline passed first.
+    Deadline,
+    /// Too many callers were waiting already.
+    Overloaded,
+}
 
-type Reply = oneshot::Sender<Result<Acquired, StoreError>>;
+/// How many statements, keys and waiting callers the coalescer allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Settings {
+    /// Statements in flight at once (about the store's pool size).
+    pub(crate) max_in_flight: usize,
+    /// Keys in one statement.
+    pub(crate) max_batch: usize,
+    /// Callers waiting for a statement; beyond this a caller goes straight to the fallback.
+    pub(crate) max_queued: usize,
+}
 
-/// One queued caller.
+type Reply = oneshot::Sender<Result<Acquired, Unanswered>>;
+
+/// One waiting caller.
 struct Waiter {
+    bucket: BucketConfig,
     cost: Tokens,
+    deadline: Instant,
     reply: Reply,
 }
 
-/// A key with a statement in flight, and the callers that arrived since.
+/// A key with callers waiting or a statement in flight.
 #[derive(Default)]
-struct InFlight {
-    queue: Vec<Waiter>,
+struct KeyQueue {
+    /// Callers not yet in a statement, in arrival order.
+    waiters: VecDeque<Waiter>,
+    /// A statement in flight carries this key.
+    busy: bool,
+    /// Listed in [`State::ready`].
+    ready: bool,
 }
 
-/// The in-flight table. Each lock is held only to look at or change one entry; nothing awaits
-/// while holding it.
+/// Everything behind the coalescer's lock. The lock is held for map and queue operations only,
+/// never across an await.
+#[derive(Default)]
+struct State {
+    keys: HashMap<String, KeyQueue>,
+    /// Keys with waiters and no statement in flight, in the order they became ready.
+    ready: VecDeque<String>,
+    /// Statements in flight.
+    in_flight: usize,
+    /// Callers in some key's `waiters`.
+    queued: usize,
+}
+
+/// One key's request in a statement, and the callers it answers.
+struct Item {
+    key: String,
+    bucket: BucketConfig,
+    cost: Tokens,
+    waiters: Vec<Waiter>,
+}
+
+impl Item {
+    fn request(&self) -> AcquireRequest<'_> {
+        // Never ask for more than the bucket could ever grant: the answer is the same, and
+        // `n × cost` cannot overflow.
+        let cost = self.cost.as_atto().max(1);
+        let fit = self.bucket.capacity().as_atto() / cost;
+        let n = std::cmp::min(self.waiters.len() as u128, fit.max(1));
+        AcquireRequest {
+            key: &self.key,
+            bucket: self.bucket,
+            min: self.cost,
+            want: Tokens::from_atto(cost * n),
+            step: self.cost,
+            hold: None,
+        }
+    }
+}
+
+/// The table of waiting keys and the statements in flight.
 pub(crate) struct Coalescer {
-    shards: Box<[Mutex<HashMap<String, InFlight>>]>,
-    hasher: RandomState,
+    state: Mutex<State>,
+    settings: Settings,
 }
 
 impl std::fmt::Debug for Coalescer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Coalescer").finish_non_exhaustive()
+        f.debug_struct("Coalescer")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
     }
 }
 
 impl Coalescer {
-    pub(crate) fn new() -> Arc<Self> {
+    pub(crate) fn new(settings: Settings) -> Arc<Self> {
         Arc::new(Coalescer {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-            hasher: RandomState::new(),
+            state: Mutex::new(State::default()),
+            settings: Settings {
+                max_in_flight: settings.max_in_flight.max(1),
+                max_batch: settings.max_batch.max(1),
+                max_queued: settings.max_queued.max(1),
+            },
         })
     }
 
-    fn shard(&self, key: &str) -> &Mutex<HashMap<String, InFlight>> {
-        &self.shards[self.hasher.hash_one(key) as usize & (SHARDS - 1)]
-    }
-
-    /// Takes `cost` from `key`'s bucket, sharing the statement with concurrent callers.
+    /// Takes `cost` from `key`'s bucket, in a statement shared with other callers, answering by
+    /// `deadline` at the latest.
     ///
     /// # Cancel safety
     ///
-    /// Cancel safe in the sense that matters: dropping the future never leaves the key stuck.
-    /// A dropped leader hands the queue on as if it had finished; a dropped waiter's share of a
-    /// grant is counted as spent.
+    /// Cancel safe in the sense that matters: statements run in their own tasks, so dropping
+    /// the future never stalls a key or other callers; a dropped caller's share of a grant is
+    /// counted as spent.
     pub(crate) async fn take(
         self: &Arc<Self>,
         store: &Arc<dyn Store>,
         key: &str,
         bucket: BucketConfig,
         cost: Tokens,
-    ) -> Result<Acquired, StoreError> {
-        let queued = {
-            let mut shard = self.shard(key).lock();
-            match shard.get_mut(key) {
-                Some(in_flight) => {
-                    let (reply, rx) = oneshot::channel();
-                    in_flight.queue.push(Waiter { cost, reply });
-                    Some(rx)
-                }
-                None => {
-                    shard.insert(key.to_owned(), InFlight::default());
-                    None
-                }
+        deadline: Instant,
+    ) -> Result<Acquired, Unanswered> {
+        let (reply, rx) = oneshot::channel();
+        let batch = {
+            let mut state = self.state.lock();
+            if state.queued >= self.settings.max_queued {
+                return Err(Unanswered::Overloaded);
             }
-        };
-        if let Some(rx) = queued {
-            return rx.await.unwrap_or_else(|_| {
-                Err(StoreError::Protocol(
-                    "the shared statement was abandoned".into(),
-                ))
+            state.queued += 1;
+            let State { keys, ready, .. } = &mut *state;
+            if !keys.contains_key(key) {
+                keys.insert(key.to_owned(), KeyQueue::default());
+            }
+            let entry = keys.get_mut(key).expect("inserted above");
+            entry.waiters.push_back(Waiter {
+                bucket,
+                cost,
+                deadline,
+                reply,
             });
-        }
-        let mut guard = HandOff {
-            coalescer: Arc::clone(self),
-            store: Arc::clone(store),
-            key: key.to_owned(),
-            bucket,
-            failed: None,
+            if !entry.busy && !entry.ready {
+                entry.ready = true;
+                ready.push_back(key.to_owned());
+            }
+            state.next_batch(&self.settings, Instant::now())
         };
-        metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
-        let result = store.acquire(AcquireRequest::take(key, bucket, cost)).await;
-        if let Err(err) = &result {
-            metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
-            // Callers that queued behind a failed statement share its failure at once, instead
-            // of waiting for another round (and another timeout): no caller waits longer than
-            // one call timeout.
-            guard.failed = Some(err.clone());
+        if let Some(batch) = batch {
+            self.spawn(store, batch);
         }
-        drop(guard);
-        result
+        match tokio::time::timeout_at(deadline, rx).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) => Err(Unanswered::Store),
+            Err(_) => Err(Unanswered::Deadline),
+        }
     }
 
-    /// Called when a statement for `key` finished (or its caller went away): serve the queue in
-    /// a background task, or mark the key idle. After a failed statement, the queued callers
-    /// get its error.
-    fn hand_off(
-        self: Arc<Self>,
-        store: Arc<dyn Store>,
-        key: String,
-        bucket: BucketConfig,
-        failed: Option<StoreError>,
-    ) {
-        {
-            let mut shard = self.shard(&key).lock();
-            let Some(in_flight) = shard.get(&key) else {
-                return;
+    fn spawn(self: &Arc<Self>, store: &Arc<dyn Store>, batch: Vec<Item>) {
+        tokio::spawn(Arc::clone(self).run(Arc::clone(store), batch));
+    }
+
+    /// Sends `batch` as one statement and answers its callers; then, while callers are waiting
+    /// and a slot is free, sends the next statement from the same task.
+    async fn run(self: Arc<Self>, store: Arc<dyn Store>, mut batch: Vec<Item>) {
+        loop {
+            let mut flight = Flight {
+                coalescer: &self,
+                keys: batch.iter().map(|item| item.key.clone()).collect(),
+                armed: true,
             };
-            if let Some(err) = failed {
-                let waiters = shard.remove(&key).map(|f| f.queue).unwrap_or_default();
-                drop(shard);
-                for waiter in waiters {
-                    let _ = waiter.reply.send(Err(err.clone()));
+            let result = {
+                let requests: Vec<AcquireRequest<'_>> = batch.iter().map(Item::request).collect();
+                metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
+                match store.acquire_many(&requests).await {
+                    Ok(answers) if answers.len() == requests.len() => Ok(answers),
+                    Ok(answers) => Err(StoreError::Protocol(format!(
+                        "{} answers for {} requests",
+                        answers.len(),
+                        requests.len()
+                    ))),
+                    Err(err) => Err(err),
                 }
-                return;
+            };
+            if result.is_err() {
+                metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
             }
-            if in_flight.queue.is_empty() {
-                shard.remove(&key);
-                return;
+            flight.armed = false;
+            let mut next = self.finish(batch, result);
+            drop(flight);
+            batch = match next.pop() {
+                Some(batch) => batch,
+                None => return,
+            };
+            for other in next {
+                self.spawn(&store, other);
             }
         }
-        match tokio::runtime::Handle::try_current() {
-            Ok(handle) => {
-                handle.spawn(async move { self.drain(store, key, bucket).await });
+    }
+
+    /// Answers a finished statement's callers and those queued behind it that its answer
+    /// decides, frees its keys and its slot, and returns the statements to send next.
+    fn finish(
+        &self,
+        batch: Vec<Item>,
+        result: Result<Vec<Acquired>, StoreError>,
+    ) -> Vec<Vec<Item>> {
+        let mut answers: Vec<(Reply, Result<Acquired, Unanswered>)> = Vec::new();
+        let keys: Vec<(String, BucketConfig)> = batch
+            .iter()
+            .map(|item| (item.key.clone(), item.bucket))
+            .collect();
+        let outcomes: Vec<Option<Acquired>> = match result {
+            Ok(acquired) => {
+                for (item, acquired) in batch.into_iter().zip(&acquired) {
+                    share_out(item, acquired, &mut answers);
+                }
+                acquired.into_iter().map(Some).collect()
             }
             Err(_) => {
-                // No runtime (shutting down): drop the waiters' senders; they see an error.
-                self.shard(&key).lock().remove(&key);
-            }
-        }
-    }
-
-    /// Serves queued callers, one statement per round, until the queue is empty.
-    async fn drain(self: Arc<Self>, store: Arc<dyn Store>, key: String, bucket: BucketConfig) {
-        loop {
-            let batch = {
-                let mut shard = self.shard(&key).lock();
-                let Some(in_flight) = shard.get_mut(&key) else {
-                    return;
-                };
-                if in_flight.queue.is_empty() {
-                    shard.remove(&key);
-                    return;
-                }
-                take_batch(&mut in_flight.queue, bucket.capacity())
-            };
-            let cost = batch[0].cost;
-            let want = Tokens::from_atto(cost.as_atto() * batch.len() as u128);
-            let request = AcquireRequest {
-                key: &key,
-                bucket,
-                min: cost,
-                want,
-                step: cost,
-                hold: None,
-            };
-            metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
-            match store.acquire(request).await {
-                Ok(acquired) => share_out(batch, &acquired, &bucket),
-                Err(err) => {
-                    metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
-                    // Everyone queued now shares the failure: no caller waits another round.
-                    let rest = self
-                        .shard(&key)
-                        .lock()
-                        .remove(&key)
-                        .map(|f| f.queue)
-                        .unwrap_or_default();
-                    for waiter in batch.into_iter().chain(rest) {
-                        let _ = waiter.reply.send(Err(err.clone()));
+                for item in batch {
+                    for waiter in item.waiters {
+                        answers.push((waiter.reply, Err(Unanswered::Store)));
                     }
-                    return;
                 }
-            }
-        }
-    }
-}
-
-/// Takes from the front of the queue the waiters of the first waiter's cost, as many as fit in
-/// one bucket; the others keep their places.
-fn take_batch(queue: &mut Vec<Waiter>, capacity: Tokens) -> Vec<Waiter> {
-    let cost = queue[0].cost;
-    let max = std::cmp::max(1, capacity.as_atto() / std::cmp::max(cost.as_atto(), 1)) as usize;
-    let mut batch = Vec::new();
-    let mut rest = Vec::new();
-    for waiter in queue.drain(..) {
-        if waiter.cost == cost && batch.len() < max {
-            batch.push(waiter);
-        } else {
-            rest.push(waiter);
-        }
-    }
-    *queue = rest;
-    batch
-}
-
-/// Hands a grant of `k × cost` to the first `k` waiters; the rest are denied.
-fn share_out(batch: Vec<Waiter>, acquired: &Acquired, bucket: &BucketConfig) {
-    let cost = batch[0].cost.as_atto().max(1);
-    let admitted = (acquired.granted.as_atto() / cost) as usize;
-    let denied_retry =
-        nanos(bucket.time_to_refill(Tokens::from_atto(cost).saturating_sub(acquired.remaining)));
-    for (i, waiter) in batch.into_iter().enumerate() {
-        let reply = if i < admitted {
-            // What this caller would have seen had the takes after it not happened yet.
-            let later = (admitted - 1 - i) as u128 * cost;
-            Acquired {
-                granted: waiter.cost,
-                remaining: acquired.remaining.saturating_add(Tokens::from_atto(later)),
-                retry_after: std::time::Duration::ZERO,
-                ..*acquired
-            }
-        } else {
-            Acquired {
-                granted: Tokens::ZERO,
-                retry_after: std::cmp::max(acquired.retry_after, denied_retry),
-                ..*acquired
+                keys.iter().map(|_| None).collect()
             }
         };
-        // A caller that went away has its share counted as spent.
-        let _ = waiter.reply.send(Ok(reply));
+        let next = {
+            let mut state = self.state.lock();
+            state.in_flight -= 1;
+            for ((key, bucket), outcome) in keys.into_iter().zip(outcomes) {
+                let State {
+                    keys: table,
+                    ready,
+                    queued,
+                    ..
+                } = &mut *state;
+                let Some(entry) = table.get_mut(&key) else {
+                    continue;
+                };
+                entry.busy = false;
+                let before = entry.waiters.len();
+                match outcome {
+                    Some(acquired) => {
+                        deny_from(&acquired, &bucket, &mut entry.waiters, &mut answers);
+                    }
+                    None => {
+                        // Callers queued behind a failed statement share its failure at once
+                        // rather than wait for another: the store is failing.
+                        for waiter in entry.waiters.drain(..) {
+                            answers.push((waiter.reply, Err(Unanswered::Store)));
+                        }
+                    }
+                }
+                *queued -= before - entry.waiters.len();
+                if entry.waiters.is_empty() {
+                    table.remove(&key);
+                } else if !entry.ready {
+                    entry.ready = true;
+                    ready.push_back(key);
+                }
+            }
+            let now = Instant::now();
+            let mut next = Vec::new();
+            while let Some(batch) = state.next_batch(&self.settings, now) {
+                next.push(batch);
+            }
+            next
+        };
+        for (reply, answer) in answers {
+            // A caller that went away has its share counted as spent.
+            let _ = reply.send(answer);
+        }
+        next
+    }
+
+    /// Frees the slot and the keys of a statement whose task was dropped before it finished
+    /// (the runtime shut down): its callers see their reply channel closed.
+    fn abandon(&self, keys: &[String]) {
+        let mut state = self.state.lock();
+        state.in_flight -= 1;
+        let State {
+            keys: table, ready, ..
+        } = &mut *state;
+        for key in keys {
+            let Some(entry) = table.get_mut(key) else {
+                continue;
+            };
+            entry.busy = false;
+            if entry.waiters.is_empty() {
+                table.remove(key);
+            } else if !entry.ready {
+                entry.ready = true;
+                ready.push_back(key.clone());
+            }
+        }
     }
 }
 
-/// Hands the key on when the leader's statement ends, even if the leader's future is dropped.
-struct HandOff {
-    coalescer: Arc<Coalescer>,
-    store: Arc<dyn Store>,
-    key: String,
-    bucket: BucketConfig,
-    /// The leader's statement failed with this: the queue shares the failure.
-    failed: Option<StoreError>,
+/// Gives a statement's slot and keys back if its task is dropped mid-flight.
+struct Flight<'a> {
+    coalescer: &'a Coalescer,
+    keys: Vec<String>,
+    armed: bool,
 }
 
-impl Drop for HandOff {
+impl Drop for Flight<'_> {
     fn drop(&mut self) {
-        let key = std::mem::take(&mut self.key);
-        let failed = self.failed.take();
-        Arc::clone(&self.coalescer).hand_off(Arc::clone(&self.store), key, self.bucket, failed);
+        if self.armed {
+            self.coalescer.abandon(&self.keys);
+        }
     }
+}
+
+impl State {
+    /// The next statement, if a slot is free and callers are waiting: up to `max_batch` ready
+    /// keys, each with the callers of its first caller's cost, sorted by key. Callers that gave
+    /// up or whose deadline passed leave the queue here.
+    fn next_batch(&mut self, settings: &Settings, now: Instant) -> Option<Vec<Item>> {
+        if self.in_flight >= settings.max_in_flight {
+            return None;
+        }
+        let mut items = Vec::new();
+        while items.len() < settings.max_batch {
+            let Some(key) = self.ready.pop_front() else {
+                break;
+            };
+            let Some(entry) = self.keys.get_mut(&key) else {
+                continue;
+            };
+            entry.ready = false;
+            let before = entry.waiters.len();
+            let mut group = Vec::new();
+            let mut rest = VecDeque::new();
+            let mut first: Option<(Tokens, BucketConfig)> = None;
+            for waiter in entry.waiters.drain(..) {
+                if waiter.reply.is_closed() {
+                    continue;
+                }
+                if waiter.deadline <= now {
+                    let _ = waiter.reply.send(Err(Unanswered::Deadline));
+                    continue;
+                }
+                let shape = *first.get_or_insert((waiter.cost, waiter.bucket));
+                if (waiter.cost, waiter.bucket) == shape {
+                    group.push(waiter);
+                } else {
+                    rest.push_back(waiter);
+                }
+            }
+            entry.waiters = rest;
+            self.queued -= before - entry.waiters.len();
+            let Some((cost, bucket)) = first else {
+                self.keys.remove(&key);
+                continue;
+            };
+            entry.busy = true;
+            items.push(Item {
+                key,
+                bucket,
+                cost,
+                waiters: group,
+            });
+        }
+        if items.is_empty() {
+            return None;
+        }
+        self.in_flight += 1;
+        items.sort_unstable_by(|a, b| a.key.cmp(&b.key));
+        Some(items)
+    }
+}
+
+/// The bucket as a statement left it: `remaining` tokens, refilled up to the store's time plus
+/// however far the row's refill time was ahead of it (another writer's clock). The `ahead` part
+/// is recovered exactly from `reset_after = ahead + time_to_refill(capacity − remaining)`.
+fn state_after(acquired: &Acquired, bucket: &BucketConfig) -> BucketState {
+    let now = timestamp_from_system_time(acquired.store_now);
+    let to_full = bucket.time_to_refill(bucket.capacity().saturating_sub(acquired.remaining));
+    let reset = u64::try_from(acquired.reset_after.as_nanos()).unwrap_or(u64::MAX);
+    BucketState {
+        tokens: acquired.remaining,
+        last_refill: now.saturating_add(reset.saturating_sub(to_full)),
+    }
+}
+
+/// The pure bucket's denial of `cost` from `state` at `acquired`'s store time, or `None` when
+/// it would allow it.
+fn denial(
+    state: BucketState,
+    acquired: &Acquired,
+    bucket: &BucketConfig,
+    cost: Tokens,
+) -> Option<Acquired> {
+    let now = timestamp_from_system_time(acquired.store_now);
+    match state.take(bucket, now, cost) {
+        Ok((
+            _,
+            Outcome::Denied {
+                remaining,
+                retry_after,
+            },
+        )) => Some(Acquired {
+            granted: Tokens::ZERO,
+            remaining,
+            retry_after: nanos(retry_after),
+            ..*acquired
+        }),
+        _ => None,
+    }
+}
+
+/// Hands a grant of `k × cost` to the item's first `k` callers, each with what it would have
+/// seen had the takes after it not happened yet; the rest are denied as the pure bucket denies
+/// them at the statement's store time.
+fn share_out(
+    item: Item,
+    acquired: &Acquired,
+    answers: &mut Vec<(Reply, Result<Acquired, Unanswered>)>,
+) {
+    let cost = item.cost.as_atto().max(1);
+    let admitted = (acquired.granted.as_atto() / cost) as usize;
+    let state = state_after(acquired, &item.bucket);
+    let ahead = state
+        .last_refill
+        .saturating_since(timestamp_from_system_time(acquired.store_now));
+    let denied = denial(state, acquired, &item.bucket, item.cost).unwrap_or(Acquired {
+        granted: Tokens::ZERO,
+        ..*acquired
+    });
+    for (i, waiter) in item.waiters.into_iter().enumerate() {
+        let answer = if i < admitted {
+            let later = (admitted - 1 - i) as u128 * cost;
+            let remaining = acquired.remaining.saturating_add(Tokens::from_atto(later));
+            let to_full = item
+                .bucket
+                .time_to_refill(item.bucket.capacity().saturating_sub(remaining));
+            Acquired {
+                granted: waiter.cost,
+                remaining,
+                retry_after: std::time::Duration::ZERO,
+                reset_after: nanos(ahead.saturating_add(to_full)),
+                store_now: acquired.store_now,
+            }
+        } else {
+            denied
+        };
+        answers.push((waiter.reply, Ok(answer)));
+    }
+}
+
+/// Denies, from a statement's answer for their key, the callers queued behind it that ask for
+/// more than the bucket had left: the pure bucket at the statement's store time denies them,
+/// and a denial changes nothing in the bucket, so no other decision moves. They queued while
+/// the statement was in flight, so that store time falls within their wait or just before it.
+/// Callers whose cost the bucket still holds, or under another bucket shape, stay queued.
+fn deny_from(
+    acquired: &Acquired,
+    bucket: &BucketConfig,
+    waiters: &mut VecDeque<Waiter>,
+    answers: &mut Vec<(Reply, Result<Acquired, Unanswered>)>,
+) {
+    if waiters.iter().all(|w| w.cost <= acquired.remaining) {
+        return;
+    }
+    let state = state_after(acquired, bucket);
+    let mut rest = VecDeque::with_capacity(waiters.len());
+    for waiter in waiters.drain(..) {
+        let denied = (waiter.bucket == *bucket && waiter.cost > acquired.remaining)
+            .then(|| denial(state, acquired, bucket, waiter.cost))
+            .flatten();
+        match denied {
+            Some(answer) => answers.push((waiter.reply, Ok(answer))),
+            None => rest.push_back(waiter),
+        }
+    }
+    *waiters = rest;
 }

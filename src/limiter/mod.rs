@@ -24,6 +24,13 @@ mod coalesce;
 
 use coalesce::Coalescer;
 
+/// The direct-mode deadline when the store does not say what its call timeout is.
+const DEFAULT_CALL_DEADLINE: Duration = Duration::from_secs(1);
+/// Direct-mode statements in flight when the store does not say how many calls it runs at once.
+const DEFAULT_STATEMENTS_IN_FLIGHT: usize = 4;
+/// Keys in one direct-mode statement; `DESIGN.md` §7 explains the figure.
+const DEFAULT_BATCH_KEYS: usize = 256;
+
 /// Who made a [`Decision`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -102,6 +109,8 @@ struct Inner {
     /// index here.
     plans: Box<[Arc<Plan>]>,
     coalescer: Option<Arc<Coalescer>>,
+    /// How long a direct-mode call waits for the store before the fallback decides.
+    call_deadline: Duration,
     fallback: Fallback,
     /// The lease table and its actor, started by the first call on a leased plan.
     leases: OnceLock<Arc<Leases>>,
@@ -123,6 +132,9 @@ pub struct LimiterBuilder {
     store: Arc<dyn Store>,
     policies: Option<Policies>,
     coalesce: bool,
+    call_deadline: Option<Duration>,
+    statements_in_flight: Option<usize>,
+    batch_keys: usize,
     table: TableSettings,
 }
 
@@ -138,6 +150,28 @@ impl LimiterBuilder {
     /// `false` sends one statement per call (for measuring the difference).
     pub fn coalesce(mut self, on: bool) -> Self {
         self.coalesce = on;
+        self
+    }
+
+    /// The longest a direct-mode call waits for the store; past it, the plan's fallback decides
+    /// the call at once. Defaults to the store's call timeout ([`Store::call_timeout`]), or 1 s
+    /// for a store that does not say.
+    pub fn call_deadline(mut self, d: Duration) -> Self {
+        self.call_deadline = Some(d);
+        self
+    }
+
+    /// The most direct-mode statements in flight at once. Callers that arrive while this many
+    /// are in flight wait, and the next statement carries all their keys. Defaults to the
+    /// store's [`Store::max_concurrent_calls`] (the pool size), or 4.
+    pub fn statements_in_flight(mut self, n: usize) -> Self {
+        self.statements_in_flight = Some(n.max(1));
+        self
+    }
+
+    /// The most keys one direct-mode statement carries. Defaults to 256 (`DESIGN.md` §7).
+    pub fn batch_keys(mut self, n: usize) -> Self {
+        self.batch_keys = n.max(1);
         self
     }
 
@@ -158,6 +192,21 @@ impl LimiterBuilder {
 
     /// The limiter.
     pub fn build(self) -> Limiter {
+        let call_deadline = self
+            .call_deadline
+            .or_else(|| self.store.call_timeout())
+            .unwrap_or(DEFAULT_CALL_DEADLINE);
+        let max_in_flight = self
+            .statements_in_flight
+            .or_else(|| self.store.max_concurrent_calls())
+            .unwrap_or(DEFAULT_STATEMENTS_IN_FLIGHT)
+            .max(1);
+        let settings = coalesce::Settings {
+            max_in_flight,
+            max_batch: self.batch_keys,
+            // What the next round of statements could carry, one key per caller.
+            max_queued: max_in_flight.saturating_mul(self.batch_keys),
+        };
         Limiter {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -168,7 +217,8 @@ impl LimiterBuilder {
                     .cloned()
                     .collect(),
                 policies: self.policies,
-                coalescer: self.coalesce.then(Coalescer::new),
+                coalescer: self.coalesce.then(|| Coalescer::new(settings)),
+                call_deadline,
                 fallback: Fallback::default(),
                 leases: OnceLock::new(),
                 table: self.table,
@@ -189,6 +239,9 @@ impl Limiter {
             store,
             policies: None,
             coalesce: true,
+            call_deadline: None,
+            statements_in_flight: None,
+            batch_keys: DEFAULT_BATCH_KEYS,
             table: TableSettings {
                 max_entries: 100_000,
                 tick: Duration::from_millis(50),
@@ -475,22 +528,29 @@ impl Limiter {
             .get_or_init(|| Leases::start(Arc::clone(&self.inner.store), self.inner.table))
     }
 
-    /// Direct mode: one store statement (shared with concurrent callers of the key).
+    /// Direct mode: one store statement (shared with concurrent callers), answered by the call
+    /// deadline; the fallback decides whatever the store did not answer in time.
     async fn direct(&self, plan: &Plan, key: &str, cost: Tokens) -> Result<Decision, Error> {
         let bucket = *plan.bucket();
+        let deadline = tokio::time::Instant::now() + self.inner.call_deadline;
         let result = match &self.inner.coalescer {
-            Some(coalescer) => coalescer.take(&self.inner.store, key, bucket, cost).await,
+            Some(coalescer) => coalescer
+                .take(&self.inner.store, key, bucket, cost, deadline)
+                .await
+                .map_err(drop),
             None => {
                 metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
-                let result = self
+                let call = self
                     .inner
                     .store
-                    .acquire(AcquireRequest::take(key, bucket, cost))
-                    .await;
-                if result.is_err() {
-                    metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
+                    .acquire(AcquireRequest::take(key, bucket, cost));
+                match tokio::time::timeout_at(deadline, call).await {
+                    Ok(Ok(acquired)) => Ok(acquired),
+                    Ok(Err(_)) | Err(_) => {
+                        metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
+                        Err(())
+                    }
                 }
-                result
             }
         };
         match result {

@@ -377,6 +377,14 @@ impl<S: Store> Store for CircuitBreaker<S> {
     async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
         self.call(|| self.inner.inspect(key)).await
     }
+
+    fn call_timeout(&self) -> Option<Duration> {
+        self.inner.call_timeout()
+    }
+
+    fn max_concurrent_calls(&self) -> Option<usize> {
+        self.inner.max_concurrent_calls()
+    }
 }
 
 #[cfg(test)]

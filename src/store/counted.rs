@@ -80,6 +80,14 @@ impl<S: Store> Store for CountedStore<S> {
     async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
         self.inner.inspect(key).await
     }
+
+    fn call_timeout(&self) -> Option<std::time::Duration> {
+        self.inner.call_timeout()
+    }
+
+    fn max_concurrent_calls(&self) -> Option<usize> {
+        self.inner.max_concurrent_calls()
+    }
 }
 
 #[cfg(test)]

@@ -273,6 +273,20 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     ///
     /// [`StoreError`] when the store could not answer.
     async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError>;
+
+    /// The bound this store puts on one call, if it has one (see "Timeouts are the store's job"
+    /// above). The direct-mode limiter gives each caller the same deadline by default. `None`
+    /// unless the store says.
+    fn call_timeout(&self) -> Option<Duration> {
+        None
+    }
+
+    /// How many calls the store runs at once (its connection pool), if that is bounded. The
+    /// direct-mode limiter keeps at most this many statements in flight by default. `None`
+    /// unless the store says.
+    fn max_concurrent_calls(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Converts nanoseconds to a [`Duration`].

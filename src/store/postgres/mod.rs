@@ -51,6 +51,7 @@ type Manager = ConnectionManager;
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool<Manager>,
+    pool_size: u32,
     call_timeout: Duration,
     pool_wait_timeout: Duration,
     /// Bounds each of the two steps of abandoning a statement (the cancel request, then the
@@ -201,6 +202,7 @@ impl PostgresStoreBuilder {
             .build_unchecked(manager);
         let store = PostgresStore {
             pool,
+            pool_size: self.pool_size,
             call_timeout: self.call_timeout,
             pool_wait_timeout: self.pool_wait_timeout,
             cancel_timeout: self.connect_timeout,
@@ -584,5 +586,13 @@ impl Store for PostgresStore {
                 })
             })
             .transpose()
+    }
+
+    fn call_timeout(&self) -> Option<Duration> {
+        Some(self.call_timeout)
+    }
+
+    fn max_concurrent_calls(&self) -> Option<usize> {
+        Some(self.pool_size as usize)
     }
 }
