@@ -8,7 +8,8 @@
 //! governor's quota is), so both sides measure the allowed path. After the criterion run the
 //! table prints, per key count, the store calls the limiter made per 1,000 calls while measured
 //! (refills and give-backs, counted by `CountedStore`) and the share of calls its leases
-//! answered.
+//! answered. `TOKENLEASE_BENCH_ONLY=readme` runs this group alone, and
+//! `TOKENLEASE_BENCH_KEYS=100000` only the listed key counts.
 
 use std::hint::black_box;
 use std::num::NonZeroU32;
@@ -44,6 +45,18 @@ pub(crate) struct Seen {
     pub(crate) store_calls: u64,
     /// Calls a lease did not answer (decided by the store, the fallback, or denied).
     pub(crate) off_lease: u64,
+    /// Resident memory the limiter added per key once warm (lease table and in-memory store).
+    pub(crate) rss_per_key: f64,
+    /// Resident memory governor's keyed limiter added per key.
+    pub(crate) governor_rss_per_key: f64,
+}
+
+/// This process's resident set size, from `/proc/self/statm` (Linux; 0 elsewhere).
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * 4096)
 }
 
 fn key_name(i: usize) -> String {
@@ -105,8 +118,14 @@ pub(crate) fn bench(c: &mut Criterion) -> Vec<Seen> {
     let mut seen = Vec::new();
     let mut group = c.benchmark_group("readme_api");
     group.throughput(Throughput::Elements(1));
-    for n in KEY_COUNTS {
+    // `TOKENLEASE_BENCH_KEYS=100000,1000000` measures only those key counts.
+    let counts: Vec<usize> = std::env::var("TOKENLEASE_BENCH_KEYS").map_or_else(
+        |_| KEY_COUNTS.to_vec(),
+        |v| v.split(',').filter_map(|n| n.trim().parse().ok()).collect(),
+    );
+    for n in counts {
         let keys: Arc<Vec<String>> = Arc::new((0..n).map(key_name).collect());
+        let rss_before = rss_bytes();
         let calls = Arc::new(AtomicU64::new(0));
         let store = CountedStore::with_counter(MemoryStore::new(), Arc::clone(&calls));
         let limiter =
@@ -114,6 +133,7 @@ pub(crate) fn bench(c: &mut Criterion) -> Vec<Seen> {
         warm(&runtime, &limiter, &keys);
         let mut run = Seen {
             keys: n,
+            rss_per_key: rss_bytes().saturating_sub(rss_before) as f64 / n as f64,
             ..Seen::default()
         };
         let store_before = calls.load(Ordering::Relaxed);
@@ -141,10 +161,13 @@ pub(crate) fn bench(c: &mut Criterion) -> Vec<Seen> {
         runtime.block_on(limiter.shutdown());
         drop(limiter);
 
+        let rss_before = rss_bytes();
         let keyed = RateLimiter::keyed(Quota::per_second(NonZeroU32::MAX));
         for key in keys.iter() {
             assert!(keyed.check_key(key).is_ok());
         }
+        seen.last_mut().expect("this run").governor_rss_per_key =
+            rss_bytes().saturating_sub(rss_before) as f64 / n as f64;
         let mut i = 0usize;
         group.bench_function(format!("governor_keyed/{n}_keys"), |b| {
             b.iter(|| {
@@ -164,9 +187,9 @@ pub(crate) fn bench(c: &mut Criterion) -> Vec<Seen> {
 pub(crate) fn print_table(seen: &[Seen], criterion_ns: &dyn Fn(&str, &str) -> Option<f64>) {
     let fmt = |v: Option<f64>| v.map_or("–".to_owned(), |v| format!("{v:.1}"));
     println!(
-        "\n| README API, `try_acquire(key, 1.0).await`, lease {{}} | tokenlease (ns/call) | governor keyed (ns/call) | governor ÷ tokenlease | store calls / 1,000 calls | calls off the lease |"
+        "\n| README API, `try_acquire(key, 1.0).await`, lease {{}} | tokenlease (ns/call) | governor keyed (ns/call) | governor ÷ tokenlease | store calls / 1,000 calls | calls off the lease | RSS per key, tokenlease / governor |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     for run in seen {
         let ours = criterion_ns("readme_api", &format!("tokenlease/{}_keys", run.keys));
         let theirs = criterion_ns("readme_api", &format!("governor_keyed/{}_keys", run.keys));
@@ -180,14 +203,16 @@ pub(crate) fn print_table(seen: &[Seen], criterion_ns: &dyn Fn(&str, &str) -> Op
             format!("{:.3}", run.store_calls as f64 * 1000.0 / run.calls as f64)
         };
         println!(
-            "| {} keys | {} | {} | {} | {} | {} of {} |",
+            "| {} keys | {} | {} | {} | {} | {} of {} | {:.0} B / {:.0} B |",
             run.keys,
             fmt(ours),
             fmt(theirs),
             ratio,
             per_thousand,
             run.off_lease,
-            run.calls
+            run.calls,
+            run.rss_per_key,
+            run.governor_rss_per_key
         );
     }
 }
