@@ -142,7 +142,7 @@ fn sweep(
         if word & PENDING != 0 && seen.insert(Arc::as_ptr(slot) as usize) {
             due.push(Arc::clone(slot));
         }
-        if word & CLOSED == 0 && now >= book.expires_at {
+        if word & CLOSED == 0 && now >= book.expires_at && !renew_if_spent(slot, &mut book, now) {
             let reclaimed = slot.words().close();
             book.reclaimed += reclaimed;
             queue_return(returns, ids, slot, reclaimed, book.lease());
@@ -167,6 +167,28 @@ fn sweep(
         drop(table);
         leases.table.pin().compact();
     }
+}
+
+/// At a relaxed lease's expiry: if callers spent from it during its lifetime, it lives another
+/// lifetime instead of closing, and `true` is returned. A relaxed lease's unspent tokens are
+/// already out of the shared bucket, and the overshoot bound (`N·B`, DESIGN.md §8) holds
+/// whatever its age; the lifetime exists so that tokens of a key nobody calls go back. Closing an
+/// active lease instead would send its next caller to wait for a refill, and a lease sized for a
+/// lifetime of demand that its callers had not yet drained to the low-water mark would close
+/// under them (with many keys, all at once). A strict lease always closes: the store stops
+/// counting it two lifetimes after its renewal was sent (§13).
+fn renew_if_spent(slot: &Slot, book: &mut super::slot::Book, now: u64) -> bool {
+    let settings = lease_settings(slot);
+    if settings.accounting != Accounting::Relaxed {
+        return false;
+    }
+    let spent = book.spent(slot.words().available());
+    if spent == book.spent_at_renewal {
+        return false;
+    }
+    book.spent_at_renewal = spent;
+    book.expires_at = now.saturating_add(settings.ttl.as_nanos() as u64);
+    true
 }
 
 /// Queues `amount` nanotokens of `slot` to go back to the store, under a fresh return id,
@@ -489,6 +511,7 @@ fn apply(
         book.credited = (book.credited + granted).saturating_sub(unplaced);
         if strict.is_none() {
             book.expires_at = now.saturating_add(ttl);
+            book.spent_at_renewal = book.spent(slot.words().available());
         }
         book.active_at = now;
         // Less than wanted: the bucket is scarce. No background top-up then (it would find the

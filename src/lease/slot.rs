@@ -84,6 +84,10 @@ pub(crate) struct Book {
     /// How much had been spent at the sweep that last saw it change: the sweep's own sample,
     /// apart from the demand sample, which only refills take.
     pub(crate) spent_at_sweep: u64,
+    /// How much had been spent when the relaxed lease last got a new lifetime (a top-up, or a
+    /// renewal at expiry because it was spent from): at expiry, a lease spent from since lives
+    /// on, and one that was not closes.
+    pub(crate) spent_at_renewal: u64,
     /// The target lease size at the last refill (nanotokens).
     pub(crate) target: u64,
     /// The store's last answer granted nothing: the next refill asks for a whole lease or

@@ -177,7 +177,9 @@ impl LimiterBuilder {
 
     /// The most keys the lease table holds. Beyond it, new keys are decided without a lease (one
     /// store call each) while the actor evicts idle keys, so memory stays bounded however many
-    /// distinct keys arrive. Defaults to 100,000.
+    /// distinct keys arrive. Defaults to 1,000,000: a service with a limit per customer or per
+    /// booking has that many active keys, and the table costs nothing for keys it does not
+    /// hold (its memory per held key is in `DESIGN.md` §8).
     pub fn max_lease_keys(mut self, n: usize) -> Self {
         self.table.max_entries = n.max(1);
         self
@@ -243,7 +245,7 @@ impl Limiter {
             statements_in_flight: None,
             batch_keys: DEFAULT_BATCH_KEYS,
             table: TableSettings {
-                max_entries: 100_000,
+                max_entries: 1_000_000,
                 tick: Duration::from_millis(50),
             },
         }
