@@ -1,23 +1,30 @@
 //! The lease actor: refills, expiry, eviction and give-backs for one lease table.
 //!
-//! One tokio task per limiter. It sleeps until a caller nudges it or its tick comes, then:
-//! 1. gathers the slots that asked for a refill (nudges, plus a scan for `PENDING` on ticks),
-//! 2. on ticks, closes expired leases (their tokens go back) and evicts idle keys,
+//! One tokio task per limiter. It sleeps until a caller nudges it, the earliest entry of its
+//! due-queue comes, or a gauge update is due, then:
+//! 1. gathers the slots that asked for a refill (nudges; after a dropped nudge, one scan of the
+//!    table for `PENDING`),
+//! 2. handles the due-queue entries due within a tick: closes expired leases (their tokens go
+//!    back), evicts keys idle for a lease lifetime after closing, and re-queues the rest,
 //! 3. refills every gathered slot with one `acquire_many` statement per 256 keys,
 //! 4. gives back what was reclaimed, one statement per 256 keys, retrying failures with the
 //!    same return ids (so a retry never credits twice).
 //!
+//! Its work follows what is due, not the number of keys: a slot is looked at when its lease
+//! expires and when its idle check comes, and an idle table with nothing due costs no wake-up.
+//!
 //! Only the actor adds tokens to a word or takes them back, and it handles one round at a time,
 //! so at most one refill is in flight per key.
 
-use std::collections::HashSet;
+use std::cmp::Ordering as Order;
+use std::collections::{BinaryHeap, HashSet};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::Leases;
-use super::slot::Slot;
+use super::slot::{Book, Slot};
 use super::word::{CLOSED, PENDING, TOKENS};
 use crate::bucket::Tokens;
 use crate::metrics as m;
@@ -34,6 +41,12 @@ const RETURN_ATTEMPTS: u32 = 5;
 /// After a failed refill, callers of the key go to the fallback for this long instead of
 /// waiting for another refill.
 const FAILURE_BACKOFF: Duration = Duration::from_millis(100);
+/// A table of more keys than this has its outstanding-tokens gauge summed at most once per
+/// [`SLOW_PASS`]; a smaller one (a pass of microseconds) as often as once per tick.
+const SMALL_TABLE: usize = 4096;
+/// The least time between two passes over a large table for the outstanding gauge, and the
+/// longest a pass waits for the actor to fall quiet after work.
+const SLOW_PASS: u64 = 1_000_000_000;
 
 /// Unused tokens on their way back to the store.
 struct Return {
@@ -58,23 +71,143 @@ impl Ids {
     }
 }
 
+/// One entry of the due-queue: look at `slot` at `at` (local monotonic ns).
+struct Due {
+    at: u64,
+    seq: u64,
+    slot: Arc<Slot>,
+}
+
+impl PartialEq for Due {
+    fn eq(&self, other: &Due) -> bool {
+        (self.at, self.seq) == (other.at, other.seq)
+    }
+}
+
+impl Eq for Due {}
+
+impl PartialOrd for Due {
+    fn partial_cmp(&self, other: &Due) -> Option<Order> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Due {
+    /// Reversed, so that `BinaryHeap` (a max-heap) pops the earliest entry first.
+    fn cmp(&self, other: &Due) -> Order {
+        (other.at, other.seq).cmp(&(self.at, self.seq))
+    }
+}
+
+/// The actor's due-queue: when to look at which slot next (its lease's expiry, or its idle
+/// check). Each slot has at most one live entry, recorded in its [`Book`] (`timer`, `timer_at`),
+/// so the queue holds at most one entry per key in the table.
+#[derive(Default)]
+struct Timers {
+    heap: BinaryHeap<Due>,
+    seq: u64,
+}
+
+impl Timers {
+    /// Makes sure `slot` is looked at by `at`: queues an entry unless the slot has one due no
+    /// later. A due time only moves later (a top-up moves the expiry on; the actor handles
+    /// entries before the round's refills, so a refill's expiry is later than any entry
+    /// queued before it), so in practice this queues only a slot that has no entry. Should an
+    /// entry be replaced by an earlier one, the old one is skipped when it comes up.
+    fn arm(&mut self, slot: &Arc<Slot>, book: &mut Book, at: u64) {
+        if book.timer != 0 && book.timer_at <= at {
+            return;
+        }
+        self.seq += 1;
+        book.timer = self.seq;
+        book.timer_at = at;
+        self.heap.push(Due {
+            at,
+            seq: self.seq,
+            slot: Arc::clone(slot),
+        });
+    }
+
+    /// When the earliest entry is due.
+    fn next(&self) -> Option<u64> {
+        self.heap.peek().map(|d| d.at)
+    }
+
+    /// The earliest entry, if it is due by `by`.
+    fn pop_due(&mut self, by: u64) -> Option<Due> {
+        if self.heap.peek()?.at <= by {
+            self.heap.pop()
+        } else {
+            None
+        }
+    }
+
+    /// Gives memory back after a flood of keys has left the table.
+    fn shrink(&mut self) {
+        if self.heap.capacity() > 1024 && self.heap.len() < self.heap.capacity() / 4 {
+            self.heap.shrink_to(self.heap.len() * 2);
+        }
+    }
+}
+
+/// When the outstanding-tokens gauge is summed next (a pass over every slot): after the actor
+/// did work, once it has been quiet for a tick or at the latest [`SLOW_PASS`] after the work
+/// began, and never sooner than a tick (a small table) or [`SLOW_PASS`] (a large one) after the
+/// previous pass. Nothing changes while the actor does nothing (what callers spend from a live
+/// lease aside), so an idle actor makes no pass.
+#[derive(Default)]
+struct Gauges {
+    /// When the actor first did work since the last pass; `None` when it did none.
+    dirty_since: Option<u64>,
+    /// When the actor last did work.
+    worked_at: u64,
+    /// When the last pass was made.
+    passed_at: u64,
+}
+
+impl Gauges {
+    fn due(&self, tick: u64, keys: usize) -> Option<u64> {
+        let since = self.dirty_since?;
+        let gap = if keys > SMALL_TABLE { SLOW_PASS } else { tick };
+        let quiet = self
+            .worked_at
+            .saturating_add(tick)
+            .min(since.saturating_add(SLOW_PASS));
+        Some(quiet.max(self.passed_at.saturating_add(gap)))
+    }
+}
+
 /// The actor's loop; ends after giving everything back once the limiter stops.
 pub(super) async fn run(leases: Arc<Leases>) {
-    let mut tick = tokio::time::interval(leases.settings.tick);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let tick = leases.settings.tick.as_nanos() as u64;
+    let mut timers = Timers::default();
+    let mut gauges = Gauges::default();
     let mut returns: Vec<Return> = Vec::new();
     let mut ids = Ids {
         hasher: RandomState::new(),
         next: 0,
     };
     loop {
-        let scan = tokio::select! {
-            () = leases.wake.notified() => false,
-            _ = tick.tick() => true,
+        let wake_at = match (timers.next(), gauges.due(tick, leases.table.len())) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         };
+        match wake_at {
+            Some(at) => {
+                let deadline = tokio::time::Instant::from_std(
+                    leases.origin + Duration::from_nanos(at.saturating_add(1)),
+                );
+                tokio::select! {
+                    () = leases.wake.notified() => {}
+                    () = tokio::time::sleep_until(deadline) => {}
+                }
+            }
+            None => leases.wake.notified().await,
+        }
         if leases.stopping.load(Ordering::Acquire) {
             break;
         }
+        leases.counters.actor_rounds.fetch_add(1, Ordering::AcqRel);
         let now = leases.now();
         let mut due = Vec::new();
         let mut seen = HashSet::new();
@@ -83,31 +216,62 @@ pub(super) async fn run(leases: Arc<Leases>) {
                 due.push(slot);
             }
         }
-        if scan {
-            sweep(&leases, now, &mut due, &mut seen, &mut returns, &mut ids);
+        if leases.overflowed.swap(false, Ordering::AcqRel) {
+            scan_pending(&leases, &mut due, &mut seen);
         }
+        let looked = expire(&leases, &mut timers, now, tick, &mut returns, &mut ids);
+        let worked = looked > 0 || !due.is_empty() || !returns.is_empty();
         // Returns first: a strict lease closed in this round is settled before the same slot's
         // renewal replaces its entry in the store.
         if !returns.is_empty() {
             give_back(&leases, &mut returns).await;
         }
         if !due.is_empty() {
-            refill(&leases, due, &mut returns, &mut ids).await;
+            refill(&leases, due, &mut timers, &mut returns, &mut ids).await;
         }
         if !returns.is_empty() {
             give_back(&leases, &mut returns).await;
         }
-        if scan {
-            publish(&leases);
+        let now = leases.now();
+        if worked {
+            publish_counters(&leases);
+            gauges.worked_at = now;
+            gauges.dirty_since.get_or_insert(now);
+        }
+        if gauges
+            .due(tick, leases.table.len())
+            .is_some_and(|at| at <= now)
+        {
+            publish_outstanding(&leases);
+            gauges.passed_at = now;
+            // Work in this very round may be followed by spends the pass did not see.
+            gauges.dirty_since = worked.then_some(now);
         }
     }
     shut_down(&leases, &mut returns, &mut ids).await;
-    publish(&leases);
+    publish_counters(&leases);
+    publish_outstanding(&leases);
 }
 
-/// Sets the lease gauges and token counters from the exact counters.
-fn publish(leases: &Leases) {
+/// Sets the table-size gauge and the token counters (no pass over the slots).
+fn publish_counters(leases: &Leases) {
+    // Whole tokens, rounded as `Leases::stats` rounds them.
+    let whole = |n: &std::sync::atomic::AtomicU64| (n.load(Ordering::Acquire) as f64 / 1e9) as u64;
+    let c = &leases.counters;
+    metrics::gauge!(m::TABLE_KEYS).set(leases.table.len() as f64);
+    metrics::counter!(m::TOKENS_LEASED).absolute(whole(&c.leased));
+    metrics::counter!(m::TOKENS_RETURNED).absolute(whole(&c.returned));
+    metrics::counter!(m::TOKENS_STRANDED).absolute(whole(&c.stranded));
+}
+
+/// Sets the lease gauges and token counters from the exact counters, summing what every live
+/// lease holds (a pass over the table).
+fn publish_outstanding(leases: &Leases) {
     let stats = leases.stats();
+    leases
+        .counters
+        .actor_visits
+        .fetch_add(stats.keys as u64, Ordering::AcqRel);
     metrics::gauge!(m::OUTSTANDING).set(stats.outstanding);
     metrics::gauge!(m::TABLE_KEYS).set(stats.keys as f64);
     metrics::counter!(m::TOKENS_LEASED).absolute(stats.leased as u64);
@@ -115,58 +279,120 @@ fn publish(leases: &Leases) {
     metrics::counter!(m::TOKENS_STRANDED).absolute(stats.stranded as u64);
 }
 
-/// The tick's scan: find slots that asked for a refill but whose nudge was dropped, close expired
-/// leases, and evict keys that stayed idle for a lease lifetime after closing.
-fn sweep(
-    leases: &Leases,
-    now: u64,
-    due: &mut Vec<Arc<Slot>>,
-    seen: &mut HashSet<usize>,
-    returns: &mut Vec<Return>,
-    ids: &mut Ids,
-) {
+/// After a dropped nudge: finds every slot that asked for a refill, by its `PENDING` bit.
+fn scan_pending(leases: &Leases, due: &mut Vec<Arc<Slot>>, seen: &mut HashSet<usize>) {
     let table = leases.table.pin();
-    let mut evict = Vec::new();
-    for (key, slot) in table.iter() {
-        let word = slot.words().load();
-        let ttl = lease_settings(slot).ttl.as_nanos() as u64;
-        let mut book = slot.book.lock();
-        // Active: spent since the last sweep, or asking for a refill. (Compared with the demand
-        // sample instead, a key that went quiet with its lease above the low-water mark took
-        // no refill to update that sample, looked active on every tick and was never evicted.)
-        let spent = book.spent(word & TOKENS);
-        if spent != book.spent_at_sweep || word & PENDING != 0 {
-            book.active_at = now;
-            book.spent_at_sweep = spent;
-        }
-        if word & PENDING != 0 && seen.insert(Arc::as_ptr(slot) as usize) {
+    let mut visited = 0u64;
+    for slot in table.values() {
+        visited += 1;
+        if slot.words().load() & PENDING != 0 && seen.insert(Arc::as_ptr(slot) as usize) {
             due.push(Arc::clone(slot));
         }
-        if word & CLOSED == 0 && now >= book.expires_at && !renew_if_spent(slot, &mut book, now) {
+    }
+    leases
+        .counters
+        .actor_visits
+        .fetch_add(visited, Ordering::AcqRel);
+}
+
+/// Handles the due-queue entries due within a tick of `now`: closes expired leases, evicts keys
+/// that stayed idle for a lease lifetime after closing, and queues every other slot again for
+/// its next due time. Returns how many entries it handled.
+fn expire(
+    leases: &Leases,
+    timers: &mut Timers,
+    now: u64,
+    tick: u64,
+    returns: &mut Vec<Return>,
+    ids: &mut Ids,
+) -> u64 {
+    // Everything due within the next tick is handled now, up to a tick early: entries close
+    // together cost one wake-up, not one each.
+    let horizon = now.saturating_add(tick);
+    let mut evict = Vec::new();
+    let mut looked = 0u64;
+    while let Some(entry) = timers.pop_due(horizon) {
+        looked += 1;
+        let slot = entry.slot;
+        if slot.evicted.load(Ordering::Acquire) {
+            continue;
+        }
+        let word = slot.words().load();
+        let available = slot.words().available();
+        let ttl = lease_settings(&slot).ttl.as_nanos() as u64;
+        let mut book = slot.book.lock();
+        if book.timer != entry.seq {
+            continue; // replaced by an earlier entry, handled already
+        }
+        book.timer = 0;
+        // Active: spent since the actor last looked, or asking for a refill. (Compared with the
+        // demand sample instead, a key that went quiet with its lease above the low-water mark
+        // took no refill to update that sample and would look active for ever.)
+        let spent = book.spent(available);
+        if spent != book.spent_at_check || word & PENDING != 0 {
+            book.active_at = now;
+            book.spent_at_check = spent;
+        }
+        let mut closed = word & CLOSED != 0;
+        if !closed && book.expires_at <= horizon && !renew_if_spent(&slot, &mut book, now) {
+            // A lease lives `ttl` after its last top-up (for a strict one, after the request
+            // was sent), or after the last expiry it was spent from before (relaxed only).
             let reclaimed = slot.words().close();
             book.reclaimed += reclaimed;
-            queue_return(returns, ids, slot, reclaimed, book.lease());
-        } else if word & CLOSED != 0
-            && word & PENDING == 0
-            && now.saturating_sub(book.active_at) >= ttl
-        {
-            evict.push(key.clone());
+            queue_return(returns, ids, &slot, reclaimed, book.lease());
+            closed = true;
         }
+        let next = if !closed {
+            book.expires_at
+        } else if word & PENDING == 0 && book.active_at.saturating_add(ttl) <= horizon {
+            drop(book);
+            evict.push(slot);
+            continue;
+        } else {
+            // Closed and asking for a refill (its refill queues it again if it needs sooner),
+            // or not idle for a lifetime yet.
+            book.active_at.saturating_add(ttl)
+        };
+        timers.arm(&slot, &mut book, next.max(horizon.saturating_add(1)));
     }
-    let evicted = !evict.is_empty();
-    for key in evict {
-        if let Some(slot) = table.remove(&key) {
-            retire(slot, returns, ids);
+    leases
+        .counters
+        .actor_visits
+        .fetch_add(looked, Ordering::AcqRel);
+    if !evict.is_empty() {
+        let table = leases.table.pin();
+        for slot in evict {
+            // Only the actor removes keys, and the slot is not evicted, so the key is this slot's.
+            if let Some(removed) = table.remove(&slot.key) {
+                retire(removed, returns, ids);
+            }
         }
-    }
-    if evicted {
         // A view rebuilds at most once, so a large batch of evictions leaves most of its keys as
         // tombstones, each holding its slot. Once this view (and the arrays it pinned) is gone,
         // rebuild again if they pass the table's share, so a flood's dead slots are freed now and
-        // not at the next tick's first eviction (E4's peak heap).
+        // not at the next batch's first eviction (E4's peak heap).
         drop(table);
         leases.table.pin().compact();
+        timers.shrink();
     }
+    looked
+}
+
+/// Queues `slot` on the due-queue after a refill round (whatever its answer), unless it has an
+/// entry due no later: at its lease's expiry if it has a live lease, else at its idle check.
+fn schedule(timers: &mut Timers, slot: &Arc<Slot>) {
+    if slot.evicted.load(Ordering::Acquire) {
+        return;
+    }
+    let live = slot.words().load() & CLOSED == 0;
+    let ttl = lease_settings(slot).ttl.as_nanos() as u64;
+    let mut book = slot.book.lock();
+    let at = if live {
+        book.expires_at
+    } else {
+        book.active_at.saturating_add(ttl)
+    };
+    timers.arm(slot, &mut book, at);
 }
 
 /// At a relaxed lease's expiry: if callers spent from it during its lifetime, it lives another
@@ -233,7 +459,8 @@ fn lease_settings(slot: &Slot) -> LeaseSettings {
 /// refill), a fresh lease id, and what the slot keeps of its current lease. The store counts
 /// the lease for twice its lifetime plus two ticks: the actor closes it locally at one lifetime
 /// (measured from before the request was sent, so never later than the store's count runs
-/// out), on a tick, and the margin covers a tick that comes late.
+/// out), woken by its due-queue entry at that time (or up to a tick before it), and the margin
+/// covers a wake-up that comes late.
 fn hold(leases: &Leases, slot: &Slot, ids: &mut Ids) -> Option<Hold> {
     let settings = lease_settings(slot);
     if settings.accounting != Accounting::Strict {
@@ -342,11 +569,21 @@ fn target_size(demand: f64, max_cost: u64, settings: &LeaseSettings, landing: Du
     refresh.max(lifetime).max(until_landed) as u64
 }
 
-/// Refills `due` slots, one statement per chunk of distinct keys.
-async fn refill(leases: &Leases, due: Vec<Arc<Slot>>, returns: &mut Vec<Return>, ids: &mut Ids) {
+/// Refills `due` slots, one statement per chunk of distinct keys, and queues each on the
+/// due-queue for its lease's expiry or its idle check.
+async fn refill(
+    leases: &Leases,
+    due: Vec<Arc<Slot>>,
+    timers: &mut Timers,
+    returns: &mut Vec<Return>,
+    ids: &mut Ids,
+) {
     // Chunk first, so the round's temporaries stay small however many keys are due.
     for part in due.chunks(CHUNK) {
         refill_chunk(leases, part, returns, ids).await;
+        for slot in part {
+            schedule(timers, slot);
+        }
     }
 }
 
@@ -373,6 +610,7 @@ async fn refill_chunk(
         if !keys.insert(&*slot.key) {
             // Another slot of the same key (evicted and re-created): next round.
             slot.words().request_refill();
+            leases.nudge(slot);
             continue;
         }
         match plan_refill(slot, now, landing) {

@@ -12,7 +12,8 @@
 //! The actor gathers the keys that asked, sizes each lease from the key's observed demand, and
 //! refills them all with one statement; it closes expired leases and gives their unspent tokens
 //! back (idempotently, by return id), evicts idle keys to keep the table within its bound, and on
-//! shutdown gives every lease back. See `DESIGN.md` §8 for the overshoot bound.
+//! shutdown gives every lease back. Its work follows what is due (a queue of expiry and idle
+//! checks, at most one entry per key), not the number of keys: an idle table costs nothing. See `DESIGN.md` §8 for the overshoot bound.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -55,6 +56,14 @@ pub struct LeaseStats {
     pub keys: usize,
     /// Store calls the actor made (refills and give-backs).
     pub store_calls: u64,
+    /// Times the actor woke and went through its round (nudges, due leases, gauges). Not a
+    /// stable interface: for tests and benchmarks of the actor's idle cost.
+    #[doc(hidden)]
+    pub actor_rounds: u64,
+    /// Slots the actor looked at one by one: due-queue entries handled, slots visited by a scan
+    /// for dropped nudges or by a pass for the outstanding gauge. Not a stable interface.
+    #[doc(hidden)]
+    pub actor_visits: u64,
 }
 
 /// Counters in nanotokens, written by the actor.
@@ -64,6 +73,8 @@ pub(crate) struct Counters {
     pub(crate) returned: AtomicU64,
     pub(crate) stranded: AtomicU64,
     pub(crate) store_calls: AtomicU64,
+    pub(crate) actor_rounds: AtomicU64,
+    pub(crate) actor_visits: AtomicU64,
 }
 
 /// Settings of the lease table and actor that do not belong to one plan.
@@ -71,7 +82,8 @@ pub(crate) struct Counters {
 pub(crate) struct TableSettings {
     /// The most keys the table holds; beyond it new keys are decided without a lease.
     pub(crate) max_entries: usize,
-    /// How often the actor scans for expired and idle leases.
+    /// The actor's timer granularity: it wakes for the earliest lease due, and handles every
+    /// expiry and idle check due within one tick of it in the same round (up to a tick early).
     pub(crate) tick: Duration,
 }
 
@@ -84,8 +96,11 @@ pub(crate) struct Leases {
     plans: papaya::HashMap<String, Arc<Plan>>,
     settings: TableSettings,
     /// Slots that asked for a refill; the actor drains it. Bounded and lock-free: when full,
-    /// a nudge is dropped and the actor finds the slot on its next scan (it has `PENDING`).
+    /// a nudge is dropped and `overflowed` is set.
     nudges: ArrayQueue<Arc<Slot>>,
+    /// A nudge was dropped: the actor's next round scans the table once for slots with
+    /// `PENDING` (the only full pass left in the actor, and only after an overflow).
+    overflowed: AtomicBool,
     /// Wakes the actor.
     wake: Notify,
     /// Set when the limiter is dropped or shut down.
@@ -146,6 +161,7 @@ impl Leases {
             plans: papaya::HashMap::new(),
             settings,
             nudges: ArrayQueue::new(4096),
+            overflowed: AtomicBool::new(false),
             wake: Notify::new(),
             stopping: AtomicBool::new(false),
             origin: Instant::now(),
@@ -364,8 +380,10 @@ impl Leases {
 
     /// Tells the actor that `slot` wants a refill. Never blocks.
     fn nudge(&self, slot: &Arc<Slot>) {
-        // A full queue drops the nudge; the actor's scan finds the slot by its PENDING flag.
-        let _ = self.nudges.push(Arc::clone(slot));
+        // A full queue drops the nudge; the actor's next round then scans for PENDING slots.
+        if self.nudges.push(Arc::clone(slot)).is_err() {
+            self.overflowed.store(true, Ordering::Release);
+        }
         self.wake.notify_one();
     }
 
@@ -399,6 +417,8 @@ impl Leases {
             outstanding: tokens(outstanding),
             keys: table.len(),
             store_calls: self.counters.store_calls.load(Ordering::Acquire),
+            actor_rounds: self.counters.actor_rounds.load(Ordering::Acquire),
+            actor_visits: self.counters.actor_visits.load(Ordering::Acquire),
         }
     }
 

@@ -81,13 +81,18 @@ pub(crate) struct Book {
     pub(crate) spent_at_sample: u64,
     /// When the slot was last seen spending or asking (local monotonic ns).
     pub(crate) active_at: u64,
-    /// How much had been spent at the sweep that last saw it change: the sweep's own sample,
-    /// apart from the demand sample, which only refills take.
-    pub(crate) spent_at_sweep: u64,
     /// How much had been spent when the relaxed lease last got a new lifetime (a top-up, or a
     /// renewal at expiry because it was spent from): at expiry, a lease spent from since lives
     /// on, and one that was not closes.
     pub(crate) spent_at_renewal: u64,
+    /// How much had been spent when the actor last looked at the slot on its due-queue: its own
+    /// sample for idleness, apart from the demand sample, which only refills take.
+    pub(crate) spent_at_check: u64,
+    /// The sequence number of the slot's entry in the actor's due-queue, 0 when it has none.
+    /// At most one entry is live per slot, so the queue holds at most one per key in the table.
+    pub(crate) timer: u64,
+    /// When that entry is due (local monotonic ns); meaningless when `timer` is 0.
+    pub(crate) timer_at: u64,
     /// The target lease size at the last refill (nanotokens).
     pub(crate) target: u64,
     /// The store's last answer granted nothing: the next refill asks for a whole lease or

@@ -1,0 +1,217 @@
+//! The lease actor's due-queue, in memory: strict leases still close inside the store's margin,
+//! quiet keys are still evicted, a dropped nudge is not lost, and an idle table costs the actor
+//! nothing however many keys it has seen. Runs in the nextest `serial` group: timing-dependent.
+//!
+//! Real time, not tokio's paused clock: the lease table's clock is the process's monotonic
+//! clock, which a paused runtime does not move. The waits are bounded and short.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use tokenlease::Limiter;
+use tokenlease::lease::LeaseStats;
+use tokenlease::policy::{Accounting, LeaseSettings, Plan};
+use tokenlease::store::{MemoryStore, Store};
+
+fn leased(ttl: Duration, accounting: Accounting) -> Plan {
+    common::plan(1_000_000, 1_000.0).with_lease(LeaseSettings {
+        ttl,
+        accounting,
+        ..LeaseSettings::default()
+    })
+}
+
+fn stats(limiter: &Limiter) -> LeaseStats {
+    limiter.lease_stats().expect("leased")
+}
+
+/// Polls `done` every millisecond until it holds; panics with `what` after `limit`.
+async fn until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !done() {
+        assert!(started.elapsed() < limit, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// A strict lease is closed locally one lifetime after its request was sent (the actor's entry
+/// fires at that time, or up to a tick before it), so while the store still counts it: the
+/// store counts it for `2·ttl + 2 ticks` after granting it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_strict_lease_closes_while_the_store_still_counts_it() {
+    let store = MemoryStore::new();
+    let tick = Duration::from_millis(50);
+    let ttl = Duration::from_millis(300);
+    let limiter = Limiter::builder(store.clone()).lease_tick(tick).build();
+    let plan = leased(ttl, Accounting::Strict);
+    let asked = Instant::now();
+    // A new key: the call asks for a lease and does not wait; nobody spends what it brings.
+    let d = limiter
+        .try_acquire_now_with(&plan, "strict", 1.0)
+        .expect("valid key");
+    assert!(d.is_none(), "no lease yet: {d:?}");
+    until(Duration::from_secs(2), "the lease", || {
+        stats(&limiter).outstanding > 0.0
+    })
+    .await;
+    let row = store
+        .inspect("strict")
+        .await
+        .expect("inspect")
+        .expect("row");
+    let [held] = &row.leases[..] else {
+        panic!("one strict lease on the row: {row:?}");
+    };
+    let store_stops_counting = held.expires_at;
+    until(ttl * 3, "the lease closed", || {
+        stats(&limiter).outstanding == 0.0
+    })
+    .await;
+    let closed_after = asked.elapsed();
+    let row = store
+        .inspect("strict")
+        .await
+        .expect("inspect")
+        .expect("row");
+    assert!(
+        row.store_now < store_stops_counting,
+        "closed at store time {:?}, after the store stopped counting the lease at {:?}",
+        row.store_now,
+        store_stops_counting
+    );
+    // Not before its time (a tick early at most), and at its time, not a tick late: the entry
+    // fires at the expiry (with room for a loaded machine, still far inside the margin).
+    assert!(
+        closed_after >= ttl - tick,
+        "closed {closed_after:?} after asking, lifetime {ttl:?}"
+    );
+    assert!(
+        closed_after < ttl + tick,
+        "closed {closed_after:?} after asking, lifetime {ttl:?}, tick {tick:?}"
+    );
+    // Its give-back settled the entry: the row holds no lease and the token is back.
+    until(Duration::from_secs(1), "the give-back", || {
+        stats(&limiter).returned == 1.0
+    })
+    .await;
+    let row = store
+        .inspect("strict")
+        .await
+        .expect("inspect")
+        .expect("row");
+    assert!(row.leases.is_empty(), "{row:?}");
+}
+
+/// A key whose lease nobody spends closes at the end of its lifetime, gives its tokens back and
+/// leaves the table (idle since its one refill).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_that_was_never_spent_is_evicted() {
+    let limiter = Limiter::builder(MemoryStore::new())
+        .lease_tick(Duration::from_millis(10))
+        .build();
+    let ttl = Duration::from_millis(200);
+    let plan = leased(ttl, Accounting::Relaxed);
+    let d = limiter
+        .try_acquire_now_with(&plan, "never", 1.0)
+        .expect("valid key");
+    assert!(d.is_none(), "no lease yet: {d:?}");
+    until(Duration::from_secs(2), "the lease", || {
+        stats(&limiter).outstanding == 1.0
+    })
+    .await;
+    let granted = Instant::now();
+    until(Duration::from_secs(3), "evicted", || {
+        let s = stats(&limiter);
+        s.keys == 0 && s.outstanding == 0.0
+    })
+    .await;
+    let evicted_after = granted.elapsed();
+    assert!(
+        evicted_after >= ttl - Duration::from_millis(20),
+        "evicted {evicted_after:?} after its lease came, lifetime {ttl:?}"
+    );
+    let s = stats(&limiter);
+    assert_eq!((s.leased, s.returned, s.stranded), (1.0, 1.0, 0.0), "{s:?}");
+}
+
+/// A full nudge queue drops nudges; the actor then finds the slots by their `PENDING` bit. Ten
+/// thousand new keys asked for without a yield (the actor cannot run on this one-thread runtime
+/// until the test awaits) overflow the 4,096-entry queue, and every key still gets its lease.
+#[tokio::test]
+async fn a_full_nudge_queue_still_refills_every_key() {
+    const KEYS: usize = 10_000;
+    let limiter = Limiter::builder(MemoryStore::new()).build();
+    let plan = leased(Duration::from_secs(60), Accounting::Relaxed);
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("k{i}")).collect();
+    for key in &keys {
+        let d = limiter
+            .try_acquire_now_with(&plan, key, 1.0)
+            .expect("valid");
+        assert!(d.is_none(), "no lease yet for {key}");
+    }
+    until(Duration::from_secs(10), "a lease for every key", || {
+        stats(&limiter).leased >= KEYS as f64
+    })
+    .await;
+    for key in &keys {
+        let d = limiter
+            .try_acquire_now_with(&plan, key, 1.0)
+            .expect("valid")
+            .unwrap_or_else(|| panic!("{key} has no live lease"));
+        assert!(d.allowed, "{key}: {d:?}");
+    }
+    let s = stats(&limiter);
+    assert_eq!(s.keys, KEYS);
+    // The scan after the overflow looked at the table, once or a few times, not per tick.
+    assert!(s.actor_visits >= KEYS as u64, "{s:?}");
+}
+
+/// An idle limiter's actor does nothing, however many keys it has seen: with 50,000 live leases
+/// that expire in an hour and 50,000 keys whose leases expired and were evicted, it does not
+/// wake (the sweep it replaced visited every slot every 50 ms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_table_costs_the_actor_nothing() {
+    const KEYS: usize = 50_000;
+    let limiter = Limiter::builder(MemoryStore::new())
+        .max_lease_keys(4 * KEYS)
+        .build();
+    let long = leased(Duration::from_secs(3600), Accounting::Relaxed);
+    let short = leased(Duration::from_millis(300), Accounting::Relaxed);
+    let live: Vec<String> = (0..KEYS).map(|i| format!("live:{i}")).collect();
+    let brief: Vec<String> = (0..KEYS).map(|i| format!("brief:{i}")).collect();
+    // Each key's first call asks for its lease; the second spends from it (and asks for the
+    // next one, which may be small: these keys show little demand).
+    for round in 0..2 {
+        for (plan, keys) in [(&long, &live), (&short, &brief)] {
+            for key in keys {
+                let _ = limiter.try_acquire_now_with(plan, key, 1.0).expect("valid");
+            }
+        }
+        if round == 0 {
+            until(Duration::from_secs(30), "the leases", || {
+                stats(&limiter).leased >= (2 * KEYS) as f64
+            })
+            .await;
+        }
+    }
+    // The short leases expire and their keys leave the table; then (within a second) the
+    // actor sums the outstanding gauge one last time and has nothing left to do for an hour.
+    until(Duration::from_secs(30), "the brief keys evicted", || {
+        stats(&limiter).keys == KEYS
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = stats(&limiter);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = stats(&limiter);
+    assert_eq!(after.keys, KEYS);
+    assert_eq!(
+        (after.actor_rounds, after.actor_visits, after.store_calls),
+        (before.actor_rounds, before.actor_visits, before.store_calls),
+        "an idle actor woke: {before:?} → {after:?}"
+    );
+    // The live keys still hold their leases (what their last, small refills brought).
+    assert!(after.outstanding > 0.0, "{after:?}");
+    assert_eq!(after.outstanding, before.outstanding);
+}
