@@ -41,6 +41,12 @@ pub const REFILL_SECONDS: &str = "tokenlease_lease_refill_seconds";
 /// nanoseconds, and reading the clock would double that; they are counted in
 /// `tokenlease_decisions_total`.
 pub const DECISION_SECONDS: &str = "tokenlease_decision_seconds";
+/// Lease actors started again after the previous one ended early (its tokio runtime was
+/// dropped, or it panicked).
+pub const ACTOR_RESTARTS: &str = "tokenlease_lease_actor_restarts_total";
+/// Leased calls decided by the fallback because no lease actor could run (called outside a
+/// tokio runtime while none was running).
+pub const ACTOR_UNAVAILABLE: &str = "tokenlease_lease_actor_unavailable_total";
 /// Decisions made by the fallback, by `mode` (`allow`, `deny`, `local`) and `outcome`.
 pub const FALLBACK_DECISIONS: &str = "tokenlease_fallback_decisions_total";
 /// Idle bucket rows deleted.
@@ -105,6 +111,16 @@ pub fn describe() {
         DECISION_SECONDS,
         Unit::Seconds,
         "latency of decisions that waited, by decider"
+    );
+    describe_counter!(
+        ACTOR_RESTARTS,
+        Unit::Count,
+        "lease actors restarted after ending early"
+    );
+    describe_counter!(
+        ACTOR_UNAVAILABLE,
+        Unit::Count,
+        "leased calls decided by the fallback because no lease actor could run"
     );
     describe_counter!(
         FALLBACK_DECISIONS,

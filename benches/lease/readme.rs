@@ -99,9 +99,7 @@ fn warm(
         for _ in 0..50 {
             waiting = keys
                 .iter()
-                .filter(|key| {
-                    !matches!(limiter.try_acquire_now_with(plan, key, 1.0), Ok(Some(_)))
-                })
+                .filter(|key| !matches!(limiter.try_acquire_now_with(plan, key, 1.0), Ok(Some(_))))
                 .count();
             if waiting == 0 {
                 return;

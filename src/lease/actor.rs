@@ -49,7 +49,8 @@ const SMALL_TABLE: usize = 4096;
 const SLOW_PASS: u64 = 1_000_000_000;
 
 /// Unused tokens on their way back to the store.
-struct Return {
+#[derive(Debug)]
+pub(super) struct Return {
     id: i64,
     slot: Arc<Slot>,
     amount: u64,
@@ -177,12 +178,72 @@ impl Gauges {
     }
 }
 
-/// The actor's loop; ends after giving everything back once the limiter stops.
-pub(super) async fn run(leases: Arc<Leases>) {
+/// Clears [`Leases::alive`] when the actor's task ends, however it ends: its loop returned, it
+/// panicked, or its runtime was dropped with the task in it.
+struct Alive<'a>(&'a Leases);
+
+impl Drop for Alive<'_> {
+    fn drop(&mut self) {
+        self.0.alive.store(false, Ordering::Release);
+    }
+}
+
+/// Returns on their way back. Should the task end before they are sent (its runtime dropped
+/// mid-statement), whatever is left goes to [`Leases::carry`] for the next actor: a return
+/// whose statement may have reached the store is sent again under the same id, which credits
+/// once.
+struct Carried<'a> {
+    leases: &'a Leases,
+    items: Vec<Return>,
+}
+
+impl<'a> Carried<'a> {
+    fn new(leases: &'a Leases, items: Vec<Return>) -> Self {
+        Carried { leases, items }
+    }
+}
+
+impl Drop for Carried<'_> {
+    fn drop(&mut self) {
+        if !self.items.is_empty() {
+            self.leases.carry.lock().append(&mut self.items);
+        }
+    }
+}
+
+/// After an actor ended early: every open lease's expiry and every closed lease's idle check go
+/// on the new actor's due-queue (the old one's went with it), and the next round looks for
+/// every slot that asked for a refill.
+fn adopt(leases: &Leases, timers: &mut Timers) {
+    let table = leases.table.pin();
+    for slot in table.values() {
+        let closed = slot.words().load() & CLOSED != 0;
+        let ttl = lease_settings(slot).ttl.as_nanos() as u64;
+        let mut book = slot.book.lock();
+        book.timer = 0;
+        let at = if closed {
+            book.active_at.saturating_add(ttl)
+        } else {
+            book.expires_at
+        };
+        timers.arm(slot, &mut book, at);
+    }
+    leases.overflowed.store(true, Ordering::Release);
+}
+
+/// The actor's loop; ends after giving everything back once the limiter stops. `restarted`
+/// when an earlier actor of the same table ended early.
+pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
+    let _alive = Alive(&leases);
     let tick = leases.settings.tick.as_nanos() as u64;
     let mut timers = Timers::default();
+    if restarted {
+        adopt(&leases, &mut timers);
+    }
     let mut gauges = Gauges::default();
-    let mut returns: Vec<Return> = Vec::new();
+    let carried = std::mem::take(&mut *leases.carry.lock());
+    let mut returns = Carried::new(&leases, carried);
+    let returns = &mut returns.items;
     let mut ids = Ids {
         hasher: RandomState::new(),
         next: 0,
@@ -219,18 +280,18 @@ pub(super) async fn run(leases: Arc<Leases>) {
         if leases.overflowed.swap(false, Ordering::AcqRel) {
             scan_pending(&leases, &mut due, &mut seen);
         }
-        let looked = expire(&leases, &mut timers, now, tick, &mut returns, &mut ids);
+        let looked = expire(&leases, &mut timers, now, tick, returns, &mut ids);
         let worked = looked > 0 || !due.is_empty() || !returns.is_empty();
         // Returns first: a strict lease closed in this round is settled before the same slot's
         // renewal replaces its entry in the store.
         if !returns.is_empty() {
-            give_back(&leases, &mut returns).await;
+            give_back(&leases, returns).await;
         }
         if !due.is_empty() {
-            refill(&leases, due, &mut timers, &mut returns, &mut ids).await;
+            refill(&leases, due, &mut timers, returns, &mut ids).await;
         }
         if !returns.is_empty() {
-            give_back(&leases, &mut returns).await;
+            give_back(&leases, returns).await;
         }
         let now = leases.now();
         if worked {
@@ -248,7 +309,7 @@ pub(super) async fn run(leases: Arc<Leases>) {
             gauges.dirty_since = worked.then_some(now);
         }
     }
-    shut_down(&leases, &mut returns, &mut ids).await;
+    shut_down(&leases, returns, &mut ids).await;
     publish_counters(&leases);
     publish_outstanding(&leases);
 }
@@ -786,14 +847,18 @@ fn apply(
 /// Gives reclaimed tokens back, one statement per chunk of distinct keys. Failed returns stay
 /// queued with their ids; after [`RETURN_ATTEMPTS`] they count as stranded.
 async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
-    let mut pending = std::mem::take(returns);
-    while !pending.is_empty() {
+    // Held in guards across the statement: an actor that ends mid-statement leaves them to
+    // the next one.
+    let mut pending = Carried::new(leases, std::mem::take(returns));
+    while !pending.items.is_empty() {
         let mut keys = HashSet::new();
-        let (batch, rest): (Vec<Return>, Vec<Return>) = pending
+        let (batch, rest): (Vec<Return>, Vec<Return>) = std::mem::take(&mut pending.items)
             .into_iter()
             .partition(|r| keys.len() < CHUNK && keys.insert(r.slot.key.clone()));
-        pending = rest;
+        pending.items = rest;
+        let mut batch = Carried::new(leases, batch);
         let requests: Vec<GiveBack<'_>> = batch
+            .items
             .iter()
             .map(|r| GiveBack {
                 id: r.id,
@@ -809,12 +874,12 @@ async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
         drop(requests);
         match result {
             Ok(_) => {
-                let total: u64 = batch.iter().map(|r| r.amount).sum();
+                let total: u64 = batch.items.drain(..).map(|r| r.amount).sum();
                 leases.counters.returned.fetch_add(total, Ordering::AcqRel);
             }
             Err(_) => {
                 metrics::counter!(m::DB_ERRORS, "kind" => "return").increment(1);
-                for mut r in batch {
+                for mut r in batch.items.drain(..) {
                     r.attempts += 1;
                     if r.attempts >= RETURN_ATTEMPTS {
                         leases
@@ -828,6 +893,20 @@ async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
             }
         }
     }
+}
+
+/// [`Limiter::shutdown`](crate::Limiter::shutdown) after the actor ended early: closes every
+/// lease and gives everything back (what the actor left included) on the caller's runtime.
+pub(super) async fn shut_down_here(leases: &Leases) {
+    let mut ids = Ids {
+        hasher: RandomState::new(),
+        next: 0,
+    };
+    let carried = std::mem::take(&mut *leases.carry.lock());
+    let mut returns = Carried::new(leases, carried);
+    shut_down(leases, &mut returns.items, &mut ids).await;
+    publish_counters(leases);
+    publish_outstanding(leases);
 }
 
 /// Closes every lease, empties the table and gives everything back (retrying each return up

@@ -64,6 +64,9 @@ pub struct LeaseStats {
     /// for dropped nudges or by a pass for the outstanding gauge. Not a stable interface.
     #[doc(hidden)]
     pub actor_visits: u64,
+    /// Lease actors started again after the previous one ended early (its tokio runtime was
+    /// dropped, or it panicked).
+    pub actor_restarts: u64,
 }
 
 /// Counters in nanotokens, written by the actor.
@@ -74,6 +77,8 @@ pub(crate) struct Counters {
     pub(crate) stranded: AtomicU64,
     pub(crate) store_calls: AtomicU64,
     pub(crate) actor_rounds: AtomicU64,
+    /// Actors started again after the previous one ended early.
+    pub(crate) actor_restarts: AtomicU64,
     pub(crate) actor_visits: AtomicU64,
 }
 
@@ -112,6 +117,11 @@ pub(crate) struct Leases {
     /// leases are sized to last until a refill asked at the low-water mark lands.
     pub(crate) refill_ns: AtomicU64,
     actor: Mutex<Option<JoinHandle<()>>>,
+    /// Whether an actor task is running: set when one is spawned, cleared by the task itself when
+    /// it ends, however it ends (its runtime dropped, a panic, shutdown).
+    alive: AtomicBool,
+    /// Give-backs an actor that ended early left unsent: the next actor sends them.
+    carry: Mutex<Vec<actor::Return>>,
 }
 
 /// What [`Leases::try_take_known`] spent, and under which plan.
@@ -169,10 +179,42 @@ impl Leases {
             counters: Counters::default(),
             refill_ns: AtomicU64::new(0),
             actor: Mutex::new(None),
+            alive: AtomicBool::new(false),
+            carry: Mutex::new(Vec::new()),
         });
-        let handle = tokio::spawn(actor::run(Arc::clone(&leases)));
-        *leases.actor.lock() = Some(handle);
+        leases.ensure_actor();
         leases
+    }
+
+    /// Makes sure an actor task runs, starting one on the caller's tokio runtime when none does
+    /// (the first leased call, or after the runtime that ran the previous one was dropped or
+    /// the task panicked). A restarted actor sends the give-backs its predecessor left, finds
+    /// every slot that asked for a refill and queues every lease's expiry again, so no lease is
+    /// lost or counted twice. Returns `false` when no actor can run: outside a tokio runtime, or
+    /// after shutdown. Cheap when the actor runs (one load).
+    pub(crate) fn ensure_actor(self: &Arc<Self>) -> bool {
+        if self.alive.load(Ordering::Acquire) {
+            return true;
+        }
+        if self.stopping.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut actor = self.actor.lock();
+        if self.alive.load(Ordering::Acquire) {
+            return true;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            metrics::counter!(crate::metrics::ACTOR_UNAVAILABLE).increment(1);
+            return false;
+        };
+        let restarted = actor.is_some();
+        if restarted {
+            metrics::counter!(crate::metrics::ACTOR_RESTARTS).increment(1);
+            self.counters.actor_restarts.fetch_add(1, Ordering::AcqRel);
+        }
+        self.alive.store(true, Ordering::Release);
+        *actor = Some(runtime.spawn(actor::run(Arc::clone(self), restarted)));
+        true
     }
 
     /// Local monotonic time in nanoseconds.
@@ -418,6 +460,7 @@ impl Leases {
             keys: table.len(),
             store_calls: self.counters.store_calls.load(Ordering::Acquire),
             actor_rounds: self.counters.actor_rounds.load(Ordering::Acquire),
+            actor_restarts: self.counters.actor_restarts.load(Ordering::Acquire),
             actor_visits: self.counters.actor_visits.load(Ordering::Acquire),
         }
     }
@@ -428,6 +471,10 @@ impl Leases {
         let handle = self.actor.lock().take();
         if let Some(handle) = handle {
             let _ = handle.await;
+        }
+        // An actor that ended early (its runtime dropped) gave nothing back: do it here.
+        if !self.alive.load(Ordering::Acquire) {
+            actor::shut_down_here(self).await;
         }
     }
 

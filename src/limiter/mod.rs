@@ -345,7 +345,8 @@ impl Limiter {
             });
         };
         let nanos = lease_cost(cost_tokens);
-        let fast = self.leases().try_take(plan, chosen, key, nanos);
+        let leases = self.leases();
+        let fast = leases.try_take(plan, chosen, key, nanos);
         if let Fast::Taken {
             left,
             store_remaining,
@@ -355,6 +356,15 @@ impl Limiter {
         }
         // Only a key already in the table (checked when it went in) is spent from a lease.
         validate_key(key)?;
+        // A refill needs the actor: start it again if its task ended (its runtime was dropped,
+        // or it panicked). Without one (no tokio runtime here), the fallback decides, counted
+        // in `tokenlease_lease_actor_unavailable_total`.
+        if !leases.ensure_actor() && !matches!(fast, Fast::Dry { .. } | Fast::NoRoom) {
+            return Ok(Step::Fallback {
+                plan,
+                cost: cost_tokens,
+            });
+        }
         Ok(match fast {
             Fast::Short(slot) if !settings.max_wait.is_zero() => Step::Wait {
                 plan,
@@ -434,10 +444,8 @@ impl Limiter {
     ///
     /// As [`try_acquire_with`](Self::try_acquire_with).
     ///
-    /// # Panics
-    ///
-    /// On a leased plan, when called outside a tokio runtime before any leased call started the
-    /// lease actor.
+    /// Outside a tokio runtime it never panics: with no lease actor running (none can start
+    /// there), a key without a live lease keeps answering `Ok(None)`.
     pub fn try_acquire_now_with(
         &self,
         plan: &Plan,
@@ -449,12 +457,16 @@ impl Limiter {
             validate_key(key)?;
             return Ok(None);
         }
-        match self.leases().try_take(plan, None, key, lease_cost(cost)) {
+        let leases = self.leases();
+        match leases.try_take(plan, None, key, lease_cost(cost)) {
             Fast::Taken {
                 left,
                 store_remaining,
             } => Ok(Some(lease_allowed(plan, left, store_remaining))),
             other => {
+                // The refill asked for needs an actor; outside a runtime none can start, and the
+                // answer stays `None`.
+                leases.ensure_actor();
                 // Only a key already in the table (checked when it went in) is spent from a
                 // lease; any other answer checks the key in full first.
                 validate_key(key)?;
