@@ -34,6 +34,8 @@ use crate::store::{AcquireRequest, GiveBack, Hold, LeaseRef};
 /// A contended key's lease is spread over one word per core once its target reaches `HOT_PARTS²`
 /// of its largest cost; a top-up is split into parts of at least `HOT_PARTS` costs.
 const HOT_PARTS: u64 = 4;
+/// A lease that lasts its lifetime is sized for this many lifetimes of demand (at most `B`).
+const QUIET_LIFETIMES: f64 = 4.0;
 /// Keys per store statement.
 const CHUNK: usize = 256;
 /// Attempts at giving a return back before its tokens count as stranded.
@@ -614,9 +616,9 @@ pub(super) fn largest_lease(slot: &Slot, max_cost: u64) -> u64 {
 /// - **Sparse** (fewer than one call's cost expected over a lease lifetime): zero. The key gets
 ///   exactly what its waiting callers need, one batched refill per call, and nothing sits
 ///   leased for a lifetime only to be given back.
-/// - Otherwise the largest of: a refresh interval of demand (what a hot key is sized by); a
-///   lifetime of demand, so that a quiet key is refilled about twice per lifetime instead of
-///   twice per refresh interval (a quiet key's lease sized to the refresh interval alone was a
+/// - Otherwise the largest of: a refresh interval of demand (what a hot key is sized by); a few
+///   lifetimes of demand ([`QUIET_LIFETIMES`]), so that a quiet key is refilled every couple of
+///   lifetimes instead of twice per refresh interval (a quiet key's lease sized to the refresh interval alone was a
 ///   fraction of one call, and every call waited for a refill); and enough that the part left at
 ///   the low-water mark serves the calls expected until a refill lands (`landing`), plus one.
 fn target_size(demand: f64, max_cost: u64, settings: &LeaseSettings, landing: Duration) -> u64 {
@@ -626,6 +628,10 @@ fn target_size(demand: f64, max_cost: u64, settings: &LeaseSettings, landing: Du
         return 0;
     }
     let refresh = demand * settings.refresh.as_secs_f64();
+    // A lease spent from during its lifetime lives on (`renew_if_spent`), so a quiet key's lease
+    // is sized for a few lifetimes: its refills come every couple of lifetimes, and a million
+    // quiet keys cost the actor hundreds of thousands of refills a second, not millions.
+    let lifetime = lifetime * QUIET_LIFETIMES;
     let until_landed = (demand * landing.as_secs_f64() + cost) / settings.low_water.max(0.01);
     refresh.max(lifetime).max(until_landed) as u64
 }
