@@ -72,7 +72,7 @@ fn warm(
     keys: &Arc<Vec<String>>,
 ) {
     let plan = policies.default_plan().expect("default plan");
-    for round in 0..20 {
+    for round in 0..5 {
         runtime.block_on(async {
             let tasks = 64.min(keys.len());
             let handles: Vec<_> = (0..tasks)
