@@ -23,9 +23,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::Leases;
 use super::slot::{Book, Slot};
 use super::word::{CLOSED, PENDING, TOKENS};
+use super::{GATHER, Leases};
 use crate::bucket::Tokens;
 use crate::metrics as m;
 use crate::policy::{Accounting, LeaseSettings};
@@ -270,6 +270,28 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
         if leases.stopping.load(Ordering::Acquire) {
             break;
         }
+        // Low-water nudges only, and nothing else due: gather more of them for a moment (their
+        // callers are still paid from their leases), so a million quiet keys crossing their marks
+        // cost a statement per 256 keys and a wake-up per gathering, not one each. A waiting
+        // caller's nudge ends the gathering at once.
+        if leases.soon.load(Ordering::Acquire)
+            && !leases.urgent.load(Ordering::Acquire)
+            && timers
+                .next()
+                .is_none_or(|at| at > leases.now().saturating_add(tick))
+        {
+            let until = tokio::time::Instant::now() + GATHER.min(leases.settings.tick);
+            tokio::select! {
+                () = leases.wake.notified() => {}
+                () = tokio::time::sleep_until(until) => {}
+            }
+            if leases.stopping.load(Ordering::Acquire) {
+                break;
+            }
+        }
+        // Cleared before the queue is drained: a nudge queued after this wakes the next round.
+        leases.urgent.store(false, Ordering::Release);
+        leases.soon.store(false, Ordering::Release);
         leases.counters.actor_rounds.fetch_add(1, Ordering::AcqRel);
         let now = leases.now();
         let mut due = Vec::new();

@@ -40,6 +40,14 @@ pub(crate) use slot::Slot;
 use table::Table;
 use word::Take;
 
+/// Capacity of the queue of slots that asked for a refill. 65,536 pointers, 512 KiB: a million
+/// quiet keys crossing their low-water marks within one gathering fit without an overflow (which
+/// costs the actor a scan of the whole table).
+const NUDGES: usize = 1 << 16;
+
+/// The longest the actor gathers low-water nudges before refilling them together.
+pub(crate) const GATHER: Duration = Duration::from_millis(10);
+
 /// Lease counters, in tokens, since the limiter started. Exact: every nanotoken leased is spent
 /// by a caller, given back, stranded (a give-back that failed for good), or still held.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -103,6 +111,11 @@ pub(crate) struct Leases {
     /// Slots that asked for a refill; the actor drains it. Bounded and lock-free: when full,
     /// a nudge is dropped and `overflowed` is set.
     nudges: ArrayQueue<Arc<Slot>>,
+    /// Low-water nudges are queued and the actor was woken for them: later ones do not wake it
+    /// again. The actor clears it before it drains the queue.
+    soon: AtomicBool,
+    /// A caller waits for a refill: the actor refills at once instead of gathering.
+    urgent: AtomicBool,
     /// A nudge was dropped: the actor's next round scans the table once for slots with
     /// `PENDING` (the only full pass left in the actor, and only after an overflow).
     overflowed: AtomicBool,
@@ -170,7 +183,9 @@ impl Leases {
             )),
             plans: papaya::HashMap::new(),
             settings,
-            nudges: ArrayQueue::new(4096),
+            nudges: ArrayQueue::new(NUDGES),
+            soon: AtomicBool::new(false),
+            urgent: AtomicBool::new(false),
             overflowed: AtomicBool::new(false),
             wake: Notify::new(),
             stopping: AtomicBool::new(false),
@@ -273,7 +288,7 @@ impl Leases {
         {
             Take::Taken { left, nudge } => {
                 if nudge {
-                    self.nudge(slot);
+                    self.nudge_soon(slot);
                 }
                 crate::metrics::record_lease_allowed();
                 Fast::Taken {
@@ -311,7 +326,7 @@ impl Leases {
         {
             Take::Taken { left, nudge } => {
                 if nudge {
-                    self.nudge(slot);
+                    self.nudge_soon(slot);
                 }
                 crate::metrics::record_lease_allowed();
                 Some(Ok(Known {
@@ -371,7 +386,7 @@ impl Leases {
                 Take::Taken { left, nudge } => {
                     crate::metrics::record_lease_allowed();
                     if nudge {
-                        self.nudge(&slot);
+                        self.nudge_soon(&slot);
                     }
                     return Fast::Taken {
                         left,
@@ -422,11 +437,30 @@ impl Leases {
 
     /// Tells the actor that `slot` wants a refill. Never blocks.
     fn nudge(&self, slot: &Arc<Slot>) {
+        self.queue(slot);
+        self.urgent.store(true, Ordering::Release);
+        self.wake.notify_one();
+    }
+
+    /// Asks for a refill of a lease that crossed its low-water mark and still pays its callers:
+    /// nobody waits, so the actor gathers these for up to [`GATHER`] and refills them together.
+    /// Only the first such nudge of a gathering wakes the actor (a wake-up of a parked thread is
+    /// a system call), and one that finds the queue half full, so that it is drained before it
+    /// overflows. The lease's low-water share is sized to last a refill plus a tick
+    /// (`actor.rs::target_size`), which covers the gathering.
+    #[inline]
+    fn nudge_soon(&self, slot: &Arc<Slot>) {
+        self.queue(slot);
+        if !self.soon.swap(true, Ordering::AcqRel) || self.nudges.len() >= NUDGES / 2 {
+            self.wake.notify_one();
+        }
+    }
+
+    fn queue(&self, slot: &Arc<Slot>) {
         // A full queue drops the nudge; the actor's next round then scans for PENDING slots.
         if self.nudges.push(Arc::clone(slot)).is_err() {
             self.overflowed.store(true, Ordering::Release);
         }
-        self.wake.notify_one();
     }
 
     /// Puts `cost` nanotokens back into `key`'s live lease; `false` when there is none (the
