@@ -8,8 +8,11 @@
 //! - statements per 1,000 requests (`db_calls_per_1k`, log scale);
 //! - p99 latency of a request (`p99_us`, log scale).
 //!
-//! A run that did not keep up (fallback decisions, requests not sent, calls still in flight at
-//! the end) is drawn as a hollow marker, and its counts follow its value in the first panel.
+//! A run that did not keep up is drawn as a hollow marker, and its counts follow its value in
+//! the first panel: one with fallback decisions, or with more than 1% of its scheduled requests
+//! not sent or still in flight at the end. A handful unsent is the schedule's edge, not a limiter
+//! falling behind: a slot due in the last millisecond wakes after the end and is counted unsent
+//! (2 of 6,000 in each run of a 3 s sweep at 2,000 requests/s), so it is not marked.
 //! A value of 0 is drawn on the axis floor; a missing or null value leaves its point out.
 
 use std::collections::BTreeMap;
@@ -46,6 +49,9 @@ pub(super) struct BandRun {
     p99_us: Option<f64>,
     #[serde(default)]
     fallback_decisions: u64,
+    /// Requests sent.
+    #[serde(default)]
+    requests: u64,
     #[serde(default)]
     unsent: u64,
     #[serde(default)]
@@ -59,18 +65,25 @@ pub(super) struct BandPoint {
     per_1k: Option<f64>,
     p99_us: Option<f64>,
     fallback: u64,
+    /// Requests due by the schedule: sent and not sent.
+    scheduled: u64,
     unsent: u64,
     in_flight: u64,
 }
 
 impl BandPoint {
-    /// Whether the run kept up: no fallback decision, every request sent and answered.
+    /// Whether the run kept up: no fallback decision, and at most 1% of the scheduled requests
+    /// unsent or unanswered at the end.
     pub(super) fn kept_up(&self) -> bool {
-        self.fallback == 0 && self.unsent == 0 && self.in_flight == 0
+        self.fallback == 0 && (self.unsent + self.in_flight) * 100 <= self.scheduled
     }
 
-    /// What went wrong in the run, for its label: `" · 40 fallback · 1.2k unsent"`, or empty.
+    /// Why the run did not keep up, for its label: `" · 40 fallback · 1.2k unsent"`; empty when
+    /// it did.
     fn trouble(&self) -> String {
+        if self.kept_up() {
+            return String::new();
+        }
         [
             (self.fallback, "fallback"),
             (self.unsent, "unsent"),
@@ -125,6 +138,7 @@ pub(super) fn select(path: &Path, runs: &[(usize, BandRun)]) -> Result<BandChart
                 per_1k: usable(run.db_calls_per_1k),
                 p99_us: usable(run.p99_us),
                 fallback: run.fallback_decisions,
+                scheduled: run.requests + run.unsent,
                 unsent: run.unsent,
                 in_flight: run.in_flight_at_end,
             },
@@ -325,7 +339,9 @@ fn draw_panel(
     }
     if panel.legend {
         ctx.draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())?
-            .label("hollow: fallback decisions or requests not sent (the run did not keep up)")
+            .label(
+                "hollow: did not keep up (fallback decisions, or over 1% of the requests unsent)",
+            )
             .legend(|(x, y)| Circle::new((x + 12, y), 6, BOUND.stroke_width(2)));
         ctx.configure_series_labels()
             .position(SeriesLabelPosition::LowerLeft)
@@ -355,6 +371,7 @@ mod tests {
             db_calls_per_1k: per_1k,
             p99_us: Some(if mode == "direct" { 4000.0 } else { 1500.0 }),
             fallback_decisions: fallback,
+            requests: 6000,
             unsent: 0,
             in_flight_at_end: 0,
         };
@@ -425,6 +442,22 @@ mod tests {
         .unwrap();
         assert_eq!(chart.leased[0].trouble(), " · 40 fallback · 12.3k unsent");
         assert!(!chart.leased[0].kept_up());
+        // Of 6,000 scheduled requests (sent + unsent), 60 unsent is 1%: still keeping up, and
+        // the label says nothing; 61, or 59 and 2 in flight, is falling behind.
+        let (_, r) = run(Some(1.0), "leased", Some(1.0), 0);
+        let point = |unsent: u64, in_flight_at_end: u64| {
+            let r = BandRun {
+                requests: 6000 - unsent,
+                unsent,
+                in_flight_at_end,
+                ..r.clone()
+            };
+            select(Path::new("b"), &[(1, r)]).unwrap().leased.remove(0)
+        };
+        assert!(point(60, 0).kept_up());
+        assert_eq!(point(60, 0).trouble(), "");
+        assert!(!point(61, 0).kept_up());
+        assert_eq!(point(59, 2).trouble(), " · 59 unsent · 2 in flight");
         assert_eq!(micros(850.0), "850 µs");
         assert_eq!(micros(2500.0), "2.5 ms");
         assert_eq!(micros(1.2e6), "1.2 s");
