@@ -13,8 +13,9 @@
 # $BANDS requests/s per key (0.1 1 3 10 100: 50,000 keys down to 50), each in direct and leased
 # mode, $DURATION seconds a run (10 by default). Prints a table (band, mode, requests/s served,
 # statements per 1,000 requests, p50/p99/max latency, admitted vs ideal, fallback decisions,
-# requests not sent), and keeps target/loadtest/bands.jsonl (the loadtest reports, each with
-# `band_per_key_rate` added) and target/loadtest/bands.csv.
+# requests not sent), keeps target/loadtest/bands.jsonl (the loadtest reports, each with
+# `band_per_key_rate` added) and target/loadtest/bands.csv, and `tokenlease chart --bands` draws
+# docs/loadtest-bands.png from them.
 #
 #   bash scripts/loadtest-sweep.sh                    # leases, DURATION=20
 #   DURATION=5 bash scripts/loadtest-sweep.sh
@@ -72,6 +73,7 @@ for r in rows:
 PY
     echo
     echo "results: $out and ${out%.jsonl}.csv"
+    "$bin" chart --bands "$out" --output docs/loadtest-bands.png
     exit 0
 fi
 

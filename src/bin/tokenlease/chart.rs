@@ -9,6 +9,10 @@
 //! - the measured `overshoot_tokens` of the leased runs, with `overshoot_bound` (DESIGN.md §8)
 //!   dashed.
 //!
+//! With `--bands FILE` instead of `--input`, it draws the chart of `scripts/loadtest-sweep.sh
+//! bands` instead: statements per 1,000 requests and p99 latency against the per-key request
+//! rate (module `bands`).
+//!
 //! Text needs a font: plotters is built without system font lookup, so the chart loads DejaVu
 //! Sans (Debian package `fonts-dejavu-core`) from disk at run time, or the file `--font` names.
 
@@ -21,17 +25,25 @@ use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use plotters::style::{FontStyle, register_font};
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
+
+mod bands;
 
 /// Where Debian's `fonts-dejavu-core` installs DejaVu Sans.
 const DEFAULT_FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
 
 /// Arguments of `tokenlease chart`.
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["input", "bands"])))]
 pub(crate) struct Args {
     /// JSON lines, one `tokenlease loadtest --json` report per line (the sweep writes
-    /// `target/loadtest/results.jsonl`).
+    /// `target/loadtest/results.jsonl`): draws the lease-size chart.
     #[arg(long)]
-    input: PathBuf,
+    input: Option<PathBuf>,
+    /// Instead of --input: the JSON lines of `scripts/loadtest-sweep.sh bands`
+    /// (`target/loadtest/bands.jsonl`): draws cost and p99 latency against the per-key rate.
+    #[arg(long)]
+    bands: Option<PathBuf>,
     /// The PNG file to write.
     #[arg(long)]
     output: PathBuf,
@@ -97,12 +109,31 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     if args.width < 400 || args.height < 400 {
         return Err("--width and --height must be at least 400 pixels".into());
     }
-    let runs = read_runs(&args.input)?;
-    let chart = select(&runs).map_err(|e| format!("{}: {e}", args.input.display()))?;
-    load_font(&args.font)?;
-    if let Some(dir) = args.output.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)?;
+    if let Some(path) = &args.bands {
+        let runs = read_lines(path)?;
+        let chart = bands::select(path, &runs)?;
+        load_font(&args.font)?;
+        create_parent(&args.output)?;
+        let root = BitMapBackend::new(&args.output, (args.width, args.height)).into_drawing_area();
+        bands::draw(&chart, &root)?;
+        root.present()?;
+        let marked = chart.direct.iter().chain(&chart.leased);
+        eprintln!(
+            "wrote {} ({} direct and {} leased band runs, {} of them hollow: did not keep up)",
+            args.output.display(),
+            chart.direct.len(),
+            chart.leased.len(),
+            marked.filter(|p| !p.kept_up()).count()
+        );
+        return Ok(ExitCode::SUCCESS);
     }
+    let Some(input) = args.input.as_deref() else {
+        return Err("give --input FILE or --bands FILE".into());
+    };
+    let runs: Vec<Run> = read_lines(input)?.into_iter().map(|(_, r)| r).collect();
+    let chart = select(&runs).map_err(|e| format!("{}: {e}", input.display()))?;
+    load_font(&args.font)?;
+    create_parent(&args.output)?;
     draw(&chart, &args.output, (args.width, args.height))?;
     eprintln!(
         "wrote {} ({} leased hot-key runs{})",
@@ -117,8 +148,17 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Parses every non-empty line as a report, naming the line of the first that is not one.
-fn read_runs(path: &Path) -> Result<Vec<Run>, String> {
+/// Creates the directory that will hold `output`, if it names one.
+fn create_parent(output: &Path) -> std::io::Result<()> {
+    match output.parent().filter(|d| !d.as_os_str().is_empty()) {
+        Some(dir) => std::fs::create_dir_all(dir),
+        None => Ok(()),
+    }
+}
+
+/// Parses every non-empty line as a report, with its line number (from 1), naming the line of
+/// the first that is not one.
+fn read_lines<T: DeserializeOwned>(path: &Path) -> Result<Vec<(usize, T)>, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let mut runs = Vec::new();
@@ -126,14 +166,14 @@ fn read_runs(path: &Path) -> Result<Vec<Run>, String> {
         if line.trim().is_empty() {
             continue;
         }
-        let run: Run = serde_json::from_str(line).map_err(|e| {
+        let run: T = serde_json::from_str(line).map_err(|e| {
             format!(
                 "{}:{}: not a `tokenlease loadtest --json` report: {e}",
                 path.display(),
                 i + 1
             )
         })?;
-        runs.push(run);
+        runs.push((i + 1, run));
     }
     Ok(runs)
 }

@@ -33,7 +33,8 @@ enum Command {
     /// Run N limiter instances × M tasks against PostgreSQL and report database calls,
     /// accuracy against an ideal bucket, throughput and latency.
     Loadtest(loadtest::Args),
-    /// Draw database calls and overshoot against lease size from loadtest JSON lines (PNG).
+    /// Draw database calls and overshoot against lease size from loadtest JSON lines (PNG), or
+    /// with --bands, statements and p99 latency against the per-key request rate.
     Chart(chart::Args),
     /// Serve a booking API protected by both HTTP layers, with /metrics.
     Demo(demo::Args),
