@@ -34,8 +34,14 @@ use crate::store::{AcquireRequest, GiveBack, Hold, LeaseRef};
 /// A contended key's lease is spread over one word per core once its target reaches `HOT_PARTS²`
 /// of its largest cost; a top-up is split into parts of at least `HOT_PARTS` costs.
 const HOT_PARTS: u64 = 4;
-/// A lease that lasts its lifetime is sized for this many lifetimes of demand (at most `B`).
-const QUIET_LIFETIMES: f64 = 4.0;
+/// A relaxed lease is sized for this many lifetimes of demand (at most `B`): it lives on while
+/// it is spent from, so this sets how often a quiet key is refilled (every 16 lifetimes, at the
+/// low-water mark), which is what a million quiet keys cost the actor. Its unspent tokens are
+/// out of the shared bucket whatever its size, so the overshoot bound (`N·B`) does not change.
+const QUIET_LIFETIMES: f64 = 32.0;
+/// A strict lease closes at its lifetime and is counted against the bucket until then, so it
+/// holds only a few lifetimes of demand.
+const QUIET_LIFETIMES_STRICT: f64 = 4.0;
 /// Keys per store statement.
 const CHUNK: usize = 256;
 /// Attempts at giving a return back before its tokens count as stranded.
@@ -653,7 +659,11 @@ fn target_size(demand: f64, max_cost: u64, settings: &LeaseSettings, landing: Du
     // A lease spent from during its lifetime lives on (`renew_if_spent`), so a quiet key's lease
     // is sized for a few lifetimes: its refills come every couple of lifetimes, and a million
     // quiet keys cost the actor hundreds of thousands of refills a second, not millions.
-    let lifetime = lifetime * QUIET_LIFETIMES;
+    let lifetime = lifetime
+        * match settings.accounting {
+            Accounting::Relaxed => QUIET_LIFETIMES,
+            Accounting::Strict => QUIET_LIFETIMES_STRICT,
+        };
     let until_landed = (demand * landing.as_secs_f64() + cost) / settings.low_water.max(0.01);
     refresh.max(lifetime).max(until_landed) as u64
 }
