@@ -1,4 +1,6 @@
--- Refill and take as a server-side function: what the client sends becomes a one-line call.
+-- Refill and take, and the return of lease tokens, as server-side functions: what the client
+-- sends becomes a one-line call (tokenlease_acquire here; tokenlease_give_back, at the end, is
+-- built the same way).
 --
 -- Why a function: the store sends every statement unnamed (query_typed), so that it works behind
 -- PgBouncer in transaction pooling, which has no prepared statements. PostgreSQL then parses and
@@ -125,3 +127,116 @@ $$;
 COMMENT ON FUNCTION tokenlease_acquire(text[], numeric[], numeric[], numeric[], numeric[],
                                        numeric[], bigint[], bigint[], numeric[], bigint[]) IS
     'tokenlease refill and take for distinct keys, rows locked in key order: (key, tokens left, granted, updated_at, now())';
+
+-- Return unused lease tokens, idempotently, for distinct keys: give_back.sql as a function, for
+-- the same reasons and in the same two steps as tokenlease_acquire.
+--
+-- Each return id is recorded once (ON CONFLICT DO NOTHING); only ids recorded by this call
+-- credit their bucket, so a retried return (whose first attempt may have committed unseen)
+-- credits nothing. The credit refills first, then adds, capped at capacity less the tokens still
+-- out on strict leases. A strict return settles its lease: the entry leaves the row, and the
+-- credit is at most what the entry held, and nothing once the entry is gone (settled, replaced by
+-- a later grant, or expired, when its tokens already came back through the refill). A bucket
+-- with no row is full and stays full. Rows are locked in key order. One row per credited key.
+CREATE OR REPLACE FUNCTION tokenlease_give_back(
+    ids         bigint[],
+    keys        text[],
+    amounts     numeric[],
+    capacities  numeric[],
+    rates       numeric[],
+    holders     bigint[] DEFAULT NULL,
+    lease_ids   bigint[] DEFAULT NULL
+) RETURNS SETOF text
+LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    fresh bigint[];
+BEGIN
+    -- 1. Record the ids, in id order.
+    WITH recorded AS (
+        INSERT INTO tokenlease_returns AS t (id, key, amount)
+        SELECT r.id, r.key, r.amount
+        FROM unnest(ids, keys, amounts) AS r(id, key, amount)
+        ORDER BY r.id
+        ON CONFLICT (id) DO NOTHING
+        RETURNING t.id
+    )
+    SELECT array_agg(recorded.id) INTO fresh FROM recorded;
+    IF fresh IS NULL THEN
+        RETURN;
+    END IF;
+    IF cardinality(fresh) < cardinality(ids) THEN
+        -- A retry: only the returns recorded now go on (rare, so the filter may be quadratic).
+        SELECT array_agg(r.id), array_agg(r.key), array_agg(r.amount), array_agg(r.capacity),
+               array_agg(r.rate), array_agg(r.holder), array_agg(r.lease_id)
+        INTO ids, keys, amounts, capacities, rates, holders, lease_ids
+        FROM unnest(ids, keys, amounts, capacities, rates, holders, lease_ids)
+            AS r(id, key, amount, capacity, rate, holder, lease_id)
+        WHERE r.id = ANY (fresh);
+    END IF;
+
+    -- 2. Every credited key's row, in key order: a missing bucket inserted full, others locked.
+    INSERT INTO tokenlease_buckets AS b
+        (key, tokens, capacity, refill_per_second, updated_at, last_granted)
+    SELECT r.key, r.capacity, r.capacity, r.rate, now(), 0
+    FROM unnest(keys, capacities, rates) AS r(key, capacity, rate)
+    ORDER BY r.key
+    ON CONFLICT (key) DO UPDATE SET tokens = b.tokens WHERE false;
+
+    -- 3. Refill, credit and settle, joined by key.
+    RETURN QUERY
+    UPDATE tokenlease_buckets AS b
+    SET (tokens, capacity, refill_per_second, updated_at, last_granted, leases) = (
+            SELECT least(CASE WHEN cardinality(s.leases) = 0 THEN credit.capacity
+                              ELSE greatest(0, credit.capacity
+                                               - tokenlease_outstanding(s.leases, now()))
+                         END,
+                         f.refilled + s.credited),
+                   credit.capacity, credit.rate, greatest(b.updated_at, now()), 0, s.leases
+            FROM (
+                SELECT CASE WHEN cardinality(b.leases) = 0
+                            THEN tokenlease_refill(b.tokens, credit.capacity, credit.rate,
+                                                   b.updated_at, now())
+                            ELSE tokenlease_refill_held(b.tokens, credit.capacity, credit.rate,
+                                                        b.updated_at, b.leases, now())
+                       END AS refilled
+            ) AS f
+            CROSS JOIN LATERAL (
+                SELECT CASE WHEN credit.holder IS NULL THEN credit.amount
+                            WHEN cardinality(b.leases) = 0 THEN 0
+                            ELSE tokenlease_release_credit(b.leases, now(), credit.holder,
+                                                           credit.lease_id, credit.amount)
+                       END AS credited,
+                       CASE WHEN cardinality(b.leases) = 0 THEN b.leases
+                            WHEN credit.holder IS NULL
+                                THEN tokenlease_hold(b.leases, now(), NULL, NULL, 0, 0)
+                            ELSE tokenlease_release(b.leases, now(), credit.holder,
+                                                    credit.lease_id)
+                       END AS leases
+            ) AS s
+        )
+    FROM unnest(keys, amounts, capacities, rates, holders, lease_ids)
+        AS credit(key, amount, capacity, rate, holder, lease_id)
+    WHERE b.key = credit.key
+      AND b.key = ANY (keys)
+    RETURNING b.key;
+END
+$$;
+
+DO $$
+BEGIN
+    EXECUTE format(
+        'ALTER FUNCTION tokenlease_give_back(bigint[], text[], numeric[], numeric[], numeric[], '
+        'bigint[], bigint[]) SET search_path = %I, pg_temp',
+        (SELECT n.nspname
+         FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+         WHERE c.oid = 'tokenlease_buckets'::regclass));
+END
+$$;
+
+COMMENT ON FUNCTION tokenlease_give_back(bigint[], text[], numeric[], numeric[], numeric[],
+                                         bigint[], bigint[]) IS
+    'tokenlease return of unused lease tokens, once per return id, rows locked in key order: the credited keys';

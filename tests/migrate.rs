@@ -402,10 +402,11 @@ async fn build_errors_name_the_failing_migration_step() {
     assert!(message.contains("migrat"), "{message}");
 }
 
-/// A database migrated by an older version (0001 to 0003: the bare statement, no function) gets
-/// `tokenlease_acquire` from 0004 when a store of this version is built on it, with its settings
-/// and a search_path pinned to the schema of the buckets; and the store's takes go through the
-/// function: with it dropped, a take is an error naming it.
+/// A database migrated by an older version (0001 to 0003: bare statements, no functions) gets
+/// `tokenlease_acquire` and `tokenlease_give_back` from 0004 when a store of this version is
+/// built on it, with their settings and a search_path pinned to the schema of the buckets; and
+/// the store's takes and returns go through the functions: with one dropped, its call is an error
+/// naming it.
 #[tokio::test]
 async fn an_older_database_gets_the_acquire_function_and_the_store_uses_it() {
     use std::time::Duration;
@@ -425,8 +426,9 @@ async fn an_older_database_gets_the_acquire_function_and_the_store_uses_it() {
     async fn functions(admin: &Client) -> Vec<String> {
         admin
             .query_typed(
-                "SELECT array_to_string(proconfig, ';') FROM pg_proc
-                 WHERE proname = 'tokenlease_acquire'",
+                "SELECT proname || ': ' || array_to_string(proconfig, ';') FROM pg_proc
+                 WHERE proname IN ('tokenlease_acquire', 'tokenlease_give_back')
+                 ORDER BY proname",
                 &[],
             )
             .await
@@ -435,7 +437,10 @@ async fn an_older_database_gets_the_acquire_function_and_the_store_uses_it() {
             .map(|r| r.get::<_, String>(0))
             .collect()
     }
-    assert!(functions(&admin).await.is_empty(), "0003 has no function");
+    assert!(
+        functions(&admin).await.is_empty(),
+        "0003 has no such functions"
+    );
 
     let store = PostgresStore::builder(&old)
         .expect("connection string")
@@ -445,11 +450,13 @@ async fn an_older_database_gets_the_acquire_function_and_the_store_uses_it() {
         .build()
         .await
         .expect("build migrates to 0004");
+    let settings =
+        "plan_cache_mode=force_generic_plan;enable_seqscan=off;search_path=public, pg_temp";
     assert_eq!(
         functions(&admin).await,
         vec![
-            "plan_cache_mode=force_generic_plan;enable_seqscan=off;search_path=public, pg_temp"
-                .to_string()
+            format!("tokenlease_acquire: {settings}"),
+            format!("tokenlease_give_back: {settings}"),
         ]
     );
     let version: i64 = admin
@@ -469,13 +476,30 @@ async fn an_older_database_gets_the_acquire_function_and_the_store_uses_it() {
     assert_eq!(got.granted, Tokens::whole(4));
     assert_eq!(got.remaining, Tokens::whole(6));
 
+    let back = tokenlease::store::GiveBack {
+        id: 42,
+        key: "old-db",
+        amount: Tokens::whole(2),
+        bucket,
+        lease: None,
+    };
+    assert_eq!(store.give_back(&[back]).await.expect("give back"), 1);
+
     admin
         .batch_execute(
             "DROP FUNCTION tokenlease_acquire(text[], numeric[], numeric[], numeric[], \
-             numeric[], numeric[], bigint[], bigint[], numeric[], bigint[])",
+             numeric[], numeric[], bigint[], bigint[], numeric[], bigint[]);
+             DROP FUNCTION tokenlease_give_back(bigint[], text[], numeric[], numeric[], \
+             numeric[], bigint[], bigint[]);",
         )
         .await
-        .expect("drop the function");
+        .expect("drop the functions");
     let err = store.acquire(take).await.expect_err("no function, no take");
     assert!(err.to_string().contains("tokenlease_acquire"), "{err}");
+    let back = tokenlease::store::GiveBack { id: 43, ..back };
+    let err = store
+        .give_back(&[back])
+        .await
+        .expect_err("no function, no return");
+    assert!(err.to_string().contains("tokenlease_give_back"), "{err}");
 }
