@@ -641,3 +641,45 @@ async fn the_acquire_function_ignores_the_callers_search_path() {
     assert_eq!(counts.get::<_, i64>(0), 0, "the decoy table is untouched");
     assert_eq!(counts.get::<_, String>(1), "7.000000000000000000");
 }
+
+/// The server's `lock_timeout` bounds a call of the function like any statement: with another
+/// session holding the row's lock, the call (given a 5 s client timeout) fails after the 150 ms
+/// lock timeout with the server's lock-timeout error, and succeeds once the lock is gone.
+#[tokio::test]
+async fn the_lock_timeout_ends_a_call_waiting_inside_the_function() {
+    use std::time::Instant;
+    let db = common::database().await;
+    let store = PostgresStore::builder(&db.connection_string())
+        .expect("connection string")
+        .pool_size(1)
+        .call_timeout(Duration::from_secs(5))
+        .pool_wait_timeout(Duration::from_secs(5))
+        .connect_timeout(Duration::from_secs(5))
+        .statement_timeout(Duration::from_secs(5))
+        .lock_timeout(Duration::from_millis(150))
+        .build()
+        .await
+        .expect("store");
+    let config = common::bucket(10, 1.0);
+    let take = AcquireRequest::take("locked", config, Tokens::whole(1));
+    store.acquire(take).await.expect("first take");
+    let mut holder = db.client().await.expect("connect");
+    let tx = holder.transaction().await.expect("begin");
+    tx.batch_execute("SELECT 1 FROM tokenlease_buckets WHERE key = 'locked' FOR UPDATE")
+        .await
+        .expect("lock the row");
+    let started = Instant::now();
+    let err = store.acquire(take).await.expect_err("the row is locked");
+    let waited = started.elapsed();
+    assert!(err.to_string().contains("lock timeout"), "{err}");
+    assert!(
+        waited >= Duration::from_millis(150) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
+    tx.rollback().await.expect("release");
+    let got = store
+        .acquire(take)
+        .await
+        .expect("take after the lock is gone");
+    assert_eq!(got.granted, Tokens::whole(1));
+}
