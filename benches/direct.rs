@@ -146,7 +146,8 @@ fn bench_direct(c: &mut Criterion, setup: &Setup) {
 /// (pool size, statements in flight) for 16 tasks on 10,000 keys.
 const BATCHING: [(u32, usize); 6] = [(4, 16), (4, 4), (4, 2), (4, 1), (8, 8), (16, 16)];
 
-/// pgbench on the bare statement: the same SQL, keys and concurrency, extended protocol.
+/// pgbench on the statement the store sends (the `tokenlease_acquire` call): the same SQL, keys
+/// and concurrency, extended protocol.
 fn pgbench(setup: &Setup, clients: u32, many_keys: bool, sync_commit: bool) -> Option<f64> {
     let key = if many_keys {
         "ARRAY['pg' || :n]"

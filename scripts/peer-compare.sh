@@ -3,11 +3,15 @@
 #
 #   1. rate-limiter-flexible's RateLimiterPostgres (Node, peers/rlf-postgres.js): 10,000 random
 #      keys, 16 requests in flight over a pg Pool of 16 connections;
-#   2. pgbench, 16 clients, running tokenlease's own statement (src/store/postgres/sql/acquire.sql)
-#      for one random key of 10,000: the database's ceiling for one-statement-per-request, twice:
-#      `-M prepared` (parsed and planned once per connection) and `-M extended` (an unnamed
+#   2. pgbench, 16 clients, one random key of 10,000: the database's ceiling for
+#      one-statement-per-request, for two statements, each twice: `-M extended` (an unnamed
 #      statement parsed and planned on every call, as tokenlease sends it with `query_typed` so
-#      that it works behind PgBouncer);
+#      that it works behind PgBouncer) and `-M prepared` (parsed and planned once per connection):
+#      a. what tokenlease sends (src/store/postgres/sql/acquire.sql): a call of the PL/pgSQL
+#         function tokenlease_acquire (migration 0004), whose inner statements are planned once
+#         per session either way;
+#      b. the bare statement that function replaced (src/store/postgres/sql/acquire_bare.sql),
+#         for comparison;
 #   3. tokenlease loadtest --mode direct --keys 10000 --instances 1 --tasks 16 --pool 16 (closed
 #      loop: --rate far above what is reachable, so each task sends as soon as it is answered);
 #   4. tokenlease loadtest --mode leased --keys 100000 --rate 100000 --instances 1 --tasks 16
@@ -64,32 +68,42 @@ r = json.loads(sys.stdin.read())
 r["client"] = "rate-limiter-flexible (Node), 16 in flight"
 print(json.dumps(r))' >>"$out"
 
-echo "== 2/4 pgbench, 16 clients, tokenlease's acquire.sql on one random key of 10,000" >&2
-# acquire.sql with its six array parameters replaced by one-element arrays: key pgbench:<n>,
-# capacity 100, refill 50/s, take exactly 1 (min = want = step = 1), as direct mode sends it.
-{
-    echo '\set key random(1, 10000)'
-    grep -v '^[[:space:]]*--' src/store/postgres/sql/acquire.sql |
-        sed -e "s/\\\$1::text\\[\\]/ARRAY['pgbench:' || :key::text]::text[]/" \
-            -e "s/\\\$2::text\\[\\]/ARRAY['100']::text[]/" \
-            -e "s/\\\$3::text\\[\\]/ARRAY['50']::text[]/" \
-            -e "s/\\\$[456]::text\\[\\]/ARRAY['1']::text[]/g"
-    echo ';'
-} >"$tmp/acquire.pgbench"
-if grep -q '\$[0-9]' "$tmp/acquire.pgbench"; then
-    echo "peer-compare: acquire.sql has parameters this script does not replace:" >&2
-    grep -n '\$[0-9]' "$tmp/acquire.pgbench" >&2
-    exit 1
-fi
-for protocol in prepared extended; do
-    echo "== 2/4 pgbench -M $protocol" >&2
-    rm -f "$tmp"/pgbench_log*
-    (cd "$tmp" && pgbench -n -M "$protocol" -c 16 -j 2 -T "$PHASE_S" -f acquire.pgbench \
-        -l --log-prefix=pgbench_log "$url" >pgbench.out 2>pgbench.err) || {
-        cat "$tmp/pgbench.err" >&2
+echo "== 2/4 pgbench, 16 clients, tokenlease's statement on one random key of 10,000" >&2
+# A statement file with its six array parameters replaced by one-element arrays: key
+# pgbench:<n>, capacity 100, refill 50/s, take exactly 1 (min = want = step = 1), as direct mode
+# sends it. Both files write the parameters as $1::text[] .. $6::text[].
+pgbench_script() { # FILE OUT
+    {
+        echo '\set key random(1, 10000)'
+        grep -v '^[[:space:]]*--' "$1" |
+            sed -e "s/\\\$1::text\\[\\]/ARRAY['pgbench:' || :key::text]::text[]/" \
+                -e "s/\\\$2::text\\[\\]/ARRAY['100']::text[]/" \
+                -e "s/\\\$3::text\\[\\]/ARRAY['50']::text[]/" \
+                -e "s/\\\$[456]::text\\[\\]/ARRAY['1']::text[]/g"
+        echo ';'
+    } >"$2"
+    if grep -q '\$[0-9]' "$2"; then
+        echo "peer-compare: $1 has parameters this script does not replace:" >&2
+        grep -n '\$[0-9]' "$2" >&2
         exit 1
-    }
-    python3 - "$tmp" "$protocol" >>"$out" <<'PY'
+    fi
+}
+pgbench_script src/store/postgres/sql/acquire.sql "$tmp/function.pgbench"
+pgbench_script src/store/postgres/sql/acquire_bare.sql "$tmp/bare.pgbench"
+for variant in function bare; do
+    for protocol in extended prepared; do
+        case "$variant" in
+            function) label="tokenlease_acquire() call, what tokenlease sends (acquire.sql)" ;;
+            bare) label="bare statement, before migration 0004 (acquire_bare.sql)" ;;
+        esac
+        echo "== 2/4 pgbench -M $protocol, $label" >&2
+        rm -f "$tmp"/pgbench_log*
+        (cd "$tmp" && pgbench -n -M "$protocol" -c 16 -j 2 -T "$PHASE_S" -f "$variant.pgbench" \
+            -l --log-prefix=pgbench_log "$url" >pgbench.out 2>pgbench.err) || {
+            cat "$tmp/pgbench.err" >&2
+            exit 1
+        }
+        python3 - "$tmp" "$protocol" "$label" >>"$out" <<'PY'
 import glob, json, math, re, sys
 tmp = sys.argv[1]
 text = open(f"{tmp}/pgbench.out").read()
@@ -110,12 +124,13 @@ def pct(q):  # nearest rank
 dur = float(re.search(r"duration: (\d+) s", text).group(1))
 tps = float(re.search(r"tps = ([\d.]+) \(without initial", text).group(1))
 print(json.dumps({
-    "client": f"pgbench -M {sys.argv[2]}, 16 clients, acquire.sql (1 key)",
+    "client": f"pgbench -M {sys.argv[2]}, 16 clients, {sys.argv[3]}, 1 key",
     "requests": len(lat), "per_sec": tps, "p50_us": pct(0.5), "p99_us": pct(0.99),
     "p999_us": pct(0.999), "max_us": lat[-1] if lat else 0, "errors": failed,
     "duration_s": dur, "statements_per_1k": 1000,
 }))
 PY
+    done
 done
 
 echo "== 3/4 tokenlease loadtest --mode direct, 10,000 keys, 1 instance × 16 tasks" >&2

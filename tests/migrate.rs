@@ -401,3 +401,105 @@ async fn build_errors_name_the_failing_migration_step() {
     }
     assert!(message.contains("migrat"), "{message}");
 }
+
+/// A database migrated by an older version (0001 to 0003: bare statements, no functions) gets
+/// `tokenlease_acquire` and `tokenlease_give_back` from 0004 when a store of this version is
+/// built on it, with their settings and a search_path pinned to the schema of the buckets; and
+/// the store's takes and returns go through the functions: with one dropped, its call is an error
+/// naming it.
+#[tokio::test]
+async fn an_older_database_gets_the_acquire_function_and_the_store_uses_it() {
+    use std::time::Duration;
+    use tokenlease::bucket::Tokens;
+    use tokenlease::store::{AcquireRequest, PostgresStore, Store};
+
+    let db = TestDatabase::create().await.expect("create");
+    let old = unmigrated(&db, &format!("{}_old", db.name())).await;
+    let (mut admin, connection) = tokio_postgres::connect(&old, tokio_postgres::NoTls)
+        .await
+        .expect("connect to the new database");
+    tokio::spawn(connection);
+    let before = migrate_with(&mut admin, &MIGRATIONS[..3])
+        .await
+        .expect("the older version's migrations");
+    assert_eq!(before.applied.len(), 3);
+    async fn functions(admin: &Client) -> Vec<String> {
+        admin
+            .query_typed(
+                "SELECT proname || ': ' || array_to_string(proconfig, ';') FROM pg_proc
+                 WHERE proname IN ('tokenlease_acquire', 'tokenlease_give_back')
+                 ORDER BY proname",
+                &[],
+            )
+            .await
+            .expect("pg_proc")
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect()
+    }
+    assert!(
+        functions(&admin).await.is_empty(),
+        "0003 has no such functions"
+    );
+
+    let store = PostgresStore::builder(&old)
+        .expect("connection string")
+        .connect_timeout(Duration::from_secs(5))
+        .call_timeout(Duration::from_secs(5))
+        .pool_wait_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .expect("build migrates to 0004");
+    let settings =
+        "plan_cache_mode=force_generic_plan;enable_seqscan=off;search_path=public, pg_temp";
+    assert_eq!(
+        functions(&admin).await,
+        vec![
+            format!("tokenlease_acquire: {settings}"),
+            format!("tokenlease_give_back: {settings}"),
+        ]
+    );
+    let version: i64 = admin
+        .query_typed_one("SELECT max(version) FROM tokenlease_migrations", &[])
+        .await
+        .expect("versions")
+        .get(0);
+    assert_eq!(version, 4);
+
+    let bucket = tokenlease::bucket::BucketConfig::new(
+        Tokens::whole(10),
+        tokenlease::bucket::Rate::per_second(1).expect("rate"),
+    )
+    .expect("bucket");
+    let take = AcquireRequest::take("old-db", bucket, Tokens::whole(4));
+    let got = store.acquire(take).await.expect("acquire");
+    assert_eq!(got.granted, Tokens::whole(4));
+    assert_eq!(got.remaining, Tokens::whole(6));
+
+    let back = tokenlease::store::GiveBack {
+        id: 42,
+        key: "old-db",
+        amount: Tokens::whole(2),
+        bucket,
+        lease: None,
+    };
+    assert_eq!(store.give_back(&[back]).await.expect("give back"), 1);
+
+    admin
+        .batch_execute(
+            "DROP FUNCTION tokenlease_acquire(text[], numeric[], numeric[], numeric[], \
+             numeric[], numeric[], bigint[], bigint[], numeric[], bigint[]);
+             DROP FUNCTION tokenlease_give_back(bigint[], text[], numeric[], numeric[], \
+             numeric[], bigint[], bigint[]);",
+        )
+        .await
+        .expect("drop the functions");
+    let err = store.acquire(take).await.expect_err("no function, no take");
+    assert!(err.to_string().contains("tokenlease_acquire"), "{err}");
+    let back = tokenlease::store::GiveBack { id: 43, ..back };
+    let err = store
+        .give_back(&[back])
+        .await
+        .expect_err("no function, no return");
+    assert!(err.to_string().contains("tokenlease_give_back"), "{err}");
+}

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokenlease::bucket::{BucketState, Timestamp, Tokens};
 use tokenlease::clock::timestamp_from_system_time;
 use tokenlease::error::{Error, KeyError, MAX_KEY_BYTES};
-use tokenlease::store::{AcquireRequest, PostgresStore, Store};
+use tokenlease::store::{AcquireRequest, GiveBack, PostgresStore, Store};
 use tokenlease::{DecidedBy, Limiter};
 
 async fn exec(store: &PostgresStore, sql: &str) {
@@ -458,4 +458,228 @@ async fn a_refund_puts_tokens_back_into_the_bucket() {
         limiter.refund(&plan, "refund", 11.0).await.is_err(),
         "above capacity"
     );
+}
+
+/// One statement of 1,024 keys answers every key exactly as the pure bucket would: half the keys
+/// new, half stored and aged by a different amount each (a few with a refill time in the
+/// future), under plain takes, coalesced takes and leases, some with a capacity other than the
+/// stored one, keys sent in no particular order. Twice, so the second statement runs on the plan
+/// the session cached from the first.
+#[tokio::test]
+async fn a_statement_of_1024_keys_answers_each_key_as_the_pure_bucket() {
+    const N: usize = 1024;
+    let db = common::database().await;
+    let store = common::store(&db, 1).await;
+    // Keys in a scrambled order (the function sorts them itself).
+    let keys: Vec<String> = (0..N)
+        .map(|i| format!("many:{:04}", (i * 389) % N))
+        .collect();
+    let config = |i: usize, round: usize| {
+        let capacity = 8 + (i as u64 * 13 + round as u64 * 7) % 40;
+        common::bucket(capacity, 0.05 + (i % 7) as f64 * 0.2)
+    };
+    let request = |i: usize, round: usize| {
+        let config = config(i, round);
+        let cost = Tokens::from_atto(
+            u128::from(1 + (i as u64 * 31 + round as u64) % 8_000) * 1_000_000_000_000_000,
+        );
+        match (i + round) % 3 {
+            0 => AcquireRequest::take(&keys[i], config, cost),
+            1 => AcquireRequest {
+                // Three coalesced takes of one cost.
+                want: Tokens::from_atto(cost.as_atto() * 3),
+                ..AcquireRequest::take(&keys[i], config, cost)
+            },
+            _ => AcquireRequest::lease(&keys[i], config, cost, Tokens::whole(4 + (i as u64 % 9))),
+        }
+    };
+    let mut model: Vec<Option<BucketState>> = vec![None; N];
+    let (mut granted, mut denied) = (0, 0);
+    for round in 0..3 {
+        // Round 0 touches the even keys only; later rounds every key, so round 1 has new keys
+        // and stored keys side by side.
+        let chosen: Vec<usize> = (0..N).filter(|i| round > 0 || i % 2 == 0).collect();
+        if round > 0 {
+            // Age each stored row by its own amount: up to 4 s back, or up to 0.5 s ahead.
+            let (aged, micros): (Vec<&str>, Vec<i64>) = (0..N)
+                .filter_map(|i| {
+                    let state = model[i].as_mut()?;
+                    let us = ((i as i64 * 7_919 + round as i64 * 104_729) % 4_500_000) - 500_000;
+                    let ns = us * 1_000;
+                    state.last_refill = Timestamp(state.last_refill.0.checked_add_signed(-ns)?);
+                    Some((keys[i].as_str(), us))
+                })
+                .unzip();
+            let conn = store.pool().get().await.expect("connection");
+            conn.execute(
+                "UPDATE tokenlease_buckets AS b
+                 SET updated_at = b.updated_at - a.us * interval '1 microsecond'
+                 FROM unnest($1::text[], $2::int8[]) AS a(key, us) WHERE b.key = a.key",
+                &[&aged, &micros],
+            )
+            .await
+            .expect("age the rows");
+        }
+        let requests: Vec<AcquireRequest<'_>> = chosen.iter().map(|&i| request(i, round)).collect();
+        let got = store.acquire_many(&requests).await.expect("acquire_many");
+        assert_eq!(got.len(), requests.len());
+        for ((&i, request), got) in chosen.iter().zip(&requests).zip(&got) {
+            let now = timestamp_from_system_time(got.store_now);
+            let config = request.bucket;
+            let refilled = model[i]
+                .unwrap_or(BucketState::full(&config, now))
+                .refill(&config, now);
+            let expected = request.grantable(refilled.tokens);
+            if request.min == request.want {
+                // A plain take: the pure bucket's own take agrees.
+                let (_, outcome) = model[i]
+                    .unwrap_or(BucketState::full(&config, now))
+                    .take(&config, now, request.min)
+                    .expect("cost fits");
+                assert_eq!(
+                    outcome.is_allowed(),
+                    !expected.is_zero(),
+                    "round {round}, key {i}"
+                );
+            }
+            assert_eq!(got.granted, expected, "round {round}, key {i}: granted");
+            let remaining = refilled.tokens.saturating_sub(expected);
+            assert_eq!(
+                got.remaining, remaining,
+                "round {round}, key {i}: remaining"
+            );
+            if expected.is_zero() {
+                denied += 1;
+            } else {
+                granted += 1;
+            }
+            model[i] = Some(BucketState {
+                tokens: remaining,
+                ..refilled
+            });
+        }
+    }
+    assert!(
+        granted > 500 && denied > 100,
+        "the statements exercise both: {granted} granted, {denied} denied"
+    );
+
+    // One give-back of all 1,024 keys credits each as the pure bucket's credit does (refilled to
+    // the statement's now(), which the row's refill time then is, unless it was ahead); its
+    // retry, with half the keys, credits nothing.
+    let backs: Vec<GiveBack<'_>> = (0..N)
+        .map(|i| GiveBack {
+            id: 1_000 + i as i64,
+            key: &keys[i],
+            bucket: config(i, 2),
+            amount: Tokens::from_atto(
+                u128::from(1 + (i as u64 * 17) % 5_000) * 1_000_000_000_000_000,
+            ),
+            lease: None,
+        })
+        .collect();
+    assert_eq!(store.give_back(&backs).await.expect("give back"), N as u64);
+    let retry: Vec<GiveBack<'_>> = backs.iter().copied().step_by(2).collect();
+    assert_eq!(store.give_back(&retry).await.expect("retry"), 0);
+    let conn = store.pool().get().await.expect("connection");
+    let rows = conn
+        .query(
+            "SELECT key, tokens::text, updated_at FROM tokenlease_buckets WHERE key LIKE 'many:%'",
+            &[],
+        )
+        .await
+        .expect("rows");
+    assert_eq!(rows.len(), N);
+    let by_key: std::collections::HashMap<String, (Tokens, std::time::SystemTime)> = rows
+        .iter()
+        .map(|r| {
+            let tokens: String = r.get(1);
+            (r.get(0), (tokens.parse().expect("tokens"), r.get(2)))
+        })
+        .collect();
+    for (i, back) in backs.iter().enumerate() {
+        let (tokens, updated_at) = by_key[back.key];
+        let at = timestamp_from_system_time(updated_at);
+        let state = model[i]
+            .expect("stored")
+            .credit(&back.bucket, at, back.amount);
+        assert_eq!(tokens, state.tokens, "key {i}: credited");
+    }
+}
+
+/// The function pins its search_path: a session whose search_path puts another
+/// `tokenlease_buckets` first still takes from the limiter's table, and the decoy is untouched.
+#[tokio::test]
+async fn the_acquire_function_ignores_the_callers_search_path() {
+    let db = common::database().await;
+    let store = common::store(&db, 1).await;
+    let conn = store.pool().get().await.expect("connection");
+    conn.batch_execute(
+        "CREATE SCHEMA decoy;
+         CREATE TABLE decoy.tokenlease_buckets (LIKE public.tokenlease_buckets INCLUDING ALL);
+         SET search_path = decoy, public;",
+    )
+    .await
+    .expect("decoy");
+    let row = conn
+        .query_one(
+            "SELECT granted FROM tokenlease_acquire(ARRAY['pinned'], ARRAY[10], ARRAY[1], \
+             ARRAY[3], ARRAY[3], ARRAY[3])",
+            &[],
+        )
+        .await
+        .expect("call");
+    assert_eq!(row.get::<_, String>(0), "3.000000000000000000");
+    let counts = conn
+        .query_one(
+            "SELECT (SELECT count(*) FROM decoy.tokenlease_buckets), \
+                    (SELECT tokens::text FROM public.tokenlease_buckets WHERE key = 'pinned')",
+            &[],
+        )
+        .await
+        .expect("counts");
+    assert_eq!(counts.get::<_, i64>(0), 0, "the decoy table is untouched");
+    assert_eq!(counts.get::<_, String>(1), "7.000000000000000000");
+}
+
+/// The server's `lock_timeout` bounds a call of the function like any statement: with another
+/// session holding the row's lock, the call (given a 5 s client timeout) fails after the 150 ms
+/// lock timeout with the server's lock-timeout error, and succeeds once the lock is gone.
+#[tokio::test]
+async fn the_lock_timeout_ends_a_call_waiting_inside_the_function() {
+    use std::time::Instant;
+    let db = common::database().await;
+    let store = PostgresStore::builder(&db.connection_string())
+        .expect("connection string")
+        .pool_size(1)
+        .call_timeout(Duration::from_secs(5))
+        .pool_wait_timeout(Duration::from_secs(5))
+        .connect_timeout(Duration::from_secs(5))
+        .statement_timeout(Duration::from_secs(5))
+        .lock_timeout(Duration::from_millis(150))
+        .build()
+        .await
+        .expect("store");
+    let config = common::bucket(10, 1.0);
+    let take = AcquireRequest::take("locked", config, Tokens::whole(1));
+    store.acquire(take).await.expect("first take");
+    let mut holder = db.client().await.expect("connect");
+    let tx = holder.transaction().await.expect("begin");
+    tx.batch_execute("SELECT 1 FROM tokenlease_buckets WHERE key = 'locked' FOR UPDATE")
+        .await
+        .expect("lock the row");
+    let started = Instant::now();
+    let err = store.acquire(take).await.expect_err("the row is locked");
+    let waited = started.elapsed();
+    assert!(err.to_string().contains("lock timeout"), "{err}");
+    assert!(
+        waited >= Duration::from_millis(150) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
+    tx.rollback().await.expect("release");
+    let got = store
+        .acquire(take)
+        .await
+        .expect("take after the lock is gone");
+    assert_eq!(got.granted, Tokens::whole(1));
 }

@@ -86,6 +86,11 @@ pub const MIGRATIONS: &[Migration] = &[
         description: "add_held_leases",
         sql: include_str!("../../../migrations/0003_add_held_leases.sql"),
     },
+    Migration {
+        version: 4,
+        description: "acquire_function",
+        sql: include_str!("../../../migrations/0004_acquire_function.sql"),
+    },
 ];
 
 /// What [`migrate`] found and did.

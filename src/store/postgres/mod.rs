@@ -1,10 +1,13 @@
 //! [`PostgresStore`]: buckets shared through PostgreSQL, one atomic statement per call.
 //!
-//! Every call is a single statement from `sql/` (refill by `now()` and take in one
-//! `INSERT ... ON CONFLICT DO UPDATE ... RETURNING`), sent with `query_typed`: no named prepared
-//! statements, so the store works behind PgBouncer in transaction pooling. Every call is bounded
-//! by a client-side timeout, and the server stops abandoned statements itself with
-//! `statement_timeout` and `lock_timeout`, set on every connection.
+//! Every call is a single statement from `sql/`, sent with `query_typed`: no named prepared
+//! statements, so the store works behind PgBouncer in transaction pooling. Refill and take is a
+//! call of the server-side function `tokenlease_acquire`, and a return of lease tokens one of
+//! `tokenlease_give_back` (migration 0004): each locks its rows in key order, and refills by
+//! `now()` and takes (or credits) in the same statement. PostgreSQL keeps the plans of the
+//! functions' statements for the session, so only the short call is parsed and planned on every
+//! call. Every call is bounded by a client-side timeout, and the server stops abandoned
+//! statements itself with `statement_timeout` and `lock_timeout`, set on every connection.
 
 use std::collections::HashMap;
 use std::str::FromStr;
@@ -31,6 +34,8 @@ mod sql {
     // language=SQL
     pub(super) const ACQUIRE: &str = include_str!("sql/acquire.sql");
     // language=SQL
+    pub(super) const ACQUIRE_BARE: &str = include_str!("sql/acquire_bare.sql");
+    // language=SQL
     pub(super) const ACQUIRE_HELD: &str = include_str!("sql/acquire_held.sql");
     // language=SQL
     pub(super) const GIVE_BACK: &str = include_str!("sql/give_back.sql");
@@ -40,8 +45,14 @@ mod sql {
     pub(super) const INSPECT: &str = include_str!("sql/inspect.sql");
 }
 
-/// The SQL text of the acquire statement, for benchmarks that run it bare (pgbench).
+/// The SQL text of the acquire statement the store sends (a call of `tokenlease_acquire`, with
+/// six `text[]` parameters written `$1::text[]` to `$6::text[]`), for benchmarks that run it
+/// themselves (pgbench).
 pub const ACQUIRE_SQL: &str = sql::ACQUIRE;
+
+/// The single bare statement that `tokenlease_acquire` replaced (same parameters and results,
+/// parsed and planned on every call, quadratic in the keys), for benchmarks that compare the two.
+pub const ACQUIRE_BARE_SQL: &str = sql::ACQUIRE_BARE;
 
 type Manager = ConnectionManager;
 
@@ -457,8 +468,8 @@ impl Store for PostgresStore {
             (&wants, Type::TEXT_ARRAY),
             (&steps, Type::TEXT_ARRAY),
         ];
-        // Strict leases take the longer statement; a batch without any keeps the plain one, which
-        // PostgreSQL plans in half the time (both are planned on every call: query_typed).
+        // Strict leases pass the holders' four arrays; a batch without any leaves them out (the
+        // function's defaults), which saves their bytes and their casts.
         let held = requests.iter().any(|r| r.hold.is_some());
         let holders: Vec<Option<i64>> = requests.iter().map(|r| r.hold.map(|h| h.holder)).collect();
         let lease_ids: Vec<Option<i64>> = requests

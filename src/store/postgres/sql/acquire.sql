@@ -1,5 +1,6 @@
 -- language=SQL
--- Refill and take, for one or many keys, in one atomic statement.
+-- Refill and take, for one or many keys, in one atomic statement: a call of tokenlease_acquire
+-- (migrations/0004_acquire_function.sql), whose statements PostgreSQL plans once per session.
 --
 -- $1 text[]  keys (distinct)
 -- $2 text[]  capacities   (decimal text)
@@ -8,46 +9,7 @@
 -- $5 text[]  want: take up to this many
 -- $6 text[]  step: grant a multiple of this (the cost, for coalesced takes of one cost)
 --
--- A new key is inserted as a full bucket less its grant. An existing key is refilled by the
--- database's now() (never rewinding updated_at), then granted what tokenlease_grantable allows.
--- A row with strict leases out (acquire_held.sql) refills only up to its capacity less the
--- leases; every other row takes the plain refill, without calling the lease functions. The
--- row lock taken by ON CONFLICT DO UPDATE makes refill-and-take atomic; rows are inserted in
--- key order so concurrent multi-key statements lock in the same order and cannot deadlock.
--- last_granted carries the grant out through RETURNING, which sees only the new row.
-WITH req AS (
-    SELECT *
-    FROM unnest($1::text[], $2::text[]::numeric[], $3::text[]::numeric[],
-                $4::text[]::numeric[], $5::text[]::numeric[], $6::text[]::numeric[])
-        AS r(key, capacity, rate, min_take, want, step)
-)
-INSERT INTO tokenlease_buckets AS b
-    (key, tokens, capacity, refill_per_second, updated_at, last_granted)
-SELECT req.key, req.capacity - g.granted, req.capacity, req.rate, now(), g.granted
-FROM req
-CROSS JOIN LATERAL (
-    SELECT tokenlease_grantable(req.capacity, req.min_take, req.want, req.step) AS granted
-) AS g
-ORDER BY req.key
-ON CONFLICT (key) DO UPDATE SET
-    (tokens, capacity, refill_per_second, updated_at, last_granted, leases) = (
-        SELECT f.refilled - g.granted, req.capacity, req.rate,
-               greatest(b.updated_at, now()), g.granted,
-               CASE WHEN cardinality(b.leases) = 0 THEN b.leases
-                    ELSE tokenlease_hold(b.leases, now(), NULL, NULL, 0, 0)
-               END
-        FROM req
-        CROSS JOIN LATERAL (
-            SELECT CASE WHEN cardinality(b.leases) = 0
-                        THEN tokenlease_refill(b.tokens, req.capacity, req.rate, b.updated_at,
-                                               now())
-                        ELSE tokenlease_refill_held(b.tokens, req.capacity, req.rate,
-                                                    b.updated_at, b.leases, now())
-                   END AS refilled
-        ) AS f
-        CROSS JOIN LATERAL (
-            SELECT tokenlease_grantable(f.refilled, req.min_take, req.want, req.step) AS granted
-        ) AS g
-        WHERE req.key = b.key
-    )
-RETURNING b.key, b.tokens::text, b.last_granted::text, b.updated_at, now()
+-- One row per key: the key, tokens left, tokens granted, the refill time, and now().
+SELECT key, tokens, granted, updated_at, store_now
+FROM tokenlease_acquire($1::text[], $2::text[]::numeric[], $3::text[]::numeric[],
+                        $4::text[]::numeric[], $5::text[]::numeric[], $6::text[]::numeric[])
