@@ -12,10 +12,11 @@
 #         per session either way;
 #      b. the bare statement that function replaced (src/store/postgres/sql/acquire_bare.sql),
 #         for comparison;
-#   3. tokenlease loadtest --mode direct --keys 10000 --instances 1 --tasks 16 --pool 16 (closed
-#      loop: --rate far above what is reachable, so each task sends as soon as it is answered);
-#   4. tokenlease loadtest --mode leased --keys 100000 --rate 100000 --instances 1 --tasks 16
-#      --pool 16 (paced at 100,000 requests/s).
+#   3. tokenlease loadtest, 1 instance × 16 tasks: direct mode on 10,000 keys as a closed loop
+#      (--rate far above what is reachable, so each task sends as soon as it is answered) with
+#      the default pool of 4 and with 16 connections; leased mode on 100,000 keys paced at
+#      100,000 requests/s with the default lease settings and with leases living 30 s; leased
+#      mode on 10,000 keys as a closed loop with leases living 30 s.
 #
 # and prints one table with the ratios to the Node peer. Each phase runs $PHASE_S seconds (10 by
 # default: about a minute in all, build aside). The server is started by
@@ -133,21 +134,29 @@ PY
     done
 done
 
-echo "== 3/4 tokenlease loadtest --mode direct, 10,000 keys, 1 instance × 16 tasks" >&2
-"$bin" loadtest --database-url "$url" --json --mode direct --keys 10000 --instances 1 \
-    --tasks 16 --pool 16 --rate 1000000 --duration "$PHASE_S" | python3 -c '
-import json, sys
+# tokenlease's own load test, as a user would run it: the default pool (4 connections) and the
+# default lease settings first, then the settings that suit the workload, each labelled.
+loadtest_phase() {
+    local label="$1"
+    shift
+    echo "== 3/4 tokenlease loadtest: $label" >&2
+    "$bin" loadtest --database-url "$url" --json --instances 1 --tasks 16 --duration "$PHASE_S" "$@" |
+        LABEL="$label" python3 -c '
+import json, os, sys
 r = json.loads(sys.stdin.read())
-r["client"] = "tokenlease direct, 1 × 16 tasks, closed loop"
+r["client"] = os.environ["LABEL"]
 print(json.dumps(r))' >>"$out"
-
-echo "== 4/4 tokenlease loadtest --mode leased, 100,000 keys at 100,000/s, 1 instance × 16 tasks" >&2
-"$bin" loadtest --database-url "$url" --json --mode leased --keys 100000 --rate 100000 \
-    --instances 1 --tasks 16 --pool 16 --duration "$PHASE_S" | python3 -c '
-import json, sys
-r = json.loads(sys.stdin.read())
-r["client"] = "tokenlease leased, 1 × 16 tasks, 100,000 keys at 100,000/s"
-print(json.dumps(r))' >>"$out"
+}
+loadtest_phase "tokenlease direct, 10,000 keys, 1 × 16 tasks, closed loop, default pool (4)" \
+    --mode direct --keys 10000 --rate 1000000
+loadtest_phase "tokenlease direct, 10,000 keys, 1 × 16 tasks, closed loop, pool 16" \
+    --mode direct --keys 10000 --rate 1000000 --pool 16
+loadtest_phase "tokenlease leased, 100,000 keys at 100,000/s, 1 × 16 tasks, default lease settings" \
+    --mode leased --keys 100000 --rate 100000
+loadtest_phase "tokenlease leased, 100,000 keys at 100,000/s, 1 × 16 tasks, leases living 30 s" \
+    --mode leased --keys 100000 --rate 100000 --lease-ttl-ms 30000
+loadtest_phase "tokenlease leased, 10,000 keys, 1 × 16 tasks, closed loop, leases living 30 s" \
+    --mode leased --keys 10000 --rate 1000000 --lease-ttl-ms 30000
 
 echo
 python3 - "$out" <<'PY'
