@@ -104,10 +104,13 @@ impl LeaseWord {
             let nudge = left < low_water && current & PENDING == 0;
             let next = (current - cost) | if nudge { PENDING } else { 0 } | contended;
             // Success: Acquire, so the `store_remaining` the caller reads next is at least the
-            // one of the top-up whose tokens it spent (pairs with `top_up`'s release). No
-            // Release: a take publishes nothing, and its nudge reaches the actor through the
-            // nudge queue, which orders itself. Failure: Acquire, as the first load (the value
-            // may end the loop in `Short`).
+            // one of the top-up whose tokens it spent (pairs with `top_up`'s release; every
+            // later change of the word is a read-modify-write, so it carries that release on).
+            // The load above already acquired, but the CAS can succeed on a later change that
+            // happens to leave the same value (a top-up and then a take). No Release: a take
+            // publishes nothing, and its nudge reaches the actor through the nudge queue,
+            // which orders itself. Failure: Acquire, as the first load (the value may end the
+            // loop in `Short`).
             match self.word.compare_exchange_weak(
                 current,
                 next,
