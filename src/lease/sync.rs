@@ -4,12 +4,12 @@
 //! against loom's instead.
 //!
 //! The library's names are std's (and `parking_lot`'s mutex): plain re-exports, so the lease core
-//! compiles to exactly what it would without the shim. [`model`] holds the same names over loom.
+//! compiles to exactly what it would without the shim. `model` holds the same names over loom.
 //! It is compiled only in test builds, where loom (a dev-dependency) is available, and it is what
 //! a model compiles the lease core against: the model includes this file and names `model` as the
 //! lease core's `super::sync` (`use shim::model as sync;`). So a normal test binary, built and
 //! run by `cargo nextest run` like any other, is the model; no `--cfg loom` rebuild of the whole
-//! dependency graph is needed. A name used by the lease core and missing from [`model`] fails to
+//! dependency graph is needed. A name used by the lease core and missing from `model` fails to
 //! compile in the models, so the two lists cannot drift apart.
 //!
 //! Not loom's in the models: `OnceLock` (loom has none; it publishes with its own

@@ -66,7 +66,7 @@ thread_local! {
 
 /// The next thread's preferred word. Std's atomic even in the models (a `static` needs a
 /// `const` constructor, which loom's lacks); the models reset it at the start of every execution
-/// ([`restart_word_assignment`]), so which thread gets which word depends only on the
+/// (`restart_word_assignment`), so which thread gets which word depends only on the
 /// interleaving, as loom requires.
 static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
