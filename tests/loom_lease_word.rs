@@ -1,7 +1,8 @@
 //! Test plan A4: model-check the lock-free lease word (`src/lease/word.rs`) with loom.
 //!
 //! `word.rs` is compiled into this test a second time, with `super::sync` resolving to the
-//! [`sync`] module below, which re-exports loom's atomics instead of std's. Loom then runs the
+//! `model` half of the lease core's shim (`src/lease/sync.rs`), which re-exports loom's atomics
+//! instead of std's. Loom then runs the
 //! model in every interleaving of its threads (up to the preemption bound) and under the
 //! weaker memory orderings the word uses.
 //!
@@ -29,10 +30,12 @@ use loom::sync::Arc;
 use loom::sync::atomic::AtomicBool;
 use loom::thread;
 
-/// The atomics `word.rs` imports as `super::sync::{AtomicU64, Ordering}`: loom's.
-mod sync {
-    pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
-}
+/// The lease core's synchronisation shim; its `model` half (loom's atomics) is what `word.rs`
+/// imports as `super::sync` here.
+#[path = "../src/lease/sync.rs"]
+#[allow(dead_code, unused_imports)]
+mod shim;
+use shim::model as sync;
 
 /// The production lease word, compiled against loom's atomics.
 #[path = "../src/lease/word.rs"]

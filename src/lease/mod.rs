@@ -29,11 +29,15 @@ use crate::store::Store;
 
 mod actor;
 mod slab;
+#[cfg(test)]
+mod slab_tests;
 mod slot;
 mod sync;
 mod table;
 pub(crate) mod word;
 mod words;
+#[cfg(test)]
+mod words_tests;
 
 use slab::Slab;
 pub(crate) use slot::Slot;
@@ -476,9 +480,8 @@ impl Leases {
             return false;
         };
         let book = slot.book.lock();
-        let words = slot.words_of(hot);
         let bound = actor::largest_lease(slot, book.max_cost);
-        words.available().saturating_add(cost) <= bound && words.refund(cost)
+        slot.words_of(hot).refund_within(cost, bound)
     }
 
     /// Counters now.

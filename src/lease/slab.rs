@@ -15,19 +15,30 @@
 //! table's entries hold the slot, that is after every reader that could have found the record
 //! through the table has left (the table's arrays are reclaimed by epoch). A recycled record is
 //! reset before it is handed out again.
+//!
+//! # Memory orderings
+//!
+//! A record's hand-over needs no ordering of its own fields: everything a record's previous
+//! users did happens before its release (the last `Arc<Slot>` dropped, after the table's epoch
+//! let every reader go), the release and the next hand-out are ordered by the free list's
+//! mutex, and the new owner publishes the record (its index in a bucket) through the bucket's
+//! `OnceLock`, an acquire/release pair. So [`Hot::reset`] stores `Relaxed`, and a reader that
+//! finds the record through the table sees it reset or newer, never half-reset, and never while
+//! an older handle to it lives (`tests/loom_lease_words.rs` checks all three). The fields'
+//! own orderings, in use, are given beside each.
+//!
+//! The atomics and the mutex come from `super::sync`, so that the loom models can compile this
+//! file against loom's; `Arc` and `OnceLock` stay std's there (see `sync.rs`).
 
 use std::sync::Arc;
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
-use parking_lot::Mutex;
-
+use super::sync::{AtomicBool, AtomicU32, AtomicU64, Mutex, OnceLock, Ordering};
 use super::word::LeaseWord;
 
 /// Records per chunk, as a shift.
 const SHIFT: u32 = 10;
 /// Records per chunk.
-const CHUNK: usize = 1 << SHIFT;
+pub(super) const CHUNK: usize = 1 << SHIFT;
 /// The most records a slab holds, whatever the table's bound: 2²⁶ (64 Mi) keys would need tens
 /// of gigabytes of slots, and the chunk directory stays at 1.5 MB.
 const MAX_RECORDS: usize = 1 << 26;
@@ -40,17 +51,22 @@ pub(crate) struct Hot {
     /// words (`words.rs`).
     pub(crate) word: LeaseWord,
     /// Below this many nanotokens left, a caller asks for a refill. Written by the actor at each
-    /// top-up, read by callers.
+    /// top-up, read by callers. Relaxed both ways: a threshold read afresh by every call, which
+    /// publishes nothing; a caller that reads the previous one asks for a refill a call early
+    /// or late.
     pub(crate) low_water: AtomicU64,
     /// Tokens (nanotokens, saturating) the shared bucket held after the last refill, for
-    /// `Decision::remaining`.
+    /// `Decision::remaining`. Relaxed both ways: the actor stores it before the top-up, whose
+    /// release (and the caller's acquiring take) orders it (`word.rs`).
     pub(crate) store_remaining: AtomicU64,
     /// Set once the slot has a hot key's extra words: callers look for them in the slot only then,
-    /// so a quiet key's call never reads its slot.
+    /// so a quiet key's call never reads its slot. Release (the actor, once the words are in
+    /// place) and Acquire (callers): it publishes the extra words (`words.rs`).
     pub(crate) spread: AtomicBool,
     /// The index of the key's plan among the limiter's policies, when the policies chose it
     /// ([`NO_PLAN`] when a caller named the plan): `try_acquire` on a key in the table reads its
-    /// plan here instead of matching the key's prefixes again.
+    /// plan here instead of matching the key's prefixes again. Relaxed both ways: stored once,
+    /// before the record's bucket is published (the bucket's `OnceLock` orders it).
     pub(crate) plan: AtomicU32,
 }
 
@@ -72,6 +88,8 @@ impl Hot {
     /// Puts a recycled record back into the state of [`Hot::new_pending`]. Only while no one
     /// else can reach it (between its release and its next hand-out).
     fn reset(&self) {
+        // Relaxed: ordered after the previous users by the free list's mutex, and before the
+        // next readers by the bucket that publishes the record (module docs).
         self.word.reset_pending();
         self.low_water.store(0, Ordering::Relaxed);
         self.store_remaining.store(0, Ordering::Relaxed);
@@ -144,7 +162,7 @@ impl Slab {
 
     /// Records handed out and not yet released.
     #[cfg(test)]
-    fn in_use(&self) -> usize {
+    pub(super) fn in_use(&self) -> usize {
         let free = self.free.lock();
         free.next - free.recycled.len()
     }
@@ -178,45 +196,5 @@ impl std::ops::Deref for HotRef {
 impl Drop for HotRef {
     fn drop(&mut self) {
         self.slab.free.lock().recycled.push(self.index);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::lease::word::Take;
-
-    /// Records are handed out once each, recycled when released and reset before reuse; a full
-    /// slab says so instead of handing out a record twice.
-    #[test]
-    fn hands_out_each_record_once_and_recycles_released_ones() {
-        let slab = Slab::new(2 * CHUNK);
-        let mut held: Vec<HotRef> = (0..2 * CHUNK)
-            .map(|_| slab.alloc().expect("room"))
-            .collect();
-        assert!(slab.alloc().is_none(), "full");
-        let mut seen: Vec<u32> = held.iter().map(HotRef::index).collect();
-        seen.sort_unstable();
-        seen.dedup();
-        assert_eq!(seen.len(), 2 * CHUNK);
-
-        // Use a record, release it, get it back clean.
-        let used = held.pop().expect("one");
-        let index = used.index();
-        assert_eq!(used.word.top_up(5), 0);
-        used.low_water.store(3, Ordering::Relaxed);
-        used.spread.store(true, Ordering::Relaxed);
-        used.plan.store(3, Ordering::Relaxed);
-        assert!(matches!(used.word.try_take(1, 0), Take::Taken { .. }));
-        drop(used);
-        assert_eq!(slab.in_use(), 2 * CHUNK - 1);
-        let again = slab.alloc().expect("recycled");
-        assert_eq!(again.index(), index);
-        assert_eq!(again.word.load(), LeaseWord::new_pending().load());
-        assert_eq!(again.low_water.load(Ordering::Relaxed), 0);
-        assert!(!again.spread.load(Ordering::Relaxed));
-        assert_eq!(again.plan.load(Ordering::Relaxed), NO_PLAN);
-        assert!(std::ptr::eq(&*again, slab.get(index).expect("handed out")));
-        assert!(slab.get(u32::MAX).is_none());
     }
 }

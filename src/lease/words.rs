@@ -15,18 +15,22 @@
 //! The first word lives in the key's fixed-position record (`slab.rs`), the extra words in the
 //! slot; [`LeaseWords`] is a view of both. The record's `spread` flag says whether there are
 //! extra words, so a quiet key's call reads the record alone.
+//!
+//! The atomics, the `OnceLock` and the thread-local come from `super::sync`, so that
+//! `tests/loom_lease_words.rs` can model-check this file against loom's. Each word's orderings
+//! are `word.rs`'s; the ones added here are the `spread` flag's and the round-robin counter's,
+//! explained where they are used.
 
 use std::cell::Cell;
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::slab::Hot;
+use super::sync::{OnceLock, Ordering, thread_local};
 use super::word::{CLOSED, CONTENDED, LeaseWord, PENDING, TOKENS, Take};
 
 /// A word on a cache line of its own.
 #[derive(Debug)]
 #[repr(align(64))]
-struct Padded(LeaseWord);
+pub(super) struct Padded(pub(super) LeaseWord);
 
 /// A hot key's extra words, one per core (a power of two), each on its own cache line; set once
 /// by the actor, never removed. Part of the slot.
@@ -60,21 +64,36 @@ thread_local! {
     static PREFERRED: Cell<usize> = const { Cell::new(usize::MAX) };
 }
 
+/// The next thread's preferred word. Std's atomic even in the models (a `static` needs a
+/// `const` constructor, which loom's lacks); the models reset it at the start of every execution
+/// (`restart_word_assignment`), so which thread gets which word depends only on the
+/// interleaving, as loom requires.
+static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 fn preferred() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
     PREFERRED.with(|p| {
         let mut i = p.get();
         if i == usize::MAX {
-            i = NEXT.fetch_add(1, Ordering::Relaxed);
+            // Relaxed: a ticket; it only has to differ between threads, which any ordering of a
+            // read-modify-write gives. Nothing is published through it.
+            i = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             p.set(i);
         }
         i
     })
 }
 
+/// Starts the round-robin assignment of words to threads again from the first: for the loom
+/// models, whose every execution must assign the same way.
+#[cfg(test)]
+#[allow(dead_code)]
+pub(crate) fn restart_word_assignment() {
+    NEXT.store(0, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// How much of `amount` each of (at most 8) words holding `held` gets so that the emptiest end
 /// level: a water fill. The parts sum to `amount` or (by rounding down) a little less.
-fn level(held: impl Iterator<Item = u64>, amount: u64) -> [u64; 8] {
+pub(super) fn level(held: impl Iterator<Item = u64>, amount: u64) -> [u64; 8] {
     let mut held_each = [0u64; 8];
     let mut n = 0;
     for (slot, h) in held_each.iter_mut().zip(held) {
@@ -121,7 +140,12 @@ impl<'a> LeaseWords<'a> {
 
     /// The extra words, if the key is spread; reads the slot only when the record says so.
     #[inline]
-    fn extra(&self) -> Option<&'a [Padded]> {
+    pub(super) fn extra(&self) -> Option<&'a [Padded]> {
+        // Acquire, pairing with `spread_out`'s release: a caller that sees the flag sees the
+        // extra words initialised. (The `OnceLock`'s `get` is an acquire load of its own, so in
+        // the library this only repeats it; but loom cannot see into std's `OnceLock`, and with
+        // a relaxed flag the model of spreading under callers finds a word read before its
+        // creation is ordered. On x86 the two loads compile to the same instruction.)
         if self.hot.spread.load(Ordering::Acquire) {
             self.extra.0.get().map(|e| &e[..])
         } else {
@@ -182,12 +206,19 @@ impl<'a> LeaseWords<'a> {
     /// Spreads the lease over one word per core, unless already spread or there is one core.
     /// Actor only.
     pub(crate) fn spread_out(&self) {
-        let n = spread();
+        self.spread_out_over(spread());
+    }
+
+    /// [`LeaseWords::spread_out`] over `n` extra words (a power of two, at most 8), whatever the
+    /// machine's cores: the loom models spread over 2. Actor only.
+    pub(crate) fn spread_out_over(&self, n: usize) {
+        debug_assert!(n.is_power_of_two() && n <= 8, "{n} words");
         if n > 1 && self.extra.0.get().is_none() {
             // New words start closed, like the lease they join; the next top-up opens them all.
             let words = (0..n).map(|_| Padded(LeaseWord::new_closed())).collect();
             let _ = self.extra.0.set(words);
-            // After the words are in place: a caller that sees the flag finds them.
+            // Release, after the words are in place: a caller that sees the flag finds them
+            // initialised (see `extra`).
             self.hot.spread.store(true, Ordering::Release);
         }
     }
@@ -263,106 +294,13 @@ impl<'a> LeaseWords<'a> {
             .is_some_and(|e| e[preferred() & (e.len() - 1)].0.refund(amount));
         own || self.first().refund(amount)
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A spread lease keeps every nanotoken: what threads take plus what `close` returns is what
-    /// was topped up, and a caller finds tokens in any word, the first included.
-    #[test]
-    fn a_spread_lease_conserves_tokens_across_threads() {
-        let (hot, extra) = (Hot::new_pending(), Extra::default());
-        let words = LeaseWords::new(&hot, &extra);
-        hot.word.top_up(3); // held before the key turned hot
-        words.spread_out();
-        let n = words.extra().map_or(0, <[Padded]>::len) as u64;
-        let topped = 10_000 * n.max(1);
-        assert_eq!(words.top_up(topped, 1), 0);
-        assert_eq!(words.available(), topped + 3);
-        let taken: u64 = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..4)
-                .map(|_| {
-                    s.spawn(|| {
-                        let mut taken = 0;
-                        while let Take::Taken { .. } = words.try_take(7, 0) {
-                            taken += 7;
-                        }
-                        taken
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap_or(0)).sum()
-        });
-        let returned = words.close();
-        assert_eq!(taken + returned, topped + 3);
-        assert!(matches!(
-            words.try_take(1, 0),
-            Take::Short { closed: true, .. }
-        ));
-    }
-
-    /// The water fill: the emptiest words are raised together, a fuller one gets nothing, and
-    /// the parts never add up to more than the amount.
-    #[test]
-    fn level_fills_the_emptiest_words_first() {
-        let gifts = level([10, 100].into_iter(), 50);
-        assert_eq!(&gifts[..2], &[50, 0]);
-        let gifts = level([10, 100].into_iter(), 190);
-        assert_eq!(&gifts[..2], &[140, 50]);
-        let gifts = level([7, 7, 7, 7].into_iter(), 10);
-        assert_eq!(&gifts[..4], &[2, 2, 2, 2]);
-        let gifts = level([0, 30, 5, 1000].into_iter(), 40);
-        assert_eq!(&gifts[..4], &[22, 0, 17, 0]);
-        // Near the word's limit: no overflow, and the line is rounded down.
-        let gifts = level([1 << 55, 3].into_iter(), 1 << 55);
-        assert_eq!(&gifts[..2], &[1, (1 << 55) - 2]);
-        for amount in [0, 1, 99, 12_345] {
-            let gifts = level([3, 900, 41, 41, 0, 17, 2, 8].into_iter(), amount);
-            assert!(gifts.iter().sum::<u64>() <= amount);
-            assert!(
-                amount - gifts.iter().sum::<u64>() < 8,
-                "rounding loses under one per word"
-            );
-        }
-    }
-
-    /// A spread key spent by one thread alone: every top-up refills the word that thread
-    /// drained, so the words end level and the drained one is back above its low-water share.
-    #[test]
-    fn a_top_up_refills_the_word_that_was_drained() {
-        let (hot, extra) = (Hot::new_pending(), Extra::default());
-        let words = LeaseWords::new(&hot, &extra);
-        words.spread_out();
-        let Some(n) = words.extra().map(<[Padded]>::len) else {
-            return; // one core: nothing is spread
-        };
-        assert_eq!(words.top_up(1000 * n as u64, 1), 0);
-        let own = &words.extra().expect("spread")[0].0;
-        for _ in 0..600 {
-            assert!(matches!(own.try_take(1, 0), Take::Taken { .. }));
-        }
-        assert_eq!(words.top_up(600, 1), 0);
-        let each: Vec<u64> = words
-            .extra()
-            .expect("spread")
-            .iter()
-            .map(|w| w.0.available())
-            .collect();
-        assert!(each.iter().all(|&a| a == 1000), "{each:?}");
-        assert_eq!(words.available(), 1000 * n as u64);
-    }
-
-    /// A top-up too small to split goes to the first word whole, and still opens every word.
-    #[test]
-    fn a_small_top_up_goes_to_the_first_word() {
-        let (hot, extra) = (Hot::new_pending(), Extra::default());
-        let words = LeaseWords::new(&hot, &extra);
-        words.spread_out();
-        assert_eq!(words.top_up(5, 100), 0);
-        assert_eq!(hot.word.available(), 5);
-        assert_eq!(words.load() & CLOSED, 0);
-        assert!(matches!(words.try_take(5, 0), Take::Taken { left: 0, .. }));
+    /// [`LeaseWords::refund`], only if the lease then holds at most `bound` nanotokens (the `B`
+    /// of the overshoot bound); `false` when it would not, or is closed, or the word is full.
+    /// The caller holds the slot's bookkeeping lock, which the actor's top-ups also take: with
+    /// them excluded, nothing but a refund raises the lease, and callers' takes running beside
+    /// it only lower it, so the lease stays within `bound` (`tests/loom_lease_words.rs`).
+    pub(crate) fn refund_within(&self, amount: u64, bound: u64) -> bool {
+        self.available().saturating_add(amount) <= bound && self.refund(amount)
     }
 }
