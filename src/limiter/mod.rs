@@ -631,6 +631,19 @@ impl Future for Acquire<'_> {
     type Output = Result<Decision, Error>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // Take part in tokio's cooperative scheduling, as its own resources do: a task that calls
+        // in a tight loop on a key its lease answers would otherwise never yield, and starve the
+        // other tasks of its worker (the lease actor among them). With budget left (127 calls of
+        // every 128 in such a loop) this is one thread-local read and the call completes on this
+        // poll; outside a tokio runtime there is no budget and it always proceeds.
+        let coop = if matches!(self.state, State::Start { .. }) {
+            match tokio::task::coop::poll_proceed(cx) {
+                Poll::Ready(coop) => Some(coop),
+                Poll::Pending => return Poll::Pending,
+            }
+        } else {
+            None
+        };
         let (mut waiting, since) = match std::mem::replace(&mut self.state, State::Done) {
             State::Start {
                 limiter,
@@ -638,7 +651,12 @@ impl Future for Acquire<'_> {
                 key,
                 cost,
             } => match limiter.start(plan, key, cost) {
-                Ok(Step::Done(decision)) => return Poll::Ready(Ok(decision)),
+                Ok(Step::Done(decision)) => {
+                    if let Some(coop) = coop {
+                        coop.made_progress();
+                    }
+                    return Poll::Ready(Ok(decision));
+                }
                 Err(e) => return Poll::Ready(Err(e)),
                 Ok(step) => (
                     Box::pin(limiter.finish(step, key))
