@@ -28,6 +28,7 @@ use crate::policy::Plan;
 use crate::store::Store;
 
 mod actor;
+mod key;
 mod slab;
 mod slot;
 mod sync;
@@ -257,7 +258,7 @@ impl Leases {
                 };
                 let Some(slot) = table.get_or_insert_with(key, |hot| {
                     hot.plan.store(index, Ordering::Relaxed);
-                    Arc::new(Slot::new(Arc::from(key), shared, now, hot))
+                    Arc::new(Slot::new(key, shared, now, hot))
                 }) else {
                     return Fast::NoRoom;
                 };

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
+use super::key::SlotKey;
 use super::slab::{Hot, HotRef};
 use super::words::{Extra, LeaseWords};
 use crate::policy::Plan;
@@ -56,8 +57,8 @@ pub(crate) struct SlotCold {
     pub(crate) dry: AtomicBool,
     /// Callers waiting for a refill wait here; the actor wakes them after every answer.
     pub(crate) notify: Notify,
-    /// The key.
-    pub(crate) key: Arc<str>,
+    /// The key (in the slot itself when short).
+    pub(crate) key: SlotKey,
     /// The key's plan (bucket shape and lease settings).
     pub(crate) plan: Arc<Plan>,
     /// The actor's bookkeeping. The actor locks it, and a refund (to serialise with top-ups);
@@ -130,7 +131,7 @@ impl Book {
 
 impl Slot {
     /// A slot for `key` over the fresh record `hot` (see [`Slab::alloc`](super::slab::Slab::alloc)).
-    pub(crate) fn new(key: Arc<str>, plan: Arc<Plan>, now: u64, hot: HotRef) -> Slot {
+    pub(crate) fn new(key: &str, plan: Arc<Plan>, now: u64, hot: HotRef) -> Slot {
         Slot {
             hot,
             extra: Extra::default(),
@@ -142,7 +143,7 @@ impl Slot {
                 evicted: AtomicBool::new(false),
                 dry: AtomicBool::new(false),
                 notify: Notify::new(),
-                key,
+                key: SlotKey::new(key),
                 plan,
                 book: Mutex::new(Book {
                     sampled_at: now,
