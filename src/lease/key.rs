@@ -1,13 +1,14 @@
-//! A slot's copy of its key: in the slot itself when short, on the heap when not.
+//! A copy of a key: in place when short, on the heap when not. The lease table's slots and
+//! `MemoryStore`'s buckets keep their keys so.
 
 /// Key bytes held in the slot itself: with the length and the tag, 24 bytes, the size of the
 /// `Arc<str>` it replaced plus a word (`DESIGN.md` §10).
 const INLINE: usize = 22;
 
-/// A slot's key. A key of at most [`INLINE`] bytes (most keys: `customer:1234567` is 16) costs
-/// no allocation of its own; a longer one is one `Box<str>`. Equal keys always take the same
-/// form, so the derived equality and hash are the key's.
-#[derive(Clone, PartialEq, Eq, Hash)]
+/// A copy of a key. A key of at most [`INLINE`] bytes (most keys: `customer:1234567` is 16)
+/// costs no allocation of its own; a longer one is one `Box<str>`. It compares and hashes as
+/// the `str` it holds, so a map keyed by it is looked up with a `&str`.
+#[derive(Clone)]
 pub(crate) enum SlotKey {
     /// The key's bytes, zero-padded, and their count.
     Inline(u8, [u8; INLINE]),
@@ -43,6 +44,26 @@ impl std::ops::Deref for SlotKey {
     }
 }
 
+impl std::borrow::Borrow<str> for SlotKey {
+    fn borrow(&self) -> &str {
+        self
+    }
+}
+
+impl PartialEq for SlotKey {
+    fn eq(&self, other: &SlotKey) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for SlotKey {}
+
+impl std::hash::Hash for SlotKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        (**self).hash(state);
+    }
+}
+
 impl std::fmt::Debug for SlotKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         std::fmt::Debug::fmt(&**self, f)
@@ -68,5 +89,12 @@ mod tests {
         assert_eq!(wide.len(), 22);
         assert_eq!(&*SlotKey::new(&wide), wide);
         assert_eq!(&*SlotKey::new(&"é".repeat(12)), "é".repeat(12));
+        // Hashes as its `str`, so a map keyed by it finds a `&str`.
+        let mut map = std::collections::HashMap::new();
+        map.insert(SlotKey::new("short"), 1);
+        map.insert(SlotKey::new(&"long".repeat(10)), 2);
+        assert_eq!(map.get("short"), Some(&1));
+        assert_eq!(map.get("long".repeat(10).as_str()), Some(&2));
+        assert_eq!(map.get("shorter"), None);
     }
 }

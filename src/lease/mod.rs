@@ -28,7 +28,7 @@ use crate::policy::Plan;
 use crate::store::Store;
 
 mod actor;
-mod key;
+pub(crate) mod key;
 mod slab;
 mod slot;
 mod sync;
@@ -343,7 +343,7 @@ impl Leases {
         if slot.words().request_refill() {
             self.nudge(slot);
         }
-        if slot.dry.load(Ordering::Acquire) {
+        if slot.dry().load(Ordering::Acquire) {
             // The store said empty and its retry time has passed: a refill is on its way, but
             // until it grants, the store's last word stands. Nobody waits on a dry bucket.
             return Fast::Dry {

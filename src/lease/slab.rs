@@ -48,6 +48,12 @@ pub(crate) struct Hot {
     /// Set once the slot has a hot key's extra words: callers look for them in the slot only then,
     /// so a quiet key's call never reads its slot.
     pub(crate) spread: AtomicBool,
+    /// The slot's [`Slot::evicted`](super::Slot::evicted): kept here, in the record's spare
+    /// bytes, to keep the slot within a smaller heap chunk (`DESIGN.md` §10). Not read by the
+    /// fast path.
+    pub(crate) evicted: AtomicBool,
+    /// The slot's [`Slot::dry`](super::Slot::dry), for the same reason. Not read by the fast path.
+    pub(crate) dry: AtomicBool,
     /// The index of the key's plan among the limiter's policies, when the policies chose it
     /// ([`NO_PLAN`] when a caller named the plan): `try_acquire` on a key in the table reads its
     /// plan here instead of matching the key's prefixes again.
@@ -65,6 +71,8 @@ impl Hot {
             low_water: AtomicU64::new(0),
             store_remaining: AtomicU64::new(0),
             spread: AtomicBool::new(false),
+            evicted: AtomicBool::new(false),
+            dry: AtomicBool::new(false),
             plan: AtomicU32::new(NO_PLAN),
         }
     }
@@ -76,6 +84,8 @@ impl Hot {
         self.low_water.store(0, Ordering::Relaxed);
         self.store_remaining.store(0, Ordering::Relaxed);
         self.spread.store(false, Ordering::Relaxed);
+        self.evicted.store(false, Ordering::Relaxed);
+        self.dry.store(false, Ordering::Relaxed);
         self.plan.store(NO_PLAN, Ordering::Relaxed);
     }
 }
@@ -206,6 +216,8 @@ mod tests {
         assert_eq!(used.word.top_up(5), 0);
         used.low_water.store(3, Ordering::Relaxed);
         used.spread.store(true, Ordering::Relaxed);
+        used.evicted.store(true, Ordering::Relaxed);
+        used.dry.store(true, Ordering::Relaxed);
         used.plan.store(3, Ordering::Relaxed);
         assert!(matches!(used.word.try_take(1, 0), Take::Taken { .. }));
         drop(used);
@@ -215,6 +227,9 @@ mod tests {
         assert_eq!(again.word.load(), LeaseWord::new_pending().load());
         assert_eq!(again.low_water.load(Ordering::Relaxed), 0);
         assert!(!again.spread.load(Ordering::Relaxed));
+        assert!(!again.evicted.load(Ordering::Relaxed));
+        assert!(!again.dry.load(Ordering::Relaxed));
+        assert_eq!(size_of::<Hot>(), 32);
         assert_eq!(again.plan.load(Ordering::Relaxed), NO_PLAN);
         assert!(std::ptr::eq(&*again, slab.get(index).expect("handed out")));
         assert!(slab.get(u32::MAX).is_none());

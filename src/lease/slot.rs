@@ -50,11 +50,6 @@ pub(crate) struct SlotCold {
     pub(crate) needed: AtomicU64,
     /// The sum of the costs (nanotokens) callers are waiting for.
     pub(crate) waiting: AtomicU64,
-    /// Set once the actor removed the slot from the table: it will never be topped up again.
-    pub(crate) evicted: AtomicBool,
-    /// The store's last answer was "empty": until it grants again, callers whose lease is short
-    /// are denied at once (with the store's retry hint) instead of waiting for a refill.
-    pub(crate) dry: AtomicBool,
     /// Callers waiting for a refill wait here; the actor wakes them after every answer.
     pub(crate) notify: Notify,
     /// The key (in the slot itself when short).
@@ -106,19 +101,16 @@ pub(crate) struct Book {
     /// The largest cost a caller of this key has waited for (nanotokens): a top-up is split over
     /// a hot key's words only in parts of at least a few such costs.
     pub(crate) max_cost: u64,
-    /// Strict accounting: this slot's holder id in the store (0 until its first strict refill).
-    pub(crate) holder: i64,
-    /// Strict accounting: the id of the grant that last renewed this slot's lease in the store.
-    pub(crate) lease_id: i64,
+    /// Strict accounting: this slot's holder id in the store and the id of the grant that last
+    /// renewed its lease there (`None` until its first strict refill draws the holder id; the
+    /// lease id is 0 until that refill's answer). Boxed: most slots never have one.
+    pub(crate) strict: Option<Box<LeaseRef>>,
 }
 
 impl Book {
     /// The strict lease the slot holds in the store, if it ever had one.
     pub(crate) fn lease(&self) -> Option<LeaseRef> {
-        (self.holder != 0).then_some(LeaseRef {
-            holder: self.holder,
-            lease_id: self.lease_id,
-        })
+        self.strict.as_deref().copied()
     }
 
     /// Nanotokens callers have spent from this slot so far, given what the word holds now.
@@ -140,8 +132,6 @@ impl Slot {
                 fallback_until: AtomicU64::new(0),
                 needed: AtomicU64::new(0),
                 waiting: AtomicU64::new(0),
-                evicted: AtomicBool::new(false),
-                dry: AtomicBool::new(false),
                 notify: Notify::new(),
                 key: SlotKey::new(key),
                 plan,
@@ -158,6 +148,21 @@ impl Slot {
     #[inline]
     pub(crate) fn hot(&self) -> &Hot {
         &self.hot
+    }
+
+    /// Set once the actor removed the slot from the table: it will never be topped up again.
+    /// (In the record's spare bytes, not read by the fast path.)
+    #[inline]
+    pub(crate) fn evicted(&self) -> &AtomicBool {
+        &self.hot.evicted
+    }
+
+    /// The store's last answer was "empty": until it grants again, callers whose lease is short
+    /// are denied at once (with the store's retry hint) instead of waiting for a refill. (In the
+    /// record's spare bytes, not read by the fast path.)
+    #[inline]
+    pub(crate) fn dry(&self) -> &AtomicBool {
+        &self.hot.dry
     }
 
     /// The record's index in the table's slab.
@@ -182,5 +187,19 @@ impl Slot {
     pub(crate) fn want(&self, cost: u64) {
         self.needed.fetch_max(cost, Ordering::AcqRel);
         self.waiting.fetch_add(cost, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A slot with its `Arc` header fits a 288-byte malloc chunk (at most 280 bytes asked for, 8
+    /// of header): the byte count `DESIGN.md` §10 accounts for. A field that pushes it past 264
+    /// costs every key 16 bytes more.
+    #[test]
+    fn a_slot_fits_a_288_byte_chunk() {
+        assert!(size_of::<Slot>() <= 264, "{}", size_of::<Slot>());
+        assert!(size_of::<Book>() <= 120, "{}", size_of::<Book>());
     }
 }

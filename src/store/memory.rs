@@ -13,6 +13,7 @@ use super::held::{self, Entry};
 use super::{AcquireRequest, Acquired, BucketRow, GiveBack, HeldLease, Store, StoreError, nanos};
 use crate::bucket::{BucketConfig, BucketState, Timestamp};
 use crate::clock::{Clock, MonotonicClock, system_time_from_timestamp};
+use crate::lease::key::SlotKey;
 
 /// Shards of the key map; a power of two so a hash picks one with a mask.
 const SHARDS: usize = 64;
@@ -45,7 +46,8 @@ type Shard = Mutex<ShardMap>;
 
 #[derive(Debug, Default)]
 struct ShardMap {
-    buckets: HashMap<Box<str>, Stored>,
+    /// Keys of at most 22 bytes are held in the entry itself (`SlotKey`).
+    buckets: HashMap<SlotKey, Stored>,
     /// The bucket shapes this shard stored last, shared by the buckets written with them: most
     /// keys of a store share a handful of plans, so each bucket holds a pointer, not a copy.
     shapes: [Option<Arc<BucketConfig>>; SHAPES],
@@ -399,7 +401,7 @@ impl Store for MemoryStore {
         match shard.buckets.get_mut(request.key) {
             Some(slot) => *slot = stored,
             None => {
-                shard.buckets.insert(request.key.into(), stored);
+                shard.buckets.insert(SlotKey::new(request.key), stored);
             }
         }
         drop(shard);
@@ -504,12 +506,12 @@ impl Store for MemoryStore {
 mod tests {
     use super::*;
 
-    /// A stored bucket's map entry (key and bucket) is 56 bytes: the sizes `DESIGN.md` §10
+    /// A stored bucket's map entry (key and bucket) is 64 bytes: the sizes `DESIGN.md` §10
     /// accounts for.
     #[test]
-    fn a_bucket_entry_is_56_bytes() {
+    fn a_bucket_entry_is_64_bytes() {
         assert_eq!(size_of::<Stored>(), 40);
-        assert_eq!(size_of::<(Box<str>, Stored)>(), 56);
+        assert_eq!(size_of::<(SlotKey, Stored)>(), 64);
     }
 
     /// Buckets written with the same shape share it; a new shape gets its own.
