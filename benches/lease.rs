@@ -15,6 +15,10 @@
 //! - `hot_key_threads/*`: one hot key on 1 and on 2 threads (std threads, each doing half the
 //!   iterations), ours against governor's direct limiter. Time is wall time, so a figure below
 //!   the 1-thread one means more total throughput.
+//! - Memory per key (printed table, `lease/memory.rs`): tokenlease's lease table and
+//!   `MemoryStore` against governor's keyed limiter, each side in a fresh process (the bench
+//!   re-executes itself), RSS and live heap per key at 10,000, 100,000 and 1,000,000 keys.
+//!   `TOKENLEASE_BENCH_ONLY=memory` prints it alone.
 //! - `TOKENLEASE_BENCH_CRITERION_ONLY=1` skips the printed tables and the PostgreSQL runs (what
 //!   `benches/fast_path_processes.sh` uses to repeat the fast-path pairs in many processes).
 //! - Idle actors (printed line): the process's CPU over 3 s with nobody calling, when the only
@@ -543,12 +547,29 @@ fn print_pg_table() {
     }
 }
 
+#[path = "lease/memory.rs"]
+mod memory;
 #[path = "lease/readme.rs"]
 mod readme;
 
+/// Counts live heap bytes in the memory children (`memory.rs`); elsewhere the system allocator.
+#[global_allocator]
+static ALLOCATOR: memory::Counting = memory::Counting;
+
 fn main() {
+    // A child of the memory table: measure one side at one key count and exit.
+    if let Ok(spec) = std::env::var(memory::CHILD_ENV) {
+        memory::child(&spec);
+        return;
+    }
+    let only = std::env::var("TOKENLEASE_BENCH_ONLY").ok();
+    // `TOKENLEASE_BENCH_ONLY=memory` prints the memory table alone.
+    if only.as_deref() == Some("memory") {
+        memory::print_table();
+        return;
+    }
     // `TOKENLEASE_BENCH_ONLY=readme` runs the README-API group alone.
-    let readme_only = std::env::var("TOKENLEASE_BENCH_ONLY").is_ok_and(|v| v == "readme");
+    let readme_only = only.as_deref() == Some("readme");
     // No plots: the tables below are the report. (With plotters' `ab_glyph` feature on, as the
     // crate's own charts enable it, criterion's plotting panics with `FontUnavailable`.)
     let mut criterion = Criterion::default()
@@ -561,6 +582,7 @@ fn main() {
     if readme_only {
         criterion.final_summary();
         readme::print_table(&readme_seen, &criterion_ns);
+        memory::print_table();
         return;
     }
     let fast = fast_setup();
@@ -575,6 +597,7 @@ fn main() {
         return;
     }
     readme::print_table(&readme_seen, &criterion_ns);
+    memory::print_table();
     print_fast_tables();
     print_idle_actor_cpu();
     print_pg_table();

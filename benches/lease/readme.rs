@@ -9,7 +9,8 @@
 //! table prints, per key count, the store calls the limiter made per 1,000 calls while measured
 //! (refills and give-backs, counted by `CountedStore`) and the share of calls its leases
 //! answered. `TOKENLEASE_BENCH_ONLY=readme` runs this group alone, and
-//! `TOKENLEASE_BENCH_KEYS=100000` only the listed key counts.
+//! `TOKENLEASE_BENCH_KEYS=100000` only the listed key counts. Memory per key is measured apart,
+//! each side in a fresh process (`memory.rs`), and printed after this table.
 
 use std::hint::black_box;
 use std::num::NonZeroU32;
@@ -27,7 +28,7 @@ use tokenlease::{DecidedBy, Limiter};
 pub(crate) const KEY_COUNTS: [usize; 4] = [1, 10_000, 100_000, 1_000_000];
 
 /// The policy file: one plan with the default lease settings, large enough never to deny.
-const POLICY: &str = r#"{
+pub(crate) const POLICY: &str = r#"{
   "plans": {
     "per-customer": { "capacity": 1000000000, "refill_per_second": 1000000000, "lease": {} }
   },
@@ -45,21 +46,17 @@ pub(crate) struct Seen {
     pub(crate) store_calls: u64,
     /// Calls a lease did not answer (decided by the store, the fallback, or denied).
     pub(crate) off_lease: u64,
-    /// Resident memory the limiter added per key once warm (lease table and in-memory store).
-    pub(crate) rss_per_key: f64,
-    /// Resident memory governor's keyed limiter added per key.
-    pub(crate) governor_rss_per_key: f64,
 }
 
 /// This process's resident set size, from `/proc/self/statm` (Linux; 0 elsewhere).
-fn rss_bytes() -> u64 {
+pub(crate) fn rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/statm")
         .ok()
         .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
         .map_or(0, |pages| pages * 4096)
 }
 
-fn key_name(i: usize) -> String {
+pub(crate) fn key_name(i: usize) -> String {
     format!("customer:{i}")
 }
 
@@ -169,7 +166,6 @@ pub(crate) fn bench(c: &mut Criterion) -> Vec<Seen> {
     );
     for n in counts {
         let keys: Arc<Vec<String>> = Arc::new((0..n).map(key_name).collect());
-        let rss_before = rss_bytes();
         let calls = Arc::new(AtomicU64::new(0));
         let store = CountedStore::with_counter(MemoryStore::new(), Arc::clone(&calls));
         let limiter =
@@ -184,7 +180,6 @@ pub(crate) fn bench(c: &mut Criterion) -> Vec<Seen> {
         }
         let mut run = Seen {
             keys: n,
-            rss_per_key: rss_bytes().saturating_sub(rss_before) as f64 / n as f64,
             ..Seen::default()
         };
         let store_before = calls.load(Ordering::Relaxed);
@@ -212,13 +207,10 @@ pub(crate) fn bench(c: &mut Criterion) -> Vec<Seen> {
         runtime.block_on(limiter.shutdown());
         drop(limiter);
 
-        let rss_before = rss_bytes();
         let keyed = RateLimiter::keyed(Quota::per_second(NonZeroU32::MAX));
         for key in keys.iter() {
             assert!(keyed.check_key(key).is_ok());
         }
-        seen.last_mut().expect("this run").governor_rss_per_key =
-            rss_bytes().saturating_sub(rss_before) as f64 / n as f64;
         let mut i = 0usize;
         group.bench_function(format!("governor_keyed/{n}_keys"), |b| {
             b.iter(|| {
@@ -238,9 +230,9 @@ pub(crate) fn bench(c: &mut Criterion) -> Vec<Seen> {
 pub(crate) fn print_table(seen: &[Seen], criterion_ns: &dyn Fn(&str, &str) -> Option<f64>) {
     let fmt = |v: Option<f64>| v.map_or("–".to_owned(), |v| format!("{v:.1}"));
     println!(
-        "\n| README API, `try_acquire(key, 1.0).await`, lease {{}} | tokenlease (ns/call) | governor keyed (ns/call) | governor ÷ tokenlease | store calls / 1,000 calls | calls off the lease | RSS per key, tokenlease / governor |"
+        "\n| README API, `try_acquire(key, 1.0).await`, lease {{}} | tokenlease (ns/call) | governor keyed (ns/call) | governor ÷ tokenlease | store calls / 1,000 calls | calls off the lease |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|");
     for run in seen {
         let ours = criterion_ns("readme_api", &format!("tokenlease/{}_keys", run.keys));
         let theirs = criterion_ns("readme_api", &format!("governor_keyed/{}_keys", run.keys));
@@ -254,7 +246,7 @@ pub(crate) fn print_table(seen: &[Seen], criterion_ns: &dyn Fn(&str, &str) -> Op
             format!("{:.3}", run.store_calls as f64 * 1000.0 / run.calls as f64)
         };
         println!(
-            "| {} keys | {} | {} | {} | {} | {} of {} | {:.0} B / {:.0} B |",
+            "| {} keys | {} | {} | {} | {} | {} of {} |",
             run.keys,
             fmt(ours),
             fmt(theirs),
@@ -262,8 +254,6 @@ pub(crate) fn print_table(seen: &[Seen], criterion_ns: &dyn Fn(&str, &str) -> Op
             per_thousand,
             run.off_lease,
             run.calls,
-            run.rss_per_key,
-            run.governor_rss_per_key
         );
     }
 }

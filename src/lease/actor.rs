@@ -405,7 +405,7 @@ fn expire(
     while let Some(entry) = timers.pop_due(horizon) {
         looked += 1;
         let slot = entry.slot;
-        if slot.evicted.load(Ordering::Acquire) {
+        if slot.evicted().load(Ordering::Acquire) {
             continue;
         }
         let word = slot.words().load();
@@ -472,7 +472,7 @@ fn expire(
 /// Queues `slot` on the due-queue after a refill round (whatever its answer), unless it has an
 /// entry due no later: at its lease's expiry if it has a live lease, else at its idle check.
 fn schedule(timers: &mut Timers, slot: &Arc<Slot>) {
-    if slot.evicted.load(Ordering::Acquire) {
+    if slot.evicted().load(Ordering::Acquire) {
         return;
     }
     let live = slot.words().load() & CLOSED == 0;
@@ -531,7 +531,7 @@ fn queue_return(
 /// Takes a slot out of service for good (evicted, or shutting down): it is never topped up
 /// again, its unspent tokens go back, and its waiters wake to find it closed.
 fn retire(slot: &Arc<Slot>, returns: &mut Vec<Return>, ids: &mut Ids) {
-    slot.evicted.store(true, Ordering::Release);
+    slot.evicted().store(true, Ordering::Release);
     let reclaimed = slot.words().close();
     let lease = {
         let mut book = slot.book.lock();
@@ -559,10 +559,14 @@ fn hold(leases: &Leases, slot: &Slot, ids: &mut Ids) -> Option<Hold> {
     }
     let holder = {
         let mut book = slot.book.lock();
-        if book.holder == 0 {
-            book.holder = ids.next().max(1);
-        }
-        book.holder
+        book.strict
+            .get_or_insert_with(|| {
+                Box::new(LeaseRef {
+                    holder: ids.next().max(1),
+                    lease_id: 0,
+                })
+            })
+            .holder
     };
     Some(Hold {
         holder,
@@ -703,7 +707,7 @@ async fn refill_chunk(
     let mut asks: Vec<(Arc<Slot>, u64, u64, Option<Hold>)> = Vec::with_capacity(part.len());
     let mut keys = HashSet::with_capacity(part.len());
     for slot in part {
-        if slot.evicted.load(Ordering::Acquire) {
+        if slot.evicted().load(Ordering::Acquire) {
             continue;
         }
         if !keys.insert(&*slot.key) {
@@ -791,7 +795,9 @@ fn apply(
     let ttl = settings.ttl.as_nanos() as u64;
     if let Some((sent, lease_id)) = strict {
         let mut book = slot.book.lock();
-        book.lease_id = lease_id;
+        if let Some(held) = book.strict.as_deref_mut() {
+            held.lease_id = lease_id;
+        }
         book.expires_at = sent.saturating_add(ttl);
     }
     let granted = u64::try_from(answer.granted.as_nanos()).unwrap_or(TOKENS);
@@ -821,7 +827,7 @@ fn apply(
             .saturating_mul(u64::from(streak.min(4)));
         slot.deny_until
             .store(now.saturating_add(wait), Ordering::Release);
-        slot.dry.store(true, Ordering::Release);
+        slot.dry().store(true, Ordering::Release);
         slot.words().clear_pending();
     } else {
         leases.counters.leased.fetch_add(granted, Ordering::AcqRel);
@@ -838,7 +844,7 @@ fn apply(
         // What does not fit goes back to the store.
         let room = largest_lease(slot, book.max_cost).saturating_sub(slot.words().available());
         let placed = granted.min(room);
-        let unplaced = if slot.evicted.load(Ordering::Acquire) {
+        let unplaced = if slot.evicted().load(Ordering::Acquire) {
             granted
         } else {
             (granted - placed) + slot.words().top_up(placed, split_min)
@@ -872,9 +878,9 @@ fn apply(
         };
         slot.deny_until.store(deny_until, Ordering::Release);
         slot.fallback_until.store(0, Ordering::Release);
-        slot.dry.store(scarce, Ordering::Release);
+        slot.dry().store(scarce, Ordering::Release);
         let lease = strict.map(|(_, lease_id)| LeaseRef {
-            holder: slot.book.lock().holder,
+            holder: slot.book.lock().strict.as_ref().map_or(0, |s| s.holder),
             lease_id,
         });
         queue_return(returns, ids, slot, unplaced, lease);

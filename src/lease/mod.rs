@@ -28,6 +28,7 @@ use crate::policy::Plan;
 use crate::store::Store;
 
 mod actor;
+pub(crate) mod key;
 mod slab;
 #[cfg(test)]
 mod slab_tests;
@@ -276,7 +277,7 @@ impl Leases {
                 };
                 let Some(slot) = table.get_or_insert_with(key, |hot| {
                     hot.plan.store(index, Ordering::Relaxed);
-                    Arc::new(Slot::new(Arc::from(key), shared, now, hot))
+                    Arc::new(Slot::new(key, shared, now, hot))
                 }) else {
                     return Fast::NoRoom;
                 };
@@ -361,7 +362,7 @@ impl Leases {
         if slot.words().request_refill() {
             self.nudge(slot);
         }
-        if slot.dry.load(Ordering::Acquire) {
+        if slot.dry().load(Ordering::Acquire) {
             // The store said empty and its retry time has passed: a refill is on its way, but
             // until it grants, the store's last word stands. Nobody waits on a dry bucket.
             return Fast::Dry {

@@ -63,6 +63,12 @@ pub(crate) struct Hot {
     /// so a quiet key's call never reads its slot. Release (the actor, once the words are in
     /// place) and Acquire (callers): it publishes the extra words (`words.rs`).
     pub(crate) spread: AtomicBool,
+    /// The slot's [`Slot::evicted`](super::Slot::evicted): kept here, in the record's spare
+    /// bytes, to keep the slot within a smaller heap chunk (`DESIGN.md` §10). Not read by the
+    /// fast path.
+    pub(crate) evicted: AtomicBool,
+    /// The slot's [`Slot::dry`](super::Slot::dry), for the same reason. Not read by the fast path.
+    pub(crate) dry: AtomicBool,
     /// The index of the key's plan among the limiter's policies, when the policies chose it
     /// ([`NO_PLAN`] when a caller named the plan): `try_acquire` on a key in the table reads its
     /// plan here instead of matching the key's prefixes again. Relaxed both ways: stored once,
@@ -81,6 +87,8 @@ impl Hot {
             low_water: AtomicU64::new(0),
             store_remaining: AtomicU64::new(0),
             spread: AtomicBool::new(false),
+            evicted: AtomicBool::new(false),
+            dry: AtomicBool::new(false),
             plan: AtomicU32::new(NO_PLAN),
         }
     }
@@ -94,6 +102,8 @@ impl Hot {
         self.low_water.store(0, Ordering::Relaxed);
         self.store_remaining.store(0, Ordering::Relaxed);
         self.spread.store(false, Ordering::Relaxed);
+        self.evicted.store(false, Ordering::Relaxed);
+        self.dry.store(false, Ordering::Relaxed);
         self.plan.store(NO_PLAN, Ordering::Relaxed);
     }
 }

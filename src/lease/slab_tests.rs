@@ -26,6 +26,8 @@ fn hands_out_each_record_once_and_recycles_released_ones() {
     assert_eq!(used.word.top_up(5), 0);
     used.low_water.store(3, Ordering::Relaxed);
     used.spread.store(true, Ordering::Relaxed);
+    used.evicted.store(true, Ordering::Relaxed);
+    used.dry.store(true, Ordering::Relaxed);
     used.plan.store(3, Ordering::Relaxed);
     assert!(matches!(used.word.try_take(1, 0), Take::Taken { .. }));
     drop(used);
@@ -35,6 +37,9 @@ fn hands_out_each_record_once_and_recycles_released_ones() {
     assert_eq!(again.word.load(), LeaseWord::new_pending().load());
     assert_eq!(again.low_water.load(Ordering::Relaxed), 0);
     assert!(!again.spread.load(Ordering::Relaxed));
+    assert!(!again.evicted.load(Ordering::Relaxed));
+    assert!(!again.dry.load(Ordering::Relaxed));
+    assert_eq!(size_of::<super::slab::Hot>(), 32);
     assert_eq!(again.plan.load(Ordering::Relaxed), NO_PLAN);
     assert!(std::ptr::eq(&*again, slab.get(index).expect("handed out")));
     assert!(slab.get(u32::MAX).is_none());

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
+use super::key::SlotKey;
 use super::slab::{Hot, HotRef};
 use super::words::{Extra, LeaseWords};
 use crate::policy::Plan;
@@ -49,15 +50,10 @@ pub(crate) struct SlotCold {
     pub(crate) needed: AtomicU64,
     /// The sum of the costs (nanotokens) callers are waiting for.
     pub(crate) waiting: AtomicU64,
-    /// Set once the actor removed the slot from the table: it will never be topped up again.
-    pub(crate) evicted: AtomicBool,
-    /// The store's last answer was "empty": until it grants again, callers whose lease is short
-    /// are denied at once (with the store's retry hint) instead of waiting for a refill.
-    pub(crate) dry: AtomicBool,
     /// Callers waiting for a refill wait here; the actor wakes them after every answer.
     pub(crate) notify: Notify,
-    /// The key.
-    pub(crate) key: Arc<str>,
+    /// The key (in the slot itself when short).
+    pub(crate) key: SlotKey,
     /// The key's plan (bucket shape and lease settings).
     pub(crate) plan: Arc<Plan>,
     /// The actor's bookkeeping. The actor locks it, and a refund (to serialise with top-ups);
@@ -105,19 +101,16 @@ pub(crate) struct Book {
     /// The largest cost a caller of this key has waited for (nanotokens): a top-up is split over
     /// a hot key's words only in parts of at least a few such costs.
     pub(crate) max_cost: u64,
-    /// Strict accounting: this slot's holder id in the store (0 until its first strict refill).
-    pub(crate) holder: i64,
-    /// Strict accounting: the id of the grant that last renewed this slot's lease in the store.
-    pub(crate) lease_id: i64,
+    /// Strict accounting: this slot's holder id in the store and the id of the grant that last
+    /// renewed its lease there (`None` until its first strict refill draws the holder id; the
+    /// lease id is 0 until that refill's answer). Boxed: most slots never have one.
+    pub(crate) strict: Option<Box<LeaseRef>>,
 }
 
 impl Book {
     /// The strict lease the slot holds in the store, if it ever had one.
     pub(crate) fn lease(&self) -> Option<LeaseRef> {
-        (self.holder != 0).then_some(LeaseRef {
-            holder: self.holder,
-            lease_id: self.lease_id,
-        })
+        self.strict.as_deref().copied()
     }
 
     /// Nanotokens callers have spent from this slot so far, given what the word holds now.
@@ -130,7 +123,7 @@ impl Book {
 
 impl Slot {
     /// A slot for `key` over the fresh record `hot` (see [`Slab::alloc`](super::slab::Slab::alloc)).
-    pub(crate) fn new(key: Arc<str>, plan: Arc<Plan>, now: u64, hot: HotRef) -> Slot {
+    pub(crate) fn new(key: &str, plan: Arc<Plan>, now: u64, hot: HotRef) -> Slot {
         Slot {
             hot,
             extra: Extra::default(),
@@ -139,10 +132,8 @@ impl Slot {
                 fallback_until: AtomicU64::new(0),
                 needed: AtomicU64::new(0),
                 waiting: AtomicU64::new(0),
-                evicted: AtomicBool::new(false),
-                dry: AtomicBool::new(false),
                 notify: Notify::new(),
-                key,
+                key: SlotKey::new(key),
                 plan,
                 book: Mutex::new(Book {
                     sampled_at: now,
@@ -157,6 +148,21 @@ impl Slot {
     #[inline]
     pub(crate) fn hot(&self) -> &Hot {
         &self.hot
+    }
+
+    /// Set once the actor removed the slot from the table: it will never be topped up again.
+    /// (In the record's spare bytes, not read by the fast path.)
+    #[inline]
+    pub(crate) fn evicted(&self) -> &AtomicBool {
+        &self.hot.evicted
+    }
+
+    /// The store's last answer was "empty": until it grants again, callers whose lease is short
+    /// are denied at once (with the store's retry hint) instead of waiting for a refill. (In the
+    /// record's spare bytes, not read by the fast path.)
+    #[inline]
+    pub(crate) fn dry(&self) -> &AtomicBool {
+        &self.hot.dry
     }
 
     /// The record's index in the table's slab.
@@ -185,5 +191,19 @@ impl Slot {
         // DESIGN.md §8 "Memory orderings" lists them.
         self.needed.fetch_max(cost, Ordering::AcqRel);
         self.waiting.fetch_add(cost, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A slot with its `Arc` header fits a 288-byte malloc chunk (at most 280 bytes asked for, 8
+    /// of header): the byte count `DESIGN.md` §10 accounts for. A field that pushes it past 264
+    /// costs every key 16 bytes more.
+    #[test]
+    fn a_slot_fits_a_288_byte_chunk() {
+        assert!(size_of::<Slot>() <= 264, "{}", size_of::<Slot>());
+        assert!(size_of::<Book>() <= 120, "{}", size_of::<Book>());
     }
 }

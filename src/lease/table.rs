@@ -429,8 +429,8 @@ impl<'t> TableRef<'t> {
     }
 
     /// Live keys and their slots, as of the current array.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&Arc<str>, &Arc<Slot>)> {
-        self.buckets().live().map(|e| (&e.slot.key, &e.slot))
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&str, &Arc<Slot>)> {
+        self.buckets().live().map(|e| (&*e.slot.key, &e.slot))
     }
 
     /// Live slots.
@@ -454,7 +454,7 @@ mod tests {
         let bucket = BucketConfig::new(Tokens::whole(10), Rate::per_second(1).expect("rate"))
             .expect("bucket");
         Arc::new(Slot::new(
-            Arc::from(key),
+            key,
             Arc::new(Plan::new("t", bucket)),
             0,
             slab.alloc().expect("room in the slab"),
@@ -547,7 +547,7 @@ mod tests {
             assert_eq!(t.get(&key(i)).is_some(), i % 2 == 1, "key {i}");
         }
         assert!(t.get("k1x").is_none() && t.get("k").is_none());
-        let mut seen: Vec<&str> = t.iter().map(|(k, _)| &**k).collect();
+        let mut seen: Vec<&str> = t.iter().map(|(k, _)| k).collect();
         seen.sort_unstable();
         let mut want: Vec<String> = (1..3000).step_by(2).map(key).collect();
         want.sort_unstable();

@@ -13,6 +13,7 @@ use super::held::{self, Entry};
 use super::{AcquireRequest, Acquired, BucketRow, GiveBack, HeldLease, Store, StoreError, nanos};
 use crate::bucket::{BucketConfig, BucketState, Timestamp};
 use crate::clock::{Clock, MonotonicClock, system_time_from_timestamp};
+use crate::lease::key::SlotKey;
 
 /// Shards of the key map; a power of two so a hash picks one with a mask.
 const SHARDS: usize = 64;
@@ -45,10 +46,40 @@ type Shard = Mutex<ShardMap>;
 
 #[derive(Debug, Default)]
 struct ShardMap {
-    buckets: HashMap<String, Stored>,
+    /// Keys of at most 22 bytes are held in the entry itself (`SlotKey`).
+    buckets: HashMap<SlotKey, Stored>,
+    /// The bucket shapes this shard stored last, shared by the buckets written with them: most
+    /// keys of a store share a handful of plans, so each bucket holds a pointer, not a copy.
+    shapes: [Option<Arc<BucketConfig>>; SHAPES],
+    /// The entry of `shapes` the next new shape replaces.
+    next_shape: usize,
 }
 
+/// Bucket shapes remembered per shard (see [`ShardMap::shapes`]).
+const SHAPES: usize = 4;
+
 impl ShardMap {
+    /// `config` as a shared shape: `current` when it is the same (the bucket's own), else one
+    /// this shard already holds, else a new one (replacing the oldest remembered). Buckets
+    /// written with a forgotten shape keep their own pointer, so this bounds nothing but saves
+    /// a copy per bucket.
+    fn shape(
+        &mut self,
+        config: BucketConfig,
+        current: Option<&Arc<BucketConfig>>,
+    ) -> Arc<BucketConfig> {
+        if let Some(current) = current.filter(|c| ***c == config) {
+            return Arc::clone(current);
+        }
+        if let Some(known) = self.shapes.iter().flatten().find(|c| ***c == config) {
+            return Arc::clone(known);
+        }
+        let shape = Arc::new(config);
+        self.shapes[self.next_shape] = Some(Arc::clone(&shape));
+        self.next_shape = (self.next_shape + 1) % SHAPES;
+        shape
+    }
+
     /// Deletes the buckets that have refilled to full at `now` (an absent bucket is a full one,
     /// so no decision changes), at most `limit`; gives unused memory back. Returns how many.
     fn delete_full(&mut self, now: Timestamp, limit: usize) -> usize {
@@ -70,7 +101,7 @@ impl ShardMap {
 
 /// Whether the bucket holds its capacity at `now` (so no strict lease is out on it).
 fn is_full(stored: &Stored, now: Timestamp) -> bool {
-    held::refill(stored.state, &stored.config, &stored.leases, now).tokens
+    held::refill(stored.state(), &stored.config, stored.leases(), now).tokens
         >= stored.config.capacity()
 }
 
@@ -101,11 +132,68 @@ impl Returned {
 }
 
 /// One bucket: the shape it was last written with, its state, and its strict leases.
+///
+/// 40 bytes, where the plain fields took 96 (`DESIGN.md` §10): the shape is shared
+/// ([`ShardMap::shape`]), the state is packed to 8-byte alignment (its `u128` tokens would
+/// align it, and so the map's entry, to 16), and the strict leases (none, for most buckets) are
+/// behind one pointer that is null when there are none.
 #[derive(Debug, Clone)]
 struct Stored {
-    config: BucketConfig,
-    state: BucketState,
-    leases: Vec<Entry>,
+    config: Arc<BucketConfig>,
+    state: Packed,
+    /// Boxed so that a bucket without strict leases (most) spends one word on them, not a
+    /// `Vec`'s three.
+    #[allow(clippy::box_collection)]
+    strict: Option<Box<Vec<Entry>>>,
+}
+
+/// A [`BucketState`]'s fields at 8-byte alignment (24 bytes, where the state takes 32): read
+/// and written by value.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, packed(8))]
+struct Packed {
+    tokens: crate::bucket::Tokens,
+    last_refill: Timestamp,
+}
+
+impl Packed {
+    fn new(state: BucketState) -> Packed {
+        Packed {
+            tokens: state.tokens,
+            last_refill: state.last_refill,
+        }
+    }
+}
+
+impl Stored {
+    /// The strict leases out on the bucket (live or expired, until pruned).
+    fn leases(&self) -> &[Entry] {
+        self.strict.as_deref().map_or(&[], Vec::as_slice)
+    }
+
+    /// The strict leases, as a `Vec` to edit; put back with [`Stored::set_leases`].
+    fn take_leases(&mut self) -> Vec<Entry> {
+        self.strict.take().map_or_else(Vec::new, |v| *v)
+    }
+
+    fn set_leases(&mut self, leases: Vec<Entry>) {
+        self.strict = (!leases.is_empty()).then(|| Box::new(leases));
+    }
+
+    fn state(&self) -> BucketState {
+        let Packed {
+            tokens,
+            last_refill,
+        } = self.state;
+        BucketState {
+            tokens,
+            last_refill,
+        }
+    }
+
+    fn set_state(&mut self, state: BucketState) {
+        self.state = Packed::new(state);
+    }
 }
 
 /// Buckets in process memory, behind sharded mutexes.
@@ -276,7 +364,7 @@ impl Store for MemoryStore {
         };
         let (state, mut leases) = shard.buckets.get(request.key).map_or_else(
             || (BucketState::full(&config, now), Vec::new()),
-            |stored| (stored.state, stored.leases.clone()),
+            |stored| (stored.state(), stored.leases().to_vec()),
         );
         let refilled = held::refill(state, &config, &leases, now);
         let available = held::available(refilled.tokens, &leases, request.hold.as_ref(), now);
@@ -298,16 +386,22 @@ impl Store for MemoryStore {
             }
         };
         held::hold(&mut leases, request.hold.as_ref(), grant.granted, now);
-        let stored = Stored {
-            config,
-            state,
-            leases,
+        let current = shard
+            .buckets
+            .get(request.key)
+            .map(|s| Arc::clone(&s.config));
+        let shape = shard.shape(config, current.as_ref());
+        let mut stored = Stored {
+            config: shape,
+            state: Packed::new(state),
+            strict: None,
         };
+        stored.set_leases(leases);
         // A new key has its place reserved above.
         match shard.buckets.get_mut(request.key) {
             Some(slot) => *slot = stored,
             None => {
-                shard.buckets.insert(request.key.to_owned(), stored);
+                shard.buckets.insert(SlotKey::new(request.key), stored);
             }
         }
         drop(shard);
@@ -335,24 +429,31 @@ impl Store for MemoryStore {
             }
             credited += 1;
             let mut shard = self.shard(ret.key).lock();
+            let shard = &mut *shard;
+            let Some(current) = shard.buckets.get(ret.key).map(|s| Arc::clone(&s.config)) else {
+                continue;
+            };
+            let shape = shard.shape(ret.bucket, Some(&current));
             if let Some(stored) = shard.buckets.get_mut(ret.key) {
-                stored.config = ret.bucket;
-                let refilled = held::refill(stored.state, &stored.config, &stored.leases, now);
+                stored.config = shape;
+                let refilled = held::refill(stored.state(), &stored.config, stored.leases(), now);
+                let mut leases = stored.take_leases();
                 let credit = match &ret.lease {
                     None => {
-                        stored.leases.retain(|l| l.expires_at > now);
+                        leases.retain(|l| l.expires_at > now);
                         ret.amount
                     }
-                    Some(lease) => held::release(&mut stored.leases, lease, ret.amount, now),
+                    Some(lease) => held::release(&mut leases, lease, ret.amount, now),
                 };
                 let room = stored
                     .config
                     .capacity()
-                    .saturating_sub(held::outstanding(&stored.leases, now));
-                stored.state = BucketState {
+                    .saturating_sub(held::outstanding(&leases, now));
+                stored.set_leases(leases);
+                stored.set_state(BucketState {
                     tokens: std::cmp::min(room, refilled.tokens.saturating_add(credit)),
                     ..refilled
-                };
+                });
             }
         }
         Ok(credited)
@@ -380,14 +481,14 @@ impl Store for MemoryStore {
         let shard = self.shard(key).lock();
         Ok(shard.buckets.get(key).map(|stored| BucketRow {
             key: key.to_owned(),
-            tokens: stored.state.tokens,
+            tokens: stored.state().tokens,
             capacity: stored.config.capacity(),
             refill_per_second: stored.config.rate().per_second_amount(),
-            updated_at: system_time_from_timestamp(stored.state.last_refill),
+            updated_at: system_time_from_timestamp(stored.state().last_refill),
             store_now: system_time_from_timestamp(now),
-            tokens_now: held::refill(stored.state, &stored.config, &stored.leases, now).tokens,
+            tokens_now: held::refill(stored.state(), &stored.config, stored.leases(), now).tokens,
             leases: stored
-                .leases
+                .leases()
                 .iter()
                 .filter(|l| l.expires_at > now)
                 .map(|l| HeldLease {
@@ -398,5 +499,40 @@ impl Store for MemoryStore {
                 })
                 .collect(),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stored bucket's map entry (key and bucket) is 64 bytes: the sizes `DESIGN.md` §10
+    /// accounts for.
+    #[test]
+    fn a_bucket_entry_is_64_bytes() {
+        assert_eq!(size_of::<Stored>(), 40);
+        assert_eq!(size_of::<(SlotKey, Stored)>(), 64);
+    }
+
+    /// Buckets written with the same shape share it; a new shape gets its own.
+    #[test]
+    fn buckets_share_their_shape() {
+        let a = BucketConfig::new(
+            crate::bucket::Tokens::whole(10),
+            crate::bucket::Rate::per_second(1).expect("rate"),
+        )
+        .expect("bucket");
+        let b = BucketConfig::new(
+            crate::bucket::Tokens::whole(20),
+            crate::bucket::Rate::per_second(1).expect("rate"),
+        )
+        .expect("bucket");
+        let mut shard = ShardMap::default();
+        let first = shard.shape(a, None);
+        assert!(Arc::ptr_eq(&first, &shard.shape(a, None)));
+        assert!(Arc::ptr_eq(&first, &shard.shape(a, Some(&first))));
+        let other = shard.shape(b, Some(&first));
+        assert_eq!(*other, b);
+        assert!(!Arc::ptr_eq(&first, &other));
     }
 }
