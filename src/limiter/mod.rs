@@ -596,6 +596,8 @@ enum State<'a> {
         Pin<Box<dyn Future<Output = Result<Decision, Error>> + Send + 'a>>,
         Instant,
     ),
+    /// Decided, and handed over on the next poll (the task yielded for tokio's budget).
+    Decided(Decision),
     Done,
 }
 
@@ -621,6 +623,7 @@ impl std::fmt::Debug for Acquire<'_> {
         let state = match &self.state {
             State::Start { .. } => "start",
             State::Waiting(..) => "waiting",
+            State::Decided(..) => "decided",
             State::Done => "done",
         };
         f.debug_struct("Acquire").field("state", &state).finish()
@@ -631,19 +634,6 @@ impl Future for Acquire<'_> {
     type Output = Result<Decision, Error>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        // Take part in tokio's cooperative scheduling, as its own resources do: a task that calls
-        // in a tight loop on a key its lease answers would otherwise never yield, and starve the
-        // other tasks of its worker (the lease actor among them). With budget left (127 calls of
-        // every 128 in such a loop) this is one thread-local read and the call completes on this
-        // poll; outside a tokio runtime there is no budget and it always proceeds.
-        let coop = if matches!(self.state, State::Start { .. }) {
-            match tokio::task::coop::poll_proceed(cx) {
-                Poll::Ready(coop) => Some(coop),
-                Poll::Pending => return Poll::Pending,
-            }
-        } else {
-            None
-        };
         let (mut waiting, since) = match std::mem::replace(&mut self.state, State::Done) {
             State::Start {
                 limiter,
@@ -651,11 +641,26 @@ impl Future for Acquire<'_> {
                 key,
                 cost,
             } => match limiter.start(plan, key, cost) {
+                // Allowed from a live lease: done on this poll, with no more work than
+                // `try_acquire_now_with`.
+                Ok(Step::Done(decision)) if decision.allowed => return Poll::Ready(Ok(decision)),
+                // Denied without waiting (the store called the bucket empty): this is what a
+                // caller retrying in a loop sees again and again, so it takes part in tokio's
+                // cooperative budget as tokio's own resources do. Without budget the task
+                // yields, and the decision (which changed nothing) is given on the next poll;
+                // otherwise the loop would never yield, and starve the other tasks of its
+                // worker, the lease actor among them.
                 Ok(Step::Done(decision)) => {
-                    if let Some(coop) = coop {
-                        coop.made_progress();
-                    }
-                    return Poll::Ready(Ok(decision));
+                    return match tokio::task::coop::poll_proceed(cx) {
+                        Poll::Ready(coop) => {
+                            coop.made_progress();
+                            Poll::Ready(Ok(decision))
+                        }
+                        Poll::Pending => {
+                            self.state = State::Decided(decision);
+                            Poll::Pending
+                        }
+                    };
                 }
                 Err(e) => return Poll::Ready(Err(e)),
                 Ok(step) => (
@@ -664,6 +669,7 @@ impl Future for Acquire<'_> {
                     Instant::now(),
                 ),
             },
+            State::Decided(decision) => return Poll::Ready(Ok(decision)),
             State::Waiting(waiting, since) => (waiting, since),
             State::Done => panic!("`Acquire` polled after it completed"),
         };
