@@ -40,6 +40,8 @@ mod words;
 #[cfg(test)]
 mod words_tests;
 
+#[cfg(test)]
+pub(crate) use slab::NO_PLAN;
 use slab::Slab;
 pub(crate) use slot::Slot;
 use table::Table;
@@ -260,7 +262,20 @@ impl Leases {
     ) -> Fast {
         let table = self.table.pin();
         let (slot, hot) = match table.get(key) {
-            Some(found) => found,
+            Some((slot, hot)) => {
+                // A key first seen through a named plan (`try_acquire_with`,
+                // `try_acquire_now_with`) whose plan is the one the policies choose for it: from
+                // now on `try_acquire` finds that plan through the record, not by matching the
+                // key's prefixes.
+                if let Some((shared, index)) = chosen {
+                    if hot.plan.load(Ordering::Relaxed) == slab::NO_PLAN
+                        && (Arc::ptr_eq(&slot.plan, shared) || *slot.plan == **shared)
+                    {
+                        hot.plan.store(index, Ordering::Relaxed);
+                    }
+                }
+                (slot, hot)
+            }
             None => {
                 // A key goes into the table only once checked in full (`validate_key`): the
                 // limiter skips the scan for NUL bytes on a call the lease answers.
@@ -425,6 +440,16 @@ impl Leases {
             }
         }
         Fast::Short(slot)
+    }
+
+    /// The policy index recorded for `key`'s plan (`None` when the key is not in the table,
+    /// `Some(slab::NO_PLAN)` when a caller named its plan). For tests.
+    #[cfg(test)]
+    pub(crate) fn plan_index(&self, key: &str) -> Option<u32> {
+        let table = self.table.pin();
+        table
+            .get(key)
+            .map(|(_, hot)| hot.plan.load(Ordering::Relaxed))
     }
 
     /// The table's shared copy of `plan` (the first one seen with its name).

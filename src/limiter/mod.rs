@@ -809,4 +809,37 @@ mod tests {
             1_000_000 * 1_000_000_000
         );
     }
+
+    /// A key first spent from through its plan by name (`try_acquire_now_with`) and then
+    /// through `try_acquire` gets its policy index in the lease table's record on that call,
+    /// so later `try_acquire` calls find the plan there instead of matching the key's prefixes.
+    #[test]
+    fn try_acquire_records_the_plan_of_a_key_first_seen_by_name() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let policies = Policies::from_json_str(
+                r#"{"plans": {"p": {"capacity": 1000, "refill_per_second": 1000, "lease": {}}},
+                    "default_plan": "p"}"#,
+                None,
+            )
+            .expect("policy");
+            let plan = policies.default_plan().expect("plan").clone();
+            let limiter = Limiter::builder(crate::store::MemoryStore::new())
+                .policies(policies)
+                .build();
+            let d = limiter
+                .try_acquire_with(&plan, "k", 1.0)
+                .await
+                .expect("valid");
+            assert!(d.allowed);
+            let leases = limiter.inner.leases.get().expect("leased");
+            assert_eq!(leases.plan_index("k"), Some(crate::lease::NO_PLAN));
+            let d = limiter.try_acquire("k", 1.0).await.expect("valid");
+            assert!(d.allowed);
+            assert_eq!(leases.plan_index("k"), Some(0));
+        });
+    }
 }
