@@ -212,10 +212,25 @@ async fn every_call_is_answered_within_the_call_deadline() {
     let rig = Rig::start().await;
     let limiter = Limiter::builder(rig.store(4, TIMEOUT).await).build();
     let plan = Arc::new(deny_fallback(common::plan(5, 5.0)));
-    limiter
-        .try_acquire_with(&plan, "warm", 1.0)
-        .await
-        .expect("warm");
+    // Open the pool's four connections before the replies slow down: this test is about the
+    // queue in front of the statements. (A connection opened through the slowed proxy takes
+    // about as long as the call timeout, and one that a timed-out statement leaves is closed,
+    // so on a busy machine a first slow statement could otherwise leave every later call to
+    // the fallback.)
+    let warm: Vec<_> = (0..16)
+        .map(|i| {
+            let (limiter, plan) = (limiter.clone(), Arc::clone(&plan));
+            tokio::spawn(async move {
+                limiter
+                    .try_acquire_with(&plan, &format!("warm-{i}"), 1.0)
+                    .await
+                    .expect("warm")
+            })
+        })
+        .collect();
+    for w in warm {
+        w.await.expect("join");
+    }
     rig.proxy.delay(Duration::ZERO, Duration::from_millis(20));
 
     let start = Instant::now();
