@@ -879,10 +879,8 @@ fn apply(
         slot.deny_until.store(deny_until, Ordering::Release);
         slot.fallback_until.store(0, Ordering::Release);
         slot.dry().store(scarce, Ordering::Release);
-        let lease = strict.map(|(_, lease_id)| LeaseRef {
-            holder: slot.book.lock().strict.as_ref().map_or(0, |s| s.holder),
-            lease_id,
-        });
+        // The strict lease as renewed above (holder and this answer's lease id).
+        let lease = strict.and_then(|_| slot.book.lock().lease());
         queue_return(returns, ids, slot, unplaced, lease);
     }
     slot.notify.notify_waiters();

@@ -185,12 +185,11 @@ impl Slot {
 
     /// Records what a caller waits for, so the next refill brings at least that.
     pub(crate) fn want(&self, cost: u64) {
-        // AcqRel buys nothing here (Relaxed would do): these are published to the actor by
-        // what the caller does next, `request_refill`'s release or the nudge queue, and the
-        // actor's `swap`s read them. Left as they are while this file's fields are reworked;
-        // DESIGN.md §8 "Memory orderings" lists them.
-        self.needed.fetch_max(cost, Ordering::AcqRel);
-        self.waiting.fetch_add(cost, Ordering::AcqRel);
+        // Relaxed: these are published to the actor by what the caller does next
+        // (`request_refill`'s release, or the nudge queue), and the actor's `swap`s read them;
+        // nothing is published through them (DESIGN.md §8, "Memory orderings").
+        self.needed.fetch_max(cost, Ordering::Relaxed);
+        self.waiting.fetch_add(cost, Ordering::Relaxed);
     }
 }
 

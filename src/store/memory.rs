@@ -362,10 +362,15 @@ impl Store for MemoryStore {
             }
             swept = true;
         };
-        let (state, mut leases) = shard.buckets.get(request.key).map_or_else(
-            || (BucketState::full(&config, now), Vec::new()),
-            |stored| (stored.state(), stored.leases().to_vec()),
-        );
+        // One lookup: the bucket's state, its strict leases and its shape (`None` for a new key).
+        let (state, mut leases, current) = match shard.buckets.get(request.key) {
+            None => (BucketState::full(&config, now), Vec::new(), None),
+            Some(stored) => (
+                stored.state(),
+                stored.leases().to_vec(),
+                Some(Arc::clone(&stored.config)),
+            ),
+        };
         let refilled = held::refill(state, &config, &leases, now);
         let available = held::available(refilled.tokens, &leases, request.hold.as_ref(), now);
         let state = BucketState {
@@ -379,17 +384,13 @@ impl Store for MemoryStore {
         let (state, grant) = match state.grant(&config, now, amount, amount) {
             Ok(granted) => granted,
             Err(e) => {
-                if !shard.buckets.contains_key(request.key) {
+                if current.is_none() {
                     self.keys.fetch_sub(1, Ordering::AcqRel);
                 }
                 return Err(StoreError::Protocol(e.to_string()));
             }
         };
         held::hold(&mut leases, request.hold.as_ref(), grant.granted, now);
-        let current = shard
-            .buckets
-            .get(request.key)
-            .map(|s| Arc::clone(&s.config));
         let shape = shard.shape(config, current.as_ref());
         let mut stored = Stored {
             config: shape,
