@@ -9,9 +9,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::proxy::Proxy;
 use tokenlease::bucket::{BucketState, Outcome, Tokens};
 use tokenlease::clock::timestamp_from_system_time;
+use tokenlease::embedded::FaultProxy as Proxy;
 use tokenlease::embedded::TempPostgres;
 use tokenlease::policy::{FallbackMode, FallbackSettings, Plan};
 use tokenlease::store::{CountedStore, PostgresStore};
@@ -31,7 +31,7 @@ impl Rig {
             .expect("join")
             .expect("a throwaway PostgreSQL (install the PostgreSQL server binaries)");
         let upstream = format!("127.0.0.1:{}", pg.port()).parse().expect("address");
-        let proxy = Proxy::start(upstream).await;
+        let proxy = Proxy::start(upstream).await.expect("proxy");
         let direct = pg.connection_string("postgres");
         Rig {
             _pg: pg,

@@ -33,7 +33,7 @@ use tokenlease::store::{
 use tokenlease::{DecidedBy, Limiter};
 use tokio_postgres::NoTls;
 
-use common::proxy::Proxy;
+use tokenlease::embedded::FaultProxy as Proxy;
 
 const C: u64 = 100;
 const R: f64 = 50.0;
@@ -263,7 +263,7 @@ impl Rig {
                 "a throwaway PostgreSQL (install the server binaries: apt-get install postgresql)",
             );
         let upstream = format!("127.0.0.1:{}", pg.port()).parse().expect("address");
-        let proxy = Proxy::start(upstream).await;
+        let proxy = Proxy::start(upstream).await.expect("proxy");
         Rig {
             pg: Arc::new(pg),
             proxy,
@@ -1079,7 +1079,10 @@ async fn d4(mode: Mode) {
     let upstream = format!("127.0.0.1:{}", rig.pg.port())
         .parse()
         .expect("address");
-    let proxies = [rig.proxy.clone(), Proxy::start(upstream).await];
+    let proxies = [
+        rig.proxy.clone(),
+        Proxy::start(upstream).await.expect("proxy"),
+    ];
     let mut instances = Vec::new();
     for proxy in &proxies {
         instances.push(rig.instance(&Rig::via(proxy), 4).await);
@@ -1461,48 +1464,8 @@ async fn d7(mode: Mode) {
     );
 }
 
-/// Server processes stopped with SIGSTOP; they get SIGCONT when this is dropped, so a failing
-/// test never leaves a hung server behind (the cluster's own drop resumes it too).
-struct Stopped(Vec<u32>);
-
-impl Stopped {
-    /// SIGSTOP to `pids`, in order (the postmaster first, so it forks no new backend).
-    fn stop(pids: Vec<u32>) -> Stopped {
-        signal("STOP", &pids);
-        Stopped(pids)
-    }
-
-    /// SIGCONT to every stopped process.
-    fn resume(mut self) {
-        signal("CONT", &std::mem::take(&mut self.0));
-    }
-}
-
-impl Drop for Stopped {
-    fn drop(&mut self) {
-        if !self.0.is_empty() {
-            signal("CONT", &self.0);
-        }
-    }
-}
-
-/// `kill -<name> <pids>` (the crate forbids `unsafe`, and neither `libc` nor `nix` is a
-/// dependency). A pid that has exited since it was listed is skipped by kill(1) with an error,
-/// which does not matter here.
-fn signal(name: &str, pids: &[u32]) {
-    if pids.is_empty() {
-        return;
-    }
-    let _ = std::process::Command::new("kill")
-        .arg(format!("-{name}"))
-        .args(pids.iter().map(u32::to_string))
-        .stderr(std::process::Stdio::null())
-        .status()
-        .expect("kill(1)");
-}
-
-/// D7, SIGSTOP variant: the postmaster (from `postmaster.pid`) and every server process listed in
-/// `pg_stat_activity` (by pid, never by name) stopped for 2 s, then continued. One instance is
+/// D7, SIGSTOP variant: the postmaster (from `postmaster.pid`) and every process it forked
+/// (`TempPostgres::suspend`, by pid, never by name) stopped for 2 s, then continued. One instance is
 /// busy when the server stops (its statements are in flight); a second instance, built before
 /// the stop with an empty pool, calls only during it, so each of its calls needs a new
 /// connection; and a store built during the stop must give up at its 250 ms connect timeout.
@@ -1511,7 +1474,6 @@ async fn d7_sigstop(mode: Mode) {
     let busy = rig.instance(&rig.direct(), 4).await;
     let fresh = rig.instance(&rig.direct(), 4).await;
     let plan = direct_plan(mode, C, R);
-    let admin = rig.admin().await;
     let origin = Instant::now();
     let run = drive(
         std::slice::from_ref(&busy),
@@ -1522,14 +1484,8 @@ async fn d7_sigstop(mode: Mode) {
     );
 
     tokio::time::sleep_until((origin + Duration::from_millis(500)).into()).await;
-    let mut pids = vec![rig.pg.postmaster_pid().expect("the postmaster runs")];
-    let backends = admin
-        .query("SELECT pid FROM pg_stat_activity", &[])
-        .await
-        .expect("server processes");
-    pids.extend(backends.iter().map(|row| row.get::<_, i32>(0) as u32));
-    let processes = pids.len();
-    let stopped = Stopped::stop(pids);
+    let stopped = rig.pg.suspend().expect("SIGSTOP the server");
+    let processes = stopped.processes();
     let stop_at = origin.elapsed();
 
     // New connections while stopped: the fresh instance's callers, and a bare connect.

@@ -375,6 +375,71 @@ impl TempPostgres {
     }
 }
 
+/// # Hanging the server
+impl TempPostgres {
+    /// Stops the whole server with SIGSTOP: the postmaster first (so it forks nothing new),
+    /// then every process it has forked (backends, checkpointer, WAL writer, ...). The kernel
+    /// still accepts TCP connections and acknowledges bytes, but nothing answers: a hung
+    /// server, not a dead one. The processes continue with SIGCONT when the returned
+    /// [`Suspended`] is resumed or dropped (and when this cluster is dropped). Linux only
+    /// (children are found through `/proc`).
+    ///
+    /// # Errors
+    ///
+    /// [`EmbeddedErrorKind::Command`] when the server is not running or `kill(1)` fails.
+    pub fn suspend(&self) -> Result<Suspended, EmbeddedError> {
+        let Some(postmaster) = self.postmaster_pid() else {
+            return Err(EmbeddedError::new(
+                EmbeddedErrorKind::Command,
+                format!(
+                    "cannot suspend PostgreSQL on port {}: it is not running",
+                    self.port
+                ),
+            ));
+        };
+        if !os::signal("STOP", &[postmaster]) {
+            return Err(EmbeddedError::new(
+                EmbeddedErrorKind::Command,
+                format!(
+                    "kill -STOP {postmaster} (the postmaster on port {}) failed",
+                    self.port
+                ),
+            ));
+        }
+        let mut pids = vec![postmaster];
+        let children = os::children(postmaster);
+        os::signal("STOP", &children);
+        pids.extend(children);
+        Ok(Suspended { pids })
+    }
+}
+
+/// Server processes stopped by [`TempPostgres::suspend`]; they get SIGCONT on
+/// [`resume`](Self::resume) or drop, so a failing test never leaves a hung server behind.
+#[derive(Debug)]
+#[must_use = "the server continues as soon as this is dropped"]
+pub struct Suspended {
+    pids: Vec<u32>,
+}
+
+impl Suspended {
+    /// How many processes were stopped (the postmaster included).
+    pub fn processes(&self) -> usize {
+        self.pids.len()
+    }
+
+    /// Lets every stopped process continue (SIGCONT).
+    pub fn resume(mut self) {
+        os::signal("CONT", &std::mem::take(&mut self.pids));
+    }
+}
+
+impl Drop for Suspended {
+    fn drop(&mut self) {
+        os::signal("CONT", &self.pids);
+    }
+}
+
 /// # Files
 impl TempPostgres {
     /// The cluster's data directory.

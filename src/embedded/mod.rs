@@ -81,9 +81,11 @@
 mod cluster;
 mod error;
 mod os;
+mod proxy;
 mod template;
 mod test_database;
 
-pub use self::cluster::{StopMode, TempPostgres, TempPostgresBuilder};
+pub use self::cluster::{StopMode, Suspended, TempPostgres, TempPostgresBuilder};
 pub use self::error::{EmbeddedError, EmbeddedErrorKind};
+pub use self::proxy::FaultProxy;
 pub use self::test_database::{DATABASE_URL_ENV, TestDatabase};

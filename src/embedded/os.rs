@@ -420,10 +420,17 @@ pub(crate) fn wait_gone(pid: u32, wait: Duration) {
 /// not yet scheduled on a busy machine) does not show in `/proc` yet, and SIGCONT discards it.
 /// Harmless to running processes. Linux only; a no-op elsewhere.
 pub(crate) fn resume_stopped(pid: u32) {
+    let mut targets = vec![pid];
+    targets.extend(children(pid));
+    signal("CONT", &targets);
+}
+
+/// The direct children of `pid`, read from `/proc/*/stat` (empty where there is no `/proc`).
+pub(crate) fn children(pid: u32) -> Vec<u32> {
     let Ok(entries) = fs::read_dir("/proc") else {
-        return;
+        return Vec::new();
     };
-    let mut targets = vec![pid.to_string()];
+    let mut found = Vec::new();
     for entry in entries.flatten() {
         let Some(p) = entry
             .file_name()
@@ -441,14 +448,26 @@ pub(crate) fn resume_stopped(pid: u32) {
             .and_then(|(_, rest)| rest.split_whitespace().nth(1))
             .and_then(|v| v.parse::<u32>().ok());
         if ppid == Some(pid) {
-            targets.push(p.to_string());
+            found.push(p);
         }
     }
-    let _ = Command::new("kill")
-        .arg("-CONT")
-        .args(&targets)
+    found
+}
+
+/// `kill -<name> <pids>` with `kill(1)` (no libc call: this crate forbids `unsafe`). A pid that
+/// has exited since it was listed is skipped by kill(1), which does not matter here. Returns
+/// whether kill(1) ran and reported success.
+pub(crate) fn signal(name: &str, pids: &[u32]) -> bool {
+    if pids.is_empty() {
+        return true;
+    }
+    Command::new("kill")
+        .arg(format!("-{name}"))
+        .args(pids.iter().map(u32::to_string))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
-        .status();
+        .status()
+        .map(|status| status.success())
+        .unwrap_or(false)
 }

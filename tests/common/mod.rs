@@ -1,7 +1,6 @@
 //! Helpers shared by the integration tests: databases, plans, and the ideal-bucket envelope.
 #![allow(dead_code, unreachable_pub)]
 
-pub mod proxy;
 pub mod traffic;
 
 use std::time::{Duration, SystemTime};

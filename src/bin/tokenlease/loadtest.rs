@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tokenlease::bucket::{BucketConfig, BucketState, Rate, Timestamp, Tokens};
 use tokenlease::policy::{Accounting, FallbackMode, FallbackSettings, LeaseSettings, Plan};
-use tokenlease::store::{CountedStore, PostgresStore};
+use tokenlease::store::{CircuitBreaker, CountedStore, PostgresStore};
 use tokenlease::{DecidedBy, Limiter};
 
 /// Arguments of `tokenlease loadtest`.
@@ -104,6 +104,21 @@ pub(crate) struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Inject a fault into the throwaway PostgreSQL during the run (not with `DATABASE_URL`):
+    /// `sigstop` (the server hung), `slow` (every reply `--fault-delay-ms` late, through a
+    /// proxy), `down` (crashed, then started again), `restart` (a fast restart). The report's
+    /// `max_us` is the slowest decision, under the fault included.
+    #[arg(long, value_enum)]
+    fault: Option<crate::fault::Kind>,
+    /// Seconds into the run when the fault starts.
+    #[arg(long, default_value_t = 1.0)]
+    fault_at: f64,
+    /// Seconds the fault lasts (not for `restart`).
+    #[arg(long, default_value_t = 2.0)]
+    fault_for: f64,
+    /// Reply delay of `--fault slow`, in milliseconds.
+    #[arg(long, default_value_t = 30)]
+    fault_delay_ms: u64,
     /// Run no load: start the throwaway PostgreSQL, apply the migrations, print its URL on
     /// stdout and keep it up until interrupted (SIGINT or SIGTERM). For running other clients
     /// (scripts/peer-compare.sh) against the same server.
@@ -196,6 +211,9 @@ struct Report {
     fallback: &'static str,
     fallback_decisions: u64,
     synchronous_commit: bool,
+    /// The fault injected (`--fault`), with what happened.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fault: Option<crate::fault::Fault>,
 }
 
 /// One request: when it finished (ns since the start), its key, and whether it was allowed.
@@ -301,16 +319,34 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     if args.serve_db {
         return serve_db(&runtime);
     }
-    let (_server, url) = match &args.database_url {
+    let (server, url) = match &args.database_url {
         Some(url) => (None, url.clone()),
         None => {
             eprintln!("DATABASE_URL is not set: starting a throwaway PostgreSQL");
-            let server = tokenlease::embedded::TempPostgres::start()?;
+            let server = Arc::new(tokenlease::embedded::TempPostgres::start()?);
             let url = server.url();
             (Some(server), url)
         }
     };
-    let report = runtime.block_on(load(&args, &url))?;
+    let report = runtime.block_on(async {
+        let injector = match (args.fault, &server) {
+            (None, _) => None,
+            (Some(kind), Some(server)) => Some(
+                crate::fault::Injector::new(
+                    kind,
+                    args.fault_at,
+                    args.fault_for,
+                    args.fault_delay_ms,
+                    Arc::clone(server),
+                )
+                .await?,
+            ),
+            (Some(_), None) => {
+                return Err("--fault needs the throwaway PostgreSQL: unset DATABASE_URL".into());
+            }
+        };
+        load(&args, &url, injector).await
+    })?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -371,6 +407,13 @@ fn validate(args: &Args) -> Result<(), String> {
                 .into(),
         );
     }
+    if !(args.fault_at.is_finite() && args.fault_at >= 0.0) {
+        return Err(format!(
+            "--fault-at must be 0 or more seconds, got {}",
+            args.fault_at
+        ));
+    }
+    positive("fault-for", args.fault_for)?;
     if args.requests == Some(0) {
         return Err("--requests must be at least 1".into());
     }
@@ -455,18 +498,27 @@ impl Keys {
     }
 }
 
-async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Error>> {
+async fn load(
+    args: &Args,
+    url: &str,
+    injector: Option<crate::fault::Injector>,
+) -> Result<Report, Box<dyn std::error::Error>> {
     let plan = Arc::new(plan(args)?);
     let calls = Arc::new(AtomicU64::new(0));
     let mut limiters = Vec::with_capacity(args.instances);
+    let limiter_url = injector
+        .as_ref()
+        .map_or_else(|| url.to_owned(), |i| i.url());
     for _ in 0..args.instances {
-        let store = PostgresStore::builder(url)?
+        let store = PostgresStore::builder(&limiter_url)?
             .pool_size(args.pool)
             .synchronous_commit(!args.sync_commit_off)
             .build()
             .await?;
         let counting = CountedStore::with_counter(store, Arc::clone(&calls));
-        limiters.push(Limiter::builder(counting).build());
+        // As the documented set-up: a circuit breaker in front of the store, so that calls
+        // during an outage fail at once instead of each waiting for its timeout.
+        limiters.push(Limiter::builder(CircuitBreaker::new(counting)).build());
     }
     // Start every key full, whatever an earlier run left behind.
     {
@@ -495,6 +547,7 @@ async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Erro
     };
     let counters = Arc::new(Counters::default());
     let start = Instant::now();
+    let fault = injector.map(|i| i.spawn(start));
     let end = duration.map(|d| start + d);
     let hard_end = end.map(|e| e + END_GRACE);
     let mut handles = Vec::with_capacity(tasks_total);
@@ -633,6 +686,10 @@ async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Erro
             SHUTDOWN_GRACE.as_millis()
         );
     }
+    let fault = match fault {
+        Some(handle) => Some(handle.await?),
+        None => None,
+    };
     requests.sort_unstable_by_key(|r| r.at);
     let db_calls = calls.load(Ordering::Relaxed);
     let admitted = requests.iter().filter(|r| r.allowed).count() as u64;
@@ -705,6 +762,7 @@ async fn load(args: &Args, url: &str) -> Result<Report, Box<dyn std::error::Erro
         },
         fallback_decisions: fallback,
         synchronous_commit: !args.sync_commit_off,
+        fault,
     })
 }
 
@@ -775,6 +833,22 @@ fn print_table(r: &Report) {
         row(
             "lease",
             format!("at most {f} × capacity, {accounting} accounting"),
+        );
+    }
+    if let Some(f) = &r.fault {
+        let delay = f
+            .delay_ms
+            .map(|d| format!(", replies {d} ms late"))
+            .unwrap_or_default();
+        row(
+            "fault",
+            format!(
+                "{} at {} s for {} s{delay}: {}",
+                format!("{:?}", f.kind).to_lowercase(),
+                f.at_s,
+                f.for_s,
+                f.outcome
+            ),
         );
     }
     row("duration", format!("{:.2} s", r.duration_s));

@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 mod chart;
 mod check;
 mod demo;
+mod fault;
 mod inspect;
 mod loadtest;
 mod migrate;

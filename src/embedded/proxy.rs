@@ -1,28 +1,27 @@
-//! A fault-injecting TCP proxy for the tests: put it between a limiter and the throwaway
-//! PostgreSQL, then make the network slow, silent or hostile on demand.
+//! [`FaultProxy`]: a fault-injecting TCP proxy. Put it between a limiter and PostgreSQL, then
+//! make the network slow, silent or hostile on demand (the fault tests and
+//! `tokenlease loadtest --fault slow` do).
 //!
-//! [`Proxy::start`] listens on 127.0.0.1 (a random port) and forwards every accepted connection
-//! to the upstream address. Its [`Proxy`] handle is cheap to clone; every setting applies at once
-//! to existing and new connections:
+//! [`FaultProxy::start`] listens on 127.0.0.1 (a random port) and forwards every accepted
+//! connection to the upstream address. The handle is cheap to clone; every setting applies at
+//! once to existing and new connections:
 //!
 //! - pass (the default): bytes flow both ways as soon as they arrive;
-//! - [`delay`](Proxy::delay): every chunk read in one direction is forwarded that much later
+//! - [`delay`](FaultProxy::delay): every chunk read in one direction is forwarded that much later
 //!   (latency, not a throughput cap: chunks queue, in order, each on its own timer);
-//! - [`black_hole`](Proxy::black_hole): connections are accepted, nothing is forwarded either way
+//! - [`black_hole`](FaultProxy::black_hole): connections are accepted, nothing is forwarded either way
 //!   (the proxy stops reading, so the peers' kernels buffer and then stall, as with a hung server).
 //!   Lifting it forwards what was held, in order;
-//! - [`refuse`](Proxy::refuse): new connections are reset as soon as they are accepted;
-//! - [`reset_all`](Proxy::reset_all) / [`reset_fraction`](Proxy::reset_fraction): SO_LINGER 0 and
+//! - [`refuse`](FaultProxy::refuse): new connections are reset as soon as they are accepted;
+//! - [`reset_all`](FaultProxy::reset_all) / [`reset_fraction`](FaultProxy::reset_fraction): SO_LINGER 0 and
 //!   close, so both peers see a TCP RST;
-//! - [`close_all`](Proxy::close_all): an orderly close (FIN) of every connection.
+//! - [`close_all`](FaultProxy::close_all): an orderly close (FIN) of every connection.
 //!
 //! When the upstream cannot be reached, the client's connection is reset.
 //!
-//! [`upstream_ports`](Proxy::upstream_ports) lists the local ports of the proxy's live
+//! [`upstream_ports`](FaultProxy::upstream_ports) lists the local ports of the proxy's live
 //! connections to the upstream: the `client_port`s the server sees in `pg_stat_activity`, so a
 //! test can count the server sessions of the clients behind one proxy.
-#![allow(dead_code, unreachable_pub)]
-
 use std::collections::BTreeSet;
 use std::hash::{BuildHasher, RandomState};
 use std::net::SocketAddr;
@@ -65,19 +64,23 @@ struct Shared {
     ports: Mutex<BTreeSet<u16>>,
 }
 
-/// A running proxy; a cheap handle (clones control the same proxy). The listener stops when the
-/// test's runtime does.
+/// A running fault-injecting proxy; a cheap handle (clones control the same proxy). It runs on
+/// the tokio runtime it was started on and stops with that runtime.
 #[derive(Debug, Clone)]
-pub struct Proxy {
+pub struct FaultProxy {
     addr: SocketAddr,
     shared: Arc<Shared>,
 }
 
-impl Proxy {
-    /// Starts a proxy on a random loopback port in front of `upstream`.
-    pub async fn start(upstream: SocketAddr) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
-        let addr = listener.local_addr().expect("proxy address");
+impl FaultProxy {
+    /// Starts a proxy on a random loopback port in front of `upstream`, passing everything.
+    ///
+    /// # Errors
+    ///
+    /// When no loopback port can be bound.
+    pub async fn start(upstream: SocketAddr) -> std::io::Result<FaultProxy> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             upstream,
             up_delay: AtomicU64::new(0),
@@ -93,7 +96,7 @@ impl Proxy {
             ports: Mutex::new(BTreeSet::new()),
         });
         tokio::spawn(accept_loop(listener, Arc::clone(&shared)));
-        Proxy { addr, shared }
+        Ok(FaultProxy { addr, shared })
     }
 
     /// The address to connect to.
@@ -172,6 +175,8 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     let mut id = 0u64;
     loop {
         let Ok((client, _)) = listener.accept().await else {
+            // Out of file descriptors, say: do not spin.
+            tokio::time::sleep(Duration::from_millis(1)).await;
             continue;
         };
         shared.accepted.fetch_add(1, Ordering::SeqCst);
