@@ -10,6 +10,8 @@
 //! coming no more than [`ACTIVE_GAP`] apart. The fallback does not see the store come back, so an
 //! episode ends at its last fallback decision (the time to the next request is not counted).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -69,21 +71,44 @@ pub(crate) const FALLBACK_MAX_KEYS: usize = 100_000;
 #[derive(Debug, Clone)]
 pub(crate) struct Fallback {
     local: MemoryStore,
+    /// The count last added to the [`FALLBACK_LOCAL_BUCKETS`](crate::metrics) gauge, which
+    /// every limiter of the process adds its own change to.
+    reported: Arc<AtomicUsize>,
 }
 
 impl Default for Fallback {
     fn default() -> Self {
-        Fallback {
-            local: MemoryStore::new().with_max_keys(FALLBACK_MAX_KEYS),
-        }
+        Fallback::with_local(MemoryStore::new().with_max_keys(FALLBACK_MAX_KEYS))
     }
 }
 
 impl Fallback {
     /// A fallback over the given local buckets (tests: a store on a manual clock).
-    #[cfg(test)]
     fn with_local(local: MemoryStore) -> Self {
-        Fallback { local }
+        Fallback {
+            local,
+            reported: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// Adds the change in this fallback's local buckets since the last report to the gauge.
+    fn report(&self) {
+        let now = self.local.stored();
+        let before = self.reported.swap(now, Ordering::Relaxed);
+        if now != before {
+            metrics::gauge!(crate::metrics::FALLBACK_LOCAL_BUCKETS)
+                .increment(now as f64 - before as f64);
+        }
+    }
+
+    /// Deletes the local buckets that have refilled to full, at most once a second (one atomic
+    /// load when there are none). Called when the store has answered, so that the buckets an
+    /// outage made are given back after it, not only at the next outage. No decision changes:
+    /// an absent bucket is a full one.
+    pub(crate) fn tidy(&self) {
+        if self.local.tidy() {
+            self.report();
+        }
     }
 
     /// Decides `cost` on `key` under `plan`'s fallback mode.
@@ -108,11 +133,12 @@ impl Fallback {
                 if cost > share.capacity() {
                     return decision(false, Tokens::ZERO, Duration::from_secs(1));
                 }
-                match self
+                let taken = self
                     .local
                     .acquire(AcquireRequest::take(key, share, cost))
-                    .await
-                {
+                    .await;
+                self.report();
+                match taken {
                     Ok(a) => Decision {
                         reset_after: a.reset_after,
                         ..decision(!a.granted.is_zero(), a.remaining, a.retry_after)

@@ -49,6 +49,9 @@ pub const ACTOR_RESTARTS: &str = "tokenlease_lease_actor_restarts_total";
 pub const ACTOR_UNAVAILABLE: &str = "tokenlease_lease_actor_unavailable_total";
 /// Decisions made by the fallback, by `mode` (`allow`, `deny`, `local`) and `outcome`.
 pub const FALLBACK_DECISIONS: &str = "tokenlease_fallback_decisions_total";
+/// Gauge: the local buckets the `local` fallbacks hold, every limiter of the process together
+/// (at most 100,000 per limiter; full ones are deleted, also once the store answers again).
+pub const FALLBACK_LOCAL_BUCKETS: &str = "tokenlease_fallback_local_buckets";
 /// Idle bucket rows deleted.
 pub const IDLE_ROWS_DELETED: &str = "tokenlease_idle_rows_deleted_total";
 /// Idle-row cleanup rounds that failed.
@@ -102,6 +105,11 @@ pub fn describe() {
         "tokens held in live leases (overshoot bound)"
     );
     describe_gauge!(TABLE_KEYS, Unit::Count, "keys in the lease table");
+    describe_gauge!(
+        FALLBACK_LOCAL_BUCKETS,
+        Unit::Count,
+        "local buckets held by the local fallbacks"
+    );
     describe_histogram!(
         REFILL_SECONDS,
         Unit::Seconds,

@@ -419,7 +419,11 @@ impl Limiter {
                     Fast::Taken {
                         left,
                         store_remaining,
-                    } => Ok(lease_allowed(plan, left, store_remaining)),
+                    } => {
+                        // A refill landed: the store answers.
+                        self.inner.fallback.tidy();
+                        Ok(lease_allowed(plan, left, store_remaining))
+                    }
                     Fast::Dry { retry_after } => Ok(recorded(lease_denied(plan, retry_after))),
                     Fast::Failing | Fast::Short(_) => {
                         Ok(recorded(self.inner.fallback.decide(plan, key, cost).await))
@@ -568,7 +572,10 @@ impl Limiter {
             }
         };
         match result {
-            Ok(acquired) => Ok(Decision::from_store(plan, &acquired)),
+            Ok(acquired) => {
+                self.inner.fallback.tidy();
+                Ok(Decision::from_store(plan, &acquired))
+            }
             Err(_) => Ok(self.inner.fallback.decide(plan, key, cost).await),
         }
     }

@@ -292,6 +292,23 @@ impl MemoryStore {
         self.returned.lock().ids.len()
     }
 
+    /// Deletes every full bucket when the last sweep is a second old or more (as a call does
+    /// before deciding), so that a store nobody calls any more still gives its memory back: the
+    /// limiter calls this for its fallback's local buckets once the shared store answers again.
+    /// Costs one atomic load when the store holds nothing. Returns whether it swept.
+    pub fn tidy(&self) -> bool {
+        if self.keys.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        self.sweep_if_due(self.clock.now(), false)
+    }
+
+    /// How many buckets are stored, from the bound's counter (no lock; [`len`](Self::len)
+    /// counts the shards).
+    pub(crate) fn stored(&self) -> usize {
+        self.keys.load(Ordering::Relaxed)
+    }
+
     /// Whether no bucket is stored.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
