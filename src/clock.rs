@@ -5,7 +5,9 @@
 //! can drive it by hand with [`ManualClock`].
 //!
 //! Two kinds of clock implement the trait. [`MonotonicClock`] reads the wall clock once, then
-//! advances with [`Instant`]: everything that decides (lease expiry, local buckets) uses it, so
+//! advances with tokio's [`Instant`] (the process's monotonic clock, unless a test paused
+//! tokio's time: the lease table, its actor, the breaker and the fallback read the same clock,
+//! so one paused runtime drives them all): everything that decides (lease expiry, local buckets) uses it, so
 //! a wall clock stepped by NTP or by hand changes no decision. [`SystemClock`] is the wall clock
 //! itself, which may step either way; only reporting reads it (the circuit breaker's
 //! `tokenlease_store_clock_skew_seconds`, see
@@ -14,7 +16,9 @@
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tokio::time::Instant;
 
 use crate::bucket::Timestamp;
 
@@ -28,8 +32,8 @@ pub trait Clock: Send + Sync + fmt::Debug + 'static {
 }
 
 /// The process's monotonic clock, reading nanoseconds since the Unix epoch as the wall clock
-/// stood when this value was created, then advancing with [`Instant`] (so it never steps back
-/// when the wall clock does).
+/// stood when this value was created, then advancing with tokio's [`Instant`] (so it never
+/// steps back when the wall clock does, and stands still while a test has paused tokio's time).
 #[derive(Clone, Copy, Debug)]
 pub struct MonotonicClock {
     origin: Instant,

@@ -1,13 +1,16 @@
 //! The lease actor's due-queue, in memory: strict leases still close inside the store's margin,
 //! quiet keys are still evicted, a dropped nudge is not lost, and an idle table costs the actor
-//! nothing however many keys it has seen. Runs in the nextest `serial` group: timing-dependent.
+//! nothing however many keys it has seen.
 //!
-//! Real time, not tokio's paused clock: the lease table's clock is the process's monotonic
-//! clock, which a paused runtime does not move. The waits are bounded and short.
+//! Time is tokio's paused clock, which the lease table, the actor and the in-memory store all
+//! read: nothing sleeps through real time, and each lease closes, expires and leaves the table
+//! at the instant its rule says, which the tests check exactly.
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use tokenlease::Limiter;
 use tokenlease::lease::LeaseStats;
@@ -26,19 +29,26 @@ fn stats(limiter: &Limiter) -> LeaseStats {
     limiter.lease_stats().expect("leased")
 }
 
-/// Polls `done` every millisecond until it holds; panics with `what` after `limit`.
-async fn until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
+/// Polls `done` every millisecond of tokio's (paused) clock until it holds; panics with `what`
+/// after `limit`.
+async fn until(limit: Duration, what: &str, done: impl FnMut() -> bool) {
+    until_every(Duration::from_millis(1), limit, what, done).await;
+}
+
+/// [`until`], polling every `step`: `lease_stats` sums every slot, so a test with a hundred
+/// thousand keys polls less often, or its polls would be most of its work.
+async fn until_every(step: Duration, limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
     let started = Instant::now();
     while !done() {
         assert!(started.elapsed() < limit, "{what}: not within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        tokio::time::sleep(step).await;
     }
 }
 
 /// A strict lease is closed locally one lifetime after its request was sent (the actor's entry
 /// fires at that time, or up to a tick before it), so while the store still counts it: the
 /// store counts it for `2·ttl + 2 ticks` after granting it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_strict_lease_closes_while_the_store_still_counts_it() {
     let store = MemoryStore::new();
     let tick = Duration::from_millis(50);
@@ -80,14 +90,10 @@ async fn a_strict_lease_closes_while_the_store_still_counts_it() {
         row.store_now,
         store_stops_counting
     );
-    // Not before its time (a tick early at most), and at its time, not a tick late: the entry
-    // fires at the expiry (with room for a loaded machine, still far inside the margin).
+    // At its time on the paused clock: the entry fires at the expiry, seen by the next 1 ms
+    // polls (not a tick late, not early).
     assert!(
-        closed_after >= ttl - tick,
-        "closed {closed_after:?} after asking, lifetime {ttl:?}"
-    );
-    assert!(
-        closed_after < ttl + tick,
+        closed_after >= ttl && closed_after <= ttl + Duration::from_millis(2),
         "closed {closed_after:?} after asking, lifetime {ttl:?}, tick {tick:?}"
     );
     // Its give-back settled the entry: the row holds no lease and the token is back.
@@ -105,7 +111,7 @@ async fn a_strict_lease_closes_while_the_store_still_counts_it() {
 
 /// A key whose lease nobody spends closes at the end of its lifetime, gives its tokens back and
 /// leaves the table (idle since its one refill).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_key_that_was_never_spent_is_evicted() {
     let limiter = Limiter::builder(MemoryStore::new())
         .lease_tick(Duration::from_millis(10))
@@ -127,8 +133,11 @@ async fn a_key_that_was_never_spent_is_evicted() {
     })
     .await;
     let evicted_after = granted.elapsed();
+    // At the lease's expiry on the paused clock (idle since its one refill), seen by the next
+    // 1 ms polls.
     assert!(
-        evicted_after >= ttl - Duration::from_millis(20),
+        evicted_after >= ttl - Duration::from_millis(1)
+            && evicted_after <= ttl + Duration::from_millis(2),
         "evicted {evicted_after:?} after its lease came, lifetime {ttl:?}"
     );
     let s = stats(&limiter);
@@ -139,7 +148,7 @@ async fn a_key_that_was_never_spent_is_evicted() {
 /// Seventy thousand new keys asked for without a yield (the actor cannot run on this one-thread
 /// runtime until the test awaits) overflow the 65,536-entry queue, and every key still gets its
 /// lease.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_full_nudge_queue_still_refills_every_key() {
     const KEYS: usize = 70_000;
     let limiter = Limiter::builder(MemoryStore::new()).build();
@@ -171,9 +180,10 @@ async fn a_full_nudge_queue_still_refills_every_key() {
 /// An idle limiter's actor does nothing, however many keys it has seen: with 50,000 live leases
 /// that expire in an hour and 50,000 keys whose leases expired and were evicted, it does not
 /// wake (the sweep it replaced visited every slot every 50 ms).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn an_idle_table_costs_the_actor_nothing() {
     const KEYS: usize = 50_000;
+    let step = Duration::from_millis(100);
     let limiter = Limiter::builder(MemoryStore::new())
         .max_lease_keys(4 * KEYS)
         .build();
@@ -190,7 +200,7 @@ async fn an_idle_table_costs_the_actor_nothing() {
             }
         }
         if round == 0 {
-            until(Duration::from_secs(30), "the leases", || {
+            until_every(step, Duration::from_secs(30), "the leases", || {
                 stats(&limiter).leased >= (2 * KEYS) as f64
             })
             .await;
@@ -198,9 +208,12 @@ async fn an_idle_table_costs_the_actor_nothing() {
     }
     // The short leases expire and their keys leave the table; then (within a second) the
     // actor sums the outstanding gauge one last time and has nothing left to do for an hour.
-    until(Duration::from_secs(30), "the brief keys evicted", || {
-        stats(&limiter).keys == KEYS
-    })
+    until_every(
+        step,
+        Duration::from_secs(30),
+        "the brief keys evicted",
+        || stats(&limiter).keys == KEYS,
+    )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let before = stats(&limiter);
@@ -220,7 +233,7 @@ async fn an_idle_table_costs_the_actor_nothing() {
 /// Leases that cross their low-water mark while they still pay their callers are gathered and
 /// refilled together: 2,000 keys crossing within a moment cost the actor a handful of rounds
 /// and about one statement per 256 keys, not a wake-up and a statement each.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn low_water_refills_of_many_keys_are_gathered() {
     const KEYS: usize = 2_000;
     let limiter = Limiter::builder(MemoryStore::new()).build();

@@ -21,7 +21,9 @@ use std::collections::{BinaryHeap, HashSet};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::slot::{Book, Slot};
 use super::word::{CLOSED, PENDING, TOKENS};
@@ -263,9 +265,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
         };
         match wake_at {
             Some(at) => {
-                let deadline = tokio::time::Instant::from_std(
-                    leases.origin + Duration::from_nanos(at.saturating_add(1)),
-                );
+                let deadline = leases.origin + Duration::from_nanos(at.saturating_add(1));
                 tokio::select! {
                     () = leases.wake.notified() => {}
                     () = tokio::time::sleep_until(deadline) => {}

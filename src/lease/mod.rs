@@ -17,7 +17,9 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crossbeam_queue::ArrayQueue;
 use parking_lot::Mutex;
@@ -432,7 +434,7 @@ impl Leases {
                     }
                 }
             }
-            if tokio::time::timeout_at(deadline.into(), notified)
+            if tokio::time::timeout_at(deadline, notified)
                 .await
                 .is_err()
             {

@@ -11,7 +11,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::OnceLock;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use tokio::time::Instant;
 
 use crate::bucket::Tokens;
 use crate::error::{Error, validate_key};
@@ -550,7 +550,7 @@ impl Limiter {
     /// deadline; the fallback decides whatever the store did not answer in time.
     async fn direct(&self, plan: &Plan, key: &str, cost: Tokens) -> Result<Decision, Error> {
         let bucket = *plan.bucket();
-        let deadline = tokio::time::Instant::now() + self.inner.call_deadline;
+        let deadline = Instant::now() + self.inner.call_deadline;
         let result = match &self.inner.coalescer {
             Some(coalescer) => coalescer
                 .take(&self.inner.store, key, bucket, cost, deadline)
