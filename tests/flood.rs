@@ -194,6 +194,20 @@ async fn flood(addr: &str, pid: u32, first: u64, count: u64, peak: &mut f64) -> 
 
 /// `tokenlease_fallback_local_buckets` from the demo's `/metrics`, when it is there.
 async fn local_buckets(addr: &str) -> Option<u64> {
+    metric(addr, "tokenlease_fallback_local_buckets ")
+        .await
+        .map(|v| v as u64)
+}
+
+/// Fallback decisions so far (every mode and outcome together), from the demo's `/metrics`.
+async fn fallback_decisions(addr: &str) -> f64 {
+    metric(addr, "tokenlease_fallback_decisions_total{")
+        .await
+        .unwrap_or(0.0)
+}
+
+/// The sum of the series of `/metrics` whose line starts with `prefix`.
+async fn metric(addr: &str, prefix: &str) -> Option<f64> {
     let mut conn = TcpStream::connect(addr).await.expect("connect to the demo");
     conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: demo\r\nConnection: close\r\n\r\n")
         .await
@@ -203,10 +217,12 @@ async fn local_buckets(addr: &str) -> Option<u64> {
         .await
         .expect("metrics within 10 s")
         .expect("read metrics");
-    String::from_utf8_lossy(&body).lines().find_map(|line| {
-        let value = line.strip_prefix("tokenlease_fallback_local_buckets ")?;
-        value.trim().parse::<f64>().ok().map(|v| v as u64)
-    })
+    let values: Vec<f64> = String::from_utf8_lossy(&body)
+        .lines()
+        .filter(|line| line.starts_with(prefix))
+        .filter_map(|line| line.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
 }
 
 /// Waits for every task (a small join_all, to keep the dev-dependencies as they are).
@@ -252,9 +268,10 @@ async fn a_flood_of_ids_with_the_database_down_then_up_stays_bounded_and_shrinks
     // local buckets that have refilled to full: one token of a share of 75 an hour takes 48 s),
     // until the fallback holds none, 90 s at most.
     let settle = Instant::now();
+    let fallback_before = fallback_decisions(&demo.addr).await;
     let mut id = 3_000_000_000u64;
     let mut held = local_buckets(&demo.addr).await;
-    while held != Some(0) && settle.elapsed() < Duration::from_secs(90) {
+    while held.is_none_or(|held| held > 0) && settle.elapsed() < Duration::from_secs(90) {
         let mut ignored = 0.0;
         flood(&demo.addr, pid, id, 10, &mut ignored).await;
         id += 10;
@@ -262,6 +279,9 @@ async fn a_flood_of_ids_with_the_database_down_then_up_stays_bounded_and_shrinks
         held = local_buckets(&demo.addr).await;
     }
     let after = rss_mib(pid);
+    // A settling request that the fallback decided (its store call timed out on a busy
+    // machine) made a bucket of its own, which refills only after the wait: those may remain.
+    let settle_fallbacks = (fallback_decisions(&demo.addr).await - fallback_before) as u64;
     let settled_s = settle.elapsed().as_secs_f64();
     println!(
         "flood of {keys} ids with the database down in {down_s:.1} s ({} 200, {} 429, {} other), \
@@ -280,7 +300,10 @@ async fn a_flood_of_ids_with_the_database_down_then_up_stays_bounded_and_shrinks
         peak_down.max(peak_up) - start <= 64.0,
         "RSS grew by more than 64 MiB"
     );
-    assert_eq!(held, Some(0), "the fallback still holds local buckets");
+    assert!(
+        held.is_some_and(|held| held <= settle_fallbacks),
+        "the fallback still holds {held:?} local buckets ({settle_fallbacks} made after the flood)"
+    );
     assert!(
         after <= peak_down.max(peak_up) + 1.0,
         "RSS grew after the flood"

@@ -434,10 +434,7 @@ impl Leases {
                     }
                 }
             }
-            if tokio::time::timeout_at(deadline, notified)
-                .await
-                .is_err()
-            {
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 break;
             }
         }
