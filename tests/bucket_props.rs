@@ -1,4 +1,4 @@
-//! Property, long-run and edge-table tests of the pure token bucket (test plan A1, A2, A3).
+//! Property, long-run and edge-table tests of the pure token bucket (A1, A2, A3).
 //!
 //! Everything runs on a fake clock: time is a number the test advances, so the runs are exact
 //! and repeatable, and a simulated year takes seconds. Failing proptest cases are saved in
@@ -651,7 +651,7 @@ fn every_100_ms_jittered() -> impl Iterator<Item = u64> {
     })
 }
 
-/// A2 as the test plan states it: 1 + ⌊r·T⌋ ± 1 = 6,667 ± 1.
+/// A2 as docs/testing.md states it: 1 + ⌊r·T⌋ ± 1 = 6,667 ± 1.
 ///
 /// With the exact refill each 100 ms adds 100,000,000 ns × 666,666,667 nanotokens/s =
 /// 66,666,666.7 nanotokens with nothing floored away, so 15 calls (exactly 1.5 s) add
@@ -709,7 +709,7 @@ fn a2_jittered_attempts_match_exact_rational_bucket() {
     );
 }
 
-/// The exact rational bucket reaches the test plan's figure on the exact grid too.
+/// The exact rational bucket reaches A2's figure on the exact grid too.
 #[test]
 fn a2_exact_rational_bucket_admits_6667_on_the_exact_grid() {
     assert_eq!(exact_admitted_at_two_thirds(every_100_ms()), 6_667);

@@ -1,4 +1,4 @@
-//! Distributed safety and liveness in direct mode (test plan B1, C1, C2, C3, C7, C9): several
+//! Distributed safety and liveness in direct mode (B1, C1, C2, C3, C7, C9): several
 //! limiter instances, each with its own pool, and many tasks on one real server, checked against
 //! the envelope of one ideal bucket. Runs in the nextest `serial` group: timing-dependent.
 

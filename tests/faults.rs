@@ -1,4 +1,4 @@
-//! Fault injection (test plan D1–D7, D9), each test in every fallback mode: deny, allow, and
+//! Fault injection (D1–D7, D9), each test in every fallback mode: deny, allow, and
 //! local (C/N, r/N per instance with N = 2).
 //!
 //! Each test starts its own throwaway cluster. Limiters reach it either directly (to stop the

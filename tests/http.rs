@@ -1,4 +1,4 @@
-//! The HTTP layer in process (test plan E1, E2, E3): `tower::ServiceExt::oneshot` on an axum
+//! The HTTP layer in process (E1, E2, E3): `tower::ServiceExt::oneshot` on an axum
 //! `Router`, the peer address from `MockConnectInfo`.
 //!
 //! Most tests run on a `MemoryStore` with a `ManualClock`, so every figure is exact; E1 also

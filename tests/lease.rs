@@ -1,4 +1,4 @@
-//! Leased mode against the real server (test plan C1–C7, C9) and in memory (E4, E5):
+//! Leased mode against the real server (C1–C7, C9) and in memory (E4, E5):
 //! conservation, the sliding-window bound with its lease term, liveness, store round trips,
 //! expiry, a dead instance, starvation, a flood of keys, and cancelled callers. Runs in the
 //! nextest `serial` group: timing-dependent.
@@ -26,7 +26,7 @@ const R: f64 = 50.0;
 const B: f64 = 10.0;
 const SLACK: f64 = 0.02;
 
-/// The test plan's leased defaults. The fallback denies: a caller whose refill took longer than
+/// C1's leased defaults (docs/testing.md). The fallback denies: a caller whose refill took longer than
 /// `max_wait` (a loaded 2-core machine can stall a refill that long) is denied, which can only
 /// under-admit, so the bounds below measure the leases alone.
 fn leased_plan(capacity: u64, rate: f64) -> Plan {
@@ -114,7 +114,7 @@ struct C1 {
     calls: u64,
 }
 
-/// Test plan C1: 2 instances (own pools and actors) × 16 tasks on one key for 5 s under
+/// C1 (docs/testing.md): 2 instances (own pools and actors) × 16 tasks on one key for 5 s under
 /// `accounting`, with the checks both modes share (exact conservation per instance, every
 /// instance denied at least once, at most 1% of calls waiting out `max_wait`).
 async fn c1(accounting: Accounting) -> C1 {

@@ -1,4 +1,4 @@
-//! Test plan A4: model-check the lock-free lease word (`src/lease/word.rs`) with loom.
+//! A4 (docs/testing.md): model-check the lock-free lease word (`src/lease/word.rs`) with loom.
 //!
 //! `word.rs` is compiled into this test a second time, with `super::sync` resolving to the
 //! `model` half of the lease core's shim (`src/lease/sync.rs`), which re-exports loom's atomics

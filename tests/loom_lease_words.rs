@@ -1,4 +1,4 @@
-//! Test plan A4: model-check the lease core as a whole with loom: a key's lease spread over
+//! A4 (docs/testing.md): model-check the lease core as a whole with loom: a key's lease spread over
 //! several words (`src/lease/words.rs`), refunds against takes and closes, and the slab's
 //! recycling of records (`src/lease/slab.rs`).
 //!

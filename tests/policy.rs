@@ -1,4 +1,4 @@
-//! The policy file: every refusal has its own fixture and exact message (test plan A6), valid
+//! The policy file: every refusal has its own fixture and exact message (A6), valid
 //! files are accepted with the values they say, the parser never panics (A7), and
 //! `tokenlease check` reports both through its exit code.
 
@@ -1053,7 +1053,7 @@ fn policies_are_clone_and_share_plans() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Never panics (test plan A7).
+// Never panics (A7).
 
 /// Field names of the format, so that generated objects often reach the checks.
 const FIELDS: &[&str] = &[

@@ -1,4 +1,4 @@
-//! SQL correctness on the real server (test plan B2, B4, B5, B6, and "the database decides as
+//! SQL correctness on the real server (B2, B4, B5, B6, and "the database decides as
 //! the pure bucket does").
 
 mod common;

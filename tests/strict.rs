@@ -1,6 +1,6 @@
 //! Strict lease accounting (issue #8): the store counts every live lease against the bucket's
 //! capacity, so leased mode admits no more in any window than one ideal bucket, with no lease
-//! term in the bound. Here: test plan C5 in strict mode, the lull-then-burst case strict
+//! term in the bound. Here: C5 in strict mode, the lull-then-burst case strict
 //! accounting exists for (relaxed as its negative control), and refunds. C1 strict sits beside
 //! relaxed C1 in `tests/lease.rs`. Several limiter instances (each with its own pool and actor)
 //! on one real server; runs in the nextest `serial` group.
@@ -24,7 +24,7 @@ const B: f64 = 10.0;
 const SLACK: f64 = 0.02;
 const WINDOWS: [f64; 6] = [0.05, 0.1, 0.5, 1.0, 2.0, 5.0];
 
-/// The test plan's leased defaults with strict accounting. The fallback denies, so every
+/// C1's leased defaults (docs/testing.md) with strict accounting. The fallback denies, so every
 /// admission is a lease's.
 fn strict_plan() -> Plan {
     common::plan(C as u64, R)

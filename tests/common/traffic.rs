@@ -66,7 +66,7 @@ pub async fn calls(
     out
 }
 
-/// [`calls`] on key "hot", one call every 500 µs per task: test plan C1's load.
+/// [`calls`] on key "hot", one call every 500 µs per task: C1's load.
 pub async fn hammer(
     limiters: &[Limiter],
     plan: &Arc<Plan>,

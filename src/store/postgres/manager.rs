@@ -13,7 +13,7 @@ use crate::store::{StoreError, TimeoutKind};
 /// Makes the pool's connections, each within the store's connect timeout.
 ///
 /// tokio-postgres's own `connect_timeout` bounds only the TCP connect. A hung server (a stopped
-/// postmaster, test plan D7) still has its kernel accept the connection and then never answers
+/// postmaster, D7) still has its kernel accept the connection and then never answers
 /// the startup and login exchange, so without a bound on the whole setup a connection attempt
 /// would hold a pool slot until the server resumed.
 #[derive(Debug)]
