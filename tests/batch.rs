@@ -355,3 +355,66 @@ async fn a_full_queue_sends_callers_to_the_fallback_at_once() {
     assert_eq!(in_flight.await.expect("join").0, DecidedBy::Store);
     rig.proxy.pass();
 }
+
+/// A slow link keeps its connections: every reply 30 ms late against a 50 ms call timeout,
+/// 8 callers on a pool of 2, for 2 s. Calls that waited for a connection time out with their
+/// statement on the wire; the statement then finishes within the abandon grace, and its
+/// connection goes back to the pool instead of being closed. (Closing it made the next caller
+/// open a connection over the same link, whose start-up and first statement together took
+/// longer than a call, and so on: a run like this one opened a connection for most calls.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_link_keeps_its_connections() {
+    let rig = Rig::start().await;
+    let pool = 2;
+    let store = rig.store(pool, Duration::from_millis(50)).await;
+    let limiter = Limiter::builder(store).build();
+    let plan = Arc::new(deny_fallback(common::plan(1_000_000, 1_000.0)));
+    // Open the pool's connections before the link slows down.
+    for i in 0..pool {
+        let d = limiter
+            .try_acquire_with(&plan, &format!("warm:{i}"), 1.0)
+            .await;
+        assert_eq!(d.expect("decision").decided_by, DecidedBy::Store);
+    }
+    let opened_before = rig.proxy.accepted();
+    rig.proxy.delay(Duration::ZERO, Duration::from_millis(30));
+    let end = Instant::now() + Duration::from_secs(2);
+    let mut callers = Vec::new();
+    for c in 0..8 {
+        let (limiter, plan) = (limiter.clone(), Arc::clone(&plan));
+        callers.push(tokio::spawn(async move {
+            let (mut store, mut other) = (0u32, 0u32);
+            let mut i = 0;
+            while Instant::now() < end {
+                let d = limiter
+                    .try_acquire_with(&plan, &format!("slow:{c}:{i}"), 1.0)
+                    .await
+                    .expect("decision");
+                i += 1;
+                if d.decided_by == DecidedBy::Store {
+                    store += 1;
+                } else {
+                    other += 1;
+                }
+            }
+            (store, other)
+        }));
+    }
+    let (mut by_store, mut by_fallback) = (0, 0);
+    for caller in callers {
+        let (s, o) = caller.await.expect("caller");
+        by_store += s;
+        by_fallback += o;
+    }
+    let opened = rig.proxy.accepted() - opened_before;
+    println!(
+        "slow link (replies 30 ms late, 50 ms calls, pool {pool}, 8 callers, 2 s): \
+         {by_store} decided by the store, {by_fallback} by the fallback, {opened} connections opened"
+    );
+    assert!(
+        opened <= 2 * pool as u64,
+        "{opened} connections opened over the slow link for {} calls",
+        by_store + by_fallback
+    );
+    assert!(by_store > 0, "the store decided nothing");
+}

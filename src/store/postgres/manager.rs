@@ -50,6 +50,12 @@ impl PgConnection {
         self.discard = true;
     }
 
+    /// Undoes [`discard`](Self::discard): the abandoned statement finished and nothing was sent
+    /// to the session since, so it may go back to the pool.
+    pub(super) fn keep(&mut self) {
+        self.discard = false;
+    }
+
     /// Stops the driver task, closing the socket at once (used when the server does not
     /// answer).
     pub(super) fn abort_driver(&self) {

@@ -333,18 +333,32 @@ impl PostgresStore {
     }
 }
 
+/// How long an abandoned statement's connection waits for the statement to finish on its own
+/// before it is cancelled: a reply that is merely late (a slow link) then costs no new
+/// connection, while a statement stuck on a lock is cancelled after this.
+const ABANDON_GRACE: Duration = Duration::from_millis(50);
+
 /// A pooled connection with a statement in flight.
 ///
 /// Dropped before [`done`](Self::done), as when the call timed out or the caller dropped the
 /// call's future, the statement is *abandoned*: dropping a tokio-postgres future does not stop
 /// the statement on the server, and returning the connection to the pool would queue the next
-/// caller behind it. So a task (spawned, bounded) sends the server a cancel request for it, waits
-/// until the session is idle (the reply to an empty query comes after the abandoned statement's),
-/// and then closes the connection instead of returning it: the cancel, delivered late, could
-/// otherwise hit the next caller's statement. The connection holds its pool slot until then, so
-/// the pool never has more sessions busy on the server than its size. Each step is bounded by
-/// the connect timeout; a server that does not answer gets its socket closed. Cancels are counted
-/// in `tokenlease_store_cancels_total{result}`.
+/// caller behind it. So a task (spawned, bounded) keeps the connection out of the pool and sends
+/// it an empty query, whose reply comes after the abandoned statement's:
+///
+/// - when that reply comes within [`ABANDON_GRACE`], the statement finished by itself and the
+///   session is idle with nothing sent to it: the connection goes back to the pool. Over a slow
+///   link, where every reply is late, this is what keeps the pool's connections: closing each
+///   one would make the next caller open a connection over the same slow link, whose start-up
+///   and first statement together can take longer than a call, and so on;
+/// - otherwise the server gets a cancel request for the statement, the task waits until the
+///   session is idle, and then closes the connection instead of returning it: the cancel,
+///   delivered late, could otherwise hit the next caller's statement.
+///
+/// The connection holds its pool slot until then, so the pool never has more sessions busy on
+/// the server than its size. Each step is bounded by the connect timeout; a server that does not
+/// answer gets its socket closed. Cancels are counted in `tokenlease_store_cancels_total{result}`
+/// (`result="none"` for a statement that finished in the grace).
 struct InFlight {
     conn: Option<bb8::PooledConnection<'static, Manager>>,
     cancel_timeout: Duration,
@@ -380,9 +394,18 @@ impl Drop for InFlight {
     }
 }
 
-/// Cancels the statement running on `conn`, waits (bounded) until its session is idle, and
-/// closes it. See [`InFlight`].
-async fn abandon(conn: bb8::PooledConnection<'static, Manager>, bound: Duration) {
+/// Waits briefly for the statement running on `conn` to finish and returns the connection to the
+/// pool, or cancels the statement, waits (bounded) until its session is idle, and closes it. See
+/// [`InFlight`].
+async fn abandon(mut conn: bb8::PooledConnection<'static, Manager>, bound: Duration) {
+    // The reply to an empty query comes after the abandoned statement's: within the grace, the
+    // statement finished by itself and no cancel was sent, so the session can be used again.
+    let idle_query = conn.simple_query("");
+    if let Ok(Ok(_)) = tokio::time::timeout(ABANDON_GRACE.min(bound), idle_query).await {
+        metrics::counter!(crate::metrics::STORE_CANCELS, "result" => "none").increment(1);
+        conn.keep();
+        return;
+    }
     let token = conn.cancel_token();
     let sent = matches!(
         tokio::time::timeout(bound, token.cancel_query(NoTls)).await,
