@@ -60,10 +60,10 @@
 //! Every response of a limited route carries, per layer that was checked:
 //!
 //! ```text
-//! RateLimit-Policy: "api";q=100;w=2, "entity";q=150;w=60
-//! RateLimit: "api";r=57;t=1, "entity";r=149;t=1
+//! RateLimit-Policy: "api";q=100;w=2, "entity";q=20;w=60
+//! RateLimit: "api";r=57;t=1, "entity";r=19;t=3
 //! X-RateLimit-Api-Remaining: 57
-//! X-RateLimit-Entity-Remaining: 149
+//! X-RateLimit-Entity-Remaining: 19
 //! ```
 //!
 //! `q` is the capacity, `w` the seconds to refill from empty, `r` whole tokens left, `t` the
