@@ -67,11 +67,20 @@ pub const CIRCUIT_STATE: &str = "tokenlease_circuit_state";
 pub const CIRCUIT_TRANSITIONS: &str = "tokenlease_circuit_transitions_total";
 /// The store's clock minus the local wall clock, in seconds, by `store` (a gauge).
 pub const STORE_CLOCK_SKEW: &str = "tokenlease_store_clock_skew_seconds";
-/// Requests the HTTP layer denied, by `layer` (`api`, `entity`).
+/// Requests the HTTP layer denied, by `layer` (`api`, `entity`), `method` and `route` (the
+/// route pattern, never the request path).
 pub const HTTP_DENIED: &str = "tokenlease_http_denied_total";
-/// Requests the HTTP layer could not check (the limiter refused the key or cost), by `layer`;
-/// they pass unlimited by that layer.
+/// Requests the HTTP layer could not check (the limiter refused the key or cost), by `layer`,
+/// `method` and `route`; they pass unlimited by that layer.
 pub const HTTP_ERRORS: &str = "tokenlease_http_errors_total";
+/// Requests a policy file's route limited (checked by at least one layer), by `method` and
+/// `route`; every route's series exists from start-up, so a route that stays at zero is one
+/// that no request reaches.
+pub const HTTP_CHECKED: &str = "tokenlease_http_checked_total";
+/// Requests whose path fits a policy file's route of their method but which the layer could
+/// not match to it (the router matched another pattern, or gave none), so they passed
+/// unlimited; by that route's `method` and `route`.
+pub const HTTP_UNMATCHED: &str = "tokenlease_http_unmatched_total";
 /// Global tokens given back on entity denial, by `result` (`credited`, `failed`, `skipped`).
 pub const HTTP_REFUNDS: &str = "tokenlease_http_refunds_total";
 
@@ -165,12 +174,22 @@ pub fn describe() {
     describe_counter!(
         HTTP_DENIED,
         Unit::Count,
-        "requests the HTTP layer denied, by layer"
+        "requests the HTTP layer denied, by layer, method and route pattern"
     );
     describe_counter!(
         HTTP_ERRORS,
         Unit::Count,
-        "requests the HTTP layer could not check, by layer"
+        "requests the HTTP layer could not check, by layer, method and route pattern"
+    );
+    describe_counter!(
+        HTTP_CHECKED,
+        Unit::Count,
+        "requests a policy route limited, by method and route pattern"
+    );
+    describe_counter!(
+        HTTP_UNMATCHED,
+        Unit::Count,
+        "requests that fit a policy route but passed unlimited, by method and route pattern"
     );
     describe_counter!(
         HTTP_REFUNDS,

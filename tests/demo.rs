@@ -212,10 +212,33 @@ fn demo_serves_both_layers_over_real_http_and_stops_on_sigterm() {
 
     let metrics = request(&addr, "GET", "/metrics");
     assert_eq!(metrics.status, 200);
-    assert!(
+    // By layer, method and route pattern; every route's series is there, at zero or more.
+    let denied = |layer: &str, method: &str, route: &str| {
         metrics
             .body
-            .contains("tokenlease_http_denied_total{layer=\"entity\"} 41"),
+            .lines()
+            .find(|l| {
+                l.starts_with("tokenlease_http_denied_total{")
+                    && l.contains(&format!("layer=\"{layer}\""))
+                    && l.contains(&format!("method=\"{method}\""))
+                    && l.contains(&format!("route=\"{route}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {layer} {method} {route} in {}", metrics.body))
+    };
+    let automate_route = "/bookings/{bookingId}/automate/internal";
+    assert_eq!(denied("entity", "POST", automate_route), 41);
+    assert_eq!(denied("api", "POST", automate_route), 0);
+    assert_eq!(denied("entity", "GET", "/bookings/{bookingId}"), 0);
+    assert_eq!(denied("api", "GET", "/bookings"), 0);
+    // No entity layer on GET /bookings, so no series for one.
+    assert!(
+        !metrics
+            .body
+            .lines()
+            .any(|l| l.starts_with("tokenlease_http_denied_total{")
+                && l.contains("layer=\"entity\"")
+                && l.contains("route=\"/bookings\"")),
         "{}",
         metrics.body
     );

@@ -50,7 +50,12 @@
 //! ```
 //!
 //! Use `route_layer`, not `layer`: the pattern comes from axum's `MatchedPath`, which exists
-//! only after routing. A request the layer cannot match passes unlimited.
+//! only after routing. A layer from a policy file matches a route by method and shape (the
+//! pattern without its parameter names, so the file's `/items/{id}` limits the router's
+//! `/items/{itemId}`; keys use the file's pattern). A request the layer cannot match passes
+//! unlimited; when its path fits a file route it is counted in
+//! [`HTTP_UNMATCHED`](crate::metrics::HTTP_UNMATCHED) and the first one per route logs a
+//! `tracing` warning. Patterns in the older `:id` syntax are refused when the file loads.
 //!
 //! `HEAD` is limited as the `GET` whose handler answers it: same buckets, keyed `GET:...`,
 //! shared with `GET` (unless a policy file lists a `HEAD` route of its own).
@@ -114,4 +119,4 @@ pub use service::{RateLimit, ResponseFuture};
 
 /// The HTTP layer's metric names, defined (and described) in [`crate::metrics`]; re-exported
 /// here where they were first published.
-pub use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_REFUNDS};
+pub use crate::metrics::{HTTP_CHECKED, HTTP_DENIED, HTTP_ERRORS, HTTP_REFUNDS, HTTP_UNMATCHED};
