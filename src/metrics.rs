@@ -8,14 +8,17 @@
 //! thread-local batch and added to the counters every 256 (so the counters may lag by up to
 //! 255 per thread).
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::fmt;
+use std::sync::Arc;
 
-use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+use metrics::{Counter, Unit, describe_counter, describe_gauge, describe_histogram};
 
 use crate::limiter::{DecidedBy, Decision};
 use crate::policy::FallbackMode;
 
-/// Decisions, by `outcome` (`allowed`, `denied`) and `decided_by` (`store`, `lease`, `fallback`).
+/// Decisions, by `plan` (the plan's name), `outcome` (`allowed`, `denied`) and `decided_by`
+/// (`store`, `lease`, `fallback`).
 pub const DECISIONS: &str = "tokenlease_decisions_total";
 /// Store calls, by `kind` (`take`: direct mode, `lease`: lease refills, `return`: give-backs).
 pub const DB_CALLS: &str = "tokenlease_db_calls_total";
@@ -70,11 +73,20 @@ pub const CIRCUIT_STATE: &str = "tokenlease_circuit_state";
 pub const CIRCUIT_TRANSITIONS: &str = "tokenlease_circuit_transitions_total";
 /// The store's clock minus the local wall clock, in seconds, by `store` (a gauge).
 pub const STORE_CLOCK_SKEW: &str = "tokenlease_store_clock_skew_seconds";
-/// Requests the HTTP layer denied, by `layer` (`api`, `entity`).
+/// Requests the HTTP layer denied, by `layer` (`api`, `entity`), `method` and `route` (the
+/// route pattern, never the request path).
 pub const HTTP_DENIED: &str = "tokenlease_http_denied_total";
-/// Requests the HTTP layer could not check (the limiter refused the key or cost), by `layer`;
-/// they pass unlimited by that layer.
+/// Requests the HTTP layer could not check (the limiter refused the key or cost), by `layer`,
+/// `method` and `route`; they pass unlimited by that layer.
 pub const HTTP_ERRORS: &str = "tokenlease_http_errors_total";
+/// Requests a policy file's route limited (checked by at least one layer), by `method` and
+/// `route`; every route's series exists from start-up, so a route that stays at zero is one
+/// that no request reaches.
+pub const HTTP_CHECKED: &str = "tokenlease_http_checked_total";
+/// Requests whose path fits a policy file's route of their method but which the layer could
+/// not match to it (the router matched another pattern, or gave none), so they passed
+/// unlimited; by that route's `method` and `route`.
+pub const HTTP_UNMATCHED: &str = "tokenlease_http_unmatched_total";
 /// Global tokens given back on entity denial, by `result` (`credited`, `failed`, `skipped`).
 pub const HTTP_REFUNDS: &str = "tokenlease_http_refunds_total";
 
@@ -173,12 +185,22 @@ pub fn describe() {
     describe_counter!(
         HTTP_DENIED,
         Unit::Count,
-        "requests the HTTP layer denied, by layer"
+        "requests the HTTP layer denied, by layer, method and route pattern"
     );
     describe_counter!(
         HTTP_ERRORS,
         Unit::Count,
-        "requests the HTTP layer could not check, by layer"
+        "requests the HTTP layer could not check, by layer, method and route pattern"
+    );
+    describe_counter!(
+        HTTP_CHECKED,
+        Unit::Count,
+        "requests a policy route limited, by method and route pattern"
+    );
+    describe_counter!(
+        HTTP_UNMATCHED,
+        Unit::Count,
+        "requests that fit a policy route but passed unlimited, by method and route pattern"
     );
     describe_counter!(
         HTTP_REFUNDS,
@@ -200,62 +222,161 @@ pub(crate) fn mode_label(mode: FallbackMode) -> &'static str {
     }
 }
 
-/// Records one decision made off the fast path.
-pub(crate) fn record(decision: &Decision) {
-    let by = match decision.decided_by {
-        DecidedBy::Store => "store",
-        DecidedBy::Lease => "lease",
-        DecidedBy::Fallback(mode) => {
-            metrics::counter!(FALLBACK_DECISIONS, "mode" => mode_label(mode), "outcome" => outcome(decision.allowed))
-                .increment(1);
-            "fallback"
+/// The `decided_by` values, in the order of [`PlanCounters`]' columns.
+const DECIDED_BY: [&str; 3] = ["store", "lease", "fallback"];
+
+fn by_index(decided_by: DecidedBy) -> usize {
+    match decided_by {
+        DecidedBy::Store => 0,
+        DecidedBy::Lease => 1,
+        DecidedBy::Fallback(_) => 2,
+    }
+}
+
+/// The decision counters of one plan: `tokenlease_decisions_total` for each outcome and
+/// decider, with the plan's name, and `tokenlease_db_calls_saved_total`. Registered once per
+/// plan (at zero, so every series exists from the start), so that recording a decision is an
+/// increment on a handle: no label strings, no lookup in the recorder's registry.
+pub(crate) struct PlanCounters {
+    /// `[allowed, denied][store, lease, fallback]`.
+    decisions: [[Counter; 3]; 2],
+    /// Decisions answered from a lease (no label: one series for every plan).
+    saved: Counter,
+}
+
+impl fmt::Debug for PlanCounters {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PlanCounters").finish_non_exhaustive()
+    }
+}
+
+impl PlanCounters {
+    /// Registers the counters of the plan `name` with the recorder installed now.
+    pub(crate) fn register(name: &str) -> PlanCounters {
+        let one = |outcome: &'static str, by: &'static str| {
+            let c = metrics::counter!(DECISIONS, "plan" => name.to_owned(),
+                "outcome" => outcome, "decided_by" => by);
+            c.increment(0);
+            c
+        };
+        let row = |outcome| DECIDED_BY.map(|by| one(outcome, by));
+        let saved = metrics::counter!(DB_CALLS_SAVED);
+        saved.increment(0);
+        PlanCounters {
+            decisions: [row("allowed"), row("denied")],
+            saved,
         }
-    };
-    metrics::counter!(DECISIONS, "outcome" => outcome(decision.allowed), "decided_by" => by)
+    }
+}
+
+/// Records one decision made off the fast path under `plan`.
+pub(crate) fn record(plan: &crate::policy::Plan, decision: &Decision) {
+    if let DecidedBy::Fallback(mode) = decision.decided_by {
+        metrics::counter!(FALLBACK_DECISIONS, "mode" => mode_label(mode), "outcome" => outcome(decision.allowed))
+            .increment(1);
+    }
+    plan.counters().decisions[usize::from(!decision.allowed)][by_index(decision.decided_by)]
         .increment(1);
 }
 
 /// Records how long a decision that waited took, by who decided.
 pub(crate) fn record_latency(decided_by: DecidedBy, took: std::time::Duration) {
-    let by = match decided_by {
-        DecidedBy::Store => "store",
-        DecidedBy::Lease => "lease",
-        DecidedBy::Fallback(_) => "fallback",
-    };
+    let by = DECIDED_BY[by_index(decided_by)];
     metrics::histogram!(DECISION_SECONDS, "decided_by" => by).record(took);
 }
 
-thread_local! {
-    /// Lease decisions on this thread not yet added to the counters.
-    static FROM_LEASE: Cell<u64> = const { Cell::new(0) };
+/// Lease decisions not yet added to the counters, per thread: a few slots, each batching the
+/// decisions of one plan (chosen by the address of the plan's counters), so that a thread that
+/// serves several plans does not flush at every change of plan.
+struct Batches([Batch; BATCH_SLOTS]);
+
+/// The batches a thread keeps at once.
+const BATCH_SLOTS: usize = 4;
+
+/// Decisions batched before they are added to the counters.
+const BATCH: u64 = 256;
+
+/// One plan's pending lease decisions on this thread.
+struct Batch {
+    /// The address of `held`'s counters (0: none).
+    tag: Cell<usize>,
+    /// Decisions not yet added.
+    pending: Cell<u64>,
+    /// The counters they go to; held, so their address cannot be reused while tagged.
+    held: RefCell<Option<Arc<PlanCounters>>>,
 }
 
-/// Counts one decision allowed from a lease (a store call saved), batched per thread.
+impl Batch {
+    const fn new() -> Batch {
+        Batch {
+            tag: Cell::new(0),
+            pending: Cell::new(0),
+            held: RefCell::new(None),
+        }
+    }
+
+    #[cold]
+    fn flush(&self) {
+        let n = self.pending.replace(0);
+        if n > 0 {
+            if let Some(c) = &*self.held.borrow() {
+                c.decisions[0][1].increment(n);
+                c.saved.increment(n);
+            }
+        }
+    }
+
+    /// Flushes what this slot holds and gives it to `counters`, with one decision pending.
+    #[cold]
+    fn switch(&self, counters: &Arc<PlanCounters>, tag: usize) {
+        self.flush();
+        *self.held.borrow_mut() = Some(Arc::clone(counters));
+        self.tag.set(tag);
+        self.pending.set(1);
+    }
+}
+
+impl Drop for Batches {
+    fn drop(&mut self) {
+        // A thread that ends adds what it batched.
+        for b in &self.0 {
+            b.flush();
+        }
+    }
+}
+
+thread_local! {
+    static FROM_LEASE: Batches = const { Batches([const { Batch::new() }; BATCH_SLOTS]) };
+}
+
+/// Counts one decision allowed from a lease (a store call saved) under `plan`, batched per
+/// thread: an increment of a thread-local count, and every 256 an increment of the plan's
+/// counters.
 #[inline]
-pub(crate) fn record_lease_allowed() {
-    FROM_LEASE.with(|pending| {
-        let n = pending.get() + 1;
-        if n >= 256 {
-            flush(n);
-            pending.set(0);
+pub(crate) fn record_lease_allowed(plan: &crate::policy::Plan) {
+    let counters = plan.counters();
+    let tag = Arc::as_ptr(counters) as usize;
+    // A multiplicative hash of the address picks the slot.
+    let slot = tag.wrapping_mul(0x9e37_79b9_7f4a_7c15_u64 as usize) >> (usize::BITS - 2);
+    let _ = FROM_LEASE.try_with(|batches| {
+        let b = &batches.0[slot % BATCH_SLOTS];
+        if b.tag.get() == tag {
+            let n = b.pending.get() + 1;
+            b.pending.set(n);
+            if n >= BATCH {
+                b.flush();
+            }
         } else {
-            pending.set(n);
+            b.switch(counters, tag);
         }
     });
 }
 
-#[cold]
-fn flush(n: u64) {
-    metrics::counter!(DB_CALLS_SAVED).increment(n);
-    metrics::counter!(DECISIONS, "outcome" => "allowed", "decided_by" => "lease").increment(n);
-}
-
 /// Adds this thread's pending lease decisions to the counters now (tests and shutdown).
 pub fn flush_thread() {
-    FROM_LEASE.with(|pending| {
-        let n = pending.replace(0);
-        if n > 0 {
-            flush(n);
+    let _ = FROM_LEASE.try_with(|batches| {
+        for b in &batches.0 {
+            b.flush();
         }
     });
 }

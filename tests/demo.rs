@@ -65,6 +65,8 @@ fn request(addr: &str, method: &str, path: &str) -> Reply {
 struct Demo {
     child: Child,
     addr: String,
+    /// What it printed on stdout up to its `metrics:` line.
+    banner: Vec<String>,
 }
 
 impl Demo {
@@ -85,16 +87,29 @@ impl Demo {
             }
         });
         let deadline = Instant::now() + Duration::from_secs(60);
-        let addr = loop {
+        let mut banner = Vec::new();
+        loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let line = rx
                 .recv_timeout(left)
                 .expect("the demo prints where it listens within 60 s");
-            if let Some(url) = line.strip_prefix("tokenlease demo listening on http://") {
-                break url.trim().to_owned();
+            let last = line.starts_with("metrics: ");
+            banner.push(line);
+            if last {
+                break;
             }
-        };
-        Demo { child, addr }
+        }
+        let addr = banner
+            .iter()
+            .find_map(|l| l.strip_prefix("tokenlease demo listening on http://"))
+            .expect("the listening line")
+            .trim()
+            .to_owned();
+        Demo {
+            child,
+            addr,
+            banner,
+        }
     }
 
     /// SIGTERM, then wait for a clean exit.
@@ -145,14 +160,14 @@ fn demo_serves_both_layers_over_real_http_and_stops_on_sigterm() {
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(
         r.header("ratelimit-policy"),
-        Some("\"api\";q=100;w=2, \"entity\";q=150;w=60")
+        Some("\"api\";q=100;w=2, \"entity\";q=20;w=60")
     );
-    assert_eq!(r.number("x-ratelimit-entity-remaining"), 149);
+    assert_eq!(r.number("x-ratelimit-entity-remaining"), 19);
     assert!(r.number("x-ratelimit-api-remaining") <= 100);
     assert!(
         r.header("ratelimit")
             .unwrap()
-            .contains("\"entity\";r=149;t=")
+            .contains("\"entity\";r=19;t=")
     );
     assert!(r.body.contains(&a));
 
@@ -197,14 +212,107 @@ fn demo_serves_both_layers_over_real_http_and_stops_on_sigterm() {
 
     let metrics = request(&addr, "GET", "/metrics");
     assert_eq!(metrics.status, 200);
-    assert!(
+    // By layer, method and route pattern; every route's series is there, at zero or more.
+    let denied = |layer: &str, method: &str, route: &str| {
         metrics
             .body
-            .contains("tokenlease_http_denied_total{layer=\"entity\"} 41"),
+            .lines()
+            .find(|l| {
+                l.starts_with("tokenlease_http_denied_total{")
+                    && l.contains(&format!("layer=\"{layer}\""))
+                    && l.contains(&format!("method=\"{method}\""))
+                    && l.contains(&format!("route=\"{route}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {layer} {method} {route} in {}", metrics.body))
+    };
+    let automate_route = "/bookings/{bookingId}/automate/internal";
+    assert_eq!(denied("entity", "POST", automate_route), 41);
+    assert_eq!(denied("api", "POST", automate_route), 0);
+    assert_eq!(denied("entity", "GET", "/bookings/{bookingId}"), 0);
+    assert_eq!(denied("api", "GET", "/bookings"), 0);
+    // No entity layer on GET /bookings, so no series for one.
+    assert!(
+        !metrics
+            .body
+            .lines()
+            .any(|l| l.starts_with("tokenlease_http_denied_total{")
+                && l.contains("layer=\"entity\"")
+                && l.contains("route=\"/bookings\"")),
         "{}",
         metrics.body
     );
     assert!(metrics.body.contains("tokenlease_http_refunds_total"));
+
+    let status = demo.stop();
+    assert!(status.success(), "the demo exited with {status}");
+}
+
+/// The entity layer keeps one booking from draining its endpoint: a burst of 200 requests for
+/// one booking is cut off by that booking's own limit (20), never by the endpoint's (100), and
+/// another booking is served meanwhile. The demo prints its database and how to inspect a key;
+/// the printed command, run while the demo serves, shows the hammered booking's bucket empty.
+#[test]
+fn one_booking_in_a_burst_meets_its_entity_limit_while_others_are_served() {
+    let mut demo = Demo::start();
+    let addr = demo.addr.clone();
+    let run = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let (a, b) = (format!("a{run}"), format!("b{run}"));
+
+    let (mut allowed, mut by_entity) = (0, 0);
+    for i in 0..200 {
+        let r = request(&addr, "GET", &format!("/bookings/{a}"));
+        match r.status {
+            200 => allowed += 1,
+            429 => {
+                let body: serde_json::Value = serde_json::from_str(&r.body).expect("JSON");
+                assert_eq!(body["layer"], "entity", "request {i} denied by: {r:?}");
+                by_entity += 1;
+            }
+            other => panic!("request {i}: status {other}: {r:?}"),
+        }
+    }
+    // 20 in the burst, plus what 20 tokens a minute refill while it lasts.
+    assert!((20..=25).contains(&allowed), "{allowed} allowed");
+    assert_eq!(allowed + by_entity, 200);
+    let r = request(&addr, "GET", &format!("/bookings/{b}"));
+    assert_eq!(r.status, 200, "another booking during a's burst: {r:?}");
+    assert_eq!(r.number("x-ratelimit-entity-remaining"), 19);
+
+    // The banner names the database and how to inspect a key.
+    let database = demo
+        .banner
+        .iter()
+        .find_map(|l| l.strip_prefix("database: "))
+        .unwrap_or_else(|| panic!("no database line in {:?}", demo.banner));
+    assert!(
+        demo.banner.iter().any(|l| l.contains("tokenlease inspect")),
+        "{:?}",
+        demo.banner
+    );
+    let url = database.split(" (").next().unwrap().trim();
+    // A password would be shown as *** (only DATABASE_URL can carry one): nothing to run then.
+    if !url.contains("***") {
+        let key = format!("ratelimit:entity:GET:/bookings/{{bookingId}}:{a}");
+        let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+            .args(["inspect", "--json", &key])
+            .env("DATABASE_URL", url)
+            .output()
+            .expect("run tokenlease inspect");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let row: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        let now: f64 = row["tokens_now"].as_str().unwrap().parse().unwrap();
+        assert!(now < 5.0, "the hammered booking's bucket: {row}");
+        let capacity: f64 = row["capacity"].as_str().unwrap().parse().unwrap();
+        assert_eq!(capacity, 20.0, "{row}");
+    }
 
     let status = demo.stop();
     assert!(status.success(), "the demo exited with {status}");

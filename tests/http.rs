@@ -656,7 +656,7 @@ async fn layer_from_the_policy_file() {
     assert_eq!(r.status(), StatusCode::OK);
     assert_eq!(
         header(r.headers(), "x-ratelimit-entity-remaining"),
-        Some("149")
+        Some("19")
     );
     assert!(header(r.headers(), "x-ratelimit-api-remaining").is_some());
 

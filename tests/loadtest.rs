@@ -13,6 +13,11 @@ use serde_json::Value;
 
 /// Runs the loadtest against `db` with `args` and returns its JSON report.
 fn loadtest(db: &tokenlease::embedded::TestDatabase, args: &[&str]) -> Value {
+    loadtest_with_stderr(db, args).0
+}
+
+/// As [`loadtest`], with what it wrote on stderr (piped, so not a terminal).
+fn loadtest_with_stderr(db: &tokenlease::embedded::TestDatabase, args: &[&str]) -> (Value, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
         .arg("loadtest")
         .args(["--json", "--database-url", &db.connection_string()])
@@ -24,7 +29,10 @@ fn loadtest(db: &tokenlease::embedded::TestDatabase, args: &[&str]) -> Value {
         "loadtest {args:?} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).expect("one JSON object")
+    (
+        serde_json::from_slice(&out.stdout).expect("one JSON object"),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn f(report: &Value, field: &str) -> f64 {
@@ -104,17 +112,27 @@ async fn strict_accounting_has_no_overshoot_where_relaxed_has_some() {
 /// requests/s offered (far more than one machine's PostgreSQL answers one by one), the slots the
 /// tasks could not keep are counted as `unsent` instead of being sent after the end. The whole
 /// child process, timed from outside, ends within 4 s: generous on purpose, an integration test
-/// of the bound on a busy machine, not a measurement. The report carries the worst latency.
+/// of the bound on a busy machine, not a measurement. The report carries the worst latency, and
+/// stderr (a pipe here, not a terminal) a progress line each second showing the planned length.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duration_bounds_the_run_and_reports_max_latency() {
     let db = common::database().await;
     let began = Instant::now();
-    let r = loadtest(
+    let (r, stderr) = loadtest_with_stderr(
         &db,
         &["--mode", "direct", "--duration", "3", "--rate", "200000"],
     );
     let took = began.elapsed();
     eprintln!("took {took:?}: {r}");
+    let progress: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("loadtest: ") && l.contains(" of 3.0 s, "))
+        .collect();
+    assert!(
+        progress.len() >= 3,
+        "a line each second and one at the end: {stderr}"
+    );
+    assert!(progress.last().unwrap().ends_with("(done)"), "{stderr}");
     assert!(took < Duration::from_secs(4), "took {took:?}: {r}");
     assert!(f(&r, "duration_s") < 3.6, "{r}");
     assert!(f(&r, "requests") > 0.0, "{r}");
@@ -122,6 +140,32 @@ async fn duration_bounds_the_run_and_reports_max_latency() {
     let (p50, p99, max) = (f(&r, "p50_us"), f(&r, "p99_us"), f(&r, "max_us"));
     assert!(0.0 < p50 && p50 <= p99 && p99 <= max, "{r}");
     assert!(f(&r, "p999_us") <= max, "{r}");
+}
+
+/// The same bound in leased mode, where most calls are answered from leases in nanoseconds and
+/// the offered rate is kept: the run still stops at 3 s, with no request sent after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duration_bounds_a_leased_run() {
+    let db = common::database().await;
+    let began = Instant::now();
+    let r = loadtest(
+        &db,
+        &[
+            "--mode",
+            "leased",
+            "--keys",
+            "100",
+            "--duration",
+            "3",
+            "--rate",
+            "20000",
+        ],
+    );
+    let took = began.elapsed();
+    eprintln!("took {took:?}: {r}");
+    assert!(took < Duration::from_secs(4), "took {took:?}: {r}");
+    assert!(f(&r, "duration_s") < 3.6, "{r}");
+    assert!(f(&r, "requests") > 1000.0, "{r}");
 }
 
 /// `--requests N` sends exactly N requests (split over the tasks), then stops.

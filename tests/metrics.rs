@@ -118,6 +118,18 @@ impl Seen {
             .sum()
     }
 
+    /// Every label set a counter moved with since the last snapshot.
+    fn nonzero_label_sets(&self, name: &str) -> Vec<Labels> {
+        let mut sets: Vec<_> = self
+            .values
+            .iter()
+            .filter(|((_, n, _), v)| n == name && !matches!(v, DebugValue::Counter(0)))
+            .map(|((_, _, labels), _)| labels.clone())
+            .collect();
+        sets.sort();
+        sets
+    }
+
     /// Every label set a counter was recorded with.
     fn label_sets(&self, name: &str) -> Vec<Labels> {
         let mut sets: Vec<_> = self
@@ -237,7 +249,11 @@ fn leased_and_direct_decisions_store_calls_and_lease_gauges() {
             warm.counter(m::DB_CALLS_SAVED, &[]),
             warm.counter(
                 m::DECISIONS,
-                &[("outcome", "allowed"), ("decided_by", "lease")]
+                &[
+                    ("plan", "hot"),
+                    ("outcome", "allowed"),
+                    ("decided_by", "lease")
+                ]
             ),
             "every lease admission on the fast path is a saved store call"
         );
@@ -246,7 +262,11 @@ fn leased_and_direct_decisions_store_calls_and_lease_gauges() {
         assert!(
             warm.counter(
                 m::DECISIONS,
-                &[("outcome", "allowed"), ("decided_by", "lease")]
+                &[
+                    ("plan", "hot"),
+                    ("outcome", "allowed"),
+                    ("decided_by", "lease")
+                ]
             ) <= warm_calls
         );
         store_calls_seen.set(stats.store_calls);
@@ -266,7 +286,11 @@ fn leased_and_direct_decisions_store_calls_and_lease_gauges() {
         assert_eq!(
             fast.counter(
                 m::DECISIONS,
-                &[("outcome", "allowed"), ("decided_by", "lease")]
+                &[
+                    ("plan", "hot"),
+                    ("outcome", "allowed"),
+                    ("decided_by", "lease")
+                ]
             ),
             300
         );
@@ -276,11 +300,14 @@ fn leased_and_direct_decisions_store_calls_and_lease_gauges() {
             0,
             "the fast path makes no store call"
         );
+        // Every series of the plan exists (registered at zero); only one moved.
+        assert_eq!(fast.label_sets(m::DECISIONS).len(), 6);
         assert_eq!(
-            fast.label_sets(m::DECISIONS),
+            fast.nonzero_label_sets(m::DECISIONS),
             vec![vec![
                 ("decided_by".to_owned(), "lease".to_owned()),
                 ("outcome".to_owned(), "allowed".to_owned()),
+                ("plan".to_owned(), "hot".to_owned()),
             ]]
         );
 
@@ -324,21 +351,33 @@ fn leased_and_direct_decisions_store_calls_and_lease_gauges() {
         assert_eq!(
             mixed.counter(
                 m::DECISIONS,
-                &[("outcome", "allowed"), ("decided_by", "store")]
+                &[
+                    ("plan", "direct"),
+                    ("outcome", "allowed"),
+                    ("decided_by", "store")
+                ]
             ),
             5
         );
         assert_eq!(
             mixed.counter(
                 m::DECISIONS,
-                &[("outcome", "denied"), ("decided_by", "store")]
+                &[
+                    ("plan", "direct"),
+                    ("outcome", "denied"),
+                    ("decided_by", "store")
+                ]
             ),
             3
         );
         assert_eq!(
             mixed.counter(
                 m::DECISIONS,
-                &[("outcome", "denied"), ("decided_by", "lease")]
+                &[
+                    ("plan", "scarce"),
+                    ("outcome", "denied"),
+                    ("decided_by", "lease")
+                ]
             ),
             denied_by_lease,
             "lease denials"
@@ -468,7 +507,11 @@ fn fallback_decisions_by_mode_and_outcome() {
             assert_eq!(
                 seen.counter(
                     m::DECISIONS,
-                    &[("outcome", "allowed"), ("decided_by", "fallback")]
+                    &[
+                        ("plan", label),
+                        ("outcome", "allowed"),
+                        ("decided_by", "fallback")
+                    ]
                 ),
                 want_allowed,
                 "{what}"
@@ -476,7 +519,11 @@ fn fallback_decisions_by_mode_and_outcome() {
             assert_eq!(
                 seen.counter(
                     m::DECISIONS,
-                    &[("outcome", "denied"), ("decided_by", "fallback")]
+                    &[
+                        ("plan", label),
+                        ("outcome", "denied"),
+                        ("decided_by", "fallback")
+                    ]
                 ),
                 want_denied,
                 "{what}"
@@ -529,4 +576,96 @@ fn every_lease_admission_is_counted_as_a_decision() {
         calls,
         "one decision, counted once"
     );
+}
+
+/// `tokenlease_decisions_total` carries the plan's name: every series of every plan in the
+/// policies exists at zero once the limiter is built, before any call, and decisions count under
+/// their own plan, also when one thread alternates between plans on the batched fast path.
+#[test]
+fn decisions_by_plan_exist_from_the_start_and_count_under_their_plan() {
+    let (snapshotter, ()) = recorded(async |snapshotter: &Snapshotter| {
+        let policies = tokenlease::policy::Policies::from_json_str(
+            r#"{
+              "plans": {
+                "red":  { "capacity": 1000000, "refill_per_second": 1000,
+                          "lease": { "ttl_ms": 60000, "max_fraction": 1.0, "max_wait_ms": 500 } },
+                "blue": { "capacity": 1000000, "refill_per_second": 1000,
+                          "lease": { "ttl_ms": 60000, "max_fraction": 1.0, "max_wait_ms": 500 } },
+                "flat": { "capacity": 2, "refill_per_second": 0.001 }
+              },
+              "keys": [ { "prefix": "red:", "plan": "red" }, { "prefix": "blue:", "plan": "blue" },
+                        { "prefix": "flat:", "plan": "flat" } ]
+            }"#,
+            None,
+        )
+        .unwrap();
+        let limiter = Limiter::builder(MemoryStore::new())
+            .policies(policies)
+            .lease_tick(Duration::from_millis(5))
+            .build();
+        let start = Seen::take(snapshotter);
+        for plan in ["red", "blue", "flat"] {
+            for outcome in ["allowed", "denied"] {
+                for by in ["store", "lease", "fallback"] {
+                    let labels = [("plan", plan), ("outcome", outcome), ("decided_by", by)];
+                    assert_eq!(
+                        start.get(MetricKind::Counter, m::DECISIONS, &labels),
+                        Some(&DebugValue::Counter(0)),
+                        "{labels:?} at start-up"
+                    );
+                }
+            }
+        }
+
+        // Direct mode: two allowed and one denied by the store, all under "flat".
+        for _ in 0..3 {
+            limiter.try_acquire("flat:1", 1.0).await.unwrap();
+        }
+        let direct = Seen::take(snapshotter);
+        let flat = |seen: &Seen, outcome| {
+            seen.counter(
+                m::DECISIONS,
+                &[
+                    ("plan", "flat"),
+                    ("outcome", outcome),
+                    ("decided_by", "store"),
+                ],
+            )
+        };
+        assert_eq!((flat(&direct, "allowed"), flat(&direct, "denied")), (2, 1));
+        assert_eq!(direct.counter_total(m::DECISIONS), 3);
+
+        // Warm one key of each leased plan, then alternate between them on the fast path.
+        for key in ["red:1", "blue:1"] {
+            for _ in 0..5 {
+                limiter.try_acquire(key, 1.0).await.unwrap();
+                settle().await;
+            }
+        }
+        tokenlease::metrics::flush_thread();
+        let _ = Seen::take(snapshotter);
+        for _ in 0..700 {
+            for key in ["red:1", "blue:1", "blue:1"] {
+                let d = limiter.try_acquire(key, 1.0).await.unwrap();
+                assert!(d.allowed && d.decided_by == DecidedBy::Lease, "{d:?}");
+            }
+        }
+        tokenlease::metrics::flush_thread();
+        let fast = Seen::take(snapshotter);
+        let lease = |seen: &Seen, plan| {
+            seen.counter(
+                m::DECISIONS,
+                &[
+                    ("plan", plan),
+                    ("outcome", "allowed"),
+                    ("decided_by", "lease"),
+                ],
+            )
+        };
+        assert_eq!(lease(&fast, "red"), 700);
+        assert_eq!(lease(&fast, "blue"), 1400);
+        assert_eq!(fast.counter(m::DB_CALLS_SAVED, &[]), 2100);
+        limiter.shutdown().await;
+    });
+    drop(snapshotter);
 }

@@ -462,6 +462,12 @@ const INVALID: &[Case] = &[
         message: r#"route_pattern_unclosed.json: routes[0].path: invalid route pattern "/bookings/{bookingId": unclosed '{' at byte 10"#,
     },
     Case {
+        file: "route_pattern_colon.json",
+        plan: None,
+        field: Some("routes[0].path"),
+        message: r#"route_pattern_colon.json: routes[0].path: invalid route pattern "/items/:id": segment ":id" uses the older :name parameter syntax, which axum 0.8 does not route; write it as "{id}""#,
+    },
+    Case {
         file: "trailing_garbage.json",
         plan: None,
         field: None,
@@ -1021,10 +1027,14 @@ fn example_policies_are_valid() {
     let entity = get.entity.as_ref().unwrap();
     assert_eq!(entity.source, EntitySource::PathParam("bookingId".into()));
     assert_eq!(entity.entity_type.as_deref(), Some("booking"));
-    // The seed's `perMinute = 150`.
+    // 20 a minute per booking, below the endpoint's 100 burst and 50/s: one booking meets its
+    // own limit long before it could drain the endpoint.
     let booking = demo.plan(&entity.plan).unwrap();
-    assert_eq!(booking.capacity(), Tokens::whole(150));
-    assert_eq!(booking.rate().as_nanos_per_second(), 2_500_000_000);
+    assert_eq!(booking.capacity(), Tokens::whole(20));
+    assert_eq!(booking.rate().as_nanos_per_second(), 333_333_333);
+    let endpoint = demo.plan(get.global.as_deref().unwrap()).unwrap();
+    assert!(booking.capacity() < endpoint.capacity());
+    assert!(booking.rate() < endpoint.rate());
     assert_eq!(
         demo.plan_for_key("ratelimit:entity:POST:/bookings/{bookingId}/automate/internal:7")
             .unwrap()

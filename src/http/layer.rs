@@ -2,15 +2,18 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use axum::http::HeaderValue;
+use metrics::Counter;
 use tower::Layer;
 
 use super::headers::{LayerKind, policy_item};
 use super::key::{EntityKey, TrustedProxies};
 use super::service::RateLimit;
 use crate::Limiter;
-use crate::policy::{EntitySource, Plan, Policies};
+use crate::metrics::{HTTP_CHECKED, HTTP_DENIED, HTTP_ERRORS, HTTP_UNMATCHED};
+use crate::policy::{EntitySource, Plan, Policies, route_params, route_shape};
 
 /// A tower [`Layer`] that rate-limits requests with two independent buckets per route: one
 /// global bucket per endpoint and one bucket per entity per endpoint.
@@ -36,10 +39,83 @@ pub(crate) struct Config {
 /// Which limits apply to a request.
 #[derive(Clone, Debug)]
 pub(crate) enum Routes {
-    /// From a policy file: by endpoint (`METHOD:pattern`, the pattern from axum's `MatchedPath`).
-    Table(HashMap<String, Arc<RouteLimits>>),
+    /// From a policy file: by method and route shape (`METHOD:shape`, the shape of the pattern
+    /// in axum's `MatchedPath`, so parameter names need not agree), and every route in file
+    /// order for finding the route a request that matched none should have matched.
+    Table {
+        by_shape: HashMap<String, Arc<RouteLimits>>,
+        all: Vec<Arc<RouteLimits>>,
+    },
     /// One route's limits, for every request the layer sees.
     One(Arc<RouteLimits>),
+}
+
+/// A policy file's route as the layer uses it: its own pattern (for the bucket keys and the
+/// metric labels), its parameter names, and its metric handles, registered when the layer was
+/// built so every series exists from start-up.
+#[derive(Debug)]
+pub(crate) struct FileRoute {
+    /// The method the file names.
+    pub(crate) method: String,
+    /// The pattern the file names, e.g. `/bookings/{bookingId}`.
+    pub(crate) path: String,
+    /// Its parameter names, in order: a router pattern of the same shape may name them
+    /// differently, and they are renamed by position.
+    pub(crate) params: Vec<String>,
+    /// `tokenlease_http_checked_total` of this route.
+    pub(crate) checked: Counter,
+    /// `tokenlease_http_unmatched_total` of this route.
+    pub(crate) unmatched: Counter,
+    /// `tokenlease_http_denied_total`, api then entity layer (a no-op handle for a layer the
+    /// route does not have, so it has no series).
+    pub(crate) denied: [Counter; 2],
+    /// `tokenlease_http_errors_total`, as `denied`.
+    pub(crate) errors: [Counter; 2],
+    /// Whether the warning about a request that should have matched this route was logged.
+    pub(crate) warned: AtomicBool,
+}
+
+impl FileRoute {
+    fn new(method: &str, path: &str, api: bool, entity: bool) -> FileRoute {
+        let labels = |extra: Option<&'static str>| {
+            let mut l = vec![
+                metrics::Label::new("method", method.to_owned()),
+                metrics::Label::new("route", path.to_owned()),
+            ];
+            if let Some(layer) = extra {
+                l.push(metrics::Label::new("layer", layer));
+            }
+            l
+        };
+        let zero = |c: Counter| {
+            // Present at zero from the start, before any request.
+            c.increment(0);
+            c
+        };
+        let layer = |name: &'static str, kind: &'static str, present: bool| {
+            if present {
+                zero(metrics::counter!(name, labels(Some(kind))))
+            } else {
+                Counter::noop()
+            }
+        };
+        FileRoute {
+            method: method.to_owned(),
+            path: path.to_owned(),
+            params: route_params(path).unwrap_or_default(),
+            checked: zero(metrics::counter!(HTTP_CHECKED, labels(None))),
+            unmatched: zero(metrics::counter!(HTTP_UNMATCHED, labels(None))),
+            denied: [
+                layer(HTTP_DENIED, "api", api),
+                layer(HTTP_DENIED, "entity", entity),
+            ],
+            errors: [
+                layer(HTTP_ERRORS, "api", api),
+                layer(HTTP_ERRORS, "entity", entity),
+            ],
+            warned: AtomicBool::new(false),
+        }
+    }
 }
 
 /// The limits of one route.
@@ -49,6 +125,8 @@ pub(crate) struct RouteLimits {
     pub(crate) entity: Option<(EntityKey, Arc<Plan>)>,
     /// The route pattern when not taken from axum's `MatchedPath`.
     pub(crate) pattern: Option<String>,
+    /// The policy file's route, for a layer built from one.
+    pub(crate) file: Option<Arc<FileRoute>>,
     /// `RateLimit-Policy`, precomputed.
     pub(crate) policy: HeaderValue,
 }
@@ -72,6 +150,7 @@ impl RouteLimits {
             global,
             entity,
             pattern,
+            file: None,
             policy,
         }
     }
@@ -118,14 +197,27 @@ impl RateLimitLayer {
     }
 
     /// A layer for every route of `policies` (its `routes` list), matched by method and the
-    /// route pattern axum matched (`MatchedPath`). Apply it once with `Router::route_layer`;
-    /// requests to routes not in the file pass untouched.
+    /// shape of the route pattern axum matched (`MatchedPath`): the pattern with its parameter
+    /// names left out, so a file's `/items/{id}` limits a router's `/items/{itemId}` (the bucket
+    /// keys and metric labels use the file's pattern, and the file's parameter names find the
+    /// router's parameters by position). Apply it once with `Router::route_layer`; requests to
+    /// routes not in the file pass untouched.
+    ///
+    /// A request that matched no file route although its path fits one of its method (the
+    /// router matched it under another pattern, say a nested router's full path, or the layer
+    /// sits where axum gives no `MatchedPath`) passes unlimited too, but is counted in
+    /// `tokenlease_http_unmatched_total` under that route, and the first such request of each
+    /// route logs a `tracing` warning.
+    ///
+    /// Call it after installing the `metrics` recorder: it registers every route's series
+    /// (at zero) with the recorder installed then.
     ///
     /// # Errors
     ///
     /// [`RouteConfigError`] for a route naming an unknown plan or an invalid header name.
     pub fn from_policies(policies: &Policies, limiter: Limiter) -> Result<Self, RouteConfigError> {
-        let mut table = HashMap::new();
+        let mut by_shape = HashMap::new();
+        let mut all = Vec::new();
         for route in policies.routes() {
             let endpoint = route.endpoint();
             let plan = |name: &str| {
@@ -157,12 +249,24 @@ impl RateLimitLayer {
                     Some((key, plan(&rule.plan)?))
                 }
             };
-            table.insert(endpoint, Arc::new(RouteLimits::new(global, entity, None)));
+            let (api, per_entity) = (global.is_some(), entity.is_some());
+            let mut limits = RouteLimits::new(global, entity, None);
+            limits.file = Some(Arc::new(FileRoute::new(
+                &route.method,
+                &route.path,
+                api,
+                per_entity,
+            )));
+            let limits = Arc::new(limits);
+            // The file refuses two routes of one method and shape, and patterns it cannot parse.
+            let shape = route_shape(&route.path).unwrap_or_else(|| route.path.clone());
+            by_shape.insert(format!("{}:{shape}", route.method), Arc::clone(&limits));
+            all.push(limits);
         }
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 limiter,
-                routes: Routes::Table(table),
+                routes: Routes::Table { by_shape, all },
                 trusted: TrustedProxies::none(),
             }),
         })
@@ -197,9 +301,18 @@ impl RateLimitLayer {
     ///
     /// # Panics
     ///
-    /// On a layer made by [`from_policies`](Self::from_policies).
+    /// On a layer made by [`from_policies`](Self::from_policies), and for a pattern in the
+    /// older `:name` / `*name` syntax (or otherwise not an axum 0.8 pattern), which would never
+    /// match as meant: axum itself refuses such a route when it is added.
     pub fn route_pattern(self, pattern: impl Into<String>) -> Self {
         let pattern = pattern.into();
+        if route_shape(&pattern).is_none() {
+            let shown: String = pattern.chars().take(100).collect();
+            panic!(
+                "RateLimitLayer::route_pattern: {shown:?} is not an axum 0.8 route pattern \
+                 (parameters are written {{name}} and {{*name}}, not :name or *name)"
+            );
+        }
         self.edit_route(|r| RouteLimits::new(r.global.clone(), r.entity.clone(), Some(pattern)))
     }
 
@@ -219,7 +332,7 @@ impl RateLimitLayer {
         let config = Arc::make_mut(&mut self.config);
         match &mut config.routes {
             Routes::One(route) => *route = Arc::new(f(route)),
-            Routes::Table(_) => {
+            Routes::Table { .. } => {
                 panic!("RateLimitLayer: a layer from a policy file takes its limits from the file")
             }
         }

@@ -50,7 +50,12 @@
 //! ```
 //!
 //! Use `route_layer`, not `layer`: the pattern comes from axum's `MatchedPath`, which exists
-//! only after routing. A request the layer cannot match passes unlimited.
+//! only after routing. A layer from a policy file matches a route by method and shape (the
+//! pattern without its parameter names, so the file's `/items/{id}` limits the router's
+//! `/items/{itemId}`; keys use the file's pattern). A request the layer cannot match passes
+//! unlimited; when its path fits a file route it is counted in
+//! [`HTTP_UNMATCHED`](crate::metrics::HTTP_UNMATCHED) and the first one per route logs a
+//! `tracing` warning. Patterns in the older `:id` syntax are refused when the file loads.
 //!
 //! `HEAD` is limited as the `GET` whose handler answers it: same buckets, keyed `GET:...`,
 //! shared with `GET` (unless a policy file lists a `HEAD` route of its own).
@@ -60,10 +65,10 @@
 //! Every response of a limited route carries, per layer that was checked:
 //!
 //! ```text
-//! RateLimit-Policy: "api";q=100;w=2, "entity";q=150;w=60
-//! RateLimit: "api";r=57;t=1, "entity";r=149;t=1
+//! RateLimit-Policy: "api";q=100;w=2, "entity";q=20;w=60
+//! RateLimit: "api";r=57;t=1, "entity";r=19;t=3
 //! X-RateLimit-Api-Remaining: 57
-//! X-RateLimit-Entity-Remaining: 149
+//! X-RateLimit-Entity-Remaining: 19
 //! ```
 //!
 //! `q` is the capacity, `w` the seconds to refill from empty, `r` whole tokens left, `t` the
@@ -114,4 +119,4 @@ pub use service::{RateLimit, ResponseFuture};
 
 /// The HTTP layer's metric names, defined (and described) in [`crate::metrics`]; re-exported
 /// here where they were first published.
-pub use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_REFUNDS};
+pub use crate::metrics::{HTTP_CHECKED, HTTP_DENIED, HTTP_ERRORS, HTTP_REFUNDS, HTTP_UNMATCHED};

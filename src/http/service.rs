@@ -4,6 +4,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 
 use axum::extract::rejection::RawPathParamsRejection;
@@ -21,7 +22,7 @@ use super::refund::refund;
 use crate::bucket::Tokens;
 use crate::error::validate_key;
 use crate::metrics::{HTTP_DENIED, HTTP_ERRORS};
-use crate::policy::FallbackMode;
+use crate::policy::{FallbackMode, route_shape};
 use crate::{DecidedBy, Decision};
 
 /// The service [`RateLimitLayer`](super::RateLimitLayer) wraps around `S`.
@@ -151,38 +152,44 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
         .extensions
         .get::<MatchedPath>()
         .map(|m| m.as_str().to_owned());
-    let (limits, pattern, method) = match &config.routes {
+    // The pattern for the keys, the router's pattern (for finding path parameters), the method.
+    let (limits, pattern, router_pattern, method) = match &config.routes {
         Routes::One(limits) => match limits.pattern.clone().or(matched) {
             Some(p) => (
                 Arc::clone(limits),
+                p.clone(),
                 p,
                 limited_method(&parts.method).to_owned(),
             ),
             None => return Verdict::Pass,
         },
-        Routes::Table(table) => {
-            let Some(pattern) = matched else {
-                return Verdict::Pass;
-            };
-            // A route listed for the method itself first (a file may list HEAD on its own),
-            // then, for HEAD, the GET route whose handler answers it.
-            let own = parts.method.as_str();
-            let counted = limited_method(&parts.method);
-            let found = table
-                .get(&format!("{own}:{pattern}"))
-                .map(|l| (l, own))
-                .or_else(|| {
+        Routes::Table { by_shape, all } => {
+            let found = matched.as_deref().and_then(|matched| {
+                let shape = route_shape(matched)?;
+                // A route listed for the method itself first (a file may list HEAD on its
+                // own), then, for HEAD, the GET route whose handler answers it.
+                let own = parts.method.as_str();
+                let counted = limited_method(&parts.method);
+                by_shape.get(&format!("{own}:{shape}")).or_else(|| {
                     (counted != own)
-                        .then(|| {
-                            table
-                                .get(&format!("{counted}:{pattern}"))
-                                .map(|l| (l, counted))
-                        })
+                        .then(|| by_shape.get(&format!("{counted}:{shape}")))
                         .flatten()
-                });
-            match found {
-                Some((limits, method)) => (Arc::clone(limits), pattern, method.to_owned()),
-                None => return Verdict::Pass,
+                })
+            });
+            match (found, matched) {
+                (Some(limits), Some(matched)) => {
+                    let file = limits.file.as_ref().expect("a file route");
+                    (
+                        Arc::clone(limits),
+                        file.path.clone(),
+                        matched,
+                        file.method.clone(),
+                    )
+                }
+                (_, matched) => {
+                    unmatched(all, parts, matched.as_deref());
+                    return Verdict::Pass;
+                }
             }
         }
     };
@@ -190,6 +197,9 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
         return Verdict::Pass;
     }
     let endpoint = format!("{method}:{pattern}");
+    if let Some(file) = &limits.file {
+        file.checked.increment(1);
+    }
     let limiter = &config.limiter;
     let cost = Tokens::whole(1);
     let mut reports = Vec::with_capacity(2);
@@ -199,7 +209,9 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
         None => None,
         Some((entity_key, plan)) => {
             let params = if entity_key.needs_path_params() {
-                path_params(parts, &pattern).await
+                path_params(parts, &router_pattern)
+                    .await
+                    .map(|p| file_names(p, &limits, &router_pattern))
             } else {
                 Ok(Vec::new())
             };
@@ -220,11 +232,10 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
             }
             Ok(d) => {
                 reports.push(Report::denied(LayerKind::Api, d.remaining, d.retry_after));
+                count_denied(&limits, LayerKind::Api, &method, &pattern);
                 return deny(LayerKind::Api, &d, &endpoint, &limits, &reports);
             }
-            Err(_) => {
-                metrics::counter!(HTTP_ERRORS, "layer" => "api").increment(1);
-            }
+            Err(_) => count_error(&limits, LayerKind::Api, &method, &pattern),
         }
     }
 
@@ -247,16 +258,110 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
                     d.remaining,
                     d.retry_after,
                 ));
+                count_denied(&limits, LayerKind::Entity, &method, &pattern);
                 return deny(LayerKind::Entity, &d, &endpoint, &limits, &reports);
             }
-            Err(_) => {
-                metrics::counter!(HTTP_ERRORS, "layer" => "entity").increment(1);
-            }
+            Err(_) => count_error(&limits, LayerKind::Entity, &method, &pattern),
         }
     }
     Verdict::Allow {
         policy: limits.policy.clone(),
         reports,
+    }
+}
+
+/// The index of a layer in [`FileRoute`](super::layer::FileRoute)'s counter pairs.
+fn layer_index(layer: LayerKind) -> usize {
+    match layer {
+        LayerKind::Api => 0,
+        LayerKind::Entity => 1,
+    }
+}
+
+/// Counts a denial: through the handle registered at build time for a policy file's route, by
+/// the macro (its first denial creates the series) for a layer built in code.
+fn count_denied(limits: &RouteLimits, layer: LayerKind, method: &str, pattern: &str) {
+    match &limits.file {
+        Some(file) => file.denied[layer_index(layer)].increment(1),
+        None => metrics::counter!(HTTP_DENIED, "layer" => layer.name(),
+            "method" => method.to_owned(), "route" => pattern.to_owned())
+        .increment(1),
+    }
+}
+
+/// Counts a request a layer could not check, as [`count_denied`].
+fn count_error(limits: &RouteLimits, layer: LayerKind, method: &str, pattern: &str) {
+    match &limits.file {
+        Some(file) => file.errors[layer_index(layer)].increment(1),
+        None => metrics::counter!(HTTP_ERRORS, "layer" => layer.name(),
+            "method" => method.to_owned(), "route" => pattern.to_owned())
+        .increment(1),
+    }
+}
+
+/// The router's path parameters under the policy file's names: a router pattern of the same
+/// shape as the file's may name its parameters differently, and they are matched by position.
+fn file_names(
+    mut params: Vec<(String, ParamValue)>,
+    limits: &RouteLimits,
+    router_pattern: &str,
+) -> Vec<(String, ParamValue)> {
+    if let Some(file) = &limits.file {
+        if file.path != router_pattern && params.len() == file.params.len() {
+            for ((name, _), file_name) in params.iter_mut().zip(&file.params) {
+                name.clone_from(file_name);
+            }
+        }
+    }
+    params
+}
+
+/// The most bytes of a request path quoted in the unmatched-route warning.
+const MAX_LOGGED_PATH: usize = 200;
+
+/// A request the table has no route for: when its path fits a file route of its method (or
+/// `GET`'s, for `HEAD`), the router matched it under another pattern (or none) and the route's
+/// limits did not apply. Counted per route; the first one of each route is logged.
+fn unmatched(all: &[Arc<RouteLimits>], parts: &Parts, matched: Option<&str>) {
+    // The path as this service sees it (a nested router strips its prefix) and as the client
+    // sent it: a file route may have been written for either.
+    let path = parts.uri.path();
+    let original = parts
+        .extensions
+        .get::<OriginalUri>()
+        .map_or(path, |OriginalUri(uri)| uri.path());
+    let own = parts.method.as_str();
+    let counted = limited_method(&parts.method);
+    let Some(file) = all.iter().filter_map(|l| l.file.as_ref()).find(|f| {
+        (f.method == own || f.method == counted)
+            && (match_pattern(&f.path, path).is_some()
+                || (original != path && match_pattern(&f.path, original).is_some()))
+    }) else {
+        return;
+    };
+    file.unmatched.increment(1);
+    if !file.warned.swap(true, Ordering::Relaxed) {
+        let mut shown = path;
+        if shown.len() > MAX_LOGGED_PATH {
+            let mut end = MAX_LOGGED_PATH;
+            while !shown.is_char_boundary(end) {
+                end -= 1;
+            }
+            shown = &shown[..end];
+        }
+        tracing::warn!(
+            method = %file.method,
+            route = %file.path,
+            router_pattern = matched.unwrap_or("(none: no MatchedPath)"),
+            path = shown,
+            "tokenlease: a request fits the policy route {} {} but the router matched it as {}, \
+             so it passed unlimited; make the policy pattern the router's full pattern (a nested \
+             router's includes its prefix) and apply the layer with Router::route_layer \
+             (counted in tokenlease_http_unmatched_total; logged once per route)",
+            file.method,
+            file.path,
+            matched.unwrap_or("nothing"),
+        );
     }
 }
 
@@ -328,7 +433,6 @@ fn deny(
     limits: &RouteLimits,
     reports: &[Report],
 ) -> Verdict {
-    metrics::counter!(HTTP_DENIED, "layer" => layer.name()).increment(1);
     let retry = retry_after_secs(decision.retry_after);
     let unavailable = decision.decided_by == DecidedBy::Fallback(FallbackMode::Deny);
     let (status, body) = problem(layer, endpoint, retry, unavailable);

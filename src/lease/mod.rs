@@ -312,7 +312,7 @@ impl Leases {
                 if nudge {
                     self.nudge_soon(slot);
                 }
-                crate::metrics::record_lease_allowed();
+                crate::metrics::record_lease_allowed(plan);
                 Fast::Taken {
                     left,
                     store_remaining: hot.store_remaining.load(Ordering::Relaxed),
@@ -350,7 +350,7 @@ impl Leases {
                 if nudge {
                     self.nudge_soon(slot);
                 }
-                crate::metrics::record_lease_allowed();
+                crate::metrics::record_lease_allowed(plan);
                 Some(Ok(Known {
                     plan,
                     left,
@@ -406,7 +406,7 @@ impl Leases {
                 .try_take(cost, hot.low_water.load(Ordering::Relaxed))
             {
                 Take::Taken { left, nudge } => {
-                    crate::metrics::record_lease_allowed();
+                    crate::metrics::record_lease_allowed(&slot.plan);
                     if nudge {
                         self.nudge_soon(&slot);
                     }

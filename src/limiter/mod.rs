@@ -209,6 +209,10 @@ impl LimiterBuilder {
             // What the next round of statements could carry, one key per caller.
             max_queued: max_in_flight.saturating_mul(self.batch_keys),
         };
+        // Every plan's decision counters, with the recorder installed now, at zero.
+        for plan in self.policies.iter().flat_map(Policies::plans) {
+            plan.counters();
+        }
         Limiter {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -372,7 +376,9 @@ impl Limiter {
                 slot,
                 deadline: Instant::now() + settings.max_wait,
             },
-            Fast::Dry { retry_after } => Step::Done(recorded(lease_denied(plan, retry_after))),
+            Fast::Dry { retry_after } => {
+                Step::Done(recorded(plan, lease_denied(plan, retry_after)))
+            }
             Fast::Failing | Fast::Short(_) => Step::Fallback {
                 plan,
                 cost: cost_tokens,
@@ -424,17 +430,27 @@ impl Limiter {
                         self.inner.fallback.tidy();
                         Ok(lease_allowed(plan, left, store_remaining))
                     }
-                    Fast::Dry { retry_after } => Ok(recorded(lease_denied(plan, retry_after))),
-                    Fast::Failing | Fast::Short(_) => {
-                        Ok(recorded(self.inner.fallback.decide(plan, key, cost).await))
+                    Fast::Dry { retry_after } => {
+                        Ok(recorded(plan, lease_denied(plan, retry_after)))
                     }
-                    Fast::NoRoom => self.direct(plan, key, cost).await.map(recorded),
+                    Fast::Failing | Fast::Short(_) => Ok(recorded(
+                        plan,
+                        self.inner.fallback.decide(plan, key, cost).await,
+                    )),
+                    Fast::NoRoom => self
+                        .direct(plan, key, cost)
+                        .await
+                        .map(|d| recorded(plan, d)),
                 }
             }
-            Step::Fallback { plan, cost } => {
-                Ok(recorded(self.inner.fallback.decide(plan, key, cost).await))
-            }
-            Step::Direct { plan, cost } => self.direct(plan, key, cost).await.map(recorded),
+            Step::Fallback { plan, cost } => Ok(recorded(
+                plan,
+                self.inner.fallback.decide(plan, key, cost).await,
+            )),
+            Step::Direct { plan, cost } => self
+                .direct(plan, key, cost)
+                .await
+                .map(|d| recorded(plan, d)),
         }
     }
 
@@ -695,9 +711,9 @@ impl Future for Acquire<'_> {
     }
 }
 
-/// Counts a decision made off the fast path.
-fn recorded(decision: Decision) -> Decision {
-    crate::metrics::record(&decision);
+/// Counts a decision made off the fast path under `plan`.
+fn recorded(plan: &Plan, decision: Decision) -> Decision {
+    crate::metrics::record(plan, &decision);
     decision
 }
 

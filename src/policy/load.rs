@@ -963,9 +963,42 @@ struct Pattern {
     shape: String,
 }
 
+/// The shape of an axum 0.8 route pattern: the pattern with its parameter names removed
+/// (`/items/{}` for `/items/{itemId}`), so two patterns that match the same requests have the
+/// same shape. `None` for a pattern this crate refuses.
+pub(crate) fn route_shape(path: &str) -> Option<String> {
+    parse_pattern(path).ok().map(|p| p.shape)
+}
+
+/// The parameter names of an axum 0.8 route pattern, in order (`None` for a refused pattern).
+pub(crate) fn route_params(path: &str) -> Option<Vec<String>> {
+    parse_pattern(path).ok().map(|p| p.params)
+}
+
 /// Checks an axum 0.8 route pattern: `{name}` parameters, a `{*name}` catch-all only at the
-/// end, `{{` and `}}` for literal braces, no whitespace, control characters, `?` or `#`.
+/// end, `{{` and `}}` for literal braces, no whitespace, control characters, `?` or `#`, and
+/// no segment in the older `:name` / `*name` syntax (axum 0.8 refuses to route those, so such
+/// a policy route would never match a request and its limits would silently never apply).
 fn parse_pattern(path: &str) -> Result<Pattern, String> {
+    for segment in path.split('/') {
+        for (mark, written) in [(':', "{name}"), ('*', "{*name}")] {
+            if let Some(name) = segment.strip_prefix(mark) {
+                let hint = if name.is_empty() {
+                    written.to_owned()
+                } else if mark == ':' {
+                    format!("{{{name}}}")
+                } else {
+                    format!("{{*{name}}}")
+                };
+                return Err(format!(
+                    "segment {} uses the older {mark}name parameter syntax, which axum 0.8 \
+                     does not route; write it as {}",
+                    quote(segment),
+                    quote(&hint)
+                ));
+            }
+        }
+    }
     let mut params: Vec<String> = Vec::new();
     let mut names: std::collections::HashSet<&str> = std::collections::HashSet::new();
     let mut shape = String::with_capacity(path.len());
@@ -1053,9 +1086,23 @@ mod tests {
             "/a b",
             "/a?b=1",
             "/a/{é}",
+            "/items/:id",
+            "/files/*rest",
         ] {
             assert!(parse_pattern(bad).is_err(), "{bad} accepted");
         }
+    }
+
+    #[test]
+    fn older_parameter_syntax_is_refused_with_the_new_spelling() {
+        let why = parse_pattern("/items/:id/parts").unwrap_err();
+        assert!(why.contains(r#"write it as "{id}""#), "{why}");
+        let why = parse_pattern("/files/*rest").unwrap_err();
+        assert!(why.contains(r#"write it as "{*rest}""#), "{why}");
+        // A colon or star inside a segment is literal text in axum 0.8 too.
+        assert!(parse_pattern("/items/v1:batch").is_ok());
+        assert_eq!(route_shape("/items/{itemId}").unwrap(), "/items/{}");
+        assert_eq!(route_params("/a/{x}/b/{*y}").unwrap(), ["x", "y"]);
     }
 
     #[test]

@@ -4,9 +4,11 @@
 //! with [`Plan::new`] for tests and embedders. See the [module docs](super) for the file format.
 
 use std::num::NonZeroU32;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::bucket::{BucketConfig, Rate, Tokens};
+use crate::metrics::PlanCounters;
 
 /// One named bucket shape with its lease and fallback settings.
 ///
@@ -15,7 +17,11 @@ use crate::bucket::{BucketConfig, Rate, Tokens};
 /// ([`lease`](Plan::lease), `None` = direct mode, one SQL statement per call) and what decides
 /// while the database cannot ([`fallback`](Plan::fallback)). Plans are shared as `Arc<Plan>` by
 /// [`Policies`](super::Policies).
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Two plans are equal when their name, bucket, lease and fallback are; the decision counters a
+/// plan carries (registered with the `metrics` recorder when a limiter is built with it, or at
+/// its first decision) play no part.
+#[derive(Debug, Clone)]
 pub struct Plan {
     /// The plan's name, unique within one policy file.
     name: String,
@@ -25,6 +31,17 @@ pub struct Plan {
     lease: Option<LeaseSettings>,
     /// What decides while the store is slow or down.
     fallback: FallbackSettings,
+    /// `tokenlease_decisions_total{plan=name, ...}`, registered once.
+    counters: OnceLock<Arc<PlanCounters>>,
+}
+
+impl PartialEq for Plan {
+    fn eq(&self, other: &Plan) -> bool {
+        self.name == other.name
+            && self.bucket == other.bucket
+            && self.lease == other.lease
+            && self.fallback == other.fallback
+    }
 }
 
 /// # Construction
@@ -39,6 +56,7 @@ impl Plan {
             bucket,
             lease: None,
             fallback: FallbackSettings::default(),
+            counters: OnceLock::new(),
         }
     }
 
@@ -85,6 +103,22 @@ impl Plan {
     /// What decides while the store is slow or down.
     pub fn fallback(&self) -> &FallbackSettings {
         &self.fallback
+    }
+
+    /// This plan's decision counters, registered with the recorder installed now on their first
+    /// use (a limiter registers the plans of its policies when it is built).
+    #[inline]
+    pub(crate) fn counters(&self) -> &Arc<PlanCounters> {
+        match self.counters.get() {
+            Some(c) => c,
+            None => self.register_counters(),
+        }
+    }
+
+    #[cold]
+    fn register_counters(&self) -> &Arc<PlanCounters> {
+        self.counters
+            .get_or_init(|| Arc::new(PlanCounters::register(&self.name)))
     }
 }
 

@@ -1,4 +1,10 @@
 //! `tokenlease check`: validate a policy file without touching the database.
+//!
+//! A valid file may still hold limits that cannot work as meant; those are warned about on
+//! stderr (the exit code stays 0): an entity plan with a larger burst (capacity) or a faster
+//! refill than its route's global plan. One entity can then spend the whole endpoint's budget
+//! before its own limit applies, and every other entity is denied by the global layer with it,
+//! which is what the entity layer is there to prevent.
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -23,11 +29,64 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
         Ok(policies) => {
             // A closed stdout loses only the summary; the exit code still says the file is valid.
             let _ = writeln!(std::io::stdout().lock(), "{}", policies.summary());
+            let mut stderr = std::io::stderr().lock();
+            for warning in warnings(&policies) {
+                let _ = writeln!(stderr, "{}: warning: {warning}", args.file.display());
+            }
             Ok(ExitCode::SUCCESS)
         }
         Err(err) => {
             let _ = writeln!(std::io::stderr().lock(), "{err}");
             Ok(ExitCode::FAILURE)
         }
+    }
+}
+
+/// The routes whose entity plan allows more than their global plan: a larger burst or a faster
+/// refill. One line per route, naming the route, both plans and both figures.
+pub(crate) fn warnings(policies: &Policies) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, route) in policies.routes().iter().enumerate() {
+        let (Some(global), Some(entity)) = (&route.global, &route.entity) else {
+            continue;
+        };
+        let (Some(g), Some(e)) = (policies.plan(global), policies.plan(&entity.plan)) else {
+            continue;
+        };
+        let mut above = Vec::new();
+        if e.capacity() > g.capacity() {
+            above.push(format!("burst {} > {}", e.capacity(), g.capacity()));
+        }
+        if e.rate() > g.rate() {
+            above.push(format!(
+                "rate {}/s > {}/s",
+                e.rate().as_f64(),
+                g.rate().as_f64()
+            ));
+        }
+        if above.is_empty() {
+            continue;
+        }
+        out.push(format!(
+            "routes[{i}] ({} {}): the entity plan {:?} allows more than the global plan {:?} \
+             ({}): one entity can spend the whole endpoint's budget before its own limit \
+             applies, and every other entity is then denied by the global layer; make the \
+             entity plan smaller than the global one",
+            route.method,
+            short(&route.path),
+            short(e.name()),
+            short(g.name()),
+            above.join(", "),
+        ));
+    }
+    out
+}
+
+/// `text` cut to 100 characters (route paths and plan names come from the file).
+fn short(text: &str) -> String {
+    if text.chars().count() <= 100 {
+        text.to_owned()
+    } else {
+        format!("{}…", text.chars().take(100).collect::<String>())
     }
 }

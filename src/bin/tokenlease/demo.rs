@@ -28,6 +28,8 @@ use tokenlease::http::RateLimitLayer;
 use tokenlease::policy::Policies;
 use tokenlease::store::{CircuitBreaker, PostgresStore};
 
+use super::db::{BindError, DatabaseError, given_or_throwaway, redact};
+
 /// The shipped demo policy, built in.
 const DEMO_POLICY: &str = include_str!("../../../examples/policies/demo.json");
 
@@ -60,20 +62,21 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     let prometheus = PrometheusBuilder::new().install_recorder()?;
     tokenlease::metrics::describe();
 
-    let (server, url) = match args.database_url.clone().filter(|u| !u.trim().is_empty()) {
-        Some(url) => (None, url),
-        None => {
-            eprintln!("DATABASE_URL is not set: starting a throwaway PostgreSQL");
-            let server = tokenlease::embedded::TempPostgres::start()?;
-            let url = server.url();
-            (Some(server), url)
-        }
-    };
+    // The address first: a port in use is reported at once, before any PostgreSQL starts.
+    let listener = std::net::TcpListener::bind(args.listen).map_err(|cause| BindError {
+        address: args.listen,
+        cause,
+    })?;
+    listener.set_nonblocking(true)?;
+    let (server, url) = given_or_throwaway(args.database_url.as_deref())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     let timeout = Duration::from_millis(args.db_timeout_ms.max(1));
-    let result = runtime.block_on(serve(args.listen, policies, &url, timeout, prometheus));
+    let throwaway = server.is_some();
+    let result = runtime.block_on(serve(
+        listener, policies, &url, throwaway, timeout, prometheus,
+    ));
     drop(runtime);
     // Stops and deletes the throwaway cluster, also after an error.
     drop(server);
@@ -83,19 +86,22 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
 }
 
 async fn serve(
-    listen: SocketAddr,
+    listener: std::net::TcpListener,
     policies: Policies,
     url: &str,
+    throwaway: bool,
     timeout: Duration,
     prometheus: metrics_exporter_prometheus::PrometheusHandle,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let store = PostgresStore::builder(url)?
+    let store = PostgresStore::builder(url)
+        .map_err(|e| DatabaseError::new("use", url, &e))?
         .call_timeout(timeout)
         .pool_wait_timeout(timeout)
         .statement_timeout(timeout)
         .lock_timeout(timeout)
         .build()
-        .await?;
+        .await
+        .map_err(|e| DatabaseError::new("connect to", url, &e))?;
     // As the documented set-up: a failing database is left alone for a back-off, and the plan's
     // fallback decides at once instead of each request waiting for its timeout.
     let store = CircuitBreaker::new(store).name("demo");
@@ -115,10 +121,33 @@ async fn serve(
             get(move || std::future::ready(prometheus.render())),
         );
 
-    let listener = tokio::net::TcpListener::bind(listen).await?;
+    let listener = tokio::net::TcpListener::from_std(listener)?;
     let addr = listener.local_addr()?;
+    let shown = redact(url);
     let mut out = std::io::stdout().lock();
     writeln!(out, "tokenlease demo listening on http://{addr}")?;
+    if throwaway {
+        writeln!(
+            out,
+            "database: {shown} (a throwaway PostgreSQL, removed when the demo stops)"
+        )?;
+    } else {
+        writeln!(out, "database: {shown}")?;
+    }
+    let password_note = if shown == url {
+        ""
+    } else {
+        "   (put the password back in)"
+    };
+    writeln!(out, "inspect a bucket while the demo runs:")?;
+    writeln!(
+        out,
+        "  DATABASE_URL='{shown}' tokenlease inspect 'ratelimit:entity:GET:/bookings/{{bookingId}}:123'{password_note}"
+    )?;
+    writeln!(
+        out,
+        "  DATABASE_URL='{shown}' tokenlease inspect 'ratelimit:api:GET:/bookings/{{bookingId}}'"
+    )?;
     writeln!(out, "try:")?;
     writeln!(out, "  curl -i http://{addr}/bookings/123")?;
     writeln!(

@@ -5,43 +5,65 @@ use std::time::SystemTime;
 
 use tokenlease::store::{PostgresStore, Store};
 
+use super::db::{DatabaseError, redact};
+
 /// Arguments of `tokenlease inspect`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
     /// The bucket's key, exactly as the limiter uses it (quote it in the shell).
     key: String,
-    /// The database; without it a throwaway cluster is started (and holds no buckets).
-    #[arg(long, env = "DATABASE_URL")]
+    /// The database of the running service (or demo) whose bucket to read. Required: a
+    /// throwaway PostgreSQL would hold no buckets.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
     /// Print the row as one JSON object.
     #[arg(long)]
     json: bool,
 }
 
+/// `inspect` was not told which database to read.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "inspect reads the buckets of a running service: set DATABASE_URL (or pass --database-url) \
+     to its database, e.g. the URL `tokenlease demo` prints; a throwaway PostgreSQL would hold \
+     no buckets"
+)]
+pub(crate) struct NoDatabase;
+
+/// The most characters of a key quoted back in the "no row" message.
+const MAX_QUOTED_KEY: usize = 120;
+
 /// Runs the subcommand.
 pub(crate) fn run(args: Args) -> super::CmdResult {
     tokenlease::error::validate_key(&args.key)?;
+    let url = args
+        .database_url
+        .filter(|u| !u.trim().is_empty())
+        .ok_or(NoDatabase)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let (_server, url) = match args.database_url {
-        Some(url) => (None, url),
-        None => {
-            eprintln!(
-                "DATABASE_URL is not set: starting a throwaway PostgreSQL (it holds no buckets)"
-            );
-            let server = tokenlease::embedded::TempPostgres::start()?;
-            let url = server.url();
-            (Some(server), url)
-        }
-    };
     runtime.block_on(async {
-        let store = PostgresStore::connect(&url).await?;
-        let Some(row) = store.inspect(&args.key).await? else {
+        let store = PostgresStore::connect(&url)
+            .await
+            .map_err(|e| DatabaseError::new("connect to", &url, &e))?;
+        let Some(row) = store
+            .inspect(&args.key)
+            .await
+            .map_err(|e| DatabaseError::new("read", &url, &e))?
+        else {
             if args.json {
                 println!("{}", serde_json::json!({ "key": args.key, "row": null }));
             } else {
-                println!("{:?}: no row (a full bucket)", args.key);
+                println!(
+                    "{}: no row in {}. No limiter has taken from this key yet (a full \
+                     bucket has no row until its first take, and idle full rows are deleted), \
+                     or the key is mistyped: keys are case-sensitive, and the HTTP layer's \
+                     look like 'ratelimit:api:GET:/bookings/{{bookingId}}' and \
+                     'ratelimit:entity:GET:/bookings/{{bookingId}}:123'",
+                    quote_key(&args.key),
+                    redact(&url)
+                );
             }
             return Ok(ExitCode::SUCCESS);
         };
@@ -87,6 +109,17 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
         }
         Ok(ExitCode::SUCCESS)
     })
+}
+
+/// `key` in double quotes with escapes, cut to [`MAX_QUOTED_KEY`] characters.
+fn quote_key(key: &str) -> String {
+    let count = key.chars().count();
+    if count <= MAX_QUOTED_KEY {
+        format!("{key:?}")
+    } else {
+        let cut: String = key.chars().take(MAX_QUOTED_KEY).collect();
+        format!("{cut:?}… ({count} characters)")
+    }
 }
 
 fn unix(t: SystemTime) -> f64 {

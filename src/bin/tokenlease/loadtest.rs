@@ -8,7 +8,9 @@
 //! `unsent`, so a run lasts about `--duration` whatever the limiter does. Every request's time,
 //! key, cost and outcome is kept, so the run can be replayed through one ideal token bucket per
 //! key (`ideal_admitted`) and every sliding window checked against the envelope
-//! `capacity + rate × window` (`overshoot_tokens`).
+//! `capacity + rate × window` (`overshoot_tokens`). A progress line goes to stderr once a second
+//! (rewritten in place on a terminal, one line a second when piped), with the planned length
+//! (`--duration`) and count (`--requests`) beside the figures so far.
 
 use std::io::IsTerminal;
 use std::num::NonZeroU32;
@@ -22,6 +24,8 @@ use tokenlease::bucket::{BucketConfig, BucketState, Rate, Timestamp, Tokens};
 use tokenlease::policy::{Accounting, FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::{CircuitBreaker, CountedStore, PostgresStore};
 use tokenlease::{DecidedBy, Limiter};
+
+use super::db::{DatabaseError, given_or_throwaway};
 
 /// Arguments of `tokenlease loadtest`.
 #[derive(Debug, clap::Args)]
@@ -99,7 +103,7 @@ pub(crate) struct Args {
     #[arg(long)]
     sync_commit_off: bool,
     /// The database; without it a throwaway cluster is started.
-    #[arg(long, env = "DATABASE_URL")]
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
@@ -224,20 +228,32 @@ struct Request {
     allowed: bool,
 }
 
-/// Requests so far over every task, for the progress line.
+/// Requests so far over every task, for the progress line, and the run's bounds.
 #[derive(Debug, Default)]
 struct Counters {
     sent: AtomicU64,
     admitted: AtomicU64,
     fallback: AtomicU64,
+    /// `--duration`, when the run has one.
+    planned_secs: Option<f64>,
+    /// `--requests`, when given.
+    planned_requests: Option<u64>,
 }
 
 impl Counters {
-    /// `loadtest: 3.0 s, 60000 sent (20000/s), 41000 admitted, 0 fallback`.
+    /// `loadtest: 3.0 of 5.0 s, 60000 sent (20000/s), 41000 admitted, 0 fallback`; with
+    /// `--requests`, `60000 of 100000 sent`.
     fn line(&self, elapsed: f64) -> String {
         let sent = self.sent.load(Ordering::Relaxed);
+        let of_secs = self
+            .planned_secs
+            .map_or(String::new(), |d| format!(" of {d:.1}"));
+        let of_requests = self
+            .planned_requests
+            .map_or(String::new(), |n| format!(" of {n}"));
         format!(
-            "loadtest: {elapsed:5.1} s, {sent} sent ({:.0}/s), {} admitted, {} fallback",
+            "loadtest: {elapsed:5.1}{of_secs} s, {sent}{of_requests} sent ({:.0}/s), {} admitted, \
+             {} fallback",
             sent as f64 / elapsed.max(1e-9),
             self.admitted.load(Ordering::Relaxed),
             self.fallback.load(Ordering::Relaxed)
@@ -319,15 +335,8 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     if args.serve_db {
         return serve_db(&runtime);
     }
-    let (server, url) = match &args.database_url {
-        Some(url) => (None, url.clone()),
-        None => {
-            eprintln!("DATABASE_URL is not set: starting a throwaway PostgreSQL");
-            let server = Arc::new(tokenlease::embedded::TempPostgres::start()?);
-            let url = server.url();
-            (Some(server), url)
-        }
-    };
+    let (server, url) = given_or_throwaway(args.database_url.as_deref())?;
+    let server = server.map(Arc::new);
     let report = runtime.block_on(async {
         let injector = match (args.fault, &server) {
             (None, _) => None,
@@ -363,9 +372,7 @@ fn serve_db(runtime: &tokio::runtime::Runtime) -> super::CmdResult {
     runtime.block_on(async {
         let (mut client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
             .await
-            .map_err(|e| {
-            format!("could not connect to the throwaway PostgreSQL at {url}: {e}")
-        })?;
+            .map_err(|e| DatabaseError::new("connect to", &url, &e))?;
         let connection = tokio::spawn(connection);
         tokenlease::store::postgres::migrate::migrate(&mut client).await?;
         drop(client);
@@ -510,11 +517,13 @@ async fn load(
         .as_ref()
         .map_or_else(|| url.to_owned(), |i| i.url());
     for _ in 0..args.instances {
-        let store = PostgresStore::builder(&limiter_url)?
+        let store = PostgresStore::builder(&limiter_url)
+            .map_err(|e| DatabaseError::new("use", &limiter_url, &e))?
             .pool_size(args.pool)
             .synchronous_commit(!args.sync_commit_off)
             .build()
-            .await?;
+            .await
+            .map_err(|e| DatabaseError::new("connect to", &limiter_url, &e))?;
         let counting = CountedStore::with_counter(store, Arc::clone(&calls));
         // As the documented set-up: a circuit breaker in front of the store, so that calls
         // during an outage fail at once instead of each waiting for its timeout.
@@ -522,14 +531,17 @@ async fn load(
     }
     // Start every key full, whatever an earlier run left behind.
     {
-        let conn = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
+        let conn = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .map_err(|e| DatabaseError::new("connect to", &limiter_url, &e))?;
         tokio::spawn(conn.1);
         conn.0
             .execute(
                 "DELETE FROM tokenlease_buckets WHERE key LIKE 'loadtest:%'",
                 &[],
             )
-            .await?;
+            .await
+            .map_err(|e| DatabaseError::new("reset the loadtest keys in", url, &e))?;
     }
     let key_names: Arc<Vec<String>> =
         Arc::new((0..args.keys).map(|k| format!("loadtest:{k}")).collect());
@@ -545,7 +557,11 @@ async fn load(
         (None, Some(_)) => None,
         (None, None) => Some(Duration::from_secs_f64(DEFAULT_DURATION)),
     };
-    let counters = Arc::new(Counters::default());
+    let counters = Arc::new(Counters {
+        planned_secs: duration.map(|d| d.as_secs_f64()),
+        planned_requests: args.requests,
+        ..Counters::default()
+    });
     let start = Instant::now();
     let fault = injector.map(|i| i.spawn(start));
     let end = duration.map(|d| start + d);

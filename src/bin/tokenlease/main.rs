@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 
 mod chart;
 mod check;
+mod db;
 mod demo;
 mod fault;
 mod inspect;

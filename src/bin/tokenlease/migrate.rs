@@ -5,12 +5,14 @@ use std::process::ExitCode;
 use tokenlease::embedded::TempPostgres;
 use tokenlease::store::postgres::migrate::migrate;
 
+use super::db::DatabaseError;
+
 /// Arguments of `tokenlease migrate`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
     /// The database to migrate (URL or key=value). Without it, a throwaway PostgreSQL is
     /// started, migrated and removed again: a demonstration only.
-    #[arg(long, env = "DATABASE_URL")]
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
 }
 
@@ -42,9 +44,11 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     let report = runtime.block_on(async {
         let (mut client, connection) = tokio_postgres::connect(&conn, tokio_postgres::NoTls)
             .await
-            .map_err(|err| format!("could not connect to the database: {}", describe(&err)))?;
+            .map_err(|err| DatabaseError::new("connect to", &conn, &err))?;
         let connection = tokio::spawn(connection);
-        let report = migrate(&mut client).await?;
+        let report = migrate(&mut client)
+            .await
+            .map_err(|err| DatabaseError::new("migrate", &conn, &err))?;
         drop(client);
         let _ = connection.await;
         Ok::<_, Box<dyn std::error::Error>>(report)
@@ -57,11 +61,4 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     }
     println!("{report}");
     Ok(ExitCode::SUCCESS)
-}
-
-fn describe(err: &tokio_postgres::Error) -> String {
-    match std::error::Error::source(err) {
-        Some(source) => format!("{err}: {source}"),
-        None => err.to_string(),
-    }
 }
