@@ -34,9 +34,11 @@
 
 pub mod bucket;
 pub mod clock;
+#[cfg(feature = "embedded")]
 pub mod embedded;
 pub mod error;
 mod fallback;
+#[cfg(feature = "http")]
 pub mod http;
 pub mod lease;
 pub mod limiter;
