@@ -1,7 +1,7 @@
 //! Direct mode against a real PostgreSQL, side by side with pgbench running the bare statement
 //! on the same server at the same concurrency.
 //!
-//! `cargo bench --bench direct` starts a throwaway cluster (durable settings), runs the criterion
+//! `cargo bench --features embedded --bench direct` starts a throwaway cluster (durable settings), runs the criterion
 //! groups, then pgbench, and prints one table with both. Every call is allowed (a bucket far too
 //! large to run dry), so the figures are the statement's cost, not denials.
 //!

@@ -1,7 +1,7 @@
 //! Leased mode: the fast path beside `governor`, on one and two threads, and leased against
 //! direct mode on a real PostgreSQL.
 //!
-//! `cargo bench --bench lease` runs the criterion groups, then (only under `--bench`) the
+//! `cargo bench --features embedded --bench lease` runs the criterion groups, then (only under `--bench`) the
 //! PostgreSQL comparison, and prints the summary tables that `benches/README.md` quotes.
 //!
 //! - `fast_path/*`: ns per call of `Limiter::try_acquire_now_with` on keys with a live lease

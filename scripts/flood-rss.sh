@@ -8,5 +8,5 @@
 #   KEYS=300000 bash scripts/flood-rss.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-TOKENLEASE_FLOOD_KEYS="${KEYS:-1000000}" cargo test --release --test flood -- --nocapture 2>&1 \
+TOKENLEASE_FLOOD_KEYS="${KEYS:-1000000}" cargo test --release --features cli --test flood -- --nocapture 2>&1 \
     | grep -E "^flood of|test result|panicked"

@@ -17,26 +17,40 @@
 //! - **fallback**: who decides while the database is slow or down: allow, deny, or a local
 //!   bucket holding `1 / instances` of the limit.
 //!
+//! # Features
+//!
+//! | feature | default | adds |
+//! |---|---|---|
+//! | `postgres` | yes | `store::PostgresStore`: the shared store, its pool and migrations (tokio-postgres, bb8) |
+//! | `http` | no | the `http` module: the tower layer for axum 0.8 |
+//! | `embedded` | no | the `embedded` module: a throwaway PostgreSQL cluster for tests and demos (implies `postgres`) |
+//! | `cli` | no | the `tokenlease` binary (implies `http` and `embedded`; clap, plotters, a Prometheus exporter) |
+//!
+//! With `default-features = false` the crate is the limiter over [`store::MemoryStore`] alone.
+//! The README has the crate counts each set compiles.
+//!
 //! # Layout
 //!
 //! - [`bucket`]: the pure token bucket (no I/O, no clock, no async).
 //! - [`policy`]: the JSON policy file, validated into [`policy::Policies`].
-//! - [`store`]: the [`store::Store`] contract, [`store::PostgresStore`] (one atomic statement per
-//!   call), [`store::MemoryStore`], and the circuit breaker.
+//! - [`store`]: the [`store::Store`] contract, `store::PostgresStore` (feature `postgres`; one
+//!   atomic statement per call), [`store::MemoryStore`], and the circuit breaker.
 //! - [`limiter`]: [`Limiter::try_acquire`], the entry point, in direct and leased mode.
 //! - [`lease`]: the lease table, the lock-free lease word and the lease actor.
-//! - [`http`]: the tower layer with a global and an entity limit per route.
+//! - `http` (feature `http`): the tower layer with a global and an entity limit per route.
 //! - [`metrics`]: metric names and `describe()`.
-//! - [`embedded`]: a throwaway PostgreSQL cluster for tests, the demo and the load test.
+//! - `embedded` (feature `embedded`): a throwaway PostgreSQL cluster for tests, the demo and the load test.
 //! - [`clock`]: the clocks local state reads.
 
 #![forbid(unsafe_code)]
 
 pub mod bucket;
 pub mod clock;
+#[cfg(feature = "embedded")]
 pub mod embedded;
 pub mod error;
 mod fallback;
+#[cfg(feature = "http")]
 pub mod http;
 pub mod lease;
 pub mod limiter;
@@ -45,4 +59,9 @@ pub mod policy;
 pub mod store;
 
 pub use error::Error;
+
+/// The README's Rust blocks, compiled as doc tests (`cargo test --doc --all-features`).
+#[cfg(all(doctest, feature = "postgres", feature = "http"))]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 pub use limiter::{DecidedBy, Decision, Limiter};

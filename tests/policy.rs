@@ -4,6 +4,7 @@
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+#[cfg(feature = "cli")]
 use std::process::Command;
 use std::time::Duration;
 
@@ -871,9 +872,12 @@ fn a_policy_over_the_size_limit_is_refused() {
             path.display()
         )
     );
-    let out = check_command(&path);
-    assert_eq!(out.status.code(), Some(1), "{out:?}");
-    assert_eq!(String::from_utf8(out.stderr).unwrap(), format!("{err}\n"));
+    #[cfg(feature = "cli")]
+    {
+        let out = check_command(&path);
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        assert_eq!(String::from_utf8(out.stderr).unwrap(), format!("{err}\n"));
+    }
 
     // Exactly at the limit the file is read (and then refused for what it holds).
     let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
@@ -1426,8 +1430,9 @@ proptest! {
 }
 
 // ---------------------------------------------------------------------------------------------
-// `tokenlease check`.
+// `tokenlease check` (the binary is built with the `cli` feature).
 
+#[cfg(feature = "cli")]
 fn check_command(file: &Path) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_tokenlease"))
         .arg("check")
@@ -1436,6 +1441,7 @@ fn check_command(file: &Path) -> std::process::Output {
         .unwrap()
 }
 
+#[cfg(feature = "cli")]
 #[test]
 fn check_command_accepts_a_valid_file() {
     let path = examples().join("demo.json");
@@ -1448,6 +1454,7 @@ fn check_command_accepts_a_valid_file() {
     assert!(out.stderr.is_empty(), "{out:?}");
 }
 
+#[cfg(feature = "cli")]
 #[test]
 fn check_command_refuses_an_invalid_file() {
     let path = fixtures().join("invalid/capacity_string.json");
@@ -1463,6 +1470,7 @@ fn check_command_refuses_an_invalid_file() {
     );
 }
 
+#[cfg(feature = "cli")]
 #[test]
 fn check_command_refuses_a_missing_file() {
     let out = check_command(Path::new("/nonexistent/policy.json"));

@@ -966,11 +966,13 @@ struct Pattern {
 /// The shape of an axum 0.8 route pattern: the pattern with its parameter names removed
 /// (`/items/{}` for `/items/{itemId}`), so two patterns that match the same requests have the
 /// same shape. `None` for a pattern this crate refuses.
+#[cfg(feature = "http")]
 pub(crate) fn route_shape(path: &str) -> Option<String> {
     parse_pattern(path).ok().map(|p| p.shape)
 }
 
 /// The parameter names of an axum 0.8 route pattern, in order (`None` for a refused pattern).
+#[cfg(feature = "http")]
 pub(crate) fn route_params(path: &str) -> Option<Vec<String>> {
     parse_pattern(path).ok().map(|p| p.params)
 }

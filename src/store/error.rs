@@ -1,6 +1,7 @@
 //! Store errors, classified so the limiter can tell a slow store from a broken one.
 
 use std::fmt;
+#[cfg(feature = "postgres")]
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,6 +44,7 @@ pub enum StoreError {
         after: Duration,
     },
     /// The connection failed or was closed (server down, reset, terminated backend).
+    #[cfg(feature = "postgres")]
     #[error("connection to the store failed")]
     Connection(#[source] Arc<tokio_postgres::Error>),
     /// The database refused the statement.
@@ -60,6 +62,7 @@ pub enum StoreError {
     /// what failed: the migration (version and description) or the bookkeeping step.
     ///
     /// [`MigrateError`]: crate::store::postgres::migrate::MigrateError
+    #[cfg(feature = "postgres")]
     #[error("migrating the database failed: {0}")]
     Migrate(#[source] Arc<crate::store::postgres::migrate::MigrateError>),
     /// The store holds as many keys as it may ([`MemoryStore::max_keys`]), none of them idle:
@@ -90,14 +93,17 @@ impl StoreError {
     pub fn is_transient(&self) -> bool {
         match self {
             StoreError::Timeout { .. }
-            | StoreError::Connection(_)
             | StoreError::CircuitOpen { .. }
             | StoreError::TooManyKeys { .. } => true,
+            #[cfg(feature = "postgres")]
+            StoreError::Connection(_) => true,
             StoreError::Database { code, .. } => {
                 let class = code.get(..2).unwrap_or("");
                 matches!(class, "08" | "53" | "57" | "40") || code == "55P03"
             }
-            StoreError::Protocol(_) | StoreError::Migrate(_) => false,
+            StoreError::Protocol(_) => false,
+            #[cfg(feature = "postgres")]
+            StoreError::Migrate(_) => false,
         }
     }
 
@@ -110,6 +116,7 @@ impl StoreError {
     }
 }
 
+#[cfg(feature = "postgres")]
 impl From<tokio_postgres::Error> for StoreError {
     fn from(err: tokio_postgres::Error) -> Self {
         if let Some(db) = err.as_db_error() {

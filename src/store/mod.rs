@@ -20,6 +20,7 @@ mod counted;
 mod error;
 pub(crate) mod held;
 mod memory;
+#[cfg(feature = "postgres")]
 pub mod postgres;
 
 pub use self::breaker::{CircuitBreaker, CircuitState};
@@ -27,6 +28,7 @@ pub use self::cleanup::IdleCleanup;
 pub use self::counted::CountedStore;
 pub use self::error::{StoreError, TimeoutKind};
 pub use self::memory::{DEFAULT_MAX_KEYS, DEFAULT_MAX_RETURN_IDS, MemoryStore, RETURN_ID_TTL};
+#[cfg(feature = "postgres")]
 pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
 
 /// One request to take tokens from a key's bucket.
