@@ -145,6 +145,8 @@ impl Seen {
 
 /// Runs `body` on a current-thread runtime with a fresh debugging recorder installed for this
 /// thread, and returns the recorder's snapshotter (for a final snapshot) with the body's value.
+/// The runtime's clock is paused (every store here is in process), so the lease actor's ticks
+/// and the refills they send happen at exact instants of tokio's clock, not of the machine's.
 fn recorded<T>(body: impl AsyncFnOnce(&Snapshotter) -> T) -> (Snapshotter, T) {
     // Anything this thread batched before belongs to no test.
     tokenlease::metrics::flush_thread();
@@ -152,6 +154,7 @@ fn recorded<T>(body: impl AsyncFnOnce(&Snapshotter) -> T) -> (Snapshotter, T) {
     let snapshotter = recorder.snapshotter();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
+        .start_paused(true)
         .build()
         .expect("runtime");
     let out = metrics::with_local_recorder(&recorder, || {
@@ -164,8 +167,8 @@ fn recorded<T>(body: impl AsyncFnOnce(&Snapshotter) -> T) -> (Snapshotter, T) {
     (snapshotter, out)
 }
 
-/// Lets the lease actor run a few ticks (its tick is 5 ms in these tests), so that every
-/// refill asked for has been answered and the gauges were published after it.
+/// Lets the lease actor run a few ticks of the paused clock (its tick is 5 ms in these tests),
+/// so that every refill asked for has been answered and the gauges were published after it.
 async fn settle() {
     tokio::time::sleep(Duration::from_millis(60)).await;
 }
