@@ -181,7 +181,12 @@ async fn flood(addr: &str, pid: u32, first: u64, count: u64, peak: &mut f64) -> 
             }
         }));
     }
-    let mut all = futures_join(tasks);
+    let all = async {
+        for task in tasks {
+            task.await.expect("flood connection");
+        }
+    };
+    tokio::pin!(all);
     loop {
         tokio::select! {
             () = &mut all => break,
@@ -223,17 +228,6 @@ async fn metric(addr: &str, prefix: &str) -> Option<f64> {
         .filter_map(|line| line.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
         .collect();
     (!values.is_empty()).then(|| values.iter().sum())
-}
-
-/// Waits for every task (a small join_all, to keep the dev-dependencies as they are).
-fn futures_join(
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
-    Box::pin(async move {
-        for task in tasks {
-            task.await.expect("flood connection");
-        }
-    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -190,11 +190,11 @@ async fn an_idle_table_costs_the_actor_nothing() {
     let long = leased(Duration::from_secs(3600), Accounting::Relaxed);
     let short = leased(Duration::from_millis(300), Accounting::Relaxed);
     let live: Vec<String> = (0..KEYS).map(|i| format!("live:{i}")).collect();
-    let brief: Vec<String> = (0..KEYS).map(|i| format!("brief:{i}")).collect();
+    let short_lived: Vec<String> = (0..KEYS).map(|i| format!("short:{i}")).collect();
     // Each key's first call asks for its lease; the second spends from it (and asks for the
     // next one, which may be small: these keys show little demand).
     for round in 0..2 {
-        for (plan, keys) in [(&long, &live), (&short, &brief)] {
+        for (plan, keys) in [(&long, &live), (&short, &short_lived)] {
             for key in keys {
                 let _ = limiter.try_acquire_now_with(plan, key, 1.0).expect("valid");
             }
@@ -211,7 +211,7 @@ async fn an_idle_table_costs_the_actor_nothing() {
     until_every(
         step,
         Duration::from_secs(30),
-        "the brief keys evicted",
+        "the short-lived keys evicted",
         || stats(&limiter).keys == KEYS,
     )
     .await;

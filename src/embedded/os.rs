@@ -398,12 +398,7 @@ pub(crate) fn is_postmaster_of(pid: u32, data_dir: &Path) -> bool {
 /// Sends SIGKILL to `pid` with `kill(1)` (this crate forbids `unsafe`, so no libc call) and
 /// waits up to `wait` for it to be gone.
 pub(crate) fn kill_hard(pid: u32, wait: Duration) {
-    let _ = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
+    signal("KILL", &[pid]);
     wait_gone(pid, wait);
 }
 
