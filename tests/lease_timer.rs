@@ -225,8 +225,9 @@ async fn an_idle_table_costs_the_actor_nothing() {
         (before.actor_rounds, before.actor_visits, before.store_calls),
         "an idle actor woke: {before:?} → {after:?}"
     );
-    // The live keys still hold their leases (what their last, small refills brought).
-    assert!(after.outstanding > 0.0, "{after:?}");
+    // The live keys' leases stay open (what they hold is unchanged: each key's second call
+    // spent the one token its first asked for, and one call after the call that made a key
+    // shows no demand, so no refill followed).
     assert_eq!(after.outstanding, before.outstanding);
 }
 
@@ -340,4 +341,105 @@ async fn a_caller_retrying_a_denied_key_in_a_tight_loop_lets_other_tasks_run() {
         );
     }
     assert!(calls <= 1_000, "yielded only after {calls} calls");
+}
+
+/// A key called less often than once per lease lifetime is sparse: each of its calls is one
+/// store call through the direct-mode coalescer (decided by the store: no refill statement, no
+/// lease given back, no wait for the actor). When its calls speed up, its spends count in its
+/// demand and the actor sizes it a lease, which pays the rest.
+#[tokio::test(start_paused = true)]
+async fn a_sparse_key_is_decided_by_store_calls_and_leased_once_it_speeds_up() {
+    use tokenlease::DecidedBy;
+    let store = MemoryStore::new();
+    let ttl = Duration::from_millis(100);
+    let limiter = Limiter::builder(store.clone())
+        .lease_tick(Duration::from_millis(10))
+        .build();
+    // A bucket that refills too slowly to hide a take (1,000 tokens, one back every 1,000 s).
+    let plan = common::plan(1_000, 0.001).with_lease(LeaseSettings {
+        ttl,
+        ..LeaseSettings::default()
+    });
+    let call = async || {
+        limiter
+            .try_acquire_with(&plan, "quiet", 1.0)
+            .await
+            .expect("decision")
+    };
+    // A call every 300 ms, three lifetimes: one store call each.
+    for _ in 0..7 {
+        let d = call().await;
+        assert!(d.allowed && d.decided_by == DecidedBy::Store, "{d:?}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let quiet = stats(&limiter);
+    assert_eq!(
+        (quiet.store_calls, quiet.leased),
+        (0, 0.0),
+        "a sparse key's calls send no refill and hold no lease: {quiet:?}"
+    );
+    let row = store.inspect("quiet").await.expect("inspect").expect("row");
+    assert!(
+        (row.tokens_now.as_f64() - (1_000.0 - 7.0)).abs() < 0.01,
+        "every call took its token from the bucket: {row:?}"
+    );
+    // A call a millisecond: after a few store calls the actor sizes a lease, and leases pay the
+    // rest.
+    let mut by = (0u32, 0u32);
+    for _ in 0..200 {
+        let d = call().await;
+        assert!(d.allowed, "{d:?}");
+        match d.decided_by {
+            DecidedBy::Lease => by.0 += 1,
+            DecidedBy::Store => by.1 += 1,
+            _ => panic!("{d:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(
+        by.1 <= 20 && by.0 >= 180,
+        "leased once it sped up: {} by leases, {} by the store",
+        by.0,
+        by.1
+    );
+    limiter.shutdown().await;
+}
+
+/// A sparse key whose bucket is empty is denied by the store once, then here until the store's
+/// retry time, without a store call per denial.
+#[tokio::test(start_paused = true)]
+async fn a_sparse_keys_denial_stands_until_its_retry_time() {
+    use tokenlease::DecidedBy;
+    let store = MemoryStore::new();
+    let limiter = Limiter::builder(store.clone())
+        .lease_tick(Duration::from_millis(10))
+        .build();
+    // Two tokens, one back every 10 s; leases of the default lifetime (1 s).
+    let plan = common::plan(2, 0.1).with_lease(LeaseSettings::default());
+    let mut store_denials = 0;
+    let mut allowed = 0;
+    for i in 0..20 {
+        let d = limiter
+            .try_acquire_with(&plan, "dry", 1.0)
+            .await
+            .expect("decision");
+        if d.allowed {
+            allowed += 1;
+            assert!(i < 2, "only the two tokens are admitted: call {i}, {d:?}");
+        } else {
+            assert!(d.retry_after > Duration::ZERO, "{d:?}");
+            match d.decided_by {
+                DecidedBy::Store => store_denials += 1,
+                DecidedBy::Lease => {}
+                _ => panic!("{d:?}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(40)).await;
+    }
+    assert_eq!(allowed, 2);
+    assert!(
+        store_denials <= 1,
+        "{store_denials} denials were store calls: the store's word stands until its retry time"
+    );
+    limiter.shutdown().await;
 }

@@ -50,7 +50,7 @@ const CHUNK: usize = 256;
 const RETURN_ATTEMPTS: u32 = 5;
 /// After a failed refill, callers of the key go to the fallback for this long instead of
 /// waiting for another refill.
-const FAILURE_BACKOFF: Duration = Duration::from_millis(100);
+pub(super) const FAILURE_BACKOFF: Duration = Duration::from_millis(100);
 /// A table of more keys than this has its outstanding-tokens gauge summed at most once per
 /// [`SLOW_PASS`]; a smaller one (a pass of microseconds) as often as once per tick.
 const SMALL_TABLE: usize = 4096;
@@ -595,6 +595,7 @@ fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64)> {
         } else {
             0.5 * book.demand + 0.5 * rate
         };
+        book.watched |= elapsed >= settings.ttl.as_nanos() as u64;
         book.sampled_at = now;
         book.spent_at_sample = spent;
     }
@@ -612,6 +613,15 @@ fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64)> {
         .min(largest)
     };
     book.target = target;
+    // A key sized a lease is not sparse; one sized none, watched for a lifetime at least, is:
+    // its next call the word cannot pay is one store call through the direct-mode coalescer,
+    // not a wait for this actor (`Hot::sparse`). A new key stays as it started (sparse) until
+    // either is known.
+    if target > 0 {
+        slot.hot().sparse.store(false, Ordering::Relaxed);
+    } else if book.watched {
+        slot.hot().sparse.store(true, Ordering::Relaxed);
+    }
     let want = target
         .max(waiting)
         .saturating_sub(available)

@@ -176,6 +176,10 @@ pub(crate) enum Fast {
     Failing,
     /// Not enough in the lease; a refill is asked for. Wait on the slot, or decide otherwise.
     Short(Arc<Slot>),
+    /// Not enough in the lease, and the key is sparse (called less than once per lease
+    /// lifetime, or new): no refill is asked for. Decide with one store call (the direct-mode
+    /// coalescer), then report it with [`Leases::record_direct`].
+    Sparse(Arc<Slot>),
     /// No slot and the table is full: decide without a lease.
     NoRoom,
 }
@@ -294,13 +298,15 @@ impl Leases {
                 };
                 let Some(slot) = table.get_or_insert_with(key, |hot| {
                     hot.plan.store(index, Ordering::Relaxed);
-                    Arc::new(Slot::new(key, shared, now, hot))
+                    Arc::new(Slot::new(key, shared, now, hot, cost))
                 }) else {
                     return Fast::NoRoom;
                 };
-                slot.want(cost);
-                self.nudge(slot);
-                return Fast::Short(Arc::clone(slot));
+                // Queued for the actor whatever becomes of this call: it clears the new
+                // record's pending mark and arms the key's idle check. A new key is sparse
+                // (`Hot::sparse`): this call is one store call, not a wait for a refill.
+                self.nudge_soon(slot);
+                return self.short(slot, cost);
             }
         };
         // The record alone: a quiet key's call does not read its slot.
@@ -375,10 +381,10 @@ impl Leases {
         if slot.fallback_until.load(Ordering::Acquire) > now {
             return Fast::Failing;
         }
-        slot.want(cost);
-        if slot.words().request_refill() {
-            self.nudge(slot);
+        if slot.hot().sparse.load(Ordering::Relaxed) && !slot.dry().load(Ordering::Acquire) {
+            return Fast::Sparse(Arc::clone(slot));
         }
+        self.ask_refill(slot, cost);
         if slot.dry().load(Ordering::Acquire) {
             // The store said empty and its retry time has passed: a refill is on its way, but
             // until it grants, the store's last word stands. Nobody waits on a dry bucket.
@@ -387,6 +393,56 @@ impl Leases {
             };
         }
         Fast::Short(Arc::clone(slot))
+    }
+
+    /// Records that a caller waits for `cost` nanotokens of `slot` and asks the actor for a
+    /// refill, unless one is pending already.
+    pub(crate) fn ask_refill(&self, slot: &Arc<Slot>, cost: u64) {
+        slot.want(cost);
+        if slot.words().request_refill() {
+            self.nudge(slot);
+        }
+    }
+
+    /// [`ask_refill`](Self::ask_refill) for a caller that will not wait (`try_acquire_now_with`
+    /// on a sparse key): the actor is woken at once even when a refill is pending, as it is for
+    /// a new key's first call, so the lease lands as soon as it can for a later call.
+    pub(crate) fn ask_refill_now(&self, slot: &Arc<Slot>, cost: u64) {
+        slot.want(cost);
+        slot.words().request_refill();
+        self.nudge(slot);
+    }
+
+    /// Reports what one store call decided for a sparse key ([`Fast::Sparse`]): `spent`
+    /// nanotokens taken (zero when denied), and, for a denial, the store's `retry_after` in
+    /// nanoseconds. The spend counts in the key's demand as a lease's would, so a key whose
+    /// calls speed up is sized a lease at the actor's next look, which this asks for (gathered
+    /// with other nudges; nobody waits on it). A denial is the store's word until its retry
+    /// time, as for a leased key: calls are denied here until then, without a statement each.
+    /// A store call that failed (`failed`: the fallback decided) sends the key's calls to the
+    /// fallback for a while without asking again, as a failed refill does.
+    pub(crate) fn record_direct(
+        &self,
+        slot: &Arc<Slot>,
+        spent: u64,
+        denied_for: Option<u64>,
+        failed: bool,
+    ) {
+        if failed {
+            let until = self
+                .now()
+                .saturating_add(actor::FAILURE_BACKOFF.as_nanos() as u64);
+            slot.fallback_until.fetch_max(until, Ordering::AcqRel);
+        }
+        if let Some(retry_after) = denied_for {
+            let until = self.now().saturating_add(retry_after.max(1));
+            slot.deny_until.fetch_max(until, Ordering::AcqRel);
+        }
+        if spent > 0 {
+            let mut book = slot.book.lock();
+            book.credited = book.credited.saturating_add(spent);
+        }
+        self.nudge_soon(slot);
     }
 
     /// Waits for `slot`'s refill and spends `cost` from it, until `deadline`.
@@ -427,10 +483,7 @@ impl Leases {
                         return Fast::Failing;
                     }
                     if !pending {
-                        slot.want(cost);
-                        if slot.words().request_refill() {
-                            self.nudge(&slot);
-                        }
+                        self.ask_refill(&slot, cost);
                     }
                 }
             }

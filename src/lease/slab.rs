@@ -69,6 +69,16 @@ pub(crate) struct Hot {
     pub(crate) evicted: AtomicBool,
     /// The slot's [`Slot::dry`](super::Slot::dry), for the same reason. Not read by the fast path.
     pub(crate) dry: AtomicBool,
+    /// The key is sparse: its calls come less often than one per lease lifetime, so a call the
+    /// lease cannot pay goes to the direct-mode coalescer (a batched store call, several in
+    /// flight) instead of waiting for the actor's refill. A new key starts sparse: nothing is
+    /// known of its demand, and a key called less often than once per lease lifetime is a new
+    /// key at every call (idle keys leave the table after a lifetime). The actor clears it when
+    /// it sizes the key a lease, and sets it again when it sizes none for a key it has watched
+    /// for a lifetime. Relaxed both ways: a hint read afresh by every call that the lease cannot
+    /// pay; a stale read sends one call the other way, and either way decides it exactly.
+    /// Not read by the fast path.
+    pub(crate) sparse: AtomicBool,
     /// The index of the key's plan among the limiter's policies, when the policies chose it
     /// ([`NO_PLAN`] when a caller named the plan): `try_acquire` on a key in the table reads its
     /// plan here instead of matching the key's prefixes again. Relaxed both ways: stored once,
@@ -89,6 +99,7 @@ impl Hot {
             spread: AtomicBool::new(false),
             evicted: AtomicBool::new(false),
             dry: AtomicBool::new(false),
+            sparse: AtomicBool::new(true),
             plan: AtomicU32::new(NO_PLAN),
         }
     }
@@ -104,6 +115,7 @@ impl Hot {
         self.spread.store(false, Ordering::Relaxed);
         self.evicted.store(false, Ordering::Relaxed);
         self.dry.store(false, Ordering::Relaxed);
+        self.sparse.store(true, Ordering::Relaxed);
         self.plan.store(NO_PLAN, Ordering::Relaxed);
     }
 }

@@ -64,7 +64,9 @@ pub(crate) struct SlotCold {
 /// What the actor keeps per slot to size, expire and evict the lease.
 #[derive(Debug, Default)]
 pub(crate) struct Book {
-    /// Nanotokens ever credited to the word.
+    /// Nanotokens ever credited to the word, plus those that store calls took for the key
+    /// while it was sparse (`Leases::record_direct`): spent as soon as credited, they count in
+    /// its demand and activity like a lease's spends.
     pub(crate) credited: u64,
     /// Nanotokens ever taken back from the word (expiry, eviction, shutdown).
     pub(crate) reclaimed: u64,
@@ -94,6 +96,10 @@ pub(crate) struct Book {
     /// The store's last answer granted nothing: the next refill asks for a whole lease or
     /// nothing, so a dry bucket is asked about once per lease's worth of refill, not per token.
     pub(crate) dry: bool,
+    /// Some demand sample spanned at least a lease lifetime: the key has been watched long
+    /// enough to call it sparse (`Hot::sparse`) when its demand is below one call a lifetime.
+    /// A new key's first calls say nothing about how often it is called.
+    pub(crate) watched: bool,
     /// Answers in a row that granted nothing: other instances took the refill first. The wait
     /// before asking again grows with it (up to 4×), so competing instances spread out instead
     /// of all asking at the moment a lease's worth has refilled.
@@ -122,8 +128,14 @@ impl Book {
 }
 
 impl Slot {
-    /// A slot for `key` over the fresh record `hot` (see [`Slab::alloc`](super::slab::Slab::alloc)).
-    pub(crate) fn new(key: &str, plan: Arc<Plan>, now: u64, hot: HotRef) -> Slot {
+    /// A slot for `key` over the fresh record `hot` (see [`Slab::alloc`](super::slab::Slab::alloc)),
+    /// made by a call of `first_cost` nanotokens.
+    ///
+    /// That call is left out of the key's demand: it is what made the slot, at the start of the
+    /// first sample's window, so counting it would divide one call by the moment between the
+    /// slot's creation and the actor's first look, and size a whole lease for a key called once
+    /// (which then went back unspent: two statements for nothing per quiet key).
+    pub(crate) fn new(key: &str, plan: Arc<Plan>, now: u64, hot: HotRef, first_cost: u64) -> Slot {
         Slot {
             hot,
             extra: Extra::default(),
@@ -137,6 +149,7 @@ impl Slot {
                 plan,
                 book: Mutex::new(Book {
                     sampled_at: now,
+                    spent_at_sample: first_cost,
                     active_at: now,
                     ..Book::default()
                 }),

@@ -458,6 +458,7 @@ mod tests {
             Arc::new(Plan::new("t", bucket)),
             0,
             slab.alloc().expect("room in the slab"),
+            0,
         ))
     }
 

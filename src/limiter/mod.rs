@@ -383,6 +383,11 @@ impl Limiter {
                 plan,
                 cost: cost_tokens,
             },
+            Fast::Sparse(slot) => Step::Sparse {
+                plan,
+                cost: cost_tokens,
+                slot,
+            },
             Fast::NoRoom | Fast::Taken { .. } => Step::Direct {
                 plan,
                 cost: cost_tokens,
@@ -437,7 +442,7 @@ impl Limiter {
                         plan,
                         self.inner.fallback.decide(plan, key, cost).await,
                     )),
-                    Fast::NoRoom => self
+                    Fast::NoRoom | Fast::Sparse(..) => self
                         .direct(plan, key, cost)
                         .await
                         .map(|d| recorded(plan, d)),
@@ -451,6 +456,21 @@ impl Limiter {
                 .direct(plan, key, cost)
                 .await
                 .map(|d| recorded(plan, d)),
+            Step::Sparse { plan, cost, slot } => {
+                let decision = self.direct(plan, key, cost).await?;
+                let by_store = decision.decided_by == DecidedBy::Store;
+                let spent = if decision.allowed && by_store {
+                    lease_cost(cost)
+                } else {
+                    0
+                };
+                let denied_for = (!decision.allowed && by_store)
+                    .then(|| u64::try_from(decision.retry_after.as_nanos()).unwrap_or(u64::MAX));
+                let failed = matches!(decision.decided_by, DecidedBy::Fallback(_));
+                self.leases()
+                    .record_direct(&slot, spent, denied_for, failed);
+                Ok(recorded(plan, decision))
+            }
         }
     }
 
@@ -490,6 +510,11 @@ impl Limiter {
                 // Only a key already in the table (checked when it went in) is spent from a
                 // lease; any other answer checks the key in full first.
                 validate_key(key)?;
+                // This call never waits, so a sparse key gets no store call here: a refill is
+                // asked for instead, for a later call to find.
+                if let Fast::Sparse(slot) = &other {
+                    leases.ask_refill_now(slot, lease_cost(cost));
+                }
                 Ok(match other {
                     Fast::Dry { retry_after } => Some(lease_denied(plan, retry_after)),
                     _ => None,
@@ -639,6 +664,13 @@ enum Step<'a> {
     Fallback { plan: &'a Plan, cost: Tokens },
     /// One store call decides (direct mode, or no room in the lease table).
     Direct { plan: &'a Plan, cost: Tokens },
+    /// One store call decides a sparse key's call (`Fast::Sparse`), and the lease table hears
+    /// of it.
+    Sparse {
+        plan: &'a Plan,
+        cost: Tokens,
+        slot: Arc<crate::lease::Slot>,
+    },
 }
 
 impl std::fmt::Debug for Acquire<'_> {

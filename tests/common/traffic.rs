@@ -11,6 +11,9 @@ use tokenlease::{DecidedBy, Limiter};
 pub struct Seen {
     /// Admission times (local monotonic clock, shared by all instances in this process).
     pub admitted: Vec<Instant>,
+    /// How many of those a lease paid. The rest were store calls: a key's calls go to the store
+    /// while it is sparse (its first ones, before the actor has sized it a lease).
+    pub by_lease: u64,
     pub denied: u64,
     /// Decisions the fallback made (the store failed, or a refill took longer than max_wait).
     pub fallback: u64,
@@ -46,7 +49,10 @@ pub async fn calls(
                     seen.latencies_ns.push((at - started).as_nanos() as u64);
                     match d.decided_by {
                         DecidedBy::Fallback(_) => seen.fallback += 1,
-                        _ if d.allowed => seen.admitted.push(at),
+                        _ if d.allowed => {
+                            seen.admitted.push(at);
+                            seen.by_lease += u64::from(d.decided_by == DecidedBy::Lease);
+                        }
                         _ => seen.denied += 1,
                     }
                     tokio::time::sleep(every).await;
@@ -59,6 +65,7 @@ pub async fn calls(
     for h in handles {
         let (i, seen) = h.await.expect("task");
         out[i].admitted.extend(seen.admitted);
+        out[i].by_lease += seen.by_lease;
         out[i].denied += seen.denied;
         out[i].fallback += seen.fallback;
         out[i].latencies_ns.extend(seen.latencies_ns);
