@@ -60,6 +60,25 @@ pub mod store;
 
 pub use error::Error;
 
+/// Not part of the API: no semver promise, may change in any release.
+///
+/// What the crate's own integration tests and benchmarks reach that a user has no use for:
+/// the SQL text the store sends (benchmarks that run it through pgbench), the migration list
+/// and lock (tests that migrate on their own terms), and the store's bb8 pool (tests that run
+/// their own SQL on the store's sessions). Kept out of the documented modules so that the
+/// API's types do not depend on bb8 or on the migration bookkeeping.
+#[doc(hidden)]
+pub mod __private {
+    #[cfg(feature = "postgres")]
+    pub use crate::store::postgres::migrate::{
+        MIGRATION_LOCK_ID, MIGRATIONS, MIGRATIONS_TABLE, migrate_with,
+    };
+    #[cfg(feature = "postgres")]
+    pub use crate::store::postgres::{
+        ACQUIRE_BARE_SQL, ACQUIRE_SQL, ConnectionManager, PgConnection, pool,
+    };
+}
+
 /// The README's Rust blocks, compiled as doc tests (`cargo test --doc --all-features`).
 #[cfg(all(doctest, feature = "postgres", feature = "http"))]
 #[doc = include_str!("../README.md")]

@@ -201,7 +201,7 @@ async fn body_json(resp: Response<Body>) -> serde_json::Value {
 }
 
 fn manual() -> (ManualClock, MemoryStore) {
-    let clock = ManualClock::new(Timestamp(1_000_000_000_000));
+    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000_000));
     let store = MemoryStore::with_clock(clock.clone());
     (clock, store)
 }
@@ -697,7 +697,7 @@ async fn store_down_is_decided_by_the_fallback_never_500() {
             "g",
             BucketConfig::new(Tokens::whole(10), Rate::per_second(1).unwrap()).unwrap(),
         )
-        .with_fallback(FallbackSettings { mode });
+        .with_fallback(FallbackSettings::new(mode));
         Arc::new(p)
     };
     let app = booking_app(&limiter, with(FallbackMode::Deny), plan("e", 10, 5.0));

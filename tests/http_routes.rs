@@ -37,7 +37,7 @@ const ITEMS: &str = r#"{
 }"#;
 
 fn limiter(policies: &Policies) -> Limiter {
-    let clock = ManualClock::new(Timestamp(1_000_000_000_000));
+    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000_000));
     Limiter::builder(MemoryStore::with_clock(clock))
         .policies(policies.clone())
         .build()

@@ -18,11 +18,11 @@ use tokenlease::policy::{Accounting, LeaseSettings, Plan};
 use tokenlease::store::{MemoryStore, Store};
 
 fn leased(ttl: Duration, accounting: Accounting) -> Plan {
-    common::plan(1_000_000, 1_000.0).with_lease(LeaseSettings {
-        ttl,
-        accounting,
-        ..LeaseSettings::default()
-    })
+    common::plan(1_000_000, 1_000.0).with_lease(
+        LeaseSettings::default()
+            .with_ttl(ttl)
+            .with_accounting(accounting),
+    )
 }
 
 fn stats(limiter: &Limiter) -> LeaseStats {
@@ -238,11 +238,11 @@ async fn low_water_refills_of_many_keys_are_gathered() {
     const KEYS: usize = 2_000;
     let limiter = Limiter::builder(MemoryStore::new()).build();
     // B = 100 tokens; an hour's lifetime, so nothing expires while the test runs.
-    let plan = common::plan(1_000, 1_000.0).with_lease(LeaseSettings {
-        ttl: Duration::from_secs(3600),
-        max_fraction: 0.1,
-        ..LeaseSettings::default()
-    });
+    let plan = common::plan(1_000, 1_000.0).with_lease(
+        LeaseSettings::default()
+            .with_ttl(Duration::from_secs(3600))
+            .with_max_fraction(0.1),
+    );
     let keys: Vec<String> = (0..KEYS).map(|i| format!("quiet:{i}")).collect();
     // Two passes: the first call of a key gets exactly its cost (no demand seen yet), the
     // second, a pass later, a whole lease of B sized from the demand the first showed.
@@ -304,10 +304,8 @@ async fn low_water_refills_of_many_keys_are_gathered() {
 async fn a_caller_retrying_a_denied_key_in_a_tight_loop_lets_other_tasks_run() {
     let limiter = Limiter::builder(MemoryStore::new()).build();
     // Ten tokens, refilled at one every 1,000 s: spent at once, then denied for a long while.
-    let plan = common::plan(10, 0.001).with_lease(LeaseSettings {
-        ttl: Duration::from_secs(60),
-        ..LeaseSettings::default()
-    });
+    let plan = common::plan(10, 0.001)
+        .with_lease(LeaseSettings::default().with_ttl(Duration::from_secs(60)));
     let mut denied = false;
     for _ in 0..1_000 {
         let d = limiter

@@ -35,14 +35,14 @@ fn bucket(capacity: u64, per_second: f64) -> BucketConfig {
 
 /// A leased plan whose leases outlive the test (no expiry), refilled every 100 ms of demand.
 fn leased_plan(name: &str, capacity: u64, per_second: f64) -> Plan {
-    Plan::new(name, bucket(capacity, per_second)).with_lease(LeaseSettings {
-        ttl: Duration::from_secs(60),
-        max_fraction: 1.0,
-        low_water: 0.5,
-        refresh: Duration::from_millis(100),
-        max_wait: Duration::from_millis(500),
-        ..LeaseSettings::default()
-    })
+    Plan::new(name, bucket(capacity, per_second)).with_lease(
+        LeaseSettings::default()
+            .with_ttl(Duration::from_secs(60))
+            .with_max_fraction(1.0)
+            .with_low_water(0.5)
+            .with_refresh(Duration::from_millis(100))
+            .with_max_wait(Duration::from_millis(500)),
+    )
 }
 
 /// Label (key, value) pairs, sorted.
@@ -483,7 +483,7 @@ fn fallback_decisions_by_mode_and_outcome() {
                 } else {
                     Plan::new(label, bucket(2, 0.001))
                 };
-                let plan = base.with_fallback(FallbackSettings { mode });
+                let plan = base.with_fallback(FallbackSettings::new(mode));
                 for _ in 0..4 {
                     let d = limiter
                         .try_acquire_with(&plan, "k", 1.0)
@@ -622,7 +622,7 @@ fn decisions_by_plan_exist_from_the_start_and_count_under_their_plan() {
 
         // Direct mode: two allowed and one denied by the store, all under "flat".
         for _ in 0..3 {
-            limiter.try_acquire("flat:1", 1.0).await.unwrap();
+            let _ = limiter.try_acquire("flat:1", 1.0).await.unwrap();
         }
         let direct = Seen::take(snapshotter);
         let flat = |seen: &Seen, outcome| {
@@ -641,7 +641,7 @@ fn decisions_by_plan_exist_from_the_start_and_count_under_their_plan() {
         // Warm one key of each leased plan, then alternate between them on the fast path.
         for key in ["red:1", "blue:1"] {
             for _ in 0..5 {
-                limiter.try_acquire(key, 1.0).await.unwrap();
+                let _ = limiter.try_acquire(key, 1.0).await.unwrap();
                 settle().await;
             }
         }

@@ -45,19 +45,42 @@ pub enum DecidedBy {
 }
 
 /// The answer to one [`Limiter::try_acquire`]. A denial is a decision, not an error.
+///
+/// Only the limiter makes decisions; read the fields. What each one holds depends on who
+/// decided ([`decided_by`](Self::decided_by)):
+///
+/// | decided by | `remaining` | `reset_after` |
+/// |---|---|---|
+/// | [`DecidedBy::Store`] | the bucket after this take | until the bucket is full |
+/// | [`DecidedBy::Lease`] | an estimate (below) | `None` |
+/// | `Fallback(Local)` | this instance's share of the bucket (`None` when it keeps none for the key) | until that share is full (ditto) |
+/// | `Fallback(Allow)`, `Fallback(Deny)` | `None` | `None` |
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+#[must_use = "a decision says whether the request may go ahead"]
 pub struct Decision {
     /// Whether the cost was taken and the request may go ahead.
     pub allowed: bool,
-    /// Tokens left in the bucket after this decision.
-    pub remaining: Tokens,
+    /// Tokens left in the bucket after this decision, as far as the decider knows.
+    ///
+    /// From the store, exact at its clock. From a lease, an estimate: the tokens left in this
+    /// process's lease plus what the store had left when it granted the lease (other
+    /// instances may have taken some since, and the refill may have added some); zero when
+    /// the lease's last word is that the bucket is empty. From the `local` fallback, what this
+    /// instance's share of the bucket holds (`None` when it keeps no share for the key: the
+    /// cost exceeds the share, or the local buckets are at their bound). `None` when the `allow` or `deny` fallback
+    /// decided: the store did not answer, and nothing knows what the shared bucket holds.
+    pub remaining: Option<Tokens>,
     /// The bucket's capacity.
     pub limit: Tokens,
     /// When denied: how long until the cost would be allowed if nobody else takes tokens.
-    /// Zero when allowed.
+    /// Zero when allowed. From the `allow` or `deny` fallback, a retry hint (1 s for a
+    /// denial), not a promise.
     pub retry_after: Duration,
-    /// How long until the bucket is full again if nobody takes tokens.
-    pub reset_after: Duration,
+    /// How long until the bucket is full again if nobody takes tokens. `None` when the decider
+    /// cannot know it: a lease (this process spends tokens the store granted earlier without
+    /// reading the bucket again), and the `allow` and `deny` fallbacks.
+    pub reset_after: Option<Duration>,
     /// Who decided.
     pub decided_by: DecidedBy,
     /// The store's clock when it decided (PostgreSQL's `now()`); `None` when the store did not
@@ -69,10 +92,10 @@ impl Decision {
     fn from_store(plan: &Plan, acquired: &Acquired) -> Decision {
         Decision {
             allowed: !acquired.granted.is_zero(),
-            remaining: acquired.remaining,
+            remaining: Some(acquired.remaining),
             limit: plan.capacity(),
             retry_after: acquired.retry_after,
-            reset_after: acquired.reset_after,
+            reset_after: Some(acquired.reset_after),
             decided_by: DecidedBy::Store,
             store_time: Some(acquired.store_now),
         }
@@ -752,10 +775,13 @@ fn lease_cost(cost: Tokens) -> u64 {
 fn lease_allowed(plan: &Plan, left: u64, store_remaining: u64) -> Decision {
     Decision {
         allowed: true,
-        remaining: Tokens::from_nanos(u128::from(left) + u128::from(store_remaining)),
+        remaining: Some(Tokens::from_nanos(
+            u128::from(left) + u128::from(store_remaining),
+        )),
         limit: plan.capacity(),
         retry_after: Duration::ZERO,
-        reset_after: Duration::ZERO,
+        // The lease spends tokens granted earlier: the bucket's fill is not known here.
+        reset_after: None,
         decided_by: DecidedBy::Lease,
         store_time: None,
     }
@@ -764,10 +790,11 @@ fn lease_allowed(plan: &Plan, left: u64, store_remaining: u64) -> Decision {
 fn lease_denied(plan: &Plan, retry_after: u64) -> Decision {
     Decision {
         allowed: false,
-        remaining: Tokens::ZERO,
+        remaining: Some(Tokens::ZERO),
         limit: plan.capacity(),
         retry_after: Duration::from_nanos(retry_after),
-        reset_after: Duration::from_nanos(retry_after),
+        // The store's last word says when the cost is back, not when the bucket is full.
+        reset_after: None,
         decided_by: DecidedBy::Lease,
         store_time: None,
     }

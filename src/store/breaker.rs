@@ -588,8 +588,11 @@ mod tests {
         assert!(take(&b).await.is_ok());
         let same = b.clock_skew().expect("a skew");
         assert!(same.abs() < 0.05, "skew {same} s against the right time");
-        for (set, expected) in [(real().0 - hour, 3600.0), (real().0 + hour, -3600.0)] {
-            wall.set(crate::bucket::Timestamp(set));
+        for (set, expected) in [
+            (real().as_nanos() - hour, 3600.0),
+            (real().as_nanos() + hour, -3600.0),
+        ] {
+            wall.set(crate::bucket::Timestamp::from_nanos(set));
             assert!(take(&b).await.is_ok());
             let skew = b.clock_skew().expect("a skew");
             assert!(

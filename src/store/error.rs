@@ -61,10 +61,10 @@ pub enum StoreError {
     /// Applying the migrations failed while the store was built. The [`MigrateError`] names
     /// what failed: the migration (version and description) or the bookkeeping step.
     ///
-    /// [`MigrateError`]: crate::store::postgres::migrate::MigrateError
+    /// [`MigrateError`]: crate::store::MigrateError
     #[cfg(feature = "postgres")]
     #[error("migrating the database failed: {0}")]
-    Migrate(#[source] Arc<crate::store::postgres::migrate::MigrateError>),
+    Migrate(#[source] Arc<crate::store::MigrateError>),
     /// The store holds as many keys as it may ([`MemoryStore::max_keys`]), none of them idle:
     /// a request for a new key is refused rather than evicting a bucket that is not full
     /// (which would refill it and admit more than the limit). Transient: buckets refill and

@@ -338,7 +338,7 @@ impl MemoryStore {
     /// swept. Call without holding a shard lock.
     fn sweep_if_due(&self, now: Timestamp, at_bound: bool) -> bool {
         let last = self.swept_at.load(Ordering::Acquire);
-        let since = now.0.saturating_sub(last);
+        let since = now.as_nanos().saturating_sub(last);
         let due = since >= TIDY_EVERY
             || (at_bound
                 && (since >= SWEEP_EVERY
@@ -346,7 +346,12 @@ impl MemoryStore {
         if !due
             || self
                 .swept_at
-                .compare_exchange(last, now.0.max(1), Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange(
+                    last,
+                    now.as_nanos().max(1),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
                 .is_err()
         {
             return false;

@@ -21,13 +21,15 @@ mod error;
 pub(crate) mod held;
 mod memory;
 #[cfg(feature = "postgres")]
-pub mod postgres;
+pub(crate) mod postgres;
 
 pub use self::breaker::{CircuitBreaker, CircuitState};
 pub use self::cleanup::IdleCleanup;
 pub use self::counted::CountedStore;
 pub use self::error::{StoreError, TimeoutKind};
 pub use self::memory::{DEFAULT_MAX_KEYS, DEFAULT_MAX_RETURN_IDS, MemoryStore, RETURN_ID_TTL};
+#[cfg(feature = "postgres")]
+pub use self::postgres::migrate::{MigrateError, Migration, MigrationReport, migrate};
 #[cfg(feature = "postgres")]
 pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
 
@@ -133,7 +135,10 @@ impl<'a> AcquireRequest<'a> {
 }
 
 /// What the store did with one [`AcquireRequest`].
+///
+/// A store of your own builds it with [`Acquired::new`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Acquired {
     /// Tokens taken: zero, or between the request's `min` and `want`.
     pub granted: Tokens,
@@ -145,6 +150,27 @@ pub struct Acquired {
     pub reset_after: Duration,
     /// The store's clock when it decided (PostgreSQL's `now()`).
     pub store_now: SystemTime,
+}
+
+impl Acquired {
+    /// A store's answer: `granted` tokens taken (zero for a denial), `remaining` left after
+    /// the take, `retry_after` until the request's `min` would be there (zero when granted),
+    /// `reset_after` until the bucket is full, all as of `store_now`.
+    pub const fn new(
+        granted: Tokens,
+        remaining: Tokens,
+        retry_after: Duration,
+        reset_after: Duration,
+        store_now: SystemTime,
+    ) -> Acquired {
+        Acquired {
+            granted,
+            remaining,
+            retry_after,
+            reset_after,
+            store_now,
+        }
+    }
 }
 
 /// Unused lease tokens going back to a bucket.

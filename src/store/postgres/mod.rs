@@ -25,7 +25,7 @@ use crate::bucket::Tokens;
 use crate::clock::timestamp_from_system_time;
 
 mod manager;
-pub mod migrate;
+pub(crate) mod migrate;
 
 pub use self::manager::{ConnectionManager, PgConnection};
 
@@ -47,7 +47,7 @@ mod sql {
 
 /// The SQL text of the acquire statement the store sends (a call of `tokenlease_acquire`, with
 /// six `text[]` parameters written `$1::text[]` to `$6::text[]`), for benchmarks that run it
-/// themselves (pgbench).
+/// themselves (pgbench). Not part of the API: reached through `crate::__private`.
 pub const ACQUIRE_SQL: &str = sql::ACQUIRE;
 
 /// The single bare statement that `tokenlease_acquire` replaced (same parameters and results,
@@ -249,6 +249,13 @@ impl PostgresStoreBuilder {
     }
 }
 
+/// The store's connection pool, for tests that run their own SQL on the store's sessions
+/// (reached through `crate::__private`; never in the API, where bb8's version would become
+/// part of ours).
+pub fn pool(store: &PostgresStore) -> &Pool<ConnectionManager> {
+    store.pool()
+}
+
 fn pool_error(after: Duration) -> impl Fn(RunError<StoreError>) -> StoreError {
     move |e| match e {
         RunError::User(e) => e,
@@ -292,8 +299,9 @@ impl PostgresStore {
         Self::builder(connection)?.build().await
     }
 
-    /// The connection pool, for operators' queries and tests.
-    pub fn pool(&self) -> &Pool<Manager> {
+    /// The connection pool: for tests, through `crate::__private::pool`, never in the API
+    /// (bb8's version would become part of ours).
+    pub(crate) fn pool(&self) -> &Pool<Manager> {
         &self.pool
     }
 
