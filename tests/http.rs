@@ -23,7 +23,7 @@ use tokenlease::Limiter;
 use tokenlease::bucket::{BucketConfig, Rate, Timestamp, Tokens};
 use tokenlease::clock::ManualClock;
 use tokenlease::embedded::TestDatabase;
-use tokenlease::http::{EntityKey, RateLimitLayer, TrustedProxies, client_ip};
+use tokenlease::http::{EntityKey, RateLimitLayer, RouteLimitLayer, TrustedProxies, client_ip};
 use tokenlease::policy::{FallbackMode, FallbackSettings, Plan, Policies};
 use tokenlease::store::{
     AcquireRequest, Acquired, BucketRow, GiveBack, MemoryStore, PostgresStore, Store, StoreError,
@@ -168,7 +168,7 @@ fn booking_app(limiter: &Limiter, global: Arc<Plan>, entity: Arc<Plan>) -> Route
         .route(
             BOOKING,
             get(|| async { "booking" }).route_layer(
-                RateLimitLayer::new(limiter.clone())
+                RouteLimitLayer::new(limiter.clone())
                     .global(global.clone())
                     .entity(EntityKey::path_param("bookingId"), entity),
             ),
@@ -176,7 +176,7 @@ fn booking_app(limiter: &Limiter, global: Arc<Plan>, entity: Arc<Plan>) -> Route
         .route(
             "/bookings",
             get(|| async { "list" })
-                .route_layer(RateLimitLayer::new(limiter.clone()).global(global)),
+                .route_layer(RouteLimitLayer::new(limiter.clone()).global(global)),
         )
         .layer(MockConnectInfo(peer("127.0.0.1")))
 }
@@ -437,7 +437,7 @@ async fn header_entity_is_skipped_when_the_header_is_absent() {
     let app = Router::new().route(
         "/search",
         post(|| async { "found" }).route_layer(
-            RateLimitLayer::new(limiter.clone())
+            RouteLimitLayer::new(limiter.clone())
                 .global(plan("g", 100, 50.0))
                 .entity(EntityKey::header("x-api-key"), plan("e", 1, 0.001)),
         ),
@@ -478,7 +478,7 @@ async fn closure_entity_key() {
     let app = Router::new().route(
         "/report",
         get(|| async { "report" })
-            .route_layer(RateLimitLayer::new(limiter.clone()).entity(tenant, plan("e", 2, 0.001))),
+            .route_layer(RouteLimitLayer::new(limiter.clone()).entity(tenant, plan("e", 2, 0.001))),
     );
     for _ in 0..2 {
         assert_eq!(
@@ -569,7 +569,7 @@ async fn e3_spoofed_forwarded_for_shares_the_peers_bucket() {
             .route(
                 "/ip",
                 get(|| async { "ip" }).route_layer(
-                    RateLimitLayer::new(limiter.clone())
+                    RouteLimitLayer::new(limiter.clone())
                         .entity(EntityKey::client_ip(), plan("e", 10, 5.0))
                         .trusted_proxies(TrustedProxies::parse(["10.0.0.1"]).unwrap()),
                 ),
@@ -909,7 +909,7 @@ async fn entity_param_is_found_when_another_param_is_undecodable() {
     let app = Router::new().route(
         "/vendors/{vendor}/bookings/{bookingId}",
         get(|| async { "booking" }).route_layer(
-            RateLimitLayer::new(limiter.clone())
+            RouteLimitLayer::new(limiter.clone())
                 .entity(EntityKey::path_param("bookingId"), plan("e", 1, 0.001)),
         ),
     );
@@ -940,7 +940,7 @@ async fn header_ids_are_kept_exactly_or_refused() {
     let app = Router::new().route(
         "/search",
         post(|| async { "found" }).route_layer(
-            RateLimitLayer::new(limiter.clone())
+            RouteLimitLayer::new(limiter.clone())
                 .global(plan("g", 100, 0.001))
                 .entity(EntityKey::header("x-api-key"), plan("e", 1, 0.001)),
         ),
