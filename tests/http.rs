@@ -14,7 +14,7 @@ use async_trait::async_trait;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::connect_info::MockConnectInfo;
-use axum::http::{HeaderMap, Request, Response, StatusCode};
+use axum::http::{HeaderMap, HeaderName, Request, Response, StatusCode};
 use axum::routing::{get, post};
 use parking_lot::Mutex;
 use tower::ServiceExt;
@@ -439,7 +439,10 @@ async fn header_entity_is_skipped_when_the_header_is_absent() {
         post(|| async { "found" }).route_layer(
             RouteLimitLayer::new(limiter.clone())
                 .global(plan("g", 100, 50.0))
-                .entity(EntityKey::header("x-api-key"), plan("e", 1, 0.001)),
+                .entity(
+                    EntityKey::header(HeaderName::from_static("x-api-key")),
+                    plan("e", 1, 0.001),
+                ),
         ),
     );
     let req = |key: Option<&str>| {
@@ -942,7 +945,10 @@ async fn header_ids_are_kept_exactly_or_refused() {
         post(|| async { "found" }).route_layer(
             RouteLimitLayer::new(limiter.clone())
                 .global(plan("g", 100, 0.001))
-                .entity(EntityKey::header("x-api-key"), plan("e", 1, 0.001)),
+                .entity(
+                    EntityKey::header(HeaderName::from_static("x-api-key")),
+                    plan("e", 1, 0.001),
+                ),
         ),
     );
     let req = |values: &[&[u8]]| {

@@ -246,13 +246,15 @@ impl RateLimitLayer {
                     let key = match &rule.source {
                         EntitySource::PathParam(name) => EntityKey::path_param(name.clone()),
                         EntitySource::Header(name) => {
-                            if axum::http::HeaderName::try_from(name.as_str()).is_err() {
-                                return Err(RouteConfigError::InvalidHeader {
-                                    endpoint,
-                                    header: name.clone(),
-                                });
+                            match axum::http::HeaderName::try_from(name.as_str()) {
+                                Ok(header) => EntityKey::header(header),
+                                Err(_) => {
+                                    return Err(RouteConfigError::InvalidHeader {
+                                        endpoint,
+                                        header: name.clone(),
+                                    });
+                                }
                             }
-                            EntityKey::header(name)
                         }
                         EntitySource::ClientIp => EntityKey::client_ip(),
                     };
