@@ -56,6 +56,7 @@ pub mod lease;
 pub mod limiter;
 pub mod metrics;
 pub mod policy;
+mod report;
 pub mod store;
 
 pub use error::Error;
@@ -64,11 +65,13 @@ pub use error::Error;
 ///
 /// What the crate's own integration tests and benchmarks reach that a user has no use for:
 /// the SQL text the store sends (benchmarks that run it through pgbench), the migration list
-/// and lock (tests that migrate on their own terms), and the store's bb8 pool (tests that run
-/// their own SQL on the store's sessions). Kept out of the documented modules so that the
+/// and lock (tests that migrate on their own terms), the store's bb8 pool (tests that run
+/// their own SQL on the store's sessions), and the password-hiding and cause-chain text the
+/// library's messages use (which the `tokenlease` binary shares). Kept out of the documented modules so that the
 /// API's types do not depend on bb8 or on the migration bookkeeping.
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::report::{chain, redact};
     #[cfg(feature = "postgres")]
     pub use crate::store::postgres::migrate::{
         MIGRATION_LOCK_ID, MIGRATIONS, MIGRATIONS_TABLE, migrate_with,

@@ -271,10 +271,16 @@ impl PostgresStore {
     ///
     /// # Errors
     ///
-    /// [`StoreError::Protocol`] when the connection string does not parse.
+    /// [`StoreError::InvalidConnectionString`] when the connection string does not parse; the
+    /// message quotes it with any password hidden.
     pub fn builder(connection: &str) -> Result<PostgresStoreBuilder, StoreError> {
-        let config = tokio_postgres::Config::from_str(connection)
-            .map_err(|e| StoreError::Protocol(format!("invalid connection string: {e}")))?;
+        let config = tokio_postgres::Config::from_str(connection).map_err(|e| {
+            StoreError::InvalidConnectionString(format!(
+                "{}: {}",
+                crate::report::redact(connection),
+                crate::report::chain(&e)
+            ))
+        })?;
         Ok(PostgresStoreBuilder {
             config,
             pool_size: 4,
@@ -636,5 +642,46 @@ impl Store for PostgresStore {
 
     fn max_concurrent_calls(&self) -> Option<usize> {
         Some(self.pool_size as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store that cannot connect says why, with every cause, and never the password.
+    #[tokio::test]
+    async fn a_refused_connection_names_its_cause_and_hides_the_password() {
+        // Port 1 on the loopback: nothing listens there, so the connection is refused at once.
+        let err = PostgresStore::builder("postgres://app:s3cret@127.0.0.1:1/app")
+            .expect("a valid connection string")
+            .connect_timeout(Duration::from_secs(5))
+            .build()
+            .await
+            .expect_err("nothing listens on port 1");
+        let text = err.to_string();
+        assert!(matches!(err, StoreError::Connection(_)), "{err:?}");
+        assert!(
+            text.starts_with("connection to the store failed: "),
+            "{text}"
+        );
+        assert!(text.to_lowercase().contains("refused"), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
+        // The driver's error stays reachable for inspection.
+        assert!(std::error::Error::source(&err).is_some());
+    }
+
+    /// A connection string that does not parse is quoted with its password hidden.
+    #[test]
+    fn an_invalid_connection_string_is_quoted_without_its_password() {
+        for bad in [
+            "postgres://app:s3cret@db:notaport/app",
+            "host=db user=app password=s3cret port=notaport",
+        ] {
+            let text = PostgresStore::builder(bad).expect_err(bad).to_string();
+            assert!(text.starts_with("invalid connection string "), "{text}");
+            assert!(text.contains("***"), "{text}");
+            assert!(!text.contains("s3cret"), "{text}");
+        }
     }
 }
