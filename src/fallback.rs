@@ -4,7 +4,7 @@
 //! out. `Local` keeps an in-process bucket per key holding `1 / instances` of the plan's capacity
 //! and rate, so `instances` processes deciding alone together stay near the shared limit.
 //!
-//! Besides the decisions (`tokenlease_fallback_decisions_total{mode, outcome}`, counted by the
+//! Besides the decisions (`tokenlease_fallback_decisions_total{plan, mode, outcome}`, counted by the
 //! limiter), the time spent in fallback is exported as `tokenlease_fallback_active_seconds{mode}`:
 //! a gauge that only grows, the total seconds during which fallback decisions of that mode kept
 //! coming no more than [`ACTIVE_GAP`] apart. The fallback does not see the store come back, so an

@@ -461,6 +461,41 @@ impl Store for FailingStore {
 /// With a failing store, each fallback mode decides and is counted by mode and outcome, in
 /// direct mode (one failed `take` per call) and in leased mode (one failed refill, then the
 /// slot sends callers straight to the fallback for a while).
+/// `tokenlease_fallback_decisions_total` carries the plan, like `tokenlease_decisions_total`:
+/// both of each plan's series (its fallback's mode, each outcome) exist at zero once a limiter
+/// is built with the policies, before any decision, and no other mode appears.
+#[test]
+fn fallback_decisions_by_plan_exist_from_the_start() {
+    let (snapshotter, ()) = recorded(async |_: &Snapshotter| {
+        let policies = tokenlease::policy::Policies::from_json_str(
+            r#"{"plans": {
+                    "open": {"capacity": 5, "refill_per_second": 1, "fallback": {"mode": "allow"}},
+                    "closed": {"capacity": 5, "refill_per_second": 1, "fallback": {"mode": "deny"}}}}"#,
+            None,
+        )
+        .expect("policies");
+        let _limiter = Limiter::builder(FailingStore).policies(policies).build();
+    });
+    let seen = Seen::take(&snapshotter);
+    for (plan, mode) in [("open", "allow"), ("closed", "deny")] {
+        for outcome in ["allowed", "denied"] {
+            let labels = [("plan", plan), ("mode", mode), ("outcome", outcome)];
+            assert!(
+                seen.get(MetricKind::Counter, m::FALLBACK_DECISIONS, &labels)
+                    .is_some(),
+                "{labels:?} registered at build"
+            );
+            assert_eq!(seen.counter(m::FALLBACK_DECISIONS, &labels), 0);
+        }
+    }
+    let series = seen
+        .values
+        .keys()
+        .filter(|(_, name, _)| name == m::FALLBACK_DECISIONS)
+        .count();
+    assert_eq!(series, 4, "two per plan, for its own mode only");
+}
+
 #[test]
 fn fallback_decisions_by_mode_and_outcome() {
     let local = FallbackMode::Local {
@@ -494,10 +529,11 @@ fn fallback_decisions_by_mode_and_outcome() {
             });
             let seen = Seen::take(&snapshotter);
             let what = format!("{label} fallback, leased = {leased}");
+            // The plan is named after its mode: the label says which plan fell back.
             let by_outcome = |outcome| {
                 seen.counter(
                     m::FALLBACK_DECISIONS,
-                    &[("mode", label), ("outcome", outcome)],
+                    &[("plan", label), ("mode", label), ("outcome", outcome)],
                 )
             };
             assert_eq!(by_outcome("allowed"), want_allowed, "{what}: allowed");

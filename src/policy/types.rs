@@ -69,6 +69,8 @@ impl Plan {
     /// The same plan with `fallback`.
     pub fn with_fallback(mut self, fallback: FallbackSettings) -> Plan {
         self.fallback = fallback;
+        // The counters carry the fallback's mode as a label: registered again when needed.
+        self.counters = OnceLock::new();
         self
     }
 }
@@ -118,7 +120,7 @@ impl Plan {
     #[cold]
     fn register_counters(&self) -> &Arc<PlanCounters> {
         self.counters
-            .get_or_init(|| Arc::new(PlanCounters::register(&self.name)))
+            .get_or_init(|| Arc::new(PlanCounters::register(&self.name, self.fallback.mode)))
     }
 }
 
