@@ -36,7 +36,6 @@
 //! - [`store`]: the [`store::Store`] contract, `store::PostgresStore` (feature `postgres`; one
 //!   atomic statement per call), [`store::MemoryStore`], and the circuit breaker.
 //! - [`limiter`]: [`Limiter::try_acquire`], the entry point, in direct and leased mode.
-//! - [`lease`]: the lease table, the lock-free lease word and the lease actor.
 //! - `http` (feature `http`): the tower layer with a global and an entity limit per route.
 //! - [`metrics`]: metric names and `describe()`.
 //! - `embedded` (feature `embedded`): a throwaway PostgreSQL cluster for tests, the demo and the load test.
@@ -52,7 +51,7 @@ pub mod error;
 mod fallback;
 #[cfg(feature = "http")]
 pub mod http;
-pub mod lease;
+mod lease;
 pub mod limiter;
 pub mod metrics;
 pub mod policy;
@@ -86,4 +85,5 @@ pub mod __private {
 #[cfg(all(doctest, feature = "postgres", feature = "http"))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
+pub use lease::LeaseStats;
 pub use limiter::{DecidedBy, Decision, Limiter};

@@ -7,7 +7,7 @@ use std::error::Error;
 /// The most characters of a connection string or address quoted in a message.
 const MAX_QUOTED: usize = 200;
 
-/// `conn` with any password replaced by `***`, cut to [`MAX_QUOTED`] characters (plus a note of
+/// `conn` with any password replaced by `***`, cut to `MAX_QUOTED` characters (plus a note of
 /// the full length): safe to print.
 ///
 /// Both forms libpq accepts are handled: a URL (`postgres://user:secret@host/db`, and a

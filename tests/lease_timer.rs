@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use tokenlease::LeaseStats;
 use tokenlease::Limiter;
-use tokenlease::lease::LeaseStats;
 use tokenlease::policy::{Accounting, LeaseSettings, Plan};
 use tokenlease::store::{MemoryStore, Store};
 

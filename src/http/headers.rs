@@ -28,7 +28,7 @@ pub const X_RATELIMIT_ENTITY_REMAINING: HeaderName =
 
 /// Which of the two limits a header item or a denial belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LayerKind {
+pub(crate) enum LayerKind {
     /// The endpoint's global bucket (`ratelimit:api:...`), policy name `"api"`.
     Api,
     /// The entity's bucket (`ratelimit:entity:...`), policy name `"entity"`.
@@ -37,7 +37,7 @@ pub enum LayerKind {
 
 impl LayerKind {
     /// The policy name in the header fields and the problem body: `api` or `entity`.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             LayerKind::Api => "api",
             LayerKind::Entity => "entity",
@@ -51,7 +51,7 @@ const ROUNDING_SLACK: Duration = Duration::from_millis(1);
 
 /// Whole seconds for `Retry-After`: rounded up, at least 1. An excess of under 1 ms over a
 /// whole second (the trace of the rate's rounding to 10⁻⁹ token/s) is not rounded up.
-pub fn retry_after_secs(d: Duration) -> u64 {
+pub(crate) fn retry_after_secs(d: Duration) -> u64 {
     ceil_secs(d.saturating_sub(ROUNDING_SLACK)).max(1)
 }
 

@@ -111,8 +111,7 @@ mod refund;
 mod service;
 
 pub use headers::{
-    LayerKind, RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_API_REMAINING,
-    X_RATELIMIT_ENTITY_REMAINING, retry_after_secs,
+    RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_API_REMAINING, X_RATELIMIT_ENTITY_REMAINING,
 };
 pub use key::{
     EntityKey, MAX_FORWARDED_BYTES, MAX_FORWARDED_HOPS, TrustedProxies, TrustedProxyError,

@@ -151,6 +151,7 @@ impl Drop for Inner {
 
 /// Settings for a [`Limiter`].
 #[derive(Debug)]
+#[must_use = "a builder does nothing until `build` is called"]
 pub struct LimiterBuilder {
     store: Arc<dyn Store>,
     policies: Option<Policies>,

@@ -61,12 +61,14 @@ impl Plan {
     }
 
     /// The same plan in leased mode with `lease`.
+    #[must_use]
     pub fn with_lease(mut self, lease: LeaseSettings) -> Plan {
         self.lease = Some(lease);
         self
     }
 
     /// The same plan with `fallback`.
+    #[must_use]
     pub fn with_fallback(mut self, fallback: FallbackSettings) -> Plan {
         self.fallback = fallback;
         // The counters carry the fallback's mode as a label: registered again when needed.

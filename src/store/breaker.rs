@@ -159,6 +159,7 @@ impl<S> CircuitBreaker<S> {
     }
 
     /// Consecutive transient failures that open the circuit. Defaults to 5; at least 1.
+    #[must_use]
     pub fn failure_threshold(mut self, n: u32) -> Self {
         self.threshold = n.max(1);
         self
@@ -169,6 +170,7 @@ impl<S> CircuitBreaker<S> {
     /// recovered database is used again within about `max` plus one call.
     ///
     /// `max` below `min` is raised to `min`; a zero `min` becomes 1 ms.
+    #[must_use]
     pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
         self.min_backoff = min.max(Duration::from_millis(1));
         self.max_backoff = max.max(self.min_backoff);
@@ -180,6 +182,7 @@ impl<S> CircuitBreaker<S> {
     /// `tokenlease_store_clock_skew_seconds` compare the store's `now()` with. Defaults to
     /// [`SystemClock`]; a test passes a clock it can step. Only the skew reads it: the breaker's
     /// back-off runs on [`Instant`], and no decision depends on the wall clock.
+    #[must_use]
     pub fn wall_clock(mut self, clock: impl Clock) -> Self {
         self.wall = Arc::new(clock);
         self
@@ -187,6 +190,7 @@ impl<S> CircuitBreaker<S> {
 
     /// The `store` label on this breaker's metrics, to tell several breakers apart. Defaults
     /// to `default`.
+    #[must_use]
     pub fn name(mut self, name: impl Into<String>) -> Self {
         self.name = name.into();
         self

@@ -265,6 +265,7 @@ impl MemoryStore {
 
     /// The same store with at most `n` keys (at least one); see [Bounded
     /// memory](Self#bounded-memory). Set it before the store is shared.
+    #[must_use]
     pub fn with_max_keys(mut self, n: usize) -> Self {
         self.max_keys = n.max(1);
         self
@@ -272,6 +273,7 @@ impl MemoryStore {
 
     /// The same store remembering at most `n` return ids (at least one); see [Bounded
     /// memory](Self#bounded-memory).
+    #[must_use]
     pub fn with_max_return_ids(mut self, n: usize) -> Self {
         self.max_return_ids = n.max(1);
         self

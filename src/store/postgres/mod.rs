@@ -81,6 +81,7 @@ impl std::fmt::Debug for PostgresStore {
 
 /// Settings for a [`PostgresStore`]; see each setter for its default.
 #[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `build` is awaited"]
 pub struct PostgresStoreBuilder {
     config: tokio_postgres::Config,
     pool_size: u32,
