@@ -31,11 +31,15 @@
 //!
 //! # Layout
 //!
+//! `docs/api.md` in the repository (and the package) maps every public item to what it is for
+//! and the feature that brings it, in one page. The modules:
+//!
 //! - [`bucket`]: the pure token bucket (no I/O, no clock, no async).
 //! - [`policy`]: the JSON policy file, validated into [`policy::Policies`].
 //! - [`store`]: the [`store::Store`] contract, `store::PostgresStore` (feature `postgres`; one
 //!   atomic statement per call), [`store::MemoryStore`], and the circuit breaker.
-//! - [`limiter`]: [`Limiter::try_acquire`], the entry point, in direct and leased mode.
+//! - [`limiter`]: [`Limiter::try_acquire`], the entry point, in direct and leased mode; its
+//!   answer, [`Decision`], and the lease counters, [`LeaseStats`].
 //! - `http` (feature `http`): the tower layer with a global and an entity limit per route.
 //! - [`metrics`]: metric names and `describe()`.
 //! - `embedded` (feature `embedded`): a throwaway PostgreSQL cluster for tests, the demo and the load test.

@@ -242,6 +242,22 @@ pub struct HeldLease {
 ///   the limiter, not the store, decides what a failure means (the plan's fallback).
 /// - **Timeouts are the store's job.** Every call returns within the store's configured call
 ///   timeout (plus scheduling), with [`StoreError::Timeout`] if it had to give up.
+///
+/// # A store of your own
+///
+/// The trait is public so that a limiter can run over another database, and so that a store
+/// can be wrapped ([`CircuitBreaker`], [`CountedStore`], a wrapper that injects faults in your
+/// tests). [`MemoryStore`] is the reference: `tests/store_contract.rs` runs one suite against
+/// it and [`PostgresStore`](crate::store::PostgresStore), and a new store should pass it too.
+/// Answer with [`Acquired::new`].
+///
+/// The request types ([`AcquireRequest`], [`GiveBack`]) and the rows ([`BucketRow`],
+/// [`HeldLease`]) are plain data with public fields, built by both sides. Their strict-lease
+/// parts ([`AcquireRequest::hold`], [`GiveBack::lease`], [`BucketRow::leases`]: see [`Hold`])
+/// are used only for plans with `accounting: strict`; for every other plan they are `None` and
+/// empty. A store that does not keep strict leases must refuse a request with a `hold` (return
+/// an error, which the plan's fallback then decides) rather than grant it as a plain take:
+/// that would silently drop the bound strict accounting promises.
 #[async_trait]
 pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// Refills the bucket and takes between `min` and `want` tokens if `min` are there.
