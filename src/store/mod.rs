@@ -248,7 +248,7 @@ pub struct HeldLease {
 /// The trait is public so that a limiter can run over another database, and so that a store
 /// can be wrapped ([`CircuitBreaker`], [`CountedStore`], a wrapper that injects faults in your
 /// tests). [`MemoryStore`] is the reference: `tests/store_contract.rs` runs one suite against
-/// it and [`PostgresStore`](crate::store::PostgresStore), and a new store should pass it too.
+/// it and `PostgresStore`, and a new store should pass it too.
 /// Answer with [`Acquired::new`].
 ///
 /// The request types ([`AcquireRequest`], [`GiveBack`]) and the rows ([`BucketRow`],

@@ -58,7 +58,16 @@ type Manager = ConnectionManager;
 
 /// Buckets in PostgreSQL, shared by every instance that connects to the same database.
 ///
-/// See the [module docs](self). Cheap to clone: clones share one pool.
+/// Every call is a single statement from `sql/`, sent with `query_typed`: no named prepared
+/// statements, so the store works behind PgBouncer in transaction pooling. Refill and take is a
+/// call of the server-side function `tokenlease_acquire`, and a return of lease tokens one of
+/// `tokenlease_give_back` (migration 0004): each locks its rows in key order, and refills by
+/// `now()` and takes (or credits) in the same statement. PostgreSQL keeps the plans of the
+/// functions' statements for the session, so only the short call is parsed and planned on every
+/// call. Every call is bounded by a client-side timeout, and the server stops abandoned
+/// statements itself with `statement_timeout` and `lock_timeout`, set on every connection.
+///
+/// Cheap to clone: clones share one pool.
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool<Manager>,
