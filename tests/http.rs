@@ -691,7 +691,9 @@ async fn layer_from_the_policy_file() {
 }
 
 /// The store is down: the fallback decides, never a 500. `deny` answers 503 with Retry-After,
-/// `allow` lets the request through.
+/// `allow` lets the request through. Neither knows what the buckets hold, so neither reports a
+/// count: `RateLimit-Policy` names the limits, and `RateLimit` and the `X-RateLimit-*-Remaining`
+/// fields are left out (the allow fallback once reported the full capacity).
 #[tokio::test]
 async fn store_down_is_decided_by_the_fallback_never_500() {
     let limiter = Limiter::builder(Down).build();
@@ -713,6 +715,14 @@ async fn store_down_is_decided_by_the_fallback_never_500() {
             .unwrap()
             >= 1
     );
+    assert!(header(r.headers(), "ratelimit-policy").is_some());
+    for name in [
+        "ratelimit",
+        "x-ratelimit-api-remaining",
+        "x-ratelimit-entity-remaining",
+    ] {
+        assert_eq!(header(r.headers(), name), None, "deny fallback: {name}");
+    }
     assert_eq!(body_json(r).await["layer"], "api");
 
     let app = booking_app(
@@ -721,7 +731,16 @@ async fn store_down_is_decided_by_the_fallback_never_500() {
         with(FallbackMode::Allow),
     );
     for _ in 0..20 {
-        assert_eq!(get_path(&app, "/bookings/1").await.status(), StatusCode::OK);
+        let r = get_path(&app, "/bookings/1").await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert!(header(r.headers(), "ratelimit-policy").is_some());
+        for name in [
+            "ratelimit",
+            "x-ratelimit-api-remaining",
+            "x-ratelimit-entity-remaining",
+        ] {
+            assert_eq!(header(r.headers(), name), None, "allow fallback: {name}");
+        }
     }
 }
 

@@ -861,6 +861,47 @@ mod tests {
         );
     }
 
+    /// A decision states only what its decider knows: the store says when the bucket is full
+    /// again, a lease (which spends tokens granted earlier without reading the bucket) does
+    /// not, and says so with `None` rather than a zero that would claim a full bucket.
+    #[test]
+    fn lease_decisions_do_not_claim_a_time_to_full() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let policies = Policies::from_json_str(
+                r#"{"plans": {
+                        "leased": {"capacity": 1000, "refill_per_second": 10, "lease": {}},
+                        "direct": {"capacity": 1000, "refill_per_second": 10}},
+                    "keys": [{"prefix": "d:", "plan": "direct"}],
+                    "default_plan": "leased"}"#,
+                None,
+            )
+            .expect("policy");
+            let limiter = Limiter::builder(crate::store::MemoryStore::new())
+                .policies(policies)
+                .build();
+            let d = limiter.try_acquire("d:1", 1.0).await.expect("valid");
+            assert_eq!(d.decided_by, DecidedBy::Store);
+            assert_eq!(d.remaining, Some(Tokens::whole(999)));
+            // One token short of 1000 at 10 per second: 100 ms to full.
+            assert_eq!(d.reset_after, Some(Duration::from_millis(100)));
+            let mut leased = 0;
+            for _ in 0..50 {
+                let d = limiter.try_acquire("k", 1.0).await.expect("valid");
+                assert!(d.allowed);
+                if d.decided_by == DecidedBy::Lease {
+                    leased += 1;
+                    assert_eq!(d.reset_after, None, "{d:?}");
+                    assert!(d.remaining.is_some(), "{d:?}");
+                }
+            }
+            assert!(leased > 0, "no decision came from a lease");
+        });
+    }
+
     /// A key first spent from through its plan by name (`try_acquire_now_with`) and then
     /// through `try_acquire` gets its policy index in the lease table's record on that call,
     /// so later `try_acquire` calls find the plan there instead of matching the key's prefixes.
