@@ -54,7 +54,7 @@
 //! pattern without its parameter names, so the file's `/items/{id}` limits the router's
 //! `/items/{itemId}`; keys use the file's pattern). A request the layer cannot match passes
 //! unlimited; when its path fits a file route it is counted in
-//! [`HTTP_UNMATCHED`] and the first one per route logs a
+//! [`HTTP_UNMATCHED`](crate::metrics::HTTP_UNMATCHED) and the first one per route logs a
 //! `tracing` warning. Patterns in the older `:id` syntax are refused when the file loads, and
 //! by [`RouteLimitLayer::route_pattern`] with [`RouteConfigError::InvalidPattern`].
 //!
@@ -120,6 +120,3 @@ pub use key::{
 pub use layer::{RateLimitLayer, RouteConfigError, RouteLimitLayer};
 pub use service::{RateLimit, ResponseFuture};
 
-/// The HTTP layer's metric names, defined (and described) in [`crate::metrics`]; re-exported
-/// here where they were first published.
-pub use crate::metrics::{HTTP_CHECKED, HTTP_DENIED, HTTP_ERRORS, HTTP_REFUNDS, HTTP_UNMATCHED};
