@@ -284,7 +284,9 @@ impl Limiter {
         self.inner.policies.as_ref()
     }
 
-    /// The store the limiter decides with.
+    /// The store the limiter decides with: the one given to the builder, as given (no wrapper
+    /// of the limiter's own), for reading a bucket with [`Store::inspect`]. Taking tokens from
+    /// it directly bypasses the limiter's leases, fallback and metrics.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.inner.store
     }
