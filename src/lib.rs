@@ -63,6 +63,8 @@ mod report;
 pub mod store;
 
 pub use error::Error;
+pub use lease::LeaseStats;
+pub use limiter::{DecidedBy, Decision, Limiter};
 
 /// Not part of the API: no semver promise, may change in any release.
 ///
@@ -70,8 +72,8 @@ pub use error::Error;
 /// the SQL text the store sends (benchmarks that run it through pgbench), the migration list
 /// and lock (tests that migrate on their own terms), the store's bb8 pool (tests that run
 /// their own SQL on the store's sessions), and the password-hiding and cause-chain text the
-/// library's messages use (which the `tokenlease` binary shares). Kept out of the documented modules so that the
-/// API's types do not depend on bb8 or on the migration bookkeeping.
+/// library's messages use (which the `tokenlease` binary shares). Kept out of the documented
+/// modules so that the API's types do not depend on bb8 or on the migration bookkeeping.
 #[doc(hidden)]
 pub mod __private {
     pub use crate::report::{chain, redact};
@@ -89,5 +91,3 @@ pub mod __private {
 #[cfg(all(doctest, feature = "postgres", feature = "http"))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
-pub use lease::LeaseStats;
-pub use limiter::{DecidedBy, Decision, Limiter};

@@ -119,4 +119,3 @@ pub use key::{
 };
 pub use layer::{RateLimitLayer, RouteConfigError, RouteLimitLayer};
 pub use service::{RateLimit, ResponseFuture};
-
