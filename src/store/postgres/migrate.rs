@@ -173,7 +173,9 @@ pub enum MigrateError {
         description: &'static str,
         /// The server's error, with SQLSTATE.
         detail: String,
-        /// The underlying error, for [`tokio_postgres::Error::code`].
+        /// The underlying error, for [`tokio_postgres::Error::code`]; also the error's
+        /// [`source`](std::error::Error::source).
+        #[source]
         error: tokio_postgres::Error,
     },
     /// Reading or writing the bookkeeping (`tokenlease_migrations`, the advisory lock, the
@@ -184,7 +186,8 @@ pub enum MigrateError {
         step: &'static str,
         /// The server's error, with SQLSTATE.
         detail: String,
-        /// The underlying error.
+        /// The underlying error; also the error's [`source`](std::error::Error::source).
+        #[source]
         error: tokio_postgres::Error,
     },
     /// The migration list itself is malformed (versions not strictly increasing, or ≤ 0).
