@@ -1,7 +1,8 @@
 //! Where buckets live: the [`Store`] contract and its two implementations.
 //!
-//! - [`PostgresStore`]: the shared store. Every call is one atomic SQL statement that refills by
-//!   the database's `now()` and takes tokens; many service instances share its buckets.
+//! - `PostgresStore` (feature `postgres`): the shared store. Every call is one atomic SQL
+//!   statement that refills by the database's `now()` and takes tokens; many service instances
+//!   share its buckets.
 //! - [`MemoryStore`]: the same contract inside one process, for single-instance services, tests,
 //!   and as the embedded default where no database is wanted.
 //!
