@@ -11,7 +11,7 @@ use tokenlease::bucket::{BucketConfig, BucketState, Rate, Timestamp, Tokens};
 
 fn bucket(c: &mut Criterion) {
     let config = BucketConfig::new(Tokens::whole(100), Rate::per_second(50).unwrap()).unwrap();
-    let start = Timestamp(1_700_000_000_000_000_000);
+    let start = Timestamp::from_nanos(1_700_000_000_000_000_000);
     let full = BucketState::full(&config, start);
     let empty = BucketState {
         tokens: Tokens::ZERO,
@@ -28,7 +28,7 @@ fn bucket(c: &mut Criterion) {
         })
     });
     group.bench_function("take/allowed_after_refill", |b| {
-        let later = Timestamp(start.0 + 7_000_000);
+        let later = Timestamp::from_nanos(start.as_nanos() + 7_000_000);
         let half = BucketState {
             tokens: Tokens::whole(50),
             last_refill: start,

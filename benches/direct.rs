@@ -20,11 +20,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
+use tokenlease::__private::ACQUIRE_SQL;
 use tokenlease::Limiter;
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::embedded::TempPostgres;
 use tokenlease::policy::Plan;
-use tokenlease::store::postgres::ACQUIRE_SQL;
 use tokenlease::store::{AcquireRequest, PostgresStore, Store};
 
 const KEYS: u64 = 10_000;

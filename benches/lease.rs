@@ -59,14 +59,14 @@ fn huge_bucket() -> BucketConfig {
 /// the lease word's 7.2 × 10⁷ tokens), so once warm they are refilled in the background long
 /// before they run dry, and the benchmark measures the lookup and CAS alone.
 fn fast_plan() -> Plan {
-    Plan::new("fast", huge_bucket()).with_lease(LeaseSettings {
-        ttl: Duration::from_secs(3600),
-        max_fraction: 1.0,
-        low_water: 0.5,
-        refresh: Duration::from_secs(3600),
-        max_wait: Duration::from_secs(1),
-        ..LeaseSettings::default()
-    })
+    Plan::new("fast", huge_bucket()).with_lease(
+        LeaseSettings::default()
+            .with_ttl(Duration::from_secs(3600))
+            .with_max_fraction(1.0)
+            .with_low_water(0.5)
+            .with_refresh(Duration::from_secs(3600))
+            .with_max_wait(Duration::from_secs(1)),
+    )
 }
 
 /// A fast-path call that found no live lease (counted, never expected once warm).

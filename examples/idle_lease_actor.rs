@@ -59,10 +59,7 @@ fn main() {
         )
         .expect("bucket"),
     )
-    .with_lease(LeaseSettings {
-        ttl: Duration::from_secs(3600),
-        ..LeaseSettings::default()
-    });
+    .with_lease(LeaseSettings::default().with_ttl(Duration::from_secs(3600)));
     for n in keys {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)

@@ -84,7 +84,7 @@ impl ManualClock {
     /// A clock that reads `start`.
     pub fn new(start: Timestamp) -> Self {
         ManualClock {
-            nanos: Arc::new(AtomicU64::new(start.0)),
+            nanos: Arc::new(AtomicU64::new(start.as_nanos())),
         }
     }
 
@@ -95,13 +95,13 @@ impl ManualClock {
 
     /// Sets the clock to `to`, which may be earlier than now (to test clocks that step back).
     pub fn set(&self, to: Timestamp) {
-        self.nanos.store(to.0, Ordering::SeqCst);
+        self.nanos.store(to.as_nanos(), Ordering::SeqCst);
     }
 }
 
 impl Clock for ManualClock {
     fn now(&self) -> Timestamp {
-        Timestamp(self.nanos.load(Ordering::SeqCst))
+        Timestamp::from_nanos(self.nanos.load(Ordering::SeqCst))
     }
 }
 
@@ -109,10 +109,10 @@ impl Clock for ManualClock {
 /// epoch; times before 1970 read as zero.
 pub fn timestamp_from_system_time(t: SystemTime) -> Timestamp {
     let nanos = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    Timestamp(u64::try_from(nanos).unwrap_or(u64::MAX))
+    Timestamp::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
 }
 
 /// Converts nanoseconds since the Unix epoch back to a wall-clock time.
 pub fn system_time_from_timestamp(t: Timestamp) -> SystemTime {
-    UNIX_EPOCH + std::time::Duration::from_nanos(t.0)
+    UNIX_EPOCH + std::time::Duration::from_nanos(t.as_nanos())
 }

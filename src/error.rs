@@ -1,12 +1,12 @@
 //! The crate's error types.
 //!
 //! A denial is a [`Decision`](crate::Decision), never an error. Errors are for requests that can
-//! never succeed as written (a bad key, a cost that cannot fit, an unknown plan) and for store
-//! failures that no fallback absorbed.
-
-use std::time::Duration;
-
-use crate::store::StoreError;
+//! never succeed as written (a bad key, a cost that cannot fit, an unknown plan). A store that
+//! fails or times out is not an error of [`Limiter::try_acquire`](crate::Limiter::try_acquire):
+//! every plan has a fallback, and the [`Decision`](crate::Decision) says it decided
+//! ([`DecidedBy::Fallback`](crate::DecidedBy::Fallback)). Store errors
+//! ([`StoreError`](crate::store::StoreError)) reach the caller only from the calls that talk to
+//! the store itself: building a store and [`Store`](crate::store::Store)'s own methods.
 
 /// Why [`Limiter::try_acquire`](crate::Limiter::try_acquire) could not decide.
 #[derive(Debug, thiserror::Error)]
@@ -31,12 +31,6 @@ pub enum Error {
         /// The first 64 characters of the key.
         key: String,
     },
-    /// The store failed and the plan's fallback does not decide in its place.
-    #[error("store failed: {0}")]
-    Store(#[source] StoreError),
-    /// The decision took longer than the configured maximum wait.
-    #[error("no decision within {0:?}")]
-    Timeout(Duration),
 }
 
 /// The longest key in bytes. PostgreSQL refuses btree index entries above 2704 bytes; the rest

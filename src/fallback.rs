@@ -4,7 +4,7 @@
 //! out. `Local` keeps an in-process bucket per key holding `1 / instances` of the plan's capacity
 //! and rate, so `instances` processes deciding alone together stay near the shared limit.
 //!
-//! Besides the decisions (`tokenlease_fallback_decisions_total{mode, outcome}`, counted by the
+//! Besides the decisions (`tokenlease_fallback_decisions_total{plan, mode, outcome}`, counted by the
 //! limiter), the time spent in fallback is exported as `tokenlease_fallback_active_seconds{mode}`:
 //! a gauge that only grows, the total seconds during which fallback decisions of that mode kept
 //! coming no more than [`ACTIVE_GAP`] apart. The fallback does not see the store come back, so an
@@ -117,23 +117,25 @@ impl Fallback {
     pub(crate) async fn decide(&self, plan: &Plan, key: &str, cost: Tokens) -> Decision {
         record_active(plan.fallback().mode, Instant::now());
         let limit = plan.capacity();
-        let decision = |allowed: bool, remaining: Tokens, retry_after: Duration| Decision {
+        // Allow and deny decide without any bucket: what the shared bucket holds, and when it is
+        // full, nobody here knows (`None`), rather than a made-up count such as the capacity.
+        let decision = |allowed: bool, remaining: Option<Tokens>, retry_after: Duration| Decision {
             allowed,
             remaining,
             limit,
             retry_after,
-            reset_after: Duration::ZERO,
+            reset_after: None,
             decided_by: DecidedBy::Fallback(plan.fallback().mode),
             store_time: None,
         };
         match plan.fallback().mode {
-            FallbackMode::Allow => decision(true, limit, Duration::ZERO),
+            FallbackMode::Allow => decision(true, None, Duration::ZERO),
             // Nothing says when the store is back: a short retry hint, not a promise.
-            FallbackMode::Deny => decision(false, Tokens::ZERO, Duration::from_secs(1)),
+            FallbackMode::Deny => decision(false, None, Duration::from_secs(1)),
             FallbackMode::Local { instances } => {
                 let share = local_share(plan.bucket(), instances.get());
                 if cost > share.capacity() {
-                    return decision(false, Tokens::ZERO, Duration::from_secs(1));
+                    return decision(false, None, Duration::from_secs(1));
                 }
                 let taken = self
                     .local
@@ -142,12 +144,12 @@ impl Fallback {
                 self.report();
                 match taken {
                     Ok(a) => Decision {
-                        reset_after: a.reset_after,
-                        ..decision(!a.granted.is_zero(), a.remaining, a.retry_after)
+                        reset_after: Some(a.reset_after),
+                        ..decision(!a.granted.is_zero(), Some(a.remaining), a.retry_after)
                     },
                     // At the key bound with no full bucket to delete (the only error of a
                     // memory store): a new key is denied until buckets refill.
-                    Err(_) => decision(false, Tokens::ZERO, Duration::from_secs(1)),
+                    Err(_) => decision(false, None, Duration::from_secs(1)),
                 }
             }
         }
@@ -218,6 +220,28 @@ mod tests {
         assert_eq!(deny.retry_after, Duration::from_secs(1));
     }
 
+    /// Allow and deny decide without a bucket: they claim no remaining tokens (the allow
+    /// fallback once reported the full capacity) and no time to full.
+    #[tokio::test]
+    async fn allow_and_deny_claim_no_bucket_state() {
+        let fallback = Fallback::default();
+        let one = Tokens::whole(1);
+        for mode in [FallbackMode::Allow, FallbackMode::Deny] {
+            let d = fallback.decide(&plan(mode), "k", one).await;
+            assert_eq!(d.remaining, None, "{mode:?}");
+            assert_eq!(d.reset_after, None, "{mode:?}");
+            assert_eq!(d.limit, Tokens::whole(100), "{mode:?}");
+        }
+        // The local fallback has a bucket of its own: 50 of this instance's share, 49 left,
+        // full again after 1 token at 25/s.
+        let local = plan(FallbackMode::Local {
+            instances: NonZeroU32::new(2).unwrap(),
+        });
+        let d = fallback.decide(&local, "k", one).await;
+        assert_eq!(d.remaining, Some(Tokens::whole(49)));
+        assert_eq!(d.reset_after, Some(Duration::from_millis(40)));
+    }
+
     /// The database is down and a million distinct ids arrive, faster than their local buckets
     /// refill: at most `FALLBACK_MAX_KEYS` buckets are kept (ids beyond them are denied, never
     /// admitted by evicting a bucket that is not full), and once the buckets have refilled the
@@ -227,7 +251,7 @@ mod tests {
         use crate::bucket::Timestamp;
         use crate::clock::ManualClock;
 
-        let clock = ManualClock::new(Timestamp(1_000_000_000_000_000));
+        let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000_000_000));
         let fallback = Fallback::with_local(
             MemoryStore::with_clock(clock.clone()).with_max_keys(FALLBACK_MAX_KEYS),
         );
@@ -248,7 +272,7 @@ mod tests {
         // A stored id still decides by its bucket: 49 of its 50 tokens left.
         let d = fallback.decide(&plan, "id:0", one).await;
         assert!(d.allowed);
-        assert_eq!(d.remaining, Tokens::whole(48));
+        assert_eq!(d.remaining, Some(Tokens::whole(48)));
 
         // A share of 50 refilling at 25/s is full again after 2 s: the next call deletes them.
         clock.advance(3_000_000_000);

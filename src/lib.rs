@@ -31,12 +31,15 @@
 //!
 //! # Layout
 //!
+//! `docs/api.md` in the repository (and the package) maps every public item to what it is for
+//! and the feature that brings it, in one page. The modules:
+//!
 //! - [`bucket`]: the pure token bucket (no I/O, no clock, no async).
 //! - [`policy`]: the JSON policy file, validated into [`policy::Policies`].
 //! - [`store`]: the [`store::Store`] contract, `store::PostgresStore` (feature `postgres`; one
 //!   atomic statement per call), [`store::MemoryStore`], and the circuit breaker.
-//! - [`limiter`]: [`Limiter::try_acquire`], the entry point, in direct and leased mode.
-//! - [`lease`]: the lease table, the lock-free lease word and the lease actor.
+//! - [`limiter`]: [`Limiter::try_acquire`], the entry point, in direct and leased mode; its
+//!   answer, [`Decision`], and the lease counters, [`LeaseStats`].
 //! - `http` (feature `http`): the tower layer with a global and an entity limit per route.
 //! - [`metrics`]: metric names and `describe()`.
 //! - `embedded` (feature `embedded`): a throwaway PostgreSQL cluster for tests, the demo and the load test.
@@ -52,16 +55,39 @@ pub mod error;
 mod fallback;
 #[cfg(feature = "http")]
 pub mod http;
-pub mod lease;
+mod lease;
 pub mod limiter;
 pub mod metrics;
 pub mod policy;
+mod report;
 pub mod store;
 
 pub use error::Error;
+pub use lease::LeaseStats;
+pub use limiter::{DecidedBy, Decision, Limiter};
+
+/// Not part of the API: no semver promise, may change in any release.
+///
+/// What the crate's own integration tests and benchmarks reach that a user has no use for:
+/// the SQL text the store sends (benchmarks that run it through pgbench), the migration list
+/// and lock (tests that migrate on their own terms), the store's bb8 pool (tests that run
+/// their own SQL on the store's sessions), and the password-hiding and cause-chain text the
+/// library's messages use (which the `tokenlease` binary shares). Kept out of the documented
+/// modules so that the API's types do not depend on bb8 or on the migration bookkeeping.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::report::{chain, redact};
+    #[cfg(feature = "postgres")]
+    pub use crate::store::postgres::migrate::{
+        MIGRATION_LOCK_ID, MIGRATIONS, MIGRATIONS_TABLE, migrate_with,
+    };
+    #[cfg(feature = "postgres")]
+    pub use crate::store::postgres::{
+        ACQUIRE_BARE_SQL, ACQUIRE_SQL, ConnectionManager, PgConnection, pool,
+    };
+}
 
 /// The README's Rust blocks, compiled as doc tests (`cargo test --doc --all-features`).
 #[cfg(all(doctest, feature = "postgres", feature = "http"))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
-pub use limiter::{DecidedBy, Decision, Limiter};

@@ -50,7 +50,9 @@ pub const ACTOR_RESTARTS: &str = "tokenlease_lease_actor_restarts_total";
 /// Leased calls decided by the fallback because no lease actor could run (called outside a
 /// tokio runtime while none was running).
 pub const ACTOR_UNAVAILABLE: &str = "tokenlease_lease_actor_unavailable_total";
-/// Decisions made by the fallback, by `mode` (`allow`, `deny`, `local`) and `outcome`.
+/// Decisions made by the fallback, by `plan`, `mode` (`allow`, `deny`, `local`: the plan's
+/// fallback) and `outcome`; each plan's two series are registered at zero with its other
+/// counters.
 pub const FALLBACK_DECISIONS: &str = "tokenlease_fallback_decisions_total";
 /// Gauge: the local buckets the `local` fallbacks hold, every limiter of the process together
 /// (at most 100,000 per limiter; full ones are deleted, also once the store answers again).
@@ -145,7 +147,7 @@ pub fn describe() {
     describe_counter!(
         FALLBACK_DECISIONS,
         Unit::Count,
-        "fallback decisions by mode and outcome"
+        "fallback decisions by plan, mode and outcome"
     );
     describe_counter!(IDLE_ROWS_DELETED, Unit::Count, "idle bucket rows deleted");
     describe_counter!(
@@ -234,12 +236,17 @@ fn by_index(decided_by: DecidedBy) -> usize {
 }
 
 /// The decision counters of one plan: `tokenlease_decisions_total` for each outcome and
-/// decider, with the plan's name, and `tokenlease_db_calls_saved_total`. Registered once per
+/// decider and `tokenlease_fallback_decisions_total` for each outcome under the plan's fallback
+/// mode, with the plan's name, and `tokenlease_db_calls_saved_total`. Registered once per
 /// plan (at zero, so every series exists from the start), so that recording a decision is an
 /// increment on a handle: no label strings, no lookup in the recorder's registry.
 pub(crate) struct PlanCounters {
     /// `[allowed, denied][store, lease, fallback]`.
     decisions: [[Counter; 3]; 2],
+    /// The plan's fallback mode, as its label.
+    mode: &'static str,
+    /// `tokenlease_fallback_decisions_total{plan, mode, outcome}`: `[allowed, denied]`.
+    fallback: [Counter; 2],
     /// Decisions answered from a lease (no label: one series for every plan).
     saved: Counter,
 }
@@ -251,8 +258,10 @@ impl fmt::Debug for PlanCounters {
 }
 
 impl PlanCounters {
-    /// Registers the counters of the plan `name` with the recorder installed now.
-    pub(crate) fn register(name: &str) -> PlanCounters {
+    /// Registers the counters of the plan `name`, whose fallback decides with `mode`, with the
+    /// recorder installed now.
+    pub(crate) fn register(name: &str, mode: FallbackMode) -> PlanCounters {
+        let mode = mode_label(mode);
         let one = |outcome: &'static str, by: &'static str| {
             let c = metrics::counter!(DECISIONS, "plan" => name.to_owned(),
                 "outcome" => outcome, "decided_by" => by);
@@ -260,10 +269,18 @@ impl PlanCounters {
             c
         };
         let row = |outcome| DECIDED_BY.map(|by| one(outcome, by));
+        let fallback = |outcome: &'static str| {
+            let c = metrics::counter!(FALLBACK_DECISIONS, "plan" => name.to_owned(),
+                "mode" => mode, "outcome" => outcome);
+            c.increment(0);
+            c
+        };
         let saved = metrics::counter!(DB_CALLS_SAVED);
         saved.increment(0);
         PlanCounters {
             decisions: [row("allowed"), row("denied")],
+            mode,
+            fallback: [fallback("allowed"), fallback("denied")],
             saved,
         }
     }
@@ -271,12 +288,21 @@ impl PlanCounters {
 
 /// Records one decision made off the fast path under `plan`.
 pub(crate) fn record(plan: &crate::policy::Plan, decision: &Decision) {
+    let counters = plan.counters();
+    let row = usize::from(!decision.allowed);
     if let DecidedBy::Fallback(mode) = decision.decided_by {
-        metrics::counter!(FALLBACK_DECISIONS, "mode" => mode_label(mode), "outcome" => outcome(decision.allowed))
+        let mode = mode_label(mode);
+        if mode == counters.mode {
+            counters.fallback[row].increment(1);
+        } else {
+            // The plan's fallback decides with the plan's mode; this is only for a decision
+            // that names another one, counted by its own labels rather than misfiled.
+            metrics::counter!(FALLBACK_DECISIONS, "plan" => plan.name().to_owned(),
+                "mode" => mode, "outcome" => outcome(decision.allowed))
             .increment(1);
+        }
     }
-    plan.counters().decisions[usize::from(!decision.allowed)][by_index(decision.decided_by)]
-        .increment(1);
+    counters.decisions[row][by_index(decision.decided_by)].increment(1);
 }
 
 /// Records how long a decision that waited took, by who decided.

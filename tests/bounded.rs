@@ -30,7 +30,7 @@ fn rss_mib() -> f64 {
 /// bound, deletes the full buckets and keeps admitting; never more than the bound stored.
 #[tokio::test]
 async fn a_flood_of_keys_whose_buckets_refill_stays_within_the_bound() {
-    let clock = ManualClock::new(Timestamp(1_000_000 * MS));
+    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000 * MS));
     let store = MemoryStore::with_clock(clock.clone()).with_max_keys(BOUND);
     let shape = bucket(10, 100.0);
     let one = Tokens::whole(1);
@@ -58,7 +58,7 @@ async fn a_flood_of_keys_whose_buckets_refill_stays_within_the_bound() {
 /// the next new key empties the store of them.
 #[tokio::test]
 async fn at_the_bound_new_keys_are_refused_and_the_store_shrinks_after_the_flood() {
-    let clock = ManualClock::new(Timestamp(1_000_000 * MS));
+    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000 * MS));
     let store = MemoryStore::with_clock(clock.clone()).with_max_keys(BOUND);
     let shape = bucket(10, 1.0);
     let one = Tokens::whole(1);
@@ -111,7 +111,7 @@ async fn at_the_bound_new_keys_are_refused_and_the_store_shrinks_after_the_flood
 /// recent one still credits nothing, and after `RETURN_ID_TTL` they are forgotten.
 #[tokio::test]
 async fn return_ids_are_bounded_in_count_and_time() {
-    let clock = ManualClock::new(Timestamp(1_000_000 * MS));
+    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000 * MS));
     let store = MemoryStore::with_clock(clock.clone()).with_max_return_ids(BOUND);
     let shape = bucket(10, 1.0);
     let one = Tokens::whole(1);

@@ -285,11 +285,11 @@ fn check_retry_after(sut: &Sut, min: Tokens, retry_after: u64, exact: i128) {
     let grant_at = |at: u64| {
         let (_, g) = sut
             .state
-            .grant(&sut.config, Timestamp(at), min, min)
+            .grant(&sut.config, Timestamp::from_nanos(at), min, min)
             .expect("min within capacity");
         g.granted >= min && g.retry_after == 0
     };
-    let now = sut.now.0;
+    let now = sut.now.as_nanos();
     assert!(!grant_at(now), "still denied at the same instant");
     let Some(deadline) = now.checked_add(retry_after) else {
         // Beyond u64 nanoseconds: nothing to check at the deadline.
@@ -359,12 +359,12 @@ impl StateMachineTest for Sut {
     fn init_test(reference: &Model) -> Sut {
         let state = BucketState {
             tokens: Tokens::from_atto(reference.tokens as u128),
-            last_refill: Timestamp(reference.last_refill as u64),
+            last_refill: Timestamp::from_nanos(reference.last_refill as u64),
         };
         Sut {
             config: config_of(reference.capacity as u128, reference.rate as u64),
             state,
-            now: Timestamp(reference.now as u64),
+            now: Timestamp::from_nanos(reference.now as u64),
             previous_last_refill: state.last_refill,
         }
     }
@@ -373,7 +373,9 @@ impl StateMachineTest for Sut {
         sut.previous_last_refill = sut.state.last_refill;
         match op {
             Op::Advance(d) => sut.now = sut.now.saturating_add(d),
-            Op::ClockBack(d) => sut.now = Timestamp(sut.now.0.saturating_sub(d)),
+            Op::ClockBack(d) => {
+                sut.now = Timestamp::from_nanos(sut.now.as_nanos().saturating_sub(d))
+            }
             Op::Acquire(cost) => {
                 let cost = Tokens::from_atto(cost);
                 let before = sut.state;
@@ -433,10 +435,11 @@ impl StateMachineTest for Sut {
         // The bucket equals the reference exactly: both are integers.
         assert_eq!(atto(sut.state.tokens), reference.tokens, "tokens");
         assert_eq!(
-            sut.state.last_refill.0 as i128, reference.last_refill,
+            sut.state.last_refill.as_nanos() as i128,
+            reference.last_refill,
             "last_refill"
         );
-        assert_eq!(sut.now.0 as i128, reference.now, "clock");
+        assert_eq!(sut.now.as_nanos() as i128, reference.now, "clock");
         assert_eq!(atto(sut.config.capacity()), reference.capacity, "capacity");
         // last_refill never decreases (tikv/pd#10744).
         assert!(
@@ -542,14 +545,14 @@ proptest! {
         let cap = config.capacity();
         let mut state = BucketState {
             tokens: Tokens::from_atto(start).min(cap),
-            last_refill: Timestamp(last_refill),
+            last_refill: Timestamp::from_nanos(last_refill),
         };
         for op in ops {
             let before = state.last_refill;
             match op {
                 WildOp::Take(now, cost) => {
                     let cost = Tokens::from_atto(cost);
-                    match state.take(&config, Timestamp(now), cost) {
+                    match state.take(&config, Timestamp::from_nanos(now), cost) {
                         Ok((next, outcome)) => {
                             prop_assert!(cost <= cap);
                             match outcome {
@@ -565,7 +568,7 @@ proptest! {
                 }
                 WildOp::Grant(now, min, want) => {
                     let min = Tokens::from_atto(min);
-                    match state.grant(&config, Timestamp(now), min, Tokens::from_atto(want)) {
+                    match state.grant(&config, Timestamp::from_nanos(now), min, Tokens::from_atto(want)) {
                         Ok((next, g)) => {
                             prop_assert!(g.granted.is_zero() || g.granted >= min);
                             prop_assert!(g.granted <= cap && g.remaining <= cap);
@@ -575,11 +578,11 @@ proptest! {
                     }
                 }
                 WildOp::Credit(now, amount) => {
-                    state = state.credit(&config, Timestamp(now), Tokens::from_atto(amount));
+                    state = state.credit(&config, Timestamp::from_nanos(now), Tokens::from_atto(amount));
                 }
-                WildOp::Refill(now) => state = state.refill(&config, Timestamp(now)),
+                WildOp::Refill(now) => state = state.refill(&config, Timestamp::from_nanos(now)),
                 WildOp::TimeToFull(now) => {
-                    let _ = state.time_to_full(&config, Timestamp(now));
+                    let _ = state.time_to_full(&config, Timestamp::from_nanos(now));
                 }
             }
             prop_assert!(state.tokens <= cap);
@@ -596,11 +599,11 @@ proptest! {
 /// at `per_second` tokens/s (rounded by `Rate::from_f64`); returns how many were admitted.
 fn admitted(per_second: f64, times: impl Iterator<Item = u64>) -> u64 {
     let config = BucketConfig::new(Tokens::whole(1), Rate::from_f64(per_second).unwrap()).unwrap();
-    let mut state = BucketState::full(&config, Timestamp(0));
+    let mut state = BucketState::full(&config, Timestamp::from_nanos(0));
     let mut admitted = 0;
     for now in times {
         let (next, outcome) = state
-            .take(&config, Timestamp(now), Tokens::whole(1))
+            .take(&config, Timestamp::from_nanos(now), Tokens::whole(1))
             .unwrap();
         admitted += u64::from(outcome.is_allowed());
         state = next;
@@ -755,11 +758,11 @@ fn a2_year_at_ten_calls_per_second_is_exact() {
     .unwrap();
     let mut state = BucketState {
         tokens: Tokens::ZERO,
-        last_refill: Timestamp(0),
+        last_refill: Timestamp::from_nanos(0),
     };
     let calls = YEAR_S * 10;
     for i in 1..=calls {
-        state = state.refill(&config, Timestamp(i * 100 * MS));
+        state = state.refill(&config, Timestamp::from_nanos(i * 100 * MS));
     }
     let tokens = atto(state.tokens);
     // Exact at the configured rate, in attotokens: seconds × nanotokens/s × 10⁹.
@@ -829,9 +832,9 @@ fn a3_overflow_edge_table() {
                         );
                         let state = BucketState {
                             tokens: start,
-                            last_refill: Timestamp(last),
+                            last_refill: Timestamp::from_nanos(last),
                         };
-                        let now = Timestamp(last + e);
+                        let now = Timestamp::from_nanos(last + e);
                         let refilled = state.refill(&config, now);
                         assert!(refilled.tokens <= capacity, "{row}");
                         // The exact refill, in checked u128 (a panic here is an overflow in

@@ -347,7 +347,10 @@ async fn every_key_of_a_thousand_holds_its_envelope() {
     );
     let touched: HashSet<&str> = by_key.keys().copied().collect();
     let store = common::store(&db, 1).await;
-    let conn = store.pool().get().await.expect("connection");
+    let conn = tokenlease::__private::pool(&store)
+        .get()
+        .await
+        .expect("connection");
     let rows: i64 = conn
         .query_one("SELECT count(*) FROM tokenlease_buckets", &[])
         .await

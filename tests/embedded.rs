@@ -3,8 +3,9 @@
 
 use std::time::Instant;
 
+use tokenlease::__private::MIGRATIONS;
 use tokenlease::embedded::{StopMode, TempPostgres, TestDatabase};
-use tokenlease::store::postgres::migrate::{MIGRATIONS, migrate};
+use tokenlease::store::migrate;
 use tokio_postgres::{Client, NoTls};
 
 async fn connect(conn: &str) -> Result<Client, tokio_postgres::Error> {

@@ -129,20 +129,14 @@ impl Mode {
 }
 
 fn direct_plan(mode: Mode, capacity: u64, rate: f64) -> Arc<Plan> {
-    Arc::new(
-        common::plan(capacity, rate).with_fallback(FallbackSettings {
-            mode: mode.fallback(),
-        }),
-    )
+    Arc::new(common::plan(capacity, rate).with_fallback(FallbackSettings::new(mode.fallback())))
 }
 
 fn leased_plan(mode: Mode) -> Arc<Plan> {
     Arc::new(
         common::plan(C, R)
             .with_lease(LeaseSettings::default())
-            .with_fallback(FallbackSettings {
-                mode: mode.fallback(),
-            }),
+            .with_fallback(FallbackSettings::new(mode.fallback())),
     )
 }
 
@@ -1349,7 +1343,7 @@ async fn d6(mode: Mode) {
     tokio::time::sleep_until((origin + Duration::from_millis(500)).into()).await;
     // Hold both pooled connections for 1.5 s. The callers compete for them, and each `get`
     // gives up after the pool's 50 ms wait: try again until the test holds both.
-    let pool = instance.breaker.get_ref().inner.pool().clone();
+    let pool = tokenlease::__private::pool(&instance.breaker.get_ref().inner).clone();
     let get = || async {
         for _ in 0..100 {
             if let Ok(conn) = pool.get().await {
@@ -1635,8 +1629,8 @@ impl SteppedClock {
 
 impl Clock for SteppedClock {
     fn now(&self) -> Timestamp {
-        let real = timestamp_from_system_time(SystemTime::now()).0;
-        Timestamp(real.saturating_add_signed(self.offset_nanos.load(Ordering::SeqCst)))
+        let real = timestamp_from_system_time(SystemTime::now()).as_nanos();
+        Timestamp::from_nanos(real.saturating_add_signed(self.offset_nanos.load(Ordering::SeqCst)))
     }
 }
 
@@ -1705,9 +1699,7 @@ async fn d9(mode: Mode) {
     let leased = Arc::new(
         common::plan(D9_C, D9_R)
             .with_lease(LeaseSettings::default())
-            .with_fallback(FallbackSettings {
-                mode: mode.fallback(),
-            }),
+            .with_fallback(FallbackSettings::new(mode.fallback())),
     );
     let mut runs = Vec::new();
     for leased in [false, true] {

@@ -14,7 +14,7 @@ use async_trait::async_trait;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::connect_info::MockConnectInfo;
-use axum::http::{HeaderMap, Request, Response, StatusCode};
+use axum::http::{HeaderMap, HeaderName, Request, Response, StatusCode};
 use axum::routing::{get, post};
 use parking_lot::Mutex;
 use tower::ServiceExt;
@@ -23,7 +23,7 @@ use tokenlease::Limiter;
 use tokenlease::bucket::{BucketConfig, Rate, Timestamp, Tokens};
 use tokenlease::clock::ManualClock;
 use tokenlease::embedded::TestDatabase;
-use tokenlease::http::{EntityKey, RateLimitLayer, TrustedProxies, client_ip};
+use tokenlease::http::{EntityKey, RateLimitLayer, RouteLimitLayer, TrustedProxies, client_ip};
 use tokenlease::policy::{FallbackMode, FallbackSettings, Plan, Policies};
 use tokenlease::store::{
     AcquireRequest, Acquired, BucketRow, GiveBack, MemoryStore, PostgresStore, Store, StoreError,
@@ -168,7 +168,7 @@ fn booking_app(limiter: &Limiter, global: Arc<Plan>, entity: Arc<Plan>) -> Route
         .route(
             BOOKING,
             get(|| async { "booking" }).route_layer(
-                RateLimitLayer::new(limiter.clone())
+                RouteLimitLayer::new(limiter.clone())
                     .global(global.clone())
                     .entity(EntityKey::path_param("bookingId"), entity),
             ),
@@ -176,7 +176,7 @@ fn booking_app(limiter: &Limiter, global: Arc<Plan>, entity: Arc<Plan>) -> Route
         .route(
             "/bookings",
             get(|| async { "list" })
-                .route_layer(RateLimitLayer::new(limiter.clone()).global(global)),
+                .route_layer(RouteLimitLayer::new(limiter.clone()).global(global)),
         )
         .layer(MockConnectInfo(peer("127.0.0.1")))
 }
@@ -201,7 +201,7 @@ async fn body_json(resp: Response<Body>) -> serde_json::Value {
 }
 
 fn manual() -> (ManualClock, MemoryStore) {
-    let clock = ManualClock::new(Timestamp(1_000_000_000_000));
+    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000_000));
     let store = MemoryStore::with_clock(clock.clone());
     (clock, store)
 }
@@ -437,9 +437,12 @@ async fn header_entity_is_skipped_when_the_header_is_absent() {
     let app = Router::new().route(
         "/search",
         post(|| async { "found" }).route_layer(
-            RateLimitLayer::new(limiter.clone())
+            RouteLimitLayer::new(limiter.clone())
                 .global(plan("g", 100, 50.0))
-                .entity(EntityKey::header("x-api-key"), plan("e", 1, 0.001)),
+                .entity(
+                    EntityKey::header(HeaderName::from_static("x-api-key")),
+                    plan("e", 1, 0.001),
+                ),
         ),
     );
     let req = |key: Option<&str>| {
@@ -478,7 +481,7 @@ async fn closure_entity_key() {
     let app = Router::new().route(
         "/report",
         get(|| async { "report" })
-            .route_layer(RateLimitLayer::new(limiter.clone()).entity(tenant, plan("e", 2, 0.001))),
+            .route_layer(RouteLimitLayer::new(limiter.clone()).entity(tenant, plan("e", 2, 0.001))),
     );
     for _ in 0..2 {
         assert_eq!(
@@ -569,7 +572,7 @@ async fn e3_spoofed_forwarded_for_shares_the_peers_bucket() {
             .route(
                 "/ip",
                 get(|| async { "ip" }).route_layer(
-                    RateLimitLayer::new(limiter.clone())
+                    RouteLimitLayer::new(limiter.clone())
                         .entity(EntityKey::client_ip(), plan("e", 10, 5.0))
                         .trusted_proxies(TrustedProxies::parse(["10.0.0.1"]).unwrap()),
                 ),
@@ -688,7 +691,9 @@ async fn layer_from_the_policy_file() {
 }
 
 /// The store is down: the fallback decides, never a 500. `deny` answers 503 with Retry-After,
-/// `allow` lets the request through.
+/// `allow` lets the request through. Neither knows what the buckets hold, so neither reports a
+/// count: `RateLimit-Policy` names the limits, and `RateLimit` and the `X-RateLimit-*-Remaining`
+/// fields are left out (the allow fallback once reported the full capacity).
 #[tokio::test]
 async fn store_down_is_decided_by_the_fallback_never_500() {
     let limiter = Limiter::builder(Down).build();
@@ -697,7 +702,7 @@ async fn store_down_is_decided_by_the_fallback_never_500() {
             "g",
             BucketConfig::new(Tokens::whole(10), Rate::per_second(1).unwrap()).unwrap(),
         )
-        .with_fallback(FallbackSettings { mode });
+        .with_fallback(FallbackSettings::new(mode));
         Arc::new(p)
     };
     let app = booking_app(&limiter, with(FallbackMode::Deny), plan("e", 10, 5.0));
@@ -710,6 +715,14 @@ async fn store_down_is_decided_by_the_fallback_never_500() {
             .unwrap()
             >= 1
     );
+    assert!(header(r.headers(), "ratelimit-policy").is_some());
+    for name in [
+        "ratelimit",
+        "x-ratelimit-api-remaining",
+        "x-ratelimit-entity-remaining",
+    ] {
+        assert_eq!(header(r.headers(), name), None, "deny fallback: {name}");
+    }
     assert_eq!(body_json(r).await["layer"], "api");
 
     let app = booking_app(
@@ -718,7 +731,16 @@ async fn store_down_is_decided_by_the_fallback_never_500() {
         with(FallbackMode::Allow),
     );
     for _ in 0..20 {
-        assert_eq!(get_path(&app, "/bookings/1").await.status(), StatusCode::OK);
+        let r = get_path(&app, "/bookings/1").await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert!(header(r.headers(), "ratelimit-policy").is_some());
+        for name in [
+            "ratelimit",
+            "x-ratelimit-api-remaining",
+            "x-ratelimit-entity-remaining",
+        ] {
+            assert_eq!(header(r.headers(), name), None, "allow fallback: {name}");
+        }
     }
 }
 
@@ -909,7 +931,7 @@ async fn entity_param_is_found_when_another_param_is_undecodable() {
     let app = Router::new().route(
         "/vendors/{vendor}/bookings/{bookingId}",
         get(|| async { "booking" }).route_layer(
-            RateLimitLayer::new(limiter.clone())
+            RouteLimitLayer::new(limiter.clone())
                 .entity(EntityKey::path_param("bookingId"), plan("e", 1, 0.001)),
         ),
     );
@@ -940,9 +962,12 @@ async fn header_ids_are_kept_exactly_or_refused() {
     let app = Router::new().route(
         "/search",
         post(|| async { "found" }).route_layer(
-            RateLimitLayer::new(limiter.clone())
+            RouteLimitLayer::new(limiter.clone())
                 .global(plan("g", 100, 0.001))
-                .entity(EntityKey::header("x-api-key"), plan("e", 1, 0.001)),
+                .entity(
+                    EntityKey::header(HeaderName::from_static("x-api-key")),
+                    plan("e", 1, 0.001),
+                ),
         ),
     );
     let req = |values: &[&[u8]]| {

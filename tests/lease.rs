@@ -36,17 +36,16 @@ fn leased_plan(capacity: u64, rate: f64) -> Plan {
 /// [`leased_plan`] with the given lease accounting.
 fn leased_plan_with(capacity: u64, rate: f64, accounting: Accounting) -> Plan {
     common::plan(capacity, rate)
-        .with_lease(LeaseSettings {
-            ttl: Duration::from_secs(1),
-            max_fraction: 0.1,
-            low_water: 0.5,
-            refresh: Duration::from_millis(100),
-            max_wait: Duration::from_millis(50),
-            accounting,
-        })
-        .with_fallback(FallbackSettings {
-            mode: FallbackMode::Deny,
-        })
+        .with_lease(
+            LeaseSettings::default()
+                .with_ttl(Duration::from_secs(1))
+                .with_max_fraction(0.1)
+                .with_low_water(0.5)
+                .with_refresh(Duration::from_millis(100))
+                .with_max_wait(Duration::from_millis(50))
+                .with_accounting(accounting),
+        )
+        .with_fallback(FallbackSettings::new(FallbackMode::Deny))
 }
 
 fn p99(mut v: Vec<u64>) -> u64 {
@@ -323,10 +322,8 @@ fn a_million_keys_stay_inside_the_table_bound() {
             .max_lease_keys(100_000)
             .lease_tick(Duration::from_millis(20))
             .build();
-        let plan = Plan::new("flood", common::bucket(10, 1.0)).with_lease(LeaseSettings {
-            ttl: Duration::from_millis(200),
-            ..LeaseSettings::default()
-        });
+        let plan = Plan::new("flood", common::bucket(10, 1.0))
+            .with_lease(LeaseSettings::default().with_ttl(Duration::from_millis(200)));
         let heap_before = live_heap();
         let mut peak = 0isize;
         let mut key = String::new();
@@ -375,13 +372,13 @@ impl Store for Unlimited {
         &self,
         r: tokenlease::store::AcquireRequest<'_>,
     ) -> Result<tokenlease::store::Acquired, tokenlease::store::StoreError> {
-        Ok(tokenlease::store::Acquired {
-            granted: r.want,
-            remaining: r.bucket.capacity(),
-            retry_after: Duration::ZERO,
-            reset_after: Duration::ZERO,
-            store_now: std::time::SystemTime::now(),
-        })
+        Ok(tokenlease::store::Acquired::new(
+            r.want,
+            r.bucket.capacity(),
+            Duration::ZERO,
+            Duration::ZERO,
+            std::time::SystemTime::now(),
+        ))
     }
     async fn give_back(
         &self,
@@ -476,10 +473,8 @@ async fn cancelled_callers_leave_nothing_stuck() {
     let memory = MemoryStore::new();
     let delay = Arc::new(AtomicU64::new(0));
     let limiter = Limiter::builder(Slow(memory.clone(), Arc::clone(&delay))).build();
-    let plan = common::plan(100, 0.001).with_lease(LeaseSettings {
-        max_wait: Duration::from_secs(1),
-        ..LeaseSettings::default()
-    });
+    let plan = common::plan(100, 0.001)
+        .with_lease(LeaseSettings::default().with_max_wait(Duration::from_secs(1)));
     let mut admitted = 0.0_f64;
     let mut by_lease = 0.0_f64;
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -548,13 +543,8 @@ async fn a_refund_goes_back_into_the_live_lease() {
     // under its bound (a refund that would lift a lease above it goes to the store instead:
     // tests/refund.rs).
     let plan = common::plan(100, 0.001)
-        .with_lease(LeaseSettings {
-            max_fraction: 1.0,
-            ..LeaseSettings::default()
-        })
-        .with_fallback(FallbackSettings {
-            mode: FallbackMode::Deny,
-        });
+        .with_lease(LeaseSettings::default().with_max_fraction(1.0))
+        .with_fallback(FallbackSettings::new(FallbackMode::Deny));
     for _ in 0..30 {
         assert!(
             limiter
@@ -901,14 +891,15 @@ fn a_spread_key_spent_by_one_thread_is_refilled_once_per_lease() {
         .build()
         .expect("runtime");
     let limiter = runtime.block_on(async { Limiter::builder(MemoryStore::new()).build() });
-    let plan = common::plan(1_000_000_000_000, 1e9).with_lease(LeaseSettings {
-        ttl: Duration::from_secs(60),
-        max_fraction: 1.0,
-        low_water: 0.5,
-        refresh: Duration::from_secs(1),
-        max_wait: Duration::from_secs(1),
-        accounting: Accounting::Relaxed,
-    });
+    let plan = common::plan(1_000_000_000_000, 1e9).with_lease(
+        LeaseSettings::default()
+            .with_ttl(Duration::from_secs(60))
+            .with_max_fraction(1.0)
+            .with_low_water(0.5)
+            .with_refresh(Duration::from_secs(1))
+            .with_max_wait(Duration::from_secs(1))
+            .with_accounting(Accounting::Relaxed),
+    );
     let call =
         || matches!(limiter.try_acquire_now_with(&plan, "hot", 1.0), Ok(Some(d)) if d.allowed);
     // Starts the actor and the key's first lease.
@@ -951,14 +942,15 @@ async fn a_key_that_goes_quiet_mid_lease_is_evicted() {
     let limiter = Limiter::builder(MemoryStore::new())
         .lease_tick(Duration::from_millis(10))
         .build();
-    let plan = common::plan(10_000, 1_000.0).with_lease(LeaseSettings {
-        ttl: Duration::from_millis(200),
-        max_fraction: 0.5,
-        low_water: 0.2,
-        refresh: Duration::from_millis(100),
-        max_wait: Duration::from_millis(500),
-        accounting: Accounting::Relaxed,
-    });
+    let plan = common::plan(10_000, 1_000.0).with_lease(
+        LeaseSettings::default()
+            .with_ttl(Duration::from_millis(200))
+            .with_max_fraction(0.5)
+            .with_low_water(0.2)
+            .with_refresh(Duration::from_millis(100))
+            .with_max_wait(Duration::from_millis(500))
+            .with_accounting(Accounting::Relaxed),
+    );
     // Enough demand for leases of many tokens, then a few calls that leave the last lease
     // well above its low-water mark (no refill after them).
     for _ in 0..300 {

@@ -12,17 +12,17 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use tokenlease::LeaseStats;
 use tokenlease::Limiter;
-use tokenlease::lease::LeaseStats;
 use tokenlease::policy::{Accounting, LeaseSettings, Plan};
 use tokenlease::store::{MemoryStore, Store};
 
 fn leased(ttl: Duration, accounting: Accounting) -> Plan {
-    common::plan(1_000_000, 1_000.0).with_lease(LeaseSettings {
-        ttl,
-        accounting,
-        ..LeaseSettings::default()
-    })
+    common::plan(1_000_000, 1_000.0).with_lease(
+        LeaseSettings::default()
+            .with_ttl(ttl)
+            .with_accounting(accounting),
+    )
 }
 
 fn stats(limiter: &Limiter) -> LeaseStats {
@@ -239,11 +239,11 @@ async fn low_water_refills_of_many_keys_are_gathered() {
     const KEYS: usize = 2_000;
     let limiter = Limiter::builder(MemoryStore::new()).build();
     // B = 100 tokens; an hour's lifetime, so nothing expires while the test runs.
-    let plan = common::plan(1_000, 1_000.0).with_lease(LeaseSettings {
-        ttl: Duration::from_secs(3600),
-        max_fraction: 0.1,
-        ..LeaseSettings::default()
-    });
+    let plan = common::plan(1_000, 1_000.0).with_lease(
+        LeaseSettings::default()
+            .with_ttl(Duration::from_secs(3600))
+            .with_max_fraction(0.1),
+    );
     let keys: Vec<String> = (0..KEYS).map(|i| format!("quiet:{i}")).collect();
     // Two passes: the first call of a key gets exactly its cost (no demand seen yet), the
     // second, a pass later, a whole lease of B sized from the demand the first showed.
@@ -305,10 +305,8 @@ async fn low_water_refills_of_many_keys_are_gathered() {
 async fn a_caller_retrying_a_denied_key_in_a_tight_loop_lets_other_tasks_run() {
     let limiter = Limiter::builder(MemoryStore::new()).build();
     // Ten tokens, refilled at one every 1,000 s: spent at once, then denied for a long while.
-    let plan = common::plan(10, 0.001).with_lease(LeaseSettings {
-        ttl: Duration::from_secs(60),
-        ..LeaseSettings::default()
-    });
+    let plan = common::plan(10, 0.001)
+        .with_lease(LeaseSettings::default().with_ttl(Duration::from_secs(60)));
     let mut denied = false;
     for _ in 0..1_000 {
         let d = limiter
@@ -356,10 +354,7 @@ async fn a_sparse_key_is_decided_by_store_calls_and_leased_once_it_speeds_up() {
         .lease_tick(Duration::from_millis(10))
         .build();
     // A bucket that refills too slowly to hide a take (1,000 tokens, one back every 1,000 s).
-    let plan = common::plan(1_000, 0.001).with_lease(LeaseSettings {
-        ttl,
-        ..LeaseSettings::default()
-    });
+    let plan = common::plan(1_000, 0.001).with_lease(LeaseSettings::default().with_ttl(ttl));
     let call = async || {
         limiter
             .try_acquire_with(&plan, "quiet", 1.0)

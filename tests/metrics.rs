@@ -35,14 +35,14 @@ fn bucket(capacity: u64, per_second: f64) -> BucketConfig {
 
 /// A leased plan whose leases outlive the test (no expiry), refilled every 100 ms of demand.
 fn leased_plan(name: &str, capacity: u64, per_second: f64) -> Plan {
-    Plan::new(name, bucket(capacity, per_second)).with_lease(LeaseSettings {
-        ttl: Duration::from_secs(60),
-        max_fraction: 1.0,
-        low_water: 0.5,
-        refresh: Duration::from_millis(100),
-        max_wait: Duration::from_millis(500),
-        ..LeaseSettings::default()
-    })
+    Plan::new(name, bucket(capacity, per_second)).with_lease(
+        LeaseSettings::default()
+            .with_ttl(Duration::from_secs(60))
+            .with_max_fraction(1.0)
+            .with_low_water(0.5)
+            .with_refresh(Duration::from_millis(100))
+            .with_max_wait(Duration::from_millis(500)),
+    )
 }
 
 /// Label (key, value) pairs, sorted.
@@ -501,6 +501,41 @@ impl Store for FailingStore {
 /// With a failing store, each fallback mode decides and is counted by mode and outcome, in
 /// direct mode (one failed `take` per call) and in leased mode (one failed refill, then the
 /// slot sends callers straight to the fallback for a while).
+/// `tokenlease_fallback_decisions_total` carries the plan, like `tokenlease_decisions_total`:
+/// both of each plan's series (its fallback's mode, each outcome) exist at zero once a limiter
+/// is built with the policies, before any decision, and no other mode appears.
+#[test]
+fn fallback_decisions_by_plan_exist_from_the_start() {
+    let (snapshotter, ()) = recorded(async |_: &Snapshotter| {
+        let policies = tokenlease::policy::Policies::from_json_str(
+            r#"{"plans": {
+                    "open": {"capacity": 5, "refill_per_second": 1, "fallback": {"mode": "allow"}},
+                    "closed": {"capacity": 5, "refill_per_second": 1, "fallback": {"mode": "deny"}}}}"#,
+            None,
+        )
+        .expect("policies");
+        let _limiter = Limiter::builder(FailingStore).policies(policies).build();
+    });
+    let seen = Seen::take(&snapshotter);
+    for (plan, mode) in [("open", "allow"), ("closed", "deny")] {
+        for outcome in ["allowed", "denied"] {
+            let labels = [("plan", plan), ("mode", mode), ("outcome", outcome)];
+            assert!(
+                seen.get(MetricKind::Counter, m::FALLBACK_DECISIONS, &labels)
+                    .is_some(),
+                "{labels:?} registered at build"
+            );
+            assert_eq!(seen.counter(m::FALLBACK_DECISIONS, &labels), 0);
+        }
+    }
+    let series = seen
+        .values
+        .keys()
+        .filter(|(_, name, _)| name == m::FALLBACK_DECISIONS)
+        .count();
+    assert_eq!(series, 4, "two per plan, for its own mode only");
+}
+
 #[test]
 fn fallback_decisions_by_mode_and_outcome() {
     let local = FallbackMode::Local {
@@ -523,7 +558,7 @@ fn fallback_decisions_by_mode_and_outcome() {
                 } else {
                     Plan::new(label, bucket(2, 0.001))
                 };
-                let plan = base.with_fallback(FallbackSettings { mode });
+                let plan = base.with_fallback(FallbackSettings::new(mode));
                 for _ in 0..4 {
                     let d = limiter
                         .try_acquire_with(&plan, "k", 1.0)
@@ -534,10 +569,11 @@ fn fallback_decisions_by_mode_and_outcome() {
             });
             let seen = Seen::take(&snapshotter);
             let what = format!("{label} fallback, leased = {leased}");
+            // The plan is named after its mode: the label says which plan fell back.
             let by_outcome = |outcome| {
                 seen.counter(
                     m::FALLBACK_DECISIONS,
-                    &[("mode", label), ("outcome", outcome)],
+                    &[("plan", label), ("mode", label), ("outcome", outcome)],
                 )
             };
             assert_eq!(by_outcome("allowed"), want_allowed, "{what}: allowed");
@@ -678,7 +714,7 @@ fn decisions_by_plan_exist_from_the_start_and_count_under_their_plan() {
 
         // Direct mode: two allowed and one denied by the store, all under "flat".
         for _ in 0..3 {
-            limiter.try_acquire("flat:1", 1.0).await.unwrap();
+            let _ = limiter.try_acquire("flat:1", 1.0).await.unwrap();
         }
         let direct = Seen::take(snapshotter);
         let flat = |seen: &Seen, outcome| {
@@ -697,7 +733,7 @@ fn decisions_by_plan_exist_from_the_start_and_count_under_their_plan() {
         // Warm one key of each leased plan, then alternate between them on the fast path.
         for key in ["red:1", "blue:1"] {
             for _ in 0..5 {
-                limiter.try_acquire(key, 1.0).await.unwrap();
+                let _ = limiter.try_acquire(key, 1.0).await.unwrap();
                 settle().await;
             }
         }

@@ -4,9 +4,10 @@
 use std::process::Command;
 
 use tokenlease::embedded::TestDatabase;
-use tokenlease::store::postgres::migrate::{
-    MIGRATIONS, MigrateError, Migration, migrate, migrate_with,
-};
+// The migration list and `migrate_with` are not API: the crate reaches them out to its own
+// tests through `__private`, so that these tests can migrate with lists of their own.
+use tokenlease::__private::{MIGRATIONS, migrate_with};
+use tokenlease::store::{MigrateError, Migration, migrate};
 use tokio_postgres::Client;
 
 /// A migration list of our own, for tests that need more than one version.
@@ -268,8 +269,8 @@ async fn unmigrated(db: &TestDatabase, name: &str) -> String {
 #[tokio::test]
 async fn build_migrates_under_its_own_timeout_not_the_statement_timeout() {
     use std::time::{Duration, Instant};
+    use tokenlease::__private::MIGRATION_LOCK_ID;
     use tokenlease::store::PostgresStore;
-    use tokenlease::store::postgres::migrate::MIGRATION_LOCK_ID;
 
     let db = TestDatabase::create().await.expect("create");
     let fresh = unmigrated(&db, &format!("{}_fresh", db.name())).await;
@@ -332,7 +333,7 @@ async fn build_migrates_under_its_own_timeout_not_the_statement_timeout() {
 #[tokio::test]
 async fn build_errors_name_the_failing_migration_step() {
     use std::time::Duration;
-    use tokenlease::store::postgres::migrate::MIGRATION_LOCK_ID;
+    use tokenlease::__private::MIGRATION_LOCK_ID;
     use tokenlease::store::{PostgresStore, StoreError};
 
     let db = TestDatabase::create().await.expect("create");

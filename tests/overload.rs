@@ -46,11 +46,11 @@ async fn two_hundred_clients_on_distinct_ids_are_decided_by_the_store() {
     )
     .expect("bucket");
     let plan = Arc::new(
-        Plan::new("booking-read", bucket).with_fallback(FallbackSettings {
-            mode: FallbackMode::Local {
+        Plan::new("booking-read", bucket).with_fallback(FallbackSettings::new(
+            FallbackMode::Local {
                 instances: std::num::NonZeroU32::new(2).expect("2"),
             },
-        }),
+        )),
     );
 
     let next_id = Arc::new(AtomicU64::new(0));

@@ -911,14 +911,15 @@ fn full_fixture_is_accepted_with_every_value() {
     assert_eq!(per_route.rate(), Rate::per_second(50).unwrap());
     assert_eq!(
         per_route.lease(),
-        Some(&LeaseSettings {
-            ttl: Duration::from_secs(2),
-            max_fraction: 0.25,
-            low_water: 0.75,
-            refresh: Duration::from_millis(200),
-            max_wait: Duration::ZERO,
-            accounting: tokenlease::policy::Accounting::Strict,
-        })
+        Some(
+            &LeaseSettings::default()
+                .with_ttl(Duration::from_secs(2))
+                .with_max_fraction(0.25)
+                .with_low_water(0.75)
+                .with_refresh(Duration::from_millis(200))
+                .with_max_wait(Duration::ZERO)
+                .with_accounting(tokenlease::policy::Accounting::Strict)
+        )
     );
     assert_eq!(
         per_route.fallback().mode,

@@ -13,7 +13,10 @@ use tokenlease::store::{AcquireRequest, GiveBack, PostgresStore, Store};
 use tokenlease::{DecidedBy, Limiter};
 
 async fn exec(store: &PostgresStore, sql: &str) {
-    let conn = store.pool().get().await.expect("connection");
+    let conn = tokenlease::__private::pool(store)
+        .get()
+        .await
+        .expect("connection");
     conn.batch_execute(sql).await.expect(sql);
 }
 
@@ -47,7 +50,8 @@ async fn database_decides_exactly_as_the_pure_bucket() {
             )
             .await;
             if let Some(m) = model.as_mut() {
-                m.last_refill = Timestamp(m.last_refill.0 - age_ms * 1_000_000);
+                m.last_refill =
+                    Timestamp::from_nanos(m.last_refill.as_nanos() - age_ms * 1_000_000);
             }
         }
         let got = store
@@ -108,7 +112,10 @@ async fn first_touch_race_creates_one_row_and_grants_exactly() {
         }
         let expected = k.min(10) as u64;
         assert_eq!(granted, expected, "k = {k}");
-        let conn = store.pool().get().await.expect("connection");
+        let conn = tokenlease::__private::pool(&store)
+            .get()
+            .await
+            .expect("connection");
         let row = conn
             .query_one(
                 "SELECT count(*), min(tokens)::text FROM tokenlease_buckets WHERE key = $1",
@@ -187,7 +194,10 @@ async fn refill_time_in_the_future_or_in_1970() {
 async fn schema_refuses_nan_infinity_and_out_of_range_values() {
     let db = common::database().await;
     let store = common::store(&db, 1).await;
-    let conn = store.pool().get().await.expect("connection");
+    let conn = tokenlease::__private::pool(&store)
+        .get()
+        .await
+        .expect("connection");
     let persistence: String = conn
         .query_one(
             "SELECT relpersistence::text FROM pg_class WHERE relname = 'tokenlease_buckets'",
@@ -298,7 +308,10 @@ async fn hostile_keys_never_reach_sql_as_text() {
             .allowed
     );
 
-    let conn = store.pool().get().await.expect("connection");
+    let conn = tokenlease::__private::pool(&store)
+        .get()
+        .await
+        .expect("connection");
     let n: i64 = conn
         .query_one("SELECT count(*) FROM tokenlease_buckets", &[])
         .await
@@ -360,7 +373,10 @@ async fn synchronous_commit_off_applies_to_the_limiter_sessions() {
         .build()
         .await
         .expect("store");
-    let conn = store.pool().get().await.expect("connection");
+    let conn = tokenlease::__private::pool(&store)
+        .get()
+        .await
+        .expect("connection");
     let setting: String = conn
         .query_one("SHOW synchronous_commit", &[])
         .await
@@ -399,7 +415,10 @@ async fn the_idle_cleanup_task_deletes_full_rows_in_batches() {
         Duration::from_millis(20),
         10,
     );
-    let conn = store.pool().get().await.expect("connection");
+    let conn = tokenlease::__private::pool(&store)
+        .get()
+        .await
+        .expect("connection");
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     loop {
         let n: i64 = conn
@@ -506,11 +525,16 @@ async fn a_statement_of_1024_keys_answers_each_key_as_the_pure_bucket() {
                     let state = model[i].as_mut()?;
                     let us = ((i as i64 * 7_919 + round as i64 * 104_729) % 4_500_000) - 500_000;
                     let ns = us * 1_000;
-                    state.last_refill = Timestamp(state.last_refill.0.checked_add_signed(-ns)?);
+                    state.last_refill = Timestamp::from_nanos(
+                        state.last_refill.as_nanos().checked_add_signed(-ns)?,
+                    );
                     Some((keys[i].as_str(), us))
                 })
                 .unzip();
-            let conn = store.pool().get().await.expect("connection");
+            let conn = tokenlease::__private::pool(&store)
+                .get()
+                .await
+                .expect("connection");
             conn.execute(
                 "UPDATE tokenlease_buckets AS b
                  SET updated_at = b.updated_at - a.us * interval '1 microsecond'
@@ -581,7 +605,10 @@ async fn a_statement_of_1024_keys_answers_each_key_as_the_pure_bucket() {
     assert_eq!(store.give_back(&backs).await.expect("give back"), N as u64);
     let retry: Vec<GiveBack<'_>> = backs.iter().copied().step_by(2).collect();
     assert_eq!(store.give_back(&retry).await.expect("retry"), 0);
-    let conn = store.pool().get().await.expect("connection");
+    let conn = tokenlease::__private::pool(&store)
+        .get()
+        .await
+        .expect("connection");
     let rows = conn
         .query(
             "SELECT key, tokens::text, updated_at FROM tokenlease_buckets WHERE key LIKE 'many:%'",
@@ -613,7 +640,10 @@ async fn a_statement_of_1024_keys_answers_each_key_as_the_pure_bucket() {
 async fn the_acquire_function_ignores_the_callers_search_path() {
     let db = common::database().await;
     let store = common::store(&db, 1).await;
-    let conn = store.pool().get().await.expect("connection");
+    let conn = tokenlease::__private::pool(&store)
+        .get()
+        .await
+        .expect("connection");
     conn.batch_execute(
         "CREATE SCHEMA decoy;
          CREATE TABLE decoy.tokenlease_buckets (LIKE public.tokenlease_buckets INCLUDING ALL);

@@ -24,13 +24,8 @@ const SLACK: f64 = 0.02;
 
 fn plan(max_fraction: f64) -> Plan {
     common::plan(C as u64, R)
-        .with_lease(LeaseSettings {
-            max_fraction,
-            ..LeaseSettings::default()
-        })
-        .with_fallback(FallbackSettings {
-            mode: FallbackMode::Deny,
-        })
+        .with_lease(LeaseSettings::default().with_max_fraction(max_fraction))
+        .with_fallback(FallbackSettings::new(FallbackMode::Deny))
 }
 
 /// 32 tasks take and refund every token for 1.5 s (every request refused further on), then

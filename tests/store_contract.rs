@@ -49,7 +49,10 @@ impl Harness for Postgres {
         &self.store
     }
     async fn advance(&self, by: Duration) {
-        let conn = self.store.pool().get().await.expect("connection");
+        let conn = tokenlease::__private::pool(&self.store)
+            .get()
+            .await
+            .expect("connection");
         conn.batch_execute(&format!(
             "UPDATE tokenlease_buckets SET updated_at = updated_at - interval '{us} microseconds',
                  leases = (SELECT coalesce(array_agg(ROW(l.holder, l.lease_id, l.amount,
@@ -64,7 +67,7 @@ impl Harness for Postgres {
 }
 
 fn memory() -> Memory {
-    let clock = ManualClock::new(Timestamp(1_700_000_000_000_000_000));
+    let clock = ManualClock::new(Timestamp::from_nanos(1_700_000_000_000_000_000));
     Memory {
         store: MemoryStore::with_clock(clock.clone()),
         clock,

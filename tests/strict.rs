@@ -28,16 +28,14 @@ const WINDOWS: [f64; 6] = [0.05, 0.1, 0.5, 1.0, 2.0, 5.0];
 /// admission is a lease's.
 fn strict_plan() -> Plan {
     common::plan(C as u64, R)
-        .with_lease(LeaseSettings {
-            ttl: Duration::from_secs(1),
-            max_fraction: B / C,
-            refresh: Duration::from_millis(100),
-            accounting: Accounting::Strict,
-            ..LeaseSettings::default()
-        })
-        .with_fallback(FallbackSettings {
-            mode: FallbackMode::Deny,
-        })
+        .with_lease(
+            LeaseSettings::default()
+                .with_ttl(Duration::from_secs(1))
+                .with_max_fraction(B / C)
+                .with_refresh(Duration::from_millis(100))
+                .with_accounting(Accounting::Strict),
+        )
+        .with_fallback(FallbackSettings::new(FallbackMode::Deny))
 }
 
 /// The worst excess over `C + R·(w + SLACK)` in any window of each length in [`WINDOWS`], over
@@ -162,16 +160,14 @@ async fn a_burst_after_a_lull_spends_no_more_than_one_bucket() {
     for accounting in [Accounting::Relaxed, Accounting::Strict] {
         let plan = Arc::new(
             common::plan(C as u64, R)
-                .with_lease(LeaseSettings {
-                    ttl: Duration::from_secs(5),
-                    max_fraction: B / C,
-                    refresh: Duration::from_millis(500),
-                    accounting,
-                    ..LeaseSettings::default()
-                })
-                .with_fallback(FallbackSettings {
-                    mode: FallbackMode::Deny,
-                }),
+                .with_lease(
+                    LeaseSettings::default()
+                        .with_ttl(Duration::from_secs(5))
+                        .with_max_fraction(B / C)
+                        .with_refresh(Duration::from_millis(500))
+                        .with_accounting(accounting),
+                )
+                .with_fallback(FallbackSettings::new(FallbackMode::Deny)),
         );
         let key = format!("lull-{accounting:?}");
         let mut limiters = Vec::new();
@@ -239,10 +235,8 @@ async fn a_strict_refund_goes_to_the_store() {
     let db = common::database().await;
     let store = common::store(&db, 2).await;
     let limiter = Limiter::builder(store.clone()).build();
-    let plan = common::plan(10, 0.001).with_lease(LeaseSettings {
-        accounting: Accounting::Strict,
-        ..LeaseSettings::default()
-    });
+    let plan = common::plan(10, 0.001)
+        .with_lease(LeaseSettings::default().with_accounting(Accounting::Strict));
     let mut by_lease = 0.0;
     for _ in 0..3 {
         let d = limiter

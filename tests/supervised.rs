@@ -19,9 +19,7 @@ use tokenlease::{DecidedBy, Limiter};
 fn plan() -> Plan {
     common::plan(1_000, 1_000.0)
         .with_lease(LeaseSettings::default())
-        .with_fallback(FallbackSettings {
-            mode: FallbackMode::Deny,
-        })
+        .with_fallback(FallbackSettings::new(FallbackMode::Deny))
 }
 
 fn runtime() -> tokio::runtime::Runtime {

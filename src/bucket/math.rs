@@ -7,9 +7,19 @@ use super::tokens::{Rate, Tokens};
 /// A point in time, in nanoseconds since an epoch the caller chooses (the Unix epoch for
 /// database time, process start for a monotonic clock). Only differences matter.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Timestamp(pub u64);
+pub struct Timestamp(u64);
 
 impl Timestamp {
+    /// The instant `nanos` nanoseconds after the epoch.
+    pub const fn from_nanos(nanos: u64) -> Timestamp {
+        Timestamp(nanos)
+    }
+
+    /// Nanoseconds since the epoch.
+    pub const fn as_nanos(self) -> u64 {
+        self.0
+    }
+
     /// Nanoseconds from `earlier` to `self`, or zero when `earlier` is later.
     pub const fn saturating_since(self, earlier: Timestamp) -> u64 {
         self.0.saturating_sub(earlier.0)

@@ -49,6 +49,7 @@ impl StopMode {
 
 /// Builds a [`TempPostgres`] with extra settings. See the [module docs](super).
 #[derive(Clone, Debug)]
+#[must_use = "a builder does nothing until `start` is called"]
 pub struct TempPostgresBuilder {
     settings: Vec<(String, String)>,
     template_cache: bool,

@@ -28,7 +28,7 @@ pub const X_RATELIMIT_ENTITY_REMAINING: HeaderName =
 
 /// Which of the two limits a header item or a denial belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LayerKind {
+pub(crate) enum LayerKind {
     /// The endpoint's global bucket (`ratelimit:api:...`), policy name `"api"`.
     Api,
     /// The entity's bucket (`ratelimit:entity:...`), policy name `"entity"`.
@@ -37,7 +37,7 @@ pub enum LayerKind {
 
 impl LayerKind {
     /// The policy name in the header fields and the problem body: `api` or `entity`.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             LayerKind::Api => "api",
             LayerKind::Entity => "entity",
@@ -51,7 +51,7 @@ const ROUNDING_SLACK: Duration = Duration::from_millis(1);
 
 /// Whole seconds for `Retry-After`: rounded up, at least 1. An excess of under 1 ms over a
 /// whole second (the trace of the rate's rounding to 10⁻⁹ token/s) is not rounded up.
-pub fn retry_after_secs(d: Duration) -> u64 {
+pub(crate) fn retry_after_secs(d: Duration) -> u64 {
     ceil_secs(d.saturating_sub(ROUNDING_SLACK)).max(1)
 }
 
@@ -84,20 +84,24 @@ pub(crate) fn policy_item(layer: LayerKind, plan: &Plan) -> String {
     )
 }
 
-/// What one layer decided, as the headers report it.
+/// What one layer decided, as the headers report it. A layer whose remaining tokens nobody
+/// knows (the allow or deny fallback decided) is left out of `RateLimit` and of its
+/// `X-RateLimit-*-Remaining` field rather than reported with a made-up count.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Report {
     pub(crate) layer: LayerKind,
-    pub(crate) remaining: Tokens,
+    pub(crate) remaining: Option<Tokens>,
     /// Seconds for the `t` parameter.
     pub(crate) t: u64,
 }
 
 impl Report {
     /// The report of an allowed (or refunded) take: `t` is the time to refill to full.
-    pub(crate) fn allowed(layer: LayerKind, plan: &Plan, remaining: Tokens) -> Report {
-        let missing = plan.capacity().saturating_sub(remaining);
-        let t = seconds_up(missing.as_f64() / plan.rate().as_f64());
+    pub(crate) fn allowed(layer: LayerKind, plan: &Plan, remaining: Option<Tokens>) -> Report {
+        let t = remaining.map_or(0, |remaining| {
+            let missing = plan.capacity().saturating_sub(remaining);
+            seconds_up(missing.as_f64() / plan.rate().as_f64())
+        });
         Report {
             layer,
             remaining,
@@ -106,7 +110,11 @@ impl Report {
     }
 
     /// The report of a denial: `t` is the `Retry-After` value.
-    pub(crate) fn denied(layer: LayerKind, remaining: Tokens, retry_after: Duration) -> Report {
+    pub(crate) fn denied(
+        layer: LayerKind,
+        remaining: Option<Tokens>,
+        retry_after: Duration,
+    ) -> Report {
         Report {
             layer,
             remaining,
@@ -118,22 +126,26 @@ impl Report {
 /// Writes `RateLimit-Policy`, `RateLimit` and the `X-RateLimit-*-Remaining` fields.
 pub(crate) fn write(headers: &mut HeaderMap, policy: &HeaderValue, reports: &[Report]) {
     headers.insert(RATELIMIT_POLICY, policy.clone());
-    if reports.is_empty() {
+    let known: Vec<(LayerKind, Tokens, u64)> = reports
+        .iter()
+        .filter_map(|r| r.remaining.map(|remaining| (r.layer, remaining, r.t)))
+        .collect();
+    if known.is_empty() {
         return;
     }
-    let items: Vec<String> = reports
+    let items: Vec<String> = known
         .iter()
-        .map(|r| format!("\"{}\";r={};t={}", r.layer.name(), r.remaining.floor(), r.t))
+        .map(|(layer, remaining, t)| format!("\"{}\";r={};t={t}", layer.name(), remaining.floor()))
         .collect();
     if let Ok(v) = HeaderValue::try_from(items.join(", ")) {
         headers.insert(RATELIMIT, v);
     }
-    for r in reports {
-        let name = match r.layer {
+    for (layer, remaining, _) in known {
+        let name = match layer {
             LayerKind::Api => X_RATELIMIT_API_REMAINING,
             LayerKind::Entity => X_RATELIMIT_ENTITY_REMAINING,
         };
-        headers.insert(name, HeaderValue::from(r.remaining.floor()));
+        headers.insert(name, HeaderValue::from(remaining.floor()));
     }
 }
 
@@ -242,8 +254,17 @@ mod tests {
     #[test]
     fn allowed_report_counts_seconds_to_full() {
         let p = plan(100, 50.0);
-        assert_eq!(Report::allowed(LayerKind::Api, &p, Tokens::whole(100)).t, 0);
-        assert_eq!(Report::allowed(LayerKind::Api, &p, Tokens::whole(99)).t, 1);
-        assert_eq!(Report::allowed(LayerKind::Api, &p, Tokens::whole(0)).t, 2);
+        assert_eq!(
+            Report::allowed(LayerKind::Api, &p, Some(Tokens::whole(100))).t,
+            0
+        );
+        assert_eq!(
+            Report::allowed(LayerKind::Api, &p, Some(Tokens::whole(99))).t,
+            1
+        );
+        assert_eq!(
+            Report::allowed(LayerKind::Api, &p, Some(Tokens::whole(0))).t,
+            2
+        );
     }
 }

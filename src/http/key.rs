@@ -63,12 +63,10 @@ impl EntityKey {
     /// ends with a space or tab, or is sent on more than one header line is malformed: the
     /// layer answers `400 Bad Request` before touching any bucket.
     ///
-    /// # Panics
-    ///
-    /// When `name` is not a valid header name.
-    pub fn header(name: &str) -> Self {
-        let name = HeaderName::try_from(name)
-            .unwrap_or_else(|_| panic!("EntityKey::header: {name:?} is not a valid header name"));
+    /// The name is a [`HeaderName`] (`HeaderName::from_static("x-api-key")`, or
+    /// `HeaderName::try_from(text)?` for a name read at run time), so an invalid one is refused
+    /// where it is made, never by a panic here.
+    pub fn header(name: HeaderName) -> Self {
         EntityKey {
             source: Source::Header(name),
         }

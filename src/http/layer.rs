@@ -13,18 +13,31 @@ use super::key::{EntityKey, TrustedProxies};
 use super::service::RateLimit;
 use crate::Limiter;
 use crate::metrics::{HTTP_CHECKED, HTTP_DENIED, HTTP_ERRORS, HTTP_UNMATCHED};
-use crate::policy::{EntitySource, Plan, Policies, route_params, route_shape};
+use crate::policy::{EntitySource, Plan, Policies, route_params, route_pattern_error, route_shape};
 
 /// A tower [`Layer`] that rate-limits requests with two independent buckets per route: one
-/// global bucket per endpoint and one bucket per entity per endpoint.
+/// global bucket per endpoint and one bucket per entity per endpoint, for every route of a
+/// policy file.
 ///
 /// Build it from the `routes` of a policy file with [`from_policies`](Self::from_policies) and
-/// apply it once with axum's `Router::route_layer`, or build one per route with
-/// [`new`](Self::new), [`global`](Self::global) and [`entity`](Self::entity) and apply it to
-/// that route. See the [module docs](super) for the keys, the order of the checks and the
-/// response header fields.
+/// apply it once with axum's `Router::route_layer`. For one route's limits set in code, use
+/// [`RouteLimitLayer`] on that route instead. See the [module docs](super) for the keys, the
+/// order of the checks and the response header fields.
 #[derive(Clone, Debug)]
+#[must_use = "a layer limits nothing until it is applied to a router or service"]
 pub struct RateLimitLayer {
+    config: Arc<Config>,
+}
+
+/// A tower [`Layer`] with the limits of one route, set in code: a global bucket
+/// ([`global`](Self::global)), a bucket per entity ([`entity`](Self::entity)), or both.
+///
+/// Apply it to that route only (in axum, on its `MethodRouter` or with `route_layer` on a
+/// router holding just that route). The keys, the order of the checks and the response header
+/// fields are those of [`RateLimitLayer`] (see the [module docs](super)).
+#[derive(Clone, Debug)]
+#[must_use = "a layer limits nothing until it is applied to a router or service"]
+pub struct RouteLimitLayer {
     config: Arc<Config>,
 }
 
@@ -180,22 +193,19 @@ pub enum RouteConfigError {
         /// The header name as written.
         header: String,
     },
+    /// A route pattern given to [`RouteLimitLayer::route_pattern`] is not an axum 0.8 pattern
+    /// (for example the older `:id` syntax): it would never match as meant, and the route
+    /// would go unlimited.
+    #[error("route pattern {pattern:?} is not an axum 0.8 route pattern: {reason}")]
+    InvalidPattern {
+        /// The pattern as given (its first 100 characters).
+        pattern: String,
+        /// What is wrong with it, and how to write it.
+        reason: String,
+    },
 }
 
 impl RateLimitLayer {
-    /// A layer for one route with no limits yet: add them with [`global`](Self::global) and
-    /// [`entity`](Self::entity). Apply it to that route only (in axum, on its `MethodRouter` or
-    /// with `route_layer` on a router holding just that route).
-    pub fn new(limiter: Limiter) -> Self {
-        RateLimitLayer {
-            config: Arc::new(Config {
-                limiter,
-                routes: Routes::One(Arc::new(RouteLimits::new(None, None, None))),
-                trusted: TrustedProxies::none(),
-            }),
-        }
-    }
-
     /// A layer for every route of `policies` (its `routes` list), matched by method and the
     /// shape of the route pattern axum matched (`MatchedPath`): the pattern with its parameter
     /// names left out, so a file's `/items/{id}` limits a router's `/items/{itemId}` (the bucket
@@ -236,13 +246,15 @@ impl RateLimitLayer {
                     let key = match &rule.source {
                         EntitySource::PathParam(name) => EntityKey::path_param(name.clone()),
                         EntitySource::Header(name) => {
-                            if axum::http::HeaderName::try_from(name.as_str()).is_err() {
-                                return Err(RouteConfigError::InvalidHeader {
-                                    endpoint,
-                                    header: name.clone(),
-                                });
+                            match axum::http::HeaderName::try_from(name.as_str()) {
+                                Ok(header) => EntityKey::header(header),
+                                Err(_) => {
+                                    return Err(RouteConfigError::InvalidHeader {
+                                        endpoint,
+                                        header: name.clone(),
+                                    });
+                                }
                             }
-                            EntityKey::header(name)
                         }
                         EntitySource::ClientIp => EntityKey::client_ip(),
                     };
@@ -272,23 +284,40 @@ impl RateLimitLayer {
         })
     }
 
+    /// The proxies whose `X-Forwarded-For` is believed for [`EntityKey::client_ip`]. By default
+    /// none: the peer address is the client.
+    pub fn trusted_proxies(mut self, trusted: TrustedProxies) -> Self {
+        Arc::make_mut(&mut self.config).trusted = trusted;
+        self
+    }
+
+    /// The limiter the layer decides with.
+    pub fn limiter(&self) -> &Limiter {
+        &self.config.limiter
+    }
+}
+
+impl RouteLimitLayer {
+    /// A layer for one route with no limits yet: add them with [`global`](Self::global) and
+    /// [`entity`](Self::entity).
+    pub fn new(limiter: Limiter) -> Self {
+        RouteLimitLayer {
+            config: Arc::new(Config {
+                limiter,
+                routes: Routes::One(Arc::new(RouteLimits::new(None, None, None))),
+                trusted: TrustedProxies::none(),
+            }),
+        }
+    }
+
     /// Limits the whole route (all callers together) with one bucket under `plan`, keyed
     /// `ratelimit:api:{METHOD}:{route pattern}`.
-    ///
-    /// # Panics
-    ///
-    /// On a layer made by [`from_policies`](Self::from_policies), whose limits come from the
-    /// file.
     pub fn global(self, plan: Arc<Plan>) -> Self {
         self.edit_route(|r| RouteLimits::new(Some(plan), r.entity.clone(), r.pattern.clone()))
     }
 
     /// Limits each entity of the route with its own bucket under `plan`, keyed
     /// `ratelimit:entity:{METHOD}:{route pattern}:{id}`, the id found by `key`.
-    ///
-    /// # Panics
-    ///
-    /// On a layer made by [`from_policies`](Self::from_policies).
     pub fn entity(self, key: EntityKey, plan: Arc<Plan>) -> Self {
         self.edit_route(|r| {
             RouteLimits::new(r.global.clone(), Some((key, plan)), r.pattern.clone())
@@ -299,21 +328,24 @@ impl RateLimitLayer {
     /// axum's router (plain hyper, tonic). Without it the pattern is axum's `MatchedPath`, and a
     /// request without one passes unlimited.
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// On a layer made by [`from_policies`](Self::from_policies), and for a pattern in the
-    /// older `:name` / `*name` syntax (or otherwise not an axum 0.8 pattern), which would never
-    /// match as meant: axum itself refuses such a route when it is added.
-    pub fn route_pattern(self, pattern: impl Into<String>) -> Self {
+    /// [`RouteConfigError::InvalidPattern`] for a pattern in the older `:name` / `*name` syntax
+    /// (or otherwise not an axum 0.8 pattern), which would never match as meant: axum itself
+    /// refuses such a route when it is added. The reason names the segment and how to write it.
+    pub fn route_pattern(self, pattern: impl Into<String>) -> Result<Self, RouteConfigError> {
         let pattern = pattern.into();
-        if route_shape(&pattern).is_none() {
-            let shown: String = pattern.chars().take(100).collect();
-            panic!(
-                "RateLimitLayer::route_pattern: {shown:?} is not an axum 0.8 route pattern \
-                 (parameters are written {{name}} and {{*name}}, not :name or *name)"
-            );
+        if let Some(reason) = route_pattern_error(&pattern) {
+            return Err(RouteConfigError::InvalidPattern {
+                pattern: pattern.chars().take(100).collect(),
+                reason,
+            });
         }
-        self.edit_route(|r| RouteLimits::new(r.global.clone(), r.entity.clone(), Some(pattern)))
+        Ok(
+            self.edit_route(|r| {
+                RouteLimits::new(r.global.clone(), r.entity.clone(), Some(pattern))
+            }),
+        )
     }
 
     /// The proxies whose `X-Forwarded-For` is believed for [`EntityKey::client_ip`]. By default
@@ -330,17 +362,23 @@ impl RateLimitLayer {
 
     fn edit_route(mut self, f: impl FnOnce(&RouteLimits) -> RouteLimits) -> Self {
         let config = Arc::make_mut(&mut self.config);
-        match &mut config.routes {
-            Routes::One(route) => *route = Arc::new(f(route)),
-            Routes::Table { .. } => {
-                panic!("RateLimitLayer: a layer from a policy file takes its limits from the file")
-            }
+        // Only `new` makes a `RouteLimitLayer`, always with one route.
+        if let Routes::One(route) = &mut config.routes {
+            *route = Arc::new(f(route));
         }
         self
     }
 }
 
 impl<S> Layer<S> for RateLimitLayer {
+    type Service = RateLimit<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimit::new(inner, Arc::clone(&self.config))
+    }
+}
+
+impl<S> Layer<S> for RouteLimitLayer {
     type Service = RateLimit<S>;
 
     fn layer(&self, inner: S) -> Self::Service {

@@ -36,12 +36,12 @@
 //!     .route_layer(limits);
 //!
 //! // Or one route at a time, in code:
-//! use tokenlease::http::EntityKey;
+//! use tokenlease::http::{EntityKey, RouteLimitLayer};
 //! let (global, entity) = (policies.plan("bookings-read").unwrap(), policies.plan("booking-read").unwrap());
 //! let app: Router = Router::new().route(
 //!     "/bookings/{bookingId}",
 //!     get(|| async { "booking" }).route_layer(
-//!         RateLimitLayer::new(limiter)
+//!         RouteLimitLayer::new(limiter)
 //!             .global(global.clone())
 //!             .entity(EntityKey::path_param("bookingId"), entity.clone()),
 //!     ),
@@ -55,7 +55,8 @@
 //! `/items/{itemId}`; keys use the file's pattern). A request the layer cannot match passes
 //! unlimited; when its path fits a file route it is counted in
 //! [`HTTP_UNMATCHED`](crate::metrics::HTTP_UNMATCHED) and the first one per route logs a
-//! `tracing` warning. Patterns in the older `:id` syntax are refused when the file loads.
+//! `tracing` warning. Patterns in the older `:id` syntax are refused when the file loads, and
+//! by [`RouteLimitLayer::route_pattern`] with [`RouteConfigError::InvalidPattern`].
 //!
 //! `HEAD` is limited as the `GET` whose handler answers it: same buckets, keyed `GET:...`,
 //! shared with `GET` (unless a policy file lists a `HEAD` route of its own).
@@ -73,7 +74,9 @@
 //!
 //! `q` is the capacity, `w` the seconds to refill from empty, `r` whole tokens left, `t` the
 //! seconds until the bucket is full (or, for the layer that denied, until the next request
-//! fits). A denial is `429 Too Many Requests` with `Retry-After` (whole seconds, rounded up,
+//! fits). A layer decided by the `allow` or `deny` fallback, which knows nothing of the bucket
+//! ([`Decision::remaining`](crate::Decision::remaining) is `None`), is left out of `RateLimit`
+//! and of its `X-RateLimit-*-Remaining` field. A denial is `429 Too Many Requests` with `Retry-After` (whole seconds, rounded up,
 //! at least 1) and an `application/problem+json` body naming the layer:
 //!
 //! ```json
@@ -94,7 +97,8 @@
 //!
 //! # Layout
 //!
-//! - `layer.rs`: [`RateLimitLayer`], its configuration.
+//! - `layer.rs`: [`RateLimitLayer`] (a policy file's routes), [`RouteLimitLayer`] (one route in
+//!   code), their configuration.
 //! - `service.rs`: [`RateLimit`], [`ResponseFuture`], the checks.
 //! - `key.rs`: [`EntityKey`], [`TrustedProxies`], [`client_ip`].
 //! - `headers.rs`: the header fields and the problem body.
@@ -107,16 +111,11 @@ mod refund;
 mod service;
 
 pub use headers::{
-    LayerKind, RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_API_REMAINING,
-    X_RATELIMIT_ENTITY_REMAINING, retry_after_secs,
+    RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_API_REMAINING, X_RATELIMIT_ENTITY_REMAINING,
 };
 pub use key::{
     EntityKey, MAX_FORWARDED_BYTES, MAX_FORWARDED_HOPS, TrustedProxies, TrustedProxyError,
     client_ip,
 };
-pub use layer::{RateLimitLayer, RouteConfigError};
+pub use layer::{RateLimitLayer, RouteConfigError, RouteLimitLayer};
 pub use service::{RateLimit, ResponseFuture};
-
-/// The HTTP layer's metric names, defined (and described) in [`crate::metrics`]; re-exported
-/// here where they were first published.
-pub use crate::metrics::{HTTP_CHECKED, HTTP_DENIED, HTTP_ERRORS, HTTP_REFUNDS, HTTP_UNMATCHED};

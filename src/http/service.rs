@@ -248,8 +248,9 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
             Ok(d) => {
                 if let Some((gplan, gkey, gd)) = &global_taken {
                     if refund(limiter, gplan, gkey, cost, gd).await {
-                        let back =
-                            std::cmp::min(gd.remaining.saturating_add(cost), gplan.capacity());
+                        let back = gd
+                            .remaining
+                            .map(|r| std::cmp::min(r.saturating_add(cost), gplan.capacity()));
                         reports[0] = Report::allowed(LayerKind::Api, gplan, back);
                     }
                 }

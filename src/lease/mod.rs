@@ -60,6 +60,7 @@ pub(crate) const GATHER: Duration = Duration::from_millis(10);
 /// Lease counters, in tokens, since the limiter started. Exact: every nanotoken leased is spent
 /// by a caller, given back, stranded (a give-back that failed for good), or still held.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[non_exhaustive]
 pub struct LeaseStats {
     /// Tokens granted to this process's leases by the store.
     pub leased: f64,

@@ -45,19 +45,42 @@ pub enum DecidedBy {
 }
 
 /// The answer to one [`Limiter::try_acquire`]. A denial is a decision, not an error.
+///
+/// Only the limiter makes decisions; read the fields. What each one holds depends on who
+/// decided ([`decided_by`](Self::decided_by)):
+///
+/// | decided by | `remaining` | `reset_after` |
+/// |---|---|---|
+/// | [`DecidedBy::Store`] | the bucket after this take | until the bucket is full |
+/// | [`DecidedBy::Lease`] | an estimate (below) | `None` |
+/// | `Fallback(Local)` | this instance's share of the bucket (`None` when it keeps none for the key) | until that share is full (ditto) |
+/// | `Fallback(Allow)`, `Fallback(Deny)` | `None` | `None` |
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+#[must_use = "a decision says whether the request may go ahead"]
 pub struct Decision {
     /// Whether the cost was taken and the request may go ahead.
     pub allowed: bool,
-    /// Tokens left in the bucket after this decision.
-    pub remaining: Tokens,
+    /// Tokens left in the bucket after this decision, as far as the decider knows.
+    ///
+    /// From the store, exact at its clock. From a lease, an estimate: the tokens left in this
+    /// process's lease plus what the store had left when it granted the lease (other
+    /// instances may have taken some since, and the refill may have added some); zero when
+    /// the lease's last word is that the bucket is empty. From the `local` fallback, what this
+    /// instance's share of the bucket holds (`None` when it keeps no share for the key: the
+    /// cost exceeds the share, or the local buckets are at their bound). `None` when the `allow` or `deny` fallback
+    /// decided: the store did not answer, and nothing knows what the shared bucket holds.
+    pub remaining: Option<Tokens>,
     /// The bucket's capacity.
     pub limit: Tokens,
     /// When denied: how long until the cost would be allowed if nobody else takes tokens.
-    /// Zero when allowed.
+    /// Zero when allowed. From the `allow` or `deny` fallback, a retry hint (1 s for a
+    /// denial), not a promise.
     pub retry_after: Duration,
-    /// How long until the bucket is full again if nobody takes tokens.
-    pub reset_after: Duration,
+    /// How long until the bucket is full again if nobody takes tokens. `None` when the decider
+    /// cannot know it: a lease (this process spends tokens the store granted earlier without
+    /// reading the bucket again), and the `allow` and `deny` fallbacks.
+    pub reset_after: Option<Duration>,
     /// Who decided.
     pub decided_by: DecidedBy,
     /// The store's clock when it decided (PostgreSQL's `now()`); `None` when the store did not
@@ -69,10 +92,10 @@ impl Decision {
     fn from_store(plan: &Plan, acquired: &Acquired) -> Decision {
         Decision {
             allowed: !acquired.granted.is_zero(),
-            remaining: acquired.remaining,
+            remaining: Some(acquired.remaining),
             limit: plan.capacity(),
             retry_after: acquired.retry_after,
-            reset_after: acquired.reset_after,
+            reset_after: Some(acquired.reset_after),
             decided_by: DecidedBy::Store,
             store_time: Some(acquired.store_now),
         }
@@ -128,6 +151,7 @@ impl Drop for Inner {
 
 /// Settings for a [`Limiter`].
 #[derive(Debug)]
+#[must_use = "a builder does nothing until `build` is called"]
 pub struct LimiterBuilder {
     store: Arc<dyn Store>,
     policies: Option<Policies>,
@@ -260,7 +284,9 @@ impl Limiter {
         self.inner.policies.as_ref()
     }
 
-    /// The store the limiter decides with.
+    /// The store the limiter decides with: the one given to the builder, as given (no wrapper
+    /// of the limiter's own), for reading a bucket with [`Store::inspect`]. Taking tokens from
+    /// it directly bypasses the limiter's leases, fallback and metrics.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.inner.store
     }
@@ -784,10 +810,13 @@ fn lease_cost(cost: Tokens) -> u64 {
 fn lease_allowed(plan: &Plan, left: u64, store_remaining: u64) -> Decision {
     Decision {
         allowed: true,
-        remaining: Tokens::from_nanos(u128::from(left) + u128::from(store_remaining)),
+        remaining: Some(Tokens::from_nanos(
+            u128::from(left) + u128::from(store_remaining),
+        )),
         limit: plan.capacity(),
         retry_after: Duration::ZERO,
-        reset_after: Duration::ZERO,
+        // The lease spends tokens granted earlier: the bucket's fill is not known here.
+        reset_after: None,
         decided_by: DecidedBy::Lease,
         store_time: None,
     }
@@ -796,10 +825,11 @@ fn lease_allowed(plan: &Plan, left: u64, store_remaining: u64) -> Decision {
 fn lease_denied(plan: &Plan, retry_after: u64) -> Decision {
     Decision {
         allowed: false,
-        remaining: Tokens::ZERO,
+        remaining: Some(Tokens::ZERO),
         limit: plan.capacity(),
         retry_after: Duration::from_nanos(retry_after),
-        reset_after: Duration::from_nanos(retry_after),
+        // The store's last word says when the cost is back, not when the bucket is full.
+        reset_after: None,
         decided_by: DecidedBy::Lease,
         store_time: None,
     }
@@ -863,6 +893,47 @@ mod tests {
             lease_cost(Tokens::whole(1_000_000)),
             1_000_000 * 1_000_000_000
         );
+    }
+
+    /// A decision states only what its decider knows: the store says when the bucket is full
+    /// again, a lease (which spends tokens granted earlier without reading the bucket) does
+    /// not, and says so with `None` rather than a zero that would claim a full bucket.
+    #[test]
+    fn lease_decisions_do_not_claim_a_time_to_full() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let policies = Policies::from_json_str(
+                r#"{"plans": {
+                        "leased": {"capacity": 1000, "refill_per_second": 10, "lease": {}},
+                        "direct": {"capacity": 1000, "refill_per_second": 10}},
+                    "keys": [{"prefix": "d:", "plan": "direct"}],
+                    "default_plan": "leased"}"#,
+                None,
+            )
+            .expect("policy");
+            let limiter = Limiter::builder(crate::store::MemoryStore::new())
+                .policies(policies)
+                .build();
+            let d = limiter.try_acquire("d:1", 1.0).await.expect("valid");
+            assert_eq!(d.decided_by, DecidedBy::Store);
+            assert_eq!(d.remaining, Some(Tokens::whole(999)));
+            // One token short of 1000 at 10 per second: 100 ms to full.
+            assert_eq!(d.reset_after, Some(Duration::from_millis(100)));
+            let mut leased = 0;
+            for _ in 0..50 {
+                let d = limiter.try_acquire("k", 1.0).await.expect("valid");
+                assert!(d.allowed);
+                if d.decided_by == DecidedBy::Lease {
+                    leased += 1;
+                    assert_eq!(d.reset_after, None, "{d:?}");
+                    assert!(d.remaining.is_some(), "{d:?}");
+                }
+            }
+            assert!(leased > 0, "no decision came from a lease");
+        });
     }
 
     /// A key first spent from through its plan by name (`try_acquire_now_with`) and then

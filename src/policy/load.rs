@@ -971,6 +971,12 @@ pub(crate) fn route_shape(path: &str) -> Option<String> {
     parse_pattern(path).ok().map(|p| p.shape)
 }
 
+/// Why `path` is not an axum 0.8 route pattern, if it is not one.
+#[cfg(feature = "http")]
+pub(crate) fn route_pattern_error(path: &str) -> Option<String> {
+    parse_pattern(path).err()
+}
+
 /// The parameter names of an axum 0.8 route pattern, in order (`None` for a refused pattern).
 #[cfg(feature = "http")]
 pub(crate) fn route_params(path: &str) -> Option<Vec<String>> {

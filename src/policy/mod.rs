@@ -78,7 +78,7 @@ mod types;
 pub use error::{PolicyError, PolicyErrorKind};
 pub use load::{MAX_POLICY_BYTES, Policies};
 #[cfg(feature = "http")]
-pub(crate) use load::{route_params, route_shape};
+pub(crate) use load::{route_params, route_pattern_error, route_shape};
 pub use types::{
     Accounting, EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings,
     Plan, Route,

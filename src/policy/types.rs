@@ -61,14 +61,18 @@ impl Plan {
     }
 
     /// The same plan in leased mode with `lease`.
+    #[must_use]
     pub fn with_lease(mut self, lease: LeaseSettings) -> Plan {
         self.lease = Some(lease);
         self
     }
 
     /// The same plan with `fallback`.
+    #[must_use]
     pub fn with_fallback(mut self, fallback: FallbackSettings) -> Plan {
         self.fallback = fallback;
+        // The counters carry the fallback's mode as a label: registered again when needed.
+        self.counters = OnceLock::new();
         self
     }
 }
@@ -118,7 +122,7 @@ impl Plan {
     #[cold]
     fn register_counters(&self) -> &Arc<PlanCounters> {
         self.counters
-            .get_or_init(|| Arc::new(PlanCounters::register(&self.name)))
+            .get_or_init(|| Arc::new(PlanCounters::register(&self.name, self.fallback.mode)))
     }
 }
 
@@ -127,7 +131,10 @@ impl Plan {
 /// A lease is a batch of tokens reserved from the shared bucket and spent locally. It lives for
 /// at most [`ttl`](Self::ttl); unspent tokens go back when it expires. The actor refills it in
 /// the background once it falls below [`low_water`](Self::low_water) of its size.
+///
+/// Built from [`LeaseSettings::default`] and the `with_` methods, or read from a policy file.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct LeaseSettings {
     /// How long a lease lives before its unspent tokens go back. Defaults to 1 s. File field
     /// `ttl_ms`, from 10 ms to 10 minutes.
@@ -165,6 +172,50 @@ pub enum Accounting {
     Strict,
 }
 
+impl LeaseSettings {
+    /// With [`ttl`](Self::ttl).
+    #[must_use]
+    pub const fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// With [`max_fraction`](Self::max_fraction).
+    #[must_use]
+    pub const fn with_max_fraction(mut self, max_fraction: f64) -> Self {
+        self.max_fraction = max_fraction;
+        self
+    }
+
+    /// With [`low_water`](Self::low_water).
+    #[must_use]
+    pub const fn with_low_water(mut self, low_water: f64) -> Self {
+        self.low_water = low_water;
+        self
+    }
+
+    /// With [`refresh`](Self::refresh).
+    #[must_use]
+    pub const fn with_refresh(mut self, refresh: Duration) -> Self {
+        self.refresh = refresh;
+        self
+    }
+
+    /// With [`max_wait`](Self::max_wait).
+    #[must_use]
+    pub const fn with_max_wait(mut self, max_wait: Duration) -> Self {
+        self.max_wait = max_wait;
+        self
+    }
+
+    /// With [`accounting`](Self::accounting).
+    #[must_use]
+    pub const fn with_accounting(mut self, accounting: Accounting) -> Self {
+        self.accounting = accounting;
+        self
+    }
+}
+
 impl Default for LeaseSettings {
     fn default() -> Self {
         LeaseSettings {
@@ -182,9 +233,23 @@ impl Default for LeaseSettings {
 ///
 /// Defaults to [`FallbackMode::Local`] with one instance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct FallbackSettings {
     /// The fallback decision.
     pub mode: FallbackMode,
+}
+
+impl FallbackSettings {
+    /// Settings deciding with `mode`.
+    pub const fn new(mode: FallbackMode) -> Self {
+        FallbackSettings { mode }
+    }
+}
+
+impl From<FallbackMode> for FallbackSettings {
+    fn from(mode: FallbackMode) -> Self {
+        FallbackSettings::new(mode)
+    }
 }
 
 /// The decision made in place of the store.
@@ -216,6 +281,7 @@ impl Default for FallbackMode {
 /// The endpoint key is `METHOD:path` with the route pattern, not the request path
 /// ([`Route::endpoint`]), so `/bookings/1` and `/bookings/2` share the global bucket.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Route {
     /// The HTTP method, upper-case (`GET`, `POST`, ...).
     pub method: String,
@@ -237,6 +303,7 @@ impl Route {
 /// Where a route finds the entity (booking, customer, vendor, ...) a request is about, and the
 /// plan of each entity's bucket.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct EntityRule {
     /// Where the entity id comes from.
     pub source: EntitySource,
@@ -263,6 +330,7 @@ pub enum EntitySource {
 
 /// A key prefix rule: keys starting with `prefix` use `plan`.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KeyRule {
     /// The key prefix, non-empty.
     pub prefix: String,

@@ -108,8 +108,57 @@ struct State {
 
 /// A [`Store`] wrapper that stops calling a failing store for a back-off, then probes.
 ///
-/// See the [module docs](self). Defaults: opens after 5 consecutive transient failures, backs
-/// off 50 ms, doubling after each failed probe up to 500 ms.
+/// A rate limiter sits in front of every request. When its database is down, each call would
+/// still wait for its timeout (or for a connection refusal) before the fallback decides. The
+/// breaker counts consecutive transient failures ([`StoreError::is_transient`]); after
+/// [`failure_threshold`](CircuitBreaker::failure_threshold) of them it *opens* and fails every
+/// call at once with [`StoreError::CircuitOpen`], so the fallback decides in microseconds and the
+/// database gets no load while it recovers. When the back-off has passed, exactly one call goes
+/// through (*half-open*); its success closes the circuit, its failure opens it again for twice
+/// as long, up to the maximum back-off.
+///
+/// ```text
+///            N consecutive transient failures
+///  Closed ───────────────────────────────────────► Open ◄──────────┐
+///    ▲                                               │ back-off     │ probe failed
+///    │ probe succeeded                               ▼ elapsed      │ (back-off × 2, capped)
+///    └────────────────────────────────────────── Half-open ─────────┘
+/// ```
+///
+/// A non-transient error (a constraint violation, a schema mismatch) means the store answered:
+/// it counts as a success for the breaker. A probe whose future is dropped (cancelled) leaves the
+/// circuit open with no back-off, so the next call probes.
+///
+/// # Metrics
+///
+/// - `tokenlease_circuit_state{store}`: gauge, 0 closed, 1 open, 2 half-open.
+/// - `tokenlease_circuit_transitions_total{store, to}`: counter of state changes, `to` one of
+///   `closed`, `open`, `half_open`.
+/// - `tokenlease_store_clock_skew_seconds{store}`: gauge, the store's clock (PostgreSQL's
+///   `now()` returned by every acquire) minus this process's wall clock at the middle of the
+///   round trip. Positive when the store is ahead. The limiter never depends on it (the store
+///   decides by its own clock, leases expire by the local monotonic clock); it is there so an
+///   operator sees a skewed host. The wall clock is read through [`Clock`]
+///   ([`SystemClock`] unless [`wall_clock`](CircuitBreaker::wall_clock) says otherwise), so a
+///   test can step it.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use tokenlease::Limiter;
+/// use tokenlease::store::{CircuitBreaker, PostgresStore};
+///
+/// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/app").await?;
+/// let store = CircuitBreaker::new(store)
+///     .failure_threshold(5)
+///     .backoff(Duration::from_millis(50), Duration::from_millis(500));
+/// let limiter = Limiter::builder(store).build();
+/// # let _ = limiter;
+/// # Ok(()) }
+/// ```
+///
+/// Defaults: opens after 5 consecutive transient failures, backs off 50 ms, doubling after
+/// each failed probe up to 500 ms.
 pub struct CircuitBreaker<S> {
     inner: S,
     name: String,
@@ -159,6 +208,7 @@ impl<S> CircuitBreaker<S> {
     }
 
     /// Consecutive transient failures that open the circuit. Defaults to 5; at least 1.
+    #[must_use]
     pub fn failure_threshold(mut self, n: u32) -> Self {
         self.threshold = n.max(1);
         self
@@ -169,6 +219,7 @@ impl<S> CircuitBreaker<S> {
     /// recovered database is used again within about `max` plus one call.
     ///
     /// `max` below `min` is raised to `min`; a zero `min` becomes 1 ms.
+    #[must_use]
     pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
         self.min_backoff = min.max(Duration::from_millis(1));
         self.max_backoff = max.max(self.min_backoff);
@@ -180,6 +231,7 @@ impl<S> CircuitBreaker<S> {
     /// `tokenlease_store_clock_skew_seconds` compare the store's `now()` with. Defaults to
     /// [`SystemClock`]; a test passes a clock it can step. Only the skew reads it: the breaker's
     /// back-off runs on [`Instant`], and no decision depends on the wall clock.
+    #[must_use]
     pub fn wall_clock(mut self, clock: impl Clock) -> Self {
         self.wall = Arc::new(clock);
         self
@@ -187,6 +239,7 @@ impl<S> CircuitBreaker<S> {
 
     /// The `store` label on this breaker's metrics, to tell several breakers apart. Defaults
     /// to `default`.
+    #[must_use]
     pub fn name(mut self, name: impl Into<String>) -> Self {
         self.name = name.into();
         self
@@ -588,8 +641,11 @@ mod tests {
         assert!(take(&b).await.is_ok());
         let same = b.clock_skew().expect("a skew");
         assert!(same.abs() < 0.05, "skew {same} s against the right time");
-        for (set, expected) in [(real().0 - hour, 3600.0), (real().0 + hour, -3600.0)] {
-            wall.set(crate::bucket::Timestamp(set));
+        for (set, expected) in [
+            (real().as_nanos() - hour, 3600.0),
+            (real().as_nanos() + hour, -3600.0),
+        ] {
+            wall.set(crate::bucket::Timestamp::from_nanos(set));
             assert!(take(&b).await.is_ok());
             let skew = b.clock_skew().expect("a skew");
             assert!(

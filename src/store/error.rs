@@ -44,8 +44,13 @@ pub enum StoreError {
         after: Duration,
     },
     /// The connection failed or was closed (server down, reset, terminated backend).
+    ///
+    /// The message carries every cause (`connection to the store failed: error connecting to
+    /// server: Connection refused (os error 111)`), so it is whole when printed alone;
+    /// [`source`](std::error::Error::source) gives the driver's error for inspection. Neither
+    /// holds the connection string, so no password is printed.
     #[cfg(feature = "postgres")]
-    #[error("connection to the store failed")]
+    #[error("connection to the store failed: {}", crate::report::chain(.0.as_ref()))]
     Connection(#[source] Arc<tokio_postgres::Error>),
     /// The database refused the statement.
     #[error("database error {code}: {message}")]
@@ -55,16 +60,22 @@ pub enum StoreError {
         /// The server's message.
         message: String,
     },
+    /// The connection string given to
+    /// [`PostgresStore::builder`](crate::store::PostgresStore::builder) does not parse. The
+    /// message quotes it with any password hidden, and says what is wrong.
+    #[cfg(feature = "postgres")]
+    #[error("invalid connection string {0}")]
+    InvalidConnectionString(String),
     /// The store answered with something this version cannot read (a schema mismatch).
     #[error("unexpected reply from the store: {0}")]
     Protocol(String),
     /// Applying the migrations failed while the store was built. The [`MigrateError`] names
     /// what failed: the migration (version and description) or the bookkeeping step.
     ///
-    /// [`MigrateError`]: crate::store::postgres::migrate::MigrateError
+    /// [`MigrateError`]: crate::store::MigrateError
     #[cfg(feature = "postgres")]
     #[error("migrating the database failed: {0}")]
-    Migrate(#[source] Arc<crate::store::postgres::migrate::MigrateError>),
+    Migrate(#[source] Arc<crate::store::MigrateError>),
     /// The store holds as many keys as it may ([`MemoryStore::max_keys`]), none of them idle:
     /// a request for a new key is refused rather than evicting a bucket that is not full
     /// (which would refill it and admit more than the limit). Transient: buckets refill and
@@ -102,6 +113,8 @@ impl StoreError {
                 matches!(class, "08" | "53" | "57" | "40") || code == "55P03"
             }
             StoreError::Protocol(_) => false,
+            #[cfg(feature = "postgres")]
+            StoreError::InvalidConnectionString(_) => false,
             #[cfg(feature = "postgres")]
             StoreError::Migrate(_) => false,
         }

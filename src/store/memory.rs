@@ -265,6 +265,7 @@ impl MemoryStore {
 
     /// The same store with at most `n` keys (at least one); see [Bounded
     /// memory](Self#bounded-memory). Set it before the store is shared.
+    #[must_use]
     pub fn with_max_keys(mut self, n: usize) -> Self {
         self.max_keys = n.max(1);
         self
@@ -272,6 +273,7 @@ impl MemoryStore {
 
     /// The same store remembering at most `n` return ids (at least one); see [Bounded
     /// memory](Self#bounded-memory).
+    #[must_use]
     pub fn with_max_return_ids(mut self, n: usize) -> Self {
         self.max_return_ids = n.max(1);
         self
@@ -338,7 +340,7 @@ impl MemoryStore {
     /// swept. Call without holding a shard lock.
     fn sweep_if_due(&self, now: Timestamp, at_bound: bool) -> bool {
         let last = self.swept_at.load(Ordering::Acquire);
-        let since = now.0.saturating_sub(last);
+        let since = now.as_nanos().saturating_sub(last);
         let due = since >= TIDY_EVERY
             || (at_bound
                 && (since >= SWEEP_EVERY
@@ -346,7 +348,12 @@ impl MemoryStore {
         if !due
             || self
                 .swept_at
-                .compare_exchange(last, now.0.max(1), Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange(
+                    last,
+                    now.as_nanos().max(1),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
                 .is_err()
         {
             return false;

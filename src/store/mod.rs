@@ -1,7 +1,8 @@
 //! Where buckets live: the [`Store`] contract and its two implementations.
 //!
-//! - [`PostgresStore`]: the shared store. Every call is one atomic SQL statement that refills by
-//!   the database's `now()` and takes tokens; many service instances share its buckets.
+//! - `PostgresStore` (feature `postgres`): the shared store. Every call is one atomic SQL
+//!   statement that refills by the database's `now()` and takes tokens; many service instances
+//!   share its buckets.
 //! - [`MemoryStore`]: the same contract inside one process, for single-instance services, tests,
 //!   and as the embedded default where no database is wanted.
 //!
@@ -21,13 +22,15 @@ mod error;
 pub(crate) mod held;
 mod memory;
 #[cfg(feature = "postgres")]
-pub mod postgres;
+pub(crate) mod postgres;
 
 pub use self::breaker::{CircuitBreaker, CircuitState};
 pub use self::cleanup::IdleCleanup;
 pub use self::counted::CountedStore;
 pub use self::error::{StoreError, TimeoutKind};
 pub use self::memory::{DEFAULT_MAX_KEYS, DEFAULT_MAX_RETURN_IDS, MemoryStore, RETURN_ID_TTL};
+#[cfg(feature = "postgres")]
+pub use self::postgres::migrate::{MigrateError, Migration, MigrationReport, migrate};
 #[cfg(feature = "postgres")]
 pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
 
@@ -133,7 +136,10 @@ impl<'a> AcquireRequest<'a> {
 }
 
 /// What the store did with one [`AcquireRequest`].
+///
+/// A store of your own builds it with [`Acquired::new`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Acquired {
     /// Tokens taken: zero, or between the request's `min` and `want`.
     pub granted: Tokens,
@@ -145,6 +151,27 @@ pub struct Acquired {
     pub reset_after: Duration,
     /// The store's clock when it decided (PostgreSQL's `now()`).
     pub store_now: SystemTime,
+}
+
+impl Acquired {
+    /// A store's answer: `granted` tokens taken (zero for a denial), `remaining` left after
+    /// the take, `retry_after` until the request's `min` would be there (zero when granted),
+    /// `reset_after` until the bucket is full, all as of `store_now`.
+    pub const fn new(
+        granted: Tokens,
+        remaining: Tokens,
+        retry_after: Duration,
+        reset_after: Duration,
+        store_now: SystemTime,
+    ) -> Acquired {
+        Acquired {
+            granted,
+            remaining,
+            retry_after,
+            reset_after,
+            store_now,
+        }
+    }
 }
 
 /// Unused lease tokens going back to a bucket.
@@ -216,6 +243,22 @@ pub struct HeldLease {
 ///   the limiter, not the store, decides what a failure means (the plan's fallback).
 /// - **Timeouts are the store's job.** Every call returns within the store's configured call
 ///   timeout (plus scheduling), with [`StoreError::Timeout`] if it had to give up.
+///
+/// # A store of your own
+///
+/// The trait is public so that a limiter can run over another database, and so that a store
+/// can be wrapped ([`CircuitBreaker`], [`CountedStore`], a wrapper that injects faults in your
+/// tests). [`MemoryStore`] is the reference: `tests/store_contract.rs` runs one suite against
+/// it and `PostgresStore`, and a new store should pass it too.
+/// Answer with [`Acquired::new`].
+///
+/// The request types ([`AcquireRequest`], [`GiveBack`]) and the rows ([`BucketRow`],
+/// [`HeldLease`]) are plain data with public fields, built by both sides. Their strict-lease
+/// parts ([`AcquireRequest::hold`], [`GiveBack::lease`], [`BucketRow::leases`]: see [`Hold`])
+/// are used only for plans with `accounting: strict`; for every other plan they are `None` and
+/// empty. A store that does not keep strict leases must refuse a request with a `hold` (return
+/// an error, which the plan's fallback then decides) rather than grant it as a plain take:
+/// that would silently drop the bound strict accounting promises.
 #[async_trait]
 pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// Refills the bucket and takes between `min` and `want` tokens if `min` are there.

@@ -89,7 +89,7 @@ pub fn worst_window(
 
 /// Lease conservation, exact: every token `who` was granted was admitted (`admitted`, whole
 /// tokens), given back, stranded, or is still held.
-pub fn assert_conserved(who: &str, admitted: f64, stats: &tokenlease::lease::LeaseStats) {
+pub fn assert_conserved(who: &str, admitted: f64, stats: &tokenlease::LeaseStats) {
     assert!(
         (admitted + stats.returned + stats.stranded + stats.outstanding - stats.leased).abs()
             < 1e-9,

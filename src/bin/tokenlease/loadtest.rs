@@ -374,7 +374,7 @@ fn serve_db(runtime: &tokio::runtime::Runtime) -> super::CmdResult {
             .await
             .map_err(|e| DatabaseError::new("connect to", &url, &e))?;
         let connection = tokio::spawn(connection);
-        tokenlease::store::postgres::migrate::migrate(&mut client).await?;
+        tokenlease::store::migrate(&mut client).await?;
         drop(client);
         let _ = connection.await;
         println!("{url}");
@@ -451,20 +451,21 @@ fn plan(args: &Args) -> Result<Plan, String> {
             instances: NonZeroU32::new(args.instances as u32).unwrap_or(NonZeroU32::MIN),
         },
     };
-    let plan = Plan::new("loadtest", bucket).with_fallback(FallbackSettings { mode });
+    let plan = Plan::new("loadtest", bucket).with_fallback(FallbackSettings::new(mode));
     Ok(match args.mode {
         Mode::Direct => plan,
-        Mode::Leased => plan.with_lease(LeaseSettings {
-            ttl: Duration::from_millis(args.lease_ttl_ms.max(1)),
-            max_fraction: args.lease_fraction,
-            low_water: args.low_water,
-            refresh: Duration::from_millis(args.refresh_ms.max(1)),
-            max_wait: Duration::from_millis(args.max_wait_ms),
-            accounting: match args.accounting {
-                AccountingArg::Relaxed => Accounting::Relaxed,
-                AccountingArg::Strict => Accounting::Strict,
-            },
-        }),
+        Mode::Leased => plan.with_lease(
+            LeaseSettings::default()
+                .with_ttl(Duration::from_millis(args.lease_ttl_ms.max(1)))
+                .with_max_fraction(args.lease_fraction)
+                .with_low_water(args.low_water)
+                .with_refresh(Duration::from_millis(args.refresh_ms.max(1)))
+                .with_max_wait(Duration::from_millis(args.max_wait_ms))
+                .with_accounting(match args.accounting {
+                    AccountingArg::Relaxed => Accounting::Relaxed,
+                    AccountingArg::Strict => Accounting::Strict,
+                }),
+        ),
     })
 }
 
@@ -787,7 +788,7 @@ fn ideal_admitted(requests: &[Request], keys: u32, bucket: &BucketConfig, cost: 
     let mut states: Vec<Option<BucketState>> = vec![None; keys as usize];
     let mut admitted = 0;
     for r in requests {
-        let now = Timestamp(r.at);
+        let now = Timestamp::from_nanos(r.at);
         let state = states[r.key as usize].unwrap_or(BucketState::full(bucket, now));
         if let Ok((next, outcome)) = state.take(bucket, now, cost) {
             admitted += u64::from(outcome.is_allowed());

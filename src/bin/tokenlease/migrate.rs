@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use tokenlease::embedded::TempPostgres;
-use tokenlease::store::postgres::migrate::migrate;
+use tokenlease::store::migrate;
 
 use super::db::DatabaseError;
 

@@ -173,7 +173,9 @@ pub enum MigrateError {
         description: &'static str,
         /// The server's error, with SQLSTATE.
         detail: String,
-        /// The underlying error, for [`tokio_postgres::Error::code`].
+        /// The underlying error, for [`tokio_postgres::Error::code`]; also the error's
+        /// [`source`](std::error::Error::source).
+        #[source]
         error: tokio_postgres::Error,
     },
     /// Reading or writing the bookkeeping (`tokenlease_migrations`, the advisory lock, the
@@ -184,7 +186,8 @@ pub enum MigrateError {
         step: &'static str,
         /// The server's error, with SQLSTATE.
         detail: String,
-        /// The underlying error.
+        /// The underlying error; also the error's [`source`](std::error::Error::source).
+        #[source]
         error: tokio_postgres::Error,
     },
     /// The migration list itself is malformed (versions not strictly increasing, or ≤ 0).
@@ -241,10 +244,20 @@ const SELECT_ONE: &str = "SELECT checksum FROM tokenlease_migrations WHERE versi
 const RECORD: &str =
     "INSERT INTO tokenlease_migrations (version, description, checksum) VALUES ($1, $2, $3)";
 
-/// Applies the pending [`MIGRATIONS`]; see the [module docs](self).
+/// Applies the pending migrations of this version of the library (the SQL files in
+/// `migrations/`, embedded at compile time) on `client`'s database.
+///
+/// [`PostgresStoreBuilder::build`](crate::store::PostgresStoreBuilder::build) calls it unless
+/// told not to; call it yourself to migrate from a deploy step instead.
 ///
 /// Safe to run from many processes at once and idempotent: a second run applies nothing and
-/// reports every migration as already present.
+/// reports every migration as already present. Applied versions are recorded in the table
+/// `tokenlease_migrations` (version, description, checksum, applied_at), so a file edited after
+/// it was applied is an error ([`MigrateError::ChecksumMismatch`]) rather than a silent drift.
+/// Each migration runs in its own transaction, which first takes a transaction-level advisory
+/// lock and checks again whether its version is recorded: that works behind PgBouncer in
+/// transaction pooling mode too. Only the simple query protocol and unnamed statements are
+/// used.
 ///
 /// # Errors
 ///

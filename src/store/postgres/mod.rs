@@ -25,7 +25,7 @@ use crate::bucket::Tokens;
 use crate::clock::timestamp_from_system_time;
 
 mod manager;
-pub mod migrate;
+pub(crate) mod migrate;
 
 pub use self::manager::{ConnectionManager, PgConnection};
 
@@ -47,7 +47,7 @@ mod sql {
 
 /// The SQL text of the acquire statement the store sends (a call of `tokenlease_acquire`, with
 /// six `text[]` parameters written `$1::text[]` to `$6::text[]`), for benchmarks that run it
-/// themselves (pgbench).
+/// themselves (pgbench). Not part of the API: reached through `crate::__private`.
 pub const ACQUIRE_SQL: &str = sql::ACQUIRE;
 
 /// The single bare statement that `tokenlease_acquire` replaced (same parameters and results,
@@ -58,7 +58,16 @@ type Manager = ConnectionManager;
 
 /// Buckets in PostgreSQL, shared by every instance that connects to the same database.
 ///
-/// See the [module docs](self). Cheap to clone: clones share one pool.
+/// Every call is a single statement from `sql/`, sent with `query_typed`: no named prepared
+/// statements, so the store works behind PgBouncer in transaction pooling. Refill and take is a
+/// call of the server-side function `tokenlease_acquire`, and a return of lease tokens one of
+/// `tokenlease_give_back` (migration 0004): each locks its rows in key order, and refills by
+/// `now()` and takes (or credits) in the same statement. PostgreSQL keeps the plans of the
+/// functions' statements for the session, so only the short call is parsed and planned on every
+/// call. Every call is bounded by a client-side timeout, and the server stops abandoned
+/// statements itself with `statement_timeout` and `lock_timeout`, set on every connection.
+///
+/// Cheap to clone: clones share one pool.
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool<Manager>,
@@ -81,6 +90,7 @@ impl std::fmt::Debug for PostgresStore {
 
 /// Settings for a [`PostgresStore`]; see each setter for its default.
 #[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `build` is awaited"]
 pub struct PostgresStoreBuilder {
     config: tokio_postgres::Config,
     pool_size: u32,
@@ -249,6 +259,13 @@ impl PostgresStoreBuilder {
     }
 }
 
+/// The store's connection pool, for tests that run their own SQL on the store's sessions
+/// (reached through `crate::__private`; never in the API, where bb8's version would become
+/// part of ours).
+pub fn pool(store: &PostgresStore) -> &Pool<ConnectionManager> {
+    store.pool()
+}
+
 fn pool_error(after: Duration) -> impl Fn(RunError<StoreError>) -> StoreError {
     move |e| match e {
         RunError::User(e) => e,
@@ -264,10 +281,16 @@ impl PostgresStore {
     ///
     /// # Errors
     ///
-    /// [`StoreError::Protocol`] when the connection string does not parse.
+    /// [`StoreError::InvalidConnectionString`] when the connection string does not parse; the
+    /// message quotes it with any password hidden.
     pub fn builder(connection: &str) -> Result<PostgresStoreBuilder, StoreError> {
-        let config = tokio_postgres::Config::from_str(connection)
-            .map_err(|e| StoreError::Protocol(format!("invalid connection string: {e}")))?;
+        let config = tokio_postgres::Config::from_str(connection).map_err(|e| {
+            StoreError::InvalidConnectionString(format!(
+                "{}: {}",
+                crate::report::redact(connection),
+                crate::report::chain(&e)
+            ))
+        })?;
         Ok(PostgresStoreBuilder {
             config,
             pool_size: 4,
@@ -292,8 +315,9 @@ impl PostgresStore {
         Self::builder(connection)?.build().await
     }
 
-    /// The connection pool, for operators' queries and tests.
-    pub fn pool(&self) -> &Pool<Manager> {
+    /// The connection pool: for tests, through `crate::__private::pool`, never in the API
+    /// (bb8's version would become part of ours).
+    pub(crate) fn pool(&self) -> &Pool<Manager> {
         &self.pool
     }
 
@@ -628,5 +652,46 @@ impl Store for PostgresStore {
 
     fn max_concurrent_calls(&self) -> Option<usize> {
         Some(self.pool_size as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store that cannot connect says why, with every cause, and never the password.
+    #[tokio::test]
+    async fn a_refused_connection_names_its_cause_and_hides_the_password() {
+        // Port 1 on the loopback: nothing listens there, so the connection is refused at once.
+        let err = PostgresStore::builder("postgres://app:s3cret@127.0.0.1:1/app")
+            .expect("a valid connection string")
+            .connect_timeout(Duration::from_secs(5))
+            .build()
+            .await
+            .expect_err("nothing listens on port 1");
+        let text = err.to_string();
+        assert!(matches!(err, StoreError::Connection(_)), "{err:?}");
+        assert!(
+            text.starts_with("connection to the store failed: "),
+            "{text}"
+        );
+        assert!(text.to_lowercase().contains("refused"), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
+        // The driver's error stays reachable for inspection.
+        assert!(std::error::Error::source(&err).is_some());
+    }
+
+    /// A connection string that does not parse is quoted with its password hidden.
+    #[test]
+    fn an_invalid_connection_string_is_quoted_without_its_password() {
+        for bad in [
+            "postgres://app:s3cret@db:notaport/app",
+            "host=db user=app password=s3cret port=notaport",
+        ] {
+            let text = PostgresStore::builder(bad).expect_err(bad).to_string();
+            assert!(text.starts_with("invalid connection string "), "{text}");
+            assert!(text.contains("***"), "{text}");
+            assert!(!text.contains("s3cret"), "{text}");
+        }
     }
 }
