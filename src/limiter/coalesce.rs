@@ -21,6 +21,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
@@ -46,6 +47,9 @@ pub(crate) enum Unanswered {
 pub(crate) struct Settings {
     /// Statements in flight at once (about the store's pool size).
     pub(crate) max_in_flight: usize,
+    /// Once the lease actor runs ([`Coalescer::share_with_leases`]), keep one statement fewer
+    /// in flight (at least one), so that the actor's refills find a connection of the pool.
+    pub(crate) keep_one_for_leases: bool,
     /// Keys in one statement.
     pub(crate) max_batch: usize,
     /// Callers waiting for a statement; beyond this a caller goes straight to the fallback.
@@ -116,6 +120,9 @@ impl Item {
 pub(crate) struct Coalescer {
     state: Mutex<State>,
     settings: Settings,
+    /// Statements of the pool left to the lease actor: 0, or 1 once it runs (see
+    /// [`Settings::keep_one_for_leases`]).
+    kept: AtomicUsize,
 }
 
 impl std::fmt::Debug for Coalescer {
@@ -132,10 +139,25 @@ impl Coalescer {
             state: Mutex::new(State::default()),
             settings: Settings {
                 max_in_flight: settings.max_in_flight.max(1),
+                keep_one_for_leases: settings.keep_one_for_leases,
                 max_batch: settings.max_batch.max(1),
                 max_queued: settings.max_queued.max(1),
             },
+            kept: AtomicUsize::new(0),
         })
+    }
+
+    /// The lease actor started on the same store: from now on leave it one statement of the
+    /// pool, unless the caller chose how many statements run at once, or there is only one.
+    pub(crate) fn share_with_leases(&self) {
+        if self.settings.keep_one_for_leases && self.settings.max_in_flight > 1 {
+            self.kept.store(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Statements allowed in flight now.
+    fn cap(&self) -> usize {
+        self.settings.max_in_flight - self.kept.load(Ordering::Relaxed)
     }
 
     /// Takes `cost` from `key`'s bucket, in a statement shared with other callers, answering by
@@ -176,7 +198,7 @@ impl Coalescer {
                 entry.ready = true;
                 ready.push_back(key.to_owned());
             }
-            state.next_batch(&self.settings, Instant::now())
+            state.next_batch(&self.settings, self.cap(), Instant::now())
         };
         if let Some(batch) = batch {
             self.spawn(store, batch);
@@ -295,7 +317,7 @@ impl Coalescer {
             }
             let now = Instant::now();
             let mut next = Vec::new();
-            while let Some(batch) = state.next_batch(&self.settings, now) {
+            while let Some(batch) = state.next_batch(&self.settings, self.cap(), now) {
                 next.push(batch);
             }
             next
@@ -349,8 +371,8 @@ impl State {
     /// The next statement, if a slot is free and callers are waiting: up to `max_batch` ready
     /// keys, each with the callers of its first caller's cost, sorted by key. Callers that gave
     /// up or whose deadline passed leave the queue here.
-    fn next_batch(&mut self, settings: &Settings, now: Instant) -> Option<Vec<Item>> {
-        if self.in_flight >= settings.max_in_flight {
+    fn next_batch(&mut self, settings: &Settings, cap: usize, now: Instant) -> Option<Vec<Item>> {
+        if self.in_flight >= cap {
             return None;
         }
         let mut items = Vec::new();

@@ -187,7 +187,9 @@ impl LimiterBuilder {
 
     /// The most direct-mode statements in flight at once. Callers that arrive while this many
     /// are in flight wait, and the next statement carries all their keys. Defaults to the
-    /// store's [`Store::max_concurrent_calls`] (the pool size), or 4.
+    /// store's [`Store::max_concurrent_calls`] (the pool size), or 4; one less (at least one)
+    /// once a leased call has started the lease actor, since these statements then also carry
+    /// sparse keys' calls, and the actor's refills must always find a connection.
     pub fn statements_in_flight(mut self, n: usize) -> Self {
         self.statements_in_flight = Some(n.max(1));
         self
@@ -229,6 +231,10 @@ impl LimiterBuilder {
             .max(1);
         let settings = coalesce::Settings {
             max_in_flight,
+            // Unless the caller chose the number: once the lease actor runs, the coalescer
+            // also carries sparse keys' calls beside the actor's refills on the same pool, and
+            // leaves it one connection.
+            keep_one_for_leases: self.statements_in_flight.is_none(),
             max_batch: self.batch_keys,
             // What the next round of statements could carry, one key per caller.
             max_queued: max_in_flight.saturating_mul(self.batch_keys),
@@ -608,9 +614,12 @@ impl Limiter {
     }
 
     fn leases(&self) -> &Arc<Leases> {
-        self.inner
-            .leases
-            .get_or_init(|| Leases::start(Arc::clone(&self.inner.store), self.inner.table))
+        self.inner.leases.get_or_init(|| {
+            if let Some(coalescer) = &self.inner.coalescer {
+                coalescer.share_with_leases();
+            }
+            Leases::start(Arc::clone(&self.inner.store), self.inner.table)
+        })
     }
 
     /// Direct mode: one store statement (shared with concurrent callers), answered by the call
@@ -902,6 +911,7 @@ mod tests {
     fn lease_decisions_do_not_claim_a_time_to_full() {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
+            .start_paused(true)
             .build()
             .expect("runtime");
         runtime.block_on(async {
@@ -931,6 +941,9 @@ mod tests {
                     assert_eq!(d.reset_after, None, "{d:?}");
                     assert!(d.remaining.is_some(), "{d:?}");
                 }
+                // The key's first calls are store calls until the actor has seen its demand,
+                // which takes time to pass (the clock is paused: this advances it).
+                tokio::time::sleep(Duration::from_millis(1)).await;
             }
             assert!(leased > 0, "no decision came from a lease");
         });
