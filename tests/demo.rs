@@ -137,7 +137,11 @@ impl Drop for Demo {
             let _ = Command::new("kill")
                 .args(["-TERM", &self.child.id().to_string()])
                 .status();
-            std::thread::sleep(Duration::from_secs(2));
+            // Its own clean stop first (2 s at most), then SIGKILL.
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             let _ = self.child.kill();
             let _ = self.child.wait();
         }

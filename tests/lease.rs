@@ -879,6 +879,32 @@ async fn a_flooding_instance_does_not_starve_a_light_one() {
     );
 }
 
+/// Waits (from a plain thread, at most 5 s, looking every millisecond) until the lease actor has
+/// neither started a round nor made a store call for 10 ms, and returns its store calls so far.
+fn quiet_store_calls(limiter: &Limiter) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let counters = || {
+        let stats = limiter.lease_stats().expect("leased");
+        (stats.actor_rounds, stats.store_calls)
+    };
+    let mut seen = counters();
+    let mut since = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(1));
+        let now = counters();
+        if now != seen {
+            (seen, since) = (now, Instant::now());
+        } else if since.elapsed() >= Duration::from_millis(10) {
+            return now.1;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the lease actor never went quiet: {:?}",
+            limiter.lease_stats()
+        );
+    }
+}
+
 /// A hot key's lease is spread over per-core words once two threads race on it. Spent by one
 /// thread alone afterwards, it still costs a store call per lease, not per few calls: each
 /// top-up refills the word that thread drained. (An even split gave that word back half of what
@@ -916,8 +942,10 @@ fn a_spread_key_spent_by_one_thread_is_refilled_once_per_lease() {
             });
         }
     });
-    std::thread::sleep(Duration::from_millis(100));
-    let calls_before = limiter.lease_stats().expect("leased").store_calls;
+    // The refills the race asked for land before the count starts: the actor has gone quiet,
+    // neither a round nor a store call for 10 ms (a refill it is in the middle of then shows
+    // as one more store call below, within the bound's slack).
+    let calls_before = quiet_store_calls(&limiter);
     let (mut allowed, started) = (0u64, Instant::now());
     while started.elapsed() < Duration::from_secs(1) {
         for _ in 0..1000 {

@@ -123,6 +123,8 @@ async fn serve(
 
     let listener = tokio::net::TcpListener::from_std(listener)?;
     let addr = listener.local_addr()?;
+    // What a flood of ids made and the library freed goes back to the system (trim.rs).
+    super::trim::spawn_periodic();
     let shown = redact(url);
     let mut out = std::io::stdout().lock();
     writeln!(out, "tokenlease demo listening on http://{addr}")?;
