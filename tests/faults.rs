@@ -734,7 +734,10 @@ async fn d1(mode: Mode) {
                 "local: {admitted} admitted in the outage > {bound:.0} \
                  ({fallback_admitted} by the fallback in the whole run)"
             );
-            assert!(fallback_in_outage > 0, "the local fallback admitted nothing");
+            assert!(
+                fallback_in_outage > 0,
+                "the local fallback admitted nothing"
+            );
             for i in 0..N {
                 let share = C as f64 / N as f64 + R / N as f64 * outage;
                 let mine = events
