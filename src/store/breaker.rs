@@ -98,8 +98,12 @@ impl CircuitState {
 #[derive(Debug)]
 struct State {
     state: CircuitState,
-    /// Consecutive transient failures while closed.
+    /// Consecutive transient failures while closed, counted once per stall: see
+    /// [`CircuitBreaker::failure_threshold`].
     failures: u32,
+    /// When the last counted failure was seen; a failed call sent before it failed in the same
+    /// stall and counts no more. `None` after a success.
+    failure_seen: Option<Instant>,
     /// While open: when a probe may go through.
     open_until: Instant,
     /// How long the next opening lasts; doubles after each failed probe, reset on close.
@@ -199,6 +203,7 @@ impl<S> CircuitBreaker<S> {
             state: Mutex::new(State {
                 state: CircuitState::Closed,
                 failures: 0,
+                failure_seen: None,
                 open_until: Instant::now(),
                 next_backoff: min_backoff,
             }),
@@ -208,6 +213,13 @@ impl<S> CircuitBreaker<S> {
     }
 
     /// Consecutive transient failures that open the circuit. Defaults to 5; at least 1.
+    ///
+    /// Failures are counted once per stall: a failed call that was sent before the last counted
+    /// failure came back failed in the same stall and adds nothing. So `n` failures are `n`
+    /// rounds of calls failing one after another, however many calls each round had in flight:
+    /// a down or hung database opens the circuit after `n` rounds (each as long as a connection
+    /// refusal or a call timeout), while one slow flush that times out every statement in flight
+    /// at once (a checkpoint on a busy disk) does not.
     #[must_use]
     pub fn failure_threshold(mut self, n: u32) -> Self {
         self.threshold = n.max(1);
@@ -283,6 +295,8 @@ struct Permit<'a, S> {
     breaker: &'a CircuitBreaker<S>,
     probe: bool,
     done: bool,
+    /// When the call was let through.
+    sent: Instant,
 }
 
 impl<S> Drop for Permit<'_, S> {
@@ -307,6 +321,7 @@ impl<S> CircuitBreaker<S> {
                 breaker: self,
                 probe: false,
                 done: false,
+                sent: Instant::now(),
             }),
             CircuitState::Open => {
                 let now = Instant::now();
@@ -320,6 +335,7 @@ impl<S> CircuitBreaker<S> {
                     breaker: self,
                     probe: true,
                     done: false,
+                    sent: now,
                 })
             }
             CircuitState::HalfOpen => Err(StoreError::CircuitOpen {
@@ -336,13 +352,23 @@ impl<S> CircuitBreaker<S> {
             // The store answered: close (from a probe) or reset the count.
             (CircuitState::HalfOpen, true, false) => {
                 st.failures = 0;
+                st.failure_seen = None;
                 st.next_backoff = self.min_backoff;
                 self.transition(&mut st, CircuitState::Closed);
             }
-            (CircuitState::Closed, _, false) => st.failures = 0,
+            (CircuitState::Closed, _, false) => {
+                st.failures = 0;
+                st.failure_seen = None;
+            }
             (CircuitState::HalfOpen, true, true) => self.open(&mut st),
+            // Sent before the last counted failure was seen: it failed in the same stall (a
+            // checkpoint's slow flush times out every statement in flight at once), which was
+            // counted already.
+            (CircuitState::Closed, _, true)
+                if st.failure_seen.is_some_and(|seen| permit.sent < seen) => {}
             (CircuitState::Closed, _, true) => {
                 st.failures = st.failures.saturating_add(1);
+                st.failure_seen = Some(Instant::now());
                 if st.failures >= self.threshold {
                     self.open(&mut st);
                 }
@@ -354,6 +380,7 @@ impl<S> CircuitBreaker<S> {
 
     fn open(&self, st: &mut State) {
         st.failures = 0;
+        st.failure_seen = None;
         st.open_until = Instant::now() + st.next_backoff;
         st.next_backoff = std::cmp::min(st.next_backoff.saturating_mul(2), self.max_backoff);
         self.transition(st, CircuitState::Open);
@@ -682,5 +709,80 @@ mod tests {
             })
             .sum();
         assert_eq!(transitions, 2);
+    }
+
+    /// A store whose calls all take 50 ms and then time out: one stall of the database.
+    #[derive(Debug, Default, Clone)]
+    struct Stalled(Flaky);
+
+    #[async_trait]
+    impl Store for Stalled {
+        async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            self.0.acquire(request).await
+        }
+        async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
+            self.0.give_back(returns).await
+        }
+        async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
+            self.0.delete_idle(limit).await
+        }
+        async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
+            self.0.inspect(key).await
+        }
+    }
+
+    /// Calls in flight together that all time out in one stall count as one failure: sixteen
+    /// of them leave the circuit closed, and four more rounds failing one after another (five
+    /// in all) open it.
+    #[tokio::test(start_paused = true)]
+    async fn one_stall_of_many_calls_in_flight_counts_once() {
+        let store = Stalled::default();
+        store.0.failing.store(true, Ordering::SeqCst);
+        let b = CircuitBreaker::new(store.clone()).failure_threshold(5);
+        let request = || AcquireRequest::take("k", bucket(), Tokens::whole(1));
+        let calls: Vec<_> = (0..16).map(|_| b.acquire(request())).collect();
+        for result in futures_join_all(calls).await {
+            assert!(result.is_err());
+        }
+        assert_eq!(b.state(), CircuitState::Closed, "one stall");
+        for round in 1..=4 {
+            let calls: Vec<_> = (0..4).map(|_| b.acquire(request())).collect();
+            for result in futures_join_all(calls).await {
+                assert!(
+                    !matches!(result, Err(StoreError::CircuitOpen { .. })),
+                    "round {round}"
+                );
+            }
+        }
+        assert_eq!(
+            b.state(),
+            CircuitState::Open,
+            "five rounds failing one after another"
+        );
+    }
+
+    /// Awaits every future, each in its own task-free poll loop (the calls run together).
+    async fn futures_join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
+        let mut pinned: Vec<_> = futures.into_iter().map(Box::pin).collect();
+        let mut out: Vec<Option<F::Output>> = (0..pinned.len()).map(|_| None).collect();
+        std::future::poll_fn(|cx| {
+            let mut pending = false;
+            for (slot, fut) in out.iter_mut().zip(pinned.iter_mut()) {
+                if slot.is_none() {
+                    match fut.as_mut().poll(cx) {
+                        std::task::Poll::Ready(v) => *slot = Some(v),
+                        std::task::Poll::Pending => pending = true,
+                    }
+                }
+            }
+            if pending {
+                std::task::Poll::Pending
+            } else {
+                std::task::Poll::Ready(())
+            }
+        })
+        .await;
+        out.into_iter().map(|v| v.expect("ready")).collect()
     }
 }
