@@ -341,17 +341,77 @@ async fn a_caller_retrying_a_denied_key_in_a_tight_loop_lets_other_tasks_run() {
     assert!(calls <= 1_000, "yielded only after {calls} calls");
 }
 
-/// A key called less often than once per lease lifetime is sparse: each of its calls is one
-/// store call through the direct-mode coalescer (decided by the store: no refill statement, no
-/// lease given back, no wait for the actor). When its calls speed up, its spends count in its
-/// demand and the actor sizes it a lease, which pays the rest.
+/// A store whose statements that carry the key `held` wait until `release` is set: it holds
+/// the lease actor in one refill statement for as long as a test needs it busy. Other keys'
+/// statements (the direct-mode coalescer's) go straight through.
+#[derive(Debug, Clone, Default)]
+struct Gate {
+    inner: MemoryStore,
+    release: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait::async_trait]
+impl Store for Gate {
+    async fn acquire(
+        &self,
+        request: tokenlease::store::AcquireRequest<'_>,
+    ) -> Result<tokenlease::store::Acquired, tokenlease::store::StoreError> {
+        self.inner.acquire(request).await
+    }
+    async fn acquire_many(
+        &self,
+        requests: &[tokenlease::store::AcquireRequest<'_>],
+    ) -> Result<Vec<tokenlease::store::Acquired>, tokenlease::store::StoreError> {
+        if requests.iter().any(|r| r.key == "held") {
+            while !self.release.load(std::sync::atomic::Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        self.inner.acquire_many(requests).await
+    }
+    async fn give_back(
+        &self,
+        returns: &[tokenlease::store::GiveBack<'_>],
+    ) -> Result<u64, tokenlease::store::StoreError> {
+        self.inner.give_back(returns).await
+    }
+    async fn delete_idle(&self, limit: u32) -> Result<u64, tokenlease::store::StoreError> {
+        self.inner.delete_idle(limit).await
+    }
+    async fn inspect(
+        &self,
+        key: &str,
+    ) -> Result<Option<tokenlease::store::BucketRow>, tokenlease::store::StoreError> {
+        self.inner.inspect(key).await
+    }
+}
+
+/// Holds `limiter`'s lease actor in a refill statement (key `held`, through `gate`) until the
+/// gate is released: returns once the statement is on its way.
+async fn hold_the_actor(limiter: &Limiter, plan: &Plan) {
+    let (limiter_, plan_) = (limiter.clone(), plan.clone());
+    tokio::spawn(async move {
+        let _ = limiter_.try_acquire_now_with(&plan_, "held", 1.0);
+    });
+    until(Duration::from_secs(1), "the actor's held refill", || {
+        limiter.lease_stats().is_some_and(|s| s.store_calls == 1)
+    })
+    .await;
+}
+
+/// With `sparse_keys_direct`, a key called less often than once per lease lifetime (any key the
+/// limiter has not seen) is sparse: while the lease actor is busy with a statement, a call its
+/// lease cannot pay is one store call through the direct-mode coalescer (decided by the store:
+/// no refill statement, no lease, no wait behind the actor). Once the actor is idle again, its
+/// calls wait for the actor's refills; as they speed up, leases pay them.
 #[tokio::test(start_paused = true)]
-async fn a_sparse_key_is_decided_by_store_calls_and_leased_once_it_speeds_up() {
+async fn a_sparse_key_is_decided_by_store_calls_while_the_actor_is_busy() {
     use tokenlease::DecidedBy;
-    let store = MemoryStore::new();
+    let gate = Gate::default();
     let ttl = Duration::from_millis(100);
-    let limiter = Limiter::builder(store.clone())
+    let limiter = Limiter::builder(gate.clone())
         .lease_tick(Duration::from_millis(10))
+        .sparse_keys_direct(true)
         .build();
     // A bucket that refills too slowly to hide a take (1,000 tokens, one back every 1,000 s).
     let plan = common::plan(1_000, 0.001).with_lease(LeaseSettings::default().with_ttl(ttl));
@@ -361,7 +421,9 @@ async fn a_sparse_key_is_decided_by_store_calls_and_leased_once_it_speeds_up() {
             .await
             .expect("decision")
     };
-    // A call every 300 ms, three lifetimes: one store call each.
+    hold_the_actor(&limiter, &plan).await;
+    // A call every 300 ms, three lifetimes: one store call each, however long the actor is
+    // busy.
     for _ in 0..7 {
         let d = call().await;
         assert!(d.allowed && d.decided_by == DecidedBy::Store, "{d:?}");
@@ -369,17 +431,23 @@ async fn a_sparse_key_is_decided_by_store_calls_and_leased_once_it_speeds_up() {
     }
     let quiet = stats(&limiter);
     assert_eq!(
-        (quiet.store_calls, quiet.leased),
-        (0, 0.0),
-        "a sparse key's calls send no refill and hold no lease: {quiet:?}"
+        quiet.store_calls, 1,
+        "the sparse key's calls sent no refill: {quiet:?}"
     );
-    let row = store.inspect("quiet").await.expect("inspect").expect("row");
+    let row = gate
+        .inner
+        .inspect("quiet")
+        .await
+        .expect("inspect")
+        .expect("row");
     assert!(
         (row.tokens_now.as_f64() - (1_000.0 - 7.0)).abs() < 0.01,
         "every call took its token from the bucket: {row:?}"
     );
-    // A call a millisecond: after a few store calls the actor sizes a lease, and leases pay the
-    // rest.
+    // The actor idle again: a call a millisecond waits for the key's first refills, and once
+    // the actor has seen the demand, leases pay the calls.
+    gate.release
+        .store(true, std::sync::atomic::Ordering::Relaxed);
     let mut by = (0u32, 0u32);
     for _ in 0..200 {
         let d = call().await;
@@ -400,17 +468,23 @@ async fn a_sparse_key_is_decided_by_store_calls_and_leased_once_it_speeds_up() {
     limiter.shutdown().await;
 }
 
-/// A sparse key whose bucket is empty is denied by the store once, then here until the store's
-/// retry time, without a store call per denial.
+/// With `sparse_keys_direct`, a sparse key whose bucket is empty is denied by the store once,
+/// then here until the store's retry time, without a store call per denial.
 #[tokio::test(start_paused = true)]
 async fn a_sparse_keys_denial_stands_until_its_retry_time() {
     use tokenlease::DecidedBy;
-    let store = MemoryStore::new();
-    let limiter = Limiter::builder(store.clone())
+    let gate = Gate::default();
+    let limiter = Limiter::builder(gate.clone())
         .lease_tick(Duration::from_millis(10))
+        .sparse_keys_direct(true)
         .build();
     // Two tokens, one back every 10 s; leases of the default lifetime (1 s).
     let plan = common::plan(2, 0.1).with_lease(LeaseSettings::default());
+    hold_the_actor(
+        &limiter,
+        &common::plan(1_000, 1.0).with_lease(LeaseSettings::default()),
+    )
+    .await;
     let mut store_denials = 0;
     let mut allowed = 0;
     for i in 0..20 {
@@ -421,8 +495,12 @@ async fn a_sparse_keys_denial_stands_until_its_retry_time() {
         if d.allowed {
             allowed += 1;
             assert!(i < 2, "only the two tokens are admitted: call {i}, {d:?}");
+            assert_eq!(d.decided_by, DecidedBy::Store, "{d:?}");
         } else {
-            assert!(d.retry_after > Duration::ZERO, "{d:?}");
+            assert!(
+                d.retry_after > Duration::from_secs(8),
+                "the store's retry time: {d:?}"
+            );
             match d.decided_by {
                 DecidedBy::Store => store_denials += 1,
                 DecidedBy::Lease => {}
@@ -432,9 +510,59 @@ async fn a_sparse_keys_denial_stands_until_its_retry_time() {
         tokio::time::sleep(Duration::from_millis(40)).await;
     }
     assert_eq!(allowed, 2);
-    assert!(
-        store_denials <= 1,
-        "{store_denials} denials were store calls: the store's word stands until its retry time"
+    assert_eq!(
+        store_denials, 1,
+        "one store call denied; the slot denied the rest until the store's retry time"
     );
+    gate.release
+        .store(true, std::sync::atomic::Ordering::Relaxed);
     limiter.shutdown().await;
+}
+
+/// By default a sparse key's call waits for the actor, busy or not: held in a statement, the
+/// actor answers nothing, and the call is decided by the fallback after its `max_wait`.
+#[tokio::test(start_paused = true)]
+async fn by_default_a_sparse_keys_call_waits_for_the_actor() {
+    use tokenlease::DecidedBy;
+    let gate = Gate::default();
+    let limiter = Limiter::builder(gate.clone())
+        .lease_tick(Duration::from_millis(10))
+        .build();
+    let plan = common::plan(1_000, 0.001).with_lease(LeaseSettings::default());
+    hold_the_actor(&limiter, &plan).await;
+    let started = Instant::now();
+    let d = limiter
+        .try_acquire_with(&plan, "quiet", 1.0)
+        .await
+        .expect("decision");
+    assert!(matches!(d.decided_by, DecidedBy::Fallback(_)), "{d:?}");
+    assert_eq!(started.elapsed(), Duration::from_millis(50), "its max_wait");
+    gate.release
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    limiter.shutdown().await;
+}
+
+/// A key called once is leased exactly its call: the call that made the key is not counted in
+/// its demand, so the actor's next look (the low-water nudge of that call) sizes no lease for
+/// it. Before, the one call divided by the moment until that look made the key look hot: a
+/// whole lease was granted, sat out its lifetime and went back, two statements for nothing.
+#[tokio::test(start_paused = true)]
+async fn a_key_called_once_is_not_sized_a_lease() {
+    let limiter = Limiter::builder(MemoryStore::new())
+        .lease_tick(Duration::from_millis(10))
+        .build();
+    let plan = common::plan(1_000, 1.0)
+        .with_lease(LeaseSettings::default().with_ttl(Duration::from_millis(100)));
+    let d = limiter
+        .try_acquire_with(&plan, "once", 1.0)
+        .await
+        .expect("decision");
+    assert!(d.allowed, "{d:?}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let s = stats(&limiter);
+    assert_eq!(
+        (s.leased, s.returned, s.store_calls, s.keys),
+        (1.0, 0.0, 1, 0),
+        "one refill of one token, nothing given back, the key gone: {s:?}"
+    );
 }

@@ -630,12 +630,16 @@ fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64)> {
     if want == 0 {
         return None;
     }
-    // A top-up is worth a round trip only if it brings a good part of what is wanted; a bucket
-    // that ran dry is asked for the whole lease or nothing.
+    // A top-up nobody waits for is worth a round trip only if it brings a good part of what is
+    // wanted; with a caller waiting, whatever pays that caller is (asking it for more would
+    // deny a call the bucket could pay). A bucket that ran dry is asked for the whole lease or
+    // nothing.
     let min = if book.dry {
         want
+    } else if needed > 0 {
+        needed.clamp(1, want)
     } else {
-        needed.max(want / 2).clamp(1, want)
+        (want / 2).clamp(1, want)
     };
     Some((min, want))
 }
@@ -758,7 +762,9 @@ async fn refill_chunk(
         let started = Instant::now();
         leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
         metrics::counter!(m::DB_CALLS, "kind" => "lease").increment(1);
+        leases.busy.store(true, Ordering::Relaxed);
         let result = leases.store.acquire_many(&requests).await;
+        leases.busy.store(false, Ordering::Relaxed);
         let took = started.elapsed();
         metrics::histogram!(m::REFILL_SECONDS).record(took);
         let took = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
@@ -922,7 +928,9 @@ async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
             .collect();
         leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
         metrics::counter!(m::DB_CALLS, "kind" => "return").increment(1);
+        leases.busy.store(true, Ordering::Relaxed);
         let result = leases.store.give_back(&requests).await;
+        leases.busy.store(false, Ordering::Relaxed);
         drop(requests);
         match result {
             Ok(_) => {

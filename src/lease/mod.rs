@@ -108,6 +108,9 @@ pub(crate) struct TableSettings {
     /// The actor's timer granularity: it wakes for the earliest lease due, and handles every
     /// expiry and idle check due within one tick of it in the same round (up to a tick early).
     pub(crate) tick: Duration,
+    /// Sparse keys' calls go to the direct-mode coalescer while the actor is busy
+    /// (`LimiterBuilder::sparse_keys_direct`).
+    pub(crate) sparse_direct: bool,
 }
 
 /// The lease table and the handle to its actor.
@@ -139,6 +142,10 @@ pub(crate) struct Leases {
     /// How long a refill statement takes, in nanoseconds (a moving average the actor keeps):
     /// leases are sized to last until a refill asked at the low-water mark lands.
     pub(crate) refill_ns: AtomicU64,
+    /// The actor has a statement in flight (a refill or a give-back): a sparse key's call that
+    /// would wait behind it goes to the direct-mode coalescer instead (`Hot::sparse`). Relaxed:
+    /// a hint; a stale read sends one call the other way, and either decides it exactly.
+    pub(crate) busy: AtomicBool,
     actor: Mutex<Option<JoinHandle<()>>>,
     /// Whether an actor task is running: set when one is spawned, cleared by the task itself when
     /// it ends, however it ends (its runtime dropped, a panic, shutdown).
@@ -207,6 +214,7 @@ impl Leases {
             store,
             counters: Counters::default(),
             refill_ns: AtomicU64::new(0),
+            busy: AtomicBool::new(false),
             actor: Mutex::new(None),
             alive: AtomicBool::new(false),
             carry: Mutex::new(Vec::new()),
@@ -303,11 +311,17 @@ impl Leases {
                 }) else {
                     return Fast::NoRoom;
                 };
-                // Queued for the actor whatever becomes of this call: it clears the new
-                // record's pending mark and arms the key's idle check. A new key is sparse
-                // (`Hot::sparse`): this call is one store call, not a wait for a refill.
-                self.nudge_soon(slot);
-                return self.short(slot, cost);
+                // A new key is sparse (`Hot::sparse`): while the actor is busy, its call is one
+                // store call, and the actor hears of the key in its next gathering (it clears the
+                // new record's pending mark and arms the key's idle check). Otherwise the actor
+                // is woken for the key's first refill at once, and the call waits for it.
+                if self.settings.sparse_direct && self.busy.load(Ordering::Relaxed) {
+                    self.nudge_soon(slot);
+                    return Fast::Sparse(Arc::clone(slot));
+                }
+                slot.want(cost);
+                self.nudge(slot);
+                return Fast::Short(Arc::clone(slot));
             }
         };
         // The record alone: a quiet key's call does not read its slot.
@@ -382,7 +396,11 @@ impl Leases {
         if slot.fallback_until.load(Ordering::Acquire) > now {
             return Fast::Failing;
         }
-        if slot.hot().sparse.load(Ordering::Relaxed) && !slot.dry().load(Ordering::Acquire) {
+        if self.settings.sparse_direct
+            && slot.hot().sparse.load(Ordering::Relaxed)
+            && self.busy.load(Ordering::Relaxed)
+            && !slot.dry().load(Ordering::Acquire)
+        {
             return Fast::Sparse(Arc::clone(slot));
         }
         self.ask_refill(slot, cost);

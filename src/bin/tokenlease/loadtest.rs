@@ -102,6 +102,10 @@ pub(crate) struct Args {
     /// Run the limiter's statements with `synchronous_commit = off` (see DESIGN.md).
     #[arg(long)]
     sync_commit_off: bool,
+    /// Leased mode: a sparse key's call goes to the direct-mode coalescer while the lease actor
+    /// is busy (`LimiterBuilder::sparse_keys_direct`).
+    #[arg(long)]
+    sparse_keys_direct: bool,
     /// The database; without it a throwaway cluster is started.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
@@ -528,7 +532,11 @@ async fn load(
         let counting = CountedStore::with_counter(store, Arc::clone(&calls));
         // As the documented set-up: a circuit breaker in front of the store, so that calls
         // during an outage fail at once instead of each waiting for its timeout.
-        limiters.push(Limiter::builder(CircuitBreaker::new(counting)).build());
+        limiters.push(
+            Limiter::builder(CircuitBreaker::new(counting))
+                .sparse_keys_direct(args.sparse_keys_direct)
+                .build(),
+        );
     }
     // Start every key full, whatever an earlier run left behind.
     {
