@@ -447,15 +447,14 @@ impl Leases {
         denied_for: Option<u64>,
         failed: bool,
     ) {
+        let now = self.now();
         if failed {
-            let until = self
-                .now()
-                .saturating_add(actor::FAILURE_BACKOFF.as_nanos() as u64);
+            let until = now.saturating_add(actor::FAILURE_BACKOFF.as_nanos() as u64);
             slot.fallback_until.fetch_max(until, Ordering::AcqRel);
         }
         if let Some(retry_after) = denied_for {
-            let until = self.now().saturating_add(retry_after.max(1));
-            slot.deny_until.fetch_max(until, Ordering::AcqRel);
+            slot.deny_until
+                .fetch_max(now.saturating_add(retry_after.max(1)), Ordering::AcqRel);
         }
         if spent > 0 {
             let mut book = slot.book.lock();

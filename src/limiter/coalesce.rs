@@ -21,7 +21,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
@@ -47,9 +47,10 @@ pub(crate) enum Unanswered {
 pub(crate) struct Settings {
     /// Statements in flight at once (about the store's pool size).
     pub(crate) max_in_flight: usize,
-    /// Once the lease actor runs ([`Coalescer::share_with_leases`]), keep one statement fewer
-    /// in flight (at least one), so that the actor's refills find a connection of the pool.
-    pub(crate) keep_one_for_leases: bool,
+    /// Statements in flight at once once the lease actor runs on the same pool
+    /// ([`Coalescer::share_with_leases`]): `max_in_flight`, or one fewer when the coalescer
+    /// also carries sparse keys' calls, so that the actor's refills find a connection.
+    pub(crate) leased_in_flight: usize,
     /// Keys in one statement.
     pub(crate) max_batch: usize,
     /// Callers waiting for a statement; beyond this a caller goes straight to the fallback.
@@ -120,9 +121,8 @@ impl Item {
 pub(crate) struct Coalescer {
     state: Mutex<State>,
     settings: Settings,
-    /// Statements of the pool left to the lease actor: 0, or 1 once it runs (see
-    /// [`Settings::keep_one_for_leases`]).
-    kept: AtomicUsize,
+    /// The lease actor runs: at most [`Settings::leased_in_flight`] statements in flight.
+    leases_run: AtomicBool,
 }
 
 impl std::fmt::Debug for Coalescer {
@@ -139,25 +139,29 @@ impl Coalescer {
             state: Mutex::new(State::default()),
             settings: Settings {
                 max_in_flight: settings.max_in_flight.max(1),
-                keep_one_for_leases: settings.keep_one_for_leases,
+                leased_in_flight: settings
+                    .leased_in_flight
+                    .clamp(1, settings.max_in_flight.max(1)),
                 max_batch: settings.max_batch.max(1),
                 max_queued: settings.max_queued.max(1),
             },
-            kept: AtomicUsize::new(0),
+            leases_run: AtomicBool::new(false),
         })
     }
 
-    /// The lease actor started on the same store: from now on leave it one statement of the
-    /// pool, unless the caller chose how many statements run at once, or there is only one.
+    /// The lease actor started on the same store: from now on at most
+    /// [`Settings::leased_in_flight`] statements in flight.
     pub(crate) fn share_with_leases(&self) {
-        if self.settings.keep_one_for_leases && self.settings.max_in_flight > 1 {
-            self.kept.store(1, Ordering::Relaxed);
-        }
+        self.leases_run.store(true, Ordering::Relaxed);
     }
 
     /// Statements allowed in flight now.
     fn cap(&self) -> usize {
-        self.settings.max_in_flight - self.kept.load(Ordering::Relaxed)
+        if self.leases_run.load(Ordering::Relaxed) {
+            self.settings.leased_in_flight
+        } else {
+            self.settings.max_in_flight
+        }
     }
 
     /// Takes `cost` from `key`'s bucket, in a statement shared with other callers, answering by

@@ -250,10 +250,13 @@ impl LimiterBuilder {
             .max(1);
         let settings = coalesce::Settings {
             max_in_flight,
-            // Unless the caller chose the number: once the lease actor runs, the coalescer
-            // also carries sparse keys' calls beside the actor's refills on the same pool, and
-            // leaves it one connection.
-            keep_one_for_leases: self.statements_in_flight.is_none(),
+            // With sparse keys' calls beside the actor's refills on the same pool, the coalescer
+            // leaves the actor one connection once it runs, unless the caller chose the number.
+            leased_in_flight: if self.table.sparse_direct && self.statements_in_flight.is_none() {
+                max_in_flight.saturating_sub(1).max(1)
+            } else {
+                max_in_flight
+            },
             max_batch: self.batch_keys,
             // What the next round of statements could carry, one key per caller.
             max_queued: max_in_flight.saturating_mul(self.batch_keys),
@@ -635,9 +638,7 @@ impl Limiter {
 
     fn leases(&self) -> &Arc<Leases> {
         self.inner.leases.get_or_init(|| {
-            if let Some(coalescer) = &self.inner.coalescer
-                && self.inner.table.sparse_direct
-            {
+            if let Some(coalescer) = &self.inner.coalescer {
                 coalescer.share_with_leases();
             }
             Leases::start(Arc::clone(&self.inner.store), self.inner.table)
