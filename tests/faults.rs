@@ -793,13 +793,63 @@ async fn d1(mode: Mode) {
             );
         }
     }
+    // The limiter's part of the recovery runs from when the server is back (`pg_ctl start -w`
+    // returned): the server's own start-up, slower on a loaded machine, is not the limiter's.
+    let since_up = recovered.saturating_sub(up);
     assert!(
-        recovery <= Duration::from_secs(1),
-        "recovery took {recovery:?}"
+        since_up <= Duration::from_secs(1),
+        "recovery took {since_up:?} after the server was up ({recovery:?} after its start began)"
     );
+    // After recovery the envelope holds for what the store and the leases decide. The allow
+    // fallback admits everything by design, so a call that still fails after recovery (a
+    // loaded machine can push a statement past the 50 ms call timeout, and a restarted server
+    // checkpoints) lets calls through that no bucket counted: those are left out here, and
+    // each must follow a database call of its instance that failed.
+    let settled = recovered + Duration::from_secs(1);
+    let after: Vec<Event> = events
+        .iter()
+        .filter(|e| mode != Mode::Allow || !matches!(e.by, DecidedBy::Fallback(_)))
+        .copied()
+        .collect();
+    let allowed_by_fallback: Vec<&Event> = events
+        .iter()
+        .filter(|e| {
+            e.allowed
+                && matches!(e.by, DecidedBy::Fallback(_))
+                && in_window(e, settled, Duration::from_secs(6))
+        })
+        .collect();
+    if !allowed_by_fallback.is_empty() {
+        let (calls, failed, slowest) =
+            calls_in(&instances, origin, settled, Duration::from_secs(6));
+        eprintln!(
+            "D1 {}: after recovery the fallback admitted {} calls; {calls} database calls, \
+             {failed} failed ({:?}), slowest {:.1} ms",
+            mode.label(),
+            allowed_by_fallback.len(),
+            error_classes(&instances, origin, settled, Duration::from_secs(6)),
+            ms(slowest)
+        );
+        // Each one was decided after a call of its instance began that failed or outlasted
+        // the lease's 50 ms `max_wait`, and within a second (the breaker's longest back-off
+        // and a call) of that call's end.
+        let max_wait = LeaseSettings::default().max_wait;
+        for e in &allowed_by_fallback {
+            let cause = instances[e.instance].log.calls().iter().any(|c| {
+                let start = c.start - origin;
+                (c.error.is_some() || c.took > max_wait)
+                    && start <= e.at + e.took
+                    && e.at <= start + c.took + Duration::from_secs(1)
+            });
+            assert!(
+                cause,
+                "a fallback admission after recovery with no failed or slow call before it: {e:?}"
+            );
+        }
+    }
     assert_windows(
-        &events,
-        recovered + Duration::from_secs(1),
+        &after,
+        settled,
         Duration::from_secs(6),
         held,
         "after recovery",
