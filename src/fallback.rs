@@ -121,6 +121,7 @@ impl Fallback {
         // full, nobody here knows (`None`), rather than a made-up count such as the capacity.
         let decision = |allowed: bool, remaining: Option<Tokens>, retry_after: Duration| Decision {
             allowed,
+            would_deny: false,
             remaining,
             limit,
             retry_after,

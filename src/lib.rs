@@ -64,7 +64,7 @@ pub mod store;
 
 pub use error::Error;
 pub use lease::LeaseStats;
-pub use limiter::{DecidedBy, Decision, Limiter};
+pub use limiter::{DecidedBy, Decision, Limiter, ReloadError};
 
 /// Not part of the API: no semver promise, may change in any release.
 ///

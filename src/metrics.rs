@@ -17,8 +17,8 @@ use metrics::{Counter, Unit, describe_counter, describe_gauge, describe_histogra
 use crate::limiter::{DecidedBy, Decision};
 use crate::policy::FallbackMode;
 
-/// Decisions, by `plan` (the plan's name), `outcome` (`allowed`, `denied`) and `decided_by`
-/// (`store`, `lease`, `fallback`).
+/// Decisions, by `plan` (the plan's name), `outcome` (`allowed`, `denied`, and for a shadow
+/// plan `would_deny`: a denial let through) and `decided_by` (`store`, `lease`, `fallback`).
 pub const DECISIONS: &str = "tokenlease_decisions_total";
 /// Store calls, by `kind` (`take`: direct mode, `lease`: lease refills, `return`: give-backs).
 pub const DB_CALLS: &str = "tokenlease_db_calls_total";
@@ -89,6 +89,9 @@ pub const HTTP_CHECKED: &str = "tokenlease_http_checked_total";
 /// not match to it (the router matched another pattern, or gave none), so they passed
 /// unlimited; by that route's `method` and `route`.
 pub const HTTP_UNMATCHED: &str = "tokenlease_http_unmatched_total";
+/// Requests a layer in shadow mode (or a shadow plan) would have denied and let through, by
+/// `layer`, `method` and `route`, as [`HTTP_DENIED`].
+pub const HTTP_WOULD_DENY: &str = "tokenlease_http_would_deny_total";
 /// Global tokens given back on entity denial, by `result` (`credited`, `failed`, `skipped`).
 pub const HTTP_REFUNDS: &str = "tokenlease_http_refunds_total";
 
@@ -190,6 +193,11 @@ pub fn describe() {
         "requests the HTTP layer denied, by layer, method and route pattern"
     );
     describe_counter!(
+        HTTP_WOULD_DENY,
+        Unit::Count,
+        "requests a shadow layer or plan would have denied and let through, by layer, method and route pattern"
+    );
+    describe_counter!(
         HTTP_ERRORS,
         Unit::Count,
         "requests the HTTP layer could not check, by layer, method and route pattern"
@@ -243,6 +251,9 @@ fn by_index(decided_by: DecidedBy) -> usize {
 pub(crate) struct PlanCounters {
     /// `[allowed, denied][store, lease, fallback]`.
     decisions: [[Counter; 3]; 2],
+    /// `outcome="would_deny"`, `[store, lease, fallback]`: registered (at zero) for a shadow
+    /// plan only.
+    would_deny: Option<[Counter; 3]>,
     /// The plan's fallback mode, as its label.
     mode: &'static str,
     /// `tokenlease_fallback_decisions_total{plan, mode, outcome}`: `[allowed, denied]`.
@@ -260,7 +271,7 @@ impl fmt::Debug for PlanCounters {
 impl PlanCounters {
     /// Registers the counters of the plan `name`, whose fallback decides with `mode`, with the
     /// recorder installed now.
-    pub(crate) fn register(name: &str, mode: FallbackMode) -> PlanCounters {
+    pub(crate) fn register(name: &str, mode: FallbackMode, shadow: bool) -> PlanCounters {
         let mode = mode_label(mode);
         let one = |outcome: &'static str, by: &'static str| {
             let c = metrics::counter!(DECISIONS, "plan" => name.to_owned(),
@@ -279,6 +290,7 @@ impl PlanCounters {
         saved.increment(0);
         PlanCounters {
             decisions: [row("allowed"), row("denied")],
+            would_deny: shadow.then(|| row("would_deny")),
             mode,
             fallback: [fallback("allowed"), fallback("denied")],
             saved,
@@ -287,9 +299,13 @@ impl PlanCounters {
 }
 
 /// Records one decision made off the fast path under `plan`.
+///
+/// A shadow plan's denial let through ([`Decision::would_deny`]) counts as `would_deny` in
+/// `tokenlease_decisions_total`, and as the denial it is in
+/// `tokenlease_fallback_decisions_total`.
 pub(crate) fn record(plan: &crate::policy::Plan, decision: &Decision) {
     let counters = plan.counters();
-    let row = usize::from(!decision.allowed);
+    let row = usize::from(!decision.allowed || decision.would_deny);
     if let DecidedBy::Fallback(mode) = decision.decided_by {
         let mode = mode_label(mode);
         if mode == counters.mode {
@@ -298,11 +314,21 @@ pub(crate) fn record(plan: &crate::policy::Plan, decision: &Decision) {
             // The plan's fallback decides with the plan's mode; this is only for a decision
             // that names another one, counted by its own labels rather than misfiled.
             metrics::counter!(FALLBACK_DECISIONS, "plan" => plan.name().to_owned(),
-                "mode" => mode, "outcome" => outcome(decision.allowed))
+                "mode" => mode, "outcome" => outcome(row == 0))
             .increment(1);
         }
     }
-    counters.decisions[row][by_index(decision.decided_by)].increment(1);
+    let by = by_index(decision.decided_by);
+    match &counters.would_deny {
+        Some(would_deny) if decision.would_deny => would_deny[by].increment(1),
+        // A would-deny decision of a plan built without shadow counters (not possible through
+        // `Plan`, kept total): by the macro.
+        None if decision.would_deny => metrics::counter!(DECISIONS,
+            "plan" => plan.name().to_owned(), "outcome" => "would_deny",
+            "decided_by" => DECIDED_BY[by])
+        .increment(1),
+        _ => counters.decisions[row][by].increment(1),
+    }
 }
 
 /// Records how long a decision that waited took, by who decided.

@@ -1030,3 +1030,130 @@ async fn an_id_cannot_pose_as_a_hashed_id() {
         StatusCode::TOO_MANY_REQUESTS
     );
 }
+
+/// `GET /bookings/{bookingId}` from a policy file whose route puts `shadow` on the layers named
+/// (`""` for none).
+fn shadow_app(limiter: &Limiter, shadow: &str) -> Router {
+    let file = format!(
+        r#"{{
+          "plans": {{
+            "g": {{ "capacity": 1000, "refill_per_second": 1000 }},
+            "e": {{ "capacity": 10, "refill_per_second": 5 }}
+          }},
+          "routes": [
+            {{ "method": "GET", "path": "/bookings/{{bookingId}}", "global": "g",
+               "entity": {{ "path_param": "bookingId", "plan": "e" }} {shadow} }}
+          ]
+        }}"#
+    );
+    let policies = Policies::from_json_str(&file, None).expect("valid policy");
+    Router::new()
+        .route(BOOKING, get(|| async { "booking" }))
+        .route_layer(RateLimitLayer::from_policies(&policies, limiter.clone()).expect("layer"))
+        .layer(MockConnectInfo(peer("127.0.0.1")))
+}
+
+/// S5: a route's entity layer in shadow mode. The same 1,000 requests for one booking, 1 ms
+/// apart, against the enforcing route and the shadow route (each on its own store and clock):
+/// the shadow route answers every one with 200 and carries the entity layer's `RateLimit` item
+/// and the `RateLimit-Policy` of the enforcing route's answer, 429 or not (without
+/// `Retry-After`);
+/// the endpoint's global bucket pays for every request the shadow route let through.
+#[tokio::test]
+async fn s5_a_shadow_entity_layer_never_answers_429_and_carries_the_denials_fields() {
+    let (enforcing_clock, enforcing_store) = manual();
+    let (shadow_clock, shadow_store) = manual();
+    let (shadow_store, tally) = counting(shadow_store);
+    let enforcing = shadow_app(&Limiter::builder(enforcing_store).build(), "");
+    let shadow = shadow_app(
+        &Limiter::builder(shadow_store).build(),
+        r#", "shadow": "entity""#,
+    );
+    let (mut ok, mut would_deny) = (0, 0);
+    for i in 0..1000 {
+        let e = get_path(&enforcing, "/bookings/X").await;
+        let s = get_path(&shadow, "/bookings/X").await;
+        assert_eq!(s.status(), StatusCode::OK, "request {i}");
+        assert_eq!(
+            header(e.headers(), "ratelimit-policy"),
+            header(s.headers(), "ratelimit-policy"),
+            "request {i}"
+        );
+        // The entity layer's item is the denial's. The api item differs by one token once
+        // the entity would deny: the enforcing route gives the endpoint's token back, the
+        // shadow route lets the request through, which spends it.
+        let entity_item = |h: &HeaderMap| {
+            header(h, "ratelimit")
+                .and_then(|v| v.split(", ").find(|i| i.starts_with("\"entity\"")))
+                .map(str::to_owned)
+        };
+        assert_eq!(
+            entity_item(e.headers()),
+            entity_item(s.headers()),
+            "request {i}"
+        );
+        assert!(entity_item(s.headers()).is_some(), "request {i}");
+        assert_eq!(header(s.headers(), "retry-after"), None, "request {i}");
+        match e.status() {
+            StatusCode::OK => ok += 1,
+            StatusCode::TOO_MANY_REQUESTS => would_deny += 1,
+            other => panic!("unexpected status {other}"),
+        }
+        enforcing_clock.advance(1_000_000);
+        shadow_clock.advance(1_000_000);
+    }
+    assert!(
+        (10..=15).contains(&ok),
+        "the enforcing route let {ok} through"
+    );
+    assert_eq!(ok + would_deny, 1000);
+    assert_eq!(
+        tally.spent(GLOBAL_KEY),
+        1000.0,
+        "the global bucket paid for every request the shadow route let through"
+    );
+}
+
+/// S5, the other layer: a route whose global layer is in shadow mode lets its denials through
+/// to the entity layer, which still enforces.
+#[tokio::test]
+async fn s5_a_shadow_global_layer_lets_its_denials_reach_the_entity_layer() {
+    let (clock, store) = manual();
+    let limiter = Limiter::builder(store).build();
+    let file = r#"{
+      "plans": {
+        "g": { "capacity": 5, "refill_per_second": 1 },
+        "e": { "capacity": 3, "refill_per_second": 1 }
+      },
+      "routes": [
+        { "method": "GET", "path": "/bookings/{bookingId}", "global": "g",
+          "entity": { "path_param": "bookingId", "plan": "e" }, "shadow": "api" }
+      ]
+    }"#;
+    let policies = Policies::from_json_str(file, None).expect("valid policy");
+    let app = Router::new()
+        .route(BOOKING, get(|| async { "booking" }))
+        .route_layer(RateLimitLayer::from_policies(&policies, limiter).expect("layer"))
+        .layer(MockConnectInfo(peer("127.0.0.1")));
+    // Twenty bookings, one request each: the global bucket (5) would deny fifteen, and lets
+    // them through; no entity bucket is short.
+    for i in 0..20 {
+        let r = get_path(&app, &format!("/bookings/B{i}")).await;
+        assert_eq!(r.status(), StatusCode::OK, "booking B{i}");
+    }
+    // One booking, four more requests: its entity bucket (3, one spent above) still enforces.
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        statuses.push(get_path(&app, "/bookings/B0").await.status());
+    }
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS,
+            StatusCode::TOO_MANY_REQUESTS
+        ]
+    );
+    clock.advance(0);
+}

@@ -767,3 +767,40 @@ fn decisions_by_plan_exist_from_the_start_and_count_under_their_plan() {
     });
     drop(snapshotter);
 }
+
+/// S6: a shadow plan's denials count as `outcome="would_deny"` (registered at zero with the
+/// plan), never as `denied`; its fallback's denials count in the fallback series as denials.
+#[test]
+fn a_shadow_plans_denials_count_as_would_deny() {
+    let (snapshotter, ()) = recorded(async |_: &Snapshotter| {
+        let limiter = Limiter::builder(MemoryStore::new()).build();
+        let plan = Plan::new("shadowed", bucket(3, 0.001)).with_shadow(true);
+        for _ in 0..10 {
+            let d = limiter
+                .try_acquire_with(&plan, "k", 1.0)
+                .await
+                .expect("decision");
+            assert!(d.allowed);
+        }
+    });
+    let seen = Seen::take(&snapshotter);
+    let count = |outcome: &str| {
+        seen.counter(
+            m::DECISIONS,
+            &[
+                ("plan", "shadowed"),
+                ("outcome", outcome),
+                ("decided_by", "store"),
+            ],
+        )
+    };
+    assert_eq!(count("allowed"), 3);
+    assert_eq!(count("would_deny"), 7);
+    assert_eq!(count("denied"), 0);
+    assert!(
+        seen.label_sets(m::DECISIONS).iter().any(|l| l
+            .contains(&("outcome".to_owned(), "would_deny".to_owned()))
+            && l.contains(&("decided_by".to_owned(), "lease".to_owned()))),
+        "every would_deny series exists"
+    );
+}

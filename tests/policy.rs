@@ -478,7 +478,7 @@ const INVALID: &[Case] = &[
         file: "unknown_field.json",
         plan: Some("standard"),
         field: Some("plans.standard.burst"),
-        message: r#"unknown_field.json:3:65: plans.standard.burst: unknown field `burst`, expected one of `capacity`, `refill_per_second`, `refill`, `lease`, `fallback`"#,
+        message: r#"unknown_field.json:3:65: plans.standard.burst: unknown field `burst`, expected one of `capacity`, `refill_per_second`, `refill`, `lease`, `fallback`, `shadow`"#,
     },
     Case {
         file: "unknown_field_control_character.json",

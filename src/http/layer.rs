@@ -11,9 +11,12 @@ use tower::Layer;
 use super::headers::{LayerKind, policy_item};
 use super::key::{EntityKey, TrustedProxies};
 use super::service::RateLimit;
-use crate::Limiter;
-use crate::metrics::{HTTP_CHECKED, HTTP_DENIED, HTTP_ERRORS, HTTP_UNMATCHED};
-use crate::policy::{EntitySource, Plan, Policies, route_params, route_pattern_error, route_shape};
+use crate::metrics::{HTTP_CHECKED, HTTP_DENIED, HTTP_ERRORS, HTTP_UNMATCHED, HTTP_WOULD_DENY};
+use crate::policy::{
+    EntitySource, Plan, Policies, RouteShadow, route_params, route_pattern_error, route_shape,
+};
+use crate::{Limiter, ReloadError};
+use parking_lot::RwLock;
 
 /// A tower [`Layer`] that rate-limits requests with two independent buckets per route: one
 /// global bucket per endpoint and one bucket per entity per endpoint, for every route of a
@@ -55,12 +58,22 @@ pub(crate) enum Routes {
     /// From a policy file: by method and route shape (`METHOD:shape`, the shape of the pattern
     /// in axum's `MatchedPath`, so parameter names need not agree), and every route in file
     /// order for finding the route a request that matched none should have matched.
-    Table {
-        by_shape: HashMap<String, Arc<RouteLimits>>,
-        all: Vec<Arc<RouteLimits>>,
-    },
+    ///
+    /// Behind a lock so that [`RateLimitLayer::reload`] swaps the whole table at once: a
+    /// request reads the table it started with (a read lock and a reference count, then no
+    /// lock while it awaits its decisions).
+    Table(Arc<RwLock<Arc<RouteTable>>>),
     /// One route's limits, for every request the layer sees.
     One(Arc<RouteLimits>),
+}
+
+/// A policy file's routes as the layer looks them up.
+#[derive(Debug)]
+pub(crate) struct RouteTable {
+    /// By `METHOD:shape`.
+    pub(crate) by_shape: HashMap<String, Arc<RouteLimits>>,
+    /// In file order.
+    pub(crate) all: Vec<Arc<RouteLimits>>,
 }
 
 /// A policy file's route as the layer uses it: its own pattern (for the bucket keys and the
@@ -84,6 +97,8 @@ pub(crate) struct FileRoute {
     pub(crate) denied: [Counter; 2],
     /// `tokenlease_http_errors_total`, as `denied`.
     pub(crate) errors: [Counter; 2],
+    /// `tokenlease_http_would_deny_total`, as `denied`.
+    pub(crate) would_deny: [Counter; 2],
     /// Whether the warning about a request that should have matched this route was logged.
     pub(crate) warned: AtomicBool,
 }
@@ -126,6 +141,10 @@ impl FileRoute {
                 layer(HTTP_ERRORS, "api", api),
                 layer(HTTP_ERRORS, "entity", entity),
             ],
+            would_deny: [
+                layer(HTTP_WOULD_DENY, "api", api),
+                layer(HTTP_WOULD_DENY, "entity", entity),
+            ],
             warned: AtomicBool::new(false),
         }
     }
@@ -142,6 +161,8 @@ pub(crate) struct RouteLimits {
     pub(crate) file: Option<Arc<FileRoute>>,
     /// `RateLimit-Policy`, precomputed.
     pub(crate) policy: HeaderValue,
+    /// The layers in shadow mode.
+    pub(crate) shadow: RouteShadow,
 }
 
 impl RouteLimits {
@@ -165,6 +186,7 @@ impl RouteLimits {
             pattern,
             file: None,
             policy,
+            shadow: RouteShadow::default(),
         }
     }
 
@@ -226,64 +248,99 @@ impl RateLimitLayer {
     ///
     /// [`RouteConfigError`] for a route naming an unknown plan or an invalid header name.
     pub fn from_policies(policies: &Policies, limiter: Limiter) -> Result<Self, RouteConfigError> {
-        let mut by_shape = HashMap::new();
-        let mut all = Vec::new();
-        for route in policies.routes() {
-            let endpoint = route.endpoint();
-            let plan = |name: &str| {
-                policies
-                    .plan(name)
-                    .cloned()
-                    .ok_or_else(|| RouteConfigError::UnknownPlan {
-                        endpoint: endpoint.clone(),
-                        plan: name.to_owned(),
-                    })
-            };
-            let global = route.global.as_deref().map(plan).transpose()?;
-            let entity = match &route.entity {
-                None => None,
-                Some(rule) => {
-                    let key = match &rule.source {
-                        EntitySource::PathParam(name) => EntityKey::path_param(name.clone()),
-                        EntitySource::Header(name) => {
-                            match axum::http::HeaderName::try_from(name.as_str()) {
-                                Ok(header) => EntityKey::header(header),
-                                Err(_) => {
-                                    return Err(RouteConfigError::InvalidHeader {
-                                        endpoint,
-                                        header: name.clone(),
-                                    });
-                                }
-                            }
-                        }
-                        EntitySource::ClientIp => EntityKey::client_ip(),
-                    };
-                    Some((key, plan(&rule.plan)?))
-                }
-            };
-            let (api, per_entity) = (global.is_some(), entity.is_some());
-            let mut limits = RouteLimits::new(global, entity, None);
-            limits.file = Some(Arc::new(FileRoute::new(
-                &route.method,
-                &route.path,
-                api,
-                per_entity,
-            )));
-            let limits = Arc::new(limits);
-            // The file refuses two routes of one method and shape, and patterns it cannot parse.
-            let shape = route_shape(&route.path).unwrap_or_else(|| route.path.clone());
-            by_shape.insert(format!("{}:{shape}", route.method), Arc::clone(&limits));
-            all.push(limits);
-        }
+        let table = route_table(policies)?;
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 limiter,
-                routes: Routes::Table { by_shape, all },
+                routes: Routes::Table(Arc::new(RwLock::new(Arc::new(table)))),
                 trusted: TrustedProxies::none(),
             }),
         })
     }
 
+    /// Swaps in `policies` while requests are in flight: the limiter's plans
+    /// ([`Limiter::reload`]) and then this layer's routes (and those of every service made
+    /// from it or its clones). A request already past its route lookup finishes under the
+    /// routes it found; no request fails or waits because of a reload.
+    ///
+    /// Check the file first (`tokenlease check`, or [`Policies::from_file`], which refuses
+    /// an invalid one): this refuses only what the layer or the limiter cannot use, and then
+    /// changes nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`ReloadError::Route`] for routes [`from_policies`](Self::from_policies) would refuse,
+    /// and as [`Limiter::reload`]; the old routes and plans stay.
+    pub fn reload(&self, policies: Policies) -> Result<(), ReloadError> {
+        let Routes::Table(cell) = &self.config.routes else {
+            // Only `from_policies` makes a `RateLimitLayer`.
+            return Ok(());
+        };
+        // Checked before anything changes; built again from the limiter's copy, whose plans
+        // are the ones its lease table knows.
+        route_table(&policies)?;
+        let policies = self.config.limiter.reload(policies)?;
+        *cell.write() = Arc::new(route_table(&policies)?);
+        Ok(())
+    }
+}
+
+/// The route table of `policies`.
+fn route_table(policies: &Policies) -> Result<RouteTable, RouteConfigError> {
+    let mut by_shape = HashMap::new();
+    let mut all = Vec::new();
+    for route in policies.routes() {
+        let endpoint = route.endpoint();
+        let plan = |name: &str| {
+            policies
+                .plan(name)
+                .cloned()
+                .ok_or_else(|| RouteConfigError::UnknownPlan {
+                    endpoint: endpoint.clone(),
+                    plan: name.to_owned(),
+                })
+        };
+        let global = route.global.as_deref().map(plan).transpose()?;
+        let entity = match &route.entity {
+            None => None,
+            Some(rule) => {
+                let key = match &rule.source {
+                    EntitySource::PathParam(name) => EntityKey::path_param(name.clone()),
+                    EntitySource::Header(name) => {
+                        match axum::http::HeaderName::try_from(name.as_str()) {
+                            Ok(header) => EntityKey::header(header),
+                            Err(_) => {
+                                return Err(RouteConfigError::InvalidHeader {
+                                    endpoint,
+                                    header: name.clone(),
+                                });
+                            }
+                        }
+                    }
+                    EntitySource::ClientIp => EntityKey::client_ip(),
+                };
+                Some((key, plan(&rule.plan)?))
+            }
+        };
+        let (api, per_entity) = (global.is_some(), entity.is_some());
+        let mut limits = RouteLimits::new(global, entity, None);
+        limits.shadow = route.shadow;
+        limits.file = Some(Arc::new(FileRoute::new(
+            &route.method,
+            &route.path,
+            api,
+            per_entity,
+        )));
+        let limits = Arc::new(limits);
+        // The file refuses two routes of one method and shape, and patterns it cannot parse.
+        let shape = route_shape(&route.path).unwrap_or_else(|| route.path.clone());
+        by_shape.insert(format!("{}:{shape}", route.method), Arc::clone(&limits));
+        all.push(limits);
+    }
+    Ok(RouteTable { by_shape, all })
+}
+
+impl RateLimitLayer {
     /// The proxies whose `X-Forwarded-For` is believed for [`EntityKey::client_ip`]. By default
     /// none: the peer address is the client.
     pub fn trusted_proxies(mut self, trusted: TrustedProxies) -> Self {
@@ -324,6 +381,17 @@ impl RouteLimitLayer {
         })
     }
 
+    /// Puts the route's layers named in `shadow` in shadow mode: they decide and count as
+    /// usual, and a denial lets the request through with the rate-limit header fields it would
+    /// have carried (no `Retry-After`, no problem body), counted in
+    /// `tokenlease_http_would_deny_total`.
+    pub fn shadow(mut self, shadow: RouteShadow) -> Self {
+        if let Routes::One(route) = &mut Arc::make_mut(&mut self.config).routes {
+            Arc::make_mut(route).shadow = shadow;
+        }
+        self
+    }
+
     /// The route pattern for the keys (and for finding path parameters), for services without
     /// axum's router (plain hyper, tonic). Without it the pattern is axum's `MatchedPath`, and a
     /// request without one passes unlimited.
@@ -360,11 +428,15 @@ impl RouteLimitLayer {
         &self.config.limiter
     }
 
+    /// Replaces the route's limits with `f`'s, keeping its shadow layers (which
+    /// [`shadow`](Self::shadow) then sets).
     fn edit_route(mut self, f: impl FnOnce(&RouteLimits) -> RouteLimits) -> Self {
         let config = Arc::make_mut(&mut self.config);
         // Only `new` makes a `RouteLimitLayer`, always with one route.
         if let Routes::One(route) = &mut config.routes {
-            *route = Arc::new(f(route));
+            let mut limits = f(route);
+            limits.shadow = route.shadow;
+            *route = Arc::new(limits);
         }
         self
     }

@@ -21,7 +21,7 @@ use super::layer::{Config, RouteLimits, Routes};
 use super::refund::refund;
 use crate::bucket::Tokens;
 use crate::error::validate_key;
-use crate::metrics::{HTTP_DENIED, HTTP_ERRORS};
+use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_WOULD_DENY};
 use crate::policy::{FallbackMode, route_shape};
 use crate::{DecidedBy, Decision};
 
@@ -163,7 +163,9 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
             ),
             None => return Verdict::Pass,
         },
-        Routes::Table { by_shape, all } => {
+        Routes::Table(cell) => {
+            let table = Arc::clone(&cell.read());
+            let (by_shape, all) = (&table.by_shape, &table.all);
             let found = matched.as_deref().and_then(|matched| {
                 let shape = route_shape(matched)?;
                 // A route listed for the method itself first (a file may list HEAD on its
@@ -226,9 +228,15 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
     if let Some(plan) = &limits.global {
         let key = format!("ratelimit:api:{endpoint}");
         match limiter.try_acquire_with(plan, &key, 1.0).await {
-            Ok(d) if d.allowed => {
+            Ok(d) if d.allowed && !d.would_deny => {
                 reports.push(Report::allowed(LayerKind::Api, plan, d.remaining));
                 global_taken = Some((Arc::clone(plan), key, d));
+            }
+            // A shadow layer or plan: the denial is reported and counted, and the request goes
+            // on (no token was taken, so none is given back later).
+            Ok(d) if d.would_deny || limits.shadow.api => {
+                reports.push(Report::denied(LayerKind::Api, d.remaining, d.retry_after));
+                count_would_deny(&limits, LayerKind::Api, &method, &pattern);
             }
             Ok(d) => {
                 reports.push(Report::denied(LayerKind::Api, d.remaining, d.retry_after));
@@ -242,8 +250,17 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
     if let Some((plan, id)) = &entity {
         let key = entity_bucket_key(&endpoint, id);
         match limiter.try_acquire_with(plan, &key, 1.0).await {
-            Ok(d) if d.allowed => {
+            Ok(d) if d.allowed && !d.would_deny => {
                 reports.push(Report::allowed(LayerKind::Entity, plan, d.remaining));
+            }
+            // The endpoint's token stays taken: the request goes ahead.
+            Ok(d) if d.would_deny || limits.shadow.entity => {
+                reports.push(Report::denied(
+                    LayerKind::Entity,
+                    d.remaining,
+                    d.retry_after,
+                ));
+                count_would_deny(&limits, LayerKind::Entity, &method, &pattern);
             }
             Ok(d) => {
                 if let Some((gplan, gkey, gd)) = &global_taken {
@@ -285,6 +302,16 @@ fn count_denied(limits: &RouteLimits, layer: LayerKind, method: &str, pattern: &
     match &limits.file {
         Some(file) => file.denied[layer_index(layer)].increment(1),
         None => metrics::counter!(HTTP_DENIED, "layer" => layer.name(),
+            "method" => method.to_owned(), "route" => pattern.to_owned())
+        .increment(1),
+    }
+}
+
+/// Counts a denial a shadow layer or plan let through, as [`count_denied`].
+fn count_would_deny(limits: &RouteLimits, layer: LayerKind, method: &str, pattern: &str) {
+    match &limits.file {
+        Some(file) => file.would_deny[layer_index(layer)].increment(1),
+        None => metrics::counter!(HTTP_WOULD_DENY, "layer" => layer.name(),
             "method" => method.to_owned(), "route" => pattern.to_owned())
         .increment(1),
     }

@@ -310,7 +310,12 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
         if leases.overflowed.swap(false, Ordering::AcqRel) {
             scan_pending(&leases, &mut due, &mut seen);
         }
-        let looked = expire(&leases, &mut timers, now, tick, returns, &mut ids);
+        let reload = leases.reload.lock().take();
+        let mut looked = match reload {
+            Some(stale) => retire_stale(&leases, &stale, &mut timers, returns, &mut ids),
+            None => 0,
+        };
+        looked += expire(&leases, &mut timers, now, tick, returns, &mut ids);
         let worked = looked > 0 || !due.is_empty() || !returns.is_empty();
         // Returns first: a strict lease closed in this round is settled before the same slot's
         // renewal replaces its entry in the store.
@@ -466,6 +471,42 @@ fn expire(
         leases.table.pin().compact();
         timers.shrink();
     }
+    looked
+}
+
+/// After a policy reload: retires every slot whose lease `stale` names (its plan changed or
+/// was removed, or its key's rule names another plan now). Returns how many slots it looked at.
+fn retire_stale(
+    leases: &Leases,
+    stale: &super::Stale,
+    timers: &mut Timers,
+    returns: &mut Vec<Return>,
+    ids: &mut Ids,
+) -> u64 {
+    let table = leases.table.pin();
+    let mut gone = Vec::new();
+    let mut looked = 0u64;
+    for (_, slot) in table.iter() {
+        looked += 1;
+        let by_key = slot.hot().plan.load(Ordering::Relaxed) != super::slab::NO_PLAN;
+        if (stale.0)(&slot.key, &slot.plan, by_key) {
+            gone.push(Arc::clone(slot));
+        }
+    }
+    for slot in &gone {
+        if let Some(removed) = table.remove(&slot.key) {
+            retire(removed, returns, ids);
+        }
+    }
+    drop(table);
+    if !gone.is_empty() {
+        leases.table.pin().compact();
+        timers.shrink();
+    }
+    leases
+        .counters
+        .actor_visits
+        .fetch_add(looked, Ordering::AcqRel);
     looked
 }
 

@@ -152,6 +152,22 @@ pub(crate) struct Leases {
     alive: AtomicBool,
     /// Give-backs an actor that ended early left unsent: the next actor sends them.
     carry: Mutex<Vec<actor::Return>>,
+    /// After a policy reload: which slots hold a lease of a plan no longer in force. The
+    /// actor's next round retires them; a later reload replaces an earlier one not yet seen.
+    reload: Mutex<Option<Stale>>,
+}
+
+/// `(key, slot's plan, reached through the key's prefix)` → whether the slot's lease must
+/// close because the policies changed.
+pub(crate) struct Stale(pub(crate) Box<StaleFn>);
+
+/// The test behind [`Stale`].
+pub(crate) type StaleFn = dyn Fn(&str, &Plan, bool) -> bool + Send + Sync;
+
+impl std::fmt::Debug for Stale {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Stale")
+    }
 }
 
 /// What [`Leases::try_take_known`] spent, and under which plan.
@@ -218,6 +234,7 @@ impl Leases {
             actor: Mutex::new(None),
             alive: AtomicBool::new(false),
             carry: Mutex::new(Vec::new()),
+            reload: Mutex::new(None),
         });
         leases.ensure_actor();
         leases
@@ -353,7 +370,7 @@ impl Leases {
     pub(crate) fn try_take_known<'p, E>(
         &self,
         key: &str,
-        plans: &'p [Arc<Plan>],
+        plans: &'p crate::limiter::PlanRegistry,
         cost: impl FnOnce(&Plan) -> Result<u64, E>,
     ) -> Option<Result<Known<'p>, E>> {
         let table = self.table.pin();
@@ -609,6 +626,15 @@ impl Leases {
         if !self.alive.load(Ordering::Acquire) {
             actor::shut_down_here(self).await;
         }
+    }
+
+    /// After a policy reload: the actor's next round closes every lease `stale` names, as at
+    /// eviction (unspent tokens go back), and the key's next call starts a new one under the
+    /// plan it is given then. Never blocks or waits.
+    pub(crate) fn reload(&self, stale: Stale) {
+        *self.reload.lock() = Some(stale);
+        self.urgent.store(true, Ordering::Release);
+        self.wake.notify_one();
     }
 
     /// Asks the actor to give every lease back and stop, without waiting.

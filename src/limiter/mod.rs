@@ -10,6 +10,8 @@ use std::time::{Duration, SystemTime};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::OnceLock;
+
+use parking_lot::RwLock;
 use std::task::{Context, Poll};
 use tokio::time::Instant;
 
@@ -21,8 +23,10 @@ use crate::policy::{FallbackMode, Plan, Policies};
 use crate::store::{AcquireRequest, Acquired, GiveBack, Store};
 
 mod coalesce;
+mod plans;
 
 use coalesce::Coalescer;
+pub(crate) use plans::PlanRegistry;
 
 /// The direct-mode deadline when the store does not say what its call timeout is.
 const DEFAULT_CALL_DEADLINE: Duration = Duration::from_secs(1);
@@ -59,8 +63,13 @@ pub enum DecidedBy {
 #[non_exhaustive]
 #[must_use = "a decision says whether the request may go ahead"]
 pub struct Decision {
-    /// Whether the cost was taken and the request may go ahead.
+    /// Whether the request may go ahead: the cost was taken, or a shadow plan denied it and
+    /// lets it through ([`would_deny`](Self::would_deny)).
     pub allowed: bool,
+    /// A plan in shadow mode ([`Plan::with_shadow`]) denied the cost and lets the request
+    /// through: `allowed` is `true`, no token was taken, and the other fields are the denial's
+    /// (`retry_after` included). Always `false` for an enforcing plan.
+    pub would_deny: bool,
     /// Tokens left in the bucket after this decision, as far as the decider knows.
     ///
     /// From the store, exact at its clock. From a lease, an estimate: the tokens left in this
@@ -92,6 +101,7 @@ impl Decision {
     fn from_store(plan: &Plan, acquired: &Acquired) -> Decision {
         Decision {
             allowed: !acquired.granted.is_zero(),
+            would_deny: false,
             remaining: Some(acquired.remaining),
             limit: plan.capacity(),
             retry_after: acquired.retry_after,
@@ -127,10 +137,11 @@ pub struct Limiter {
 #[derive(Debug)]
 struct Inner {
     store: Arc<dyn Store>,
-    policies: Option<Policies>,
-    /// The policies' plans, in file order: a key's record in the lease table holds its plan's
-    /// index here.
-    plans: Box<[Arc<Plan>]>,
+    /// The policies in force ([`Limiter::reload`] swaps them).
+    policies: RwLock<Option<Loaded>>,
+    /// Every plan the policies have held, each once: a key's record in the lease table holds
+    /// its plan's index here.
+    plans: PlanRegistry,
     coalescer: Option<Arc<Coalescer>>,
     /// How long a direct-mode call waits for the store before the fallback decides.
     call_deadline: Duration,
@@ -138,6 +149,53 @@ struct Inner {
     /// The lease table and its actor, started by the first call on a leased plan.
     leases: OnceLock<Arc<Leases>>,
     table: TableSettings,
+}
+
+/// Policies as the limiter holds them: their plans interned in [`Inner::plans`].
+#[derive(Debug)]
+struct Loaded {
+    policies: Arc<Policies>,
+    /// The registry index of each of `policies`' plans, in their order.
+    index: Box<[u32]>,
+}
+
+impl Loaded {
+    /// Interns `policies`' plans into `registry`; `None` when it would pass its bound.
+    fn new(mut policies: Policies, registry: &PlanRegistry) -> Option<Loaded> {
+        let mut index = Vec::new();
+        let mut full = false;
+        policies.intern_plans(|plan| match registry.intern(plan) {
+            Some((i, shared)) => {
+                index.push(i);
+                Arc::clone(shared)
+            }
+            None => {
+                full = true;
+                Arc::clone(plan)
+            }
+        });
+        (!full).then(|| Loaded {
+            policies: Arc::new(policies),
+            index: index.into(),
+        })
+    }
+}
+
+/// Why [`Limiter::reload`] refused new policies. The old ones stay in force.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReloadError {
+    /// The limiter keeps every distinct plan it has been given (so that a key's record can
+    /// name its plan without a lock), up to this many over its life.
+    #[error("too many distinct plans: a limiter holds at most {max} over its life")]
+    TooManyPlans {
+        /// The bound.
+        max: usize,
+    },
+    /// The HTTP layer cannot use the policies' routes.
+    #[cfg(feature = "http")]
+    #[error(transparent)]
+    Route(#[from] crate::http::RouteConfigError),
 }
 
 impl Drop for Inner {
@@ -265,16 +323,14 @@ impl LimiterBuilder {
         for plan in self.policies.iter().flat_map(Policies::plans) {
             plan.counters();
         }
+        let plans = PlanRegistry::default();
+        // A policy file holds far fewer plans than the registry's bound.
+        let loaded = self.policies.and_then(|p| Loaded::new(p, &plans));
         Limiter {
             inner: Arc::new(Inner {
                 store: self.store,
-                plans: self
-                    .policies
-                    .iter()
-                    .flat_map(Policies::plans)
-                    .cloned()
-                    .collect(),
-                policies: self.policies,
+                plans,
+                policies: RwLock::new(loaded),
                 coalescer: self.coalesce.then(|| Coalescer::new(settings)),
                 call_deadline,
                 fallback: Fallback::default(),
@@ -308,9 +364,69 @@ impl Limiter {
         }
     }
 
-    /// The policies given to the builder.
-    pub fn policies(&self) -> Option<&Policies> {
-        self.inner.policies.as_ref()
+    /// The policies in force: those given to the builder, or to the latest
+    /// [`reload`](Self::reload).
+    pub fn policies(&self) -> Option<Arc<Policies>> {
+        self.inner
+            .policies
+            .read()
+            .as_ref()
+            .map(|l| Arc::clone(&l.policies))
+    }
+
+    /// Swaps in new policies while calls are in flight. No call fails or waits because of it;
+    /// the next decision uses them.
+    ///
+    /// - A key is matched to its plan by the new key rules from now on.
+    /// - A changed plan's capacity and rate take effect in the store's next statement for the
+    ///   key (every statement carries the plan's bucket); a call already past its plan lookup
+    ///   finishes under the plan it found.
+    /// - Live leases of a changed or removed plan (and of keys whose rule now names another
+    ///   plan) are closed by the lease actor in its next round, their unspent tokens given
+    ///   back as at expiry; the key's next call takes a lease sized for the new plan. Until
+    ///   that round (one actor wake-up) callers may still spend what such a lease holds, so
+    ///   an instance can exceed the new plan's envelope by at most one old lease per key: the
+    ///   same bound a lease always has (`DESIGN.md` §16).
+    /// - A key whose rule is gone falls to the new default plan, or is refused with
+    ///   [`Error::NoPlanForKey`] when there is none.
+    ///
+    /// Unchanged plans keep their leases and counters. Check a policy file before reloading it
+    /// (`tokenlease check`, [`Policies::from_file`]).
+    ///
+    /// # Errors
+    ///
+    /// [`ReloadError::TooManyPlans`] when the limiter has been given more distinct plans than
+    /// it keeps over its life; nothing changes then.
+    pub fn reload(&self, policies: Policies) -> Result<Arc<Policies>, ReloadError> {
+        let loaded = Loaded::new(policies, &self.inner.plans).ok_or(ReloadError::TooManyPlans {
+            max: plans::MAX_PLANS,
+        })?;
+        for plan in loaded.policies.plans() {
+            plan.counters();
+        }
+        let new = Arc::clone(&loaded.policies);
+        *self.inner.policies.write() = Some(loaded);
+        if let Some(leases) = self.inner.leases.get() {
+            // Plans any policies have held (not a reference to the limiter: the actor holds
+            // this until its next round).
+            let given: Vec<Arc<Plan>> = (0..self.inner.plans.len())
+                .filter_map(|i| self.inner.plans.get(i).cloned())
+                .collect();
+            let policies = Arc::clone(&new);
+            leases.reload(crate::lease::Stale(Box::new(
+                move |key: &str, plan: &Plan, by_key: bool| {
+                    // A policy plan changed or removed (a plan the limiter was never given, passed
+                    // to `try_acquire_with`, is the caller's to change).
+                    let named = policies.plan(plan.name());
+                    if named.is_none_or(|p| **p != *plan) && given.iter().any(|p| **p == *plan) {
+                        return true;
+                    }
+                    // A key reached through its prefix now names another plan.
+                    by_key && policies.plan_for_key(key).is_none_or(|p| **p != *plan)
+                },
+            )));
+        }
+        Ok(new)
     }
 
     /// The store the limiter decides with: the one given to the builder, as given (no wrapper
@@ -455,19 +571,15 @@ impl Limiter {
         let no_plan = || Error::NoPlanForKey {
             key: key.chars().take(64).collect(),
         };
-        let plan = self
-            .inner
-            .policies
-            .as_ref()
-            .and_then(|p| p.plan_for_key(key))
-            .ok_or_else(no_plan)?;
-        let index = self
-            .inner
-            .plans
-            .iter()
-            .position(|p| Arc::ptr_eq(p, plan))
-            .ok_or_else(no_plan)?;
-        Ok((&self.inner.plans[index], index as u32))
+        let index = {
+            let loaded = self.inner.policies.read();
+            loaded
+                .as_ref()
+                .and_then(|l| Some(l.index[l.policies.plan_index_for_key(key)?]))
+                .ok_or_else(no_plan)?
+        };
+        let plan = self.inner.plans.get(index as usize).ok_or_else(no_plan)?;
+        Ok((plan, index))
     }
 
     /// The rest of a call that [`start`](Self::start) could not finish without waiting.
@@ -571,7 +683,9 @@ impl Limiter {
                     leases.ask_refill_now(slot, lease_cost(cost));
                 }
                 Ok(match other {
-                    Fast::Dry { retry_after } => Some(lease_denied(plan, retry_after)),
+                    Fast::Dry { retry_after } => {
+                        Some(shadowed(plan, lease_denied(plan, retry_after)))
+                    }
                     _ => None,
                 })
             }
@@ -802,8 +916,22 @@ impl Future for Acquire<'_> {
 }
 
 /// Counts a decision made off the fast path under `plan`.
+/// Counts a decision made off the fast path, after [`shadowed`] let a shadow plan's denial
+/// through.
 fn recorded(plan: &Plan, decision: Decision) -> Decision {
+    let decision = shadowed(plan, decision);
     crate::metrics::record(plan, &decision);
+    decision
+}
+
+/// A shadow plan's denial becomes an admission marked [`Decision::would_deny`]; every other
+/// decision is returned as it is. Nothing else changes: no token was taken for it.
+#[inline]
+fn shadowed(plan: &Plan, mut decision: Decision) -> Decision {
+    if plan.shadow() && !decision.allowed {
+        decision.allowed = true;
+        decision.would_deny = true;
+    }
     decision
 }
 
@@ -842,6 +970,7 @@ fn lease_cost(cost: Tokens) -> u64 {
 fn lease_allowed(plan: &Plan, left: u64, store_remaining: u64) -> Decision {
     Decision {
         allowed: true,
+        would_deny: false,
         remaining: Some(Tokens::from_nanos(
             u128::from(left) + u128::from(store_remaining),
         )),
@@ -857,6 +986,7 @@ fn lease_allowed(plan: &Plan, left: u64, store_remaining: u64) -> Decision {
 fn lease_denied(plan: &Plan, retry_after: u64) -> Decision {
     Decision {
         allowed: false,
+        would_deny: false,
         remaining: Some(Tokens::ZERO),
         limit: plan.capacity(),
         retry_after: Duration::from_nanos(retry_after),

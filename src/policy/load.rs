@@ -18,7 +18,7 @@ use super::raw::{
 };
 use super::types::{
     Accounting, EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings,
-    Plan, Route,
+    Plan, Route, RouteShadow,
 };
 use crate::bucket::{BucketConfig, Rate, Tokens};
 
@@ -163,12 +163,27 @@ impl Policies {
     /// The plan for a store key: the rule with the longest prefix of `key`, else the default
     /// plan, else `None`.
     pub fn plan_for_key(&self, key: &str) -> Option<&Arc<Plan>> {
+        self.plan_index_for_key(key).map(|i| &self.plans[i])
+    }
+
+    /// The index among [`plans`](Self::plans) of the plan for `key`, as
+    /// [`plan_for_key`](Self::plan_for_key) chooses it.
+    pub(crate) fn plan_index_for_key(&self, key: &str) -> Option<usize> {
         self.keys
             .iter()
             .position(|rule| key.starts_with(rule.prefix.as_str()))
             .map(|i| self.key_plans[i])
             .or(self.default_plan)
-            .map(|i| &self.plans[i])
+    }
+
+    /// Replaces each plan with `f`'s: a limiter shares one `Arc` per distinct plan across
+    /// reloads. `f` must return a plan equal to the one it is given.
+    pub(crate) fn intern_plans(&mut self, mut f: impl FnMut(&Arc<Plan>) -> Arc<Plan>) {
+        for plan in &mut self.plans {
+            let interned = f(plan);
+            debug_assert!(*interned == **plan);
+            *plan = interned;
+        }
     }
 
     /// The default plan (`default_plan` in the file), if any.
@@ -576,6 +591,9 @@ impl Checker {
         if let Some(Obj(fallback)) = raw.fallback {
             plan = plan.with_fallback(self.fallback(name, fallback, raw.capacity)?);
         }
+        if raw.shadow == Some(true) {
+            plan = plan.with_shadow(true);
+        }
         Ok(plan)
     }
 
@@ -829,11 +847,39 @@ impl Checker {
                 "limits nothing: give global, entity or both".to_owned(),
             ));
         }
+        let shadow = match raw.shadow {
+            None | Some(serde_json::Value::Bool(false)) => RouteShadow::all(false),
+            Some(serde_json::Value::Bool(true)) => RouteShadow::all(true),
+            Some(serde_json::Value::String(layer)) if layer == "api" => RouteShadow::api(),
+            Some(serde_json::Value::String(layer)) if layer == "entity" => RouteShadow::entity(),
+            Some(other) => {
+                return Err(self.err(
+                    format!("{field}.shadow"),
+                    format!(
+                        "expected true, false, \"api\" or \"entity\", got {}",
+                        shorten(&other.to_string())
+                    ),
+                ));
+            }
+        };
+        if shadow.api && !shadow.entity && raw.global.is_none() {
+            return Err(self.err(
+                format!("{field}.shadow"),
+                "puts the api layer in shadow mode, but the route has no global plan",
+            ));
+        }
+        if shadow.entity && !shadow.api && entity.is_none() {
+            return Err(self.err(
+                format!("{field}.shadow"),
+                "puts the entity layer in shadow mode, but the route has no entity",
+            ));
+        }
         let route = Route {
             method: raw.method,
             path: raw.path,
             global: raw.global,
             entity,
+            shadow,
         };
         let shape = (route.method.clone(), pattern.shape);
         Ok((route, shape))

@@ -81,5 +81,5 @@ pub use load::{MAX_POLICY_BYTES, Policies};
 pub(crate) use load::{route_params, route_pattern_error, route_shape};
 pub use types::{
     Accounting, EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings,
-    Plan, Route,
+    Plan, Route, RouteShadow,
 };

@@ -132,6 +132,8 @@ pub(super) struct RawPlan {
     pub(super) lease: Option<Obj<RawLease>>,
     #[serde(default)]
     pub(super) fallback: Option<Obj<RawFallback>>,
+    #[serde(default)]
+    pub(super) shadow: Option<bool>,
 }
 
 /// `refill: { tokens, period_ms }`.
@@ -231,6 +233,9 @@ pub(super) struct RawRoute {
     pub(super) global: Option<String>,
     #[serde(default)]
     pub(super) entity: Option<Obj<RawEntity>>,
+    /// `true`, `false`, `"api"` or `"entity"`: checked by `load`, which names the field.
+    #[serde(default)]
+    pub(super) shadow: Option<serde_json::Value>,
 }
 
 /// `routes[i].entity`.

@@ -31,6 +31,8 @@ pub struct Plan {
     lease: Option<LeaseSettings>,
     /// What decides while the store is slow or down.
     fallback: FallbackSettings,
+    /// Shadow mode: decide and count as usual, but let a denial through.
+    shadow: bool,
     /// `tokenlease_decisions_total{plan=name, ...}`, registered once.
     counters: OnceLock<Arc<PlanCounters>>,
 }
@@ -41,6 +43,7 @@ impl PartialEq for Plan {
             && self.bucket == other.bucket
             && self.lease == other.lease
             && self.fallback == other.fallback
+            && self.shadow == other.shadow
     }
 }
 
@@ -56,6 +59,7 @@ impl Plan {
             bucket,
             lease: None,
             fallback: FallbackSettings::default(),
+            shadow: false,
             counters: OnceLock::new(),
         }
     }
@@ -72,6 +76,22 @@ impl Plan {
     pub fn with_fallback(mut self, fallback: FallbackSettings) -> Plan {
         self.fallback = fallback;
         // The counters carry the fallback's mode as a label: registered again when needed.
+        self.counters = OnceLock::new();
+        self
+    }
+
+    /// The same plan in shadow mode (`true`) or enforcing (`false`, the default).
+    ///
+    /// A shadow plan makes every decision exactly as an enforcing one would (store, leases,
+    /// fallback, the same tokens taken) and counts it, but a denial comes back with
+    /// [`allowed`](crate::Decision::allowed) `true` and
+    /// [`would_deny`](crate::Decision::would_deny) `true`, counted as `outcome="would_deny"`
+    /// in `tokenlease_decisions_total`. This is how a new limit is rolled out: watch what it
+    /// would refuse, then switch it on.
+    #[must_use]
+    pub fn with_shadow(mut self, shadow: bool) -> Plan {
+        self.shadow = shadow;
+        // The counters of a shadow plan include its would-deny series.
         self.counters = OnceLock::new();
         self
     }
@@ -109,6 +129,11 @@ impl Plan {
         &self.fallback
     }
 
+    /// Whether the plan is in shadow mode ([`with_shadow`](Self::with_shadow)).
+    pub fn shadow(&self) -> bool {
+        self.shadow
+    }
+
     /// This plan's decision counters, registered with the recorder installed now on their first
     /// use (a limiter registers the plans of its policies when it is built).
     #[inline]
@@ -121,8 +146,13 @@ impl Plan {
 
     #[cold]
     fn register_counters(&self) -> &Arc<PlanCounters> {
-        self.counters
-            .get_or_init(|| Arc::new(PlanCounters::register(&self.name, self.fallback.mode)))
+        self.counters.get_or_init(|| {
+            Arc::new(PlanCounters::register(
+                &self.name,
+                self.fallback.mode,
+                self.shadow,
+            ))
+        })
     }
 }
 
@@ -291,6 +321,47 @@ pub struct Route {
     pub global: Option<String>,
     /// The per-entity bucket, if the endpoint has one.
     pub entity: Option<EntityRule>,
+    /// Which of the route's layers run in shadow mode: they decide and count as usual, and a
+    /// denial lets the request through with the rate-limit fields it would have carried.
+    pub shadow: RouteShadow,
+}
+
+/// The layers of a [`Route`] in shadow mode (file field `shadow`: `true` for both, `"api"`
+/// or `"entity"` for one). A layer whose plan is itself in shadow mode
+/// ([`Plan::shadow`]) lets its denials through too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct RouteShadow {
+    /// The endpoint's global (`api`) layer.
+    pub api: bool,
+    /// The entity layer.
+    pub entity: bool,
+}
+
+impl RouteShadow {
+    /// Both layers in shadow mode (`true`) or neither (`false`).
+    pub const fn all(on: bool) -> RouteShadow {
+        RouteShadow {
+            api: on,
+            entity: on,
+        }
+    }
+
+    /// The global (`api`) layer only.
+    pub const fn api() -> RouteShadow {
+        RouteShadow {
+            api: true,
+            entity: false,
+        }
+    }
+
+    /// The entity layer only.
+    pub const fn entity() -> RouteShadow {
+        RouteShadow {
+            api: false,
+            entity: true,
+        }
+    }
 }
 
 impl Route {
