@@ -69,7 +69,8 @@ pub use limiter::{DecidedBy, Decision, Limiter, ReloadError};
 /// Not part of the API: no semver promise, may change in any release.
 ///
 /// What the crate's own integration tests and benchmarks reach that a user has no use for:
-/// the SQL text the store sends (benchmarks that run it through pgbench), the migration list
+/// the SQL text the store sends (benchmarks that run it through pgbench), a limiter's plan
+/// count (reload tests), the migration list
 /// and lock (tests that migrate on their own terms), the store's bb8 pool (tests that run
 /// their own SQL on the store's sessions), and the password-hiding and cause-chain text the
 /// library's messages use (which the `tokenlease` binary shares). Kept out of the documented
@@ -77,6 +78,11 @@ pub use limiter::{DecidedBy, Decision, Limiter, ReloadError};
 #[doc(hidden)]
 pub mod __private {
     pub use crate::report::{chain, redact};
+
+    /// How many distinct plans `limiter` has been given over its life (its plan registry).
+    pub fn limiter_plans(limiter: &crate::Limiter) -> usize {
+        limiter.registered_plans()
+    }
     #[cfg(feature = "postgres")]
     pub use crate::store::postgres::migrate::{
         MIGRATION_LOCK_ID, MIGRATIONS, MIGRATIONS_TABLE, migrate_with,

@@ -206,6 +206,9 @@ pub(crate) enum Fast {
     Sparse(Arc<Slot>),
     /// No slot and the table is full: decide without a lease.
     NoRoom,
+    /// The slot waited on was retired (a policy reload closed its lease, or the table shut
+    /// down): the call starts over.
+    Gone,
 }
 
 impl Leases {
@@ -507,6 +510,9 @@ impl Leases {
                     };
                 }
                 Take::Short { pending, .. } => {
+                    if slot.evicted().load(Ordering::Acquire) {
+                        return Fast::Gone;
+                    }
                     let now = self.now();
                     let deny_until = slot.deny_until.load(Ordering::Acquire);
                     if deny_until > now {

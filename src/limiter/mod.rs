@@ -559,11 +559,16 @@ impl Limiter {
                 cost: cost_tokens,
                 slot,
             },
-            Fast::NoRoom | Fast::Taken { .. } => Step::Direct {
+            Fast::NoRoom | Fast::Taken { .. } | Fast::Gone => Step::Direct {
                 plan,
                 cost: cost_tokens,
             },
         })
+    }
+
+    /// Distinct plans given to the limiter over its life.
+    pub(crate) fn registered_plans(&self) -> usize {
+        self.inner.plans.len()
     }
 
     /// The plan the policies give `key`, and its index among them.
@@ -583,7 +588,16 @@ impl Limiter {
     }
 
     /// The rest of a call that [`start`](Self::start) could not finish without waiting.
-    async fn finish(&self, step: Step<'_>, key: &str) -> Result<Decision, Error> {
+    /// `named` and `asked` are the call's own plan and cost: a call whose slot was retired
+    /// while it waited starts over with them, once (`again`).
+    async fn finish(
+        &self,
+        step: Step<'_>,
+        named: Option<&Plan>,
+        key: &str,
+        asked: f64,
+        again: bool,
+    ) -> Result<Decision, Error> {
         match step {
             Step::Done(decision) => Ok(decision),
             Step::Wait {
@@ -609,7 +623,13 @@ impl Limiter {
                         plan,
                         self.inner.fallback.decide(plan, key, cost).await,
                     )),
-                    Fast::NoRoom | Fast::Sparse(..) => self
+                    // A reload retired the slot (its plan changed): start over, so the call
+                    // is decided under the plan in force now, on the key's new slot.
+                    Fast::Gone if again => {
+                        let step = self.start(named, key, asked)?;
+                        Box::pin(self.finish(step, named, key, asked, false)).await
+                    }
+                    Fast::NoRoom | Fast::Sparse(..) | Fast::Gone => self
                         .direct(plan, key, cost)
                         .await
                         .map(|d| recorded(plan, d)),
@@ -891,7 +911,7 @@ impl Future for Acquire<'_> {
                 }
                 Err(e) => return Poll::Ready(Err(e)),
                 Ok(step) => (
-                    Box::pin(limiter.finish(step, key))
+                    Box::pin(limiter.finish(step, plan, key, cost, true))
                         as Pin<Box<dyn Future<Output = _> + Send + '_>>,
                     Instant::now(),
                 ),
