@@ -92,6 +92,10 @@ pub const HTTP_UNMATCHED: &str = "tokenlease_http_unmatched_total";
 /// Requests a layer in shadow mode (or a shadow plan) would have denied and let through, by
 /// `layer`, `method` and `route`, as [`HTTP_DENIED`].
 pub const HTTP_WOULD_DENY: &str = "tokenlease_http_would_deny_total";
+/// Policy reloads, by `result`: `applied` ([`Limiter::reload`](crate::Limiter::reload)), or
+/// `refused` (the limiter or the HTTP layer could not use them, or, in the demo, the file
+/// failed its check); registered at zero with the first limiter.
+pub const POLICY_RELOADS: &str = "tokenlease_policy_reloads_total";
 /// Global tokens given back on entity denial, by `result` (`credited`, `failed`, `skipped`).
 pub const HTTP_REFUNDS: &str = "tokenlease_http_refunds_total";
 
@@ -191,6 +195,11 @@ pub fn describe() {
         HTTP_DENIED,
         Unit::Count,
         "requests the HTTP layer denied, by layer, method and route pattern"
+    );
+    describe_counter!(
+        POLICY_RELOADS,
+        Unit::Count,
+        "policy reloads by result (applied, refused)"
     );
     describe_counter!(
         HTTP_WOULD_DENY,
@@ -328,6 +337,19 @@ pub(crate) fn record(plan: &crate::policy::Plan, decision: &Decision) {
             "decided_by" => DECIDED_BY[by])
         .increment(1),
         _ => counters.decisions[row][by].increment(1),
+    }
+}
+
+/// Counts one policy reload by its result (`applied`, `refused`).
+pub(crate) fn record_reload(applied: bool) {
+    let result = if applied { "applied" } else { "refused" };
+    metrics::counter!(POLICY_RELOADS, "result" => result).increment(1);
+}
+
+/// Registers both reload series at zero.
+pub(crate) fn register_reloads() {
+    for result in ["applied", "refused"] {
+        metrics::counter!(POLICY_RELOADS, "result" => result).increment(0);
     }
 }
 

@@ -1157,3 +1157,69 @@ async fn s5_a_shadow_global_layer_lets_its_denials_reach_the_entity_layer() {
     );
     clock.advance(0);
 }
+
+/// R5: `RateLimitLayer::reload` swaps the routes and plans of a layer already serving: a
+/// route's changed plan decides the next request, a route added by the reload is limited from
+/// then on, and one it removes passes unlimited.
+#[tokio::test]
+async fn r5_a_reloaded_layer_applies_the_new_routes_to_the_next_request() {
+    let (_clock, store) = manual();
+    let limiter = Limiter::builder(store).build();
+    let file = |entity_capacity: u64, list_route: bool| {
+        let list = if list_route {
+            r#", { "method": "GET", "path": "/bookings", "global": "list" }"#
+        } else {
+            ""
+        };
+        Policies::from_json_str(
+            &format!(
+                r#"{{
+                  "plans": {{
+                    "g": {{ "capacity": 1000, "refill_per_second": 1 }},
+                    "e": {{ "capacity": {entity_capacity}, "refill_per_second": 0.001 }},
+                    "list": {{ "capacity": 1, "refill_per_second": 0.001 }}
+                  }},
+                  "routes": [
+                    {{ "method": "GET", "path": "/bookings/{{bookingId}}", "global": "g",
+                       "entity": {{ "path_param": "bookingId", "plan": "e" }} }} {list}
+                  ]
+                }}"#
+            ),
+            None,
+        )
+        .expect("valid policy")
+    };
+    let layer = RateLimitLayer::from_policies(&file(3, false), limiter.clone()).expect("layer");
+    let app = Router::new()
+        .route(BOOKING, get(|| async { "booking" }))
+        .route("/bookings", get(|| async { "list" }))
+        .route_layer(layer.clone())
+        .layer(MockConnectInfo(peer("127.0.0.1")));
+    let statuses = async |path: &str, n: usize| {
+        let mut ok = 0;
+        for _ in 0..n {
+            if get_path(&app, path).await.status() == StatusCode::OK {
+                ok += 1;
+            }
+        }
+        ok
+    };
+    assert_eq!(statuses("/bookings/A", 5).await, 3, "entity capacity 3");
+    assert_eq!(statuses("/bookings", 5).await, 5, "no route: unlimited");
+
+    layer.reload(file(10, true)).expect("reload");
+    assert_eq!(statuses("/bookings/B", 12).await, 10, "entity capacity 10");
+    assert_eq!(statuses("/bookings", 5).await, 1, "the new route's plan");
+
+    layer.reload(file(10, false)).expect("reload");
+    assert_eq!(
+        statuses("/bookings", 5).await,
+        5,
+        "route removed: unlimited again"
+    );
+    assert_eq!(
+        limiter.policies().expect("policies").routes().len(),
+        1,
+        "the limiter holds what the layer reloaded"
+    );
+}

@@ -278,7 +278,10 @@ impl RateLimitLayer {
         };
         // Checked before anything changes; built again from the limiter's copy, whose plans
         // are the ones its lease table knows.
-        route_table(&policies)?;
+        if let Err(e) = route_table(&policies) {
+            crate::metrics::record_reload(false);
+            return Err(e.into());
+        }
         let policies = self.config.limiter.reload(policies)?;
         *cell.write() = Arc::new(route_table(&policies)?);
         Ok(())

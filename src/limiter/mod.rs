@@ -323,6 +323,7 @@ impl LimiterBuilder {
         for plan in self.policies.iter().flat_map(Policies::plans) {
             plan.counters();
         }
+        crate::metrics::register_reloads();
         let plans = PlanRegistry::default();
         // A policy file holds far fewer plans than the registry's bound.
         let loaded = self.policies.and_then(|p| Loaded::new(p, &plans));
@@ -398,9 +399,13 @@ impl Limiter {
     /// [`ReloadError::TooManyPlans`] when the limiter has been given more distinct plans than
     /// it keeps over its life; nothing changes then.
     pub fn reload(&self, policies: Policies) -> Result<Arc<Policies>, ReloadError> {
-        let loaded = Loaded::new(policies, &self.inner.plans).ok_or(ReloadError::TooManyPlans {
-            max: plans::MAX_PLANS,
-        })?;
+        let Some(loaded) = Loaded::new(policies, &self.inner.plans) else {
+            crate::metrics::record_reload(false);
+            return Err(ReloadError::TooManyPlans {
+                max: plans::MAX_PLANS,
+            });
+        };
+        crate::metrics::record_reload(true);
         for plan in loaded.policies.plans() {
             plan.counters();
         }

@@ -9,6 +9,10 @@
 //! - `GET /bookings`: global `bookings-list` only (no entity);
 //! - `GET /metrics`: Prometheus text format, not limited.
 //!
+//! With `--policy FILE`, the demo reloads the file on SIGHUP and when it changes, after the
+//! checks of `tokenlease check`; a file that fails them is refused and the old policies stay
+//! (`reload.rs`).
+//!
 //! Buckets live in PostgreSQL: `DATABASE_URL`, or a throwaway cluster that is removed on exit.
 //! Ctrl-C (SIGINT) and SIGTERM stop it cleanly: in-flight requests finish, leases go back, the
 //! throwaway cluster is stopped and deleted.
@@ -40,6 +44,7 @@ pub(crate) struct Args {
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
     /// Policy file with the routes' plans [default: the built-in examples/policies/demo.json].
+    /// Reloaded on SIGHUP and when it changes, if it passes `tokenlease check`.
     #[arg(long)]
     policy: Option<PathBuf>,
     /// The database; without it a throwaway PostgreSQL is started and removed on exit.
@@ -75,7 +80,13 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     let timeout = Duration::from_millis(args.db_timeout_ms.max(1));
     let throwaway = server.is_some();
     let result = runtime.block_on(serve(
-        listener, policies, &url, throwaway, timeout, prometheus,
+        listener,
+        policies,
+        args.policy,
+        &url,
+        throwaway,
+        timeout,
+        prometheus,
     ));
     drop(runtime);
     // Stops and deletes the throwaway cluster, also after an error.
@@ -88,6 +99,7 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
 async fn serve(
     listener: std::net::TcpListener,
     policies: Policies,
+    policy_file: Option<PathBuf>,
     url: &str,
     throwaway: bool,
     timeout: Duration,
@@ -107,6 +119,9 @@ async fn serve(
     let store = CircuitBreaker::new(store).name("demo");
     let limiter = Limiter::builder(store).policies(policies.clone()).build();
     let limits = RateLimitLayer::from_policies(&policies, limiter.clone())?;
+    if let Some(path) = policy_file {
+        super::reload::spawn(path, limits.clone());
+    }
 
     let app = Router::new()
         .route("/bookings", get(list_bookings))

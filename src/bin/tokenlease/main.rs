@@ -15,6 +15,7 @@ mod fault;
 mod inspect;
 mod loadtest;
 mod migrate;
+mod reload;
 mod trim;
 
 /// Distributed rate limiting with token leases over PostgreSQL.
