@@ -34,6 +34,10 @@ pub const TOKENS_RETURNED: &str = "tokenlease_lease_tokens_returned_total";
 pub const TOKENS_STRANDED: &str = "tokenlease_lease_tokens_stranded_total";
 /// Tokens held in live leases now: how far this process can run ahead of the shared bucket.
 pub const OUTSTANDING: &str = "tokenlease_lease_outstanding_tokens";
+/// Gauge: the most the keys in the lease table may hold in leases at once (each key's plan's
+/// largest lease, summed): the ceiling of [`OUTSTANDING`], and this process's term in the
+/// overshoot bound.
+pub const OUTSTANDING_BOUND: &str = "tokenlease_lease_outstanding_bound_tokens";
 /// Keys in the lease table now.
 pub const TABLE_KEYS: &str = "tokenlease_lease_table_keys";
 /// Time of one lease refill statement, in seconds.
@@ -124,6 +128,11 @@ pub fn describe() {
         OUTSTANDING,
         Unit::Count,
         "tokens held in live leases (overshoot bound)"
+    );
+    describe_gauge!(
+        OUTSTANDING_BOUND,
+        Unit::Count,
+        "the most the lease table's keys may hold in leases at once"
     );
     describe_gauge!(TABLE_KEYS, Unit::Count, "keys in the lease table");
     describe_gauge!(

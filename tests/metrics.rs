@@ -436,6 +436,13 @@ fn leased_and_direct_decisions_store_calls_and_lease_gauges() {
         );
         assert_eq!(mixed.gauge(m::TABLE_KEYS, &[]), Some(2.0), "hot and scarce");
         assert_eq!(mixed.gauge(m::OUTSTANDING, &[]), Some(stats.outstanding));
+        // Each key's largest lease: the whole capacity (max_fraction 1).
+        assert_eq!(
+            mixed.gauge(m::OUTSTANDING_BOUND, &[]),
+            Some(stats.outstanding_bound)
+        );
+        assert_eq!(stats.outstanding_bound, 1_000_003.0, "hot's 1,000,000 and scarce's 3");
+        assert!(stats.outstanding <= stats.outstanding_bound, "{stats:?}");
         assert_eq!(mixed.counter(m::TOKENS_LEASED, &[]), stats.leased as u64);
         assert_eq!(mixed.counter_total(m::FALLBACK_DECISIONS), 0);
         assert_eq!(mixed.counter_total(m::DB_ERRORS), 0);

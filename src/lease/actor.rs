@@ -369,6 +369,7 @@ fn publish_outstanding(leases: &Leases) {
         .actor_visits
         .fetch_add(stats.keys as u64, Ordering::AcqRel);
     metrics::gauge!(m::OUTSTANDING).set(stats.outstanding);
+    metrics::gauge!(m::OUTSTANDING_BOUND).set(stats.outstanding_bound);
     metrics::gauge!(m::TABLE_KEYS).set(stats.keys as f64);
     metrics::counter!(m::TOKENS_LEASED).absolute(stats.leased as u64);
     metrics::counter!(m::TOKENS_RETURNED).absolute(stats.returned as u64);

@@ -70,6 +70,11 @@ pub struct LeaseStats {
     pub stranded: f64,
     /// Tokens held in live leases now: how far this process can exceed its share right now.
     pub outstanding: f64,
+    /// The most the keys in the table may hold in leases at once: for each key, its plan's
+    /// largest lease (`max_fraction × capacity`, at least one token). `outstanding` never
+    /// exceeds it but for a call whose cost alone is larger (leased its whole cost); it is this
+    /// process's term in the overshoot bound (`DESIGN.md` §8).
+    pub outstanding_bound: f64,
     /// Keys in the lease table now.
     pub keys: usize,
     /// Store calls the actor made (refills and give-backs).
@@ -606,13 +611,19 @@ impl Leases {
     /// Counters now.
     pub(crate) fn stats(&self) -> LeaseStats {
         let table = self.table.pin();
-        let outstanding: u64 = table.values().map(|s| s.words().available()).sum();
+        let (outstanding, bound) = table.values().fold((0u64, 0u64), |(held, bound), s| {
+            (
+                held + s.words().available(),
+                bound.saturating_add(actor::largest_lease(s, 0)),
+            )
+        });
         let tokens = |n: u64| n as f64 / 1e9;
         LeaseStats {
             leased: tokens(self.counters.leased.load(Ordering::Acquire)),
             returned: tokens(self.counters.returned.load(Ordering::Acquire)),
             stranded: tokens(self.counters.stranded.load(Ordering::Acquire)),
             outstanding: tokens(outstanding),
+            outstanding_bound: tokens(bound),
             keys: table.len(),
             store_calls: self.counters.store_calls.load(Ordering::Acquire),
             actor_rounds: self.counters.actor_rounds.load(Ordering::Acquire),
