@@ -1,6 +1,6 @@
-//! The demo's live dashboard in a real browser: `tokenlease demo` under traffic, its
-//! `/dashboard` page loaded by headless Chromium, and the DOM the page's script rendered read
-//! back: the figures are there, live, and not zero.
+//! M2 (docs/testing.md): the demo's live dashboard in a real browser. `tokenlease demo` under
+//! traffic, its `/dashboard` page loaded by headless Chromium, and the DOM the page's script
+//! rendered read back: the figures are there, live, and not zero.
 //!
 //! Needs Debian's `chromium`; without it the test says so and passes, unless `CI` is set.
 //! With `TOKENLEASE_DASHBOARD_SCREENSHOT=path.png` it also saves a screenshot of the page after
@@ -17,8 +17,8 @@ use live_demo::{Demo, Traffic, outside_program, request, run_with_deadline, tail
 /// Chromium without anything that reaches outside this machine, in a fresh profile; the page
 /// is given `budget_ms` of virtual time (the page asks the demo for a sample after each answer,
 /// and the demo answers one second after the previous one, so that is about
-/// `budget_ms / 200` samples, one a second of real time).
-fn chromium(binary: &Path, profile: &Path, budget_ms: u32) -> Command {
+/// `budget_ms / 200` samples, one a second of real time), in a window `height` pixels high.
+fn chromium(binary: &Path, profile: &Path, budget_ms: u32, height: u32) -> Command {
     let mut c = Command::new(binary);
     c.args([
         "--headless",
@@ -31,8 +31,8 @@ fn chromium(binary: &Path, profile: &Path, budget_ms: u32) -> Command {
         "--disable-sync",
         "--disable-extensions",
         "--hide-scrollbars",
-        "--window-size=1280,1000",
     ])
+    .arg(format!("--window-size=1280,{height}"))
     .arg(format!("--user-data-dir={}", profile.display()))
     .arg(format!("--virtual-time-budget={budget_ms}"));
     c
@@ -72,7 +72,7 @@ fn route_rows(dom: &str) -> Vec<(String, String, Option<f64>, Option<f64>)> {
 }
 
 #[test]
-fn the_dashboard_shows_live_non_zero_figures_in_headless_chromium() {
+fn m2_the_dashboard_shows_live_non_zero_figures_in_headless_chromium() {
     let started = Instant::now();
     let Some(binary) = outside_program(
         "chromium",
@@ -115,7 +115,7 @@ fn the_dashboard_shows_live_non_zero_figures_in_headless_chromium() {
 
     let dir = tempfile::tempdir().expect("a temp dir");
     // About 8 samples, 8 s of real time.
-    let mut dump = chromium(&binary, &dir.path().join("profile"), 1600);
+    let mut dump = chromium(&binary, &dir.path().join("profile"), 1600, 1000);
     dump.arg("--dump-dom")
         .arg(format!("http://{addr}/dashboard"));
     let took = Instant::now();
@@ -197,7 +197,7 @@ fn the_dashboard_shows_live_non_zero_figures_in_headless_chromium() {
     if let Some(path) = std::env::var_os("TOKENLEASE_DASHBOARD_SCREENSHOT") {
         // About a minute of samples, so the sparklines are full.
         let path = std::path::absolute(path).expect("the screenshot's path");
-        let mut shot = chromium(&binary, &dir.path().join("profile-shot"), 12_000);
+        let mut shot = chromium(&binary, &dir.path().join("profile-shot"), 12_000, 1180);
         shot.arg(format!("--screenshot={}", path.display()))
             .arg(format!("http://{addr}/dashboard"));
         let (status, _) =

@@ -1,5 +1,5 @@
-//! The Grafana dashboard against a real Prometheus: `tokenlease demo` under traffic, scraped
-//! every second by Debian's `prometheus` (2.42), and every query of
+//! M1 (docs/testing.md): the Grafana dashboard against a real Prometheus. `tokenlease demo`
+//! under traffic, scraped every second by Debian's `prometheus` (2.42), and every query of
 //! `docs/grafana-dashboard.json` evaluated through Prometheus' HTTP API; each must return at
 //! least one series, so no panel of the dashboard shows "No data" for a running service.
 //!
@@ -140,7 +140,7 @@ fn expressions(dashboard: &serde_json::Value, out: &mut Vec<String>) {
 }
 
 #[test]
-fn every_query_of_the_grafana_dashboard_returns_series_from_a_real_prometheus() {
+fn m1_every_query_of_the_grafana_dashboard_returns_series_from_a_real_prometheus() {
     let started = Instant::now();
     let Some(binary) = outside_program(
         "prometheus",
