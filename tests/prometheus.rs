@@ -159,14 +159,20 @@ fn m1_every_query_of_the_grafana_dashboard_returns_series_from_a_real_prometheus
     let demo = Demo::start();
     let traffic = Traffic::start(&demo.addr);
     let dir = tempfile::tempdir().expect("a temp dir");
-    let prometheus = start_prometheus(&binary, dir.path(), &demo.addr);
+    let mut prometheus = start_prometheus(&binary, dir.path(), &demo.addr);
     let log = || tail(&dir.path().join("prometheus.log"), 30);
 
-    // Up, then scraped at least five times (a 15 s rate() wants two samples or more).
+    // Up (or failed at once, its port taken say), then scraped at least five times (a 15 s
+    // rate() wants two samples or more).
     wait_for(
         "prometheus answering queries",
         Duration::from_secs(60),
-        || query(&prometheus.addr, "vector(1)").ok(),
+        || {
+            if let Ok(Some(status)) = prometheus.child.try_wait() {
+                panic!("prometheus exited with {status}:\n{}", log());
+            }
+            query(&prometheus.addr, "vector(1)").ok()
+        },
     );
     let scrapes = wait_for("five scrapes of the demo", Duration::from_secs(60), || {
         let result = query(
