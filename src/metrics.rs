@@ -250,6 +250,19 @@ pub(crate) fn mode_label(mode: FallbackMode) -> &'static str {
     }
 }
 
+/// The `kind` values of [`DB_CALLS`] and [`DB_ERRORS`].
+const CALL_KINDS: [&str; 3] = ["take", "lease", "return"];
+
+/// Registers the store-call counters of every `kind` (`tokenlease_db_calls_total` and
+/// `tokenlease_db_errors_total`) at zero with the recorder installed now, so that a `rate()` of
+/// either, by kind, has a series before the first call or the first error.
+pub(crate) fn register_store_calls() {
+    for kind in CALL_KINDS {
+        metrics::counter!(DB_CALLS, "kind" => kind).increment(0);
+        metrics::counter!(DB_ERRORS, "kind" => kind).increment(0);
+    }
+}
+
 /// The `decided_by` values, in the order of [`PlanCounters`]' columns.
 const DECIDED_BY: [&str; 3] = ["store", "lease", "fallback"];
 
@@ -306,6 +319,9 @@ impl PlanCounters {
         };
         let saved = metrics::counter!(DB_CALLS_SAVED);
         saved.increment(0);
+        // The time in fallback of the plan's mode, at zero (an increment of 0 leaves a total
+        // another plan of the same mode has already published as it is).
+        metrics::gauge!(FALLBACK_ACTIVE_SECONDS, "mode" => mode).increment(0.0);
         PlanCounters {
             decisions: [row("allowed"), row("denied")],
             would_deny: shadow.then(|| row("would_deny")),

@@ -441,7 +441,10 @@ fn leased_and_direct_decisions_store_calls_and_lease_gauges() {
             mixed.gauge(m::OUTSTANDING_BOUND, &[]),
             Some(stats.outstanding_bound)
         );
-        assert_eq!(stats.outstanding_bound, 1_000_003.0, "hot's 1,000,000 and scarce's 3");
+        assert_eq!(
+            stats.outstanding_bound, 1_000_003.0,
+            "hot's 1,000,000 and scarce's 3"
+        );
         assert!(stats.outstanding <= stats.outstanding_bound, "{stats:?}");
         assert_eq!(mixed.counter(m::TOKENS_LEASED, &[]), stats.leased as u64);
         assert_eq!(mixed.counter_total(m::FALLBACK_DECISIONS), 0);

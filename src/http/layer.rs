@@ -340,6 +340,11 @@ fn route_table(policies: &Policies) -> Result<RouteTable, RouteConfigError> {
         by_shape.insert(format!("{}:{shape}", route.method), Arc::clone(&limits));
         all.push(limits);
     }
+    // A route with both layers gives global tokens back on entity denial: each result's
+    // series at zero from the start, with the recorder installed now.
+    if all.iter().any(|l| l.global.is_some() && l.entity.is_some()) {
+        super::refund::register_at_zero();
+    }
     Ok(RouteTable { by_shape, all })
 }
 

@@ -9,6 +9,13 @@ use crate::metrics::HTTP_REFUNDS;
 use crate::policy::Plan;
 use crate::{DecidedBy, Decision, Limiter};
 
+/// Registers `tokenlease_http_refunds_total` of every `result` at zero.
+pub(crate) fn register_at_zero() {
+    for result in ["credited", "failed", "skipped"] {
+        metrics::counter!(HTTP_REFUNDS, "result" => result).increment(0);
+    }
+}
+
 /// Gives back `cost` tokens that `decision` took from `key`. Returns whether they were credited.
 ///
 /// Tokens granted by a fallback are not given back: the store did not hand them out, and while

@@ -319,7 +319,9 @@ impl LimiterBuilder {
             // What the next round of statements could carry, one key per caller.
             max_queued: max_in_flight.saturating_mul(self.batch_keys),
         };
-        // Every plan's decision counters, with the recorder installed now, at zero.
+        // Every plan's decision counters and the store-call counters, with the recorder
+        // installed now, at zero.
+        crate::metrics::register_store_calls();
         for plan in self.policies.iter().flat_map(Policies::plans) {
             plan.counters();
         }

@@ -26,6 +26,10 @@
 //! - `tokenlease_circuit_state{store}`: gauge, 0 closed, 1 open, 2 half-open.
 //! - `tokenlease_circuit_transitions_total{store, to}`: counter of state changes, `to` one of
 //!   `closed`, `open`, `half_open`.
+//!
+//!   Both are registered with the breaker's first store call (the state at 0, every `to` at
+//!   zero), with the recorder installed then and under the breaker's final
+//!   [`name`](CircuitBreaker::name), so a dashboard has a series before the first transition.
 //! - `tokenlease_store_clock_skew_seconds{store}`: gauge, the store's clock (PostgreSQL's
 //!   `now()` returned by every acquire) minus this process's wall clock at the middle of the
 //!   round trip. Positive when the store is ahead. The limiter never depends on it (the store
@@ -51,8 +55,8 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Once};
 use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
@@ -174,6 +178,8 @@ pub struct CircuitBreaker<S> {
     wall: Arc<dyn Clock>,
     /// The last skew measured, in nanoseconds (store minus local); `i64::MIN` before any.
     skew_nanos: AtomicI64,
+    /// Registers the state gauge and the transition counters, once, at the first call.
+    series: Once,
 }
 
 impl<S: fmt::Debug> fmt::Debug for CircuitBreaker<S> {
@@ -209,6 +215,7 @@ impl<S> CircuitBreaker<S> {
             }),
             wall: Arc::new(SystemClock),
             skew_nanos: AtomicI64::new(i64::MIN),
+            series: Once::new(),
         }
     }
 
@@ -396,11 +403,27 @@ impl<S> CircuitBreaker<S> {
             .increment(1);
     }
 
+    /// The state gauge (at the state now) and the transition counters (at zero).
+    #[cold]
+    fn register_series(&self) {
+        let now = self.state();
+        metrics::gauge!(CIRCUIT_STATE, "store" => self.name.clone()).set(now.as_gauge());
+        for to in [
+            CircuitState::Closed,
+            CircuitState::Open,
+            CircuitState::HalfOpen,
+        ] {
+            metrics::counter!(CIRCUIT_TRANSITIONS, "store" => self.name.clone(), "to" => to.label())
+                .increment(0);
+        }
+    }
+
     /// Runs `call` if the circuit lets it through, and learns from its outcome.
     async fn call<T, F>(&self, call: impl FnOnce() -> F) -> Result<T, StoreError>
     where
         F: Future<Output = Result<T, StoreError>>,
     {
+        self.series.call_once(|| self.register_series());
         let permit = self.admit()?;
         let result = call().await;
         let failed = matches!(&result, Err(e) if e.is_transient());
@@ -709,6 +732,55 @@ mod tests {
             })
             .sum();
         assert_eq!(transitions, 2);
+    }
+
+    /// The first call registers the state gauge (closed, 0) and every transition counter at
+    /// zero, under the name the breaker was given, so a dashboard's queries have series before
+    /// any transition.
+    #[test]
+    fn the_first_call_registers_its_series_at_zero() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let b = breaker(&Flaky::default()).name("z");
+            runtime.block_on(async { assert!(take(&b).await.is_ok()) });
+        });
+        let snapshot = snapshotter.snapshot().into_vec();
+        let series = |name: &str| -> Vec<(Vec<String>, String)> {
+            let mut found: Vec<_> = snapshot
+                .iter()
+                .filter(|(k, ..)| k.key().name() == name)
+                .map(|(k, .., v)| {
+                    let labels = k
+                        .key()
+                        .labels()
+                        .map(|l| format!("{}={}", l.key(), l.value()));
+                    (labels.collect::<Vec<_>>(), format!("{v:?}"))
+                })
+                .collect();
+            found.sort_by(|a, b| a.0.cmp(&b.0));
+            found
+        };
+        assert_eq!(
+            series(CIRCUIT_STATE),
+            vec![(
+                vec!["store=z".to_owned()],
+                format!("{:?}", DebugValue::Gauge(0.0.into()))
+            )]
+        );
+        let transitions = series(CIRCUIT_TRANSITIONS);
+        let tos: Vec<_> = transitions.iter().map(|(l, _)| l[1].clone()).collect();
+        assert_eq!(tos, ["to=closed", "to=half_open", "to=open"]);
+        assert!(
+            transitions
+                .iter()
+                .all(|(l, v)| l[0] == "store=z" && *v == format!("{:?}", DebugValue::Counter(0)))
+        );
     }
 
     /// A store whose calls all take 50 ms and then time out: one stall of the database.

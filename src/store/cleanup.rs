@@ -27,6 +27,9 @@ impl IdleCleanup {
     /// Outside a tokio runtime.
     pub fn spawn(store: Arc<dyn Store>, every: Duration, batch: u32) -> IdleCleanup {
         let batch = batch.max(1);
+        // Both counters at zero from the start, with the recorder installed now.
+        metrics::counter!(crate::metrics::IDLE_ROWS_DELETED).increment(0);
+        metrics::counter!(crate::metrics::IDLE_CLEANUP_ERRORS).increment(0);
         let handle = tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -7,7 +7,13 @@
 //! - `POST /bookings/{bookingId}/automate/internal`: global `automate`, entity
 //!   `booking-automate` per booking;
 //! - `GET /bookings`: global `bookings-list` only (no entity);
-//! - `GET /metrics`: Prometheus text format, not limited.
+//! - `GET /metrics`: Prometheus text format, not limited;
+//! - `GET /dashboard`: a live page over those metrics (decision rates per route and layer,
+//!   database statements and those leases saved, lease tokens outstanding, the fallback, the
+//!   outage debt), polling `GET /dashboard/data` (see `dashboard.rs`); neither is limited.
+//!
+//! An idle-row cleanup (`store::IdleCleanup`) deletes refilled buckets every 30 s, as a
+//! service would run it.
 //!
 //! With `--policy FILE`, the demo reloads the file on SIGHUP and when it changes, after the
 //! checks of `tokenlease check`; a file that fails them is refused and the old policies stay
@@ -21,6 +27,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -30,12 +37,17 @@ use metrics_exporter_prometheus::PrometheusBuilder;
 use tokenlease::Limiter;
 use tokenlease::http::RateLimitLayer;
 use tokenlease::policy::Policies;
-use tokenlease::store::{CircuitBreaker, PostgresStore};
+use tokenlease::store::{CircuitBreaker, IdleCleanup, PostgresStore, Store};
 
 use super::db::{BindError, DatabaseError, given_or_throwaway, redact};
 
 /// The shipped demo policy, built in.
 const DEMO_POLICY: &str = include_str!("../../../examples/policies/demo.json");
+
+/// How often the idle-row cleanup runs.
+const CLEANUP_EVERY: Duration = Duration::from_secs(30);
+/// The rows the idle-row cleanup deletes per statement.
+const CLEANUP_BATCH: u32 = 1000;
 
 /// Arguments of `tokenlease demo`.
 #[derive(Debug, clap::Args)]
@@ -116,12 +128,18 @@ async fn serve(
         .map_err(|e| DatabaseError::new("connect to", url, &e))?;
     // As the documented set-up: a failing database is left alone for a back-off, and the plan's
     // fallback decides at once instead of each request waiting for its timeout.
-    let store = CircuitBreaker::new(store).name("demo");
-    let limiter = Limiter::builder(store).policies(policies.clone()).build();
+    let store: Arc<dyn Store> = Arc::new(CircuitBreaker::new(store).name("demo"));
+    let limiter = Limiter::builder_shared(Arc::clone(&store))
+        .policies(policies.clone())
+        .build();
     let limits = RateLimitLayer::from_policies(&policies, limiter.clone())?;
     if let Some(path) = policy_file {
         super::reload::spawn(path, limits.clone());
     }
+    // Refilled buckets leave the table, as the documented set-up runs it (stopped on drop).
+    let cleanup = IdleCleanup::spawn(store, CLEANUP_EVERY, CLEANUP_BATCH);
+    let started = tokio::time::Instant::now();
+    let data = prometheus.clone();
 
     let app = Router::new()
         .route("/bookings", get(list_bookings))
@@ -134,6 +152,11 @@ async fn serve(
         .route(
             "/metrics",
             get(move || std::future::ready(prometheus.render())),
+        )
+        .route("/dashboard", get(super::dashboard::page))
+        .route(
+            "/dashboard/data",
+            get(move |query| super::dashboard::data(data.clone(), started, query)),
         );
 
     let listener = tokio::net::TcpListener::from_std(listener)?;
@@ -171,6 +194,7 @@ async fn serve(
         out,
         "  for i in 1 2 3 4 5 6; do curl -s -o /dev/null -w '%{{http_code}}\\n' -X POST http://{addr}/bookings/123/automate/internal; done"
     )?;
+    writeln!(out, "dashboard: http://{addr}/dashboard")?;
     writeln!(out, "metrics: http://{addr}/metrics")?;
     out.flush()?;
     drop(out);
@@ -181,6 +205,7 @@ async fn serve(
     )
     .with_graceful_shutdown(shutdown_signal())
     .await?;
+    drop(cleanup);
     // Give every lease back before the database goes away.
     limiter.shutdown().await;
     Ok(())

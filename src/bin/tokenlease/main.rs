@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 
 mod chart;
 mod check;
+mod dashboard;
 mod db;
 mod demo;
 mod fault;
@@ -40,7 +41,7 @@ enum Command {
     /// Draw database calls and overshoot against lease size from loadtest JSON lines (PNG), or
     /// with --bands, statements and p99 latency against the per-key request rate.
     Chart(chart::Args),
-    /// Serve a booking API protected by both HTTP layers, with /metrics.
+    /// Serve a booking API protected by both HTTP layers, with /metrics and a live /dashboard.
     Demo(demo::Args),
 }
 
