@@ -144,6 +144,8 @@ fn m2_the_dashboard_shows_live_non_zero_figures_in_headless_chromium() {
     };
     positive("req-served");
     positive("req-denied");
+    // The list's per-client limit is in shadow mode, and the traffic lists from one address.
+    positive("req-would-deny");
     positive("db-statements");
     let share = figure(&dom, "db-saved-share").expect("a saved share");
     assert!((0.0..=100.0).contains(&share), "saved share {share} %");
@@ -162,6 +164,7 @@ fn m2_the_dashboard_shows_live_non_zero_figures_in_headless_chromium() {
         .collect();
     for expected in [
         ("GET /bookings", "api"),
+        ("GET /bookings", "entity"),
         ("GET /bookings/{bookingId}", "api"),
         ("GET /bookings/{bookingId}", "entity"),
         ("POST /bookings/{bookingId}/automate/internal", "api"),
@@ -187,6 +190,7 @@ fn m2_the_dashboard_shows_live_non_zero_figures_in_headless_chromium() {
         "booking-read",
         "bookings-list",
         "bookings-read",
+        "list-per-client",
     ] {
         assert!(
             dom.contains(&format!("<tr data-plan=\"{plan}\"")),

@@ -175,11 +175,21 @@ fn demo_serves_both_layers_over_real_http_and_stops_on_sigterm() {
     );
     assert!(r.body.contains(&a));
 
-    // No entity on this route: the api layer only.
-    let r = request(&addr, "GET", "/bookings");
-    assert_eq!(r.status, 200);
-    assert!(r.header("x-ratelimit-api-remaining").is_some());
-    assert_eq!(r.header("x-ratelimit-entity-remaining"), None);
+    // The list's per-client limit is in shadow mode: 10 a burst, then it would deny, and lets
+    // every request through with the fields a denial would carry (no Retry-After).
+    let lists: Vec<Reply> = (0..14)
+        .map(|_| request(&addr, "GET", "/bookings"))
+        .collect();
+    for (i, r) in lists.iter().enumerate() {
+        assert_eq!(r.status, 200, "list {i}: {r:?}");
+        assert!(r.header("x-ratelimit-api-remaining").is_some());
+        assert_eq!(r.header("retry-after"), None, "list {i}");
+    }
+    assert_eq!(
+        lists.last().unwrap().number("x-ratelimit-entity-remaining"),
+        0,
+        "the shadow layer's bucket is empty, and the request went through"
+    );
 
     // Booking a: 5 automations a minute, then 429 with Retry-After.
     let automate = |id: &str| request(&addr, "POST", &format!("/bookings/{id}/automate/internal"));
@@ -235,17 +245,19 @@ fn demo_serves_both_layers_over_real_http_and_stops_on_sigterm() {
     assert_eq!(denied("api", "POST", automate_route), 0);
     assert_eq!(denied("entity", "GET", "/bookings/{bookingId}"), 0);
     assert_eq!(denied("api", "GET", "/bookings"), 0);
-    // No entity layer on GET /bookings, so no series for one.
-    assert!(
-        !metrics
-            .body
-            .lines()
-            .any(|l| l.starts_with("tokenlease_http_denied_total{")
+    // GET /bookings's entity layer is in shadow mode: it never denied, and counted the 4
+    // lists past its burst of 10 as would-deny.
+    assert_eq!(denied("entity", "GET", "/bookings"), 0);
+    let would_deny = metrics
+        .body
+        .lines()
+        .find(|l| {
+            l.starts_with("tokenlease_http_would_deny_total{")
                 && l.contains("layer=\"entity\"")
-                && l.contains("route=\"/bookings\"")),
-        "{}",
-        metrics.body
-    );
+                && l.contains("route=\"/bookings\"")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok());
+    assert_eq!(would_deny, Some(4), "{}", metrics.body);
     assert!(metrics.body.contains("tokenlease_http_refunds_total"));
 
     let status = demo.stop();

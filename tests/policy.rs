@@ -1025,7 +1025,7 @@ fn example_policies_are_valid() {
     let demo = Policies::from_file(examples().join("demo.json")).unwrap();
     assert!(
         demo.summary()
-            .ends_with("demo.json: 5 plans, 3 routes, 2 key rules")
+            .ends_with("demo.json: 6 plans, 3 routes, 2 key rules")
     );
     let get = &demo.routes()[0];
     assert_eq!(get.endpoint(), "GET:/bookings/{bookingId}");
@@ -1046,7 +1046,13 @@ fn example_policies_are_valid() {
             .name(),
         "booking-automate"
     );
-    assert!(demo.routes()[2].entity.is_none());
+    // The list's per-client limit is being tried: its entity layer is in shadow mode.
+    let list = &demo.routes()[2];
+    assert_eq!(
+        list.entity.as_ref().map(|e| e.source.clone()),
+        Some(EntitySource::ClientIp)
+    );
+    assert!(list.shadow.entity && !list.shadow.api);
 
     let minimal = Policies::from_file(examples().join("minimal.json")).unwrap();
     assert!(
@@ -1450,7 +1456,7 @@ fn check_command_accepts_a_valid_file() {
     assert!(out.status.success(), "{out:?}");
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
-        format!("{}: 5 plans, 3 routes, 2 key rules\n", path.display())
+        format!("{}: 6 plans, 3 routes, 2 key rules\n", path.display())
     );
     assert!(out.stderr.is_empty(), "{out:?}");
 }

@@ -6,7 +6,8 @@
 //! - `GET /bookings/{bookingId}`: global `bookings-read`, entity `booking-read` per booking;
 //! - `POST /bookings/{bookingId}/automate/internal`: global `automate`, entity
 //!   `booking-automate` per booking;
-//! - `GET /bookings`: global `bookings-list` only (no entity);
+//! - `GET /bookings`: global `bookings-list`, and entity `list-per-client` per client address in
+//!   shadow mode (a limit being tried: it counts what it would deny and refuses nothing);
 //! - `GET /metrics`: Prometheus text format, not limited;
 //! - `GET /dashboard`: a live page over those metrics (decision rates per route and layer,
 //!   database statements and those leases saved, lease tokens outstanding, the fallback, the
