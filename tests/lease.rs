@@ -191,7 +191,15 @@ async fn an_expired_lease_goes_back_to_the_bucket() {
     let db = common::database().await;
     let store = common::store(&db, 2).await;
     let limiter = Limiter::builder(store.clone()).build();
-    let plan = leased_plan(100, 0.001); // next to no refill during the test
+    // Next to no refill during the test. A caller waits up to a second for a refill: the
+    // 50 ms of the other tests can run out on a loaded machine, and a denial by the fallback
+    // would leave this test's arithmetic a token short.
+    let plan = leased_plan(100, 0.001);
+    let plan = plan.clone().with_lease(
+        plan.lease()
+            .expect("leased")
+            .with_max_wait(Duration::from_secs(1)),
+    );
     // Build demand so the lease grows past one token, then stop.
     for _ in 0..40 {
         let d = limiter
