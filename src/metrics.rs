@@ -23,7 +23,8 @@ use crate::policy::FallbackMode;
 /// Decisions, by `plan` (the plan's name), `outcome` (`allowed`, `denied`) and `decided_by`
 /// (`store`, `lease`, `fallback`).
 pub const DECISIONS: &str = "tokenlease_decisions_total";
-/// Store calls, by `kind` (`take`: direct mode, `lease`: lease refills, `return`: give-backs).
+/// Store calls, by `kind` (`take`: direct mode, `lease`: lease refills, `return`: give-backs,
+/// `debt`: outage-debt charges).
 pub const DB_CALLS: &str = "tokenlease_db_calls_total";
 /// Store calls that failed or timed out, by `kind`.
 pub const DB_ERRORS: &str = "tokenlease_db_errors_total";

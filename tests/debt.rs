@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::embedded::{StopMode, TempPostgres};
 use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
-use tokenlease::store::{CircuitBreaker, PostgresStore, Store};
+use tokenlease::store::{CircuitBreaker, PostgresStore};
 use tokenlease::{DecidedBy, Limiter};
 
 /// One test at a time within this binary, whatever the harness does.
