@@ -9,6 +9,9 @@
 //! recovery, in batched store calls (`min = 0`, `want = debt`: whatever the bucket holds now),
 //! and carries what the bucket could not give to later rounds, so the refill pays it off.
 //!
+//! Charging starts when a call of the limiter finds the store answering again (or, with no
+//! such call, after a probe wait without fallback decisions), and stops at a failed round.
+//!
 //! Bounds: at most [`MAX_KEYS`] keys per limiter (a new key's debt beyond them is counted as
 //! dropped and not kept), debt unpaid [`MAX_AGE`] after it was last added to is dropped and
 //! counted, one store call in flight per limiter with at most [`BATCH_KEYS`] keys, [`PACE`]
@@ -16,7 +19,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -46,11 +49,12 @@ pub(crate) const BATCH_KEYS: usize = 256;
 /// The pause between two charging rounds while debt remains.
 pub(crate) const PACE: Duration = Duration::from_millis(50);
 
-/// After a failed round, the longest the task waits for word that the store answers again
-/// before it tries one round itself: from [`PROBE_MIN`], doubling, up to this.
+/// While waiting for the store (at the start, after a failed round), the longest the task
+/// waits for word that it answers again before it tries one round itself, if no call of the
+/// limiter fell back in the last second: from [`PROBE_MIN`], doubling, up to this.
 pub(crate) const PROBE_MAX: Duration = Duration::from_secs(5);
 
-/// The first wait after a failed round (see [`PROBE_MAX`]).
+/// The first such wait (see [`PROBE_MAX`]).
 pub(crate) const PROBE_MIN: Duration = Duration::from_millis(250);
 
 /// How often aged debt is looked for (a pass over the ledger).
@@ -148,9 +152,14 @@ struct Shared {
     ledger: Mutex<Ledger>,
     /// A charging task runs (or is being started).
     running: AtomicBool,
-    /// The task's last round failed: it waits for the store to answer again.
+    /// The task waits for the store to answer again (it starts so: debt comes from calls the
+    /// store did not answer).
     parked: AtomicBool,
     wake: Notify,
+    /// When the fallback last decided a call of this limiter: nanoseconds since `origin`, plus
+    /// one (zero: never). While callers keep falling back, the task does not probe the store.
+    last_fallback: AtomicU64,
+    origin: Instant,
 }
 
 impl std::fmt::Debug for Shared {
@@ -196,6 +205,8 @@ impl Debt {
                 running: AtomicBool::new(false),
                 parked: AtomicBool::new(false),
                 wake: Notify::new(),
+                last_fallback: AtomicU64::new(0),
+                origin: Instant::now(),
             })),
         }
     }
@@ -260,8 +271,18 @@ impl Debt {
         Shared::ensure_task(shared);
     }
 
-    /// The store answered a call: a task that stopped after a failed round charges again now.
-    /// One atomic load when nothing waits.
+    /// The fallback decided a call (the store did not answer it): noted, so that the task
+    /// does not probe the store while callers still fall back.
+    pub(crate) fn fallback_decided(&self) {
+        if let Some(shared) = &self.shared {
+            let since = Instant::now().saturating_duration_since(shared.origin);
+            let nanos = u64::try_from(since.as_nanos()).unwrap_or(u64::MAX - 1);
+            shared.last_fallback.store(nanos + 1, Ordering::Relaxed);
+        }
+    }
+
+    /// The store answered a call: a task waiting for that (at its start, or after a failed
+    /// round) charges now. One atomic load when nothing waits.
     pub(crate) fn store_answered(&self) {
         if let Some(shared) = &self.shared
             && shared.parked.load(Ordering::Acquire)
@@ -302,12 +323,33 @@ impl Shared {
         }
     }
 
-    /// Drops debt unpaid for the maximum age (at most once per [`SWEEP_EVERY`]), then takes
-    /// the next round's keys off the queue: `None` when the ledger is empty, and then the task
-    /// is marked ended (under the ledger's lock, so a record made after it starts a new one).
-    fn next_round(&self, now: Instant) -> Option<Vec<Charge>> {
+    /// Whether the fallback decided a call of this limiter within `within`.
+    fn fell_back_within(&self, within: Duration, now: Instant) -> bool {
+        match self.last_fallback.load(Ordering::Relaxed) {
+            0 => false,
+            at => {
+                let at = self.origin + Duration::from_nanos(at - 1);
+                now.saturating_duration_since(at) < within
+            }
+        }
+    }
+
+    /// Drops aged debt; whether any is left. When none is, the task is marked ended (under
+    /// the ledger's lock, so a record made after it starts a new one).
+    fn still_owing(&self, now: Instant) -> bool {
         let mut ledger = self.ledger.lock();
-        let ledger = &mut *ledger;
+        self.sweep(&mut ledger, now);
+        if ledger.entries.is_empty() {
+            ledger.queue.clear();
+            ledger.outstanding = Tokens::ZERO;
+            self.running.store(false, Ordering::Release);
+            return false;
+        }
+        true
+    }
+
+    /// Drops debt unpaid for the maximum age, at most once per [`SWEEP_EVERY`].
+    fn sweep(&self, ledger: &mut Ledger, now: Instant) {
         let due = ledger
             .last_sweep
             .is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY);
@@ -336,12 +378,18 @@ impl Shared {
                 ledger.queue.retain(|id| entries.contains_key(id));
             }
         }
-        if ledger.entries.is_empty() {
-            ledger.queue.clear();
-            ledger.outstanding = Tokens::ZERO;
-            self.running.store(false, Ordering::Release);
+    }
+
+    /// Takes the next round's keys off the queue, after dropping aged debt: `None` when the
+    /// ledger is empty, and then the task is marked ended (as in [`still_owing`]).
+    ///
+    /// [`still_owing`]: Self::still_owing
+    fn next_round(&self, now: Instant) -> Option<Vec<Charge>> {
+        if !self.still_owing(now) {
             return None;
         }
+        let mut ledger = self.ledger.lock();
+        let ledger = &mut *ledger;
         let mut round = Vec::with_capacity(self.settings.batch_keys.min(ledger.entries.len()));
         let mut keys = HashSet::with_capacity(round.capacity());
         let mut later = Vec::new();
@@ -412,23 +460,44 @@ impl Shared {
 }
 
 /// The charging task: rounds of at most `batch_keys` keys, `pace` apart, until the ledger is
-/// empty. A round that fails (an error, or no answer by the deadline) stops charging until the
-/// store answers a call of the limiter ([`Debt::store_answered`]) or, failing that, until a
-/// probe wait (`probe_min` doubling to `probe_max`) has passed, when it tries one round itself.
-/// Ends when the limiter is dropped.
+/// empty. It starts waiting for the store to answer (debt comes from calls it did not answer),
+/// and a round that fails (an error, or no answer by the deadline) sends it back to waiting.
+/// It waits for word that a call of the limiter succeeded ([`Debt::store_answered`]); in case
+/// none comes (no caller left, or leased keys whose refills land with nobody waiting), it tries
+/// a round itself after a probe wait (`probe_min` doubling to `probe_max`), but not while the
+/// limiter's callers still fall back (a fallback decision in the last second: the store is still
+/// failing them, and a probe would only add a statement beside theirs). Ends when the ledger is empty or the limiter is dropped.
 async fn charge(shared: Weak<Shared>) {
     let mut probe: Option<Duration> = None;
+    let mut waiting = true;
     loop {
         let Some(shared) = shared.upgrade() else {
             return;
         };
         let settings = shared.settings;
+        if waiting {
+            shared.parked.store(true, Ordering::Release);
+            let wait = probe.map_or(settings.probe_min, |p| (p * 2).min(settings.probe_max));
+            probe = Some(wait);
+            let woken = tokio::select! {
+                () = shared.wake.notified() => true,
+                () = tokio::time::sleep(wait) => false,
+            };
+            let now = Instant::now();
+            if !woken && shared.fell_back_within(crate::fallback::ACTIVE_GAP, now) {
+                if !shared.still_owing(now) {
+                    return;
+                }
+                continue;
+            }
+            waiting = false;
+        }
         let Some(round) = shared.next_round(Instant::now()) else {
             return;
         };
         if round.is_empty() {
-            // Every queued id was of another plan's round (cannot happen with an empty round
-            // before it); try again after the pace.
+            // Nothing queued although debt is owed (cannot happen: every owing entry is
+            // queued between rounds); look again after the pace.
             tokio::time::sleep(settings.pace).await;
             continue;
         }
@@ -452,13 +521,7 @@ async fn charge(shared: Weak<Shared>) {
             _ => {
                 metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "debt").increment(1);
                 shared.requeue(round);
-                shared.parked.store(true, Ordering::Release);
-                let wait = probe.map_or(settings.probe_min, |p| (p * 2).min(settings.probe_max));
-                probe = Some(wait);
-                tokio::select! {
-                    () = shared.wake.notified() => {}
-                    () = tokio::time::sleep(wait) => {}
-                }
+                waiting = true;
             }
         }
     }

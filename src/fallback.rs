@@ -142,6 +142,7 @@ impl Fallback {
     /// outage debt (for plans that keep it).
     pub(crate) async fn decide(&self, plan: &Plan, key: &str, cost: Tokens) -> Decision {
         let decision = self.decide_alone(plan, key, cost).await;
+        self.debt.fallback_decided();
         if decision.allowed {
             self.debt.record(plan, key, cost);
         }

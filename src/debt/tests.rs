@@ -103,6 +103,12 @@ fn whole(n: u64) -> Tokens {
     Tokens::whole(n)
 }
 
+/// Word that the store answers, once the task (started by a record) waits for it.
+async fn recovered(debt: &Debt) {
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    debt.store_answered();
+}
+
 /// Debt of 600 keys is charged in calls of at most 256 keys, each key's from its own bucket,
 /// and the task ends with the ledger empty.
 #[tokio::test(start_paused = true)]
@@ -115,6 +121,7 @@ async fn charges_in_batched_calls_and_ends_when_paid() {
     }
     assert_eq!(debt.stats().outstanding, whole(600));
     assert_eq!(debt.stats().keys, 600);
+    recovered(&debt).await;
     until(Duration::from_secs(2), || debt.stats().keys == 0).await;
     let stats = debt.stats();
     assert_eq!(stats.charged, whole(600));
@@ -134,6 +141,7 @@ async fn charges_in_batched_calls_and_ends_when_paid() {
     // New debt starts it again.
     debt.record(&p, "k0", whole(2));
     assert!(shared.running.load(Ordering::SeqCst));
+    recovered(&debt).await;
     until(Duration::from_secs(1), || debt.stats().keys == 0).await;
     assert_eq!(debt.stats().charged, whole(602));
 }
@@ -212,6 +220,7 @@ async fn partial_payment_is_carried_over() {
     assert_eq!(taken.granted, whole(8));
     let debt = ledger(&store, settings());
     debt.record(&p, "k", whole(7));
+    recovered(&debt).await;
     // The first round takes the 2 there: 5 left, carried.
     tokio::time::sleep(Duration::from_millis(25)).await;
     let owed = debt.stats().outstanding.as_f64();
@@ -242,6 +251,7 @@ async fn a_plans_debt_goes_to_that_plans_bucket() {
     debt.record(&small, "b", whole(50));
     debt.record(&big, "shared", whole(1));
     debt.record(&small, "shared", whole(1));
+    recovered(&debt).await;
     tokio::time::sleep(Duration::from_millis(25)).await;
     // "a" paid in full from a bucket of 100; "b" took the 20 its plan's bucket holds.
     let a = tokens(&store, "a").await.unwrap();
@@ -262,47 +272,76 @@ async fn a_plans_debt_goes_to_that_plans_bucket() {
     assert!(store.calls.lock().iter().all(|c| c.len() <= 3));
 }
 
-/// A failed round stops charging; word that the store answers again resumes it at once, before
-/// the probe wait is over.
+/// New debt waits for word that the store answers before any call; a failed round stops
+/// charging until the next word (or probe), and word of recovery resumes it at once.
 #[tokio::test(start_paused = true)]
-async fn failure_stops_charging_until_the_store_answers() {
+async fn charging_waits_for_the_store_to_answer() {
     let store = Arc::new(Switch::default());
     store.failing.store(true, Ordering::SeqCst);
     let debt = ledger(&store, settings());
     let p = plan("p", 100, 1.0, FallbackMode::Allow);
     debt.record(&p, "k", whole(4));
-    tokio::time::sleep(Duration::from_millis(10)).await;
-    assert_eq!(store.calls(), 1, "one failed round");
     // More debt while the store is down does not send calls.
     for _ in 0..10 {
         debt.record(&p, "k", whole(1));
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(store.calls(), 1, "no call within the first probe wait");
+    assert_eq!(
+        store.calls(),
+        0,
+        "no call before word of recovery or the first probe"
+    );
     store.failing.store(false, Ordering::SeqCst);
     debt.store_answered();
     tokio::time::sleep(Duration::from_millis(1)).await;
-    assert_eq!(store.calls(), 2, "charged on word of recovery");
+    assert_eq!(store.calls(), 1, "charged on word of recovery");
     assert_eq!(debt.stats().charged, whole(14));
     assert_eq!(debt.stats().keys, 0);
-    // The store fails again: the debt stays, and charging resumes on the next probe.
+    // The store fails again while the task still runs: its round fails, the debt stays, and
+    // it waits again.
     store.failing.store(true, Ordering::SeqCst);
     debt.record(&p, "k", whole(1));
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(store.calls(), 2, "one failed round");
     assert_eq!(debt.stats().outstanding, whole(1));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(store.calls(), 2, "then no call within the first probe wait");
     store.failing.store(false, Ordering::SeqCst);
-    until(Duration::from_secs(1), || debt.stats().keys == 0).await;
+    recovered(&debt).await;
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(debt.stats().keys, 0);
     assert_eq!(debt.stats().charged, whole(15));
+}
+
+/// While the limiter's callers keep falling back the task sends no probe (the store is still
+/// failing them); once they stop, it probes on its own, and charges when the store answers.
+#[tokio::test(start_paused = true)]
+async fn no_probe_while_callers_fall_back() {
+    let store = Arc::new(Switch::default());
+    store.failing.store(true, Ordering::SeqCst);
+    let fallback = Fallback::with_debt(ledger(&store, settings()));
+    let p = plan("p", 100, 1.0, FallbackMode::Allow);
+    for _ in 0..100 {
+        assert!(fallback.decide(&p, "k", whole(1)).await.allowed);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(store.calls(), 0, "no probe in 10 s of fallback decisions");
+    // The callers stop; the store is back, and nobody says so: a probe finds it.
+    store.failing.store(false, Ordering::SeqCst);
+    until(Duration::from_secs(6), || fallback.debt().keys == 0).await;
+    assert_eq!(store.calls(), 1);
+    assert_eq!(fallback.debt().charged, whole(100));
 }
 
 /// A charging call that outlasts its deadline counts as failed, and the debt stays.
 #[tokio::test(start_paused = true)]
 async fn a_call_past_its_deadline_fails_the_round() {
     #[derive(Debug, Default)]
-    struct Hung;
+    struct Hung(AtomicUsize);
     #[async_trait]
     impl Store for Hung {
         async fn acquire(&self, _: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
+            self.0.fetch_add(1, Ordering::SeqCst);
             std::future::pending().await
         }
         async fn give_back(&self, _: &[GiveBack<'_>]) -> Result<u64, StoreError> {
@@ -315,16 +354,26 @@ async fn a_call_past_its_deadline_fails_the_round() {
             std::future::pending().await
         }
     }
-    let debt = Debt::new(Arc::new(Hung), settings());
+    let hung = Arc::new(Hung::default());
+    let debt = Debt::new(Arc::clone(&hung) as Arc<dyn Store>, settings());
     let p = plan("p", 100, 1.0, FallbackMode::Allow);
     debt.record(&p, "k", whole(3));
+    recovered(&debt).await;
     tokio::time::sleep(Duration::from_millis(60)).await;
+    assert_eq!(
+        hung.0.load(Ordering::SeqCst),
+        1,
+        "one call, given up at its deadline"
+    );
     let shared = debt.shared.as_ref().unwrap();
     assert!(
         shared.parked.load(Ordering::SeqCst),
-        "parked after the deadline"
+        "waiting again after the deadline"
     );
     assert_eq!(debt.stats().outstanding, whole(3));
+    // Not another call until word of recovery or the probe wait.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(hung.0.load(Ordering::SeqCst), 1);
 }
 
 /// Through the fallback: `allow` and `local` admissions are recorded, a `local` denial and a

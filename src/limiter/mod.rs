@@ -246,8 +246,9 @@ impl LimiterBuilder {
     ///
     /// The ledger holds at most 100,000 keys (a new key's debt beyond them is counted in
     /// `tokenlease_outage_debt_dropped_tokens_total`, not kept), and debt unpaid 5 minutes after
-    /// it was last added to is dropped and counted there too. A background task charges it, one
-    /// store call of up to 256 keys at a time, 50 ms apart, each bounded by the call deadline.
+    /// it was last added to is dropped and counted there too. A background task charges it once
+    /// a call finds the store answering again, one store call of up to 256 keys at a time,
+    /// 50 ms apart, each bounded by the call deadline.
     pub fn outage_debt(mut self, on: bool) -> Self {
         self.outage_debt = on;
         self
