@@ -29,11 +29,13 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const KEY: &str = "debt:hot";
 
-/// D10's bucket: capacity 200, 100 tokens a second; leases of at most `B` = 0.05 × 200 = 10.
-const C: u64 = 200;
+/// D10's bucket: capacity 300, 100 tokens a second, so that the 3 s outage refills it exactly
+/// (`r·t = C`): what the bucket gains in the outage, and so what the fleet admits again at
+/// recovery without debt, is as large as it can be. Leases of at most `B` = 0.033 × 300 = 9.9.
+const C: u64 = 300;
 const R: f64 = 100.0;
-const MAX_FRACTION: f64 = 0.05;
-const B: f64 = 10.0;
+const MAX_FRACTION: f64 = 0.033;
+const B: f64 = 9.9;
 /// Limiter instances, and the local fallback's `instances`.
 const N: usize = 2;
 /// Slack on the window's length for the store's clock against the test's (as in C1 and D1).
