@@ -5,7 +5,8 @@
 //! from the stop to a few seconds after the restart, the fleet's admissions are held against
 //! `C + r·(T + ε) + N·B + U + X`, where `U` is the debt still unpaid at the window's end and `X`
 //! the debt dropped (`DESIGN.md` §14 derives it). With outage debt on they stay within it; with
-//! it off (same scenario, `U = X = 0`) they exceed it, by about what the fallback admitted.
+//! it off (same scenario, `U = X = 0`) they exceed it, by about what the fallback admitted
+//! beyond the bucket's refill in the outage.
 //!
 //! D11: one direct-mode instance with the `allow` fallback: everything admitted while the
 //! server is down is charged to the bucket's row once it is back.
