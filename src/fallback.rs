@@ -1,5 +1,8 @@
 //! What decides when the store cannot: allow, deny, or a local bucket per key.
 //!
+//! What the `allow` and `local` fallbacks admit is recorded as outage debt and charged to the
+//! shared bucket once the store answers again (see `debt.rs`).
+//!
 //! The plan's [`FallbackMode`] is applied to one request whenever its store call fails or times
 //! out. `Local` keeps an in-process bucket per key holding `1 / instances` of the plan's capacity
 //! and rate, so `instances` processes deciding alone together stay near the shared limit.
@@ -19,6 +22,7 @@ use tokio::time::Instant;
 use parking_lot::Mutex;
 
 use crate::bucket::{BucketConfig, Rate, Tokens};
+use crate::debt::{Debt, OutageDebt};
 use crate::limiter::{DecidedBy, Decision};
 use crate::metrics::FALLBACK_ACTIVE_SECONDS;
 use crate::policy::{FallbackMode, Plan};
@@ -69,28 +73,46 @@ fn add_active(active: &Active, mode: FallbackMode, now: Instant) -> Duration {
 /// would refill it and admit more than the key's share.
 pub(crate) const FALLBACK_MAX_KEYS: usize = 100_000;
 
-/// The local buckets of [`FallbackMode::Local`], shared by every plan of one limiter.
+/// The local buckets of [`FallbackMode::Local`], shared by every plan of one limiter, and the
+/// limiter's outage debt.
 #[derive(Debug, Clone)]
 pub(crate) struct Fallback {
     local: MemoryStore,
     /// The count last added to the [`FALLBACK_LOCAL_BUCKETS`](crate::metrics) gauge, which
     /// every limiter of the process adds its own change to.
     reported: Arc<AtomicUsize>,
+    /// What the `allow` and `local` fallbacks admitted, charged to the store after recovery.
+    debt: Debt,
 }
 
 impl Default for Fallback {
+    /// A fallback without outage debt.
     fn default() -> Self {
         Fallback::with_local(MemoryStore::new().with_max_keys(FALLBACK_MAX_KEYS))
     }
 }
 
 impl Fallback {
+    /// A fallback whose admissions are recorded in `debt`.
+    pub(crate) fn with_debt(debt: Debt) -> Self {
+        Fallback {
+            debt,
+            ..Fallback::default()
+        }
+    }
+
     /// A fallback over the given local buckets (tests: a store on a manual clock).
     fn with_local(local: MemoryStore) -> Self {
         Fallback {
             local,
             reported: Arc::new(AtomicUsize::new(0)),
+            debt: Debt::default(),
         }
+    }
+
+    /// The outage debt's figures now.
+    pub(crate) fn debt(&self) -> OutageDebt {
+        self.debt.stats()
     }
 
     /// Adds the change in this fallback's local buckets since the last report to the gauge.
@@ -104,17 +126,31 @@ impl Fallback {
     }
 
     /// Deletes the local buckets that have refilled to full, at most once a second (one atomic
-    /// load when there are none). Called when the store has answered, so that the buckets an
-    /// outage made are given back after it, not only at the next outage. No decision changes:
-    /// an absent bucket is a full one.
+    /// load when there are none), and tells the outage debt's charging task, if it stopped
+    /// after a failed round, that the store answers (one more atomic load). Called when the
+    /// store has answered, so that the buckets an outage made are given back after it, not
+    /// only at the next outage, and its debt is charged. No decision changes: an absent bucket
+    /// is a full one.
     pub(crate) fn tidy(&self) {
         if self.local.tidy() {
             self.report();
         }
+        self.debt.store_answered();
     }
 
-    /// Decides `cost` on `key` under `plan`'s fallback mode.
+    /// Decides `cost` on `key` under `plan`'s fallback mode; what it admits goes into the
+    /// outage debt (for plans that keep it).
     pub(crate) async fn decide(&self, plan: &Plan, key: &str, cost: Tokens) -> Decision {
+        let decision = self.decide_alone(plan, key, cost).await;
+        self.debt.fallback_decided();
+        if decision.allowed {
+            self.debt.record(plan, key, cost);
+        }
+        decision
+    }
+
+    /// The decision of [`decide`](Self::decide), before any debt is recorded.
+    async fn decide_alone(&self, plan: &Plan, key: &str, cost: Tokens) -> Decision {
         record_active(plan.fallback().mode, Instant::now());
         let limit = plan.capacity();
         // Allow and deny decide without any bucket: what the shared bucket holds, and when it is
@@ -178,7 +214,7 @@ mod tests {
 
     fn plan(mode: FallbackMode) -> Plan {
         let bucket = BucketConfig::new(Tokens::whole(100), Rate::from_f64(50.0).unwrap()).unwrap();
-        Plan::new("p", bucket).with_fallback(FallbackSettings { mode })
+        Plan::new("p", bucket).with_fallback(FallbackSettings::new(mode))
     }
 
     #[test]

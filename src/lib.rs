@@ -49,6 +49,7 @@
 
 pub mod bucket;
 pub mod clock;
+mod debt;
 #[cfg(feature = "embedded")]
 pub mod embedded;
 pub mod error;
@@ -62,6 +63,7 @@ pub mod policy;
 mod report;
 pub mod store;
 
+pub use debt::OutageDebt;
 pub use error::Error;
 pub use lease::LeaseStats;
 pub use limiter::{DecidedBy, Decision, Limiter, ReloadError};

@@ -11,8 +11,11 @@
 use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use metrics::{Counter, Unit, describe_counter, describe_gauge, describe_histogram};
+use metrics::{Counter, Gauge, Unit, describe_counter, describe_gauge, describe_histogram};
+
+use crate::bucket::Tokens;
 
 use crate::limiter::{DecidedBy, Decision};
 use crate::policy::FallbackMode;
@@ -20,7 +23,8 @@ use crate::policy::FallbackMode;
 /// Decisions, by `plan` (the plan's name), `outcome` (`allowed`, `denied`, and for a shadow
 /// plan `would_deny`: a denial let through) and `decided_by` (`store`, `lease`, `fallback`).
 pub const DECISIONS: &str = "tokenlease_decisions_total";
-/// Store calls, by `kind` (`take`: direct mode, `lease`: lease refills, `return`: give-backs).
+/// Store calls, by `kind` (`take`: direct mode, `lease`: lease refills, `return`: give-backs,
+/// `debt`: outage-debt charges).
 pub const DB_CALLS: &str = "tokenlease_db_calls_total";
 /// Store calls that failed or timed out, by `kind`.
 pub const DB_ERRORS: &str = "tokenlease_db_errors_total";
@@ -58,6 +62,17 @@ pub const ACTOR_UNAVAILABLE: &str = "tokenlease_lease_actor_unavailable_total";
 /// fallback) and `outcome`; each plan's two series are registered at zero with its other
 /// counters.
 pub const FALLBACK_DECISIONS: &str = "tokenlease_fallback_decisions_total";
+/// Gauge: tokens the `allow` and `local` fallbacks admitted while the store could not answer
+/// and that are not yet charged to the shared bucket, by `plan`, every limiter of the process
+/// together (`DESIGN.md` §14). Registered at zero with each plan's other counters.
+pub const OUTAGE_DEBT: &str = "tokenlease_outage_debt_tokens";
+/// Outage debt charged to the shared bucket once the store answered again, in whole tokens, by
+/// `plan`. Registered at zero with each plan's other counters.
+pub const OUTAGE_DEBT_CHARGED: &str = "tokenlease_outage_debt_charged_tokens_total";
+/// Outage debt given up, in whole tokens, by `plan`: debt of a key beyond the ledger's bound
+/// (100,000 keys per limiter), debt unpaid for 5 minutes after it was last added to, and debt
+/// left when the limiter was dropped. Registered at zero with each plan's other counters.
+pub const OUTAGE_DEBT_DROPPED: &str = "tokenlease_outage_debt_dropped_tokens_total";
 /// Gauge: the local buckets the `local` fallbacks hold, every limiter of the process together
 /// (at most 100,000 per limiter; full ones are deleted, also once the store answers again).
 pub const FALLBACK_LOCAL_BUCKETS: &str = "tokenlease_fallback_local_buckets";
@@ -135,6 +150,21 @@ pub fn describe() {
         "the most the lease table's keys may hold in leases at once"
     );
     describe_gauge!(TABLE_KEYS, Unit::Count, "keys in the lease table");
+    describe_gauge!(
+        OUTAGE_DEBT,
+        Unit::Count,
+        "fallback admissions not yet charged to the shared bucket, by plan"
+    );
+    describe_counter!(
+        OUTAGE_DEBT_CHARGED,
+        Unit::Count,
+        "outage debt charged to the shared bucket after recovery, by plan"
+    );
+    describe_counter!(
+        OUTAGE_DEBT_DROPPED,
+        Unit::Count,
+        "outage debt given up (key bound, age, limiter dropped), by plan"
+    );
     describe_gauge!(
         FALLBACK_LOCAL_BUCKETS,
         Unit::Count,
@@ -276,7 +306,8 @@ fn by_index(decided_by: DecidedBy) -> usize {
 
 /// The decision counters of one plan: `tokenlease_decisions_total` for each outcome and
 /// decider and `tokenlease_fallback_decisions_total` for each outcome under the plan's fallback
-/// mode, with the plan's name, and `tokenlease_db_calls_saved_total`. Registered once per
+/// mode, with the plan's name, `tokenlease_db_calls_saved_total`, and the plan's outage-debt
+/// series. Registered once per
 /// plan (at zero, so every series exists from the start), so that recording a decision is an
 /// increment on a handle: no label strings, no lookup in the recorder's registry.
 pub(crate) struct PlanCounters {
@@ -291,6 +322,65 @@ pub(crate) struct PlanCounters {
     fallback: [Counter; 2],
     /// Decisions answered from a lease (no label: one series for every plan).
     saved: Counter,
+    /// The plan's outage debt: the outstanding gauge, and the charged and dropped counters.
+    pub(crate) debt: DebtMetrics,
+}
+
+/// One plan's outage-debt series (`tokenlease_outage_debt_*{plan}`). The counters count whole
+/// tokens; the fractions below one token are carried in nanotokens until they add up to one.
+pub(crate) struct DebtMetrics {
+    /// `tokenlease_outage_debt_tokens{plan}`: changed by increments, so that several limiters
+    /// with the plan add up.
+    pub(crate) outstanding: Gauge,
+    charged: Counter,
+    dropped: Counter,
+    /// Nanotokens charged and dropped that are not yet a whole token on their counters.
+    carry: [AtomicU64; 2],
+}
+
+impl DebtMetrics {
+    fn register(name: &str) -> DebtMetrics {
+        let outstanding = metrics::gauge!(OUTAGE_DEBT, "plan" => name.to_owned());
+        outstanding.increment(0.0);
+        let counter = |metric: &'static str| {
+            let c = metrics::counter!(metric, "plan" => name.to_owned());
+            c.increment(0);
+            c
+        };
+        DebtMetrics {
+            outstanding,
+            charged: counter(OUTAGE_DEBT_CHARGED),
+            dropped: counter(OUTAGE_DEBT_DROPPED),
+            carry: [AtomicU64::new(0), AtomicU64::new(0)],
+        }
+    }
+
+    /// Adds `tokens` charged to the shared bucket.
+    pub(crate) fn charged(&self, tokens: Tokens) {
+        Self::add(&self.charged, &self.carry[0], tokens);
+    }
+
+    /// Adds `tokens` of debt given up.
+    pub(crate) fn dropped(&self, tokens: Tokens) {
+        Self::add(&self.dropped, &self.carry[1], tokens);
+    }
+
+    /// Adds `tokens` to `counter` in whole tokens, carrying the fraction in `carry`.
+    fn add(counter: &Counter, carry: &AtomicU64, tokens: Tokens) {
+        const ONE: u128 = 1_000_000_000;
+        let nanos = tokens.as_nanos();
+        let mut whole = u64::try_from(nanos / ONE).unwrap_or(u64::MAX);
+        let fraction = (nanos % ONE) as u64;
+        let before = carry
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| {
+                Some((c + fraction) % ONE as u64)
+            })
+            .unwrap_or(0);
+        whole = whole.saturating_add((before + fraction) / ONE as u64);
+        if whole > 0 {
+            counter.increment(whole);
+        }
+    }
 }
 
 impl fmt::Debug for PlanCounters {
@@ -328,6 +418,7 @@ impl PlanCounters {
             mode,
             fallback: [fallback("allowed"), fallback("denied")],
             saved,
+            debt: DebtMetrics::register(name),
         }
     }
 }

@@ -1017,8 +1017,14 @@ async fn old_limiter_statements(admin: &tokio_postgres::Client) -> i64 {
 async fn d3(mode: Mode) {
     let rig = Rig::start().await;
     let instance = rig.instance(&rig.proxied(), 4).await;
-    // A slow refill, so the row's tokens can be compared exactly.
-    let plan = direct_plan(mode, C, 0.001);
+    // A slow refill, so the row's tokens can be compared exactly. Without outage debt: the
+    // timed-out take committed and the fallback then admitted the call as well, so with debt
+    // on its charge would take the cost from the row a second time (under-admission, DESIGN.md
+    // §14), and the row would not show the take and the return alone.
+    let plan = Arc::new(
+        common::plan(C, 0.001)
+            .with_fallback(FallbackSettings::new(mode.fallback()).with_outage_debt(false)),
+    );
     // The first take waits for the pool's first connection, which a busy machine can make
     // later than the 50 ms call (then the fallback decides): three attempts at most.
     for attempt in 1.. {

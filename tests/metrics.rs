@@ -508,6 +508,120 @@ impl Store for FailingStore {
     }
 }
 
+/// A memory store that fails while `down` is set.
+#[derive(Debug, Default)]
+struct Toggle {
+    inner: MemoryStore,
+    down: std::sync::atomic::AtomicBool,
+}
+
+impl Toggle {
+    fn check(&self) -> Result<(), StoreError> {
+        if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+            Err(failure())
+        } else {
+            Ok(())
+        }
+    }
+}
+
+#[async_trait]
+impl Store for Toggle {
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
+        self.check()?;
+        self.inner.acquire(request).await
+    }
+
+    async fn acquire_many(
+        &self,
+        requests: &[AcquireRequest<'_>],
+    ) -> Result<Vec<Acquired>, StoreError> {
+        self.check()?;
+        self.inner.acquire_many(requests).await
+    }
+
+    async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
+        self.check()?;
+        self.inner.give_back(returns).await
+    }
+
+    async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
+        self.check()?;
+        self.inner.delete_idle(limit).await
+    }
+
+    async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
+        self.check()?;
+        self.inner.inspect(key).await
+    }
+}
+
+/// The outage-debt series of every plan exist at zero once a limiter is built with the
+/// policies; what the allow fallback admits raises the plan's gauge, and once the store answers
+/// again the charge moves it to the charged counter.
+#[test]
+fn outage_debt_series_from_the_start_and_through_an_outage() {
+    let (snapshotter, ()) = recorded(async |snapshotter: &Snapshotter| {
+        let policies = tokenlease::policy::Policies::from_json_str(
+            r#"{"plans": {
+                    "open": {"capacity": 10, "refill_per_second": 1, "fallback": {"mode": "allow"}},
+                    "closed": {"capacity": 5, "refill_per_second": 1, "fallback": {"mode": "deny"}}}}"#,
+            None,
+        )
+        .expect("policies");
+        let open = policies.plan("open").expect("plan").clone();
+        let store = std::sync::Arc::new(Toggle::default());
+        let limiter = Limiter::builder_shared(store.clone())
+            .policies(policies)
+            .build();
+        let seen = Seen::take(snapshotter);
+        for plan in ["open", "closed"] {
+            let labels = [("plan", plan)];
+            assert_eq!(seen.gauge(m::OUTAGE_DEBT, &labels), Some(0.0), "{plan}");
+            for counter in [m::OUTAGE_DEBT_CHARGED, m::OUTAGE_DEBT_DROPPED] {
+                assert!(
+                    seen.get(MetricKind::Counter, counter, &labels).is_some(),
+                    "{counter} {plan} registered at build"
+                );
+            }
+        }
+        store.down.store(true, std::sync::atomic::Ordering::SeqCst);
+        for _ in 0..3 {
+            let d = limiter
+                .try_acquire_with(&open, "k", 1.0)
+                .await
+                .expect("valid");
+            assert!(d.allowed && matches!(d.decided_by, DecidedBy::Fallback(_)));
+        }
+        let seen = Seen::take(snapshotter);
+        assert_eq!(seen.gauge(m::OUTAGE_DEBT, &[("plan", "open")]), Some(3.0));
+        store.down.store(false, std::sync::atomic::Ordering::SeqCst);
+        let d = limiter
+            .try_acquire_with(&open, "k", 1.0)
+            .await
+            .expect("valid");
+        assert_eq!(d.decided_by, DecidedBy::Store);
+        for _ in 0..100 {
+            if limiter.outage_debt().keys == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(limiter.outage_debt().charged, Tokens::whole(3));
+    });
+    let seen = Seen::take(&snapshotter);
+    // This recorder's snapshots reset gauges as well as counters: what is seen is the change
+    // since the snapshot that read 3, all of it charged.
+    assert_eq!(seen.gauge(m::OUTAGE_DEBT, &[("plan", "open")]), Some(-3.0));
+    assert_eq!(seen.counter(m::OUTAGE_DEBT_CHARGED, &[("plan", "open")]), 3);
+    assert_eq!(seen.counter(m::OUTAGE_DEBT_DROPPED, &[("plan", "open")]), 0);
+    assert_eq!(
+        seen.counter(m::DB_CALLS, &[("kind", "debt")]),
+        1,
+        "one charging call for the whole debt"
+    );
+}
+
 /// With a failing store, each fallback mode decides and is counted by mode and outcome, in
 /// direct mode (one failed `take` per call) and in leased mode (one failed refill, then the
 /// slot sends callers straight to the fallback for a while).

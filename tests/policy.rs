@@ -191,6 +191,18 @@ const INVALID: &[Case] = &[
         message: r#"fallback_instances_zero.json: plans.standard.fallback.instances: must be from 1 to 10000, got 0"#,
     },
     Case {
+        file: "fallback_outage_debt_not_bool.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.fallback.outage_debt"),
+        message: r#"fallback_outage_debt_not_bool.json:3:109: plans.standard.fallback.outage_debt: invalid type: string "yes", expected a boolean"#,
+    },
+    Case {
+        file: "fallback_outage_debt_with_deny.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.fallback.outage_debt"),
+        message: r#"fallback_outage_debt_with_deny.json: plans.standard.fallback.outage_debt: only applies to modes "allow" and "local" (a "deny" fallback admits nothing, so it owes nothing)"#,
+    },
+    Case {
         file: "fallback_mode_as_object.json",
         plan: Some("standard"),
         field: Some("plans.standard.fallback.mode"),
@@ -943,6 +955,10 @@ fn full_fixture_is_accepted_with_every_value() {
     assert_eq!(per_customer.capacity(), Tokens::MAX);
     assert_eq!(per_customer.rate(), Rate::MAX);
     assert_eq!(per_customer.fallback().mode, FallbackMode::Allow);
+    // Outage debt is on unless a plan turns it off.
+    assert!(!per_customer.fallback().outage_debt);
+    assert!(per_route.fallback().outage_debt);
+    assert!(per_booking.fallback().outage_debt);
 
     let per_ip = p.plan("per-ip").unwrap();
     assert_eq!(per_ip.rate().as_nanos_per_second(), 1);

@@ -16,6 +16,7 @@ use std::task::{Context, Poll};
 use tokio::time::Instant;
 
 use crate::bucket::Tokens;
+use crate::debt::{Debt, OutageDebt};
 use crate::error::{Error, validate_key};
 use crate::fallback::Fallback;
 use crate::lease::{Fast, LeaseStats, Leases, TableSettings};
@@ -218,6 +219,7 @@ pub struct LimiterBuilder {
     statements_in_flight: Option<usize>,
     batch_keys: usize,
     table: TableSettings,
+    outage_debt: bool,
 }
 
 impl LimiterBuilder {
@@ -295,6 +297,21 @@ impl LimiterBuilder {
         self
     }
 
+    /// Whether what the `allow` and `local` fallbacks admit while the store cannot answer is
+    /// recorded per plan and key and charged to the shared bucket once the store answers again
+    /// (`DESIGN.md` §14), for plans whose fallback keeps it on (`fallback.outage_debt`, on by
+    /// default). Defaults to `true`.
+    ///
+    /// The ledger holds at most 100,000 keys (a new key's debt beyond them is counted in
+    /// `tokenlease_outage_debt_dropped_tokens_total`, not kept), and debt unpaid 5 minutes after
+    /// it was last added to is dropped and counted there too. A background task charges it once
+    /// a call finds the store answering again, one store call of up to 256 keys at a time,
+    /// 50 ms apart, each bounded by the call deadline.
+    pub fn outage_debt(mut self, on: bool) -> Self {
+        self.outage_debt = on;
+        self
+    }
+
     /// The limiter.
     pub fn build(self) -> Limiter {
         let call_deadline = self
@@ -329,6 +346,12 @@ impl LimiterBuilder {
         let plans = PlanRegistry::default();
         // A policy file holds far fewer plans than the registry's bound.
         let loaded = self.policies.and_then(|p| Loaded::new(p, &plans));
+        let fallback = if self.outage_debt {
+            let settings = crate::debt::Settings::new(call_deadline);
+            Fallback::with_debt(Debt::new(Arc::clone(&self.store), settings))
+        } else {
+            Fallback::default()
+        };
         Limiter {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -336,7 +359,7 @@ impl LimiterBuilder {
                 policies: RwLock::new(loaded),
                 coalescer: self.coalesce.then(|| Coalescer::new(settings)),
                 call_deadline,
-                fallback: Fallback::default(),
+                fallback,
                 leases: OnceLock::new(),
                 table: self.table,
             }),
@@ -364,7 +387,15 @@ impl Limiter {
                 tick: Duration::from_millis(50),
                 sparse_direct: false,
             },
+            outage_debt: true,
         }
+    }
+
+    /// The outage debt now: what the `allow` and `local` fallbacks admitted and is not yet
+    /// charged to the shared bucket, and what was charged and dropped so far (see
+    /// [`LimiterBuilder::outage_debt`]).
+    pub fn outage_debt(&self) -> OutageDebt {
+        self.inner.fallback.debt()
     }
 
     /// The policies in force: those given to the builder, or to the latest
@@ -389,7 +420,7 @@ impl Limiter {
     ///   back as at expiry; the key's next call takes a lease sized for the new plan. Until
     ///   that round (one actor wake-up) callers may still spend what such a lease holds, so
     ///   an instance can exceed the new plan's envelope by at most one old lease per key: the
-    ///   same bound a lease always has (`DESIGN.md` §14).
+    ///   same bound a lease always has (`DESIGN.md` §15).
     /// - A key whose rule is gone falls to the new default plan, or is refused with
     ///   [`Error::NoPlanForKey`] when there is none.
     ///

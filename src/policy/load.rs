@@ -748,7 +748,7 @@ impl Checker {
 
     /// The fallback of plan `name` with `capacity` whole tokens: `instances` from 1 to
     /// [`MAX_INSTANCES`] and at most the capacity, so that each instance's local bucket holds
-    /// at least one token.
+    /// at least one token; `outage_debt` (default `true`) only for `allow` and `local`.
     fn fallback(
         &self,
         name: &str,
@@ -789,7 +789,18 @@ impl Checker {
                 }
             }
         };
-        Ok(FallbackSettings { mode })
+        let outage_debt = match (mode, raw.outage_debt) {
+            (FallbackMode::Deny, Some(_)) => {
+                return Err(self.plan_err(
+                    name,
+                    "fallback.outage_debt",
+                    "only applies to modes \"allow\" and \"local\" (a \"deny\" fallback \
+                     admits nothing, so it owes nothing)",
+                ));
+            }
+            (_, on) => on.unwrap_or(true),
+        };
+        Ok(FallbackSettings::new(mode).with_outage_debt(outage_debt))
     }
 
     /// A checked route and its shape for duplicate detection (method, path with parameter

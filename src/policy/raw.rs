@@ -170,13 +170,15 @@ pub(super) enum RawAccounting {
     Strict,
 }
 
-/// `fallback: { mode, instances }`.
+/// `fallback: { mode, instances, outage_debt }`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawFallback {
     pub(super) mode: RawFallbackMode,
     #[serde(default)]
     pub(super) instances: Option<u32>,
+    #[serde(default)]
+    pub(super) outage_debt: Option<bool>,
 }
 
 /// `fallback.mode`: a string, `"allow"`, `"deny"` or `"local"`.

@@ -261,18 +261,40 @@ impl Default for LeaseSettings {
 
 /// What decides while the store is slow, failing or behind an open circuit breaker.
 ///
-/// Defaults to [`FallbackMode::Local`] with one instance.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Defaults to [`FallbackMode::Local`] with one instance, with outage debt on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct FallbackSettings {
     /// The fallback decision.
     pub mode: FallbackMode,
+    /// Whether what the `allow` and `local` fallbacks admit is recorded as outage debt and
+    /// charged to the shared bucket once the store answers again (`DESIGN.md` §14). Defaults
+    /// to `true`; a `deny` fallback admits nothing, so it has no debt either way. File field
+    /// `fallback.outage_debt`. The limiter's own switch,
+    /// [`LimiterBuilder::outage_debt`](crate::limiter::LimiterBuilder::outage_debt), must be
+    /// on too.
+    pub outage_debt: bool,
+}
+
+impl Default for FallbackSettings {
+    fn default() -> Self {
+        FallbackSettings::new(FallbackMode::default())
+    }
 }
 
 impl FallbackSettings {
-    /// Settings deciding with `mode`.
+    /// Settings deciding with `mode`, outage debt on.
     pub const fn new(mode: FallbackMode) -> Self {
-        FallbackSettings { mode }
+        FallbackSettings {
+            mode,
+            outage_debt: true,
+        }
+    }
+
+    /// The same settings with outage debt on or off.
+    pub const fn with_outage_debt(mut self, on: bool) -> Self {
+        self.outage_debt = on;
+        self
     }
 }
 

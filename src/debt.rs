@@ -1,0 +1,531 @@
+//! Outage debt: what the `allow` and `local` fallbacks admitted while the store could not
+//! answer, recorded per plan and key and charged to the shared bucket once the store answers
+//! again (`DESIGN.md` §14).
+//!
+//! While the store is down the shared bucket refills, and the fallback admits on its own. Without
+//! a record of those admissions the fleet finds a full bucket at recovery and admits it on top of
+//! what the fallback already let through. The ledger here keeps, per limiter, `(plan, key) →`
+//! tokens the fallback admitted; a background task takes them from the shared bucket after
+//! recovery, in batched store calls (`min = 0`, `want = debt`: whatever the bucket holds now),
+//! and carries what the bucket could not give to later rounds, so the refill pays it off.
+//!
+//! Charging starts when a call of the limiter finds the store answering again (or, with no
+//! such call, after a probe wait without fallback decisions), and stops at a failed round.
+//!
+//! Bounds: at most [`MAX_KEYS`] keys per limiter (a new key's debt beyond them is counted as
+//! dropped and not kept), debt unpaid [`MAX_AGE`] after it was last added to is dropped and
+//! counted, one store call in flight per limiter with at most [`BATCH_KEYS`] keys, [`PACE`]
+//! between rounds, and the task ends when the ledger is empty.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::bucket::{BucketConfig, Tokens};
+use crate::metrics::PlanCounters;
+use crate::policy::{FallbackMode, Plan};
+use crate::store::{AcquireRequest, Store};
+
+/// The most keys one limiter's ledger holds. A key's debt beyond them is counted in
+/// `tokenlease_outage_debt_dropped_tokens_total` and not kept; keys already in the ledger keep
+/// adding. An entry costs its key and plan name plus about 150 bytes (map slot, queue slot,
+/// counts), so at most about 115 MB with 1,024-byte keys, about 20 MB with 50-byte keys.
+pub(crate) const MAX_KEYS: usize = 100_000;
+
+/// Debt left unpaid this long after it was last added to is dropped and counted: a bucket whose
+/// refill has not paid it in that time is taken by callers as fast as it refills, and keeping
+/// the debt for ever would keep the charging task for ever.
+pub(crate) const MAX_AGE: Duration = Duration::from_secs(300);
+
+/// The most keys one charging call carries (the store takes them in one statement).
+pub(crate) const BATCH_KEYS: usize = 256;
+
+/// The pause between two charging rounds while debt remains.
+pub(crate) const PACE: Duration = Duration::from_millis(50);
+
+/// While waiting for the store (at the start, after a failed round), the longest the task
+/// waits for word that it answers again before it tries one round itself, if no call of the
+/// limiter fell back in the last second: from [`PROBE_MIN`], doubling, up to this.
+pub(crate) const PROBE_MAX: Duration = Duration::from_secs(5);
+
+/// The first such wait (see [`PROBE_MAX`]).
+pub(crate) const PROBE_MIN: Duration = Duration::from_millis(250);
+
+/// How often aged debt is looked for (a pass over the ledger).
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// One limiter's outage debt, as [`Limiter::outage_debt`](crate::Limiter::outage_debt) reports
+/// it. Tokens are counted since the limiter was built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct OutageDebt {
+    /// Tokens the fallback admitted that are not yet charged to the shared bucket.
+    pub outstanding: Tokens,
+    /// Keys (per plan) with outstanding debt.
+    pub keys: usize,
+    /// Tokens charged to the shared bucket so far.
+    pub charged: Tokens,
+    /// Tokens of debt given up so far: beyond the key bound, aged out, or left when the limiter
+    /// was dropped (that last part is counted in the metric only).
+    pub dropped: Tokens,
+}
+
+/// The ledger's limits and pacing. The constants above in production; tests shrink them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settings {
+    pub(crate) max_keys: usize,
+    pub(crate) max_age: Duration,
+    pub(crate) batch_keys: usize,
+    pub(crate) pace: Duration,
+    pub(crate) probe_min: Duration,
+    pub(crate) probe_max: Duration,
+    /// The deadline of one charging call (the limiter's call deadline).
+    pub(crate) deadline: Duration,
+}
+
+impl Settings {
+    /// The production limits, with `deadline` per store call.
+    pub(crate) fn new(deadline: Duration) -> Settings {
+        Settings {
+            max_keys: MAX_KEYS,
+            max_age: MAX_AGE,
+            batch_keys: BATCH_KEYS,
+            pace: PACE,
+            probe_min: PROBE_MIN,
+            probe_max: PROBE_MAX,
+            deadline,
+        }
+    }
+}
+
+/// A limiter's debt ledger and its charging task. Cheap to clone; `Debt::off()` records nothing.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Debt {
+    shared: Option<Arc<Shared>>,
+}
+
+/// A ledger entry's name: the plan's name and the key.
+#[derive(Debug, PartialEq, Eq)]
+struct Id {
+    plan: Arc<str>,
+    key: Arc<str>,
+}
+
+impl Hash for Id {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.plan.hash(state);
+        self.key.hash(state);
+    }
+}
+
+struct Entry {
+    /// The plan's bucket when debt was last added (what the charge takes from).
+    bucket: BucketConfig,
+    counters: Arc<PlanCounters>,
+    tokens: Tokens,
+    last_added: Instant,
+    /// In [`Ledger::queue`].
+    queued: bool,
+}
+
+#[derive(Default)]
+struct Ledger {
+    entries: HashMap<Arc<Id>, Entry, foldhash::fast::RandomState>,
+    /// Entries waiting for a charging round, oldest first. An entry is here at most once
+    /// (`queued`); ids whose entry left the ledger are skipped when they come up.
+    queue: VecDeque<Arc<Id>>,
+    outstanding: Tokens,
+    charged: Tokens,
+    dropped: Tokens,
+    last_sweep: Option<Instant>,
+}
+
+struct Shared {
+    store: Arc<dyn Store>,
+    settings: Settings,
+    ledger: Mutex<Ledger>,
+    /// A charging task runs (or is being started).
+    running: AtomicBool,
+    /// The task waits for the store to answer again (it starts so: debt comes from calls the
+    /// store did not answer).
+    parked: AtomicBool,
+    wake: Notify,
+    /// When the fallback last decided a call of this limiter: nanoseconds since `origin`, plus
+    /// one (zero: never). While callers keep falling back, the task does not probe the store.
+    last_fallback: AtomicU64,
+    origin: Instant,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Debt")
+            .field("settings", &self.settings)
+            .field("running", &self.running.load(Ordering::Relaxed))
+            .field("parked", &self.parked.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // The limiter is gone: its unpaid debt is given up, and leaves the gauge.
+        let ledger = self.ledger.get_mut();
+        for (_, entry) in ledger.entries.drain() {
+            entry.counters.debt.dropped(entry.tokens);
+            entry
+                .counters
+                .debt
+                .outstanding
+                .decrement(entry.tokens.as_f64());
+        }
+    }
+}
+
+/// One key's part of a charging round.
+struct Charge {
+    id: Arc<Id>,
+    bucket: BucketConfig,
+    want: Tokens,
+}
+
+impl Debt {
+    /// A ledger charging over `store`.
+    pub(crate) fn new(store: Arc<dyn Store>, settings: Settings) -> Debt {
+        Debt {
+            shared: Some(Arc::new(Shared {
+                store,
+                settings,
+                ledger: Mutex::new(Ledger::default()),
+                running: AtomicBool::new(false),
+                parked: AtomicBool::new(false),
+                wake: Notify::new(),
+                last_fallback: AtomicU64::new(0),
+                origin: Instant::now(),
+            })),
+        }
+    }
+
+    /// Records `cost` admitted by `plan`'s fallback on `key`, if the plan keeps outage debt
+    /// (its `allow` or `local` fallback, with `outage_debt` on), and starts the charging task
+    /// if none runs.
+    pub(crate) fn record(&self, plan: &Plan, key: &str, cost: Tokens) {
+        let Some(shared) = &self.shared else { return };
+        let fallback = plan.fallback();
+        if !fallback.outage_debt || fallback.mode == FallbackMode::Deny || cost.is_zero() {
+            return;
+        }
+        let counters = plan.counters();
+        let now = Instant::now();
+        {
+            let mut ledger = shared.ledger.lock();
+            let id = Id {
+                plan: plan.name().into(),
+                key: key.into(),
+            };
+            let ledger = &mut *ledger;
+            match ledger
+                .entries
+                .get_key_value(&id)
+                .map(|(k, _)| Arc::clone(k))
+            {
+                Some(id) => {
+                    if let Some(entry) = ledger.entries.get_mut(&id) {
+                        entry.tokens = entry.tokens.saturating_add(cost);
+                        entry.last_added = now;
+                        entry.bucket = *plan.bucket();
+                        if !entry.queued {
+                            entry.queued = true;
+                            ledger.queue.push_back(id);
+                        }
+                    }
+                }
+                None if ledger.entries.len() >= shared.settings.max_keys => {
+                    ledger.dropped = ledger.dropped.saturating_add(cost);
+                    counters.debt.dropped(cost);
+                    return;
+                }
+                None => {
+                    let id = Arc::new(id);
+                    ledger.entries.insert(
+                        Arc::clone(&id),
+                        Entry {
+                            bucket: *plan.bucket(),
+                            counters: Arc::clone(counters),
+                            tokens: cost,
+                            last_added: now,
+                            queued: true,
+                        },
+                    );
+                    ledger.queue.push_back(id);
+                }
+            }
+            ledger.outstanding = ledger.outstanding.saturating_add(cost);
+        }
+        counters.debt.outstanding.increment(cost.as_f64());
+        Shared::ensure_task(shared);
+    }
+
+    /// The fallback decided a call (the store did not answer it): noted, so that the task
+    /// does not probe the store while callers still fall back.
+    pub(crate) fn fallback_decided(&self) {
+        if let Some(shared) = &self.shared {
+            let since = Instant::now().saturating_duration_since(shared.origin);
+            let nanos = u64::try_from(since.as_nanos()).unwrap_or(u64::MAX - 1);
+            shared.last_fallback.store(nanos + 1, Ordering::Relaxed);
+        }
+    }
+
+    /// The store answered a call: a task waiting for that (at its start, or after a failed
+    /// round) charges now. One atomic load when nothing waits.
+    pub(crate) fn store_answered(&self) {
+        if let Some(shared) = &self.shared
+            && shared.parked.load(Ordering::Acquire)
+        {
+            shared.wake.notify_one();
+        }
+    }
+
+    /// The ledger's figures now.
+    pub(crate) fn stats(&self) -> OutageDebt {
+        match &self.shared {
+            None => OutageDebt::default(),
+            Some(shared) => {
+                let ledger = shared.ledger.lock();
+                OutageDebt {
+                    outstanding: ledger.outstanding,
+                    keys: ledger.entries.len(),
+                    charged: ledger.charged,
+                    dropped: ledger.dropped,
+                }
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Starts the charging task unless one runs. Outside a tokio runtime none can start: the
+    /// debt waits for the next record made inside one.
+    fn ensure_task(shared: &Arc<Shared>) {
+        if shared.running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(charge(Arc::downgrade(shared)));
+            }
+            Err(_) => shared.running.store(false, Ordering::Release),
+        }
+    }
+
+    /// Whether the fallback decided a call of this limiter within `within`.
+    fn fell_back_within(&self, within: Duration, now: Instant) -> bool {
+        match self.last_fallback.load(Ordering::Relaxed) {
+            0 => false,
+            at => {
+                let at = self.origin + Duration::from_nanos(at - 1);
+                now.saturating_duration_since(at) < within
+            }
+        }
+    }
+
+    /// Drops aged debt; whether any is left. When none is, the task is marked ended (under
+    /// the ledger's lock, so a record made after it starts a new one).
+    fn still_owing(&self, now: Instant) -> bool {
+        let mut ledger = self.ledger.lock();
+        self.sweep(&mut ledger, now);
+        if ledger.entries.is_empty() {
+            ledger.queue.clear();
+            ledger.outstanding = Tokens::ZERO;
+            self.running.store(false, Ordering::Release);
+            return false;
+        }
+        true
+    }
+
+    /// Drops debt unpaid for the maximum age, at most once per [`SWEEP_EVERY`].
+    fn sweep(&self, ledger: &mut Ledger, now: Instant) {
+        let due = ledger
+            .last_sweep
+            .is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY);
+        if due {
+            ledger.last_sweep = Some(now);
+            let max_age = self.settings.max_age;
+            let mut aged = Tokens::ZERO;
+            ledger.entries.retain(|_, entry| {
+                if now.saturating_duration_since(entry.last_added) < max_age {
+                    return true;
+                }
+                entry.counters.debt.dropped(entry.tokens);
+                entry
+                    .counters
+                    .debt
+                    .outstanding
+                    .decrement(entry.tokens.as_f64());
+                aged = aged.saturating_add(entry.tokens);
+                false
+            });
+            ledger.outstanding = ledger.outstanding.saturating_sub(aged);
+            ledger.dropped = ledger.dropped.saturating_add(aged);
+            // Ids of entries that left stay queued until they come up; do not let them pile up.
+            if ledger.queue.len() > 2 * ledger.entries.len() + 1024 {
+                let entries = &ledger.entries;
+                ledger.queue.retain(|id| entries.contains_key(id));
+            }
+        }
+    }
+
+    /// Takes the next round's keys off the queue, after dropping aged debt: `None` when the
+    /// ledger is empty, and then the task is marked ended (as in [`still_owing`]).
+    ///
+    /// [`still_owing`]: Self::still_owing
+    fn next_round(&self, now: Instant) -> Option<Vec<Charge>> {
+        if !self.still_owing(now) {
+            return None;
+        }
+        let mut ledger = self.ledger.lock();
+        let ledger = &mut *ledger;
+        let mut round = Vec::with_capacity(self.settings.batch_keys.min(ledger.entries.len()));
+        let mut keys = HashSet::with_capacity(round.capacity());
+        let mut later = Vec::new();
+        while round.len() < self.settings.batch_keys {
+            let Some(id) = ledger.queue.pop_front() else {
+                break;
+            };
+            let Some(entry) = ledger.entries.get_mut(&id) else {
+                continue;
+            };
+            // One statement takes each key once: the same key under another plan waits for
+            // the next round.
+            if !keys.insert(Arc::clone(&id.key)) {
+                later.push(id);
+                continue;
+            }
+            entry.queued = false;
+            round.push(Charge {
+                id,
+                bucket: entry.bucket,
+                want: std::cmp::min(entry.tokens, entry.bucket.capacity()),
+            });
+        }
+        // Back at the front, in their order: they come first next round.
+        for id in later.into_iter().rev() {
+            ledger.queue.push_front(id);
+        }
+        Some(round)
+    }
+
+    /// Settles a round the store answered: each key's grant leaves its debt; a key still
+    /// owing goes back in the queue.
+    fn settle(&self, round: Vec<Charge>, granted: &[Tokens]) {
+        let mut ledger = self.ledger.lock();
+        let ledger = &mut *ledger;
+        for (charge, &granted) in round.into_iter().zip(granted) {
+            let Some(entry) = ledger.entries.get_mut(&charge.id) else {
+                continue;
+            };
+            let paid = std::cmp::min(granted, entry.tokens);
+            entry.tokens = entry.tokens.saturating_sub(paid);
+            entry.counters.debt.charged(paid);
+            entry.counters.debt.outstanding.decrement(paid.as_f64());
+            ledger.outstanding = ledger.outstanding.saturating_sub(paid);
+            ledger.charged = ledger.charged.saturating_add(paid);
+            if entry.tokens.is_zero() {
+                ledger.entries.remove(&charge.id);
+            } else if !entry.queued {
+                entry.queued = true;
+                ledger.queue.push_back(charge.id);
+            }
+        }
+    }
+
+    /// Puts a failed round's keys back at the front of the queue.
+    fn requeue(&self, round: Vec<Charge>) {
+        let mut ledger = self.ledger.lock();
+        let ledger = &mut *ledger;
+        for charge in round.into_iter().rev() {
+            if let Some(entry) = ledger.entries.get_mut(&charge.id)
+                && !entry.queued
+            {
+                entry.queued = true;
+                ledger.queue.push_front(charge.id);
+            }
+        }
+    }
+}
+
+/// The charging task: rounds of at most `batch_keys` keys, `pace` apart, until the ledger is
+/// empty. It starts waiting for the store to answer (debt comes from calls it did not answer),
+/// and a round that fails (an error, or no answer by the deadline) sends it back to waiting.
+/// It waits for word that a call of the limiter succeeded ([`Debt::store_answered`]); in case
+/// none comes (no caller left, or leased keys whose refills land with nobody waiting), it tries
+/// a round itself after a probe wait (`probe_min` doubling to `probe_max`), but not while the
+/// limiter's callers still fall back (a fallback decision in the last second: the store is still
+/// failing them, and a probe would only add a statement beside theirs). Ends when the ledger is empty or the limiter is dropped.
+async fn charge(shared: Weak<Shared>) {
+    let mut probe: Option<Duration> = None;
+    let mut waiting = true;
+    loop {
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let settings = shared.settings;
+        if waiting {
+            shared.parked.store(true, Ordering::Release);
+            let wait = probe.map_or(settings.probe_min, |p| (p * 2).min(settings.probe_max));
+            probe = Some(wait);
+            let woken = tokio::select! {
+                () = shared.wake.notified() => true,
+                () = tokio::time::sleep(wait) => false,
+            };
+            let now = Instant::now();
+            if !woken && shared.fell_back_within(crate::fallback::ACTIVE_GAP, now) {
+                if !shared.still_owing(now) {
+                    return;
+                }
+                continue;
+            }
+            waiting = false;
+        }
+        let Some(round) = shared.next_round(Instant::now()) else {
+            return;
+        };
+        if round.is_empty() {
+            // Nothing queued although debt is owed (cannot happen: every owing entry is
+            // queued between rounds); look again after the pace.
+            tokio::time::sleep(settings.pace).await;
+            continue;
+        }
+        let requests: Vec<AcquireRequest<'_>> = round
+            .iter()
+            .map(|c| AcquireRequest::lease(&c.id.key, c.bucket, Tokens::ZERO, c.want))
+            .collect();
+        metrics::counter!(crate::metrics::DB_CALLS, "kind" => "debt").increment(1);
+        let answer =
+            tokio::time::timeout(settings.deadline, shared.store.acquire_many(&requests)).await;
+        drop(requests);
+        match answer {
+            Ok(Ok(answers)) if answers.len() == round.len() => {
+                probe = None;
+                shared.parked.store(false, Ordering::Release);
+                let granted: Vec<Tokens> = answers.iter().map(|a| a.granted).collect();
+                shared.settle(round, &granted);
+                drop(shared);
+                tokio::time::sleep(settings.pace).await;
+            }
+            _ => {
+                metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "debt").increment(1);
+                shared.requeue(round);
+                waiting = true;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
