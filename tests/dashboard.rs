@@ -201,7 +201,7 @@ fn m2_the_dashboard_shows_live_non_zero_figures_in_headless_chromium() {
     if let Some(path) = std::env::var_os("TOKENLEASE_DASHBOARD_SCREENSHOT") {
         // About a minute of samples, so the sparklines are full.
         let path = std::path::absolute(path).expect("the screenshot's path");
-        let mut shot = chromium(&binary, &dir.path().join("profile-shot"), 12_000, 1180);
+        let mut shot = chromium(&binary, &dir.path().join("profile-shot"), 12_000, 1320);
         shot.arg(format!("--screenshot={}", path.display()))
             .arg(format!("http://{addr}/dashboard"));
         let (status, _) =
