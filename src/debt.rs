@@ -134,6 +134,18 @@ struct Entry {
     queued: bool,
 }
 
+impl Entry {
+    /// The debt is given up (aged out, or its limiter dropped): counted as dropped and taken
+    /// off the outstanding gauge.
+    fn give_up(&self) {
+        self.counters.debt.dropped(self.tokens);
+        self.counters
+            .debt
+            .outstanding
+            .decrement(self.tokens.as_f64());
+    }
+}
+
 #[derive(Default)]
 struct Ledger {
     entries: HashMap<Arc<Id>, Entry, foldhash::fast::RandomState>,
@@ -177,12 +189,7 @@ impl Drop for Shared {
         // The limiter is gone: its unpaid debt is given up, and leaves the gauge.
         let ledger = self.ledger.get_mut();
         for (_, entry) in ledger.entries.drain() {
-            entry.counters.debt.dropped(entry.tokens);
-            entry
-                .counters
-                .debt
-                .outstanding
-                .decrement(entry.tokens.as_f64());
+            entry.give_up();
         }
     }
 }
@@ -361,12 +368,7 @@ impl Shared {
                 if now.saturating_duration_since(entry.last_added) < max_age {
                     return true;
                 }
-                entry.counters.debt.dropped(entry.tokens);
-                entry
-                    .counters
-                    .debt
-                    .outstanding
-                    .decrement(entry.tokens.as_f64());
+                entry.give_up();
                 aged = aged.saturating_add(entry.tokens);
                 false
             });

@@ -14,6 +14,8 @@
 //! Timing-dependent: runs in the nextest `serial` group, and the tests of this file take a lock
 //! so `cargo test` runs them one at a time too. Each prints its figures (`--nocapture`).
 
+mod common;
+
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,7 +24,7 @@ use std::time::{Duration, Instant};
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::embedded::{StopMode, TempPostgres};
 use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
-use tokenlease::store::{CircuitBreaker, PostgresStore};
+use tokenlease::store::CircuitBreaker;
 use tokenlease::{DecidedBy, Limiter};
 
 /// One test at a time within this binary, whatever the harness does.
@@ -61,27 +63,7 @@ async fn start_cluster() -> Arc<TempPostgres> {
 /// A limiter instance with its own pool of 4 and circuit breaker, with the fault tests'
 /// settings (50 ms call timeout, 250 ms connect timeout, 100 ms statement timeout).
 async fn instance(pg: &TempPostgres, debt: bool) -> Limiter {
-    let store = PostgresStore::builder(&pg.connection_string("postgres"))
-        .expect("connection string")
-        .pool_size(4)
-        .call_timeout(Duration::from_millis(50))
-        .pool_wait_timeout(Duration::from_millis(50))
-        .connect_timeout(Duration::from_millis(250))
-        .statement_timeout(Duration::from_millis(100))
-        .lock_timeout(Duration::from_millis(100));
-    // The first connection must come within the 50 ms pool wait: retry on a busy machine.
-    let mut attempts = 0;
-    let store = loop {
-        match store.clone().build().await {
-            Ok(store) => break store,
-            Err(e) if attempts < 20 => {
-                attempts += 1;
-                eprintln!("store build attempt {attempts}: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(e) => panic!("store: {e}"),
-        }
-    };
+    let store = common::fault_store(&pg.connection_string("postgres"), 4).await;
     Limiter::builder(CircuitBreaker::new(store))
         .outage_debt(debt)
         .build()

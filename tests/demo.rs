@@ -1,156 +1,16 @@
 //! End to end: start `tokenlease demo` (the built binary, on its throwaway PostgreSQL or
 //! `DATABASE_URL`), talk real HTTP/1.1 to it over TCP, and stop it with SIGTERM.
 
-use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+mod live_demo;
 
-/// One HTTP response: status, headers (lower-case names), body.
-#[derive(Debug)]
-struct Reply {
-    status: u16,
-    headers: HashMap<String, String>,
-    body: String,
-}
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
 
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).map(String::as_str)
-    }
-
-    fn number(&self, name: &str) -> u64 {
-        self.header(name)
-            .unwrap_or_else(|| panic!("no {name} in {self:?}"))
-            .parse()
-            .unwrap_or_else(|_| panic!("{name} is not a whole number in {self:?}"))
-    }
-}
-
-/// A minimal HTTP/1.1 client: one request per connection.
-fn request(addr: &str, method: &str, path: &str) -> Reply {
-    let mut stream = TcpStream::connect(addr).expect("connect to the demo");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).expect("read the reply");
-    let text = String::from_utf8(raw).expect("a UTF-8 reply");
-    let (head, body) = text.split_once("\r\n\r\n").expect("a header section");
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .and_then(|l| l.split(' ').nth(1))
-        .and_then(|s| s.parse().ok())
-        .expect("a status line");
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    Reply {
-        status,
-        headers,
-        body: body.to_owned(),
-    }
-}
-
-/// The running demo; SIGTERM on drop if the test did not stop it.
-struct Demo {
-    child: Child,
-    addr: String,
-    /// What it printed on stdout up to its `metrics:` line.
-    banner: Vec<String>,
-}
-
-impl Demo {
-    fn start() -> Demo {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
-            .args(["demo", "--listen", "127.0.0.1:0"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start tokenlease demo");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                println!("demo: {line}");
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let mut banner = Vec::new();
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = rx
-                .recv_timeout(left)
-                .expect("the demo prints where it listens within 60 s");
-            let last = line.starts_with("metrics: ");
-            banner.push(line);
-            if last {
-                break;
-            }
-        }
-        let addr = banner
-            .iter()
-            .find_map(|l| l.strip_prefix("tokenlease demo listening on http://"))
-            .expect("the listening line")
-            .trim()
-            .to_owned();
-        Demo {
-            child,
-            addr,
-            banner,
-        }
-    }
-
-    /// SIGTERM, then wait for a clean exit.
-    fn stop(&mut self) -> std::process::ExitStatus {
-        let pid = self.child.id().to_string();
-        let sent = Command::new("kill").args(["-TERM", &pid]).status();
-        assert!(sent.is_ok_and(|s| s.success()), "kill -TERM {pid}");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the demo did not stop within 20 s of SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Demo {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = Command::new("kill")
-                .args(["-TERM", &self.child.id().to_string()])
-                .status();
-            // Its own clean stop first (2 s at most), then SIGKILL.
-            let deadline = Instant::now() + Duration::from_secs(2);
-            while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
+use live_demo::{Demo, Reply, must as request};
 
 #[test]
 fn demo_serves_both_layers_over_real_http_and_stops_on_sigterm() {
-    let mut demo = Demo::start();
+    let demo = Demo::start();
     let addr = demo.addr.clone();
     // Ids of their own, in case DATABASE_URL points at a database an earlier run used.
     let run = SystemTime::now()
@@ -270,7 +130,7 @@ fn demo_serves_both_layers_over_real_http_and_stops_on_sigterm() {
 /// the printed command, run while the demo serves, shows the hammered booking's bucket empty.
 #[test]
 fn one_booking_in_a_burst_meets_its_entity_limit_while_others_are_served() {
-    let mut demo = Demo::start();
+    let demo = Demo::start();
     let addr = demo.addr.clone();
     let run = SystemTime::now()
         .duration_since(UNIX_EPOCH)

@@ -296,28 +296,7 @@ impl Rig {
         name: &str,
         wall: impl Clock,
     ) -> Instance {
-        let store = PostgresStore::builder(connection)
-            .expect("connection string")
-            .pool_size(pool)
-            .call_timeout(Duration::from_millis(50))
-            .pool_wait_timeout(Duration::from_millis(50))
-            .connect_timeout(Duration::from_millis(250))
-            .statement_timeout(Duration::from_millis(100))
-            .lock_timeout(Duration::from_millis(100));
-        // The builder's first connection must come within the 50 ms pool wait: retry it on a
-        // busy machine.
-        let mut attempts = 0;
-        let store = loop {
-            match store.clone().build().await {
-                Ok(store) => break store,
-                Err(e) if attempts < 20 => {
-                    attempts += 1;
-                    eprintln!("store build attempt {attempts}: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(e) => panic!("store: {e}"),
-            }
-        };
+        let store = common::fault_store(connection, pool).await;
         let log = Log::default();
         let breaker = Arc::new(
             CircuitBreaker::new(Recording {
@@ -1498,9 +1477,14 @@ async fn d6(mode: Mode) {
         "{classes:?}"
     );
     assert_eq!(failed, calls);
+    // The coalescer sends one statement for the key at a time. With the `allow` and `local`
+    // fallbacks the outage debt's charging task may have one of its own in flight beside it
+    // (one round at a time, each with the call timeout): it starts when a call finds the store
+    // answering, which happens while the test is still taking the connections.
+    let bound = if mode == Mode::Deny { 1 } else { 2 };
     assert!(
-        in_flight <= 1,
-        "{in_flight} statements in flight on one key"
+        in_flight <= bound,
+        "{in_flight} statements in flight on one key (at most {bound})"
     );
     assert_eq!(
         by_fallback,

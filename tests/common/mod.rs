@@ -39,6 +39,33 @@ pub async fn store_at(connection: &str, pool: u32, migrate: bool) -> PostgresSto
         .expect("store")
 }
 
+/// A store with the fault tests' settings: a pool of `pool`, 50 ms call and pool-wait
+/// timeouts, a 250 ms connect timeout, 100 ms statement and lock timeouts. Its first connection
+/// must come within the 50 ms pool wait, so building is retried (20 times, 50 ms apart) on a
+/// busy machine.
+pub async fn fault_store(connection: &str, pool: u32) -> PostgresStore {
+    let store = PostgresStore::builder(connection)
+        .expect("connection string")
+        .pool_size(pool)
+        .call_timeout(Duration::from_millis(50))
+        .pool_wait_timeout(Duration::from_millis(50))
+        .connect_timeout(Duration::from_millis(250))
+        .statement_timeout(Duration::from_millis(100))
+        .lock_timeout(Duration::from_millis(100));
+    let mut attempts = 0;
+    loop {
+        match store.clone().build().await {
+            Ok(store) => return store,
+            Err(e) if attempts < 20 => {
+                attempts += 1;
+                eprintln!("store build attempt {attempts}: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("store: {e}"),
+        }
+    }
+}
+
 /// A bucket of `capacity` whole tokens refilling at `per_second` tokens a second.
 pub fn bucket(capacity: u64, per_second: f64) -> BucketConfig {
     BucketConfig::new(

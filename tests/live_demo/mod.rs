@@ -1,8 +1,10 @@
-//! Helpers of the tests that look at a running `tokenlease demo` from outside (a browser,
-//! Prometheus): the demo process, a minimal HTTP client, background traffic, and finding the
-//! outside program (skipped without it, unless `CI` is set).
+//! Helpers of the tests that run `tokenlease demo` (the built binary) and look at it from
+//! outside (plain HTTP, a browser, Prometheus): the demo process, a minimal HTTP client,
+//! background traffic, and finding an outside program (skipped without it, unless `CI` is set).
 #![allow(dead_code, unreachable_pub)]
 
+use std::collections::HashMap;
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -56,9 +58,32 @@ pub fn wait_for<T>(what: &str, limit: Duration, mut done: impl FnMut() -> Option
     }
 }
 
-/// One HTTP/1.1 request on its own connection: the status and the body, or `None` when the
-/// demo did not answer within 10 s.
-pub fn request(addr: &str, method: &str, path: &str) -> Option<(u16, String)> {
+/// One HTTP response: status, header fields (lower-case names), body.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: HashMap<String, String>,
+    pub body: String,
+}
+
+impl Reply {
+    /// A header field's value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(String::as_str)
+    }
+
+    /// A header field that must be a whole number.
+    pub fn number(&self, name: &str) -> u64 {
+        self.header(name)
+            .unwrap_or_else(|| panic!("no {name} in {self:?}"))
+            .parse()
+            .unwrap_or_else(|_| panic!("{name} is not a whole number in {self:?}"))
+    }
+}
+
+/// One HTTP/1.1 request on its own connection, or `None` when the demo did not answer (within
+/// 10 s) with a well-formed response.
+pub fn exchange(addr: &str, method: &str, path: &str) -> Option<Reply> {
     let mut stream = TcpStream::connect(addr).ok()?;
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
@@ -72,8 +97,28 @@ pub fn request(addr: &str, method: &str, path: &str) -> Option<(u16, String)> {
     stream.read_to_end(&mut raw).ok()?;
     let text = String::from_utf8_lossy(&raw).into_owned();
     let (head, body) = text.split_once("\r\n\r\n")?;
-    let status = head.split(' ').nth(1)?.parse().ok()?;
-    Some((status, body.to_owned()))
+    let mut lines = head.split("\r\n");
+    let status = lines.next()?.split(' ').nth(1)?.parse().ok()?;
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    Some(Reply {
+        status,
+        headers,
+        body: body.to_owned(),
+    })
+}
+
+/// [`exchange`], for a test that needs the answer: fails when there is none.
+pub fn must(addr: &str, method: &str, path: &str) -> Reply {
+    exchange(addr, method, path)
+        .unwrap_or_else(|| panic!("{method} {path}: no well-formed answer within 10 s"))
+}
+
+/// [`exchange`]'s status and body.
+pub fn request(addr: &str, method: &str, path: &str) -> Option<(u16, String)> {
+    exchange(addr, method, path).map(|r| (r.status, r.body))
 }
 
 /// The running demo; SIGTERM (then SIGKILL) on drop.
@@ -83,17 +128,40 @@ pub struct Demo {
     pub addr: String,
     /// What it printed on stdout up to its `metrics:` line.
     pub banner: Vec<String>,
+    /// Its stderr lines as they come, when started with [`Demo::start_with`] asking for them.
+    stderr: Option<mpsc::Receiver<String>>,
 }
 
 impl Demo {
     /// Starts `tokenlease demo` on a free port and waits (60 s at most) for its banner.
     pub fn start() -> Demo {
+        Demo::start_with::<&str>(&[], false)
+    }
+
+    /// [`start`](Self::start) with more arguments, and its stderr read line by line (echoed,
+    /// and kept for [`expect_stderr`](Self::expect_stderr)) when `read_stderr`.
+    pub fn start_with<S: AsRef<OsStr>>(args: &[S], read_stderr: bool) -> Demo {
         let mut child = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
             .args(["demo", "--listen", "127.0.0.1:0"])
+            .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(if read_stderr {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
             .spawn()
             .expect("start tokenlease demo");
+        let stderr = child.stderr.take().map(|err| {
+            let (tx, rx) = mpsc::channel();
+            std::thread::spawn(move || {
+                for line in BufReader::new(err).lines().map_while(Result::ok) {
+                    eprintln!("demo: {line}");
+                    let _ = tx.send(line);
+                }
+            });
+            rx
+        });
         let stdout = child.stdout.take().expect("the demo's stdout");
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -126,14 +194,37 @@ impl Demo {
             child,
             addr,
             banner,
+            stderr,
         }
+    }
+
+    /// Waits (20 s at most) for a stderr line containing every one of `parts`, and returns it.
+    pub fn expect_stderr(&self, parts: &[&str]) -> String {
+        let lines = self.stderr.as_ref().expect("started with read_stderr");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("no stderr line with {parts:?} within 20 s"));
+            if parts.iter().all(|p| line.contains(p)) {
+                return line;
+            }
+        }
+    }
+
+    /// Sends the demo a signal (`"HUP"`, `"TERM"`, ...).
+    pub fn signal(&self, name: &str) {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill")
+            .args([&format!("-{name}"), &pid])
+            .status();
+        assert!(sent.is_ok_and(|s| s.success()), "kill -{name} {pid}");
     }
 
     /// SIGTERM, then a clean exit within 20 s.
     pub fn stop(mut self) -> ExitStatus {
-        let pid = self.child.id().to_string();
-        let sent = Command::new("kill").args(["-TERM", &pid]).status();
-        assert!(sent.is_ok_and(|s| s.success()), "kill -TERM {pid}");
+        self.signal("TERM");
         wait_for(
             "the demo's exit after SIGTERM",
             Duration::from_secs(20),
