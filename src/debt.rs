@@ -18,7 +18,6 @@
 //! between rounds, and the task ends when the ledger is empty.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -34,9 +33,10 @@ use crate::store::{AcquireRequest, Store};
 
 /// The most keys one limiter's ledger holds. A key's debt beyond them is counted in
 /// `tokenlease_outage_debt_dropped_tokens_total` and not kept; keys already in the ledger keep
-/// adding. An entry costs its key and plan name plus about 150 bytes (map slot, queue slot,
-/// counts), so at most about 115 MB with 1,024-byte keys, about 20 MB with 50-byte keys.
-pub(crate) const MAX_KEYS: usize = 100_000;
+/// adding. An entry costs its key plus about 170 bytes (map slot, queue slot, counts), so at
+/// most about 12 MB with 1,024-byte keys, about 2.2 MB with 50-byte keys; `DESIGN.md` §14 says
+/// why not more.
+pub(crate) const MAX_KEYS: usize = 10_000;
 
 /// Debt left unpaid this long after it was last added to is dropped and counted: a bucket whose
 /// refill has not paid it in that time is taken by callers as fast as it refills, and keeping
@@ -46,7 +46,8 @@ pub(crate) const MAX_AGE: Duration = Duration::from_secs(300);
 /// The most keys one charging call carries (the store takes them in one statement).
 pub(crate) const BATCH_KEYS: usize = 256;
 
-/// The pause between two charging rounds while debt remains.
+/// The pause between two charging rounds while debt remains, unless a whole round's worth of
+/// keys waits (then the next round goes at once, still one call at a time).
 pub(crate) const PACE: Duration = Duration::from_millis(50);
 
 /// While waiting for the store (at the start, after a failed round), the longest the task
@@ -110,17 +111,108 @@ pub(crate) struct Debt {
     shared: Option<Arc<Shared>>,
 }
 
-/// A ledger entry's name: the plan's name and the key.
-#[derive(Debug, PartialEq, Eq)]
+/// A ledger entry's name: the plan (its index in [`Entries::plans`]) and the key. Cloning it
+/// clones one `Arc`: the key is allocated once, when its entry is made.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Id {
-    plan: Arc<str>,
+    plan: u32,
     key: Arc<str>,
 }
 
-impl Hash for Id {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        self.plan.hash(state);
-        self.key.hash(state);
+/// The entries, per plan and key. Looking a key up allocates nothing (the maps are keyed by
+/// `Arc<str>`, which borrows as `str`): a fallback decision during an outage records its debt
+/// without allocating, unless its key is new.
+#[derive(Default)]
+struct Entries {
+    /// Plan names seen, interned: an [`Id`]'s `plan` indexes this and `maps`.
+    plans: Vec<Arc<str>>,
+    maps: Vec<HashMap<Arc<str>, Entry, foldhash::fast::RandomState>>,
+    len: usize,
+}
+
+impl Entries {
+    /// The index of the plan called `name`, added if new (plans are few: a linear search).
+    fn plan(&mut self, name: &str) -> u32 {
+        match self.plans.iter().position(|p| &**p == name) {
+            Some(i) => i as u32,
+            None => {
+                self.plans.push(name.into());
+                self.maps.push(HashMap::default());
+                (self.plans.len() - 1) as u32
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Slots held by the maps.
+    #[cfg(test)]
+    fn capacity(&self) -> usize {
+        self.maps.iter().map(HashMap::capacity).sum()
+    }
+
+    /// The entry of `key` under plan `plan`, with its id.
+    fn find(&mut self, plan: u32, key: &str) -> Option<(Id, &mut Entry)> {
+        let map = self.maps.get_mut(plan as usize)?;
+        let key = Arc::clone(map.get_key_value(key)?.0);
+        let entry = map.get_mut(&*key)?;
+        Some((Id { plan, key }, entry))
+    }
+
+    fn get_mut(&mut self, id: &Id) -> Option<&mut Entry> {
+        self.maps.get_mut(id.plan as usize)?.get_mut(&*id.key)
+    }
+
+    fn contains_key(&self, id: &Id) -> bool {
+        self.maps
+            .get(id.plan as usize)
+            .is_some_and(|m| m.contains_key(&*id.key))
+    }
+
+    fn insert(&mut self, id: &Id, entry: Entry) {
+        if let Some(map) = self.maps.get_mut(id.plan as usize)
+            && map.insert(Arc::clone(&id.key), entry).is_none()
+        {
+            self.len += 1;
+        }
+    }
+
+    fn remove(&mut self, id: &Id) {
+        if let Some(map) = self.maps.get_mut(id.plan as usize)
+            && map.remove(&*id.key).is_some()
+        {
+            self.len -= 1;
+        }
+    }
+
+    /// Keeps the entries `keep` says to keep.
+    fn retain(&mut self, mut keep: impl FnMut(&mut Entry) -> bool) {
+        for map in &mut self.maps {
+            map.retain(|_, e| keep(e));
+        }
+        self.len = self.maps.iter().map(HashMap::len).sum();
+    }
+
+    /// Takes every entry out.
+    fn drain(&mut self) -> impl Iterator<Item = Entry> + '_ {
+        self.len = 0;
+        self.maps.iter_mut().flat_map(|m| m.drain().map(|(_, e)| e))
+    }
+
+    /// Gives memory back from maps using under a quarter of what they hold.
+    fn shrink(&mut self) {
+        for map in &mut self.maps {
+            let (len, cap) = (map.len(), map.capacity());
+            if cap > KEEP_SLOTS && len.saturating_mul(4) < cap {
+                map.shrink_to(len.saturating_mul(2).max(KEEP_SLOTS / 2));
+            }
+        }
     }
 }
 
@@ -146,12 +238,29 @@ impl Entry {
     }
 }
 
+/// Below this many slots the ledger's map and queue keep their memory.
+const KEEP_SLOTS: usize = 1024;
+
+impl Ledger {
+    /// Gives memory back once the map or the queue uses under a quarter of what it holds: after
+    /// a flood of keys is paid off, the ledger does not keep the flood's capacity (a map of
+    /// 10,000 entries holds a megabyte or more) for the limiter's life.
+    fn shrink(&mut self) {
+        self.entries.shrink();
+        let (len, cap) = (self.queue.len(), self.queue.capacity());
+        if cap > KEEP_SLOTS && len.saturating_mul(4) < cap {
+            self.queue
+                .shrink_to(len.saturating_mul(2).max(KEEP_SLOTS / 2));
+        }
+    }
+}
+
 #[derive(Default)]
 struct Ledger {
-    entries: HashMap<Arc<Id>, Entry, foldhash::fast::RandomState>,
+    entries: Entries,
     /// Entries waiting for a charging round, oldest first. An entry is here at most once
     /// (`queued`); ids whose entry left the ledger are skipped when they come up.
-    queue: VecDeque<Arc<Id>>,
+    queue: VecDeque<Id>,
     outstanding: Tokens,
     charged: Tokens,
     dropped: Tokens,
@@ -188,7 +297,7 @@ impl Drop for Shared {
     fn drop(&mut self) {
         // The limiter is gone: its unpaid debt is given up, and leaves the gauge.
         let ledger = self.ledger.get_mut();
-        for (_, entry) in ledger.entries.drain() {
+        for entry in ledger.entries.drain() {
             entry.give_up();
         }
     }
@@ -196,7 +305,7 @@ impl Drop for Shared {
 
 /// One key's part of a charging round.
 struct Charge {
-    id: Arc<Id>,
+    id: Id,
     bucket: BucketConfig,
     want: Tokens,
 }
@@ -231,36 +340,31 @@ impl Debt {
         let now = Instant::now();
         {
             let mut ledger = shared.ledger.lock();
-            let id = Id {
-                plan: plan.name().into(),
-                key: key.into(),
-            };
             let ledger = &mut *ledger;
-            match ledger
-                .entries
-                .get_key_value(&id)
-                .map(|(k, _)| Arc::clone(k))
-            {
-                Some(id) => {
-                    if let Some(entry) = ledger.entries.get_mut(&id) {
-                        entry.tokens = entry.tokens.saturating_add(cost);
-                        entry.last_added = now;
-                        entry.bucket = *plan.bucket();
-                        if !entry.queued {
-                            entry.queued = true;
-                            ledger.queue.push_back(id);
-                        }
+            let plan_ix = ledger.entries.plan(plan.name());
+            let full = ledger.entries.len() >= shared.settings.max_keys;
+            match ledger.entries.find(plan_ix, key) {
+                Some((id, entry)) => {
+                    entry.tokens = entry.tokens.saturating_add(cost);
+                    entry.last_added = now;
+                    entry.bucket = *plan.bucket();
+                    if !entry.queued {
+                        entry.queued = true;
+                        ledger.queue.push_back(id);
                     }
                 }
-                None if ledger.entries.len() >= shared.settings.max_keys => {
+                None if full => {
                     ledger.dropped = ledger.dropped.saturating_add(cost);
                     counters.debt.dropped(cost);
                     return;
                 }
                 None => {
-                    let id = Arc::new(id);
+                    let id = Id {
+                        plan: plan_ix,
+                        key: key.into(),
+                    };
                     ledger.entries.insert(
-                        Arc::clone(&id),
+                        &id,
                         Entry {
                             bucket: *plan.bucket(),
                             counters: Arc::clone(counters),
@@ -364,7 +468,7 @@ impl Shared {
             ledger.last_sweep = Some(now);
             let max_age = self.settings.max_age;
             let mut aged = Tokens::ZERO;
-            ledger.entries.retain(|_, entry| {
+            ledger.entries.retain(|entry| {
                 if now.saturating_duration_since(entry.last_added) < max_age {
                     return true;
                 }
@@ -374,6 +478,7 @@ impl Shared {
             });
             ledger.outstanding = ledger.outstanding.saturating_sub(aged);
             ledger.dropped = ledger.dropped.saturating_add(aged);
+            ledger.shrink();
             // Ids of entries that left stay queued until they come up; do not let them pile up.
             if ledger.queue.len() > 2 * ledger.entries.len() + 1024 {
                 let entries = &ledger.entries;
@@ -444,6 +549,7 @@ impl Shared {
                 ledger.queue.push_back(charge.id);
             }
         }
+        ledger.shrink();
     }
 
     /// Puts a failed round's keys back at the front of the queue.
@@ -517,8 +623,17 @@ async fn charge(shared: Weak<Shared>) {
                 shared.parked.store(false, Ordering::Release);
                 let granted: Vec<Tokens> = answers.iter().map(|a| a.granted).collect();
                 shared.settle(round, &granted);
+                // A backlog of a whole round or more (a flood of keys, each owing a little) is
+                // charged round after round, still one call at a time; the pace is for keys
+                // the bucket could not pay yet, so that their bucket is asked again only after
+                // its refill had time to add something.
+                let backlog = shared.ledger.lock().queue.len() >= settings.batch_keys;
                 drop(shared);
-                tokio::time::sleep(settings.pace).await;
+                if backlog {
+                    tokio::task::yield_now().await;
+                } else {
+                    tokio::time::sleep(settings.pace).await;
+                }
             }
             _ => {
                 metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "debt").increment(1);

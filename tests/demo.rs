@@ -42,9 +42,17 @@ fn demo_serves_both_layers_over_real_http_and_stops_on_sigterm() {
         .collect();
     for (i, r) in lists.iter().enumerate() {
         assert_eq!(r.status, 200, "list {i}: {r:?}");
-        assert!(r.header("x-ratelimit-api-remaining").is_some());
         assert_eq!(r.header("retry-after"), None, "list {i}");
     }
+    // The list's api plan is leased with the `allow` fallback: a refill slower than its 50 ms
+    // wait (a loaded machine) is decided by the fallback, which knows no remaining count, so
+    // not every answer carries the field.
+    assert!(
+        lists
+            .iter()
+            .any(|r| r.header("x-ratelimit-api-remaining").is_some()),
+        "{lists:?}"
+    );
     assert_eq!(
         lists.last().unwrap().number("x-ratelimit-entity-remaining"),
         0,

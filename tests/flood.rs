@@ -299,6 +299,9 @@ async fn a_flood_of_ids_with_the_database_down_then_up_stays_bounded_and_shrinks
         }
     }
     let settled_s = settle.elapsed().as_secs_f64();
+    let debt = metric(&demo.addr, "tokenlease_outage_debt_tokens{").await;
+    let charged = metric(&demo.addr, "tokenlease_outage_debt_charged_tokens_total{").await;
+    println!("outage debt at the end: {debt:?} tokens owed, {charged:?} charged");
     println!(
         "flood of {keys} ids with the database down in {down_s:.1} s ({} 200, {} 429, {} other), \
          {} ids with it up in {up_s:.1} s ({} 200, {} 429, {} other); RSS {start:.1} MiB at the \

@@ -428,3 +428,26 @@ async fn the_builder_switch() {
         assert_eq!(limiter.outage_debt().outstanding, expect, "switch {on}");
     }
 }
+
+/// A flood of keys paid off gives the ledger's memory back: the map and the queue shrink to a
+/// small size once they are mostly empty, instead of keeping the flood's capacity.
+#[tokio::test(start_paused = true)]
+async fn a_paid_off_flood_gives_the_ledgers_memory_back() {
+    let store = Arc::new(Switch::default());
+    let debt = ledger(&store, settings());
+    let p = plan("p", 10, 1.0, FallbackMode::Allow);
+    for i in 0..MAX_KEYS {
+        debt.record(&p, &format!("k{i}"), whole(1));
+    }
+    let shared = debt.shared.as_ref().unwrap();
+    let capacity = || {
+        let ledger = shared.ledger.lock();
+        (ledger.entries.capacity(), ledger.queue.capacity())
+    };
+    let (map, queue) = capacity();
+    assert!(map >= MAX_KEYS && queue >= MAX_KEYS, "{map} {queue}");
+    recovered(&debt).await;
+    until(Duration::from_secs(30), || debt.stats().keys == 0).await;
+    let (map, queue) = capacity();
+    assert!(map <= KEEP_SLOTS && queue <= KEEP_SLOTS, "{map} {queue}");
+}
