@@ -230,17 +230,19 @@ impl Coalescer {
             let result = {
                 let requests: Vec<AcquireRequest<'_>> = batch.iter().map(Item::request).collect();
                 metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
-                match store.acquire_many(&requests).await {
-                    Ok(answers) if answers.len() == requests.len() => Ok(answers),
-                    Ok(answers) => Err(StoreError::Protocol(format!(
+                // One answer per key: a sharded store fails only the keys of a failing shard.
+                let mut answers = store.acquire_each(&requests).await;
+                if answers.len() != requests.len() {
+                    let err = StoreError::Protocol(format!(
                         "{} answers for {} requests",
                         answers.len(),
                         requests.len()
-                    ))),
-                    Err(err) => Err(err),
+                    ));
+                    answers = requests.iter().map(|_| Err(err.clone())).collect();
                 }
+                answers
             };
-            if result.is_err() {
+            if result.iter().any(Result::is_err) {
                 metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
             }
             flight.armed = false;
@@ -261,29 +263,28 @@ impl Coalescer {
     fn finish(
         &self,
         batch: Vec<Item>,
-        result: Result<Vec<Acquired>, StoreError>,
+        result: Vec<Result<Acquired, StoreError>>,
     ) -> Vec<Vec<Item>> {
         let mut answers: Vec<(Reply, Result<Acquired, Unanswered>)> = Vec::new();
         let keys: Vec<(String, BucketConfig)> = batch
             .iter()
             .map(|item| (item.key.clone(), item.bucket))
             .collect();
-        let outcomes: Vec<Option<Acquired>> = match result {
-            Ok(acquired) => {
-                for (item, acquired) in batch.into_iter().zip(&acquired) {
-                    share_out(item, acquired, &mut answers);
+        let mut outcomes: Vec<Option<Acquired>> = Vec::with_capacity(keys.len());
+        for (item, result) in batch.into_iter().zip(result) {
+            match result {
+                Ok(acquired) => {
+                    share_out(item, &acquired, &mut answers);
+                    outcomes.push(Some(acquired));
                 }
-                acquired.into_iter().map(Some).collect()
-            }
-            Err(_) => {
-                for item in batch {
+                Err(_) => {
                     for waiter in item.waiters {
                         answers.push((waiter.reply, Err(Unanswered::Store)));
                     }
+                    outcomes.push(None);
                 }
-                keys.iter().map(|_| None).collect()
             }
-        };
+        }
         let next = {
             let mut state = self.state.lock();
             state.in_flight -= 1;
