@@ -76,6 +76,9 @@ struct KeyQueue {
     busy: bool,
     /// Listed in [`State::ready`].
     ready: bool,
+    /// The part of the store holding the key ([`Store::partition`]): a statement carries keys
+    /// of one part only.
+    part: usize,
 }
 
 /// Everything behind the coalescer's lock. The lock is held for map and queue operations only,
@@ -181,6 +184,7 @@ impl Coalescer {
         deadline: Instant,
     ) -> Result<Acquired, Unanswered> {
         let (reply, rx) = oneshot::channel();
+        let part = store.partition(key);
         let batch = {
             let mut state = self.state.lock();
             if state.queued >= self.settings.max_queued {
@@ -189,7 +193,13 @@ impl Coalescer {
             state.queued += 1;
             let State { keys, ready, .. } = &mut *state;
             if !keys.contains_key(key) {
-                keys.insert(key.to_owned(), KeyQueue::default());
+                keys.insert(
+                    key.to_owned(),
+                    KeyQueue {
+                        part,
+                        ..KeyQueue::default()
+                    },
+                );
             }
             let entry = keys.get_mut(key).expect("inserted above");
             entry.waiters.push_back(Waiter {
@@ -381,6 +391,11 @@ impl State {
             return None;
         }
         let mut items = Vec::new();
+        // One statement holds keys of one part of the store (one shard): the first key's.
+        // Keys of other parts keep their place at the front of the queue, for the next
+        // statement; the scan past them is bounded.
+        let mut part: Option<usize> = None;
+        let mut skipped: Vec<String> = Vec::new();
         while items.len() < settings.max_batch {
             let Some(key) = self.ready.pop_front() else {
                 break;
@@ -388,6 +403,15 @@ impl State {
             let Some(entry) = self.keys.get_mut(&key) else {
                 continue;
             };
+            if part.is_some_and(|p| p != entry.part) {
+                if skipped.len() < 4 * settings.max_batch {
+                    skipped.push(key);
+                    continue;
+                }
+                self.ready.push_front(key);
+                break;
+            }
+            let entry_part = entry.part;
             entry.ready = false;
             let before = entry.waiters.len();
             let mut group = Vec::new();
@@ -415,12 +439,16 @@ impl State {
                 continue;
             };
             entry.busy = true;
+            part = Some(entry_part);
             items.push(Item {
                 key,
                 bucket,
                 cost,
                 waiters: group,
             });
+        }
+        for key in skipped.into_iter().rev() {
+            self.ready.push_front(key);
         }
         if items.is_empty() {
             return None;

@@ -375,6 +375,16 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         None
     }
 
+    /// Which independent part of the store holds `key`: calls on keys of different parts may
+    /// fail or stall separately (a [`ShardedStore`]'s shards), so the direct-mode limiter puts
+    /// only keys of one part into one [`acquire_each`](Store::acquire_each), and a stalled
+    /// part never delays another part's callers. `0` for every key unless the store says;
+    /// wrappers forward it.
+    fn partition(&self, key: &str) -> usize {
+        let _ = key;
+        0
+    }
+
     /// How many calls the store runs at once (its connection pool), if that is bounded. The
     /// direct-mode limiter keeps at most this many statements in flight by default. `None`
     /// unless the store says.

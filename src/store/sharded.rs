@@ -580,6 +580,12 @@ impl Store for ShardedStore {
             .max()
     }
 
+    /// The key's shard, so that the direct-mode limiter batches only keys of one shard
+    /// together and a stalled shard delays no other shard's callers.
+    fn partition(&self, key: &str) -> usize {
+        self.shard_index(key)
+    }
+
     fn max_concurrent_calls(&self) -> Option<usize> {
         let mut total = 0usize;
         for shard in &self.shards {
