@@ -271,7 +271,7 @@ async fn a_failing_shard_fails_only_its_own_keys() {
 #[tokio::test]
 async fn single_key_calls_go_to_the_keys_shard() {
     let (store, shards) = three();
-    for shard in 0..3 {
+    for (shard, owner) in shards.iter().enumerate() {
         for k in keys_on(&store, shard, 5) {
             let a = store
                 .acquire(AcquireRequest::take(&k, bucket(), Tokens::whole(4)))
@@ -280,7 +280,7 @@ async fn single_key_calls_go_to_the_keys_shard() {
             assert_eq!(a.granted, Tokens::whole(4));
             let row = store.inspect(&k).await.expect("inspect").expect("row");
             assert_eq!(row.tokens, Tokens::whole(6));
-            assert!(shards[shard].inner.inspect(&k).await.expect("i").is_some());
+            assert!(owner.inner.inspect(&k).await.expect("i").is_some());
         }
     }
     assert_eq!(store.len(), 3);
