@@ -62,15 +62,20 @@ async fn store(list: &[(&str, String)]) -> ShardedStore {
     .expect("sharded store")
 }
 
-/// Takes one token at a time from `key` for a second: what was granted, and the database
-/// time of the last grant.
+/// Takes whatever `key`'s bucket holds (at least one token, up to its capacity), every 2 ms
+/// for a second: what was granted, and the database time of the last grant.
 async fn take_for_a_second(store: &ShardedStore, key: &str) -> (f64, SystemTime) {
     let bucket = common::bucket(100, R);
     let started = Instant::now();
     let (mut granted, mut last) = (0.0, SystemTime::UNIX_EPOCH);
     while started.elapsed() < Duration::from_secs(1) {
         let a = store
-            .acquire(AcquireRequest::take(key, bucket, Tokens::whole(1)))
+            .acquire(AcquireRequest::lease(
+                key,
+                bucket,
+                Tokens::whole(1),
+                Tokens::whole(100),
+            ))
             .await
             .expect("acquire");
         granted += a.granted.as_f64();
