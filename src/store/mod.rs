@@ -255,7 +255,11 @@ pub struct HeldLease {
 /// can be wrapped ([`CircuitBreaker`], [`CountedStore`], a wrapper that injects faults in your
 /// tests). [`MemoryStore`] is the reference: `tests/store_contract.rs` runs one suite against
 /// it and `PostgresStore`, and a new store should pass it too.
-/// Answer with [`Acquired::new`].
+/// Answer with [`Acquired::new`]. [`acquire_each`](Store::acquire_each),
+/// [`give_back_each`](Store::give_back_each) and [`partition`](Store::partition) have default
+/// bodies that suit a store whose calls succeed or fail as a whole; override them only for a
+/// store whose keys can fail separately (as [`ShardedStore`] does), and forward them in a
+/// wrapper.
 ///
 /// The request types ([`AcquireRequest`], [`GiveBack`]) and the rows ([`BucketRow`],
 /// [`HeldLease`]) are plain data with public fields, built by both sides. Their strict-lease
