@@ -614,15 +614,32 @@ async fn charge(shared: Weak<Shared>) {
             .map(|c| AcquireRequest::lease(&c.id.key, c.bucket, Tokens::ZERO, c.want))
             .collect();
         metrics::counter!(crate::metrics::DB_CALLS, "kind" => "debt").increment(1);
+        // One answer per key: a sharded store fails only the keys of a failing shard, and
+        // the others' charges, taken in the store, are settled rather than charged again.
         let answer =
-            tokio::time::timeout(settings.deadline, shared.store.acquire_many(&requests)).await;
+            tokio::time::timeout(settings.deadline, shared.store.acquire_each(&requests)).await;
         drop(requests);
         match answer {
-            Ok(Ok(answers)) if answers.len() == round.len() => {
+            Ok(answers) if answers.len() == round.len() && answers.iter().any(Result::is_ok) => {
                 probe = None;
                 shared.parked.store(false, Ordering::Release);
-                let granted: Vec<Tokens> = answers.iter().map(|a| a.granted).collect();
-                shared.settle(round, &granted);
+                let failed = answers.iter().any(Result::is_err);
+                let (mut paid, mut unpaid) = (Vec::new(), Vec::new());
+                let mut granted = Vec::new();
+                for (charge, answer) in round.into_iter().zip(answers) {
+                    match answer {
+                        Ok(a) => {
+                            granted.push(a.granted);
+                            paid.push(charge);
+                        }
+                        Err(_) => unpaid.push(charge),
+                    }
+                }
+                shared.settle(paid, &granted);
+                if failed {
+                    metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "debt").increment(1);
+                    shared.requeue(unpaid);
+                }
                 // A backlog of a whole round or more (a flood of keys, each owing a little) is
                 // charged round after round, still one call at a time; the pace is for keys
                 // the bucket could not pay yet, so that their bucket is asked again only after

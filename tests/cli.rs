@@ -41,6 +41,7 @@ fn no_help_shows_the_database_password() {
         &["loadtest"],
         &["chart"],
         &["demo"],
+        &["reshard"],
     ] {
         let out = tokenlease()
             .args(sub)

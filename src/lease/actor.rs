@@ -805,7 +805,8 @@ async fn refill_chunk(
         leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
         metrics::counter!(m::DB_CALLS, "kind" => "lease").increment(1);
         leases.busy.store(true, Ordering::Relaxed);
-        let result = leases.store.acquire_many(&requests).await;
+        // One answer per key: a sharded store fails only the keys of a failing shard.
+        let result = leases.store.acquire_each(&requests).await;
         leases.busy.store(false, Ordering::Relaxed);
         let took = started.elapsed();
         metrics::histogram!(m::REFILL_SECONDS).record(took);
@@ -815,17 +816,19 @@ async fn refill_chunk(
             .refill_ns
             .store(before / 2 + took / 2, Ordering::Relaxed);
         let now = leases.now();
-        match result {
-            Ok(answers) => {
-                for ((slot, _, want, hold), answer) in chunk.iter().zip(answers) {
+        let short = result.len() != chunk.len();
+        if short || result.iter().any(Result::is_err) {
+            metrics::counter!(m::DB_ERRORS, "kind" => "lease").increment(1);
+        }
+        let until = now + FAILURE_BACKOFF.as_nanos() as u64;
+        let mut answers = result.into_iter();
+        for (slot, _, want, hold) in chunk {
+            match answers.next() {
+                Some(Ok(answer)) if !short => {
                     let strict = hold.map(|h| (sent, h.lease_id));
                     apply(leases, slot, *want, &answer, now, strict, returns, ids);
                 }
-            }
-            Err(_) => {
-                metrics::counter!(m::DB_ERRORS, "kind" => "lease").increment(1);
-                let until = now + FAILURE_BACKOFF.as_nanos() as u64;
-                for (slot, _, _, _) in chunk {
+                _ => {
                     slot.fallback_until.store(until, Ordering::Release);
                     slot.words().clear_pending();
                     slot.notify.notify_waiters();
@@ -971,17 +974,20 @@ async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
         leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
         metrics::counter!(m::DB_CALLS, "kind" => "return").increment(1);
         leases.busy.store(true, Ordering::Relaxed);
-        let result = leases.store.give_back(&requests).await;
+        // One outcome per return: a sharded store fails only the returns of a failing shard.
+        let result = leases.store.give_back_each(&requests).await;
         leases.busy.store(false, Ordering::Relaxed);
         drop(requests);
-        match result {
-            Ok(_) => {
-                let total: u64 = batch.items.drain(..).map(|r| r.amount).sum();
-                leases.counters.returned.fetch_add(total, Ordering::AcqRel);
-            }
-            Err(_) => {
-                metrics::counter!(m::DB_ERRORS, "kind" => "return").increment(1);
-                for mut r in batch.items.drain(..) {
+        let short = result.len() != batch.items.len();
+        if short || result.iter().any(Result::is_err) {
+            metrics::counter!(m::DB_ERRORS, "kind" => "return").increment(1);
+        }
+        let mut outcomes = result.into_iter();
+        let mut credited = 0u64;
+        for mut r in batch.items.drain(..) {
+            match outcomes.next() {
+                Some(Ok(())) if !short => credited += r.amount,
+                _ => {
                     r.attempts += 1;
                     if r.attempts >= RETURN_ATTEMPTS {
                         leases
@@ -993,6 +999,12 @@ async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
                     }
                 }
             }
+        }
+        if credited > 0 {
+            leases
+                .counters
+                .returned
+                .fetch_add(credited, Ordering::AcqRel);
         }
     }
 }

@@ -76,6 +76,9 @@ struct KeyQueue {
     busy: bool,
     /// Listed in [`State::ready`].
     ready: bool,
+    /// The part of the store holding the key ([`Store::partition`]): a statement carries keys
+    /// of one part only.
+    part: usize,
 }
 
 /// Everything behind the coalescer's lock. The lock is held for map and queue operations only,
@@ -181,6 +184,7 @@ impl Coalescer {
         deadline: Instant,
     ) -> Result<Acquired, Unanswered> {
         let (reply, rx) = oneshot::channel();
+        let part = store.partition(key);
         let batch = {
             let mut state = self.state.lock();
             if state.queued >= self.settings.max_queued {
@@ -189,7 +193,13 @@ impl Coalescer {
             state.queued += 1;
             let State { keys, ready, .. } = &mut *state;
             if !keys.contains_key(key) {
-                keys.insert(key.to_owned(), KeyQueue::default());
+                keys.insert(
+                    key.to_owned(),
+                    KeyQueue {
+                        part,
+                        ..KeyQueue::default()
+                    },
+                );
             }
             let entry = keys.get_mut(key).expect("inserted above");
             entry.waiters.push_back(Waiter {
@@ -230,17 +240,19 @@ impl Coalescer {
             let result = {
                 let requests: Vec<AcquireRequest<'_>> = batch.iter().map(Item::request).collect();
                 metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
-                match store.acquire_many(&requests).await {
-                    Ok(answers) if answers.len() == requests.len() => Ok(answers),
-                    Ok(answers) => Err(StoreError::Protocol(format!(
+                // One answer per key: a sharded store fails only the keys of a failing shard.
+                let mut answers = store.acquire_each(&requests).await;
+                if answers.len() != requests.len() {
+                    let err = StoreError::Protocol(format!(
                         "{} answers for {} requests",
                         answers.len(),
                         requests.len()
-                    ))),
-                    Err(err) => Err(err),
+                    ));
+                    answers = requests.iter().map(|_| Err(err.clone())).collect();
                 }
+                answers
             };
-            if result.is_err() {
+            if result.iter().any(Result::is_err) {
                 metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
             }
             flight.armed = false;
@@ -261,29 +273,28 @@ impl Coalescer {
     fn finish(
         &self,
         batch: Vec<Item>,
-        result: Result<Vec<Acquired>, StoreError>,
+        result: Vec<Result<Acquired, StoreError>>,
     ) -> Vec<Vec<Item>> {
         let mut answers: Vec<(Reply, Result<Acquired, Unanswered>)> = Vec::new();
         let keys: Vec<(String, BucketConfig)> = batch
             .iter()
             .map(|item| (item.key.clone(), item.bucket))
             .collect();
-        let outcomes: Vec<Option<Acquired>> = match result {
-            Ok(acquired) => {
-                for (item, acquired) in batch.into_iter().zip(&acquired) {
-                    share_out(item, acquired, &mut answers);
+        let mut outcomes: Vec<Option<Acquired>> = Vec::with_capacity(keys.len());
+        for (item, result) in batch.into_iter().zip(result) {
+            match result {
+                Ok(acquired) => {
+                    share_out(item, &acquired, &mut answers);
+                    outcomes.push(Some(acquired));
                 }
-                acquired.into_iter().map(Some).collect()
-            }
-            Err(_) => {
-                for item in batch {
+                Err(_) => {
                     for waiter in item.waiters {
                         answers.push((waiter.reply, Err(Unanswered::Store)));
                     }
+                    outcomes.push(None);
                 }
-                keys.iter().map(|_| None).collect()
             }
-        };
+        }
         let next = {
             let mut state = self.state.lock();
             state.in_flight -= 1;
@@ -380,6 +391,11 @@ impl State {
             return None;
         }
         let mut items = Vec::new();
+        // One statement holds keys of one part of the store (one shard): the first key's.
+        // Keys of other parts keep their place at the front of the queue, for the next
+        // statement; the scan past them is bounded.
+        let mut part: Option<usize> = None;
+        let mut skipped: Vec<String> = Vec::new();
         while items.len() < settings.max_batch {
             let Some(key) = self.ready.pop_front() else {
                 break;
@@ -387,6 +403,15 @@ impl State {
             let Some(entry) = self.keys.get_mut(&key) else {
                 continue;
             };
+            if part.is_some_and(|p| p != entry.part) {
+                if skipped.len() < 4 * settings.max_batch {
+                    skipped.push(key);
+                    continue;
+                }
+                self.ready.push_front(key);
+                break;
+            }
+            let entry_part = entry.part;
             entry.ready = false;
             let before = entry.waiters.len();
             let mut group = Vec::new();
@@ -414,12 +439,16 @@ impl State {
                 continue;
             };
             entry.busy = true;
+            part = Some(entry_part);
             items.push(Item {
                 key,
                 bucket,
                 cost,
                 waiters: group,
             });
+        }
+        for key in skipped.into_iter().rev() {
+            self.ready.push_front(key);
         }
         if items.is_empty() {
             return None;

@@ -490,6 +490,10 @@ impl<S: Store> Store for CircuitBreaker<S> {
     fn max_concurrent_calls(&self) -> Option<usize> {
         self.inner.max_concurrent_calls()
     }
+
+    fn partition(&self, key: &str) -> usize {
+        self.inner.partition(key)
+    }
 }
 
 #[cfg(test)]

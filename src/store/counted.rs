@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use super::{AcquireRequest, Acquired, BucketRow, GiveBack, Store, StoreError};
 
 /// Forwards every call to the store it wraps and counts the ones that reach it (acquire,
-/// acquire_many, give_back, delete_idle; not inspect), for load tests and for checking how many
+/// acquire_many, acquire_each, give_back, give_back_each, delete_idle; not inspect), for load tests and for checking how many
 /// round trips leases save. Several wrappers may share one counter.
 #[derive(Debug)]
 pub struct CountedStore<S> {
@@ -67,6 +67,19 @@ impl<S: Store> Store for CountedStore<S> {
         self.inner.acquire_many(requests).await
     }
 
+    async fn acquire_each(
+        &self,
+        requests: &[AcquireRequest<'_>],
+    ) -> Vec<Result<Acquired, StoreError>> {
+        self.count();
+        self.inner.acquire_each(requests).await
+    }
+
+    async fn give_back_each(&self, returns: &[GiveBack<'_>]) -> Vec<Result<(), StoreError>> {
+        self.count();
+        self.inner.give_back_each(returns).await
+    }
+
     async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
         self.count();
         self.inner.give_back(returns).await
@@ -87,6 +100,10 @@ impl<S: Store> Store for CountedStore<S> {
 
     fn max_concurrent_calls(&self) -> Option<usize> {
         self.inner.max_concurrent_calls()
+    }
+
+    fn partition(&self, key: &str) -> usize {
+        self.inner.partition(key)
     }
 }
 

@@ -6,7 +6,8 @@
 //! - [`MemoryStore`]: the same contract inside one process, for single-instance services, tests,
 //!   and as the embedded default where no database is wanted.
 //!
-//! Both pass the one contract suite in `tests/store_contract.rs`.
+//! Both pass the one contract suite in `tests/store_contract.rs`. [`ShardedStore`] spreads
+//! keys over several stores (several PostgreSQL primaries) by rendezvous hashing.
 
 use std::fmt;
 use std::time::{Duration, SystemTime};
@@ -23,6 +24,7 @@ pub(crate) mod held;
 mod memory;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
+mod sharded;
 
 pub use self::breaker::{CircuitBreaker, CircuitState};
 pub use self::cleanup::IdleCleanup;
@@ -33,6 +35,9 @@ pub use self::memory::{DEFAULT_MAX_KEYS, DEFAULT_MAX_RETURN_IDS, MemoryStore, RE
 pub use self::postgres::migrate::{MigrateError, Migration, MigrationReport, migrate};
 #[cfg(feature = "postgres")]
 pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
+pub use self::sharded::{
+    ShardError, ShardedStore, ShardedStoreBuilder, rendezvous_score, shard_of,
+};
 
 /// One request to take tokens from a key's bucket.
 ///
@@ -250,7 +255,11 @@ pub struct HeldLease {
 /// can be wrapped ([`CircuitBreaker`], [`CountedStore`], a wrapper that injects faults in your
 /// tests). [`MemoryStore`] is the reference: `tests/store_contract.rs` runs one suite against
 /// it and `PostgresStore`, and a new store should pass it too.
-/// Answer with [`Acquired::new`].
+/// Answer with [`Acquired::new`]. [`acquire_each`](Store::acquire_each),
+/// [`give_back_each`](Store::give_back_each) and [`partition`](Store::partition) have default
+/// bodies that suit a store whose calls succeed or fail as a whole; override them only for a
+/// store whose keys can fail separately (as [`ShardedStore`] does), and forward them in a
+/// wrapper.
 ///
 /// The request types ([`AcquireRequest`], [`GiveBack`]) and the rows ([`BucketRow`],
 /// [`HeldLease`]) are plain data with public fields, built by both sides. Their strict-lease
@@ -279,7 +288,9 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// # Errors
     ///
     /// As [`acquire`](Store::acquire); on error none or all of the requests took effect in
-    /// PostgreSQL, and the caller cannot know which.
+    /// PostgreSQL, and the caller cannot know which. (On a [`ShardedStore`], that holds per
+    /// shard: another shard's part may have taken effect; [`acquire_each`](Store::acquire_each)
+    /// tells them apart.)
     ///
     /// # Panics
     ///
@@ -293,6 +304,48 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
             out.push(self.acquire(*request).await?);
         }
         Ok(out)
+    }
+
+    /// Does [`acquire_many`](Store::acquire_many) and answers each request on its own: a
+    /// store whose requests can fail separately (a [`ShardedStore`], where each key's shard
+    /// answers or fails alone) gives every request that was decided its real answer, and an
+    /// error only to those that were not. One answer per request, in request order.
+    ///
+    /// The limiter's multi-key callers (the direct-mode coalescer, the lease actor, the outage
+    /// debt) call this method. The default calls `acquire_many` and gives its error to every
+    /// request, which is exactly right for a store whose statement takes effect for all keys or
+    /// for none (`PostgresStore`, [`MemoryStore`]); a store of your own need not override it.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`acquire`](Store::acquire).
+    async fn acquire_each(
+        &self,
+        requests: &[AcquireRequest<'_>],
+    ) -> Vec<Result<Acquired, StoreError>> {
+        match self.acquire_many(requests).await {
+            Ok(answers) if answers.len() == requests.len() => answers.into_iter().map(Ok).collect(),
+            Ok(answers) => {
+                let err = StoreError::Protocol(format!(
+                    "{} answers for {} requests",
+                    answers.len(),
+                    requests.len()
+                ));
+                requests.iter().map(|_| Err(err.clone())).collect()
+            }
+            Err(err) => requests.iter().map(|_| Err(err.clone())).collect(),
+        }
+    }
+
+    /// Does [`give_back`](Store::give_back) and says for each return whether it reached the
+    /// store (`Ok`: credited, or known and credited before) or not (`Err`: retry it with the
+    /// same id). One answer per return, in order. The default calls `give_back` and gives its
+    /// outcome to every return; [`ShardedStore`] answers per shard.
+    async fn give_back_each(&self, returns: &[GiveBack<'_>]) -> Vec<Result<(), StoreError>> {
+        match self.give_back(returns).await {
+            Ok(_) => returns.iter().map(|_| Ok(())).collect(),
+            Err(err) => returns.iter().map(|_| Err(err.clone())).collect(),
+        }
     }
 
     /// Credits unused lease tokens back to their buckets (refilled first, capped at capacity).
@@ -324,6 +377,16 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// unless the store says.
     fn call_timeout(&self) -> Option<Duration> {
         None
+    }
+
+    /// Which independent part of the store holds `key`: calls on keys of different parts may
+    /// fail or stall separately (a [`ShardedStore`]'s shards), so the direct-mode limiter puts
+    /// only keys of one part into one [`acquire_each`](Store::acquire_each), and a stalled
+    /// part never delays another part's callers. `0` for every key unless the store says;
+    /// wrappers forward it.
+    fn partition(&self, key: &str) -> usize {
+        let _ = key;
+        0
     }
 
     /// How many calls the store runs at once (its connection pool), if that is bounded. The

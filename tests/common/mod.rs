@@ -127,3 +127,29 @@ pub fn assert_conserved(who: &str, admitted: f64, stats: &tokenlease::LeaseStats
         stats.leased
     );
 }
+
+/// `n` throwaway clusters, started concurrently (each start blocks: `spawn_blocking`).
+pub async fn clusters(n: usize) -> Vec<std::sync::Arc<tokenlease::embedded::TempPostgres>> {
+    let starts: Vec<_> = (0..n)
+        .map(|_| tokio::task::spawn_blocking(tokenlease::embedded::TempPostgres::start))
+        .collect();
+    let mut out = Vec::with_capacity(n);
+    for start in starts {
+        let pg = start
+            .await
+            .expect("start task")
+            .expect("a throwaway cluster (install PostgreSQL server binaries)");
+        out.push(std::sync::Arc::new(pg));
+    }
+    out
+}
+
+/// The first `count` keys `prefix:0`, `prefix:1`, … that the shards named `names` place on
+/// shard `shard`.
+pub fn keys_on(names: &[&str], shard: usize, prefix: &str, count: usize) -> Vec<String> {
+    (0..)
+        .map(|i| format!("{prefix}:{i}"))
+        .filter(|k| tokenlease::store::shard_of(names, k) == Some(shard))
+        .take(count)
+        .collect()
+}

@@ -17,6 +17,7 @@ mod inspect;
 mod loadtest;
 mod migrate;
 mod reload;
+mod reshard;
 mod trim;
 
 /// Distributed rate limiting with token leases over PostgreSQL.
@@ -41,6 +42,9 @@ enum Command {
     /// Draw database calls and overshoot against lease size from loadtest JSON lines (PNG), or
     /// with --bands, statements and p99 latency against the per-key request rate.
     Chart(chart::Args),
+    /// Before switching to a new list of shards: copy the buckets of the keys that move to
+    /// their new shard (in batches, idempotently).
+    Reshard(reshard::Args),
     /// Serve a booking API protected by both HTTP layers, with /metrics and a live /dashboard.
     Demo(demo::Args),
 }
@@ -54,6 +58,7 @@ fn main() -> ExitCode {
         Command::Loadtest(args) => loadtest::run(args),
         Command::Chart(args) => chart::run(args),
         Command::Demo(args) => demo::run(args),
+        Command::Reshard(args) => reshard::run(args),
     };
     match result {
         Ok(code) => code,
