@@ -216,3 +216,41 @@ fn invalid_options_are_refused() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--requests"), "{stderr}");
 }
+
+/// `--shards 2`: two throwaway clusters of its own; every shard serves statements, and the
+/// report's total is the sum of the shards'. `--shards` with a database of the caller's is
+/// refused.
+#[test]
+fn shards_spread_the_keys_over_throwaway_clusters() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+        .args(["loadtest", "--json", "--mode", "direct", "--keys", "1000"])
+        .args(["--instances", "1", "--tasks", "8", "--rate", "2000"])
+        .args(["--duration", "1", "--shards", "2"])
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run tokenlease loadtest");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let shards: Vec<u64> = report["shard_db_calls"]
+        .as_array()
+        .expect("shard_db_calls")
+        .iter()
+        .map(|v| v.as_u64().expect("a count"))
+        .collect();
+    assert_eq!(shards.len(), 2, "{report}");
+    assert!(shards.iter().all(|&n| n > 0), "{report}");
+    assert_eq!(shards.iter().sum::<u64>() as f64, f(&report, "db_calls"));
+
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+        .args(["loadtest", "--shards", "2"])
+        .env("DATABASE_URL", "postgres://app@127.0.0.1:1/app")
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--shards"), "{stderr}");
+}

@@ -96,7 +96,12 @@ pub(crate) struct Args {
     /// `local` (each instance a bucket of capacity / instances).
     #[arg(long, value_enum, default_value_t = Fallback::Deny)]
     fallback: Fallback,
-    /// Connections per instance.
+    /// Spread the keys over this many throwaway PostgreSQL clusters (`store::ShardedStore`,
+    /// a circuit breaker per shard); the report gives each shard's statements. Not with
+    /// `DATABASE_URL` or `--fault`.
+    #[arg(long, default_value_t = 1)]
+    shards: usize,
+    /// Connections per instance (per shard with `--shards`).
     #[arg(long, default_value_t = 4)]
     pool: u32,
     /// Run the limiter's statements with `synchronous_commit = off` (see DESIGN.md).
@@ -219,6 +224,8 @@ struct Report {
     fallback: &'static str,
     fallback_decisions: u64,
     synchronous_commit: bool,
+    /// Statements each shard served, in shard order (`--shards`; one entry without it).
+    shard_db_calls: Vec<u64>,
     /// The fault injected (`--fault`), with what happened.
     #[serde(skip_serializing_if = "Option::is_none")]
     fault: Option<crate::fault::Fault>,
@@ -341,6 +348,14 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     }
     let (server, url) = given_or_throwaway(args.database_url.as_deref())?;
     let server = server.map(Arc::new);
+    // More throwaway clusters for `--shards`: the first shard is the one above.
+    let mut shards = vec![url.clone()];
+    let mut others = Vec::new();
+    for _ in 1..args.shards {
+        let more = tokenlease::embedded::TempPostgres::start()?;
+        shards.push(more.url());
+        others.push(more);
+    }
     let report = runtime.block_on(async {
         let injector = match (args.fault, &server) {
             (None, _) => None,
@@ -358,8 +373,9 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
                 return Err("--fault needs the throwaway PostgreSQL: unset DATABASE_URL".into());
             }
         };
-        load(&args, &url, injector).await
+        load(&args, &shards, injector).await
     })?;
+    drop(others);
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -432,6 +448,16 @@ fn validate(args: &Args) -> Result<(), String> {
     positive("lease-fraction", args.lease_fraction)?;
     if args.lease_fraction > 1.0 {
         return Err("--lease-fraction must be at most 1".into());
+    }
+    if args.shards == 0 {
+        return Err("--shards must be at least 1".into());
+    }
+    if args.shards > 1 && (args.database_url.is_some() || args.fault.is_some() || args.serve_db) {
+        return Err(
+            "--shards starts its own throwaway clusters: unset DATABASE_URL, and drop \
+             --database-url, --fault and --serve-db"
+                .into(),
+        );
     }
     if args.instances == 0 || args.tasks == 0 || args.keys == 0 || args.capacity == 0 {
         return Err("--instances, --tasks, --keys and --capacity must be at least 1".into());
@@ -512,37 +538,56 @@ impl Keys {
 
 async fn load(
     args: &Args,
-    url: &str,
+    shards: &[String],
     injector: Option<crate::fault::Injector>,
 ) -> Result<Report, Box<dyn std::error::Error>> {
     let plan = Arc::new(plan(args)?);
-    let calls = Arc::new(AtomicU64::new(0));
+    // Statements per shard (one shard without `--shards`).
+    let shard_calls: Vec<Arc<AtomicU64>> = shards.iter().map(|_| Arc::default()).collect();
     let mut limiters = Vec::with_capacity(args.instances);
+    let url = &shards[0];
     let limiter_url = injector
         .as_ref()
         .map_or_else(|| url.to_owned(), |i| i.url());
     for _ in 0..args.instances {
-        let store = PostgresStore::builder(&limiter_url)
-            .map_err(|e| DatabaseError::new("use", &limiter_url, &e))?
-            .pool_size(args.pool)
-            .synchronous_commit(!args.sync_commit_off)
-            .build()
-            .await
-            .map_err(|e| DatabaseError::new("connect to", &limiter_url, &e))?;
-        let counting = CountedStore::with_counter(store, Arc::clone(&calls));
-        // As the documented set-up: a circuit breaker in front of the store, so that calls
-        // during an outage fail at once instead of each waiting for its timeout.
-        limiters.push(
-            Limiter::builder(CircuitBreaker::new(counting))
-                .sparse_keys_direct(args.sparse_keys_direct)
-                .build(),
-        );
+        let mut sharded = tokenlease::store::ShardedStore::builder();
+        for (i, shard_url) in shards.iter().enumerate() {
+            let shard_url = if i == 0 { &limiter_url } else { shard_url };
+            let store = PostgresStore::builder(shard_url)
+                .map_err(|e| DatabaseError::new("use", shard_url, &e))?
+                .pool_size(args.pool)
+                .synchronous_commit(!args.sync_commit_off)
+                .build()
+                .await
+                .map_err(|e| DatabaseError::new("connect to", shard_url, &e))?;
+            let counting = CountedStore::with_counter(store, Arc::clone(&shard_calls[i]));
+            if shards.len() == 1 {
+                // As the documented set-up: a circuit breaker in front of the store, so that
+                // calls during an outage fail at once instead of each waiting for its timeout.
+                limiters.push(
+                    Limiter::builder(CircuitBreaker::new(counting))
+                        .sparse_keys_direct(args.sparse_keys_direct)
+                        .build(),
+                );
+            } else {
+                // A breaker per shard, named after it.
+                let name = format!("shard-{i}");
+                sharded = sharded.shard(name.clone(), CircuitBreaker::new(counting).name(name));
+            }
+        }
+        if shards.len() > 1 {
+            limiters.push(
+                Limiter::builder(sharded.build()?)
+                    .sparse_keys_direct(args.sparse_keys_direct)
+                    .build(),
+            );
+        }
     }
     // Start every key full, whatever an earlier run left behind.
-    {
+    for url in shards {
         let conn = tokio_postgres::connect(url, tokio_postgres::NoTls)
             .await
-            .map_err(|e| DatabaseError::new("connect to", &limiter_url, &e))?;
+            .map_err(|e| DatabaseError::new("connect to", url, &e))?;
         tokio::spawn(conn.1);
         conn.0
             .execute(
@@ -716,7 +761,11 @@ async fn load(
         None => None,
     };
     requests.sort_unstable_by_key(|r| r.at);
-    let db_calls = calls.load(Ordering::Relaxed);
+    let shard_db_calls: Vec<u64> = shard_calls
+        .iter()
+        .map(|c| c.load(Ordering::Relaxed))
+        .collect();
+    let db_calls = shard_db_calls.iter().sum();
     let admitted = requests.iter().filter(|r| r.allowed).count() as u64;
     let bucket = *plan.bucket();
     let cost = Tokens::from_f64(args.cost).ok_or("--cost is out of range")?;
@@ -769,6 +818,7 @@ async fn load(
         },
         overshoot_tokens: overshoot,
         overshoot_bound,
+        shard_db_calls,
         db_calls,
         db_calls_per_1k: if n == 0 {
             0.0
@@ -913,6 +963,18 @@ fn print_table(r: &Report) {
             r.db_calls, r.db_calls_per_1k
         ),
     );
+    if r.shard_db_calls.len() > 1 {
+        let per_s = |n: u64| n as f64 / r.duration_s.max(1e-9);
+        row(
+            "statements per shard",
+            r.shard_db_calls
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| format!("shard-{i} {n} ({:.0}/s)", per_s(n)))
+                .collect::<Vec<_>>()
+                .join(", "),
+        );
+    }
     row(
         "throughput",
         format!("{:.0} requests/s", r.throughput_per_s),
