@@ -7,7 +7,7 @@ mod common;
 
 use std::process::{Command, Output};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use tokenlease::bucket::Tokens;
 use tokenlease::embedded::TempPostgres;
@@ -60,31 +60,6 @@ async fn store(list: &[(&str, String)]) -> ShardedStore {
     })
     .await
     .expect("sharded store")
-}
-
-/// Takes whatever `key`'s bucket holds (at least one token, up to its capacity), every 2 ms
-/// for a second: what was granted, and the database time of the last grant.
-async fn take_for_a_second(store: &ShardedStore, key: &str) -> (f64, SystemTime) {
-    let bucket = common::bucket(100, R);
-    let started = Instant::now();
-    let (mut granted, mut last) = (0.0, SystemTime::UNIX_EPOCH);
-    while started.elapsed() < Duration::from_secs(1) {
-        let a = store
-            .acquire(AcquireRequest::lease(
-                key,
-                bucket,
-                Tokens::whole(1),
-                Tokens::whole(100),
-            ))
-            .await
-            .expect("acquire");
-        granted += a.granted.as_f64();
-        if !a.granted.is_zero() {
-            last = a.store_now;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    (granted, last)
 }
 
 /// H7: 300 keys on two shards (one drained, the others with 1 to 99 tokens taken), then
@@ -172,7 +147,7 @@ async fn reshard_copies_moved_buckets_so_a_moved_key_admits_nothing_extra() {
     // The switch: the drained key that moved admits its refill only.
     let new = store(&all).await;
     assert_eq!(new.shard_name(&drained), NAMES[2]);
-    let (granted, last) = take_for_a_second(&new, &drained).await;
+    let (granted, last) = common::take_for_a_second(&new, &drained, common::bucket(100, R)).await;
     let refill = R * common::secs_between(drained_at, last);
     eprintln!(
         "H7 {drained}: granted {granted} after the switch, refill since the drain {refill:.1}"

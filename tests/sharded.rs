@@ -588,7 +588,7 @@ async fn a_moved_key_starts_full_on_its_new_shard_once() {
     assert_eq!(after.shard_name(&stays), before.shard_name(&stays));
     // Take everything there is, for one second on each key.
     for ((key, extra), drained) in [(&moved, C), (&stays, 0.0)].into_iter().zip(drained_at) {
-        let (granted, last) = take_for_a_second(&after, key, bucket).await;
+        let (granted, last) = common::take_for_a_second(&after, key, bucket).await;
         // What the drained bucket could give since the drain: its refill, r × the database
         // time from the drain to the last grant (the clusters share this machine's clock).
         let refill = R * common::secs_between(drained, last);
@@ -606,36 +606,6 @@ async fn a_moved_key_starts_full_on_its_new_shard_once() {
             );
         }
     }
-}
-
-/// Takes whatever `key`'s bucket holds (at least one token, up to its capacity), every 2 ms
-/// for a second; what was granted and the database time of the last grant. Greedy takes, so
-/// that a slow machine's fewer calls still take everything there is.
-async fn take_for_a_second(
-    store: &ShardedStore,
-    key: &str,
-    bucket: tokenlease::bucket::BucketConfig,
-) -> (f64, SystemTime) {
-    let started = Instant::now();
-    let mut granted = 0.0;
-    let mut last = SystemTime::UNIX_EPOCH;
-    while started.elapsed() < Duration::from_secs(1) {
-        let a = store
-            .acquire(AcquireRequest::lease(
-                key,
-                bucket,
-                Tokens::whole(1),
-                Tokens::whole(100),
-            ))
-            .await
-            .expect("acquire");
-        granted += a.granted.as_f64();
-        if !a.granted.is_zero() {
-            last = a.store_now;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    (granted, last)
 }
 
 /// A key that `old` places on one of its shards and `new` places on the shard `new` adds.

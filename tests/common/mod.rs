@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::embedded::TestDatabase;
 use tokenlease::policy::Plan;
-use tokenlease::store::PostgresStore;
+use tokenlease::store::{PostgresStore, Store as _};
 
 /// A fresh database with migrations applied (DATABASE_URL's server, or a throwaway cluster).
 pub async fn database() -> TestDatabase {
@@ -152,4 +152,34 @@ pub fn keys_on(names: &[&str], shard: usize, prefix: &str, count: usize) -> Vec<
         .filter(|k| tokenlease::store::shard_of(names, k) == Some(shard))
         .take(count)
         .collect()
+}
+
+/// Takes whatever `key`'s bucket holds (at least one token, up to its capacity), every 2 ms
+/// for a second; what was granted and the database time of the last grant. Greedy takes, so
+/// that a slow machine's fewer calls still take everything there is.
+pub async fn take_for_a_second(
+    store: &tokenlease::store::ShardedStore,
+    key: &str,
+    bucket: tokenlease::bucket::BucketConfig,
+) -> (f64, std::time::SystemTime) {
+    let started = std::time::Instant::now();
+    let mut granted = 0.0;
+    let mut last = std::time::SystemTime::UNIX_EPOCH;
+    while started.elapsed() < std::time::Duration::from_secs(1) {
+        let a = store
+            .acquire(tokenlease::store::AcquireRequest::lease(
+                key,
+                bucket,
+                tokenlease::bucket::Tokens::whole(1),
+                tokenlease::bucket::Tokens::whole(100),
+            ))
+            .await
+            .expect("acquire");
+        granted += a.granted.as_f64();
+        if !a.granted.is_zero() {
+            last = a.store_now;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    (granted, last)
 }
