@@ -517,6 +517,22 @@ impl Limiter {
         }
     }
 
+    /// `try_acquire`'s fast path for a key already in the lease table under the plan the
+    /// policies chose for it: the decision from its live lease, with the plan read from the
+    /// key's record (no prefix match, no allocation, no reference count). `None` when that
+    /// cannot answer (no such key, a named plan, a short lease): nothing was changed, and
+    /// [`start`](Self::start) takes the call. Kept apart from `start` so that `Acquire::poll`
+    /// builds this decision in place.
+    #[inline(always)]
+    fn known(&self, key: &str, cost: f64) -> Option<Result<Decision, Error>> {
+        let leases = self.inner.leases.get()?;
+        // A key in the table passed `validate_key` when it went in: only the cost is checked.
+        let known = leases.try_take_known(key, &self.inner.plans, |plan| {
+            validate_cost(plan, cost).map(lease_cost)
+        })?;
+        Some(known.map(|k| lease_allowed(k.plan, k.left, k.store_remaining)))
+    }
+
     /// The part of a call that never awaits: the lease's fast path, or what the rest of the
     /// call needs to go on.
     #[inline]
@@ -529,22 +545,6 @@ impl Limiter {
         let (plan, chosen) = match plan {
             Some(plan) => (plan, None),
             None => {
-                if let Some(leases) = self.inner.leases.get() {
-                    let known = leases.try_take_known(key, &self.inner.plans, |plan| {
-                        check_leased_call(plan, key, cost).map(lease_cost)
-                    });
-                    match known {
-                        Some(Ok(known)) => {
-                            return Ok(Step::Done(lease_allowed(
-                                known.plan,
-                                known.left,
-                                known.store_remaining,
-                            )));
-                        }
-                        Some(Err(e)) => return Err(e),
-                        None => {}
-                    }
-                }
                 let (plan, index) = self.plan_for_key(key)?;
                 (&**plan, Some((plan, index)))
             }
@@ -874,8 +874,9 @@ enum State<'a> {
         Pin<Box<dyn Future<Output = Result<Decision, Error>> + Send + 'a>>,
         Instant,
     ),
-    /// Decided, and handed over on the next poll (the task yielded for tokio's budget).
-    Decided(Decision),
+    /// Decided, and handed over on the next poll (the task yielded for tokio's budget). Boxed:
+    /// rare, and a `Decision` inline would make every `Acquire` as large as one.
+    Decided(Box<Decision>),
     Done,
 }
 
@@ -919,6 +920,19 @@ impl Future for Acquire<'_> {
     type Output = Result<Decision, Error>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // `try_acquire` on a key with a live lease: decided in place, with no more work than
+        // `try_acquire_now_with`; the state is only marked done.
+        if let State::Start {
+            limiter,
+            plan: None,
+            key,
+            cost,
+        } = self.state
+            && let Some(out) = limiter.known(key, cost)
+        {
+            self.state = State::Done;
+            return Poll::Ready(out);
+        }
         let (mut waiting, since) = match std::mem::replace(&mut self.state, State::Done) {
             State::Start {
                 limiter,
@@ -926,8 +940,7 @@ impl Future for Acquire<'_> {
                 key,
                 cost,
             } => match limiter.start(plan, key, cost) {
-                // Allowed from a live lease: done on this poll, with no more work than
-                // `try_acquire_now_with`.
+                // Allowed from a live lease: done on this poll.
                 Ok(Step::Done(decision)) if decision.allowed => return Poll::Ready(Ok(decision)),
                 // Denied without waiting (the store called the bucket empty): this is what a
                 // caller retrying in a loop sees again and again, so it takes part in tokio's
@@ -942,7 +955,7 @@ impl Future for Acquire<'_> {
                             Poll::Ready(Ok(decision))
                         }
                         Poll::Pending => {
-                            self.state = State::Decided(decision);
+                            self.state = State::Decided(Box::new(decision));
                             Poll::Pending
                         }
                     };
@@ -954,7 +967,7 @@ impl Future for Acquire<'_> {
                     Instant::now(),
                 ),
             },
-            State::Decided(decision) => return Poll::Ready(Ok(decision)),
+            State::Decided(decision) => return Poll::Ready(Ok(*decision)),
             State::Waiting(waiting, since) => (waiting, since),
             State::Done => panic!("`Acquire` polled after it completed"),
         };
