@@ -407,7 +407,7 @@ async fn build_errors_name_the_failing_migration_step() {
 /// `tokenlease_acquire` and `tokenlease_give_back` from 0004 when a store of this version is
 /// built on it, with their settings and a search_path pinned to the schema of the buckets; and
 /// the store's takes and returns go through the functions: with one dropped, its call is an error
-/// naming it.
+/// naming it. It also gets 0005's PL/pgSQL `tokenlease_grantable`.
 #[tokio::test]
 async fn an_older_database_gets_the_acquire_function_and_the_store_uses_it() {
     use std::time::Duration;
@@ -450,7 +450,7 @@ async fn an_older_database_gets_the_acquire_function_and_the_store_uses_it() {
         .pool_wait_timeout(Duration::from_secs(5))
         .build()
         .await
-        .expect("build migrates to 0004");
+        .expect("build migrates to the newest version");
     let settings =
         "plan_cache_mode=force_generic_plan;enable_seqscan=off;search_path=public, pg_temp";
     assert_eq!(
@@ -465,7 +465,19 @@ async fn an_older_database_gets_the_acquire_function_and_the_store_uses_it() {
         .await
         .expect("versions")
         .get(0);
-    assert_eq!(version, 4);
+    assert_eq!(version, MIGRATIONS.len() as i64);
+    // 0005: the grant's arithmetic runs as PL/pgSQL, planned once per session, not as a SQL
+    // function whose body is planned again in every statement.
+    let language: String = admin
+        .query_typed_one(
+            "SELECT l.lanname::text FROM pg_proc AS p JOIN pg_language AS l ON l.oid = p.prolang
+             WHERE p.proname = 'tokenlease_grantable'",
+            &[],
+        )
+        .await
+        .expect("tokenlease_grantable")
+        .get(0);
+    assert_eq!(language, "plpgsql");
 
     let bucket = tokenlease::bucket::BucketConfig::new(
         Tokens::whole(10),

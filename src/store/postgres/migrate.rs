@@ -91,6 +91,11 @@ pub const MIGRATIONS: &[Migration] = &[
         description: "acquire_function",
         sql: include_str!("../../../migrations/0004_acquire_function.sql"),
     },
+    Migration {
+        version: 5,
+        description: "grantable_plpgsql",
+        sql: include_str!("../../../migrations/0005_grantable_plpgsql.sql"),
+    },
 ];
 
 /// What [`migrate`] found and did.
