@@ -131,6 +131,73 @@ async fn first_touch_race_creates_one_row_and_grants_exactly() {
     }
 }
 
+/// A call of one key updates its row first and skips the locking step (migration 0006); a row
+/// that is not there (deleted as full by the idle cleanup, or never made) goes through the
+/// locking step and comes back full less the take. 32 callers at once on one key whose row was
+/// just deleted, five rounds: each round grants exactly the capacity (refill is one token a
+/// minute), once, and leaves one row holding what is left.
+#[tokio::test]
+async fn one_key_calls_whose_row_comes_and_goes_grant_exactly() {
+    let db = common::database().await;
+    let store = Arc::new(common::store(&db, 8).await);
+    let config = common::bucket(10, 1.0 / 60.0);
+    let key = "one-key-path";
+    for round in 0..5 {
+        exec(
+            &store,
+            "DELETE FROM tokenlease_buckets WHERE key = 'one-key-path'",
+        )
+        .await;
+        let barrier = Arc::new(tokio::sync::Barrier::new(32));
+        let tasks: Vec<_> = (0..32)
+            .map(|_| {
+                let (store, barrier) = (Arc::clone(&store), Arc::clone(&barrier));
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    store
+                        .acquire(AcquireRequest::take(key, config, Tokens::whole(1)))
+                        .await
+                        .expect("acquire")
+                        .granted
+                        .floor()
+                })
+            })
+            .collect();
+        let mut granted = 0;
+        for task in tasks {
+            granted += task.await.expect("task");
+        }
+        assert_eq!(granted, 10, "round {round}: a full bucket of 10, once");
+        let conn = tokenlease::__private::pool(&store)
+            .get()
+            .await
+            .expect("connection");
+        let row = conn
+            .query_one(
+                "SELECT count(*), min(tokens)::text FROM tokenlease_buckets WHERE key = $1",
+                &[&key],
+            )
+            .await
+            .expect("count");
+        assert_eq!(row.get::<_, i64>(0), 1, "round {round}: one row");
+        let tokens: Tokens = row.get::<_, String>(1).parse().expect("tokens");
+        assert_eq!(
+            tokens.floor(),
+            0,
+            "round {round}: the row holds what is left"
+        );
+        // The row exists now: a lone call takes the one-key path and is denied.
+        let denied = store
+            .acquire(AcquireRequest::take(key, config, Tokens::whole(1)))
+            .await
+            .expect("acquire");
+        assert!(
+            denied.granted.is_zero(),
+            "round {round}: empty until refilled"
+        );
+    }
+}
+
 /// B4: a stored refill time in the future (another writer's clock ahead, or a failover to a
 /// host whose clock lags) refills nothing and is not rewound; one in 1970 gives a full bucket.
 #[tokio::test]

@@ -96,6 +96,11 @@ pub const MIGRATIONS: &[Migration] = &[
         description: "grantable_plpgsql",
         sql: include_str!("../../../migrations/0005_grantable_plpgsql.sql"),
     },
+    Migration {
+        version: 6,
+        description: "acquire_one_key",
+        sql: include_str!("../../../migrations/0006_acquire_one_key.sql"),
+    },
 ];
 
 /// What [`migrate`] found and did.
