@@ -1,4 +1,4 @@
-//! SQL correctness on the real server (B2, B4, B5, B6, and "the database decides as
+//! SQL correctness on the real server (B2, B4, B5, B6, B7, and "the database decides as
 //! the pure bucket does").
 
 mod common;
@@ -131,7 +131,7 @@ async fn first_touch_race_creates_one_row_and_grants_exactly() {
     }
 }
 
-/// A call of one key updates its row first and skips the locking step (migration 0006); a row
+/// B7: a call of one key updates its row first and skips the locking step (migration 0006); a row
 /// that is not there (deleted as full by the idle cleanup, or never made) goes through the
 /// locking step and comes back full less the take. 32 callers at once on one key whose row was
 /// just deleted, five rounds: each round grants exactly the capacity (refill is one token a
