@@ -20,6 +20,54 @@ async fn exec(store: &PostgresStore, sql: &str) {
     conn.batch_execute(sql).await.expect(sql);
 }
 
+/// `k` callers take one token each from `key` at the same moment; the whole tokens granted.
+async fn take_at_once(
+    store: &Arc<PostgresStore>,
+    key: &str,
+    config: tokenlease::bucket::BucketConfig,
+    k: usize,
+) -> u64 {
+    let barrier = Arc::new(tokio::sync::Barrier::new(k));
+    let tasks: Vec<_> = (0..k)
+        .map(|_| {
+            let (store, key, barrier) = (Arc::clone(store), key.to_owned(), Arc::clone(&barrier));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store
+                    .acquire(AcquireRequest::take(&key, config, Tokens::whole(1)))
+                    .await
+                    .expect("acquire")
+                    .granted
+                    .floor()
+            })
+        })
+        .collect();
+    let mut granted = 0;
+    for task in tasks {
+        granted += task.await.expect("task");
+    }
+    granted
+}
+
+/// How many rows `key` has, and the tokens of the one with fewest.
+async fn rows_of(store: &PostgresStore, key: &str) -> (i64, Tokens) {
+    let conn = tokenlease::__private::pool(store)
+        .get()
+        .await
+        .expect("connection");
+    let row = conn
+        .query_one(
+            "SELECT count(*), min(tokens)::text FROM tokenlease_buckets WHERE key = $1",
+            &[&key],
+        )
+        .await
+        .expect("count");
+    let tokens = row
+        .get::<_, Option<String>>(1)
+        .map_or(Tokens::ZERO, |t| t.parse().expect("tokens"));
+    (row.get(0), tokens)
+}
+
 /// For the same timeline, the database's decisions equal the pure bucket's, to the nanotoken.
 /// The timeline is the database's own: each step first ages the row by a chosen amount, then
 /// takes; the model is driven with the `now()` the statement returns.
@@ -92,40 +140,11 @@ async fn first_touch_race_creates_one_row_and_grants_exactly() {
         let store = Arc::new(common::store(&db, k as u32).await);
         let config = common::bucket(10, 1.0 / 60.0);
         let key = format!("first-touch-{k}");
-        let barrier = Arc::new(tokio::sync::Barrier::new(k));
-        let tasks: Vec<_> = (0..k)
-            .map(|_| {
-                let (store, key, barrier) = (Arc::clone(&store), key.clone(), Arc::clone(&barrier));
-                tokio::spawn(async move {
-                    barrier.wait().await;
-                    store
-                        .acquire(AcquireRequest::take(&key, config, Tokens::whole(1)))
-                        .await
-                        .expect("acquire")
-                        .granted
-                })
-            })
-            .collect();
-        let mut granted = 0;
-        for task in tasks {
-            granted += task.await.expect("task").floor();
-        }
+        let granted = take_at_once(&store, &key, config, k).await;
         let expected = k.min(10) as u64;
         assert_eq!(granted, expected, "k = {k}");
-        let conn = tokenlease::__private::pool(&store)
-            .get()
-            .await
-            .expect("connection");
-        let row = conn
-            .query_one(
-                "SELECT count(*), min(tokens)::text FROM tokenlease_buckets WHERE key = $1",
-                &[&key],
-            )
-            .await
-            .expect("count");
-        assert_eq!(row.get::<_, i64>(0), 1, "exactly one row");
-        let tokens: String = row.get(1);
-        let tokens: Tokens = tokens.parse().expect("tokens");
+        let (rows, tokens) = rows_of(&store, &key).await;
+        assert_eq!(rows, 1, "exactly one row");
         // At 1 token/minute, the few milliseconds of the race add well under a token.
         assert_eq!(tokens.floor(), 10 - expected, "k = {k}");
     }
@@ -148,39 +167,10 @@ async fn one_key_calls_whose_row_comes_and_goes_grant_exactly() {
             "DELETE FROM tokenlease_buckets WHERE key = 'one-key-path'",
         )
         .await;
-        let barrier = Arc::new(tokio::sync::Barrier::new(32));
-        let tasks: Vec<_> = (0..32)
-            .map(|_| {
-                let (store, barrier) = (Arc::clone(&store), Arc::clone(&barrier));
-                tokio::spawn(async move {
-                    barrier.wait().await;
-                    store
-                        .acquire(AcquireRequest::take(key, config, Tokens::whole(1)))
-                        .await
-                        .expect("acquire")
-                        .granted
-                        .floor()
-                })
-            })
-            .collect();
-        let mut granted = 0;
-        for task in tasks {
-            granted += task.await.expect("task");
-        }
+        let granted = take_at_once(&store, key, config, 32).await;
         assert_eq!(granted, 10, "round {round}: a full bucket of 10, once");
-        let conn = tokenlease::__private::pool(&store)
-            .get()
-            .await
-            .expect("connection");
-        let row = conn
-            .query_one(
-                "SELECT count(*), min(tokens)::text FROM tokenlease_buckets WHERE key = $1",
-                &[&key],
-            )
-            .await
-            .expect("count");
-        assert_eq!(row.get::<_, i64>(0), 1, "round {round}: one row");
-        let tokens: Tokens = row.get::<_, String>(1).parse().expect("tokens");
+        let (rows, tokens) = rows_of(&store, key).await;
+        assert_eq!(rows, 1, "round {round}: one row");
         assert_eq!(
             tokens.floor(),
             0,
