@@ -277,7 +277,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
         let wake_at = [
             timers.next(),
             gauges.due(tick, leases.table.len()),
-            retry_due(returns),
+            retry_due(returns, leases.now()),
         ]
         .into_iter()
         .flatten()
@@ -407,12 +407,14 @@ fn after_work(leases: &Leases, gauges: &mut Gauges, tick: u64, worked: bool) {
     }
 }
 
-/// When the earliest return that failed is due to be sent again, if one waits.
-fn retry_due(returns: &[Return]) -> Option<u64> {
+/// When the earliest return that failed is due to be sent again, if one waits for a time
+/// after `now`. One whose time has come waits for its lane only, and the answer that frees the
+/// lane sends it: waking for it again would spin while the lane is busy.
+fn retry_due(returns: &[Return], now: u64) -> Option<u64> {
     returns
         .iter()
         .map(|r| r.not_before)
-        .filter(|&at| at > 0)
+        .filter(|&at| at > now)
         .min()
 }
 
@@ -426,12 +428,14 @@ type Ask = (Arc<Slot>, u64, u64, Option<Hold>);
 
 /// A statement's answer, back on the actor.
 struct Done {
+    /// The partition the statement went to.
     lane: usize,
     work: Answered,
 }
 
 /// What a statement was, and what the store answered.
 enum Answered {
+    /// A refill: the asks sent, one answer per ask.
     Refill {
         asks: Vec<Ask>,
         result: Vec<Result<Acquired, StoreError>>,
@@ -439,6 +443,7 @@ enum Answered {
         sent: u64,
         took: Duration,
     },
+    /// A give-back: the returns sent, one outcome per return.
     Return {
         batch: Vec<Return>,
         result: Vec<Result<(), StoreError>>,
@@ -449,7 +454,9 @@ enum Answered {
 /// refill behind it.
 #[derive(Default)]
 struct Lane {
+    /// A statement of this lane is in flight.
     busy: bool,
+    /// Slots waiting for a refill, in the order they asked.
     due: VecDeque<Arc<Slot>>,
     /// The slots in `due`, by address: each waits once.
     queued: HashSet<usize>,
@@ -460,13 +467,16 @@ struct Lane {
 /// there are at most as many as partitions with work, and a lane holds each slot once.
 #[derive(Default)]
 struct Lanes<'a> {
+    /// By partition.
     lanes: HashMap<usize, Lane>,
     /// Slots whose refill is in flight, by address: not expired until it is applied.
     inflight: HashSet<usize>,
+    /// The statements in flight, at most one per lane.
     jobs: Vec<Job<'a>>,
 }
 
 impl<'a> Lanes<'a> {
+    /// Whether `lane` has a statement in flight.
     fn busy(&self, lane: usize) -> bool {
         self.lanes.get(&lane).is_some_and(|l| l.busy)
     }
