@@ -437,7 +437,7 @@ async fn h5(leased: bool) {
         // from the fault's end to the run's, is what the healthy keys may have in the fault,
         // per second, plus one such stall of every caller (`N × TASKS`, each falling back
         // about once). Waiting for the stopped shard's statements, as the lease actor did when
-        // it sent a round's refills as one call, cost them 44–69 here.
+        // it sent a round's refills as one call, cost them 32–69 here.
         let warm = Duration::from_millis(500);
         let fault_end = up + Duration::from_millis(500);
         let end = events.iter().map(|e| e.at).max().unwrap_or_default();
