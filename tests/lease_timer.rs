@@ -566,3 +566,132 @@ async fn a_key_called_once_is_not_sized_a_lease() {
         "one refill of one token, nothing given back, the key gone: {s:?}"
     );
 }
+
+/// A store of two partitions (`Store::partition`), as a `ShardedStore` of two shards answers:
+/// the key `held` alone on partition 1, whose refills wait while `hold_refills` is set and
+/// whose give-backs wait while `hold_returns` is set; every other key on partition 0, answered
+/// at once.
+#[derive(Debug, Clone, Default)]
+struct TwoShards {
+    inner: MemoryStore,
+    hold_refills: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    hold_returns: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Give-back statements of `held` waiting now.
+    returns_waiting: std::sync::Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl TwoShards {
+    async fn wait(flag: &std::sync::atomic::AtomicBool) {
+        while flag.load(std::sync::atomic::Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for TwoShards {
+    async fn acquire(
+        &self,
+        request: tokenlease::store::AcquireRequest<'_>,
+    ) -> Result<tokenlease::store::Acquired, tokenlease::store::StoreError> {
+        self.inner.acquire(request).await
+    }
+    async fn acquire_many(
+        &self,
+        requests: &[tokenlease::store::AcquireRequest<'_>],
+    ) -> Result<Vec<tokenlease::store::Acquired>, tokenlease::store::StoreError> {
+        if requests.iter().any(|r| r.key == "held") {
+            Self::wait(&self.hold_refills).await;
+        }
+        self.inner.acquire_many(requests).await
+    }
+    async fn give_back(
+        &self,
+        returns: &[tokenlease::store::GiveBack<'_>],
+    ) -> Result<u64, tokenlease::store::StoreError> {
+        if returns.iter().any(|r| r.key == "held") {
+            use std::sync::atomic::Ordering::Relaxed;
+            self.returns_waiting.fetch_add(1, Relaxed);
+            Self::wait(&self.hold_returns).await;
+            self.returns_waiting.fetch_sub(1, Relaxed);
+        }
+        self.inner.give_back(returns).await
+    }
+    async fn delete_idle(&self, limit: u32) -> Result<u64, tokenlease::store::StoreError> {
+        self.inner.delete_idle(limit).await
+    }
+    async fn inspect(
+        &self,
+        key: &str,
+    ) -> Result<Option<tokenlease::store::BucketRow>, tokenlease::store::StoreError> {
+        self.inner.inspect(key).await
+    }
+    fn partition(&self, key: &str) -> usize {
+        usize::from(key == "held")
+    }
+}
+
+/// `calls` calls of `key`, a millisecond apart: none may wait out `max_wait` (the fallback's
+/// decision), and the leases pay most of them.
+async fn decided_without_the_fallback(limiter: &Limiter, plan: &Plan, key: &str, calls: u32) {
+    use tokenlease::DecidedBy;
+    let mut leased = 0;
+    for i in 0..calls {
+        let d = limiter
+            .try_acquire_with(plan, key, 1.0)
+            .await
+            .expect("decision");
+        assert!(
+            d.allowed && !matches!(d.decided_by, DecidedBy::Fallback(_)),
+            "call {i} of {key}: {d:?}"
+        );
+        leased += u32::from(d.decided_by == DecidedBy::Lease);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(leased >= calls / 2, "{leased} of {calls} calls by a lease");
+}
+
+/// One partition's statement that does not answer (a shard down, its calls waiting out their
+/// pool wait, or hung) holds up only its own keys: the lease actor sends each partition's
+/// refills and give-backs as their own statements and applies each answer as it comes, so the
+/// other partition's keys are refilled meanwhile. Before, the actor waited for every statement
+/// of a round, and another key's callers waited out `max_wait` behind it.
+#[tokio::test(start_paused = true)]
+async fn a_partition_that_does_not_answer_holds_up_only_its_own_keys() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let store = TwoShards::default();
+    let limiter = Limiter::builder(store.clone())
+        .lease_tick(Duration::from_millis(10))
+        .build();
+    let ttl = Duration::from_millis(100);
+    let plan = common::plan(1_000, 1_000.0).with_lease(LeaseSettings::default().with_ttl(ttl));
+    // A refill of `held` in flight, not answering.
+    store.hold_refills.store(true, Relaxed);
+    hold_the_actor(&limiter, &plan).await;
+    decided_without_the_fallback(&limiter, &plan, "free", 200).await;
+    // `held` leased, then its lease expires with its give-back not answering.
+    store.hold_refills.store(false, Relaxed);
+    until(
+        Duration::from_secs(1),
+        "held leased",
+        || matches!(limiter.try_acquire_now_with(&plan, "held", 1.0), Ok(Some(d)) if d.allowed),
+    )
+    .await;
+    store.hold_returns.store(true, Relaxed);
+    until(ttl * 3, "held's give-back sent", || {
+        store.returns_waiting.load(Relaxed) == 1
+    })
+    .await;
+    decided_without_the_fallback(&limiter, &plan, "free", 200).await;
+    assert_eq!(
+        store.returns_waiting.load(Relaxed),
+        1,
+        "held's give-back waited all along"
+    );
+    // Once it answers, `held`'s tokens are back and nothing is stranded.
+    store.hold_returns.store(false, Relaxed);
+    limiter.shutdown().await;
+    let end = stats(&limiter);
+    assert_eq!(end.outstanding, 0.0, "{end:?}");
+    assert_eq!(end.stranded, 0.0, "{end:?}");
+}

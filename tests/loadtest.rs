@@ -254,3 +254,145 @@ fn shards_spread_the_keys_over_throwaway_clusters() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--shards"), "{stderr}");
 }
+
+/// `--shard-url NAME=URL`, repeated: the keys over primaries of the caller's (here two
+/// throwaway clusters the test starts, fresh, so the loadtest migrates them), placed by the
+/// names as a service's `ShardedStore` with those names would place them. The report gives
+/// each shard's name, statements and statements per second, the total rate, decisions per
+/// statement and what the shards would carry at the busiest shard's rate; no password
+/// appears in its output or in an error's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shard_urls_spread_the_keys_over_the_given_primaries() {
+    const SECRET: &str = "sekrit-pw-42";
+    let names = ["pg-a", "pg-b"];
+    let clusters = common::clusters(2).await;
+    // Trust authentication ignores the password; it is there to be hidden.
+    let with_password = |url: String| url.replacen("postgres@", &format!("postgres:{SECRET}@"), 1);
+    let args: Vec<String> = names
+        .iter()
+        .zip(&clusters)
+        .flat_map(|(name, pg)| {
+            [
+                "--shard-url".to_owned(),
+                format!("{name}={}", with_password(pg.url())),
+            ]
+        })
+        .collect();
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+        .args(["loadtest", "--json", "--mode", "direct", "--keys", "1000"])
+        .args(["--instances", "1", "--tasks", "8", "--rate", "2000"])
+        .args(["--duration", "1"])
+        .args(&args)
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run tokenlease loadtest");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        !stdout.contains(SECRET) && !stderr.contains(SECRET),
+        "{stdout}{stderr}"
+    );
+    let report: Value = serde_json::from_str(&stdout).expect("one JSON object");
+    assert_eq!(report["shard_names"], serde_json::json!(names), "{report}");
+    let calls: Vec<f64> = report["shard_db_calls"]
+        .as_array()
+        .expect("shard_db_calls")
+        .iter()
+        .map(|v| v.as_f64().expect("a count"))
+        .collect();
+    let per_s: Vec<f64> = report["shard_db_calls_per_s"]
+        .as_array()
+        .expect("shard_db_calls_per_s")
+        .iter()
+        .map(|v| v.as_f64().expect("a rate"))
+        .collect();
+    let secs = f(&report, "duration_s");
+    assert_eq!(calls.len(), 2, "{report}");
+    assert!(calls.iter().all(|&n| n > 0.0), "{report}");
+    assert_eq!(
+        calls.iter().sum::<f64>(),
+        f(&report, "db_calls"),
+        "{report}"
+    );
+    for (n, rate) in calls.iter().zip(&per_s) {
+        assert!((n / secs - rate).abs() < 1e-6, "{report}");
+    }
+    assert!((f(&report, "db_calls_per_s") - per_s.iter().sum::<f64>()).abs() < 1e-6);
+    let per_statement = f(&report, "requests") / f(&report, "db_calls");
+    assert!((f(&report, "decisions_per_statement") - per_statement).abs() < 1e-9);
+    let busiest = per_s.iter().copied().fold(0.0, f64::max);
+    assert!(
+        (f(&report, "fleet_decisions_per_s") - 2.0 * busiest * per_statement).abs() < 1e-6,
+        "{report}"
+    );
+    assert!(f(&report, "fleet_decisions_per_s") >= f(&report, "throughput_per_s") - 1e-6);
+    // Each key's row is on the shard its name places it on, and only there.
+    for (i, pg) in clusters.iter().enumerate() {
+        use tokenlease::store::Store;
+        let store = tokenlease::store::PostgresStore::connect(&pg.url())
+            .await
+            .expect("connect");
+        let mut found = 0;
+        for k in 0..50 {
+            let key = format!("loadtest:{k}");
+            let here = store.inspect(&key).await.expect("inspect").is_some();
+            let placed = tokenlease::store::shard_of(&names, &key) == Some(i);
+            assert!(
+                !here || placed,
+                "{key} on {} but placed elsewhere",
+                names[i]
+            );
+            found += usize::from(here);
+        }
+        assert!(found > 0, "no loadtest key on {}", names[i]);
+    }
+
+    // Unreachable: the error names the shard's address, password hidden.
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+        .args(["loadtest", "--duration", "1", "--shard-url"])
+        .arg(format!("pg-a=postgres://app:{SECRET}@127.0.0.1:1/app"))
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("shard pg-a") && stderr.contains("127.0.0.1:1") && !stderr.contains(SECRET),
+        "{stderr}"
+    );
+    // Not NAME=URL, a name twice, or beside --shards: refused before anything starts.
+    for bad in [
+        vec![
+            "--shard-url".to_owned(),
+            format!("postgres://app:{SECRET}@h/app"),
+        ],
+        vec![
+            "--shard-url".to_owned(),
+            "a=postgres://h/x".to_owned(),
+            "--shard-url".to_owned(),
+            "a=postgres://h/y".to_owned(),
+        ],
+        vec![
+            "--shard-url".to_owned(),
+            "a=postgres://h/x".to_owned(),
+            "--shards".to_owned(),
+            "2".to_owned(),
+        ],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+            .arg("loadtest")
+            .args(&bad)
+            .env_remove("DATABASE_URL")
+            .output()
+            .expect("run");
+        assert!(!out.status.success(), "{bad:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("--shard-url") && !stderr.contains(SECRET),
+            "{bad:?}: {stderr}"
+        );
+    }
+}

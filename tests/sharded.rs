@@ -333,10 +333,12 @@ async fn a_stopped_shard_sends_only_its_own_keys_to_the_fallback() {
     h5(false).await;
 }
 
-/// H5 in leased mode (relaxed, fallback `deny`): the stopped shard's keys spend their leases
-/// and then go to the fallback, never to the store, while it is down, and are leased again
-/// after; the other shards' keys go to the fallback no more than a run without a fault lets
-/// them (a refill slower than `max_wait`: at most 1% of their calls).
+/// H5 in leased mode (relaxed, fallback `deny`, `max_wait` 100 ms, the pools' wait 250 ms):
+/// the stopped shard's keys spend their leases and then go to the fallback, never to the store,
+/// while it is down, and are leased again after; the other shards' keys go to the fallback in
+/// the fault no more often than in the same run's time without it, plus one stall of every
+/// caller (a loaded machine's refill slower than `max_wait`): the lease actor does not wait for
+/// the stopped shard's statements to refill the others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leased_a_stopped_shard_sends_only_its_own_keys_to_the_fallback() {
     h5(true).await;
@@ -355,12 +357,16 @@ async fn h5(leased: bool) {
         // caller's deadline) long enough that a loaded 2-core machine does not time out a
         // healthy shard's statement: the test is about which keys the stopped shard affects.
         // A pool whose server is down waits out its pool wait (bb8 retries the connection), so
-        // until the breaker opens a call on the stopped shard takes about that long.
+        // until the breaker opens a call on the stopped shard takes about that long. Leased,
+        // 250 ms: well over the callers' `max_wait` (below), so that a caller waiting behind
+        // such a call is seen to (a healthy shard's pool, one statement in flight per instance,
+        // never waits).
+        let pool_wait = Duration::from_millis(if leased { 250 } else { 150 });
         let list = shard_list(&clusters);
         let store = ShardedStore::connect_with(&list, |b| {
             b.pool_size(4)
                 .call_timeout(Duration::from_secs(1))
-                .pool_wait_timeout(Duration::from_millis(150))
+                .pool_wait_timeout(pool_wait)
                 .connect_timeout(Duration::from_millis(250))
                 .statement_timeout(Duration::from_millis(500))
                 .lock_timeout(Duration::from_millis(500))
@@ -370,7 +376,16 @@ async fn h5(leased: bool) {
         limiters.push(Limiter::builder(store).build());
     }
     let plan = Arc::new(if leased {
-        leased_plan(Accounting::Relaxed)
+        // A caller waits up to 100 ms for a refill: longer than a healthy shard's refill takes
+        // on a loaded 2-core machine (up to 73 ms seen), shorter than the stopped shard's pool
+        // wait, so a caller that falls back on a healthy key waited behind the stopped shard.
+        let plan = leased_plan(Accounting::Relaxed);
+        let lease = plan
+            .lease()
+            .copied()
+            .expect("leased")
+            .with_max_wait(Duration::from_millis(100));
+        plan.with_lease(lease)
     } else {
         common::plan(100, R).with_fallback(FallbackSettings::new(FallbackMode::Deny))
     });
@@ -378,6 +393,7 @@ async fn h5(leased: bool) {
     let run = drive(&limiters, &plan, &keys, origin, Duration::from_secs(6));
 
     tokio::time::sleep_until((origin + Duration::from_millis(1500)).into()).await;
+    let stopping = origin.elapsed();
     let pg = Arc::clone(&clusters[down]);
     tokio::task::spawn_blocking(move || pg.stop(StopMode::Fast).expect("stop"))
         .await
@@ -414,9 +430,39 @@ async fn h5(leased: bool) {
         .count();
     let healthy = events.iter().filter(|e| !on(e)).count();
     if leased {
+        // The fault: from `pg_ctl stop` until 0.5 s after the server is up again (the breaker's
+        // probe closes it). Without a fault, a leased key goes to the fallback only when a
+        // loaded machine makes a refill slower than `max_wait` (H4). What this run produced
+        // so outside the fault, from 0.5 s in (the pools' first statements) to the stop and
+        // from the fault's end to the run's, is what the healthy keys may have in the fault,
+        // per second, plus one such stall of every caller (`N × TASKS`, each falling back
+        // about once). Waiting for the stopped shard's statements, as the lease actor did when
+        // it sent a round's refills as one call, cost them 32–69 here.
+        let warm = Duration::from_millis(500);
+        let fault_end = up + Duration::from_millis(500);
+        let end = events.iter().map(|e| e.at).max().unwrap_or_default();
+        let in_fault = |e: &Event| e.at >= stopping && e.at < fault_end;
+        let healthy_fallback_in = |fault: bool| {
+            events
+                .iter()
+                .filter(|e| {
+                    !on(e)
+                        && e.at >= warm
+                        && in_fault(e) == fault
+                        && matches!(e.by, DecidedBy::Fallback(_))
+                })
+                .count()
+        };
+        let (during, quiet) = (healthy_fallback_in(true), healthy_fallback_in(false));
+        let fault_secs = (fault_end - stopping).as_secs_f64();
+        let quiet_secs = ((stopping - warm) + end.saturating_sub(fault_end)).as_secs_f64();
+        let allowed = (quiet as f64 * fault_secs / quiet_secs).ceil() as usize + N * TASKS;
+        eprintln!(
+            "{label}: healthy keys' fallback decisions: {during} in the {fault_secs:.2} s of the fault, {quiet} in the {quiet_secs:.2} s without (allowed in the fault: {allowed})"
+        );
         assert!(
-            healthy_fallback * 100 <= healthy,
-            "{healthy_fallback} of {healthy} decisions on the healthy shards' keys by the fallback"
+            during <= allowed,
+            "{during} decisions on the healthy shards' keys by the fallback in the {fault_secs:.2} s of the fault, {quiet} in {quiet_secs:.2} s without it"
         );
     } else {
         assert_eq!(
@@ -472,9 +518,11 @@ async fn h5(leased: bool) {
             .count();
         if leased {
             // A refill slower than max_wait goes to the fallback with no fault at all (H4):
-            // as for the healthy keys, at most 1%.
+            // at most 1%, or one stall of every caller (a loaded machine made one refill of
+            // each instance slow: 16 of 693 calls in a run beside two busy loops). A shard not
+            // back has all its calls there.
             assert!(
-                late_fallback * 100 <= late,
+                late_fallback <= late / 100 + N * TASKS,
                 "{key}: {late_fallback} of {late} decisions by the fallback long after recovery"
             );
         } else {

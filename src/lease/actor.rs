@@ -1,37 +1,47 @@
 //! The lease actor: refills, expiry, eviction and give-backs for one lease table.
 //!
 //! One tokio task per limiter. It sleeps until a caller nudges it, the earliest entry of its
-//! due-queue comes, or a gauge update is due, then:
+//! due-queue comes, a gauge update is due, or one of its store calls answers, then:
 //! 1. gathers the slots that asked for a refill (nudges; after a dropped nudge, one scan of the
 //!    table for `PENDING`),
 //! 2. handles the due-queue entries due within a tick: closes expired leases (their tokens go
 //!    back), evicts keys idle for a lease lifetime after closing, and re-queues the rest,
-//! 3. refills every gathered slot with one `acquire_many` statement per 256 keys,
-//! 4. gives back what was reclaimed, one statement per 256 keys, retrying failures with the
-//!    same return ids (so a retry never credits twice).
+//! 3. sends what is due to the store per partition of the store (`Store::partition`: a shard
+//!    of a `ShardedStore`, or one partition for a single store), each partition its own *lane*
+//!    with at most one statement in flight: give-backs first, one statement per 256 keys,
+//!    retrying failures with the same return ids (so a retry never credits twice), then
+//!    refills, one `acquire_each` statement per 256 keys,
+//! 4. applies each statement's answers as soon as that statement answers, whatever the other
+//!    lanes are doing: a slow or failing shard delays only its own keys.
 //!
 //! Its work follows what is due, not the number of keys: a slot is looked at when its lease
 //! expires and when its idle check comes, and an idle table with nothing due costs no wake-up.
 //!
-//! Only the actor adds tokens to a word or takes them back, and it handles one round at a time,
-//! so at most one refill is in flight per key.
+//! Only the actor adds tokens to a word or takes them back, and a key has one lane with one
+//! statement in flight at a time, so at most one refill is in flight per key, and a return
+//! and a refill of one key never overlap. A slot whose refill is in flight is not expired
+//! until its answer is applied.
 
 use std::cmp::Ordering as Order;
-use std::collections::{BinaryHeap, HashSet};
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
+use std::future::Future;
 use std::hash::{BuildHasher, RandomState};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::key::SlotKey;
 use super::slot::{Book, Slot};
 use super::word::{CLOSED, PENDING, TOKENS};
 use super::{GATHER, Leases};
 use crate::bucket::Tokens;
 use crate::metrics as m;
 use crate::policy::{Accounting, LeaseSettings};
-use crate::store::{AcquireRequest, GiveBack, Hold, LeaseRef};
+use crate::store::{AcquireRequest, Acquired, GiveBack, Hold, LeaseRef, StoreError};
 
 /// A contended key's lease is spread over one word per core once its target reaches `HOT_PARTS²`
 /// of its largest cost; a top-up is split into parts of at least `HOT_PARTS` costs.
@@ -67,6 +77,9 @@ pub(super) struct Return {
     attempts: u32,
     /// The strict lease the return settles; `None` for relaxed leases.
     lease: Option<LeaseRef>,
+    /// After a failed attempt: not sent again before this local monotonic time (ns); `0` for
+    /// a return not tried yet.
+    not_before: u64,
 }
 
 /// Return ids: 63 random bits each, from a per-actor random hasher over a counter.
@@ -245,33 +258,58 @@ fn adopt(leases: &Leases, timers: &mut Timers) {
 /// when an earlier actor of the same table ended early.
 pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
     let _alive = Alive(&leases);
+    let leases: &Leases = &leases;
     let tick = leases.settings.tick.as_nanos() as u64;
     let mut timers = Timers::default();
     if restarted {
-        adopt(&leases, &mut timers);
+        adopt(leases, &mut timers);
     }
     let mut gauges = Gauges::default();
     let carried = std::mem::take(&mut *leases.carry.lock());
-    let mut returns = Carried::new(&leases, carried);
+    let mut returns = Carried::new(leases, carried);
     let returns = &mut returns.items;
+    let mut lanes = Lanes::default();
     let mut ids = Ids {
         hasher: RandomState::new(),
         next: 0,
     };
     loop {
-        let wake_at = match (timers.next(), gauges.due(tick, leases.table.len())) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let wake_at = [
+            timers.next(),
+            gauges.due(tick, leases.table.len()),
+            retry_due(returns, leases.now()),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        // A statement's answer wakes the actor too, and is applied at once, whatever the
+        // other lanes' statements are doing.
+        let mut answered = None;
         match wake_at {
             Some(at) => {
                 let deadline = leases.origin + Duration::from_nanos(at.saturating_add(1));
                 tokio::select! {
                     () = leases.wake.notified() => {}
                     () = tokio::time::sleep_until(deadline) => {}
+                    done = lanes.next(), if !lanes.jobs.is_empty() => answered = Some(done),
                 }
             }
-            None => leases.wake.notified().await,
+            None => tokio::select! {
+                () = leases.wake.notified() => {}
+                done = lanes.next(), if !lanes.jobs.is_empty() => answered = Some(done),
+            },
+        }
+        if let Some(done) = answered.take() {
+            // An answer alone: apply it and give its lane its next statement. Nudges that came
+            // meanwhile have left the wake-up's permit, so the next round follows at once.
+            finish(leases, done, &mut lanes, &mut timers, returns, &mut ids);
+            if leases.stopping.load(Ordering::Acquire) {
+                break;
+            }
+            let now = leases.now();
+            dispatch(leases, &mut lanes, &mut timers, returns, &mut ids, now);
+            after_work(leases, &mut gauges, tick, true);
+            continue;
         }
         if leases.stopping.load(Ordering::Acquire) {
             break;
@@ -279,7 +317,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
         // Low-water nudges only, and nothing else due: gather more of them for a moment (their
         // callers are still paid from their leases), so a million quiet keys crossing their marks
         // cost a statement per 256 keys and a wake-up per gathering, not one each. A waiting
-        // caller's nudge ends the gathering at once.
+        // caller's nudge ends the gathering at once, and so does an answer.
         if leases.soon.load(Ordering::Acquire)
             && !leases.urgent.load(Ordering::Acquire)
             && timers
@@ -290,6 +328,10 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
             tokio::select! {
                 () = leases.wake.notified() => {}
                 () = tokio::time::sleep_until(until) => {}
+                done = lanes.next(), if !lanes.jobs.is_empty() => answered = Some(done),
+            }
+            if let Some(done) = answered.take() {
+                finish(leases, done, &mut lanes, &mut timers, returns, &mut ids);
             }
             if leases.stopping.load(Ordering::Acquire) {
                 break;
@@ -308,45 +350,386 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
             }
         }
         if leases.overflowed.swap(false, Ordering::AcqRel) {
-            scan_pending(&leases, &mut due, &mut seen);
+            scan_pending(leases, &mut due, &mut seen);
         }
         let reload = leases.reload.lock().take();
         let mut looked = match reload {
-            Some(stale) => retire_stale(&leases, &stale, &mut timers, returns, &mut ids),
+            Some(stale) => retire_stale(leases, &stale, &mut timers, returns, &mut ids),
             None => 0,
         };
-        looked += expire(&leases, &mut timers, now, tick, returns, &mut ids);
+        looked += expire(
+            leases,
+            &mut timers,
+            now,
+            tick,
+            returns,
+            &mut ids,
+            &lanes.inflight,
+        );
         let worked = looked > 0 || !due.is_empty() || !returns.is_empty();
-        // Returns first: a strict lease closed in this round is settled before the same slot's
-        // renewal replaces its entry in the store.
-        if !returns.is_empty() {
-            give_back(&leases, returns).await;
+        for slot in due {
+            let lane = leases.store.partition(&slot.key);
+            lanes.queue(lane, slot);
         }
-        if !due.is_empty() {
-            refill(&leases, due, &mut timers, returns, &mut ids).await;
-        }
-        if !returns.is_empty() {
-            give_back(&leases, returns).await;
-        }
-        let now = leases.now();
-        if worked {
-            publish_counters(&leases);
-            gauges.worked_at = now;
-            gauges.dirty_since.get_or_insert(now);
-        }
-        if gauges
-            .due(tick, leases.table.len())
-            .is_some_and(|at| at <= now)
-        {
-            publish_outstanding(&leases);
-            gauges.passed_at = now;
-            // Work in this very round may be followed by spends the pass did not see.
-            gauges.dirty_since = worked.then_some(now);
+        // Each idle lane's give-backs first, then its refills: a strict lease closed in this
+        // round is settled before the same slot's renewal replaces its entry in the store.
+        dispatch(leases, &mut lanes, &mut timers, returns, &mut ids, now);
+        after_work(leases, &mut gauges, tick, worked);
+    }
+    // Statements in flight finish first (each within the store's call timeout): their grants
+    // go into slots that are closed next, and their failed returns are sent again below.
+    while !lanes.jobs.is_empty() {
+        let done = lanes.next().await;
+        finish(leases, done, &mut lanes, &mut timers, returns, &mut ids);
+    }
+    shut_down(leases, returns, &mut ids).await;
+    publish_counters(leases);
+    publish_outstanding(leases);
+}
+
+/// After a round or an answer: publishes the counters if the actor `worked`, and the gauges
+/// when their pass is due.
+fn after_work(leases: &Leases, gauges: &mut Gauges, tick: u64, worked: bool) {
+    let now = leases.now();
+    if worked {
+        publish_counters(leases);
+        gauges.worked_at = now;
+        gauges.dirty_since.get_or_insert(now);
+    }
+    if gauges
+        .due(tick, leases.table.len())
+        .is_some_and(|at| at <= now)
+    {
+        publish_outstanding(leases);
+        gauges.passed_at = now;
+        // Work in this very round may be followed by spends the pass did not see.
+        gauges.dirty_since = worked.then_some(now);
+    }
+}
+
+/// When the earliest return that failed is due to be sent again, if one waits for a time
+/// after `now`. One whose time has come waits for its lane only, and the answer that frees the
+/// lane sends it: waking for it again would spin while the lane is busy.
+fn retry_due(returns: &[Return], now: u64) -> Option<u64> {
+    returns
+        .iter()
+        .map(|r| r.not_before)
+        .filter(|&at| at > now)
+        .min()
+}
+
+/// A store statement of the actor in flight: it owns what it sends, and answers with a
+/// [`Done`].
+type Job<'a> = Pin<Box<dyn Future<Output = Done> + Send + 'a>>;
+
+/// One slot's refill request: the slot, the least and the most it asks for (nanotokens), and
+/// its strict lease's renewal.
+type Ask = (Arc<Slot>, u64, u64, Option<Hold>);
+
+/// A statement's answer, back on the actor.
+struct Done {
+    /// The partition the statement went to.
+    lane: usize,
+    work: Answered,
+}
+
+/// What a statement was, and what the store answered.
+enum Answered {
+    /// A refill: the asks sent, one answer per ask.
+    Refill {
+        asks: Vec<Ask>,
+        result: Vec<Result<Acquired, StoreError>>,
+        /// When the request was sent (local monotonic ns; taken before it was built).
+        sent: u64,
+        took: Duration,
+    },
+    /// A give-back: the returns sent, one outcome per return.
+    Return {
+        batch: Vec<Return>,
+        result: Vec<Result<(), StoreError>>,
+    },
+}
+
+/// One store partition's work: at most one statement in flight, and the slots waiting for a
+/// refill behind it.
+#[derive(Default)]
+struct Lane {
+    /// A statement of this lane is in flight.
+    busy: bool,
+    /// Slots waiting for a refill, in the order they asked.
+    due: VecDeque<Arc<Slot>>,
+    /// The slots in `due`, by address: each waits once.
+    queued: HashSet<usize>,
+}
+
+/// The actor's lanes, one per store partition with work (`Store::partition`), and their
+/// statements in flight. A lane with nothing in flight and nothing waiting is dropped, so
+/// there are at most as many as partitions with work, and a lane holds each slot once.
+#[derive(Default)]
+struct Lanes<'a> {
+    /// By partition.
+    lanes: HashMap<usize, Lane>,
+    /// Slots whose refill is in flight, by address: not expired until it is applied.
+    inflight: HashSet<usize>,
+    /// The statements in flight, at most one per lane.
+    jobs: Vec<Job<'a>>,
+}
+
+impl<'a> Lanes<'a> {
+    /// Whether `lane` has a statement in flight.
+    fn busy(&self, lane: usize) -> bool {
+        self.lanes.get(&lane).is_some_and(|l| l.busy)
+    }
+
+    /// Queues `slot` for a refill on `lane`, unless it waits there already.
+    fn queue(&mut self, lane: usize, slot: Arc<Slot>) {
+        let l = self.lanes.entry(lane).or_default();
+        if l.queued.insert(Arc::as_ptr(&slot) as usize) {
+            l.due.push_back(slot);
         }
     }
-    shut_down(&leases, returns, &mut ids).await;
-    publish_counters(&leases);
-    publish_outstanding(&leases);
+
+    /// Starts `job` on `lane`.
+    fn start(&mut self, leases: &Leases, lane: usize, job: Job<'a>) {
+        self.lanes.entry(lane).or_default().busy = true;
+        self.jobs.push(job);
+        leases.busy.store(true, Ordering::Relaxed);
+    }
+
+    /// The next statement to answer (pending for ever when none is in flight).
+    fn next(&mut self) -> impl Future<Output = Done> + '_ {
+        std::future::poll_fn(move |cx: &mut Context<'_>| {
+            for i in 0..self.jobs.len() {
+                if let Poll::Ready(done) = self.jobs[i].as_mut().poll(cx) {
+                    drop(self.jobs.swap_remove(i));
+                    return Poll::Ready(done);
+                }
+            }
+            Poll::Pending
+        })
+    }
+
+    /// Drops the lanes with nothing to do, and says whether a statement is in flight.
+    fn tidy(&mut self, leases: &Leases) {
+        self.lanes.retain(|_, l| l.busy || !l.due.is_empty());
+        leases.busy.store(!self.jobs.is_empty(), Ordering::Relaxed);
+    }
+}
+
+/// Starts a statement on every idle lane with work: up to [`CHUNK`] of its returns whose time
+/// has come, else a refill of up to [`CHUNK`] of its waiting slots. Slots that need nothing
+/// are done with at once.
+fn dispatch<'a>(
+    leases: &'a Leases,
+    lanes: &mut Lanes<'a>,
+    timers: &mut Timers,
+    returns: &mut Vec<Return>,
+    ids: &mut Ids,
+    now: u64,
+) {
+    if !returns.is_empty() {
+        let mut batches: HashMap<usize, (HashSet<SlotKey>, Vec<Return>)> = HashMap::new();
+        let mut rest = Vec::new();
+        for r in returns.drain(..) {
+            let lane = leases.store.partition(&r.slot.key);
+            if r.not_before > now || lanes.busy(lane) {
+                rest.push(r);
+                continue;
+            }
+            let (keys, batch) = batches.entry(lane).or_default();
+            if keys.len() < CHUNK && keys.insert(r.slot.key.clone()) {
+                batch.push(r);
+            } else {
+                rest.push(r);
+            }
+        }
+        *returns = rest;
+        for (lane, (_, batch)) in batches {
+            leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
+            metrics::counter!(m::DB_CALLS, "kind" => "return").increment(1);
+            lanes.start(leases, lane, give_back_job(leases, lane, batch));
+        }
+    }
+    let idle: Vec<usize> = lanes
+        .lanes
+        .iter()
+        .filter(|(_, l)| !l.busy && !l.due.is_empty())
+        .map(|(&lane, _)| lane)
+        .collect();
+    for lane in idle {
+        while let Some(l) = lanes.lanes.get_mut(&lane)
+            && !l.due.is_empty()
+        {
+            let n = l.due.len().min(CHUNK);
+            let part: Vec<Arc<Slot>> = l.due.drain(..n).collect();
+            for slot in &part {
+                l.queued.remove(&(Arc::as_ptr(slot) as usize));
+            }
+            let asks = plan_chunk(leases, &part, timers, ids);
+            if asks.is_empty() {
+                continue;
+            }
+            for (slot, ..) in &asks {
+                lanes.inflight.insert(Arc::as_ptr(slot) as usize);
+            }
+            leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
+            metrics::counter!(m::DB_CALLS, "kind" => "lease").increment(1);
+            lanes.start(leases, lane, refill_job(leases, lane, asks));
+            break;
+        }
+    }
+    lanes.tidy(leases);
+}
+
+/// Sends one refill statement.
+fn refill_job(leases: &Leases, lane: usize, asks: Vec<Ask>) -> Job<'_> {
+    let sent = leases.now();
+    Box::pin(async move {
+        let requests: Vec<AcquireRequest<'_>> = asks
+            .iter()
+            .map(|(slot, min, want, hold)| AcquireRequest {
+                key: &slot.key,
+                bucket: *slot.plan.bucket(),
+                min: Tokens::from_nanos(u128::from(*min)),
+                want: Tokens::from_nanos(u128::from(*want)),
+                step: Tokens::from_nanos(1),
+                hold: *hold,
+            })
+            .collect();
+        let started = Instant::now();
+        // One answer per key: a sharded store fails only the keys of a failing shard.
+        let result = leases.store.acquire_each(&requests).await;
+        let took = started.elapsed();
+        drop(requests);
+        Done {
+            lane,
+            work: Answered::Refill {
+                asks,
+                result,
+                sent,
+                took,
+            },
+        }
+    })
+}
+
+/// Sends one give-back statement. Its returns are held in a guard until it answers: an actor
+/// that ends mid-statement leaves them to the next one.
+fn give_back_job(leases: &Leases, lane: usize, batch: Vec<Return>) -> Job<'_> {
+    let mut batch = Carried::new(leases, batch);
+    Box::pin(async move {
+        let requests: Vec<GiveBack<'_>> = batch
+            .items
+            .iter()
+            .map(|r| GiveBack {
+                id: r.id,
+                key: &r.slot.key,
+                bucket: *r.slot.plan.bucket(),
+                amount: Tokens::from_nanos(u128::from(r.amount)),
+                lease: r.lease,
+            })
+            .collect();
+        // One outcome per return: a sharded store fails only the returns of a failing shard.
+        let result = leases.store.give_back_each(&requests).await;
+        drop(requests);
+        Done {
+            lane,
+            work: Answered::Return {
+                batch: std::mem::take(&mut batch.items),
+                result,
+            },
+        }
+    })
+}
+
+/// Applies one statement's answers. A refill's grants go into their slots (a key whose store
+/// failed sends its callers to the fallback for [`FAILURE_BACKOFF`]) and each slot is queued
+/// on the due-queue; a give-back's failed returns are sent again a tick later, under the same
+/// ids, and count as stranded after [`RETURN_ATTEMPTS`].
+fn finish(
+    leases: &Leases,
+    done: Done,
+    lanes: &mut Lanes<'_>,
+    timers: &mut Timers,
+    returns: &mut Vec<Return>,
+    ids: &mut Ids,
+) {
+    if let Some(l) = lanes.lanes.get_mut(&done.lane) {
+        l.busy = false;
+    }
+    match done.work {
+        Answered::Refill {
+            asks,
+            result,
+            sent,
+            took,
+        } => {
+            metrics::histogram!(m::REFILL_SECONDS).record(took);
+            let took = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+            let before = leases.refill_ns.load(Ordering::Relaxed);
+            leases
+                .refill_ns
+                .store(before / 2 + took / 2, Ordering::Relaxed);
+            let now = leases.now();
+            let short = result.len() != asks.len();
+            if short || result.iter().any(Result::is_err) {
+                metrics::counter!(m::DB_ERRORS, "kind" => "lease").increment(1);
+            }
+            let until = now + FAILURE_BACKOFF.as_nanos() as u64;
+            let mut answers = result.into_iter();
+            for (slot, _, want, hold) in &asks {
+                lanes.inflight.remove(&(Arc::as_ptr(slot) as usize));
+                match answers.next() {
+                    Some(Ok(answer)) if !short => {
+                        let strict = hold.map(|h| (sent, h.lease_id));
+                        apply(leases, slot, *want, &answer, now, strict, returns, ids);
+                    }
+                    _ => {
+                        slot.fallback_until.store(until, Ordering::Release);
+                        slot.words().clear_pending();
+                        slot.notify.notify_waiters();
+                    }
+                }
+                schedule(timers, slot);
+            }
+        }
+        Answered::Return { batch, result } => {
+            let short = result.len() != batch.len();
+            if short || result.iter().any(Result::is_err) {
+                metrics::counter!(m::DB_ERRORS, "kind" => "return").increment(1);
+            }
+            let retry_at = leases
+                .now()
+                .saturating_add(leases.settings.tick.as_nanos() as u64)
+                .max(1);
+            let mut outcomes = result.into_iter();
+            let mut credited = 0u64;
+            for mut r in batch {
+                match outcomes.next() {
+                    Some(Ok(())) if !short => credited += r.amount,
+                    _ => {
+                        r.attempts += 1;
+                        if r.attempts >= RETURN_ATTEMPTS {
+                            leases
+                                .counters
+                                .stranded
+                                .fetch_add(r.amount, Ordering::AcqRel);
+                        } else {
+                            r.not_before = retry_at;
+                            returns.push(r);
+                        }
+                    }
+                }
+            }
+            if credited > 0 {
+                leases
+                    .counters
+                    .returned
+                    .fetch_add(credited, Ordering::AcqRel);
+            }
+        }
+    }
+    lanes.tidy(leases);
 }
 
 /// Sets the table-size gauge and the token counters (no pass over the slots).
@@ -394,7 +777,8 @@ fn scan_pending(leases: &Leases, due: &mut Vec<Arc<Slot>>, seen: &mut HashSet<us
 
 /// Handles the due-queue entries due within a tick of `now`: closes expired leases, evicts keys
 /// that stayed idle for a lease lifetime after closing, and queues every other slot again for
-/// its next due time. Returns how many entries it handled.
+/// its next due time. A slot whose refill is in flight (`inflight`) is left alone: applying
+/// the answer queues it again. Returns how many entries it handled.
 fn expire(
     leases: &Leases,
     timers: &mut Timers,
@@ -402,6 +786,7 @@ fn expire(
     tick: u64,
     returns: &mut Vec<Return>,
     ids: &mut Ids,
+    inflight: &HashSet<usize>,
 ) -> u64 {
     // Everything due within the next tick is handled now, up to a tick early: entries close
     // together cost one wake-up, not one each.
@@ -412,6 +797,14 @@ fn expire(
         looked += 1;
         let slot = entry.slot;
         if slot.evicted().load(Ordering::Acquire) {
+            continue;
+        }
+        if inflight.contains(&(Arc::as_ptr(&slot) as usize)) {
+            // Its refill is in flight: the answer, when applied, queues it again (`schedule`).
+            let mut book = slot.book.lock();
+            if book.timer == entry.seq {
+                book.timer = 0;
+            }
             continue;
         }
         let word = slot.words().load();
@@ -566,6 +959,7 @@ fn queue_return(
             amount,
             attempts: 0,
             lease,
+            not_before: 0,
         });
     }
 }
@@ -728,31 +1122,11 @@ fn target_size(demand: f64, max_cost: u64, settings: &LeaseSettings, landing: Du
     refresh.max(lifetime).max(until_landed) as u64
 }
 
-/// Refills `due` slots, one statement per chunk of distinct keys, and queues each on the
-/// due-queue for its lease's expiry or its idle check.
-async fn refill(
-    leases: &Leases,
-    due: Vec<Arc<Slot>>,
-    timers: &mut Timers,
-    returns: &mut Vec<Return>,
-    ids: &mut Ids,
-) {
-    // Chunk first, so the round's temporaries stay small however many keys are due.
-    for part in due.chunks(CHUNK) {
-        refill_chunk(leases, part, returns, ids).await;
-        for slot in part {
-            schedule(timers, slot);
-        }
-    }
-}
-
-/// Refills up to [`CHUNK`] slots with one statement.
-async fn refill_chunk(
-    leases: &Leases,
-    part: &[Arc<Slot>],
-    returns: &mut Vec<Return>,
-    ids: &mut Ids,
-) {
+/// Plans the refill of up to [`CHUNK`] slots of one lane: what each asks the store for (one
+/// ask per distinct key). A slot that needs nothing has its pending mark cleared and its waiters
+/// woken, and is queued on the due-queue at once; the asked slots are queued when the answer is
+/// applied.
+fn plan_chunk(leases: &Leases, part: &[Arc<Slot>], timers: &mut Timers, ids: &mut Ids) -> Vec<Ask> {
     let now = leases.now();
     // How long a refill takes to land: the last round trips, plus a tick for a nudge that was
     // dropped and found by the sweep.
@@ -760,7 +1134,7 @@ async fn refill_chunk(
         .refill_ns
         .load(Ordering::Relaxed)
         .saturating_add(leases.settings.tick.as_nanos() as u64);
-    let mut asks: Vec<(Arc<Slot>, u64, u64, Option<Hold>)> = Vec::with_capacity(part.len());
+    let mut asks: Vec<Ask> = Vec::with_capacity(part.len());
     let mut keys = HashSet::with_capacity(part.len());
     for slot in part {
         if slot.evicted().load(Ordering::Acquire) {
@@ -770,6 +1144,7 @@ async fn refill_chunk(
             // Another slot of the same key (evicted and re-created): next round.
             slot.words().request_refill();
             leases.nudge(slot);
+            schedule(timers, slot);
             continue;
         }
         match plan_refill(slot, now, landing) {
@@ -780,62 +1155,11 @@ async fn refill_chunk(
             None => {
                 slot.words().clear_pending();
                 slot.notify.notify_waiters();
+                schedule(timers, slot);
             }
         }
     }
-    drop(keys);
-    if asks.is_empty() {
-        return;
-    }
-    {
-        let chunk = &asks[..];
-        let requests: Vec<AcquireRequest<'_>> = chunk
-            .iter()
-            .map(|(slot, min, want, hold)| AcquireRequest {
-                key: &slot.key,
-                bucket: *slot.plan.bucket(),
-                min: Tokens::from_nanos(u128::from(*min)),
-                want: Tokens::from_nanos(u128::from(*want)),
-                step: Tokens::from_nanos(1),
-                hold: *hold,
-            })
-            .collect();
-        let sent = leases.now();
-        let started = Instant::now();
-        leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
-        metrics::counter!(m::DB_CALLS, "kind" => "lease").increment(1);
-        leases.busy.store(true, Ordering::Relaxed);
-        // One answer per key: a sharded store fails only the keys of a failing shard.
-        let result = leases.store.acquire_each(&requests).await;
-        leases.busy.store(false, Ordering::Relaxed);
-        let took = started.elapsed();
-        metrics::histogram!(m::REFILL_SECONDS).record(took);
-        let took = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-        let before = leases.refill_ns.load(Ordering::Relaxed);
-        leases
-            .refill_ns
-            .store(before / 2 + took / 2, Ordering::Relaxed);
-        let now = leases.now();
-        let short = result.len() != chunk.len();
-        if short || result.iter().any(Result::is_err) {
-            metrics::counter!(m::DB_ERRORS, "kind" => "lease").increment(1);
-        }
-        let until = now + FAILURE_BACKOFF.as_nanos() as u64;
-        let mut answers = result.into_iter();
-        for (slot, _, want, hold) in chunk {
-            match answers.next() {
-                Some(Ok(answer)) if !short => {
-                    let strict = hold.map(|h| (sent, h.lease_id));
-                    apply(leases, slot, *want, &answer, now, strict, returns, ids);
-                }
-                _ => {
-                    slot.fallback_until.store(until, Ordering::Release);
-                    slot.words().clear_pending();
-                    slot.notify.notify_waiters();
-                }
-            }
-        }
-    }
+    asks
 }
 
 /// Puts one refill's answer into its slot and wakes the slot's waiters. `strict` is, for a
@@ -947,8 +1271,10 @@ fn apply(
     slot.notify.notify_waiters();
 }
 
-/// Gives reclaimed tokens back, one statement per chunk of distinct keys. Failed returns stay
-/// queued with their ids; after [`RETURN_ATTEMPTS`] they count as stranded.
+/// At shutdown: gives reclaimed tokens back, one statement per chunk of distinct keys (a
+/// sharded store sends each shard's part concurrently), waiting for each. Failed returns stay
+/// queued with their ids; after [`RETURN_ATTEMPTS`] they count as stranded. While running, the
+/// actor sends give-backs through its lanes instead (`dispatch`).
 async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
     // Held in guards across the statement: an actor that ends mid-statement leaves them to
     // the next one.

@@ -26,6 +26,7 @@ use tokenlease::store::{CircuitBreaker, CountedStore, PostgresStore};
 use tokenlease::{DecidedBy, Limiter};
 
 use super::db::{DatabaseError, given_or_throwaway};
+use super::reshard::Shard;
 
 /// Arguments of `tokenlease loadtest`.
 #[derive(Debug, clap::Args)]
@@ -98,10 +99,16 @@ pub(crate) struct Args {
     fallback: Fallback,
     /// Spread the keys over this many throwaway PostgreSQL clusters (`store::ShardedStore`,
     /// a circuit breaker per shard); the report gives each shard's statements. Not with
-    /// `DATABASE_URL` or `--fault`.
+    /// `DATABASE_URL`, `--shard-url` or `--fault`.
     #[arg(long, default_value_t = 1)]
     shards: usize,
-    /// Connections per instance (per shard with `--shards`).
+    /// A shard of your own, as NAME=URL (URL or key=value connection string); repeat for each
+    /// shard. The keys are spread over these primaries by the names, as a service's
+    /// `ShardedStore` with the same names would (a circuit breaker per shard); each is
+    /// migrated first. Instead of `--shards`; not with `DATABASE_URL` or `--fault`.
+    #[arg(long = "shard-url", value_name = "NAME=URL")]
+    shard_url: Vec<String>,
+    /// Connections per instance (per shard with `--shards` or `--shard-url`).
     #[arg(long, default_value_t = 4)]
     pool: u32,
     /// Run the limiter's statements with `synchronous_commit = off` (see DESIGN.md).
@@ -224,8 +231,22 @@ struct Report {
     fallback: &'static str,
     fallback_decisions: u64,
     synchronous_commit: bool,
+    /// The shards' names, in shard order (`shard-0`, … for `--shards`; the names of
+    /// `--shard-url`; one entry otherwise).
+    shard_names: Vec<String>,
     /// Statements each shard served, in shard order (`--shards`; one entry without it).
     shard_db_calls: Vec<u64>,
+    /// Statements per second each shard served over the run, in shard order.
+    shard_db_calls_per_s: Vec<f64>,
+    /// Statements per second over every shard.
+    db_calls_per_s: f64,
+    /// Decisions per statement (`requests / db_calls`; 0 when no statement was sent).
+    decisions_per_statement: f64,
+    /// Decisions per second the shards would carry if each served as many statements a
+    /// second as the busiest one did in this run, at this run's decisions per statement
+    /// (`shards × max(shard_db_calls_per_s) × decisions_per_statement`): the throughput when
+    /// the shards were loaded evenly, more when the busiest shard limited the run.
+    fleet_decisions_per_s: f64,
     /// The fault injected (`--fault`), with what happened.
     #[serde(skip_serializing_if = "Option::is_none")]
     fault: Option<crate::fault::Fault>,
@@ -346,16 +367,26 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     if args.serve_db {
         return serve_db(&runtime);
     }
-    let (server, url) = given_or_throwaway(args.database_url.as_deref())?;
-    let server = server.map(Arc::new);
-    // More throwaway clusters for `--shards`: the first shard is the one above.
-    let mut shards = vec![url.clone()];
     let mut others = Vec::new();
-    for _ in 1..args.shards {
-        let more = tokenlease::embedded::TempPostgres::start()?;
-        shards.push(more.url());
-        others.push(more);
-    }
+    let (server, shards) = if args.shard_url.is_empty() {
+        let (server, url) = given_or_throwaway(args.database_url.as_deref())?;
+        // More throwaway clusters for `--shards`: the first shard is the one above.
+        let mut shards = vec![Shard {
+            name: "shard-0".into(),
+            url,
+        }];
+        for i in 1..args.shards {
+            let more = tokenlease::embedded::TempPostgres::start()?;
+            shards.push(Shard {
+                name: format!("shard-{i}"),
+                url: more.url(),
+            });
+            others.push(more);
+        }
+        (server.map(Arc::new), shards)
+    } else {
+        (None, crate::reshard::parse("shard-url", &args.shard_url)?)
+    };
     let report = runtime.block_on(async {
         let injector = match (args.fault, &server) {
             (None, _) => None,
@@ -415,6 +446,15 @@ fn serve_db(runtime: &tokio::runtime::Runtime) -> super::CmdResult {
 }
 
 fn validate(args: &Args) -> Result<(), String> {
+    if !args.shard_url.is_empty()
+        && (args.shards > 1 || args.database_url.is_some() || args.fault.is_some() || args.serve_db)
+    {
+        return Err(
+            "--shard-url names every shard: unset DATABASE_URL, and drop --database-url, \
+             --shards, --fault and --serve-db"
+                .into(),
+        );
+    }
     let positive = |name: &str, v: f64| {
         if v.is_finite() && v > 0.0 {
             Ok(())
@@ -538,28 +578,37 @@ impl Keys {
 
 async fn load(
     args: &Args,
-    shards: &[String],
+    shards: &[Shard],
     injector: Option<crate::fault::Injector>,
 ) -> Result<Report, Box<dyn std::error::Error>> {
     let plan = Arc::new(plan(args)?);
-    // Statements per shard (one shard without `--shards`).
+    // Statements per shard (one shard without `--shards` or `--shard-url`).
     let shard_calls: Vec<Arc<AtomicU64>> = shards.iter().map(|_| Arc::default()).collect();
     let mut limiters = Vec::with_capacity(args.instances);
-    let url = &shards[0];
+    let url = &shards[0].url;
     let limiter_url = injector
         .as_ref()
         .map_or_else(|| url.to_owned(), |i| i.url());
     for _ in 0..args.instances {
         let mut sharded = tokenlease::store::ShardedStore::builder();
-        for (i, shard_url) in shards.iter().enumerate() {
-            let shard_url = if i == 0 { &limiter_url } else { shard_url };
+        for (i, shard) in shards.iter().enumerate() {
+            let shard_url = if i == 0 { &limiter_url } else { &shard.url };
+            // Errors name the shard when the caller named it (`--shard-url`).
+            let named = |e: DatabaseError| -> Box<dyn std::error::Error> {
+                if args.shard_url.is_empty() {
+                    e.into()
+                } else {
+                    format!("shard {}: {e}", shard.name).into()
+                }
+            };
+            // `build` applies the migrations the database lacks.
             let store = PostgresStore::builder(shard_url)
-                .map_err(|e| DatabaseError::new("use", shard_url, &e))?
+                .map_err(|e| named(DatabaseError::new("use", shard_url, &e)))?
                 .pool_size(args.pool)
                 .synchronous_commit(!args.sync_commit_off)
                 .build()
                 .await
-                .map_err(|e| DatabaseError::new("connect to", shard_url, &e))?;
+                .map_err(|e| named(DatabaseError::new("connect to and migrate", shard_url, &e)))?;
             let counting = CountedStore::with_counter(store, Arc::clone(&shard_calls[i]));
             if shards.len() == 1 {
                 // As the documented set-up: a circuit breaker in front of the store, so that
@@ -571,7 +620,7 @@ async fn load(
                 );
             } else {
                 // A breaker per shard, named after it.
-                let name = format!("shard-{i}");
+                let name = shard.name.clone();
                 sharded = sharded.shard(name.clone(), CircuitBreaker::new(counting).name(name));
             }
         }
@@ -584,7 +633,7 @@ async fn load(
         }
     }
     // Start every key full, whatever an earlier run left behind.
-    for url in shards {
+    for Shard { url, .. } in shards {
         let conn = tokio_postgres::connect(url, tokio_postgres::NoTls)
             .await
             .map_err(|e| DatabaseError::new("connect to", url, &e))?;
@@ -765,7 +814,7 @@ async fn load(
         .iter()
         .map(|c| c.load(Ordering::Relaxed))
         .collect();
-    let db_calls = shard_db_calls.iter().sum();
+    let db_calls: u64 = shard_db_calls.iter().sum();
     let admitted = requests.iter().filter(|r| r.allowed).count() as u64;
     let bucket = *plan.bucket();
     let cost = Tokens::from_f64(args.cost).ok_or("--cost is out of range")?;
@@ -789,6 +838,14 @@ async fn load(
         Mode::Direct => args.cost,
     };
     let n = requests.len() as u64;
+    let per_s = |calls: u64| calls as f64 / elapsed.max(1e-9);
+    let shard_db_calls_per_s: Vec<f64> = shard_db_calls.iter().map(|&c| per_s(c)).collect();
+    let decisions_per_statement = if db_calls == 0 {
+        0.0
+    } else {
+        n as f64 / db_calls as f64
+    };
+    let busiest = shard_db_calls_per_s.iter().copied().fold(0.0, f64::max);
     Ok(Report {
         mode: args.mode,
         instances: args.instances,
@@ -818,6 +875,11 @@ async fn load(
         },
         overshoot_tokens: overshoot,
         overshoot_bound,
+        shard_names: shards.iter().map(|s| s.name.clone()).collect(),
+        fleet_decisions_per_s: shards.len() as f64 * busiest * decisions_per_statement,
+        decisions_per_statement,
+        db_calls_per_s: per_s(db_calls),
+        shard_db_calls_per_s,
         shard_db_calls,
         db_calls,
         db_calls_per_1k: if n == 0 {
@@ -959,20 +1021,29 @@ fn print_table(r: &Report) {
     row(
         "database calls",
         format!(
-            "{} ({:.2} per 1,000 requests)",
-            r.db_calls, r.db_calls_per_1k
+            "{} ({:.2} per 1,000 requests, {:.0}/s)",
+            r.db_calls, r.db_calls_per_1k, r.db_calls_per_s
         ),
     );
     if r.shard_db_calls.len() > 1 {
-        let per_s = |n: u64| n as f64 / r.duration_s.max(1e-9);
         row(
             "statements per shard",
-            r.shard_db_calls
+            r.shard_names
                 .iter()
-                .enumerate()
-                .map(|(i, &n)| format!("shard-{i} {n} ({:.0}/s)", per_s(n)))
+                .zip(r.shard_db_calls.iter().zip(&r.shard_db_calls_per_s))
+                .map(|(name, (n, per_s))| format!("{name} {n} ({per_s:.0}/s)"))
                 .collect::<Vec<_>>()
                 .join(", "),
+        );
+        row(
+            "at the busiest rate",
+            format!(
+                "{:.0} requests/s ({} shards × the busiest shard's statements/s × {:.2} \
+                 requests per statement)",
+                r.fleet_decisions_per_s,
+                r.shard_db_calls.len(),
+                r.decisions_per_statement
+            ),
         );
     }
     row(

@@ -64,12 +64,18 @@ pub(crate) enum ShardListError {
 
 /// One shard: its name and connection string.
 #[derive(Debug)]
-struct Shard {
-    name: String,
-    url: String,
+pub(crate) struct Shard {
+    /// The shard's name, which places keys (`store::shard_of`).
+    pub(crate) name: String,
+    /// Its connection string (URL or key=value), password included: show it only through
+    /// `db::redact`.
+    pub(crate) url: String,
 }
 
-fn parse(flag: &'static str, args: &[String]) -> Result<Vec<Shard>, ShardListError> {
+/// A list of `NAME=URL` arguments of `--flag` (`tokenlease reshard --from/--to`,
+/// `tokenlease loadtest --shard-url`): every name non-empty and used once, every URL
+/// non-empty. An error shows the argument with its password hidden.
+pub(crate) fn parse(flag: &'static str, args: &[String]) -> Result<Vec<Shard>, ShardListError> {
     let mut seen = HashSet::new();
     let mut out = Vec::new();
     for arg in args {
