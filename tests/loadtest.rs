@@ -191,6 +191,35 @@ async fn requests_fixes_the_count() {
     assert!(f(&r, "max_us") > 0.0, "{r}");
 }
 
+/// `--statements-in-flight` reaches the limiter: with one direct-mode statement in flight, 16
+/// callers' keys share each statement (the default, the pool of 4, gives about 350 statements
+/// per 1,000 requests at this load; one in flight, about 100).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_in_flight_reaches_the_limiter() {
+    let db = common::database().await;
+    let r = loadtest(
+        &db,
+        &[
+            "--mode",
+            "direct",
+            "--keys",
+            "10000",
+            "--instances",
+            "1",
+            "--tasks",
+            "16",
+            "--requests",
+            "3000",
+            "--rate",
+            "1000000",
+            "--statements-in-flight",
+            "1",
+        ],
+    );
+    assert_eq!(r["requests"], 3000, "{r}");
+    assert!(f(&r, "db_calls_per_1k") < 250.0, "{r}");
+}
+
 /// Bad options are refused before anything starts, with a message naming the option.
 #[test]
 fn invalid_options_are_refused() {

@@ -118,6 +118,10 @@ pub(crate) struct Args {
     /// is busy (`LimiterBuilder::sparse_keys_direct`).
     #[arg(long)]
     sparse_keys_direct: bool,
+    /// Direct-mode statements in flight per instance (`LimiterBuilder::statements_in_flight`);
+    /// by default the pool size.
+    #[arg(long, value_name = "N")]
+    statements_in_flight: Option<usize>,
     /// The database; without it a throwaway cluster is started.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
@@ -613,11 +617,7 @@ async fn load(
             if shards.len() == 1 {
                 // As the documented set-up: a circuit breaker in front of the store, so that
                 // calls during an outage fail at once instead of each waiting for its timeout.
-                limiters.push(
-                    Limiter::builder(CircuitBreaker::new(counting))
-                        .sparse_keys_direct(args.sparse_keys_direct)
-                        .build(),
-                );
+                limiters.push(tuned(Limiter::builder(CircuitBreaker::new(counting)), args).build());
             } else {
                 // A breaker per shard, named after it.
                 let name = shard.name.clone();
@@ -625,11 +625,7 @@ async fn load(
             }
         }
         if shards.len() > 1 {
-            limiters.push(
-                Limiter::builder(sharded.build()?)
-                    .sparse_keys_direct(args.sparse_keys_direct)
-                    .build(),
-            );
+            limiters.push(tuned(Limiter::builder(sharded.build()?), args).build());
         }
     }
     // Start every key full, whatever an earlier run left behind.
@@ -1061,6 +1057,18 @@ fn print_table(r: &Report) {
         "fallback decisions",
         format!("{} (fallback: {})", r.fallback_decisions, r.fallback),
     );
+}
+
+/// The limiter settings the command line chooses.
+fn tuned(
+    builder: tokenlease::limiter::LimiterBuilder,
+    args: &Args,
+) -> tokenlease::limiter::LimiterBuilder {
+    let builder = builder.sparse_keys_direct(args.sparse_keys_direct);
+    match args.statements_in_flight {
+        Some(n) => builder.statements_in_flight(n),
+        None => builder,
+    }
 }
 
 #[cfg(test)]
