@@ -613,22 +613,26 @@ fn refill_job(leases: &Leases, lane: usize, asks: Vec<Ask>) -> Job<'_> {
     })
 }
 
+/// The store's requests for `returns`, borrowing their keys.
+fn give_back_requests(returns: &[Return]) -> Vec<GiveBack<'_>> {
+    returns
+        .iter()
+        .map(|r| GiveBack {
+            id: r.id,
+            key: &r.slot.key,
+            bucket: *r.slot.plan.bucket(),
+            amount: Tokens::from_nanos(u128::from(r.amount)),
+            lease: r.lease,
+        })
+        .collect()
+}
+
 /// Sends one give-back statement. Its returns are held in a guard until it answers: an actor
 /// that ends mid-statement leaves them to the next one.
 fn give_back_job(leases: &Leases, lane: usize, batch: Vec<Return>) -> Job<'_> {
     let mut batch = Carried::new(leases, batch);
     Box::pin(async move {
-        let requests: Vec<GiveBack<'_>> = batch
-            .items
-            .iter()
-            .map(|r| GiveBack {
-                id: r.id,
-                key: &r.slot.key,
-                bucket: *r.slot.plan.bucket(),
-                amount: Tokens::from_nanos(u128::from(r.amount)),
-                lease: r.lease,
-            })
-            .collect();
+        let requests = give_back_requests(&batch.items);
         // One outcome per return: a sharded store fails only the returns of a failing shard.
         let result = leases.store.give_back_each(&requests).await;
         drop(requests);
@@ -1286,17 +1290,7 @@ async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
             .partition(|r| keys.len() < CHUNK && keys.insert(r.slot.key.clone()));
         pending.items = rest;
         let mut batch = Carried::new(leases, batch);
-        let requests: Vec<GiveBack<'_>> = batch
-            .items
-            .iter()
-            .map(|r| GiveBack {
-                id: r.id,
-                key: &r.slot.key,
-                bucket: *r.slot.plan.bucket(),
-                amount: Tokens::from_nanos(u128::from(r.amount)),
-                lease: r.lease,
-            })
-            .collect();
+        let requests = give_back_requests(&batch.items);
         leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
         metrics::counter!(m::DB_CALLS, "kind" => "return").increment(1);
         leases.busy.store(true, Ordering::Relaxed);
