@@ -146,7 +146,7 @@ async fn a_key_that_was_never_spent_is_evicted() {
 
 /// A full nudge queue drops nudges; the actor then finds the slots by their `PENDING` bit.
 /// Seventy thousand new keys asked for without a yield (the actor cannot run on this one-thread
-/// runtime until the test awaits) overflow the 65,536-entry queue, and every key still gets its
+/// runtime until the test awaits) overflow the 8,192-entry queue, and every key still gets its
 /// lease.
 #[tokio::test(start_paused = true)]
 async fn a_full_nudge_queue_still_refills_every_key() {

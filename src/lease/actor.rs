@@ -40,7 +40,7 @@ use super::word::{CLOSED, PENDING, TOKENS};
 use super::{GATHER, Leases};
 use crate::bucket::Tokens;
 use crate::metrics as m;
-use crate::policy::{Accounting, LeaseSettings};
+use crate::policy::{Accounting, LeaseSettings, Plan};
 use crate::store::{AcquireRequest, Acquired, GiveBack, Hold, LeaseRef, StoreError};
 
 /// A contended key's lease is spread over one word per core once its target reaches `HOT_PARTS²`
@@ -72,7 +72,10 @@ const SLOW_PASS: u64 = 1_000_000_000;
 #[derive(Debug)]
 pub(super) struct Return {
     id: i64,
-    slot: Arc<Slot>,
+    /// The key and its plan, copied from the slot: a queued return does not keep the evicted
+    /// slot (288 bytes and its fast-path record) alive while it waits for its lane.
+    key: SlotKey,
+    plan: Arc<Plan>,
     amount: u64,
     attempts: u32,
     /// The strict lease the return settles; `None` for relaxed leases.
@@ -374,6 +377,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
         // Each idle lane's give-backs first, then its refills: a strict lease closed in this
         // round is settled before the same slot's renewal replaces its entry in the store.
         dispatch(leases, &mut lanes, &mut timers, returns, &mut ids, now);
+        lanes.shrink();
         after_work(leases, &mut gauges, tick, worked);
     }
     // Statements in flight finish first (each within the store's call timeout): their grants
@@ -481,6 +485,15 @@ impl<'a> Lanes<'a> {
         self.lanes.get(&lane).is_some_and(|l| l.busy)
     }
 
+    /// Gives memory back after a burst of refills (the first calls of a flood of new keys):
+    /// the set of slots in flight keeps its capacity otherwise.
+    fn shrink(&mut self) {
+        let capacity = self.inflight.capacity();
+        if capacity > 1024 && self.inflight.len() < capacity / 4 {
+            self.inflight.shrink_to(self.inflight.len() * 2);
+        }
+    }
+
     /// Queues `slot` for a refill on `lane`, unless it waits there already.
     fn queue(&mut self, lane: usize, slot: Arc<Slot>) {
         let l = self.lanes.entry(lane).or_default();
@@ -531,13 +544,13 @@ fn dispatch<'a>(
         let mut batches: HashMap<usize, (HashSet<SlotKey>, Vec<Return>)> = HashMap::new();
         let mut rest = Vec::new();
         for r in returns.drain(..) {
-            let lane = leases.store.partition(&r.slot.key);
+            let lane = leases.store.partition(&r.key);
             if r.not_before > now || lanes.busy(lane) {
                 rest.push(r);
                 continue;
             }
             let (keys, batch) = batches.entry(lane).or_default();
-            if keys.len() < CHUNK && keys.insert(r.slot.key.clone()) {
+            if keys.len() < CHUNK && keys.insert(r.key.clone()) {
                 batch.push(r);
             } else {
                 rest.push(r);
@@ -619,8 +632,8 @@ fn give_back_requests(returns: &[Return]) -> Vec<GiveBack<'_>> {
         .iter()
         .map(|r| GiveBack {
             id: r.id,
-            key: &r.slot.key,
-            bucket: *r.slot.plan.bucket(),
+            key: &r.key,
+            bucket: *r.plan.bucket(),
             amount: Tokens::from_nanos(u128::from(r.amount)),
             lease: r.lease,
         })
@@ -959,7 +972,8 @@ fn queue_return(
     if amount > 0 {
         returns.push(Return {
             id: ids.next(),
-            slot: Arc::clone(slot),
+            key: slot.key.clone(),
+            plan: Arc::clone(&slot.plan),
             amount,
             attempts: 0,
             lease,
@@ -1287,7 +1301,7 @@ async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
         let mut keys = HashSet::new();
         let (batch, rest): (Vec<Return>, Vec<Return>) = std::mem::take(&mut pending.items)
             .into_iter()
-            .partition(|r| keys.len() < CHUNK && keys.insert(r.slot.key.clone()));
+            .partition(|r| keys.len() < CHUNK && keys.insert(r.key.clone()));
         pending.items = rest;
         let mut batch = Carried::new(leases, batch);
         let requests = give_back_requests(&batch.items);

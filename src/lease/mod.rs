@@ -49,10 +49,14 @@ pub(crate) use slot::Slot;
 use table::Table;
 use word::Take;
 
-/// Capacity of the queue of slots that asked for a refill. 65,536 pointers, 512 KiB: a million
-/// quiet keys crossing their low-water marks within one gathering fit without an overflow (which
-/// costs the actor a scan of the whole table).
-const NUDGES: usize = 1 << 16;
+/// Capacity of the queue of slots that asked for a refill: 8,192 cells of 16 bytes (a stamp and
+/// a pointer), 128 KiB, allocated and written when the limiter starts. The actor is woken once
+/// the queue is half full, so 4,096 keys crossing their low-water marks within one gathering (a
+/// million quiet keys called 400,000 times a second) fit; a burst beyond that, as a flood of new
+/// keys, costs the actor one scan of the table for `PENDING` slots after the overflow. At 65,536
+/// cells (1 MiB) the queue alone was 105 bytes per key of a limiter with 10,000 keys
+/// (`TOKENLEASE_BENCH_ONLY=memory`).
+const NUDGES: usize = 1 << 13;
 
 /// The longest the actor gathers low-water nudges before refilling them together.
 pub(crate) const GATHER: Duration = Duration::from_millis(10);
