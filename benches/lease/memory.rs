@@ -54,10 +54,57 @@ fn chunk(size: usize) -> i64 {
     ((size + 8 + 15) & !15).max(32) as i64
 }
 
+/// Live chunk bytes by chunk size (16-byte classes below 4 KiB, then one class per power of two),
+/// for `TOKENLEASE_BENCH_MEMORY_SIZES=1`: where the bytes per key go.
+static BY_SIZE: [AtomicI64; SIZE_CLASSES] = [const { AtomicI64::new(0) }; SIZE_CLASSES];
+const SMALL_CLASSES: usize = 4096 / 16;
+const SIZE_CLASSES: usize = SMALL_CLASSES + 40;
+
+/// The class of a chunk of `chunk` bytes, and the smallest size in it.
+fn class(chunk: usize) -> usize {
+    if chunk < 4096 {
+        chunk / 16
+    } else {
+        (SMALL_CLASSES + chunk.ilog2() as usize - 12).min(SIZE_CLASSES - 1)
+    }
+}
+
+fn class_label(class: usize) -> String {
+    if class < SMALL_CLASSES {
+        format!("{} B", class * 16)
+    } else {
+        format!(
+            "{}-{} KiB",
+            4 << (class - SMALL_CLASSES),
+            8 << (class - SMALL_CLASSES)
+        )
+    }
+}
+
 fn count(size: usize, sign: i64) {
     if COUNTING.load(Ordering::Relaxed) {
         LIVE.fetch_add(sign * size as i64, Ordering::Relaxed);
-        CHUNKS.fetch_add(sign * chunk(size), Ordering::Relaxed);
+        let chunk = chunk(size);
+        CHUNKS.fetch_add(sign * chunk, Ordering::Relaxed);
+        BY_SIZE[class(chunk as usize)].fetch_add(sign * chunk, Ordering::Relaxed);
+    }
+}
+
+/// Prints, to stderr, the chunk sizes holding the most live bytes per key.
+fn print_sizes(n: usize) {
+    let mut classes: Vec<(usize, i64)> = BY_SIZE
+        .iter()
+        .enumerate()
+        .map(|(c, b)| (c, b.load(Ordering::Relaxed)))
+        .filter(|&(_, b)| b != 0)
+        .collect();
+    classes.sort_by_key(|&(_, b)| -b.abs());
+    for (class, bytes) in classes.into_iter().take(12) {
+        let label = class_label(class);
+        eprintln!(
+            "  chunks of {label}: {:.1} B per key",
+            bytes as f64 / n as f64
+        );
     }
 }
 
@@ -205,6 +252,10 @@ pub(crate) fn child(spec: &str) {
         other => panic!("unknown side {other}"),
     };
     let per_key = |bytes: i64| bytes as f64 / n as f64;
+    if std::env::var_os("TOKENLEASE_BENCH_MEMORY_SIZES").is_some() {
+        eprintln!("memory {side} {n}, live heap by chunk size:");
+        print_sizes(n);
+    }
     println!(
         "memory {side} {n} {:.1} {:.1} {:.1} {store_keys} {live} {table_keys}",
         per_key(rss_bytes() as i64 - rss0 as i64),
