@@ -524,13 +524,12 @@ impl Limiter {
     /// [`start`](Self::start) takes the call. Kept apart from `start` so that `Acquire::poll`
     /// builds this decision in place.
     #[inline(always)]
-    fn known(&self, key: &str, cost: f64) -> Option<Result<Decision, Error>> {
+    fn known(&self, key: &str, cost: f64) -> Option<Result<crate::lease::Known<'_>, Error>> {
         let leases = self.inner.leases.get()?;
         // A key in the table passed `validate_key` when it went in: only the cost is checked.
-        let known = leases.try_take_known(key, &self.inner.plans, |plan| {
+        leases.try_take_known(key, &self.inner.plans, |plan| {
             validate_cost(plan, cost).map(lease_cost)
-        })?;
-        Some(known.map(|k| lease_allowed(k.plan, k.left, k.store_remaining)))
+        })
     }
 
     /// The part of a call that never awaits: the lease's fast path, or what the rest of the
@@ -922,16 +921,22 @@ impl Future for Acquire<'_> {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         // `try_acquire` on a key with a live lease: decided in place, with no more work than
         // `try_acquire_now_with`; the state is only marked done.
+        // The decision is built in the return value itself: built first and then moved, its
+        // fields went through the stack, where the 16-byte copies of 8-byte stores stalled
+        // store-to-load forwarding (DESIGN.md §8, "The fast path").
         if let State::Start {
             limiter,
             plan: None,
             key,
             cost,
         } = self.state
-            && let Some(out) = limiter.known(key, cost)
+            && let Some(known) = limiter.known(key, cost)
         {
             self.state = State::Done;
-            return Poll::Ready(out);
+            return Poll::Ready(match known {
+                Ok(k) => Ok(lease_allowed(k.plan, k.left, k.store_remaining)),
+                Err(e) => Err(e),
+            });
         }
         let (mut waiting, since) = match std::mem::replace(&mut self.state, State::Done) {
             State::Start {
