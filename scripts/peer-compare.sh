@@ -12,6 +12,8 @@
 #         per session either way;
 #      b. the bare statement that function replaced (src/store/postgres/sql/acquire_bare.sql),
 #         for comparison;
+#      then the ceiling for 16 callers: the function with 16 random keys a call from 1 client,
+#      and with 8 from 2 clients (at most 16 requests in flight either way);
 #   3. tokenlease loadtest, 1 instance × 16 tasks: direct mode on 10,000 keys as a closed loop
 #      (--rate far above what is reachable, so each task sends as soon as it is answered) with
 #      the default pool of 4, with 16 connections, and with the pool of 4 but 2 statements in
@@ -133,6 +135,60 @@ print(json.dumps({
 }))
 PY
     done
+done
+
+# The most any client with 16 callers can get from this server: with 16 requests in flight at
+# most, a client serves at most 16 ÷ (one statement's time) decisions a second, and the fastest
+# it can do is send all 16 in one statement (or 8 in each of two). tokenlease's statement with
+# 16 (then 8) distinct random keys per call, -M prepared, 1 (then 2) pgbench clients: served
+# decisions/s = tps × keys, and the statement's own latency as p50/p99.
+echo "== 2/4 pgbench, the statement with many keys per call: the ceiling for 16 callers" >&2
+for shape in "16 1" "8 2"; do
+    read -r keys clients <<<"$shape"
+    {
+        echo "\\set k random(0, $((10000 / keys - 1)))"
+        grep -v '^[[:space:]]*--' src/store/postgres/sql/acquire.sql |
+            sed -e "s/\\\$1::text\\[\\]/ARRAY(SELECT 'pgbench:' || (:k * $keys + i)::text FROM generate_series(0, $((keys - 1))) AS i)/" \
+                -e "s/\\\$2::text\\[\\]/array_fill('100'::text, ARRAY[$keys])/" \
+                -e "s/\\\$3::text\\[\\]/array_fill('50'::text, ARRAY[$keys])/" \
+                -e "s/\\\$[456]::text\\[\\]/array_fill('1'::text, ARRAY[$keys])/g"
+        echo ';'
+    } >"$tmp/many.pgbench"
+    if grep -q '\$[0-9]' "$tmp/many.pgbench"; then
+        echo "peer-compare: acquire.sql has parameters this script does not replace" >&2
+        exit 1
+    fi
+    rm -f "$tmp"/pgbench_log*
+    (cd "$tmp" && pgbench -n -M prepared -c "$clients" -j "$clients" -T "$PHASE_S" -f many.pgbench \
+        -l --log-prefix=pgbench_log "$url" >pgbench.out 2>pgbench.err) || {
+        cat "$tmp/pgbench.err" >&2
+        exit 1
+    }
+    python3 - "$tmp" "$keys" "$clients" >>"$out" <<'PY'
+import glob, json, math, re, sys
+tmp, keys, clients = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+text = open(f"{tmp}/pgbench.out").read()
+lat, failed = [], 0
+for path in glob.glob(f"{tmp}/pgbench_log*"):
+    for line in open(path):
+        f = line.split()
+        if f[2].isdigit():
+            lat.append(int(f[2]))
+        else:
+            failed += 1
+lat.sort()
+def pct(q):  # nearest rank
+    return lat[min(len(lat) - 1, max(0, math.ceil(q * len(lat)) - 1))] if lat else 0
+dur = float(re.search(r"duration: (\d+) s", text).group(1))
+tps = float(re.search(r"tps = ([\d.]+) \(without initial", text).group(1))
+print(json.dumps({
+    "client": f"pgbench -M prepared, {clients} client(s), tokenlease_acquire() with {keys} random keys a call "
+              f"(the ceiling for 16 callers: 16 in flight at most); p50/p99 are a statement's",
+    "requests": len(lat) * keys, "per_sec": tps * keys, "p50_us": pct(0.5), "p99_us": pct(0.99),
+    "p999_us": pct(0.999), "max_us": lat[-1] if lat else 0, "errors": failed,
+    "duration_s": dur, "statements_per_1k": 1000 / keys,
+}))
+PY
 done
 
 # tokenlease's own load test, as a user would run it: the default pool (4 connections) and the
