@@ -73,7 +73,7 @@ const SLOW_PASS: u64 = 1_000_000_000;
 pub(super) struct Return {
     id: i64,
     /// The key and its plan, copied from the slot: a queued return does not keep the evicted
-    /// slot (288 bytes and its fast-path record) alive while it waits for its lane.
+    /// slot (240 bytes and its fast-path record) alive while it waits for its lane.
     key: SlotKey,
     plan: Arc<Plan>,
     amount: u64,
@@ -98,16 +98,17 @@ impl Ids {
     }
 }
 
-/// One entry of the due-queue: look at `slot` at `at` (local monotonic ns).
+/// One entry of the due-queue: look at `slot` at `at` (local monotonic ns). 16 bytes: the entry
+/// is live while the slot's book says it is armed for `at` ([`Timers::arm`]), so it carries no
+/// sequence number of its own.
 struct Due {
     at: u64,
-    seq: u64,
     slot: Arc<Slot>,
 }
 
 impl PartialEq for Due {
     fn eq(&self, other: &Due) -> bool {
-        (self.at, self.seq) == (other.at, other.seq)
+        self.at == other.at
     }
 }
 
@@ -122,17 +123,16 @@ impl PartialOrd for Due {
 impl Ord for Due {
     /// Reversed, so that `BinaryHeap` (a max-heap) pops the earliest entry first.
     fn cmp(&self, other: &Due) -> Order {
-        (other.at, other.seq).cmp(&(self.at, self.seq))
+        other.at.cmp(&self.at)
     }
 }
 
 /// The actor's due-queue: when to look at which slot next (its lease's expiry, or its idle
-/// check). Each slot has at most one live entry, recorded in its [`Book`] (`timer`, `timer_at`),
-/// so the queue holds at most one entry per key in the table.
+/// check). Each slot has at most one live entry, recorded in its [`Book`] (`armed`, `timer_at`),
+/// so the queue holds at most one live entry per key in the table.
 #[derive(Default)]
 struct Timers {
     heap: BinaryHeap<Due>,
-    seq: u64,
 }
 
 impl Timers {
@@ -140,19 +140,24 @@ impl Timers {
     /// later. A due time only moves later (a top-up moves the expiry on; the actor handles
     /// entries before the round's refills, so a refill's expiry is later than any entry
     /// queued before it), so in practice this queues only a slot that has no entry. Should an
-    /// entry be replaced by an earlier one, the old one is skipped when it comes up.
+    /// entry be replaced by an earlier one, the old one is skipped when it comes up: it is not
+    /// [`live`](Self::live) unless the slot is armed for its very time again, and then it is
+    /// handled as the live entry is, twice in the same round at most (the first disarms it).
     fn arm(&mut self, slot: &Arc<Slot>, book: &mut Book, at: u64) {
-        if book.timer != 0 && book.timer_at <= at {
+        if book.armed && book.timer_at <= at {
             return;
         }
-        self.seq += 1;
-        book.timer = self.seq;
+        book.armed = true;
         book.timer_at = at;
         self.heap.push(Due {
             at,
-            seq: self.seq,
             slot: Arc::clone(slot),
         });
+    }
+
+    /// Whether an entry due at `at` is the live entry of the slot whose book is `book`.
+    fn live(at: u64, book: &Book) -> bool {
+        book.armed && book.timer_at == at
     }
 
     /// When the earliest entry is due.
@@ -246,7 +251,7 @@ fn adopt(leases: &Leases, timers: &mut Timers) {
         let closed = slot.words().load() & CLOSED != 0;
         let ttl = lease_settings(slot).ttl.as_nanos() as u64;
         let mut book = slot.book.lock();
-        book.timer = 0;
+        book.armed = false;
         let at = if closed {
             book.active_at.saturating_add(ttl)
         } else {
@@ -704,7 +709,7 @@ fn finish(
                     _ => {
                         slot.fallback_until.store(until, Ordering::Release);
                         slot.words().clear_pending();
-                        slot.notify.notify_waiters();
+                        slot.notify().notify_waiters();
                     }
                 }
                 schedule(timers, slot);
@@ -812,15 +817,15 @@ fn expire(
     let mut looked = 0u64;
     while let Some(entry) = timers.pop_due(horizon) {
         looked += 1;
-        let slot = entry.slot;
+        let (entry_at, slot) = (entry.at, entry.slot);
         if slot.evicted().load(Ordering::Acquire) {
             continue;
         }
         if inflight.contains(&(Arc::as_ptr(&slot) as usize)) {
             // Its refill is in flight: the answer, when applied, queues it again (`schedule`).
             let mut book = slot.book.lock();
-            if book.timer == entry.seq {
-                book.timer = 0;
+            if Timers::live(entry_at, &book) {
+                book.armed = false;
             }
             continue;
         }
@@ -828,10 +833,10 @@ fn expire(
         let available = slot.words().available();
         let ttl = lease_settings(&slot).ttl.as_nanos() as u64;
         let mut book = slot.book.lock();
-        if book.timer != entry.seq {
+        if !Timers::live(entry_at, &book) {
             continue; // replaced by an earlier entry, handled already
         }
-        book.timer = 0;
+        book.armed = false;
         // Active: spent since the actor last looked, or asking for a refill. (Compared with the
         // demand sample instead, a key that went quiet with its lease above the low-water mark
         // took no refill to update that sample and would look active for ever.)
@@ -993,7 +998,7 @@ fn retire(slot: &Arc<Slot>, returns: &mut Vec<Return>, ids: &mut Ids) {
         book.lease()
     };
     queue_return(returns, ids, slot, reclaimed, lease);
-    slot.notify.notify_waiters();
+    slot.notify().notify_waiters();
 }
 
 fn lease_settings(slot: &Slot) -> LeaseSettings {
@@ -1172,7 +1177,7 @@ fn plan_chunk(leases: &Leases, part: &[Arc<Slot>], timers: &mut Timers, ids: &mu
             }
             None => {
                 slot.words().clear_pending();
-                slot.notify.notify_waiters();
+                slot.notify().notify_waiters();
                 schedule(timers, slot);
             }
         }
@@ -1286,7 +1291,7 @@ fn apply(
         let lease = strict.and_then(|_| slot.book.lock().lease());
         queue_return(returns, ids, slot, unplaced, lease);
     }
-    slot.notify.notify_waiters();
+    slot.notify().notify_waiters();
 }
 
 /// At shutdown: gives reclaimed tokens back, one statement per chunk of distinct keys (a

@@ -500,7 +500,7 @@ impl Leases {
     /// makes the next refill a little larger; the refill itself goes on.
     pub(crate) async fn wait(&self, slot: Arc<Slot>, cost: u64, deadline: Instant) -> Fast {
         loop {
-            let notified = slot.notify.notified();
+            let notified = slot.notify().notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             let hot = slot.hot();

@@ -1,7 +1,7 @@
 //! One key's lease: the atomic word callers spend from, and what the actor knows about it.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -50,8 +50,6 @@ pub(crate) struct SlotCold {
     pub(crate) needed: AtomicU64,
     /// The sum of the costs (nanotokens) callers are waiting for.
     pub(crate) waiting: AtomicU64,
-    /// Callers waiting for a refill wait here; the actor wakes them after every answer.
-    pub(crate) notify: Notify,
     /// The key (in the slot itself when short).
     pub(crate) key: SlotKey,
     /// The key's plan (bucket shape and lease settings).
@@ -86,10 +84,8 @@ pub(crate) struct Book {
     /// How much had been spent when the actor last looked at the slot on its due-queue: its own
     /// sample for idleness, apart from the demand sample, which only refills take.
     pub(crate) spent_at_check: u64,
-    /// The sequence number of the slot's entry in the actor's due-queue, 0 when it has none.
-    /// At most one entry is live per slot, so the queue holds at most one per key in the table.
-    pub(crate) timer: u64,
-    /// When that entry is due (local monotonic ns); meaningless when `timer` is 0.
+    /// When the slot's live entry in the actor's due-queue is due (local monotonic ns);
+    /// meaningless unless `armed`.
     pub(crate) timer_at: u64,
     /// The target lease size at the last refill (nanotokens).
     pub(crate) target: u64,
@@ -104,6 +100,9 @@ pub(crate) struct Book {
     /// before asking again grows with it (up to 4×), so competing instances spread out instead
     /// of all asking at the moment a lease's worth has refilled.
     pub(crate) dry_streak: u32,
+    /// The slot has a live entry in the actor's due-queue, due at `timer_at`. At most one entry
+    /// is live per slot, so the queue holds at most one live entry per key in the table.
+    pub(crate) armed: bool,
     /// The largest cost a caller of this key has waited for (nanotokens): a top-up is split over
     /// a hot key's words only in parts of at least a few such costs.
     pub(crate) max_cost: u64,
@@ -127,7 +126,30 @@ impl Book {
     }
 }
 
+/// The `Notify`s callers wait on for a refill, shared by every slot of the process: a slot's
+/// callers park on the one its address picks ([`Slot::notify`]). One per slot took 32 of the
+/// slot's bytes for what most keys never use at once. A caller woken for another slot's answer
+/// finds its own lease still short with its refill still asked for (`PENDING` stays set until
+/// the answer is applied) and waits again, so the sharing costs spurious wake-ups, never a
+/// missed one: a caller enables its wait before it checks the lease, and the actor wakes every
+/// caller of the slot's `Notify` after it changed the lease. With 1,024 of them, the actor's
+/// answer for 256 keys wakes about a quarter of all waiting callers, once each.
+static WAITERS: LazyLock<Box<[Notify]>> =
+    LazyLock::new(|| (0..WAITER_SETS).map(|_| Notify::new()).collect());
+/// How many [`WAITERS`] there are (a power of two).
+const WAITER_SETS: usize = 1024;
+
 impl Slot {
+    /// Where callers wait for this slot's refill, and what the actor wakes after every answer.
+    #[inline]
+    pub(crate) fn notify(&self) -> &'static Notify {
+        // A multiplicative hash of the address: slots are 240-byte heap chunks, so the low bits
+        // alone would use a few of the sets.
+        let at = std::ptr::from_ref(self) as usize as u64;
+        let set = at.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - WAITER_SETS.trailing_zeros());
+        &WAITERS[set as usize]
+    }
+
     /// A slot for `key` over the fresh record `hot` (see [`Slab::alloc`](super::slab::Slab::alloc)),
     /// made by a call of `first_cost` nanotokens.
     ///
@@ -144,7 +166,6 @@ impl Slot {
                 fallback_until: AtomicU64::new(0),
                 needed: AtomicU64::new(0),
                 waiting: AtomicU64::new(0),
-                notify: Notify::new(),
                 key: SlotKey::new(key),
                 plan,
                 book: Mutex::new(Book {
@@ -210,12 +231,12 @@ impl Slot {
 mod tests {
     use super::*;
 
-    /// A slot with its `Arc` header fits a 288-byte malloc chunk (at most 280 bytes asked for, 8
-    /// of header): the byte count `DESIGN.md` §10 accounts for. A field that pushes it past 264
+    /// A slot with its `Arc` header fits a 240-byte malloc chunk (at most 232 bytes asked for, 8
+    /// of header): the byte count `DESIGN.md` §10 accounts for. A field that pushes it past 216
     /// costs every key 16 bytes more.
     #[test]
-    fn a_slot_fits_a_288_byte_chunk() {
-        assert!(size_of::<Slot>() <= 264, "{}", size_of::<Slot>());
-        assert!(size_of::<Book>() <= 120, "{}", size_of::<Book>());
+    fn a_slot_fits_a_240_byte_chunk() {
+        assert!(size_of::<Slot>() <= 216, "{}", size_of::<Slot>());
+        assert!(size_of::<Book>() <= 112, "{}", size_of::<Book>());
     }
 }

@@ -33,9 +33,15 @@ use super::word::{CLOSED, CONTENDED, LeaseWord, PENDING, TOKENS, Take};
 pub(super) struct Padded(pub(super) LeaseWord);
 
 /// A hot key's extra words, one per core (a power of two), each on its own cache line; set once
-/// by the actor, never removed. Part of the slot.
+/// by the actor, never removed. Part of the slot, where it takes 16 bytes: the words' slice
+/// pointer (16 bytes itself) sits behind a thin pointer, since every key has the field and few
+/// keys are hot. A spread key's call pays one more load, of a line no one writes.
 #[derive(Debug, Default)]
-pub(crate) struct Extra(OnceLock<Box<[Padded]>>);
+pub(crate) struct Extra(OnceLock<Box<ExtraWords>>);
+
+/// The extra words themselves.
+#[derive(Debug)]
+pub(crate) struct ExtraWords(Box<[Padded]>);
 
 /// The words of one lease: the record's first word and the slot's extra words. See the
 /// [module docs](self).
@@ -147,7 +153,7 @@ impl<'a> LeaseWords<'a> {
         // a relaxed flag the model of spreading under callers finds a word read before its
         // creation is ordered. On x86 the two loads compile to the same instruction.)
         if self.hot.spread.load(Ordering::Acquire) {
-            self.extra.0.get().map(|e| &e[..])
+            self.extra.0.get().map(|e| &e.0[..])
         } else {
             None
         }
@@ -216,7 +222,7 @@ impl<'a> LeaseWords<'a> {
         if n > 1 && self.extra.0.get().is_none() {
             // New words start closed, like the lease they join; the next top-up opens them all.
             let words = (0..n).map(|_| Padded(LeaseWord::new_closed())).collect();
-            let _ = self.extra.0.set(words);
+            let _ = self.extra.0.set(Box::new(ExtraWords(words)));
             // Release, after the words are in place: a caller that sees the flag finds them
             // initialised (see `extra`).
             self.hot.spread.store(true, Ordering::Release);
