@@ -17,7 +17,8 @@
 #   3. tokenlease loadtest, 1 instance × 16 tasks: direct mode on 10,000 keys as a closed loop
 #      (--rate far above what is reachable, so each task sends as soon as it is answered) with
 #      the default pool of 4, with 16 connections, and with the pool of 4 but 2 statements in
-#      flight (tuned: more keys share each commit on a small server); leased mode on 100,000 keys paced at
+#      flight (tuned: more keys share each commit on a small server), each of those two again with
+#      the statements prepared once per session (--prepared-statements); leased mode on 100,000 keys paced at
 #      100,000 requests/s with the default lease settings and with leases living 30 s; leased
 #      mode on 10,000 keys as a closed loop with leases living 30 s.
 #
@@ -210,6 +211,10 @@ loadtest_phase "tokenlease direct, 10,000 keys, 1 × 16 tasks, closed loop, pool
     --mode direct --keys 10000 --rate 1000000 --pool 16
 loadtest_phase "tokenlease direct, 10,000 keys, 1 × 16 tasks, closed loop, pool 4, 2 statements in flight (tuned)" \
     --mode direct --keys 10000 --rate 1000000 --statements-in-flight 2
+loadtest_phase "tokenlease direct, 10,000 keys, 1 × 16 tasks, closed loop, default pool (4), prepared statements" \
+    --mode direct --keys 10000 --rate 1000000 --prepared-statements
+loadtest_phase "tokenlease direct, 10,000 keys, 1 × 16 tasks, closed loop, pool 4, 2 statements in flight, prepared statements (tuned)" \
+    --mode direct --keys 10000 --rate 1000000 --statements-in-flight 2 --prepared-statements
 loadtest_phase "tokenlease leased, 100,000 keys at 100,000/s, 1 × 16 tasks, default lease settings" \
     --mode leased --keys 100000 --rate 100000
 loadtest_phase "tokenlease leased, 100,000 keys at 100,000/s, 1 × 16 tasks, leases living 30 s" \

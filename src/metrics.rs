@@ -83,6 +83,9 @@ pub const IDLE_CLEANUP_ERRORS: &str = "tokenlease_idle_cleanup_errors_total";
 /// Server-side cancels of statements whose store call timed out or was dropped, by `result`
 /// (`sent`, `failed`).
 pub const STORE_CANCELS: &str = "tokenlease_store_cancels_total";
+/// Times a store that prepares its statements turned that off because the server refused one as
+/// only a transaction pooler makes it (`PostgresStoreBuilder::prepared_statements`).
+pub const STORE_UNPREPARED: &str = "tokenlease_store_unprepared_total";
 /// Store connections that ended in an error noticed in the background (a broken socket, a
 /// terminated session, a driver that did not finish).
 pub const STORE_CONNECTION_ERRORS: &str = "tokenlease_store_connection_errors_total";
@@ -205,6 +208,11 @@ pub fn describe() {
         STORE_CANCELS,
         Unit::Count,
         "server-side cancels of abandoned statements, by result"
+    );
+    describe_counter!(
+        STORE_UNPREPARED,
+        Unit::Count,
+        "times the store stopped preparing statements after a pooler refused one"
     );
     describe_counter!(
         STORE_CONNECTION_ERRORS,

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
+use tokenlease::bucket::Tokens;
 use tokenlease::embedded::TempPostgres;
 use tokenlease::store::{
     AcquireRequest, Acquired, BucketRow, GiveBack, PostgresStore, Store, StoreError,
@@ -257,6 +258,53 @@ fn start_servers() -> (TempPostgres, PgBouncer) {
         .expect("a throwaway PostgreSQL (install the server binaries: apt-get install postgresql)");
     let bouncer = PgBouncer::start(&pg);
     (pg, bouncer)
+}
+
+/// A store that prepares its statements, through PgBouncer 1.18 in transaction pooling (which
+/// does not carry prepared statements between server sessions): the first refusal turns the
+/// setting off, the refused call is sent again unnamed, and every call is answered exactly.
+/// 8 tasks take 1 token 40 times each from keys of their own (capacity 1,000, a token a minute);
+/// every take is granted, and each row then holds 960 tokens (its refill aside).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preparing_store_falls_back_to_unnamed_statements_behind_pgbouncer() {
+    let _serial = SERIAL.lock().await;
+    let (pg, bouncer) = tokio::task::spawn_blocking(start_servers)
+        .await
+        .expect("join");
+    drop(store(&pg.connection_string("postgres"), true).await);
+    let store = Arc::new(common::prepared_store_at(&bouncer.connection_string(), 4).await);
+    let config = common::bucket(1000, 1.0 / 60.0);
+    let tasks: Vec<_> = (0..8)
+        .map(|t| {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                let key = format!("prepared:{t}");
+                for call in 0..40 {
+                    let a = store
+                        .acquire(AcquireRequest::take(&key, config, Tokens::whole(1)))
+                        .await
+                        .unwrap_or_else(|e| panic!("task {t}, call {call}: {e}"));
+                    assert_eq!(a.granted.floor(), 1, "task {t}, call {call}");
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task");
+    }
+    let direct = client(&pg.connection_string("postgres")).await;
+    let rows = direct
+        .query(
+            "SELECT key, floor(tokens)::bigint FROM tokenlease_buckets WHERE key LIKE 'prepared:%'",
+            &[],
+        )
+        .await
+        .expect("rows");
+    assert_eq!(rows.len(), 8);
+    for row in rows {
+        let (key, tokens): (String, i64) = (row.get(0), row.get(1));
+        assert_eq!(tokens, 960, "{key}");
+    }
 }
 
 /// D8: C1 for 3 s through PgBouncer in transaction pooling.

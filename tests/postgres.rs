@@ -188,6 +188,59 @@ async fn one_key_calls_whose_row_comes_and_goes_grant_exactly() {
     }
 }
 
+/// B8: a store that prepares its statements once per session decides as one that sends them
+/// unnamed. The same takes, of one key and of several keys with mixed costs, on keys of their
+/// own with the same bucket (a token a minute), get the same grants and leave the same tokens;
+/// the preparing store's session holds its prepared statement, the other's none.
+#[tokio::test]
+async fn prepared_statements_decide_as_unnamed_ones() {
+    let db = common::database().await;
+    let unnamed = common::store(&db, 1).await;
+    let prepared = common::prepared_store_at(&db.connection_string(), 1).await;
+    let config = common::bucket(10, 1.0 / 60.0);
+    let mut seen: Vec<Vec<(u64, u64)>> = Vec::new();
+    for (store, side) in [(&unnamed, "unnamed"), (&prepared, "prepared")] {
+        let mut answers = Vec::new();
+        for cost in [3, 4, 5, 1, 2] {
+            let one = format!("{side}:one");
+            let a = store
+                .acquire(AcquireRequest::take(&one, config, Tokens::whole(cost)))
+                .await
+                .expect("acquire");
+            answers.push((a.granted.floor(), a.remaining.floor()));
+            let keys: Vec<String> = (0..3).map(|i| format!("{side}:many:{i}")).collect();
+            let requests: Vec<AcquireRequest<'_>> = keys
+                .iter()
+                .zip([cost, 1, 2 * cost])
+                .map(|(key, c)| AcquireRequest::take(key, config, Tokens::whole(c)))
+                .collect();
+            for a in store.acquire_many(&requests).await.expect("acquire_many") {
+                answers.push((a.granted.floor(), a.remaining.floor()));
+            }
+        }
+        seen.push(answers);
+    }
+    assert_eq!(seen[0], seen[1], "unnamed then prepared");
+    assert!(
+        seen[0].iter().any(|&(granted, _)| granted == 0),
+        "some takes were denied"
+    );
+    let count = |store: &PostgresStore| {
+        let pool = tokenlease::__private::pool(store).clone();
+        async move {
+            let conn = pool.get().await.expect("connection");
+            // Unnamed, so that the count does not see itself.
+            let rows = conn
+                .query_typed("SELECT count(*) FROM pg_prepared_statements", &[])
+                .await
+                .expect("pg_prepared_statements");
+            rows[0].get::<_, i64>(0)
+        }
+    };
+    assert_eq!(count(&unnamed).await, 0);
+    assert_eq!(count(&prepared).await, 1, "acquire.sql, prepared once");
+}
+
 /// B4: a stored refill time in the future (another writer's clock ahead, or a failover to a
 /// host whose clock lags) refills nothing and is not rewound; one in 1970 gives a full bucket.
 #[tokio::test]

@@ -39,6 +39,24 @@ pub async fn store_at(connection: &str, pool: u32, migrate: bool) -> PostgresSto
         .expect("store")
 }
 
+/// A store on `connection` as [`store_at`] (no migrations) that prepares its statements once
+/// per session (`PostgresStoreBuilder::prepared_statements`).
+pub async fn prepared_store_at(connection: &str, pool: u32) -> PostgresStore {
+    PostgresStore::builder(connection)
+        .expect("connection string")
+        .pool_size(pool)
+        .migrate(false)
+        .prepared_statements(true)
+        .call_timeout(Duration::from_secs(5))
+        .pool_wait_timeout(Duration::from_secs(5))
+        .connect_timeout(Duration::from_secs(5))
+        .statement_timeout(Duration::from_secs(5))
+        .lock_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .expect("store")
+}
+
 /// A store with the fault tests' settings: a pool of `pool`, 50 ms call and pool-wait
 /// timeouts, a 250 ms connect timeout, 100 ms statement and lock timeouts. Its first connection
 /// must come within the 50 ms pool wait, so building is retried (20 times, 50 ms apart) on a

@@ -114,6 +114,11 @@ pub(crate) struct Args {
     /// Run the limiter's statements with `synchronous_commit = off` (see DESIGN.md).
     #[arg(long)]
     sync_commit_off: bool,
+    /// Prepare the store's statements once per session (`PostgresStoreBuilder::
+    /// prepared_statements`): for a direct connection, not behind PgBouncer before 1.21 in
+    /// transaction mode.
+    #[arg(long)]
+    prepared_statements: bool,
     /// Leased mode: a sparse key's call goes to the direct-mode coalescer while the lease actor
     /// is busy (`LimiterBuilder::sparse_keys_direct`).
     #[arg(long)]
@@ -235,6 +240,8 @@ struct Report {
     fallback: &'static str,
     fallback_decisions: u64,
     synchronous_commit: bool,
+    /// `--prepared-statements`.
+    prepared_statements: bool,
     /// The shards' names, in shard order (`shard-0`, … for `--shards`; the names of
     /// `--shard-url`; one entry otherwise).
     shard_names: Vec<String>,
@@ -610,6 +617,7 @@ async fn load(
                 .map_err(|e| named(DatabaseError::new("use", shard_url, &e)))?
                 .pool_size(args.pool)
                 .synchronous_commit(!args.sync_commit_off)
+                .prepared_statements(args.prepared_statements)
                 .build()
                 .await
                 .map_err(|e| named(DatabaseError::new("connect to and migrate", shard_url, &e)))?;
@@ -895,6 +903,7 @@ async fn load(
         },
         fallback_decisions: fallback,
         synchronous_commit: !args.sync_commit_off,
+        prepared_statements: args.prepared_statements,
         fault,
     })
 }

@@ -6,7 +6,7 @@ use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
 use tokio::task::AbortHandle;
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::{Client, NoTls, Statement};
 
 use crate::store::{StoreError, TimeoutKind};
 
@@ -42,9 +42,35 @@ pub struct PgConnection {
     client: Client,
     driver: AbortHandle,
     discard: bool,
+    /// The store's statements this session has prepared, by their text (a handful at most:
+    /// one per file of `sql/`), when the store prepares them
+    /// ([`PostgresStoreBuilder::prepared_statements`](super::PostgresStoreBuilder::prepared_statements)).
+    prepared: parking_lot::Mutex<Vec<(&'static str, Statement)>>,
 }
 
 impl PgConnection {
+    /// This session's prepared `statement`, if it prepared it.
+    pub(super) fn prepared(&self, statement: &'static str) -> Option<Statement> {
+        self.prepared
+            .lock()
+            .iter()
+            .find(|(sql, _)| std::ptr::eq(*sql, statement))
+            .map(|(_, prepared)| prepared.clone())
+    }
+
+    /// Keeps `prepared` as this session's `statement`.
+    pub(super) fn remember(&self, statement: &'static str, prepared: Statement) {
+        let mut cache = self.prepared.lock();
+        if !cache.iter().any(|(sql, _)| std::ptr::eq(*sql, statement)) {
+            cache.push((statement, prepared));
+        }
+    }
+
+    /// Forgets this session's prepared statements (the server refused one).
+    pub(super) fn forget_prepared(&self) {
+        self.prepared.lock().clear();
+    }
+
     /// Keeps this connection out of the pool: it is closed when its pooled handle is dropped.
     pub(super) fn discard(&mut self) {
         self.discard = true;
@@ -117,6 +143,7 @@ impl bb8::ManageConnection for ConnectionManager {
             client,
             driver,
             discard: false,
+            prepared: parking_lot::Mutex::new(Vec::new()),
         })
     }
 

@@ -11,10 +11,13 @@
 
 use std::collections::HashMap;
 use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bb8::{Pool, RunError};
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{NoTls, Row};
 
@@ -77,6 +80,10 @@ pub struct PostgresStore {
     /// Bounds each of the two steps of abandoning a statement (the cancel request, then the
     /// wait for the session to be idle): the connect timeout.
     cancel_timeout: Duration,
+    /// Statements are prepared once per session
+    /// ([`PostgresStoreBuilder::prepared_statements`]); cleared for good when the server
+    /// refuses a prepared statement as only a transaction pooler makes it do.
+    prepare: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -101,6 +108,7 @@ pub struct PostgresStoreBuilder {
     lock_timeout: Duration,
     keepalive: Duration,
     synchronous_commit: bool,
+    prepared_statements: bool,
     migrate: bool,
     migrate_timeout: Duration,
 }
@@ -159,6 +167,24 @@ impl PostgresStoreBuilder {
     /// buckets by that much once. Never use an UNLOGGED table instead: that refills every bucket.
     pub fn synchronous_commit(mut self, on: bool) -> Self {
         self.synchronous_commit = on;
+        self
+    }
+
+    /// Whether each pooled session prepares the store's statements once (a named prepared
+    /// statement per file of `sql/`) and then only binds and runs them, instead of sending each
+    /// call as an unnamed statement that the server parses and plans again. Defaults to `false`.
+    ///
+    /// It saves the server the parse and plan of every call: about a third more calls a second
+    /// from the same server cores (DESIGN.md §7 has the measurements). Turn it on when the store
+    /// connects to PostgreSQL directly, through a pooler in session mode, or through PgBouncer
+    /// 1.21 or later with `max_prepared_statements` set. Not behind an older PgBouncer in
+    /// transaction mode: a call may then reach a server session that did not prepare its
+    /// statement, or one where another client's statement has the same name. The store turns
+    /// the setting off for good at the first refusal it can see (SQLSTATE 26000, 42P05 or
+    /// 08P01; the call is then sent unprepared, since the server ran nothing), but another
+    /// client's statement of the same name and parameter types would run in its place.
+    pub fn prepared_statements(mut self, on: bool) -> Self {
+        self.prepared_statements = on;
         self
     }
 
@@ -227,6 +253,7 @@ impl PostgresStoreBuilder {
             call_timeout: self.call_timeout,
             pool_wait_timeout: self.pool_wait_timeout,
             cancel_timeout: self.connect_timeout,
+            prepare: Arc::new(AtomicBool::new(self.prepared_statements)),
         };
         // The first connection is made outside the pool, bounded by the connect timeout rather
         // than the (shorter) pool wait, so a busy machine does not fail the build: it proves the
@@ -301,6 +328,7 @@ impl PostgresStore {
             lock_timeout: Duration::from_millis(100),
             keepalive: Duration::from_secs(5),
             synchronous_commit: true,
+            prepared_statements: false,
             migrate: true,
             migrate_timeout: Duration::from_secs(30),
         })
@@ -327,7 +355,7 @@ impl PostgresStore {
     /// abandoned: see [`InFlight`].
     async fn query(
         &self,
-        statement: &str,
+        statement: &'static str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, StoreError> {
         let deadline = tokio::time::Instant::now() + self.call_timeout;
@@ -344,8 +372,7 @@ impl PostgresStore {
             cancel_timeout: self.cancel_timeout,
         };
         let outcome =
-            tokio::time::timeout_at(deadline, in_flight.client().query_typed(statement, params))
-                .await;
+            tokio::time::timeout_at(deadline, self.send(in_flight.conn(), statement, params)).await;
         match outcome {
             Ok(result) => {
                 in_flight.done();
@@ -355,6 +382,79 @@ impl PostgresStore {
             Err(_) => Err(timed_out()),
         }
     }
+}
+
+impl PostgresStore {
+    /// Sends `statement` on `conn`: bound to the session's prepared statement when the store
+    /// prepares them (preparing it first on the session's first call of it), else as an
+    /// unnamed statement.
+    async fn send(
+        &self,
+        conn: &PgConnection,
+        statement: &'static str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>, tokio_postgres::Error> {
+        if self.prepare.load(Ordering::Relaxed) {
+            let prepared = match conn.prepared(statement) {
+                Some(prepared) => Ok(prepared),
+                None => {
+                    let types: Vec<Type> = params.iter().map(|(_, t)| t.clone()).collect();
+                    conn.prepare_typed(statement, &types)
+                        .await
+                        .inspect(|prepared| {
+                            conn.remember(statement, prepared.clone());
+                        })
+                }
+            };
+            let result = match prepared {
+                Ok(prepared) => {
+                    let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+                    conn.query(&prepared, &values).await
+                }
+                Err(e) => Err(e),
+            };
+            match result {
+                Err(e) if refused_by_pooler(&e) => {
+                    // The session that prepared is not the one that ran (a transaction pooler):
+                    // nothing ran; from now on every call goes unprepared.
+                    self.prepare.store(false, Ordering::Relaxed);
+                    conn.forget_prepared();
+                    metrics::counter!(crate::metrics::STORE_UNPREPARED).increment(1);
+                }
+                Err(e) if stale_plan(&e) => {
+                    // A migration changed what the statement returns: prepare it again next
+                    // time, and send this call unprepared.
+                    conn.forget_prepared();
+                }
+                other => return other,
+            }
+        }
+        conn.query_typed(statement, params).await
+    }
+}
+
+/// The refusals of a prepared statement that only a transaction pooler causes: the statement
+/// is not in the session (26000), another client's of the same name is (42P05), or that one
+/// takes other parameters (08P01). The server ran nothing.
+fn refused_by_pooler(e: &tokio_postgres::Error) -> bool {
+    e.code().is_some_and(|code| {
+        [
+            SqlState::INVALID_SQL_STATEMENT_NAME,
+            SqlState::DUPLICATE_PSTATEMENT,
+            SqlState::PROTOCOL_VIOLATION,
+        ]
+        .contains(code)
+    })
+}
+
+/// "cached plan must not change result type": the statement's result changed since the session
+/// prepared it. The server ran nothing.
+fn stale_plan(e: &tokio_postgres::Error) -> bool {
+    e.code() == Some(&SqlState::FEATURE_NOT_SUPPORTED)
+        && e.as_db_error().is_some_and(|db| {
+            db.message()
+                .contains("cached plan must not change result type")
+        })
 }
 
 /// How long an abandoned statement's connection waits for the statement to finish on its own
@@ -389,9 +489,9 @@ struct InFlight {
 }
 
 impl InFlight {
-    fn client(&self) -> &tokio_postgres::Client {
+    fn conn(&self) -> &PgConnection {
         self.conn
-            .as_ref()
+            .as_deref()
             .expect("connection present until dropped")
     }
 
