@@ -695,3 +695,104 @@ async fn a_partition_that_does_not_answer_holds_up_only_its_own_keys() {
     assert_eq!(end.outstanding, 0.0, "{end:?}");
     assert_eq!(end.stranded, 0.0, "{end:?}");
 }
+
+/// A store that answers every refill 20 ms late (on tokio's clock) and notes the keys it was
+/// asked for, with when.
+#[derive(Debug, Clone, Default)]
+struct Noting {
+    inner: MemoryStore,
+    asked: std::sync::Arc<parking_lot::Mutex<Vec<(String, Instant)>>>,
+}
+
+#[async_trait::async_trait]
+impl Store for Noting {
+    async fn acquire(
+        &self,
+        request: tokenlease::store::AcquireRequest<'_>,
+    ) -> Result<tokenlease::store::Acquired, tokenlease::store::StoreError> {
+        let mut out = self.acquire_many(std::slice::from_ref(&request)).await?;
+        Ok(out.pop().expect("one answer"))
+    }
+    async fn acquire_many(
+        &self,
+        requests: &[tokenlease::store::AcquireRequest<'_>],
+    ) -> Result<Vec<tokenlease::store::Acquired>, tokenlease::store::StoreError> {
+        let now = Instant::now();
+        self.asked
+            .lock()
+            .extend(requests.iter().map(|r| (r.key.to_owned(), now)));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        self.inner.acquire_many(requests).await
+    }
+    async fn give_back(
+        &self,
+        returns: &[tokenlease::store::GiveBack<'_>],
+    ) -> Result<u64, tokenlease::store::StoreError> {
+        self.inner.give_back(returns).await
+    }
+    async fn delete_idle(&self, limit: u32) -> Result<u64, tokenlease::store::StoreError> {
+        self.inner.delete_idle(limit).await
+    }
+    async fn inspect(
+        &self,
+        key: &str,
+    ) -> Result<Option<tokenlease::store::BucketRow>, tokenlease::store::StoreError> {
+        self.inner.inspect(key).await
+    }
+}
+
+/// Callers waiting for a refill park on `Notify`s that slots share (1,024 for the process), so
+/// an answer for one key also wakes callers of others, and a caller is woken only through its
+/// slot's shared `Notify`. 3,000 first calls on distinct keys, all waiting at once behind refills
+/// answered 20 ms late, 256 keys a statement (about three callers per `Notify`): each is allowed
+/// from its key's lease (none waits out its 10 s `max_wait` into the fallback: no wake-up is
+/// lost), and each key's refill was sent to the store once before its caller was answered (a
+/// caller woken for another key's answer finds its own refill pending and waits again). A key
+/// may be asked for again after its caller spent from the new lease: a low-water refill.
+#[tokio::test(start_paused = true)]
+async fn callers_waiting_on_shared_notifys_are_each_answered_from_their_lease() {
+    const KEYS: usize = 3_000;
+    let store = Noting::default();
+    let asked = std::sync::Arc::clone(&store.asked);
+    let limiter = Limiter::builder(store).build();
+    let plan = common::plan(1_000_000, 1_000.0).with_lease(
+        LeaseSettings::default()
+            .with_ttl(Duration::from_secs(60))
+            .with_max_wait(Duration::from_secs(10)),
+    );
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(KEYS));
+    let calls: Vec<_> = (0..KEYS)
+        .map(|i| {
+            let (limiter, plan, barrier) = (limiter.clone(), plan.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let key = format!("waiter:{i}");
+                let d = limiter
+                    .try_acquire_with(&plan, &key, 1.0)
+                    .await
+                    .expect("decision");
+                (key, d, Instant::now())
+            })
+        })
+        .collect();
+    let mut answered = std::collections::HashMap::new();
+    for call in calls {
+        let (key, d, at) = call.await.expect("call");
+        assert!(d.allowed, "{key}: {d:?}");
+        assert_eq!(d.decided_by, tokenlease::DecidedBy::Lease, "{key}: {d:?}");
+        answered.insert(key, at);
+    }
+    let mut before: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
+    let asked = asked.lock();
+    for (key, at) in asked.iter() {
+        if *at < answered[key] {
+            *before.entry(key).or_default() += 1;
+        }
+    }
+    assert_eq!(before.len(), KEYS, "every key's refill was asked for");
+    let again: Vec<_> = before.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        again.is_empty(),
+        "asked again while its caller waited: {again:?}"
+    );
+}
