@@ -174,8 +174,8 @@ impl PostgresStoreBuilder {
     /// statement per file of `sql/`) and then only binds and runs them, instead of sending each
     /// call as an unnamed statement that the server parses and plans again. Defaults to `false`.
     ///
-    /// It saves the server the parse and plan of every call: about a third more calls a second
-    /// from the same server cores (DESIGN.md §7 has the measurements). Turn it on when the store
+    /// It saves the server the parse and plan of every call: direct mode served about a tenth
+    /// more requests a second from the same 2-core server (DESIGN.md §7 has the measurements). Turn it on when the store
     /// connects to PostgreSQL directly, through a pooler in session mode, or through PgBouncer
     /// 1.21 or later with `max_prepared_statements` set. Not behind an older PgBouncer in
     /// transaction mode: a call may then reach a server session that did not prepare its
