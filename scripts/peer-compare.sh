@@ -93,27 +93,15 @@ pgbench_script() { # FILE OUT
         exit 1
     fi
 }
-pgbench_script src/store/postgres/sql/acquire.sql "$tmp/function.pgbench"
-pgbench_script src/store/postgres/sql/acquire_bare.sql "$tmp/bare.pgbench"
-for variant in function bare; do
-    for protocol in extended prepared; do
-        case "$variant" in
-            function) label="tokenlease_acquire() call, what tokenlease sends (acquire.sql)" ;;
-            bare) label="bare statement, before migration 0004 (acquire_bare.sql)" ;;
-        esac
-        echo "== 2/4 pgbench -M $protocol, $label" >&2
-        rm -f "$tmp"/pgbench_log*
-        (cd "$tmp" && pgbench -n -M "$protocol" -c 16 -j 2 -T "$PHASE_S" -f "$variant.pgbench" \
-            -l --log-prefix=pgbench_log "$url" >pgbench.out 2>pgbench.err) || {
-            cat "$tmp/pgbench.err" >&2
-            exit 1
-        }
-        python3 - "$tmp" "$protocol" "$label" >>"$out" <<'PY'
+# One result line from the last pgbench run (its output and per-transaction logs in $tmp):
+# LABEL, and KEYS decisions per transaction (served decisions/s = tps × KEYS; the latencies are
+# a transaction's).
+pgbench_row() { # LABEL KEYS
+    python3 - "$tmp" "$1" "$2" >>"$out" <<'PY'
 import glob, json, math, re, sys
-tmp = sys.argv[1]
+tmp, label, keys = sys.argv[1], sys.argv[2], int(sys.argv[3])
 text = open(f"{tmp}/pgbench.out").read()
-lat = []
-failed = 0
+lat, failed = [], 0
 for path in glob.glob(f"{tmp}/pgbench_log*"):
     for line in open(path):
         # client_id transaction_no time script_no time_epoch time_us; time in µs, or
@@ -129,12 +117,29 @@ def pct(q):  # nearest rank
 dur = float(re.search(r"duration: (\d+) s", text).group(1))
 tps = float(re.search(r"tps = ([\d.]+) \(without initial", text).group(1))
 print(json.dumps({
-    "client": f"pgbench -M {sys.argv[2]}, 16 clients, {sys.argv[3]}, 1 key",
-    "requests": len(lat), "per_sec": tps, "p50_us": pct(0.5), "p99_us": pct(0.99),
-    "p999_us": pct(0.999), "max_us": lat[-1] if lat else 0, "errors": failed,
-    "duration_s": dur, "statements_per_1k": 1000,
+    "client": label, "requests": len(lat) * keys, "per_sec": tps * keys,
+    "p50_us": pct(0.5), "p99_us": pct(0.99), "p999_us": pct(0.999),
+    "max_us": lat[-1] if lat else 0, "errors": failed, "duration_s": dur,
+    "statements_per_1k": 1000 / keys,
 }))
 PY
+}
+pgbench_script src/store/postgres/sql/acquire.sql "$tmp/function.pgbench"
+pgbench_script src/store/postgres/sql/acquire_bare.sql "$tmp/bare.pgbench"
+for variant in function bare; do
+    for protocol in extended prepared; do
+        case "$variant" in
+            function) label="tokenlease_acquire() call, what tokenlease sends (acquire.sql)" ;;
+            bare) label="bare statement, before migration 0004 (acquire_bare.sql)" ;;
+        esac
+        echo "== 2/4 pgbench -M $protocol, $label" >&2
+        rm -f "$tmp"/pgbench_log*
+        (cd "$tmp" && pgbench -n -M "$protocol" -c 16 -j 2 -T "$PHASE_S" -f "$variant.pgbench" \
+            -l --log-prefix=pgbench_log "$url" >pgbench.out 2>pgbench.err) || {
+            cat "$tmp/pgbench.err" >&2
+            exit 1
+        }
+        pgbench_row "pgbench -M $protocol, 16 clients, $label, 1 key" 1
     done
 done
 
@@ -165,31 +170,7 @@ for shape in "16 1" "8 2"; do
         cat "$tmp/pgbench.err" >&2
         exit 1
     }
-    python3 - "$tmp" "$keys" "$clients" >>"$out" <<'PY'
-import glob, json, math, re, sys
-tmp, keys, clients = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-text = open(f"{tmp}/pgbench.out").read()
-lat, failed = [], 0
-for path in glob.glob(f"{tmp}/pgbench_log*"):
-    for line in open(path):
-        f = line.split()
-        if f[2].isdigit():
-            lat.append(int(f[2]))
-        else:
-            failed += 1
-lat.sort()
-def pct(q):  # nearest rank
-    return lat[min(len(lat) - 1, max(0, math.ceil(q * len(lat)) - 1))] if lat else 0
-dur = float(re.search(r"duration: (\d+) s", text).group(1))
-tps = float(re.search(r"tps = ([\d.]+) \(without initial", text).group(1))
-print(json.dumps({
-    "client": f"pgbench -M prepared, {clients} client(s), tokenlease_acquire() with {keys} random keys a call "
-              f"(the ceiling for 16 callers: 16 in flight at most); p50/p99 are a statement's",
-    "requests": len(lat) * keys, "per_sec": tps * keys, "p50_us": pct(0.5), "p99_us": pct(0.99),
-    "p999_us": pct(0.999), "max_us": lat[-1] if lat else 0, "errors": failed,
-    "duration_s": dur, "statements_per_1k": 1000 / keys,
-}))
-PY
+    pgbench_row "pgbench -M prepared, $clients client(s), tokenlease_acquire() with $keys random keys a call (the ceiling for 16 callers: 16 in flight at most); p50/p99 are a statement's" "$keys"
 done
 
 # tokenlease's own load test, as a user would run it: the default pool (4 connections) and the

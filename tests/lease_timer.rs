@@ -341,13 +341,29 @@ async fn a_caller_retrying_a_denied_key_in_a_tight_loop_lets_other_tasks_run() {
     assert!(calls <= 1_000, "yielded only after {calls} calls");
 }
 
-/// A store whose statements that carry the key `held` wait until `release` is set: it holds
-/// the lease actor in one refill statement for as long as a test needs it busy. Other keys'
-/// statements (the direct-mode coalescer's) go straight through.
+/// A store over a `MemoryStore` for the actor's statements: those that carry the key `held` wait
+/// until `release` is set (it holds the lease actor in one refill statement for as long as a
+/// test needs it busy), every one is answered `delay` late (on tokio's clock), and the keys they
+/// carry are noted in `asked`, with when. Single-key calls (the direct-mode coalescer's) are
+/// noted and delayed too, but never held.
 #[derive(Debug, Clone, Default)]
 struct Gate {
     inner: MemoryStore,
     release: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    delay: Duration,
+    asked: std::sync::Arc<parking_lot::Mutex<Vec<(String, Instant)>>>,
+}
+
+impl Gate {
+    async fn note_and_wait(&self, requests: &[tokenlease::store::AcquireRequest<'_>]) {
+        let now = Instant::now();
+        self.asked
+            .lock()
+            .extend(requests.iter().map(|r| (r.key.to_owned(), now)));
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -356,6 +372,7 @@ impl Store for Gate {
         &self,
         request: tokenlease::store::AcquireRequest<'_>,
     ) -> Result<tokenlease::store::Acquired, tokenlease::store::StoreError> {
+        self.note_and_wait(std::slice::from_ref(&request)).await;
         self.inner.acquire(request).await
     }
     async fn acquire_many(
@@ -367,6 +384,7 @@ impl Store for Gate {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }
+        self.note_and_wait(requests).await;
         self.inner.acquire_many(requests).await
     }
     async fn give_back(
@@ -696,51 +714,6 @@ async fn a_partition_that_does_not_answer_holds_up_only_its_own_keys() {
     assert_eq!(end.stranded, 0.0, "{end:?}");
 }
 
-/// A store that answers every refill 20 ms late (on tokio's clock) and notes the keys it was
-/// asked for, with when.
-#[derive(Debug, Clone, Default)]
-struct Noting {
-    inner: MemoryStore,
-    asked: std::sync::Arc<parking_lot::Mutex<Vec<(String, Instant)>>>,
-}
-
-#[async_trait::async_trait]
-impl Store for Noting {
-    async fn acquire(
-        &self,
-        request: tokenlease::store::AcquireRequest<'_>,
-    ) -> Result<tokenlease::store::Acquired, tokenlease::store::StoreError> {
-        let mut out = self.acquire_many(std::slice::from_ref(&request)).await?;
-        Ok(out.pop().expect("one answer"))
-    }
-    async fn acquire_many(
-        &self,
-        requests: &[tokenlease::store::AcquireRequest<'_>],
-    ) -> Result<Vec<tokenlease::store::Acquired>, tokenlease::store::StoreError> {
-        let now = Instant::now();
-        self.asked
-            .lock()
-            .extend(requests.iter().map(|r| (r.key.to_owned(), now)));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        self.inner.acquire_many(requests).await
-    }
-    async fn give_back(
-        &self,
-        returns: &[tokenlease::store::GiveBack<'_>],
-    ) -> Result<u64, tokenlease::store::StoreError> {
-        self.inner.give_back(returns).await
-    }
-    async fn delete_idle(&self, limit: u32) -> Result<u64, tokenlease::store::StoreError> {
-        self.inner.delete_idle(limit).await
-    }
-    async fn inspect(
-        &self,
-        key: &str,
-    ) -> Result<Option<tokenlease::store::BucketRow>, tokenlease::store::StoreError> {
-        self.inner.inspect(key).await
-    }
-}
-
 /// Callers waiting for a refill park on `Notify`s that slots share (1,024 for the process), so
 /// an answer for one key also wakes callers of others, and a caller is woken only through its
 /// slot's shared `Notify`. 3,000 first calls on distinct keys, all waiting at once behind refills
@@ -752,7 +725,10 @@ impl Store for Noting {
 #[tokio::test(start_paused = true)]
 async fn callers_waiting_on_shared_notifys_are_each_answered_from_their_lease() {
     const KEYS: usize = 3_000;
-    let store = Noting::default();
+    let store = Gate {
+        delay: Duration::from_millis(20),
+        ..Gate::default()
+    };
     let asked = std::sync::Arc::clone(&store.asked);
     let limiter = Limiter::builder(store).build();
     let plan = common::plan(1_000_000, 1_000.0).with_lease(

@@ -25,28 +25,21 @@ pub async fn store(db: &TestDatabase, pool: u32) -> PostgresStore {
 
 /// A store on `connection` (a PgBouncer, a proxy), as [`store`], migrating first when asked.
 pub async fn store_at(connection: &str, pool: u32, migrate: bool) -> PostgresStore {
-    PostgresStore::builder(connection)
-        .expect("connection string")
-        .pool_size(pool)
-        .migrate(migrate)
-        .call_timeout(Duration::from_secs(5))
-        .pool_wait_timeout(Duration::from_secs(5))
-        .connect_timeout(Duration::from_secs(5))
-        .statement_timeout(Duration::from_secs(5))
-        .lock_timeout(Duration::from_secs(5))
-        .build()
-        .await
-        .expect("store")
+    store_with(connection, pool, migrate, false).await
 }
 
 /// A store on `connection` as [`store_at`] (no migrations) that prepares its statements once
 /// per session (`PostgresStoreBuilder::prepared_statements`).
 pub async fn prepared_store_at(connection: &str, pool: u32) -> PostgresStore {
+    store_with(connection, pool, false, true).await
+}
+
+async fn store_with(connection: &str, pool: u32, migrate: bool, prepared: bool) -> PostgresStore {
     PostgresStore::builder(connection)
         .expect("connection string")
         .pool_size(pool)
-        .migrate(false)
-        .prepared_statements(true)
+        .migrate(migrate)
+        .prepared_statements(prepared)
         .call_timeout(Duration::from_secs(5))
         .pool_wait_timeout(Duration::from_secs(5))
         .connect_timeout(Duration::from_secs(5))
