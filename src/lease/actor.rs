@@ -141,8 +141,8 @@ impl Timers {
     /// entries before the round's refills, so a refill's expiry is later than any entry
     /// queued before it), so in practice this queues only a slot that has no entry. Should an
     /// entry be replaced by an earlier one, the old one is skipped when it comes up: it is not
-    /// [`live`](Self::live) unless the slot is armed for its very time again, and then it is
-    /// handled as the live entry is, twice in the same round at most (the first disarms it).
+    /// live ([`Book::armed_for`]) unless the slot is armed for its very time again, and then it
+    /// is handled as the live entry is, twice in the same round at most (the first disarms it).
     fn arm(&mut self, slot: &Arc<Slot>, book: &mut Book, at: u64) {
         if book.armed && book.timer_at <= at {
             return;
@@ -153,11 +153,6 @@ impl Timers {
             at,
             slot: Arc::clone(slot),
         });
-    }
-
-    /// Whether an entry due at `at` is the live entry of the slot whose book is `book`.
-    fn live(at: u64, book: &Book) -> bool {
-        book.armed && book.timer_at == at
     }
 
     /// When the earliest entry is due.
@@ -824,7 +819,7 @@ fn expire(
         if inflight.contains(&(Arc::as_ptr(&slot) as usize)) {
             // Its refill is in flight: the answer, when applied, queues it again (`schedule`).
             let mut book = slot.book.lock();
-            if Timers::live(entry_at, &book) {
+            if book.armed_for(entry_at) {
                 book.armed = false;
             }
             continue;
@@ -833,7 +828,7 @@ fn expire(
         let available = slot.words().available();
         let ttl = lease_settings(&slot).ttl.as_nanos() as u64;
         let mut book = slot.book.lock();
-        if !Timers::live(entry_at, &book) {
+        if !book.armed_for(entry_at) {
             continue; // replaced by an earlier entry, handled already
         }
         book.armed = false;

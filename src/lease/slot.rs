@@ -113,6 +113,11 @@ pub(crate) struct Book {
 }
 
 impl Book {
+    /// Whether the slot's live entry in the actor's due-queue is the one due at `at`.
+    pub(crate) fn armed_for(&self, at: u64) -> bool {
+        self.armed && self.timer_at == at
+    }
+
     /// The strict lease the slot holds in the store, if it ever had one.
     pub(crate) fn lease(&self) -> Option<LeaseRef> {
         self.strict.as_deref().copied()

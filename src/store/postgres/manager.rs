@@ -58,12 +58,10 @@ impl PgConnection {
             .map(|(_, prepared)| prepared.clone())
     }
 
-    /// Keeps `prepared` as this session's `statement`.
+    /// Keeps `prepared` as this session's `statement` (one call at a time uses a session, so
+    /// it prepared `statement` only after finding it missing).
     pub(super) fn remember(&self, statement: &'static str, prepared: Statement) {
-        let mut cache = self.prepared.lock();
-        if !cache.iter().any(|(sql, _)| std::ptr::eq(*sql, statement)) {
-            cache.push((statement, prepared));
-        }
+        self.prepared.lock().push((statement, prepared));
     }
 
     /// Forgets this session's prepared statements (the server refused one).

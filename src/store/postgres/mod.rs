@@ -175,14 +175,15 @@ impl PostgresStoreBuilder {
     /// call as an unnamed statement that the server parses and plans again. Defaults to `false`.
     ///
     /// It saves the server the parse and plan of every call: direct mode served about a tenth
-    /// more requests a second from the same 2-core server (DESIGN.md §7 has the measurements). Turn it on when the store
-    /// connects to PostgreSQL directly, through a pooler in session mode, or through PgBouncer
-    /// 1.21 or later with `max_prepared_statements` set. Not behind an older PgBouncer in
-    /// transaction mode: a call may then reach a server session that did not prepare its
-    /// statement, or one where another client's statement has the same name. The store turns
-    /// the setting off for good at the first refusal it can see (SQLSTATE 26000, 42P05 or
-    /// 08P01; the call is then sent unprepared, since the server ran nothing), but another
-    /// client's statement of the same name and parameter types would run in its place.
+    /// more requests a second from the same 2-core server (DESIGN.md §7 has the measurements).
+    /// Turn it on when the store connects to PostgreSQL directly, through a pooler in session
+    /// mode, or through PgBouncer 1.21 or later with `max_prepared_statements` set. Not behind
+    /// an older PgBouncer in transaction mode: a call may then reach a server session that did
+    /// not prepare its statement, or one where another client's statement has the same name.
+    /// The store turns the setting off for good at the first refusal it can see (SQLSTATE
+    /// 26000, 42P05 or 08P01; the call is then sent unprepared, since the server ran nothing),
+    /// but another client's statement of the same name and parameter types would run in its
+    /// place.
     pub fn prepared_statements(mut self, on: bool) -> Self {
         self.prepared_statements = on;
         self
@@ -382,9 +383,7 @@ impl PostgresStore {
             Err(_) => Err(timed_out()),
         }
     }
-}
 
-impl PostgresStore {
     /// Sends `statement` on `conn`: bound to the session's prepared statement when the store
     /// prepares them (preparing it first on the session's first call of it), else as an
     /// unnamed statement.
