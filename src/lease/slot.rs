@@ -70,8 +70,10 @@ pub(crate) struct Book {
     pub(crate) reclaimed: u64,
     /// When the live lease expires (local monotonic ns); meaningless while closed.
     pub(crate) expires_at: u64,
-    /// Demand estimate in nanotokens per second.
-    pub(crate) demand: f64,
+    /// Demand estimate in nanotokens per second. An `f32`: an estimate that halves its error
+    /// at every sample needs no more than its 24 bits of precision, and the four bytes it saves
+    /// keep the slot within a 224-byte heap chunk (`DESIGN.md` §10).
+    pub(crate) demand: f32,
     /// When demand was last sampled, and how much had been spent then.
     pub(crate) sampled_at: u64,
     pub(crate) spent_at_sample: u64,
@@ -99,7 +101,7 @@ pub(crate) struct Book {
     /// Answers in a row that granted nothing: other instances took the refill first. The wait
     /// before asking again grows with it (up to 4×), so competing instances spread out instead
     /// of all asking at the moment a lease's worth has refilled.
-    pub(crate) dry_streak: u32,
+    pub(crate) dry_streak: u8,
     /// The slot has a live entry in the actor's due-queue, due at `timer_at`. At most one entry
     /// is live per slot, so the queue holds at most one live entry per key in the table.
     pub(crate) armed: bool,
@@ -236,12 +238,12 @@ impl Slot {
 mod tests {
     use super::*;
 
-    /// A slot with its `Arc` header fits a 240-byte malloc chunk (at most 232 bytes asked for, 8
-    /// of header): the byte count `DESIGN.md` §10 accounts for. A field that pushes it past 216
+    /// A slot with its `Arc` header fits a 224-byte malloc chunk (at most 216 bytes asked for, 8
+    /// of header): the byte count `DESIGN.md` §10 accounts for. A field that pushes it past 200
     /// costs every key 16 bytes more.
     #[test]
-    fn a_slot_fits_a_240_byte_chunk() {
-        assert!(size_of::<Slot>() <= 216, "{}", size_of::<Slot>());
-        assert!(size_of::<Book>() <= 112, "{}", size_of::<Book>());
+    fn a_slot_fits_a_224_byte_chunk() {
+        assert!(size_of::<Slot>() <= 200, "{}", size_of::<Slot>());
+        assert!(size_of::<Book>() <= 104, "{}", size_of::<Book>());
     }
 }

@@ -24,6 +24,8 @@
 use std::cell::Cell;
 
 use super::slab::Hot;
+use once_cell::race::OnceBox;
+
 use super::sync::{OnceLock, Ordering, thread_local};
 use super::word::{CLOSED, CONTENDED, LeaseWord, PENDING, TOKENS, Take};
 
@@ -33,11 +35,12 @@ use super::word::{CLOSED, CONTENDED, LeaseWord, PENDING, TOKENS, Take};
 pub(super) struct Padded(pub(super) LeaseWord);
 
 /// A hot key's extra words, one per core (a power of two), each on its own cache line; set once
-/// by the actor, never removed. Part of the slot, where it takes 16 bytes: the words' slice
-/// pointer (16 bytes itself) sits behind a thin pointer, since every key has the field and few
-/// keys are hot. A spread key's call pays one more load, of a line no one writes.
+/// by the actor, never removed. Part of the slot, where it takes 8 bytes: the words' slice
+/// pointer (16 bytes itself) sits behind one atomic pointer (`once_cell`'s `OnceBox`, where
+/// std's `OnceLock` adds a state word and takes 16), since every key has the field and few keys
+/// are hot. A spread key's call pays one more load, of a line no one writes.
 #[derive(Debug, Default)]
-pub(crate) struct Extra(OnceLock<Box<ExtraWords>>);
+pub(crate) struct Extra(OnceBox<ExtraWords>);
 
 /// The extra words themselves.
 #[derive(Debug)]
@@ -148,8 +151,8 @@ impl<'a> LeaseWords<'a> {
     #[inline]
     pub(super) fn extra(&self) -> Option<&'a [Padded]> {
         // Acquire, pairing with `spread_out`'s release: a caller that sees the flag sees the
-        // extra words initialised. (The `OnceLock`'s `get` is an acquire load of its own, so in
-        // the library this only repeats it; but loom cannot see into std's `OnceLock`, and with
+        // extra words initialised. (The `OnceBox`'s `get` is an acquire load of its own, so in
+        // the library this only repeats it; but loom cannot see into `OnceBox`'s std atomic, and with
         // a relaxed flag the model of spreading under callers finds a word read before its
         // creation is ordered. On x86 the two loads compile to the same instruction.)
         if self.hot.spread.load(Ordering::Acquire) {
