@@ -844,7 +844,7 @@ fn expire(
         // Active: spent since the actor last looked, or asking for a refill. (Compared with the
         // demand sample instead, a key that went quiet with its lease above the low-water mark
         // took no refill to update that sample and would look active for ever.)
-        let spent = book.spent(available);
+        let spent = book.spend_mark(available);
         if spent != book.spent_at_check || word & PENDING != 0 {
             book.active_at = now;
             book.spent_at_check = spent;
@@ -960,7 +960,7 @@ fn renew_if_spent(slot: &Slot, book: &mut super::slot::Book, now: u64) -> bool {
     if settings.accounting != Accounting::Relaxed {
         return false;
     }
-    let spent = book.spent(slot.words().available());
+    let spent = book.spend_mark(slot.words().available());
     if spent == book.spent_at_renewal {
         return false;
     }
@@ -1266,7 +1266,7 @@ fn apply(
         book.credited = (book.credited + granted).saturating_sub(unplaced);
         if strict.is_none() {
             book.expires_at = now.saturating_add(ttl);
-            book.spent_at_renewal = book.spent(slot.words().available());
+            book.spent_at_renewal = book.spend_mark(slot.words().available());
         }
         book.active_at = now;
         // Less than wanted: the bucket is scarce. No background top-up then (it would find the

@@ -79,13 +79,13 @@ pub(crate) struct Book {
     pub(crate) spent_at_sample: u64,
     /// When the slot was last seen spending or asking (local monotonic ns).
     pub(crate) active_at: u64,
-    /// How much had been spent when the relaxed lease last got a new lifetime (a top-up, or a
+    /// The [`spend_mark`] when the relaxed lease last got a new lifetime (a top-up, or a
     /// renewal at expiry because it was spent from): at expiry, a lease spent from since lives
     /// on, and one that was not closes.
-    pub(crate) spent_at_renewal: u64,
-    /// How much had been spent when the actor last looked at the slot on its due-queue: its own
+    pub(crate) spent_at_renewal: u32,
+    /// The [`spend_mark`] when the actor last looked at the slot on its due-queue: its own
     /// sample for idleness, apart from the demand sample, which only refills take.
-    pub(crate) spent_at_check: u64,
+    pub(crate) spent_at_check: u32,
     /// When the slot's live entry in the actor's due-queue is due (local monotonic ns);
     /// meaningless unless `armed`.
     pub(crate) timer_at: u64,
@@ -114,6 +114,16 @@ pub(crate) struct Book {
     pub(crate) strict: Option<Box<LeaseRef>>,
 }
 
+/// The low 32 bits of a slot's spent count: what the actor keeps to tell whether the slot was
+/// spent from since it last looked, where the whole count took 8 bytes. Only compared for
+/// equality. Two counts that differ by a multiple of 2³² nanotokens (4.29 tokens; 8,388,608
+/// tokens when every cost is a whole number) compare equal: the lease then closes at its expiry
+/// instead of living on, or the key looks idle and is evicted, and both give its tokens back.
+/// Neither admits anything.
+pub(crate) fn spend_mark(spent: u64) -> u32 {
+    spent as u32
+}
+
 impl Book {
     /// Whether the slot's live entry in the actor's due-queue is the one due at `at`.
     pub(crate) fn armed_for(&self, at: u64) -> bool {
@@ -123,6 +133,11 @@ impl Book {
     /// The strict lease the slot holds in the store, if it ever had one.
     pub(crate) fn lease(&self) -> Option<LeaseRef> {
         self.strict.as_deref().copied()
+    }
+
+    /// [`spend_mark`] of [`spent`](Self::spent).
+    pub(crate) fn spend_mark(&self, available: u64) -> u32 {
+        spend_mark(self.spent(available))
     }
 
     /// Nanotokens callers have spent from this slot so far, given what the word holds now.
@@ -243,7 +258,7 @@ mod tests {
     /// costs every key 16 bytes more.
     #[test]
     fn a_slot_fits_a_224_byte_chunk() {
-        assert!(size_of::<Slot>() <= 200, "{}", size_of::<Slot>());
-        assert!(size_of::<Book>() <= 104, "{}", size_of::<Book>());
+        assert!(size_of::<Slot>() <= 192, "{}", size_of::<Slot>());
+        assert!(size_of::<Book>() <= 96, "{}", size_of::<Book>());
     }
 }
