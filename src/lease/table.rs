@@ -1,11 +1,12 @@
 //! The lease table: key → [`Slot`] and its fast-path record, read without a lock, the key stored
 //! inline.
 //!
-//! A lookup is one probe of a flat array of buckets. Each bucket holds, in one allocation with
-//! its neighbours, the key's 64-bit hash, its first [`INLINE`] bytes and length, the `Arc<Slot>`
-//! and the index of the slot's record in the table's [`Slab`]: a hit costs the bucket's cache
-//! line and then the record's, where `papaya` cost an entry pointer, the entry, the key's own
-//! allocation and then the slot (benches/README.md).
+//! A lookup is one probe of a flat array of buckets. Each bucket (40 bytes) holds, in one
+//! allocation with its neighbours, a one-byte tag of the key's hash, its first [`INLINE`] bytes
+//! and length, the `Arc<Slot>` and the index of the slot's record in the table's [`Slab`]: a hit
+//! costs the bucket's cache line and then the record's, where `papaya` cost an entry pointer, the
+//! entry, the key's own allocation and then the slot (benches/README.md). The full hash is not
+//! stored: a rebuild, the only place that needs it again, hashes the key anew.
 //!
 //! Buckets are write-once ([`OnceLock`]), so readers need nothing but an acquire load to read
 //! one: a writer fills an empty bucket once, and a removal only marks the entry gone (an atomic
@@ -33,19 +34,27 @@ use super::slab::{Hot, HotRef, Slab};
 use super::slot::Slot;
 
 /// Key bytes stored in the bucket itself. A longer key is compared through its slot's own copy
-/// (one more cache line, only for such keys); 18 bytes make a bucket 48 bytes. (A 64-byte,
-/// line-aligned bucket with 34 bytes inline measured no faster at 100,000 keys, and E4's
-/// flood then peaked above its 64 MiB.)
-const INLINE: usize = 18;
+/// (one more cache line, only for such keys); 17 bytes are what is left of a 32-byte entry after
+/// the slot, record index, flag, length and tag, and make a bucket 40 bytes with the
+/// [`OnceLock`]'s state. (A 64-byte, line-aligned bucket with 34 bytes inline measured no faster
+/// at 100,000 keys, and E4's flood then peaked above its 64 MiB.)
+const INLINE: usize = 17;
 /// The length byte of a key longer than [`INLINE`].
 const LONG: u8 = u8::MAX;
 /// The smallest array.
 const MIN_BUCKETS: usize = 16;
 
-/// One key's entry: written once, when the key is inserted.
+/// The tag of a key's hash: its low byte. The home bucket comes from the high bits
+/// ([`Buckets::home`]), so keys probed together (same or nearby home) still differ in their
+/// tags 255 times in 256.
+#[inline]
+fn tag(hash: u64) -> u8 {
+    hash as u8
+}
+
+/// One key's entry: written once, when the key is inserted. 32 bytes.
 #[derive(Debug)]
 struct Entry {
-    hash: u64,
     slot: Arc<Slot>,
     /// The slot's record in the table's slab (the slot holds it, so it lives as long as the entry).
     hot: u32,
@@ -53,6 +62,9 @@ struct Entry {
     gone: AtomicBool,
     /// The key's length when at most [`INLINE`], else [`LONG`].
     len: u8,
+    /// The [`tag`] of the key's hash: a probe passes a bucket of another key on this byte,
+    /// without the 8 bytes the whole hash took (which made the bucket 48).
+    tag: u8,
     /// The key's first bytes (all of it when `len` is not [`LONG`]), zero-padded.
     inline: [u8; INLINE],
 }
@@ -64,7 +76,7 @@ impl Entry {
         let mut inline = [0; INLINE];
         inline[..n].copy_from_slice(&bytes[..n]);
         Entry {
-            hash,
+            tag: tag(hash),
             hot: slot.hot_index(),
             slot,
             gone: AtomicBool::new(false),
@@ -76,20 +88,34 @@ impl Entry {
         }
     }
 
-    /// Whether this entry is `key` (gone or not). The hash first, then the inline bytes; only a
-    /// long key reads the slot's copy. (Comparing against a zero-padded copy of the key built
-    /// once per lookup measured slower: the copy's variable-length write stalls the 16-byte
-    /// load that follows it.)
+    /// Whether this entry is `key` (gone or not), `tag` being the [`tag`] of its hash. The tag
+    /// first, then the length and inline bytes; only a long key whose first [`INLINE`] bytes
+    /// match reads the slot's copy. (Comparing against a zero-padded copy of the key built once
+    /// per lookup measured slower: the copy's variable-length write stalls the 16-byte load that
+    /// follows it.)
     #[inline]
-    fn is(&self, hash: u64, key: &str) -> bool {
-        if self.hash != hash {
+    fn is(&self, tag: u8, key: &str) -> bool {
+        if self.tag != tag {
             return false;
         }
         let bytes = key.as_bytes();
         if self.len == LONG {
-            bytes.len() > INLINE && *self.slot.key == *key
+            bytes.len() > INLINE
+                && same_short(&self.inline, &bytes[..INLINE])
+                && *self.slot.key == *key
         } else {
             usize::from(self.len) == bytes.len() && same_short(&self.inline, bytes)
+        }
+    }
+
+    /// The entry's key, for hashing it again: the inline bytes when they are all of it (no
+    /// read of the slot), else the slot's copy.
+    fn key(&self) -> &str {
+        if self.len == LONG {
+            &self.slot.key
+        } else {
+            // A short key's inline bytes are the whole of a `str`; the slot's copy is the same.
+            std::str::from_utf8(&self.inline[..usize::from(self.len)]).unwrap_or(&self.slot.key)
         }
     }
 
@@ -121,17 +147,20 @@ fn same_short(inline: &[u8; INLINE], key: &[u8]) -> bool {
             word::<8>(inline, 0) == word::<8>(key, 0)
                 && word::<8>(inline, n - 8) == word::<8>(key, n - 8)
         }
+        // 17 (= `INLINE`): two words and the last byte.
         _ => {
             word::<8>(inline, 0) == word::<8>(key, 0)
                 && word::<8>(inline, 8) == word::<8>(key, 8)
-                && word::<8>(inline, n - 8) == word::<8>(key, n - 8)
+                && inline[n - 1] == key[n - 1]
         }
     }
 }
 
-/// One bucket.
+/// One bucket: an [`Entry`] and the [`OnceLock`]'s state, 40 bytes.
 #[derive(Debug)]
 struct Bucket(OnceLock<Entry>);
+
+const _: () = assert!(size_of::<Entry>() == 32 && size_of::<Bucket>() == 40);
 
 impl std::ops::Deref for Bucket {
     type Target = OnceLock<Entry>;
@@ -175,10 +204,11 @@ impl Buckets {
     fn find(&self, hash: u64, key: &str) -> Result<&Entry, usize> {
         let n = self.buckets.len();
         let mut i = self.home(hash);
+        let tag = tag(hash);
         loop {
             match self.buckets[i].get() {
                 None => return Err(i),
-                Some(e) if e.is(hash, key) && e.live() => return Ok(e),
+                Some(e) if e.is(tag, key) && e.live() => return Ok(e),
                 Some(_) => i = if i + 1 == n { 0 } else { i + 1 },
             }
         }
@@ -396,19 +426,21 @@ impl<'t> TableRef<'t> {
         let live = counts.used - counts.gone;
         let fresh = Buckets::with_capacity((live + extra) * 3 / 2 + MIN_BUCKETS);
         for entry in old.live() {
+            // The entry keeps only a tag of its hash: hash the key again for its new home.
+            let hash = self.table.hasher.hash_one(entry.key());
             // Keys are unique, so each goes to the first empty bucket of its probe.
             let n = fresh.buckets.len();
-            let mut empty = fresh.home(entry.hash);
+            let mut empty = fresh.home(hash);
             while fresh.buckets[empty].get().is_some() {
                 empty = if empty + 1 == n { 0 } else { empty + 1 };
             }
             {
                 let _ = fresh.buckets[empty].set(Entry {
-                    hash: entry.hash,
                     slot: Arc::clone(&entry.slot),
                     hot: entry.hot,
                     gone: AtomicBool::new(false),
                     len: entry.len,
+                    tag: entry.tag,
                     inline: entry.inline,
                 });
             }
@@ -477,6 +509,81 @@ mod tests {
                 assert!(!same_short(&inline, &other), "length {n}, byte {at}");
             }
         }
+    }
+
+    /// Two keys `make` returns whose hashes share a [`tag`] (two of any 257 do).
+    fn same_tag(table: &Table, make: impl Fn(usize) -> String) -> (String, String) {
+        let mut seen = std::collections::HashMap::new();
+        (0..=256)
+            .map(make)
+            .find_map(|k| {
+                let tag = tag(table.hasher.hash_one(&k));
+                seen.insert(tag, k.clone()).map(|first| (first, k))
+            })
+            .expect("two of 257 keys share a tag")
+    }
+
+    /// Keys of every length from 1 to 40 (inline up to [`INLINE`], through the slot beyond),
+    /// each a prefix of the next, and pairs of keys sharing a tag (of one length up to and at
+    /// [`INLINE`], and long with the same first [`INLINE`] bytes) are each found with their own
+    /// slot, keys that differ from them are not, and a rebuild keeps them so.
+    #[test]
+    fn keys_of_every_length_and_shared_tags_stay_apart() {
+        let slab = Slab::new(1024);
+        let table = Table::new(Arc::clone(&slab));
+        let pairs = [
+            same_tag(&table, |i| format!("s{i:05}")),
+            same_tag(&table, |i| format!("{}{i:05}", "x".repeat(INLINE - 5))),
+            same_tag(&table, |i| format!("{}{i:05}", "p".repeat(INLINE))),
+        ];
+        for (a, b) in &pairs {
+            assert_eq!(a.len(), b.len());
+            assert_eq!(a[..INLINE.min(a.len() - 5)], b[..INLINE.min(b.len() - 5)]);
+            // The entry of one is not the other, though the tag matches.
+            let (ha, hb) = (table.hasher.hash_one(a), table.hasher.hash_one(b));
+            assert_eq!(tag(ha), tag(hb));
+            let entry = Entry::new(ha, a, slot(&slab, a));
+            assert!(entry.is(tag(ha), a) && !entry.is(tag(hb), b), "{a} {b}");
+            assert_eq!(entry.key(), a);
+        }
+        let mut keys: Vec<String> = (1..=40)
+            .map(|n| (0..n).map(|i| char::from(b'a' + (i % 26) as u8)).collect())
+            .collect();
+        keys.extend(pairs.iter().map(|(a, _)| a.clone()));
+        let t = table.pin();
+        let slots: Vec<Arc<Slot>> = keys.iter().map(|k| slot(&slab, k)).collect();
+        for (k, s) in keys.iter().zip(&slots) {
+            t.get_or_insert_with(k, |_| Arc::clone(s)).expect("room");
+        }
+        // The second of each pair: absent until inserted, then found beside the first.
+        for (a, b) in &pairs {
+            assert!(t.get(b).is_none(), "{b} is not {a}");
+        }
+        let seconds: Vec<Arc<Slot>> = pairs.iter().map(|(_, b)| slot(&slab, b)).collect();
+        for ((_, b), s) in pairs.iter().zip(&seconds) {
+            t.get_or_insert_with(b, |_| Arc::clone(s)).expect("room");
+        }
+        keys.extend(pairs.iter().map(|(_, b)| b.clone()));
+        let slots: Vec<Arc<Slot>> = slots.into_iter().chain(seconds).collect();
+        let check = |t: &TableRef<'_>| {
+            assert_eq!(t.len(), keys.len());
+            for (k, s) in keys.iter().zip(&slots) {
+                let (got, hot) = t.get(k).unwrap_or_else(|| panic!("{k} is found"));
+                assert!(Arc::ptr_eq(got, s), "{k} has its own slot");
+                assert!(std::ptr::eq(hot, s.hot()));
+                // The same length with the last byte changed, and one byte more, are not keys.
+                let mut other = k.clone().into_bytes();
+                *other.last_mut().expect("not empty") ^= 0x20;
+                let other = String::from_utf8(other).expect("ascii");
+                assert!(t.get(&other).is_none(), "{other}");
+                assert!(t.get(&format!("{k}!")).is_none(), "{k}!");
+            }
+        };
+        check(&t);
+        t.rebuild(&mut table.writers.lock(), 0);
+        check(&t);
+        drop(t);
+        check(&table.pin());
     }
 
     /// A view rebuilds at most once, so a large batch of removals leaves tombstones behind;
