@@ -48,6 +48,8 @@ type Shard = Mutex<ShardMap>;
 struct ShardMap {
     /// Keys of at most 22 bytes are held in the entry itself (`SlotKey`).
     buckets: HashMap<SlotKey, Stored>,
+    /// The strict leases out on this shard's buckets, for the buckets that have any.
+    strict: Strict,
     /// The bucket shapes this shard stored last, shared by the buckets written with them: most
     /// keys of a store share a handful of plans, so each bucket holds a pointer, not a copy.
     shapes: [Option<Arc<BucketConfig>>; SHAPES],
@@ -81,28 +83,87 @@ impl ShardMap {
     }
 
     /// Deletes the buckets that have refilled to full at `now` (an absent bucket is a full one,
-    /// so no decision changes), at most `limit`; gives unused memory back. Returns how many.
+    /// so no decision changes), at most `limit`, and their strict leases; gives unused memory
+    /// back. Returns how many.
     fn delete_full(&mut self, now: Timestamp, limit: usize) -> usize {
         let mut left = limit;
-        self.buckets.retain(|_, stored| {
-            let full = left > 0 && is_full(stored, now);
+        let strict = &self.strict;
+        self.buckets.retain(|key, stored| {
+            let full = left > 0 && is_full(stored, strict.get(key), now);
             if full {
                 left -= 1;
             }
             !full
         });
+        let deleted = limit - left;
+        if deleted > 0 {
+            self.strict.keep_stored(&self.buckets);
+        }
         let len = self.buckets.len();
         if self.buckets.capacity() > 64 && len * 4 < self.buckets.capacity() {
             self.buckets.shrink_to(len * 2);
         }
-        limit - left
+        self.strict.shrink();
+        deleted
     }
 }
 
-/// Whether the bucket holds its capacity at `now` (so no strict lease is out on it).
-fn is_full(stored: &Stored, now: Timestamp) -> bool {
-    held::refill(stored.state(), &stored.config, stored.leases(), now).tokens
-        >= stored.config.capacity()
+/// Whether the bucket, with `leases` out on it, holds its capacity at `now` (so no strict
+/// lease is live on it).
+fn is_full(stored: &Stored, leases: &[Entry], now: Timestamp) -> bool {
+    held::refill(stored.state(), &stored.config, leases, now).tokens >= stored.config.capacity()
+}
+
+/// The strict leases out on one shard's buckets (live or expired, until pruned), by key, for
+/// the buckets that have any: few of them, so they are kept beside the buckets rather than in
+/// each (`Stored`). A key has an entry only while its bucket is stored and its list is not
+/// empty.
+#[derive(Debug, Default)]
+struct Strict(HashMap<SlotKey, Vec<Entry>>);
+
+impl Strict {
+    /// The leases out on `key`'s bucket. A shard with none (most) answers without hashing the
+    /// key, so a bucket without strict leases pays nothing for this map on its calls.
+    fn get(&self, key: &str) -> &[Entry] {
+        if self.0.is_empty() {
+            return &[];
+        }
+        self.0.get(key).map_or(&[], Vec::as_slice)
+    }
+
+    /// The leases out on `key`'s bucket, taken out to edit; put back with [`Strict::set`].
+    fn take(&mut self, key: &str) -> Vec<Entry> {
+        if self.0.is_empty() {
+            return Vec::new();
+        }
+        self.0.remove(key).unwrap_or_default()
+    }
+
+    /// Makes `leases` those out on `key`'s bucket (none: no entry).
+    fn set(&mut self, key: &str, leases: Vec<Entry>) {
+        if leases.is_empty() {
+            if !self.0.is_empty() {
+                self.0.remove(key);
+            }
+        } else if let Some(held) = self.0.get_mut(key) {
+            *held = leases;
+        } else {
+            self.0.insert(SlotKey::new(key), leases);
+        }
+    }
+
+    /// Drops the leases of buckets no longer in `buckets`.
+    fn keep_stored(&mut self, buckets: &HashMap<SlotKey, Stored>) {
+        self.0.retain(|key, _| buckets.contains_key(&**key));
+    }
+
+    /// Gives memory back: all of it once no lease is out, most of it after a burst.
+    fn shrink(&mut self) {
+        let (len, capacity) = (self.0.len(), self.0.capacity());
+        if capacity > 0 && (len == 0 || (capacity > 64 && len * 4 < capacity)) {
+            self.0.shrink_to(len * 2);
+        }
+    }
 }
 
 /// Return ids already credited: a set, and the ids in the order they came, with when.
@@ -131,21 +192,20 @@ impl Returned {
     }
 }
 
-/// One bucket: the shape it was last written with, its state, and its strict leases.
+/// One bucket: the shape it was last written with and its state.
 ///
-/// 40 bytes, where the plain fields took 96 (`DESIGN.md` §10): the shape is shared
+/// 32 bytes, where the plain fields took 96 (`DESIGN.md` §10): the shape is shared
 /// ([`ShardMap::shape`]), the state is packed to 8-byte alignment (its `u128` tokens would
 /// align it, and so the map's entry, to 16), and the strict leases (none, for most buckets) are
-/// behind one pointer that is null when there are none.
+/// not here but in the shard's side map ([`Strict`]), so a bucket without them spends nothing
+/// on them.
 #[derive(Debug, Clone)]
 struct Stored {
     config: Arc<BucketConfig>,
     state: Packed,
-    /// Boxed so that a bucket without strict leases (most) spends one word on them, not a
-    /// `Vec`'s three.
-    #[allow(clippy::box_collection)]
-    strict: Option<Box<Vec<Entry>>>,
 }
+
+const _: () = assert!(size_of::<Stored>() == 32);
 
 /// A [`BucketState`]'s fields at 8-byte alignment (24 bytes, where the state takes 32): read
 /// and written by value.
@@ -166,20 +226,6 @@ impl Packed {
 }
 
 impl Stored {
-    /// The strict leases out on the bucket (live or expired, until pruned).
-    fn leases(&self) -> &[Entry] {
-        self.strict.as_deref().map_or(&[], Vec::as_slice)
-    }
-
-    /// The strict leases, as a `Vec` to edit; put back with [`Stored::set_leases`].
-    fn take_leases(&mut self) -> Vec<Entry> {
-        self.strict.take().map_or_else(Vec::new, |v| *v)
-    }
-
-    fn set_leases(&mut self, leases: Vec<Entry>) {
-        self.strict = (!leases.is_empty()).then(|| Box::new(leases));
-    }
-
     fn state(&self) -> BucketState {
         let Packed {
             tokens,
@@ -391,7 +437,7 @@ impl Store for MemoryStore {
             None => (BucketState::full(&config, now), Vec::new(), None),
             Some(stored) => (
                 stored.state(),
-                stored.leases().to_vec(),
+                shard.strict.get(request.key).to_vec(),
                 Some(Arc::clone(&stored.config)),
             ),
         };
@@ -416,12 +462,11 @@ impl Store for MemoryStore {
         };
         held::hold(&mut leases, request.hold.as_ref(), grant.granted, now);
         let shape = shard.shape(config, current.as_ref());
-        let mut stored = Stored {
+        let stored = Stored {
             config: shape,
             state: Packed::new(state),
-            strict: None,
         };
-        stored.set_leases(leases);
+        shard.strict.set(request.key, leases);
         // A new key has its place reserved above.
         match shard.buckets.get_mut(request.key) {
             Some(slot) => *slot = stored,
@@ -461,8 +506,8 @@ impl Store for MemoryStore {
             let shape = shard.shape(ret.bucket, Some(&current));
             if let Some(stored) = shard.buckets.get_mut(ret.key) {
                 stored.config = shape;
-                let refilled = held::refill(stored.state(), &stored.config, stored.leases(), now);
-                let mut leases = stored.take_leases();
+                let mut leases = shard.strict.take(ret.key);
+                let refilled = held::refill(stored.state(), &stored.config, &leases, now);
                 let credit = match &ret.lease {
                     None => {
                         leases.retain(|l| l.expires_at > now);
@@ -474,7 +519,7 @@ impl Store for MemoryStore {
                     .config
                     .capacity()
                     .saturating_sub(held::outstanding(&leases, now));
-                stored.set_leases(leases);
+                shard.strict.set(ret.key, leases);
                 stored.set_state(BucketState {
                     tokens: std::cmp::min(room, refilled.tokens.saturating_add(credit)),
                     ..refilled
@@ -511,9 +556,11 @@ impl Store for MemoryStore {
             refill_per_second: stored.config.rate().per_second_amount(),
             updated_at: system_time_from_timestamp(stored.state().last_refill),
             store_now: system_time_from_timestamp(now),
-            tokens_now: held::refill(stored.state(), &stored.config, stored.leases(), now).tokens,
-            leases: stored
-                .leases()
+            tokens_now: held::refill(stored.state(), &stored.config, shard.strict.get(key), now)
+                .tokens,
+            leases: shard
+                .strict
+                .get(key)
                 .iter()
                 .filter(|l| l.expires_at > now)
                 .map(|l| HeldLease {
@@ -531,12 +578,95 @@ impl Store for MemoryStore {
 mod tests {
     use super::*;
 
-    /// A stored bucket's map entry (key and bucket) is 64 bytes: the sizes `DESIGN.md` §10
-    /// accounts for.
+    /// A stored bucket's map entry (key and bucket) is 56 bytes.
     #[test]
-    fn a_bucket_entry_is_64_bytes() {
-        assert_eq!(size_of::<Stored>(), 40);
-        assert_eq!(size_of::<(SlotKey, Stored)>(), 64);
+    fn a_bucket_entry_is_56_bytes() {
+        assert_eq!(size_of::<Stored>(), 32);
+        assert_eq!(size_of::<(SlotKey, Stored)>(), 56);
+    }
+
+    /// Side entries across the shards, and whether any side map still holds memory.
+    fn strict_entries(store: &MemoryStore) -> (usize, bool) {
+        let shards = store.shards.iter().map(|s| s.lock());
+        shards.fold((0, false), |(n, held), s| {
+            (n + s.strict.0.len(), held || s.strict.0.capacity() > 0)
+        })
+    }
+
+    /// Strict leases sit in the shard's side map only while their bucket is stored and has
+    /// some: a bucket with a live lease out is not deleted as full, settling the lease drops
+    /// its entry, a deleted bucket takes its expired leases with it, and the side maps give
+    /// their memory back once empty.
+    #[tokio::test]
+    async fn strict_leases_stay_beside_their_buckets() {
+        use crate::bucket::{Rate, Tokens};
+        use crate::clock::ManualClock;
+        use crate::store::{Hold, LeaseRef};
+
+        let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000_000));
+        let store = MemoryStore::with_clock(clock.clone());
+        let config =
+            BucketConfig::new(Tokens::whole(10), Rate::per_second(1).expect("rate")).expect("b");
+        let keys: Vec<String> = (0..200).map(|i| format!("strict:{i}")).collect();
+        let hold = |holder: i64, lifetime: u64| Hold {
+            holder,
+            lease_id: 1,
+            kept: Tokens::ZERO,
+            lifetime: Duration::from_secs(lifetime),
+        };
+        for (i, key) in keys.iter().enumerate() {
+            let request = AcquireRequest::lease(key, config, Tokens::whole(1), Tokens::whole(10));
+            // The first half for a minute, the second for a second.
+            let lifetime = if i < 100 { 60 } else { 1 };
+            let got = store
+                .acquire(request.held(hold(i as i64, lifetime)))
+                .await
+                .expect("acquire");
+            assert_eq!(got.granted, Tokens::whole(10));
+        }
+        // A plain take leaves no side entry.
+        let plain = AcquireRequest::take("plain", config, Tokens::whole(1));
+        store.acquire(plain).await.expect("acquire");
+        assert_eq!(strict_entries(&store), (200, true));
+        // Nothing is full while its lease is out.
+        assert_eq!(store.delete_idle(u32::MAX).await.expect("delete"), 0);
+        assert_eq!(store.len(), 201);
+        // Settling the first half's leases drops their entries.
+        let returns: Vec<GiveBack<'_>> = keys[..100]
+            .iter()
+            .enumerate()
+            .map(|(i, key)| GiveBack {
+                id: i as i64,
+                key,
+                bucket: config,
+                amount: Tokens::whole(10),
+                lease: Some(LeaseRef {
+                    holder: i as i64,
+                    lease_id: 1,
+                }),
+            })
+            .collect();
+        assert_eq!(store.give_back(&returns).await.expect("give back"), 100);
+        assert_eq!(strict_entries(&store).0, 100);
+        let row = store
+            .inspect(&keys[0])
+            .await
+            .expect("inspect")
+            .expect("row");
+        assert!(row.leases.is_empty() && row.tokens == Tokens::whole(10));
+        let row = store
+            .inspect(&keys[100])
+            .await
+            .expect("inspect")
+            .expect("row");
+        assert_eq!(row.leases.len(), 1);
+        // Later the second half's leases have expired and their buckets refilled: every bucket
+        // is full and goes, with its leases, and the side maps let their memory go.
+        clock.advance(30_000_000_000);
+        assert_eq!(store.delete_idle(u32::MAX).await.expect("delete"), 201);
+        assert_eq!(store.len(), 0);
+        assert_eq!(strict_entries(&store), (0, false));
+        assert!(store.inspect(&keys[100]).await.expect("inspect").is_none());
     }
 
     /// Buckets written with the same shape share it; a new shape gets its own.
