@@ -352,8 +352,10 @@ fn a_million_keys_stay_inside_the_table_bound() {
             "E4: peak live heap {:.1} MiB for at most 100,000 keys",
             peak as f64 / 1048576.0
         );
-        // Idle: leases expire, keys are evicted, tokens go back.
-        let deadline = Instant::now() + Duration::from_secs(10);
+        // Idle: leases expire, keys are evicted, tokens go back. The loop ends as soon as they
+        // have; the deadline only bounds a failure, and is wide because a debug build evicting
+        // 100,000 keys on a busy 2-core machine once took more than 10 s.
+        let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let stats = limiter.lease_stats().expect("leased");
             // The last batch of evictions empties the table before its give-back statements

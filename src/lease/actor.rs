@@ -35,7 +35,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::key::SlotKey;
-use super::slot::{Book, Slot};
+use super::slot::{Book, Slot, SlotRef};
 use super::word::{CLOSED, PENDING, TOKENS};
 use super::{GATHER, Leases};
 use crate::bucket::Tokens;
@@ -103,7 +103,7 @@ impl Ids {
 /// sequence number of its own.
 struct Due {
     at: u64,
-    slot: Arc<Slot>,
+    slot: SlotRef,
 }
 
 impl PartialEq for Due {
@@ -143,7 +143,7 @@ impl Timers {
     /// entry be replaced by an earlier one, the old one is skipped when it comes up: it is not
     /// live ([`Book::armed_for`]) unless the slot is armed for its very time again, and then it
     /// is handled as the live entry is, twice in the same round at most (the first disarms it).
-    fn arm(&mut self, slot: &Arc<Slot>, book: &mut Book, at: u64) {
+    fn arm(&mut self, slot: &SlotRef, book: &mut Book, at: u64) {
         if book.armed && book.timer_at <= at {
             return;
         }
@@ -151,7 +151,7 @@ impl Timers {
         book.timer_at = at;
         self.heap.push(Due {
             at,
-            slot: Arc::clone(slot),
+            slot: SlotRef::clone(slot),
         });
     }
 
@@ -348,7 +348,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
         let mut due = Vec::new();
         let mut seen = HashSet::new();
         while let Some(slot) = leases.nudges.pop() {
-            if seen.insert(Arc::as_ptr(&slot) as usize) {
+            if seen.insert(SlotRef::as_ptr(&slot) as usize) {
                 due.push(slot);
             }
         }
@@ -428,7 +428,7 @@ type Job<'a> = Pin<Box<dyn Future<Output = Done> + Send + 'a>>;
 
 /// One slot's refill request: the slot, the least and the most it asks for (nanotokens), and
 /// its strict lease's renewal.
-type Ask = (Arc<Slot>, u64, u64, Option<Hold>);
+type Ask = (SlotRef, u64, u64, Option<Hold>);
 
 /// A statement's answer, back on the actor.
 struct Done {
@@ -461,7 +461,7 @@ struct Lane {
     /// A statement of this lane is in flight.
     busy: bool,
     /// Slots waiting for a refill, in the order they asked.
-    due: VecDeque<Arc<Slot>>,
+    due: VecDeque<SlotRef>,
     /// The slots in `due`, by address: each waits once.
     queued: HashSet<usize>,
 }
@@ -504,9 +504,9 @@ impl<'a> Lanes<'a> {
     }
 
     /// Queues `slot` for a refill on `lane`, unless it waits there already.
-    fn queue(&mut self, lane: usize, slot: Arc<Slot>) {
+    fn queue(&mut self, lane: usize, slot: SlotRef) {
         let l = self.lanes.entry(lane).or_default();
-        if l.queued.insert(Arc::as_ptr(&slot) as usize) {
+        if l.queued.insert(SlotRef::as_ptr(&slot) as usize) {
             l.due.push_back(slot);
         }
     }
@@ -583,16 +583,16 @@ fn dispatch<'a>(
             && !l.due.is_empty()
         {
             let n = l.due.len().min(CHUNK);
-            let part: Vec<Arc<Slot>> = l.due.drain(..n).collect();
+            let part: Vec<SlotRef> = l.due.drain(..n).collect();
             for slot in &part {
-                l.queued.remove(&(Arc::as_ptr(slot) as usize));
+                l.queued.remove(&(SlotRef::as_ptr(slot) as usize));
             }
             let asks = plan_chunk(leases, &part, timers, ids);
             if asks.is_empty() {
                 continue;
             }
             for (slot, ..) in &asks {
-                lanes.inflight.insert(Arc::as_ptr(slot) as usize);
+                lanes.inflight.insert(SlotRef::as_ptr(slot) as usize);
             }
             leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
             metrics::counter!(m::DB_CALLS, "kind" => "lease").increment(1);
@@ -704,7 +704,7 @@ fn finish(
             let until = now + FAILURE_BACKOFF.as_nanos() as u64;
             let mut answers = result.into_iter();
             for (slot, _, want, hold) in &asks {
-                lanes.inflight.remove(&(Arc::as_ptr(slot) as usize));
+                lanes.inflight.remove(&(SlotRef::as_ptr(slot) as usize));
                 match answers.next() {
                     Some(Ok(answer)) if !short => {
                         let strict = hold.map(|h| (sent, h.lease_id));
@@ -786,13 +786,13 @@ fn publish_outstanding(leases: &Leases) {
 }
 
 /// After a dropped nudge: finds every slot that asked for a refill, by its `PENDING` bit.
-fn scan_pending(leases: &Leases, due: &mut Vec<Arc<Slot>>, seen: &mut HashSet<usize>) {
+fn scan_pending(leases: &Leases, due: &mut Vec<SlotRef>, seen: &mut HashSet<usize>) {
     let table = leases.table.pin();
     let mut visited = 0u64;
     for slot in table.values() {
         visited += 1;
-        if slot.words().load() & PENDING != 0 && seen.insert(Arc::as_ptr(slot) as usize) {
-            due.push(Arc::clone(slot));
+        if slot.words().load() & PENDING != 0 && seen.insert(SlotRef::as_ptr(slot) as usize) {
+            due.push(SlotRef::clone(slot));
         }
     }
     leases
@@ -825,7 +825,7 @@ fn expire(
         if slot.evicted().load(Ordering::Acquire) {
             continue;
         }
-        if inflight.contains(&(Arc::as_ptr(&slot) as usize)) {
+        if inflight.contains(&(SlotRef::as_ptr(&slot) as usize)) {
             // Its refill is in flight: the answer, when applied, queues it again (`schedule`).
             let mut book = slot.book.lock();
             if book.armed_for(entry_at) {
@@ -910,7 +910,7 @@ fn retire_stale(
         looked += 1;
         let by_key = slot.hot().plan.load(Ordering::Relaxed) != super::slab::NO_PLAN;
         if (stale.0)(&slot.key, &slot.plan, by_key) {
-            gone.push(Arc::clone(slot));
+            gone.push(SlotRef::clone(slot));
         }
     }
     for slot in &gone {
@@ -932,7 +932,7 @@ fn retire_stale(
 
 /// Queues `slot` on the due-queue after a refill round (whatever its answer), unless it has an
 /// entry due no later: at its lease's expiry if it has a live lease, else at its idle check.
-fn schedule(timers: &mut Timers, slot: &Arc<Slot>) {
+fn schedule(timers: &mut Timers, slot: &SlotRef) {
     if slot.evicted().load(Ordering::Acquire) {
         return;
     }
@@ -974,7 +974,7 @@ fn renew_if_spent(slot: &Slot, book: &mut super::slot::Book, now: u64) -> bool {
 fn queue_return(
     returns: &mut Vec<Return>,
     ids: &mut Ids,
-    slot: &Arc<Slot>,
+    slot: &SlotRef,
     amount: u64,
     lease: Option<LeaseRef>,
 ) {
@@ -993,7 +993,7 @@ fn queue_return(
 
 /// Takes a slot out of service for good (evicted, or shutting down): it is never topped up
 /// again, its unspent tokens go back, and its waiters wake to find it closed.
-fn retire(slot: &Arc<Slot>, returns: &mut Vec<Return>, ids: &mut Ids) {
+fn retire(slot: &SlotRef, returns: &mut Vec<Return>, ids: &mut Ids) {
     slot.evicted().store(true, Ordering::Release);
     let reclaimed = slot.words().close();
     let lease = {
@@ -1153,7 +1153,7 @@ fn target_size(demand: f64, max_cost: u64, settings: &LeaseSettings, landing: Du
 /// ask per distinct key). A slot that needs nothing has its pending mark cleared and its waiters
 /// woken, and is queued on the due-queue at once; the asked slots are queued when the answer is
 /// applied.
-fn plan_chunk(leases: &Leases, part: &[Arc<Slot>], timers: &mut Timers, ids: &mut Ids) -> Vec<Ask> {
+fn plan_chunk(leases: &Leases, part: &[SlotRef], timers: &mut Timers, ids: &mut Ids) -> Vec<Ask> {
     let now = leases.now();
     // How long a refill takes to land: the last round trips, plus a tick for a nudge that was
     // dropped and found by the sweep.
@@ -1177,7 +1177,7 @@ fn plan_chunk(leases: &Leases, part: &[Arc<Slot>], timers: &mut Timers, ids: &mu
         match plan_refill(slot, now, landing) {
             Some((min, want)) => {
                 let hold = hold(leases, slot, ids);
-                asks.push((Arc::clone(slot), min, want, hold));
+                asks.push((SlotRef::clone(slot), min, want, hold));
             }
             None => {
                 slot.words().clear_pending();
@@ -1195,7 +1195,7 @@ fn plan_chunk(leases: &Leases, part: &[Arc<Slot>], timers: &mut Timers, ids: &mu
 #[allow(clippy::too_many_arguments)]
 fn apply(
     leases: &Leases,
-    slot: &Arc<Slot>,
+    slot: &SlotRef,
     want: u64,
     answer: &crate::store::Acquired,
     now: u64,

@@ -45,7 +45,7 @@ mod words_tests;
 #[cfg(test)]
 pub(crate) use slab::NO_PLAN;
 use slab::Slab;
-pub(crate) use slot::Slot;
+pub(crate) use slot::{Slot, SlotRef};
 use table::Table;
 use word::Take;
 
@@ -132,7 +132,7 @@ pub(crate) struct Leases {
     settings: TableSettings,
     /// Slots that asked for a refill; the actor drains it. Bounded and lock-free: when full,
     /// a nudge is dropped and `overflowed` is set.
-    nudges: ArrayQueue<Arc<Slot>>,
+    nudges: ArrayQueue<SlotRef>,
     /// Low-water nudges are queued and the actor was woken for them: later ones do not wake it
     /// again. The actor clears it before it drains the queue.
     soon: AtomicBool,
@@ -208,11 +208,11 @@ pub(crate) enum Fast {
     /// The store failed recently for this key: the fallback decides.
     Failing,
     /// Not enough in the lease; a refill is asked for. Wait on the slot, or decide otherwise.
-    Short(Arc<Slot>),
+    Short(SlotRef),
     /// Not enough in the lease, and the key is sparse (called less than once per lease
     /// lifetime, or new): no refill is asked for. Decide with one store call (the direct-mode
     /// coalescer), then report it with [`Leases::record_direct`].
-    Sparse(Arc<Slot>),
+    Sparse(SlotRef),
     /// No slot and the table is full: decide without a lease.
     NoRoom,
     /// The slot waited on was retired (a policy reload closed its lease, or the table shut
@@ -336,7 +336,7 @@ impl Leases {
                 };
                 let Some(slot) = table.get_or_insert_with(key, |hot| {
                     hot.plan.store(index, Ordering::Relaxed);
-                    Arc::new(Slot::new(key, shared, now, hot, cost))
+                    SlotRef::new(Slot::new(key, shared, now, hot, cost))
                 }) else {
                     return Fast::NoRoom;
                 };
@@ -346,11 +346,11 @@ impl Leases {
                 // is woken for the key's first refill at once, and the call waits for it.
                 if self.settings.sparse_direct && self.busy.load(Ordering::Relaxed) {
                     self.nudge_soon(slot);
-                    return Fast::Sparse(Arc::clone(slot));
+                    return Fast::Sparse(SlotRef::clone(slot));
                 }
                 slot.want(cost);
                 self.nudge(slot);
-                return Fast::Short(Arc::clone(slot));
+                return Fast::Short(SlotRef::clone(slot));
             }
         };
         // The record alone: a quiet key's call does not read its slot.
@@ -413,7 +413,7 @@ impl Leases {
 
     /// The lease could not pay: denied, failing, or ask for a refill.
     #[cold]
-    fn short(&self, slot: &Arc<Slot>, cost: u64) -> Fast {
+    fn short(&self, slot: &SlotRef, cost: u64) -> Fast {
         let now = self.now();
         let deny_until = slot.deny_until.load(Ordering::Acquire);
         if deny_until > now {
@@ -430,7 +430,7 @@ impl Leases {
             && self.busy.load(Ordering::Relaxed)
             && !slot.dry().load(Ordering::Acquire)
         {
-            return Fast::Sparse(Arc::clone(slot));
+            return Fast::Sparse(SlotRef::clone(slot));
         }
         self.ask_refill(slot, cost);
         if slot.dry().load(Ordering::Acquire) {
@@ -440,12 +440,12 @@ impl Leases {
                 retry_after: self.settings.tick.as_nanos() as u64,
             };
         }
-        Fast::Short(Arc::clone(slot))
+        Fast::Short(SlotRef::clone(slot))
     }
 
     /// Records that a caller waits for `cost` nanotokens of `slot` and asks the actor for a
     /// refill, unless one is pending already.
-    pub(crate) fn ask_refill(&self, slot: &Arc<Slot>, cost: u64) {
+    pub(crate) fn ask_refill(&self, slot: &SlotRef, cost: u64) {
         slot.want(cost);
         if slot.words().request_refill() {
             self.nudge(slot);
@@ -455,7 +455,7 @@ impl Leases {
     /// [`ask_refill`](Self::ask_refill) for a caller that will not wait (`try_acquire_now_with`
     /// on a sparse key): the actor is woken at once even when a refill is pending, as it is for
     /// a new key's first call, so the lease lands as soon as it can for a later call.
-    pub(crate) fn ask_refill_now(&self, slot: &Arc<Slot>, cost: u64) {
+    pub(crate) fn ask_refill_now(&self, slot: &SlotRef, cost: u64) {
         slot.want(cost);
         slot.words().request_refill();
         self.nudge(slot);
@@ -471,7 +471,7 @@ impl Leases {
     /// fallback for a while without asking again, as a failed refill does.
     pub(crate) fn record_direct(
         &self,
-        slot: &Arc<Slot>,
+        slot: &SlotRef,
         spent: u64,
         denied_for: Option<u64>,
         failed: bool,
@@ -498,7 +498,7 @@ impl Leases {
     ///
     /// Cancel safe: a dropped waiter leaves only its cost in the slot's `waiting` sum, which
     /// makes the next refill a little larger; the refill itself goes on.
-    pub(crate) async fn wait(&self, slot: Arc<Slot>, cost: u64, deadline: Instant) -> Fast {
+    pub(crate) async fn wait(&self, slot: SlotRef, cost: u64, deadline: Instant) -> Fast {
         loop {
             let notified = slot.notify().notified();
             tokio::pin!(notified);
@@ -568,7 +568,7 @@ impl Leases {
     }
 
     /// Tells the actor that `slot` wants a refill. Never blocks.
-    fn nudge(&self, slot: &Arc<Slot>) {
+    fn nudge(&self, slot: &SlotRef) {
         self.queue(slot);
         self.urgent.store(true, Ordering::Release);
         self.wake.notify_one();
@@ -581,16 +581,16 @@ impl Leases {
     /// overflows. The lease's low-water share is sized to last a refill plus a tick
     /// (`actor.rs::target_size`), which covers the gathering.
     #[inline]
-    fn nudge_soon(&self, slot: &Arc<Slot>) {
+    fn nudge_soon(&self, slot: &SlotRef) {
         self.queue(slot);
         if !self.soon.swap(true, Ordering::AcqRel) || self.nudges.len() >= NUDGES / 2 {
             self.wake.notify_one();
         }
     }
 
-    fn queue(&self, slot: &Arc<Slot>) {
+    fn queue(&self, slot: &SlotRef) {
         // A full queue drops the nudge; the actor's next round then scans for PENDING slots.
-        if self.nudges.push(Arc::clone(slot)).is_err() {
+        if self.nudges.push(SlotRef::clone(slot)).is_err() {
             self.overflowed.store(true, Ordering::Release);
         }
     }

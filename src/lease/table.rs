@@ -31,7 +31,9 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::Mutex;
 
 use super::slab::{Hot, HotRef, Slab};
+#[cfg(test)]
 use super::slot::Slot;
+use super::slot::SlotRef;
 
 /// Key bytes stored in the bucket itself. A longer key is compared through its slot's own copy
 /// (one more cache line, only for such keys); 17 bytes are what is left of a 32-byte entry after
@@ -55,7 +57,7 @@ fn tag(hash: u64) -> u8 {
 /// One key's entry: written once, when the key is inserted. 32 bytes.
 #[derive(Debug)]
 struct Entry {
-    slot: Arc<Slot>,
+    slot: SlotRef,
     /// The slot's record in the table's slab (the slot holds it, so it lives as long as the entry).
     hot: u32,
     /// Set when the key was removed: the entry is a tombstone until the next rebuild.
@@ -70,7 +72,7 @@ struct Entry {
 }
 
 impl Entry {
-    fn new(hash: u64, key: &str, slot: Arc<Slot>) -> Entry {
+    fn new(hash: u64, key: &str, slot: SlotRef) -> Entry {
         let bytes = key.as_bytes();
         let n = bytes.len().min(INLINE);
         let mut inline = [0; INLINE];
@@ -348,7 +350,7 @@ impl<'t> TableRef<'t> {
     /// The slot of `key` and its record. No lock, no allocation: a hash, a probe, an acquire
     /// load per bucket, and the record's address (the slot itself is not read).
     #[inline]
-    pub(crate) fn get(&self, key: &str) -> Option<(&Arc<Slot>, &Hot)> {
+    pub(crate) fn get(&self, key: &str) -> Option<(&SlotRef, &Hot)> {
         let hash = self.table.hasher.hash_one(key);
         let entry = self.buckets().find(hash, key).ok()?;
         Some((&entry.slot, self.table.slab.get(entry.hot)?))
@@ -359,8 +361,8 @@ impl<'t> TableRef<'t> {
     pub(crate) fn get_or_insert_with(
         &self,
         key: &str,
-        make: impl FnOnce(HotRef) -> Arc<Slot>,
-    ) -> Option<&Arc<Slot>> {
+        make: impl FnOnce(HotRef) -> SlotRef,
+    ) -> Option<&SlotRef> {
         let hash = self.table.hasher.hash_one(key);
         let mut counts = self.table.writers.lock();
         let mut buckets = self.buckets();
@@ -382,7 +384,7 @@ impl<'t> TableRef<'t> {
     }
 
     /// Removes `key`, returning its slot. Takes the writers' mutex.
-    pub(crate) fn remove(&self, key: &str) -> Option<&Arc<Slot>> {
+    pub(crate) fn remove(&self, key: &str) -> Option<&SlotRef> {
         let hash = self.table.hasher.hash_one(key);
         let mut counts = self.table.writers.lock();
         let buckets = self.buckets();
@@ -436,7 +438,7 @@ impl<'t> TableRef<'t> {
             }
             {
                 let _ = fresh.buckets[empty].set(Entry {
-                    slot: Arc::clone(&entry.slot),
+                    slot: SlotRef::clone(&entry.slot),
                     hot: entry.hot,
                     gone: AtomicBool::new(false),
                     len: entry.len,
@@ -461,12 +463,12 @@ impl<'t> TableRef<'t> {
     }
 
     /// Live keys and their slots, as of the current array.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&str, &Arc<Slot>)> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&str, &SlotRef)> {
         self.buckets().live().map(|e| (&*e.slot.key, &e.slot))
     }
 
     /// Live slots.
-    pub(crate) fn values(&self) -> impl Iterator<Item = &Arc<Slot>> {
+    pub(crate) fn values(&self) -> impl Iterator<Item = &SlotRef> {
         self.buckets().live().map(|e| &e.slot)
     }
 
@@ -482,10 +484,10 @@ mod tests {
     use crate::bucket::{BucketConfig, Rate, Tokens};
     use crate::policy::Plan;
 
-    fn slot(slab: &Arc<Slab>, key: &str) -> Arc<Slot> {
+    fn slot(slab: &Arc<Slab>, key: &str) -> SlotRef {
         let bucket = BucketConfig::new(Tokens::whole(10), Rate::per_second(1).expect("rate"))
             .expect("bucket");
-        Arc::new(Slot::new(
+        SlotRef::new(Slot::new(
             key,
             Arc::new(Plan::new("t", bucket)),
             0,
@@ -551,25 +553,27 @@ mod tests {
             .collect();
         keys.extend(pairs.iter().map(|(a, _)| a.clone()));
         let t = table.pin();
-        let slots: Vec<Arc<Slot>> = keys.iter().map(|k| slot(&slab, k)).collect();
+        let slots: Vec<SlotRef> = keys.iter().map(|k| slot(&slab, k)).collect();
         for (k, s) in keys.iter().zip(&slots) {
-            t.get_or_insert_with(k, |_| Arc::clone(s)).expect("room");
+            t.get_or_insert_with(k, |_| SlotRef::clone(s))
+                .expect("room");
         }
         // The second of each pair: absent until inserted, then found beside the first.
         for (a, b) in &pairs {
             assert!(t.get(b).is_none(), "{b} is not {a}");
         }
-        let seconds: Vec<Arc<Slot>> = pairs.iter().map(|(_, b)| slot(&slab, b)).collect();
+        let seconds: Vec<SlotRef> = pairs.iter().map(|(_, b)| slot(&slab, b)).collect();
         for ((_, b), s) in pairs.iter().zip(&seconds) {
-            t.get_or_insert_with(b, |_| Arc::clone(s)).expect("room");
+            t.get_or_insert_with(b, |_| SlotRef::clone(s))
+                .expect("room");
         }
         keys.extend(pairs.iter().map(|(_, b)| b.clone()));
-        let slots: Vec<Arc<Slot>> = slots.into_iter().chain(seconds).collect();
+        let slots: Vec<SlotRef> = slots.into_iter().chain(seconds).collect();
         let check = |t: &TableRef<'_>| {
             assert_eq!(t.len(), keys.len());
             for (k, s) in keys.iter().zip(&slots) {
                 let (got, hot) = t.get(k).unwrap_or_else(|| panic!("{k} is found"));
-                assert!(Arc::ptr_eq(got, s), "{k} has its own slot");
+                assert!(SlotRef::ptr_eq(got, s), "{k} has its own slot");
                 assert!(std::ptr::eq(hot, s.hot()));
                 // The same length with the last byte changed, and one byte more, are not keys.
                 let mut other = k.clone().into_bytes();
@@ -592,11 +596,11 @@ mod tests {
     fn compact_frees_the_tombstones_a_batch_of_removals_left() {
         let slab = Slab::new(8192);
         let table = Table::new(Arc::clone(&slab));
-        let slots: Vec<Arc<Slot>> = (0..3000).map(|i| slot(&slab, &key(i))).collect();
+        let slots: Vec<SlotRef> = (0..3000).map(|i| slot(&slab, &key(i))).collect();
         {
             let t = table.pin();
             for (i, s) in slots.iter().enumerate() {
-                t.get_or_insert_with(&key(i), |_| Arc::clone(s))
+                t.get_or_insert_with(&key(i), |_| SlotRef::clone(s))
                     .expect("room");
             }
             for i in 0..2000 {
@@ -607,7 +611,7 @@ mod tests {
         table.pin().compact();
         assert_eq!(table.writers.lock().gone, 0);
         // Only this test's own handles are left on the removed keys' slots.
-        assert!(slots[..2000].iter().all(|s| Arc::strong_count(s) == 1));
+        assert!(slots[..2000].iter().all(|s| SlotRef::count(s) == 1));
         assert_eq!(table.pin().iter().count(), 1000);
         // Nothing to do: no rebuild.
         table.pin().compact();
@@ -630,22 +634,22 @@ mod tests {
         let slab = Slab::new(8192);
         let table = Table::new(Arc::clone(&slab));
         let t = table.pin();
-        let slots: Vec<Arc<Slot>> = (0..3000).map(|i| slot(&slab, &key(i))).collect();
+        let slots: Vec<SlotRef> = (0..3000).map(|i| slot(&slab, &key(i))).collect();
         for (i, s) in slots.iter().enumerate() {
             let got = t
-                .get_or_insert_with(&key(i), |_| Arc::clone(s))
+                .get_or_insert_with(&key(i), |_| SlotRef::clone(s))
                 .expect("room");
-            assert!(Arc::ptr_eq(got, s));
+            assert!(SlotRef::ptr_eq(got, s));
             // A second insert of the key returns the first slot.
             let again = t
                 .get_or_insert_with(&key(i), |_| slot(&slab, "unused"))
                 .expect("room");
-            assert!(Arc::ptr_eq(again, s));
+            assert!(SlotRef::ptr_eq(again, s));
         }
         assert_eq!(t.len(), 3000);
         for i in (0..3000).step_by(2) {
             let removed = t.remove(&key(i)).expect("present");
-            assert!(Arc::ptr_eq(removed, &slots[i]));
+            assert!(SlotRef::ptr_eq(removed, &slots[i]));
             assert!(t.remove(&key(i)).is_none(), "removed once");
         }
         drop(t);
@@ -662,13 +666,13 @@ mod tests {
         assert_eq!(seen, want);
         // A removed key comes back with a new slot.
         let fresh = slot(&slab, &key(0));
-        assert!(Arc::ptr_eq(
-            t.get_or_insert_with(&key(0), |_| Arc::clone(&fresh))
+        assert!(SlotRef::ptr_eq(
+            t.get_or_insert_with(&key(0), |_| SlotRef::clone(&fresh))
                 .expect("room"),
             &fresh
         ));
         let (back, hot) = t.get(&key(0)).expect("back");
-        assert!(Arc::ptr_eq(back, &fresh));
+        assert!(SlotRef::ptr_eq(back, &fresh));
         // The bucket's record is the slot's own.
         assert!(std::ptr::eq(hot, fresh.hot()));
         t.clear();

@@ -887,7 +887,7 @@ enum Step<'a> {
     Wait {
         plan: &'a Plan,
         cost: Tokens,
-        slot: Arc<crate::lease::Slot>,
+        slot: crate::lease::SlotRef,
         deadline: Instant,
     },
     /// The fallback decides.
@@ -899,7 +899,7 @@ enum Step<'a> {
     Sparse {
         plan: &'a Plan,
         cost: Tokens,
-        slot: Arc<crate::lease::Slot>,
+        slot: crate::lease::SlotRef,
     },
 }
 
