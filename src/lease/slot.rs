@@ -170,7 +170,7 @@ impl Slot {
     /// Where callers wait for this slot's refill, and what the actor wakes after every answer.
     #[inline]
     pub(crate) fn notify(&self) -> &'static Notify {
-        // A multiplicative hash of the address: slots are 240-byte heap chunks, so the low bits
+        // A multiplicative hash of the address: slots are 208-byte heap chunks, so the low bits
         // alone would use a few of the sets.
         let at = std::ptr::from_ref(self) as usize as u64;
         let set = at.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - WAITER_SETS.trailing_zeros());
