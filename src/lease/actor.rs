@@ -35,7 +35,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::key::SlotKey;
-use super::slot::{Book, Slot, SlotRef};
+use super::slot::{Book, Ms32, Slot, SlotRef};
 use super::word::{CLOSED, PENDING, TOKENS};
 use super::{GATHER, Leases};
 use crate::bucket::Tokens;
@@ -144,11 +144,14 @@ impl Timers {
     /// live ([`Book::armed_for`]) unless the slot is armed for its very time again, and then it
     /// is handled as the live entry is, twice in the same round at most (the first disarms it).
     fn arm(&mut self, slot: &SlotRef, book: &mut Book, at: u64) {
-        if book.armed && book.timer_at <= at {
+        // Kept to the millisecond (`Ms32`): an entry due in the same millisecond as the live one,
+        // a little earlier, is not queued, and the slot is looked at under a millisecond later
+        // than asked, within the round's tick.
+        if book.armed && book.timer_at.near(at) <= at {
             return;
         }
         book.armed = true;
-        book.timer_at = at;
+        book.timer_at = Ms32::from_ns(at);
         self.heap.push(Due {
             at,
             slot: SlotRef::clone(slot),
@@ -241,6 +244,7 @@ impl Drop for Carried<'_> {
 /// on the new actor's due-queue (the old one's went with it), and the next round looks for
 /// every slot that asked for a refill.
 fn adopt(leases: &Leases, timers: &mut Timers) {
+    let now = leases.now();
     let table = leases.table.pin();
     for slot in table.values() {
         let closed = slot.words().load() & CLOSED != 0;
@@ -248,9 +252,9 @@ fn adopt(leases: &Leases, timers: &mut Timers) {
         let mut book = slot.book.lock();
         book.armed = false;
         let at = if closed {
-            book.active_at.saturating_add(ttl)
+            book.active_at.near(now).saturating_add(ttl)
         } else {
-            book.expires_at
+            book.expires_at.near(now)
         };
         timers.arm(slot, &mut book, at);
     }
@@ -714,7 +718,7 @@ fn finish(
                         slot.notify().notify_waiters();
                     }
                 }
-                schedule(timers, slot);
+                schedule(timers, slot, now);
             }
         }
         Answered::Return { batch, result } => {
@@ -847,11 +851,12 @@ fn expire(
         // took no refill to update that sample and would look active for ever.)
         let spent = book.spend_mark(available);
         if spent != book.spent_at_check || word & PENDING != 0 {
-            book.active_at = now;
+            book.active_at = Ms32::from_ns(now);
             book.spent_at_check = spent;
         }
         let mut closed = word & CLOSED != 0;
-        if !closed && book.expires_at <= horizon && !renew_if_spent(&slot, &mut book, now) {
+        let expires_at = book.expires_at.near(now);
+        if !closed && expires_at <= horizon && !renew_if_spent(&slot, &mut book, now) {
             // A lease lives `ttl` after its last top-up (for a strict one, after the request
             // was sent), or after the last expiry it was spent from before (relaxed only).
             let reclaimed = slot.words().close();
@@ -859,16 +864,18 @@ fn expire(
             queue_return(returns, ids, &slot, reclaimed, book.lease());
             closed = true;
         }
+        let idle_at = book.active_at.near(now).saturating_add(ttl);
         let next = if !closed {
-            book.expires_at
-        } else if word & PENDING == 0 && book.active_at.saturating_add(ttl) <= horizon {
+            // Renewed above, or not due yet.
+            book.expires_at.near(now)
+        } else if word & PENDING == 0 && idle_at <= horizon {
             drop(book);
             evict.push(slot);
             continue;
         } else {
             // Closed and asking for a refill (its refill queues it again if it needs sooner),
             // or not idle for a lifetime yet.
-            book.active_at.saturating_add(ttl)
+            idle_at
         };
         timers.arm(&slot, &mut book, next.max(horizon.saturating_add(1)));
     }
@@ -933,7 +940,7 @@ fn retire_stale(
 
 /// Queues `slot` on the due-queue after a refill round (whatever its answer), unless it has an
 /// entry due no later: at its lease's expiry if it has a live lease, else at its idle check.
-fn schedule(timers: &mut Timers, slot: &SlotRef) {
+fn schedule(timers: &mut Timers, slot: &SlotRef, now: u64) {
     if slot.evicted().load(Ordering::Acquire) {
         return;
     }
@@ -941,9 +948,9 @@ fn schedule(timers: &mut Timers, slot: &SlotRef) {
     let ttl = lease_settings(slot).ttl.as_nanos() as u64;
     let mut book = slot.book.lock();
     let at = if live {
-        book.expires_at
+        book.expires_at.near(now)
     } else {
-        book.active_at.saturating_add(ttl)
+        book.active_at.near(now).saturating_add(ttl)
     };
     timers.arm(slot, &mut book, at);
 }
@@ -966,7 +973,7 @@ fn renew_if_spent(slot: &Slot, book: &mut super::slot::Book, now: u64) -> bool {
         return false;
     }
     book.spent_at_renewal = spent;
-    book.expires_at = now.saturating_add(settings.ttl.as_nanos() as u64);
+    book.expires_at = Ms32::from_ns(now.saturating_add(settings.ttl.as_nanos() as u64));
     true
 }
 
@@ -1076,7 +1083,7 @@ fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64)> {
         )
         .min(largest)
     };
-    book.target = target;
+    book.target = target as f32;
     // A key sized a lease is not sparse; one sized none, watched for a lifetime at least, is:
     // its next call the word cannot pay is one store call through the direct-mode coalescer,
     // not a wait for this actor (`Hot::sparse`). A new key stays as it started (sparse) until
@@ -1172,7 +1179,7 @@ fn plan_chunk(leases: &Leases, part: &[SlotRef], timers: &mut Timers, ids: &mut 
             // Another slot of the same key (evicted and re-created): next round.
             slot.words().request_refill();
             leases.nudge(slot);
-            schedule(timers, slot);
+            schedule(timers, slot, now);
             continue;
         }
         match plan_refill(slot, now, landing) {
@@ -1183,7 +1190,7 @@ fn plan_chunk(leases: &Leases, part: &[SlotRef], timers: &mut Timers, ids: &mut 
             None => {
                 slot.words().clear_pending();
                 slot.notify().notify_waiters();
-                schedule(timers, slot);
+                schedule(timers, slot, now);
             }
         }
     }
@@ -1211,7 +1218,7 @@ fn apply(
         if let Some(held) = book.strict.as_deref_mut() {
             held.lease_id = lease_id;
         }
-        book.expires_at = sent.saturating_add(ttl);
+        book.expires_at = Ms32::from_ns(sent.saturating_add(ttl));
     }
     let granted = u64::try_from(answer.granted.as_nanos()).unwrap_or(TOKENS);
     let remaining = u64::try_from(answer.remaining.as_nanos()).unwrap_or(u64::MAX);
@@ -1248,7 +1255,8 @@ fn apply(
         // Split a top-up over a hot key's words only in parts of a few costs each, so that
         // no word is left holding less than a caller needs while the others hold the rest.
         let split_min = book.max_cost.max(1).saturating_mul(HOT_PARTS);
-        if slot.words().contended() && book.target >= split_min.saturating_mul(HOT_PARTS) {
+        let target = book.target as u64;
+        if slot.words().contended() && target >= split_min.saturating_mul(HOT_PARTS) {
             slot.words().spread_out();
         }
         // A lease never holds more than its bound (`largest_lease`): tokens refunded into the
@@ -1266,17 +1274,17 @@ fn apply(
         // again (see `LeaseWords::top_up`); they were credited before and leave now.
         book.credited = (book.credited + granted).saturating_sub(unplaced);
         if strict.is_none() {
-            book.expires_at = now.saturating_add(ttl);
+            book.expires_at = Ms32::from_ns(now.saturating_add(ttl));
             book.spent_at_renewal = book.spend_mark(slot.words().available());
         }
-        book.active_at = now;
+        book.active_at = Ms32::from_ns(now);
         // Less than wanted: the bucket is scarce. No background top-up then (it would find the
         // bucket empty); when this lease is spent, callers are denied until a whole lease has
         // refilled, and the next refill asks for all of it.
         let scarce = granted < want;
         book.dry = scarce;
         book.dry_streak = 0;
-        let size = book.target.max(slot.words().available());
+        let size = target.max(slot.words().available());
         let low_water = if scarce {
             0
         } else {

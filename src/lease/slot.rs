@@ -73,17 +73,16 @@ pub(crate) struct Book {
     pub(crate) credited: u64,
     /// Nanotokens ever taken back from the word (expiry, eviction, shutdown).
     pub(crate) reclaimed: u64,
-    /// When the live lease expires (local monotonic ns); meaningless while closed.
-    pub(crate) expires_at: u64,
+    /// When the live lease expires; meaningless while closed.
+    pub(crate) expires_at: Ms32,
     /// Demand estimate in nanotokens per second. An `f32`: an estimate that halves its error
-    /// at every sample needs no more than its 24 bits of precision, and the four bytes it saves
-    /// keep the slot within a 224-byte heap chunk (`DESIGN.md` §10).
+    /// at every sample needs no more than its 24 bits of precision (`DESIGN.md` §10).
     pub(crate) demand: f32,
     /// When demand was last sampled, and how much had been spent then.
     pub(crate) sampled_at: u64,
     pub(crate) spent_at_sample: u64,
-    /// When the slot was last seen spending or asking (local monotonic ns).
-    pub(crate) active_at: u64,
+    /// When the slot was last seen spending or asking.
+    pub(crate) active_at: Ms32,
     /// The [`spend_mark`] when the relaxed lease last got a new lifetime (a top-up, or a
     /// renewal at expiry because it was spent from): at expiry, a lease spent from since lives
     /// on, and one that was not closes.
@@ -91,11 +90,12 @@ pub(crate) struct Book {
     /// The [`spend_mark`] when the actor last looked at the slot on its due-queue: its own
     /// sample for idleness, apart from the demand sample, which only refills take.
     pub(crate) spent_at_check: u32,
-    /// When the slot's live entry in the actor's due-queue is due (local monotonic ns);
-    /// meaningless unless `armed`.
-    pub(crate) timer_at: u64,
-    /// The target lease size at the last refill (nanotokens).
-    pub(crate) target: u64,
+    /// When the slot's live entry in the actor's due-queue is due; meaningless unless `armed`.
+    pub(crate) timer_at: Ms32,
+    /// The target lease size at the last refill (nanotokens). An `f32`, as the demand it comes
+    /// from: it sets the low-water mark and whether a top-up is split over a hot key's words,
+    /// and no bound of DESIGN.md §8 reads it (those use `max_cost` and the plan).
+    pub(crate) target: f32,
     /// The store's last answer granted nothing: the next refill asks for a whole lease or
     /// nothing, so a dry bucket is asked about once per lease's worth of refill, not per token.
     pub(crate) dry: bool,
@@ -119,6 +119,38 @@ pub(crate) struct Book {
     pub(crate) strict: Option<Box<LeaseRef>>,
 }
 
+/// A time of the lease actor's clock (local monotonic nanoseconds) in 32 bits: whole
+/// milliseconds, rounded down, modulo 2³² (49.7 days). Read back with [`Ms32::near`], as the
+/// time of that form nearest a time the reader has. The book keeps its lease's expiry, its last
+/// activity and its due-queue time so, 12 bytes where they took 24 (`DESIGN.md` §10).
+///
+/// Rounding down makes a lease expire, and an idle key leave, at most a millisecond early: its
+/// tokens go back sooner and nothing more is admitted; the actor looks at slots at its tick's
+/// granularity anyway. Each of the three is read only while it is within a lease lifetime (at
+/// most 10 minutes) and a tick of the reader's time: an expiry only while the lease is live,
+/// the last activity only while the key is in the table (a key idle for a lifetime is evicted,
+/// and a key asking for a refill is active), the due-queue time only while armed. So the 24.8
+/// days either side that [`Ms32::near`] can tell apart are far more than enough.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ms32(u32);
+
+impl Ms32 {
+    /// `ns` (local monotonic) to the millisecond below it.
+    pub(crate) fn from_ns(ns: u64) -> Ms32 {
+        Ms32((ns / 1_000_000) as u32)
+    }
+
+    /// The time (local monotonic ns) this stands for, taking of all the times it could stand
+    /// for the one nearest `now`: exact to the millisecond when that time is within 24.8 days
+    /// of `now`. Never below zero.
+    pub(crate) fn near(self, now: u64) -> u64 {
+        let now_ms = now / 1_000_000;
+        // The signed distance in milliseconds, modulo 2³², from `now` to this time.
+        let ahead = i64::from(self.0.wrapping_sub(now_ms as u32) as i32);
+        now_ms.saturating_add_signed(ahead).saturating_mul(1_000_000)
+    }
+}
+
 /// The low 32 bits of a slot's spent count: what the actor keeps to tell whether the slot was
 /// spent from since it last looked, where the whole count took 8 bytes. Only compared for
 /// equality. Two counts that differ by a multiple of 2³² nanotokens (4.29 tokens; 8,388,608
@@ -130,9 +162,12 @@ pub(crate) fn spend_mark(spent: u64) -> u32 {
 }
 
 impl Book {
-    /// Whether the slot's live entry in the actor's due-queue is the one due at `at`.
+    /// Whether the slot's live entry in the actor's due-queue is the one due at `at` (local
+    /// monotonic ns). Entries due within the same millisecond are the same one here: an entry
+    /// replaced by one in the same millisecond is handled as the live one is, and the first of
+    /// the two to be handled disarms the slot (`Timers::arm`).
     pub(crate) fn armed_for(&self, at: u64) -> bool {
-        self.armed && self.timer_at == at
+        self.armed && self.timer_at == Ms32::from_ns(at)
     }
 
     /// The strict lease the slot holds in the store, if it ever had one.
@@ -198,7 +233,7 @@ impl Slot {
                 book: Mutex::new(Book {
                     sampled_at: now,
                     spent_at_sample: first_cost,
-                    active_at: now,
+                    active_at: Ms32::from_ns(now),
                     ..Book::default()
                 }),
             },
@@ -258,13 +293,46 @@ impl Slot {
 mod tests {
     use super::*;
 
-    /// A slot with its `Arc` header (8 bytes: `triomphe`'s has no weak count) fits a 208-byte
-    /// malloc chunk (at most 200 bytes asked for, 8 of header): the byte count `DESIGN.md` §10
-    /// accounts for. A field that pushes it past 192 costs every key 16 bytes more.
+    const MS: u64 = 1_000_000;
+    /// 2³² milliseconds in nanoseconds: where an `Ms32` wraps.
+    const WRAP: u64 = (1 << 32) * MS;
+
+    /// A time is read back to its millisecond, rounded down, from a reader's time before or
+    /// after it, also across the 32-bit wrap (49.7 days) and at the clock's start.
     #[test]
-    fn a_slot_fits_a_208_byte_chunk() {
+    fn a_32_bit_time_reads_back_to_its_millisecond_near_the_reader() {
+        let lifetime = 600_000 * MS; // the longest lease lifetime, 10 minutes
+        for t in [
+            0,
+            MS - 1,
+            123_456_789,
+            WRAP - 5 * MS + 7,
+            WRAP - 1,
+            WRAP,
+            WRAP + 3 * MS + 999_999,
+            7 * WRAP + 42 * MS + 1,
+        ] {
+            let stored = Ms32::from_ns(t);
+            let back = t / MS * MS;
+            for now in [t, t + 1, t + lifetime, t.saturating_sub(lifetime), t + 24 * 86_400_000 * MS]
+            {
+                assert_eq!(stored.near(now), back, "t {t} read at {now}");
+            }
+        }
+        // Rounded down: never later than the time itself.
+        assert!(Ms32::from_ns(1_999_999).near(5 * MS) <= 1_999_999);
+        // Near the clock's start, a reader before the time still gets it, and nothing is negative.
+        assert_eq!(Ms32::from_ns(10 * MS).near(0), 10 * MS);
+        assert_eq!(Ms32::from_ns(WRAP - MS).near(0), 0);
+    }
+
+    /// A slot with its `Arc` header (8 bytes: `triomphe`'s has no weak count) fits a 192-byte
+    /// malloc chunk (at most 184 bytes asked for, 8 of header): the byte count `DESIGN.md` §10
+    /// accounts for. A field that pushes it past 176 costs every key 16 bytes more.
+    #[test]
+    fn a_slot_fits_a_192_byte_chunk() {
         assert_eq!(size_of::<SlotRef>(), 8);
-        assert!(size_of::<Slot>() <= 192, "{}", size_of::<Slot>());
-        assert!(size_of::<Book>() <= 96, "{}", size_of::<Book>());
+        assert!(size_of::<Slot>() <= 176, "{}", size_of::<Slot>());
+        assert!(size_of::<Book>() <= 80, "{}", size_of::<Book>());
     }
 }
