@@ -13,7 +13,7 @@ use crate::policy::Plan;
 use crate::store::LeaseRef;
 
 /// A shared slot: `triomphe`'s `Arc`, which has no weak count (no `Weak<Slot>` is ever taken),
-/// so a slot's allocation is 8 bytes smaller than with std's and fits a 208-byte heap chunk
+/// so a slot's allocation is 8 bytes smaller than with std's and fits a 192-byte heap chunk
 /// (`DESIGN.md` §10).
 pub(crate) type SlotRef = triomphe::Arc<Slot>;
 
@@ -147,7 +147,9 @@ impl Ms32 {
         let now_ms = now / 1_000_000;
         // The signed distance in milliseconds, modulo 2³², from `now` to this time.
         let ahead = i64::from(self.0.wrapping_sub(now_ms as u32) as i32);
-        now_ms.saturating_add_signed(ahead).saturating_mul(1_000_000)
+        now_ms
+            .saturating_add_signed(ahead)
+            .saturating_mul(1_000_000)
     }
 }
 
@@ -205,7 +207,7 @@ impl Slot {
     /// Where callers wait for this slot's refill, and what the actor wakes after every answer.
     #[inline]
     pub(crate) fn notify(&self) -> &'static Notify {
-        // A multiplicative hash of the address: slots are 208-byte heap chunks, so the low bits
+        // A multiplicative hash of the address: slots are 192-byte heap chunks, so the low bits
         // alone would use a few of the sets.
         let at = std::ptr::from_ref(self) as usize as u64;
         let set = at.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - WAITER_SETS.trailing_zeros());
@@ -314,8 +316,13 @@ mod tests {
         ] {
             let stored = Ms32::from_ns(t);
             let back = t / MS * MS;
-            for now in [t, t + 1, t + lifetime, t.saturating_sub(lifetime), t + 24 * 86_400_000 * MS]
-            {
+            for now in [
+                t,
+                t + 1,
+                t + lifetime,
+                t.saturating_sub(lifetime),
+                t + 24 * 86_400_000 * MS,
+            ] {
                 assert_eq!(stored.near(now), back, "t {t} read at {now}");
             }
         }
