@@ -251,11 +251,7 @@ fn adopt(leases: &Leases, timers: &mut Timers) {
         let ttl = lease_settings(slot).ttl.as_nanos() as u64;
         let mut book = slot.book.lock();
         book.armed = false;
-        let at = if closed {
-            book.active_at.near(now).saturating_add(ttl)
-        } else {
-            book.expires_at.near(now)
-        };
+        let at = book.next_look(!closed, ttl, now);
         timers.arm(slot, &mut book, at);
     }
     leases.overflowed.store(true, Ordering::Release);
@@ -947,11 +943,7 @@ fn schedule(timers: &mut Timers, slot: &SlotRef, now: u64) {
     let live = slot.words().load() & CLOSED == 0;
     let ttl = lease_settings(slot).ttl.as_nanos() as u64;
     let mut book = slot.book.lock();
-    let at = if live {
-        book.expires_at.near(now)
-    } else {
-        book.active_at.near(now).saturating_add(ttl)
-    };
+    let at = book.next_look(live, ttl, now);
     timers.arm(slot, &mut book, at);
 }
 

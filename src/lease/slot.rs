@@ -177,6 +177,17 @@ impl Book {
         self.strict.as_deref().copied()
     }
 
+    /// When the actor should look at the slot next (local monotonic ns, read near `now`): at
+    /// its lease's expiry while the lease is `open`, else at its idle check, a lifetime (`ttl`,
+    /// ns) after its last activity.
+    pub(crate) fn next_look(&self, open: bool, ttl: u64, now: u64) -> u64 {
+        if open {
+            self.expires_at.near(now)
+        } else {
+            self.active_at.near(now).saturating_add(ttl)
+        }
+    }
+
     /// [`spend_mark`] of [`spent`](Self::spent).
     pub(crate) fn spend_mark(&self, available: u64) -> u32 {
         spend_mark(self.spent(available))
