@@ -61,6 +61,11 @@ async fn strict_accounting_has_no_overshoot_where_relaxed_has_some() {
         "5000",
         "--refresh-ms",
         "500",
+        // On a busy machine a refill can take more than the default 50 ms wait, and the deny
+        // fallback then decides the burst: the relaxed run's overshoot (the negative control)
+        // disappears with it. Waiting longer keeps every decision the store's or a lease's.
+        "--max-wait-ms",
+        "1000",
     ];
     let run = |accounting: &str| {
         let mut args = common_args.to_vec();

@@ -403,7 +403,12 @@ async fn two_instances_through_pgbouncer_hold_the_envelope() {
         timeouts == errors.len() && timeouts <= 10,
         "store errors through PgBouncer: {errors:?}"
     );
-    assert_eq!(not_store, 0, "every decision comes from the store");
+    // Each cancelled statement hands its callers to the fallback: at most the 32 tasks that can
+    // be waiting on it. With no store error, every decision is the store's.
+    assert!(
+        not_store <= 32 * timeouts as u64,
+        "{not_store} decisions not from the store, with {timeouts} cancelled statements"
+    );
     for w in WINDOWS {
         let (excess, count) = common::worst_window(&points, w, C, R, SLACK);
         assert!(
