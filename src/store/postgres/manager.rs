@@ -69,6 +69,12 @@ impl PgConnection {
         self.prepared.lock().clear();
     }
 
+    /// Whether the session has ended (the server closed it, or the link broke): known from the
+    /// driver task, without a round trip.
+    pub(super) fn is_closed(&self) -> bool {
+        self.client.is_closed()
+    }
+
     /// Keeps this connection out of the pool: it is closed when its pooled handle is dropped.
     pub(super) fn discard(&mut self) {
         self.discard = true;

@@ -364,10 +364,7 @@ impl PostgresStore {
             kind: TimeoutKind::Call,
             after: self.call_timeout,
         };
-        let conn = match tokio::time::timeout_at(deadline, self.pool.get_owned()).await {
-            Ok(conn) => conn.map_err(pool_error(self.pool_wait_timeout))?,
-            Err(_) => return Err(timed_out()),
-        };
+        let conn = self.checkout(deadline, timed_out).await?;
         let in_flight = InFlight {
             conn: Some(conn),
             cancel_timeout: self.cancel_timeout,
@@ -381,6 +378,34 @@ impl PostgresStore {
             }
             // `in_flight` drops with the statement still running: it is abandoned.
             Err(_) => Err(timed_out()),
+        }
+    }
+
+    /// A pooled connection for one call, by `deadline`.
+    ///
+    /// The pool does not test a connection when it hands it out (that would be a round trip a
+    /// call). But a connection whose session the server ended while it sat idle in the pool (a
+    /// terminated backend, a restart, a cut link) is already known to the client as closed,
+    /// without a round trip: it is dropped here, which makes the pool discard it, and another is
+    /// taken, so that a call does not fail on it long after the fault (test D4). At most one try
+    /// more than the pool holds; the last connection is used even if closed, and then fails as
+    /// it would have.
+    async fn checkout(
+        &self,
+        deadline: tokio::time::Instant,
+        timed_out: impl Fn() -> StoreError,
+    ) -> Result<bb8::PooledConnection<'static, Manager>, StoreError> {
+        let mut tries = 0u32;
+        loop {
+            let conn = match tokio::time::timeout_at(deadline, self.pool.get_owned()).await {
+                Ok(conn) => conn.map_err(pool_error(self.pool_wait_timeout))?,
+                Err(_) => return Err(timed_out()),
+            };
+            tries += 1;
+            if !conn.is_closed() || tries > self.pool_size {
+                return Ok(conn);
+            }
+            // Dropped: `has_broken` finds it closed, and the pool discards it.
         }
     }
 
