@@ -22,8 +22,7 @@
 //! and a refill of one key never overlap. A slot whose refill is in flight is not expired
 //! until its answer is applied.
 
-use std::cmp::Ordering as Order;
-use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::hash::{BuildHasher, RandomState};
 use std::pin::Pin;
@@ -35,7 +34,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::key::SlotKey;
-use super::slot::{Book, Ms32, Slot, SlotRef};
+use super::slot::{Ms32, Slot, SlotRef};
+use super::timers::Timers;
 use super::word::{CLOSED, PENDING, TOKENS};
 use super::{GATHER, Leases};
 use crate::bucket::Tokens;
@@ -95,88 +95,6 @@ impl Ids {
     fn next(&mut self) -> i64 {
         self.next += 1;
         (self.hasher.hash_one(self.next) >> 1) as i64
-    }
-}
-
-/// One entry of the due-queue: look at `slot` at `at` (local monotonic ns). 16 bytes: the entry
-/// is live while the slot's book says it is armed for `at` ([`Timers::arm`]), so it carries no
-/// sequence number of its own.
-struct Due {
-    at: u64,
-    slot: SlotRef,
-}
-
-impl PartialEq for Due {
-    fn eq(&self, other: &Due) -> bool {
-        self.at == other.at
-    }
-}
-
-impl Eq for Due {}
-
-impl PartialOrd for Due {
-    fn partial_cmp(&self, other: &Due) -> Option<Order> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Due {
-    /// Reversed, so that `BinaryHeap` (a max-heap) pops the earliest entry first.
-    fn cmp(&self, other: &Due) -> Order {
-        other.at.cmp(&self.at)
-    }
-}
-
-/// The actor's due-queue: when to look at which slot next (its lease's expiry, or its idle
-/// check). Each slot has at most one live entry, recorded in its [`Book`] (`armed`, `timer_at`),
-/// so the queue holds at most one live entry per key in the table.
-#[derive(Default)]
-struct Timers {
-    heap: BinaryHeap<Due>,
-}
-
-impl Timers {
-    /// Makes sure `slot` is looked at by `at`: queues an entry unless the slot has one due no
-    /// later. A due time only moves later (a top-up moves the expiry on; the actor handles
-    /// entries before the round's refills, so a refill's expiry is later than any entry
-    /// queued before it), so in practice this queues only a slot that has no entry. Should an
-    /// entry be replaced by an earlier one, the old one is skipped when it comes up: it is not
-    /// live ([`Book::armed_for`]) unless the slot is armed for its very time again, and then it
-    /// is handled as the live entry is, twice in the same round at most (the first disarms it).
-    fn arm(&mut self, slot: &SlotRef, book: &mut Book, at: u64) {
-        // Kept to the millisecond (`Ms32`): an entry due in the same millisecond as the live one,
-        // a little earlier, is not queued, and the slot is looked at under a millisecond later
-        // than asked, within the round's tick.
-        if book.armed && book.timer_at.near(at) <= at {
-            return;
-        }
-        book.armed = true;
-        book.timer_at = Ms32::from_ns(at);
-        self.heap.push(Due {
-            at,
-            slot: SlotRef::clone(slot),
-        });
-    }
-
-    /// When the earliest entry is due.
-    fn next(&self) -> Option<u64> {
-        self.heap.peek().map(|d| d.at)
-    }
-
-    /// The earliest entry, if it is due by `by`.
-    fn pop_due(&mut self, by: u64) -> Option<Due> {
-        if self.heap.peek()?.at <= by {
-            self.heap.pop()
-        } else {
-            None
-        }
-    }
-
-    /// Gives memory back after a flood of keys has left the table.
-    fn shrink(&mut self) {
-        if self.heap.capacity() > 1024 && self.heap.len() < self.heap.capacity() / 4 {
-            self.heap.shrink_to(self.heap.len() * 2);
-        }
     }
 }
 
@@ -278,7 +196,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
     };
     loop {
         let wake_at = [
-            timers.next(),
+            timers.next(leases.now()),
             gauges.due(tick, leases.table.len()),
             retry_due(returns, leases.now()),
         ]
@@ -324,7 +242,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
         if leases.soon.load(Ordering::Acquire)
             && !leases.urgent.load(Ordering::Acquire)
             && timers
-                .next()
+                .next(leases.now())
                 .is_none_or(|at| at > leases.now().saturating_add(tick))
         {
             let until = tokio::time::Instant::now() + GATHER.min(leases.settings.tick);
@@ -820,9 +738,8 @@ fn expire(
     let horizon = now.saturating_add(tick);
     let mut evict = Vec::new();
     let mut looked = 0u64;
-    while let Some(entry) = timers.pop_due(horizon) {
+    while let Some((entry_at, slot)) = timers.pop_due(horizon) {
         looked += 1;
-        let (entry_at, slot) = (entry.at, entry.slot);
         if slot.evicted().load(Ordering::Acquire) {
             continue;
         }

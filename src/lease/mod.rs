@@ -37,6 +37,7 @@ mod slab_tests;
 mod slot;
 mod sync;
 mod table;
+mod timers;
 pub(crate) mod word;
 mod words;
 #[cfg(test)]

@@ -140,6 +140,12 @@ impl Ms32 {
         Ms32((ns / 1_000_000) as u32)
     }
 
+    /// Whether this time comes before `other`, modulo 2³² milliseconds: true when `other` is
+    /// less than 24.8 days after it.
+    pub(crate) fn precedes(self, other: Ms32) -> bool {
+        (self.0.wrapping_sub(other.0) as i32) < 0
+    }
+
     /// The time (local monotonic ns) this stands for, taking of all the times it could stand
     /// for the one nearest `now`: exact to the millisecond when that time is within 24.8 days
     /// of `now`. Never below zero.
@@ -164,12 +170,12 @@ pub(crate) fn spend_mark(spent: u64) -> u32 {
 }
 
 impl Book {
-    /// Whether the slot's live entry in the actor's due-queue is the one due at `at` (local
-    /// monotonic ns). Entries due within the same millisecond are the same one here: an entry
-    /// replaced by one in the same millisecond is handled as the live one is, and the first of
-    /// the two to be handled disarms the slot (`Timers::arm`).
-    pub(crate) fn armed_for(&self, at: u64) -> bool {
-        self.armed && self.timer_at == Ms32::from_ns(at)
+    /// Whether the slot's live entry in the actor's due-queue is the one due at `at`. Entries
+    /// due within the same millisecond are the same one here: an entry replaced by one in the
+    /// same millisecond is handled as the live one is, and the first of the two to be handled
+    /// disarms the slot (`Timers::arm`).
+    pub(crate) fn armed_for(&self, at: Ms32) -> bool {
+        self.armed && self.timer_at == at
     }
 
     /// The strict lease the slot holds in the store, if it ever had one.
@@ -300,6 +306,21 @@ impl Slot {
         self.needed.fetch_max(cost, Ordering::Relaxed);
         self.waiting.fetch_add(cost, Ordering::Relaxed);
     }
+}
+
+/// A slot of `key` for unit tests: a bucket of 10 tokens at 1 a second, its record from `slab`.
+#[cfg(test)]
+pub(crate) fn test_slot(slab: &Arc<super::slab::Slab>, key: &str) -> SlotRef {
+    use crate::bucket::{BucketConfig, Rate, Tokens};
+    let bucket =
+        BucketConfig::new(Tokens::whole(10), Rate::per_second(1).expect("rate")).expect("bucket");
+    SlotRef::new(Slot::new(
+        key,
+        Arc::new(Plan::new("t", bucket)),
+        0,
+        slab.alloc().expect("room in the slab"),
+        0,
+    ))
 }
 
 #[cfg(test)]

@@ -31,8 +31,6 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::Mutex;
 
 use super::slab::{Hot, HotRef, Slab};
-#[cfg(test)]
-use super::slot::Slot;
 use super::slot::SlotRef;
 
 /// Key bytes stored in the bucket itself. A longer key is compared through its slot's own copy
@@ -481,20 +479,7 @@ impl<'t> TableRef<'t> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bucket::{BucketConfig, Rate, Tokens};
-    use crate::policy::Plan;
-
-    fn slot(slab: &Arc<Slab>, key: &str) -> SlotRef {
-        let bucket = BucketConfig::new(Tokens::whole(10), Rate::per_second(1).expect("rate"))
-            .expect("bucket");
-        SlotRef::new(Slot::new(
-            key,
-            Arc::new(Plan::new("t", bucket)),
-            0,
-            slab.alloc().expect("room in the slab"),
-            0,
-        ))
-    }
+    use crate::lease::slot::test_slot as slot;
 
     /// `same_short` agrees with a plain comparison for every length up to [`INLINE`] and a
     /// difference at every position.
