@@ -61,10 +61,14 @@ async fn strict_accounting_has_no_overshoot_where_relaxed_has_some() {
         "5000",
         "--refresh-ms",
         "500",
-        // On a busy machine a refill can take more than the default 50 ms wait, and the deny
-        // fallback then decides the burst: the relaxed run's overshoot (the negative control)
-        // disappears with it. Waiting longer keeps every decision the store's or a lease's.
+        // On a busy machine a refill can take more than the default 50 ms wait or call
+        // timeout: the deny fallback then decides the burst (a CI run: 932 fallback decisions),
+        // or the breaker opens on the timed-out call and skips the refills that would drain the
+        // bucket (another: 12), and the relaxed run's overshoot, the negative control,
+        // disappears with them. Longer bounds keep every decision the store's or a lease's.
         "--max-wait-ms",
+        "1000",
+        "--call-timeout-ms",
         "1000",
     ];
     let run = |accounting: &str| {

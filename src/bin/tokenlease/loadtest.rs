@@ -88,6 +88,11 @@ pub(crate) struct Args {
     /// Longest wait for an in-flight refill, in milliseconds, before the fallback decides.
     #[arg(long, default_value_t = 50)]
     max_wait_ms: u64,
+    /// The store's bound on a whole call, in milliseconds (`PostgresStoreBuilder::call_timeout`;
+    /// the library's default is 50). The pool wait is set to four fifths of it, and the
+    /// server's statement and lock timeouts to twice it, at least their 100 ms defaults.
+    #[arg(long, default_value_t = 50)]
+    call_timeout_ms: u64,
     /// Lease accounting (leased mode): `relaxed` (the bucket forgets a lease once granted) or
     /// `strict` (the bucket counts live leases against its capacity: no overshoot).
     #[arg(long, value_enum, default_value_t = AccountingArg::Relaxed)]
@@ -600,6 +605,8 @@ async fn load(
     let limiter_url = injector
         .as_ref()
         .map_or_else(|| url.to_owned(), |i| i.url());
+    let call_timeout = Duration::from_millis(args.call_timeout_ms.max(1));
+    let server_timeout = (call_timeout * 2).max(Duration::from_millis(100));
     for _ in 0..args.instances {
         let mut sharded = tokenlease::store::ShardedStore::builder();
         for (i, shard) in shards.iter().enumerate() {
@@ -616,6 +623,10 @@ async fn load(
             let store = PostgresStore::builder(shard_url)
                 .map_err(|e| named(DatabaseError::new("use", shard_url, &e)))?
                 .pool_size(args.pool)
+                .call_timeout(call_timeout)
+                .pool_wait_timeout(call_timeout * 4 / 5)
+                .statement_timeout(server_timeout)
+                .lock_timeout(server_timeout)
                 .synchronous_commit(!args.sync_commit_off)
                 .prepared_statements(args.prepared_statements)
                 .build()
