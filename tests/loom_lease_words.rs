@@ -514,7 +514,7 @@ fn a_recycled_record_is_never_seen_half_reset() {
 }
 
 /// `hot` is as `Hot::new_pending` makes it, but for its plan.
-fn assert_reset(hot: &Hot, plan: u32) {
+fn assert_reset(hot: &Hot, plan: u16) {
     assert_eq!(
         hot.word.load(),
         CLOSED | PENDING,
@@ -527,6 +527,7 @@ fn assert_reset(hot: &Hot, plan: u32) {
         "store remaining"
     );
     assert!(!hot.spread.load(Ordering::Relaxed), "spread");
+    assert!(!hot.queued.load(Ordering::Relaxed), "queued");
     assert_eq!(hot.plan.load(Ordering::Relaxed), plan, "plan");
 }
 

@@ -160,11 +160,13 @@ impl Drop for Carried<'_> {
 
 /// After an actor ended early: every open lease's expiry and every closed lease's idle check go
 /// on the new actor's due-queue (the old one's went with it), and the next round looks for
-/// every slot that asked for a refill.
+/// every slot that asked for a refill (the old actor's lanes went with it too, so no slot is
+/// queued in one).
 fn adopt(leases: &Leases, timers: &mut Timers) {
     let now = leases.now();
     let table = leases.table.pin();
     for slot in table.values() {
+        slot.hot().queued.store(false, Ordering::Relaxed);
         let closed = slot.words().load() & CLOSED != 0;
         let ttl = lease_settings(slot).ttl.as_nanos() as u64;
         let mut book = slot.book.lock();
@@ -376,10 +378,9 @@ enum Answered {
 struct Lane {
     /// A statement of this lane is in flight.
     busy: bool,
-    /// Slots waiting for a refill, in the order they asked.
+    /// Slots waiting for a refill, in the order they asked; each once (its record's
+    /// `queued` flag says it is here).
     due: VecDeque<SlotRef>,
-    /// The slots in `due`, by address: each waits once.
-    queued: HashSet<usize>,
 }
 
 /// The actor's lanes, one per store partition with work (`Store::partition`), and their
@@ -402,29 +403,41 @@ impl<'a> Lanes<'a> {
     }
 
     /// Gives memory back after a burst of refills (the first calls of a flood of new keys):
-    /// the set of slots in flight, and each lane's queue and its set, keep the capacity of
-    /// their largest burst otherwise (2.2 MB for 100,000 new keys, kept while the lane has
-    /// work).
+    /// the set of slots in flight, and each lane's queue, keep the capacity of their largest
+    /// burst otherwise (1 MB for 100,000 new keys, kept while the lane has work).
     fn shrink(&mut self) {
         let capacity = self.inflight.capacity();
         if capacity > 1024 && self.inflight.len() < capacity / 4 {
             self.inflight.shrink_to(self.inflight.len() * 2);
         }
         for lane in self.lanes.values_mut() {
-            let capacity = lane.queued.capacity();
-            if capacity > 1024 && lane.queued.len() < capacity / 4 {
-                lane.queued.shrink_to(lane.queued.len() * 2);
+            let capacity = lane.due.capacity();
+            if capacity > 1024 && lane.due.len() < capacity / 4 {
                 lane.due.shrink_to(lane.due.len() * 2);
             }
         }
     }
 
-    /// Queues `slot` for a refill on `lane`, unless it waits there already.
+    /// Queues `slot` for a refill on `lane`, unless it waits in a lane already.
     fn queue(&mut self, lane: usize, slot: SlotRef) {
-        let l = self.lanes.entry(lane).or_default();
-        if l.queued.insert(SlotRef::as_ptr(&slot) as usize) {
-            l.due.push_back(slot);
+        // Relaxed: the flag is the actor's own (set here, cleared when the slot leaves its lane).
+        if !slot.hot().queued.swap(true, Ordering::Relaxed) {
+            self.lanes.entry(lane).or_default().due.push_back(slot);
         }
+    }
+
+    /// Takes up to `n` slots off the front of `lane`'s queue: a slot nudged from now on is
+    /// queued again.
+    fn take(&mut self, lane: usize, n: usize) -> Vec<SlotRef> {
+        let Some(l) = self.lanes.get_mut(&lane) else {
+            return Vec::new();
+        };
+        let n = l.due.len().min(n);
+        let part: Vec<SlotRef> = l.due.drain(..n).collect();
+        for slot in &part {
+            slot.hot().queued.store(false, Ordering::Relaxed);
+        }
+        part
     }
 
     /// Starts `job` on `lane`.
@@ -495,13 +508,10 @@ fn dispatch<'a>(
         .map(|(&lane, _)| lane)
         .collect();
     for lane in idle {
-        while let Some(l) = lanes.lanes.get_mut(&lane)
-            && !l.due.is_empty()
-        {
-            let n = l.due.len().min(CHUNK);
-            let part: Vec<SlotRef> = l.due.drain(..n).collect();
-            for slot in &part {
-                l.queued.remove(&(SlotRef::as_ptr(slot) as usize));
+        loop {
+            let part = lanes.take(lane, CHUNK);
+            if part.is_empty() {
+                break;
             }
             let asks = plan_chunk(leases, &part, timers, ids);
             if asks.is_empty() {
@@ -1305,5 +1315,37 @@ async fn shut_down(leases: &Leases, returns: &mut Vec<Return>, ids: &mut Ids) {
             .counters
             .stranded
             .fetch_add(r.amount, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::slab::Slab;
+    use crate::lease::slot::test_slot;
+
+    /// A lane holds each slot once, however often it is queued, until it is taken off the
+    /// lane; then it can be queued again. Slots keep their order.
+    #[test]
+    fn a_lane_holds_each_slot_once_until_it_is_taken() {
+        let slab = Slab::new(16);
+        let (a, b) = (test_slot(&slab, "a"), test_slot(&slab, "b"));
+        let mut lanes = Lanes::default();
+        for _ in 0..3 {
+            lanes.queue(0, SlotRef::clone(&a));
+            lanes.queue(0, SlotRef::clone(&b));
+        }
+        lanes.queue(1, SlotRef::clone(&a));
+        assert_eq!(lanes.lanes[&0].due.len(), 2);
+        assert!(!lanes.lanes.contains_key(&1), "a waits in lane 0 already");
+        let first = lanes.take(0, 1);
+        assert!(SlotRef::ptr_eq(&first[0], &a));
+        lanes.queue(0, SlotRef::clone(&b));
+        lanes.queue(0, SlotRef::clone(&a));
+        let rest = lanes.take(0, CHUNK);
+        assert_eq!(rest.len(), 2);
+        assert!(SlotRef::ptr_eq(&rest[0], &b) && SlotRef::ptr_eq(&rest[1], &a));
+        assert!(lanes.take(0, CHUNK).is_empty());
+        assert!(lanes.take(7, CHUNK).is_empty(), "a lane never used");
     }
 }

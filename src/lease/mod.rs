@@ -316,7 +316,7 @@ impl Leases {
                     if hot.plan.load(Ordering::Relaxed) == slab::NO_PLAN
                         && (Arc::ptr_eq(&slot.plan, shared) || *slot.plan == **shared)
                     {
-                        hot.plan.store(index, Ordering::Relaxed);
+                        hot.plan.store(slab::record_plan(index), Ordering::Relaxed);
                     }
                 }
                 (slot, hot)
@@ -332,7 +332,7 @@ impl Leases {
                 }
                 let now = self.now();
                 let (shared, index) = match chosen {
-                    Some((shared, index)) => (Arc::clone(shared), index),
+                    Some((shared, index)) => (Arc::clone(shared), slab::record_plan(index)),
                     None => (self.shared_plan(plan), slab::NO_PLAN),
                 };
                 let Some(slot) = table.get_or_insert_with(key, |hot| {
@@ -548,7 +548,7 @@ impl Leases {
     /// The policy index recorded for `key`'s plan (`None` when the key is not in the table,
     /// `Some(slab::NO_PLAN)` when a caller named its plan). For tests.
     #[cfg(test)]
-    pub(crate) fn plan_index(&self, key: &str) -> Option<u32> {
+    pub(crate) fn plan_index(&self, key: &str) -> Option<u16> {
         let table = self.table.pin();
         table
             .get(key)

@@ -28,6 +28,7 @@ fn hands_out_each_record_once_and_recycles_released_ones() {
     used.spread.store(true, Ordering::Relaxed);
     used.evicted.store(true, Ordering::Relaxed);
     used.dry.store(true, Ordering::Relaxed);
+    used.queued.store(true, Ordering::Relaxed);
     used.plan.store(3, Ordering::Relaxed);
     assert!(matches!(used.word.try_take(1, 0), Take::Taken { .. }));
     drop(used);
@@ -39,6 +40,7 @@ fn hands_out_each_record_once_and_recycles_released_ones() {
     assert!(!again.spread.load(Ordering::Relaxed));
     assert!(!again.evicted.load(Ordering::Relaxed));
     assert!(!again.dry.load(Ordering::Relaxed));
+    assert!(!again.queued.load(Ordering::Relaxed));
     assert_eq!(size_of::<super::slab::Hot>(), 32);
     assert_eq!(again.plan.load(Ordering::Relaxed), NO_PLAN);
     assert!(std::ptr::eq(&*again, slab.get(index).expect("handed out")));

@@ -19,14 +19,14 @@
 
 pub(crate) use parking_lot::Mutex;
 pub(crate) use std::sync::OnceLock;
-pub(crate) use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 pub(crate) use std::thread_local;
 
 /// The same names as the library's, over loom: what the models compile the lease core against.
 #[cfg(test)]
 #[allow(dead_code, unused_imports, unused_macros, unreachable_pub)]
 pub(crate) mod model {
-    pub(crate) use ::loom::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+    pub(crate) use ::loom::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
     pub(crate) use std::sync::OnceLock;
 
     /// loom's mutex with `parking_lot`'s interface (`lock` returns the guard: no poisoning).
