@@ -85,19 +85,20 @@ pub(crate) struct Hot {
     /// keys queued most of them at once), which the allocator then kept. Written and read by
     /// the actor only (Relaxed); not read by the fast path.
     pub(crate) queued: AtomicBool,
-    /// The index of the key's plan among the limiter's policies, when the policies chose it
-    /// ([`NO_PLAN`] when a caller named the plan, or when the index is [`NO_PLAN`] or more):
-    /// `try_acquire` on a key in the table reads its plan here instead of matching the key's
-    /// prefixes again. Relaxed both ways: stored once, before the record's bucket is published
-    /// (the bucket's `OnceLock` orders it).
+    /// The index of the key's plan in the limiter's plan registry, when the policies chose it
+    /// ([`NO_PLAN`] when a caller named the plan): `try_acquire` on a key in the table reads its
+    /// plan here instead of matching the key's prefixes again. 16 bits: the registry holds at
+    /// most `MAX_PLANS` (65,528) plans over a limiter's life, so every index fits below
+    /// [`NO_PLAN`]. Relaxed both ways: stored once, before the record's bucket is published (the
+    /// bucket's `OnceLock` orders it).
     pub(crate) plan: AtomicU16,
 }
 
-/// [`Hot::plan`] of a key whose plan was not chosen by the policies. A policy file with more
-/// prefixes than this is legal; keys of the rest find their plan by prefix at every call.
+/// [`Hot::plan`] of a key whose plan was not chosen by the policies.
 pub(crate) const NO_PLAN: u16 = u16::MAX;
 
-/// `index` as a [`Hot::plan`]: [`NO_PLAN`] when it does not fit.
+/// `index` as a [`Hot::plan`]: [`NO_PLAN`] if it did not fit (the registry's bound keeps every
+/// index below it; this keeps a larger one from naming another plan).
 #[inline]
 pub(crate) fn record_plan(index: u32) -> u16 {
     u16::try_from(index).unwrap_or(NO_PLAN)

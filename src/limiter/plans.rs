@@ -21,6 +21,9 @@ const CHUNKS: usize = 13;
 /// The most distinct plans one limiter holds over its life (65,528).
 pub(crate) const MAX_PLANS: usize = FIRST * ((1 << CHUNKS) - 1);
 
+// A key's record names its plan by a 16-bit index, `u16::MAX` meaning "named by the caller".
+const _: () = assert!(MAX_PLANS < u16::MAX as usize);
+
 /// One chunk's entries, each set once.
 type Chunk = Box<[OnceLock<Arc<Plan>>]>;
 
