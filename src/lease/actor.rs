@@ -344,9 +344,10 @@ fn retry_due(returns: &[Return], now: u64) -> Option<u64> {
 /// [`Done`].
 type Job<'a> = Pin<Box<dyn Future<Output = Done> + Send + 'a>>;
 
-/// One slot's refill request: the slot, the least and the most it asks for (nanotokens), and
-/// its strict lease's renewal.
-type Ask = (SlotRef, u64, u64, Option<Hold>);
+/// One slot's refill request: the slot, the least and the most it asks for (nanotokens), its
+/// strict lease's renewal, and the target lease size it was planned for (nanotokens; read when
+/// its answer is applied, carried here rather than kept in every slot's book).
+type Ask = (SlotRef, u64, u64, Option<Hold>, u64);
 
 /// A statement's answer, back on the actor.
 struct Done {
@@ -535,7 +536,7 @@ fn refill_job(leases: &Leases, lane: usize, asks: Vec<Ask>) -> Job<'_> {
     Box::pin(async move {
         let requests: Vec<AcquireRequest<'_>> = asks
             .iter()
-            .map(|(slot, min, want, hold)| AcquireRequest {
+            .map(|(slot, min, want, hold, _)| AcquireRequest {
                 key: &slot.key,
                 bucket: *slot.plan.bucket(),
                 min: Tokens::from_nanos(u128::from(*min)),
@@ -629,12 +630,14 @@ fn finish(
             }
             let until = now + FAILURE_BACKOFF.as_nanos() as u64;
             let mut answers = result.into_iter();
-            for (slot, _, want, hold) in &asks {
+            for (slot, _, want, hold, target) in &asks {
                 lanes.inflight.remove(&(SlotRef::as_ptr(slot) as usize));
                 match answers.next() {
                     Some(Ok(answer)) if !short => {
                         let strict = hold.map(|h| (sent, h.lease_id));
-                        apply(leases, slot, *want, &answer, now, strict, returns, ids);
+                        apply(
+                            leases, slot, *want, *target, &answer, now, strict, returns, ids,
+                        );
                     }
                     _ => {
                         slot.fallback_until.store(until, Ordering::Release);
@@ -783,8 +786,9 @@ fn expire(
             // A lease lives `ttl` after its last top-up (for a strict one, after the request
             // was sent), or after the last expiry it was spent from before (relaxed only).
             let reclaimed = slot.words().close();
-            book.reclaimed += reclaimed;
-            queue_return(returns, ids, &slot, reclaimed, book.lease());
+            let total = book.reclaimed.get() + reclaimed;
+            book.reclaimed.set(total);
+            queue_return(returns, ids, &slot, reclaimed, slot.strict_lease());
             closed = true;
         }
         let idle_at = book.active_at.near(now).saturating_add(ttl);
@@ -923,12 +927,11 @@ fn queue_return(
 fn retire(slot: &SlotRef, returns: &mut Vec<Return>, ids: &mut Ids) {
     slot.evicted().store(true, Ordering::Release);
     let reclaimed = slot.words().close();
-    let lease = {
-        let mut book = slot.book.lock();
-        book.reclaimed += reclaimed;
-        book.lease()
-    };
-    queue_return(returns, ids, slot, reclaimed, lease);
+    let mut book = slot.book.lock();
+    let total = book.reclaimed.get() + reclaimed;
+    book.reclaimed.set(total);
+    drop(book);
+    queue_return(returns, ids, slot, reclaimed, slot.strict_lease());
     slot.notify().notify_waiters();
 }
 
@@ -947,17 +950,7 @@ fn hold(leases: &Leases, slot: &Slot, ids: &mut Ids) -> Option<Hold> {
     if settings.accounting != Accounting::Strict {
         return None;
     }
-    let holder = {
-        let mut book = slot.book.lock();
-        book.strict
-            .get_or_insert_with(|| {
-                Box::new(LeaseRef {
-                    holder: ids.next().max(1),
-                    lease_id: 0,
-                })
-            })
-            .holder
-    };
+    let holder = slot.strict_holder(|| ids.next().max(1));
     Some(Hold {
         holder,
         lease_id: ids.next(),
@@ -966,28 +959,29 @@ fn hold(leases: &Leases, slot: &Slot, ids: &mut Ids) -> Option<Hold> {
     })
 }
 
-/// What one slot asks the store for: (min, want) in nanotokens, or `None` when nothing is
-/// needed. Samples the slot's demand and sets its next target size.
-fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64)> {
+/// What one slot asks the store for: (min, want) in nanotokens, with the target lease size
+/// they come from, or `None` when nothing is needed. Samples the slot's demand.
+fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64, u64)> {
     let settings = lease_settings(slot);
     let largest = largest_lease(slot, 0);
     let available = slot.words().available();
     let needed = slot.needed.swap(0, Ordering::AcqRel);
     let waiting = slot.waiting.swap(0, Ordering::AcqRel);
     let mut book = slot.book.lock();
-    book.max_cost = book.max_cost.max(needed);
-    let elapsed = now.saturating_sub(book.sampled_at);
+    let max_cost = book.max_cost.get().max(needed);
+    book.max_cost.set(max_cost);
+    let elapsed = now.saturating_sub(book.sampled_at.get());
     if elapsed >= 1_000_000 {
         let spent = book.spent(available);
-        let rate = (spent - book.spent_at_sample.min(spent)) as f64 * 1e9 / elapsed as f64;
+        let rate = (spent - book.spent_at_sample.get().min(spent)) as f64 * 1e9 / elapsed as f64;
         book.demand = if book.demand == 0.0 {
             rate as f32
         } else {
             (0.5 * f64::from(book.demand) + 0.5 * rate) as f32
         };
         book.watched |= elapsed >= settings.ttl.as_nanos() as u64;
-        book.sampled_at = now;
-        book.spent_at_sample = spent;
+        book.sampled_at.set(now);
+        book.spent_at_sample.set(spent);
     }
     let target = if book.dry {
         // A key whose bucket ran dry wants more than it gets: ask for the largest lease, so
@@ -996,13 +990,12 @@ fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64)> {
     } else {
         target_size(
             f64::from(book.demand),
-            book.max_cost,
+            book.max_cost.get(),
             &settings,
             Duration::from_nanos(landing),
         )
         .min(largest)
     };
-    book.target = target as f32;
     // A key sized a lease is not sparse; one sized none, watched for a lifetime at least, is:
     // its next call the word cannot pay is one store call through the direct-mode coalescer,
     // not a wait for this actor (`Hot::sparse`). A new key stays as it started (sparse) until
@@ -1031,7 +1024,7 @@ fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64)> {
     } else {
         (want / 2).clamp(1, want)
     };
-    Some((min, want))
+    Some((min, want, target))
 }
 
 /// The most a lease of `slot` holds (nanotokens): `B = max_fraction × capacity`, or the largest
@@ -1102,9 +1095,9 @@ fn plan_chunk(leases: &Leases, part: &[SlotRef], timers: &mut Timers, ids: &mut 
             continue;
         }
         match plan_refill(slot, now, landing) {
-            Some((min, want)) => {
+            Some((min, want, target)) => {
                 let hold = hold(leases, slot, ids);
-                asks.push((SlotRef::clone(slot), min, want, hold));
+                asks.push((SlotRef::clone(slot), min, want, hold, target));
             }
             None => {
                 slot.words().clear_pending();
@@ -1124,6 +1117,7 @@ fn apply(
     leases: &Leases,
     slot: &SlotRef,
     want: u64,
+    target: u64,
     answer: &crate::store::Acquired,
     now: u64,
     strict: Option<(u64, i64)>,
@@ -1133,10 +1127,8 @@ fn apply(
     let settings = lease_settings(slot);
     let ttl = settings.ttl.as_nanos() as u64;
     if let Some((sent, lease_id)) = strict {
+        slot.set_strict_lease_id(lease_id);
         let mut book = slot.book.lock();
-        if let Some(held) = book.strict.as_deref_mut() {
-            held.lease_id = lease_id;
-        }
         book.expires_at = Ms32::from_ns(sent.saturating_add(ttl));
     }
     let granted = u64::try_from(answer.granted.as_nanos()).unwrap_or(TOKENS);
@@ -1173,8 +1165,7 @@ fn apply(
         let mut book = slot.book.lock();
         // Split a top-up over a hot key's words only in parts of a few costs each, so that
         // no word is left holding less than a caller needs while the others hold the rest.
-        let split_min = book.max_cost.max(1).saturating_mul(HOT_PARTS);
-        let target = book.target as u64;
+        let split_min = book.max_cost.get().max(1).saturating_mul(HOT_PARTS);
         if slot.words().contended() && target >= split_min.saturating_mul(HOT_PARTS) {
             slot.words().spread_out();
         }
@@ -1182,7 +1173,8 @@ fn apply(
         // word while this refill was in flight would otherwise ride on top of the grant, and a
         // lease that callers keep refunding into would grow past the bound round after round.
         // What does not fit goes back to the store.
-        let room = largest_lease(slot, book.max_cost).saturating_sub(slot.words().available());
+        let room =
+            largest_lease(slot, book.max_cost.get()).saturating_sub(slot.words().available());
         let placed = granted.min(room);
         let unplaced = if slot.evicted().load(Ordering::Acquire) {
             granted
@@ -1191,7 +1183,8 @@ fn apply(
         };
         // `unplaced` can exceed `granted` by tokens a hot key's words held and could not hold
         // again (see `LeaseWords::top_up`); they were credited before and leave now.
-        book.credited = (book.credited + granted).saturating_sub(unplaced);
+        let credited = (book.credited.get() + granted).saturating_sub(unplaced);
+        book.credited.set(credited);
         if strict.is_none() {
             book.expires_at = Ms32::from_ns(now.saturating_add(ttl));
             book.spent_at_renewal = book.spend_mark(slot.words().available());
@@ -1220,7 +1213,7 @@ fn apply(
         slot.fallback_until.store(0, Ordering::Release);
         slot.dry().store(scarce, Ordering::Release);
         // The strict lease as renewed above (holder and this answer's lease id).
-        let lease = strict.and_then(|_| slot.book.lock().lease());
+        let lease = strict.and_then(|_| slot.strict_lease());
         queue_return(returns, ids, slot, unplaced, lease);
     }
     slot.notify().notify_waiters();

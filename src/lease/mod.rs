@@ -488,7 +488,8 @@ impl Leases {
         }
         if spent > 0 {
             let mut book = slot.book.lock();
-            book.credited = book.credited.saturating_add(spent);
+            let credited = book.credited.get().saturating_add(spent);
+            book.credited.set(credited);
         }
         self.nudge_soon(slot);
     }
@@ -609,7 +610,7 @@ impl Leases {
             return false;
         };
         let book = slot.book.lock();
-        let bound = actor::largest_lease(slot, book.max_cost);
+        let bound = actor::largest_lease(slot, book.max_cost.get());
         slot.words_of(hot).refund_within(cost, bound)
     }
 

@@ -152,6 +152,12 @@ struct Free {
     recycled: Vec<u32>,
     /// Records `0 .. next` have been handed out at least once.
     next: usize,
+    /// The strict lease each record's slot holds in the store, for the few slots that have
+    /// one: kept here rather than in every slot's book, which saves a pointer per key, and
+    /// dropped with the record's claim ([`HotRef`]), so a recycled record starts without one.
+    /// Only the lease actor reads and writes it. (Holder id, lease id): the store's
+    /// `LeaseRef`, which the loom models of this file do not compile.
+    strict: std::collections::HashMap<u32, (i64, i64)>,
 }
 
 impl Slab {
@@ -219,6 +225,31 @@ impl HotRef {
     pub(crate) fn index(&self) -> u32 {
         self.index
     }
+
+    /// The strict lease this record's slot holds in the store, if it ever drew a holder id:
+    /// (holder id, lease id).
+    pub(crate) fn strict(&self) -> Option<(i64, i64)> {
+        self.slab.free.lock().strict.get(&self.index).copied()
+    }
+
+    /// The slot's holder id in the store, drawn from `draw` the first time (lease id 0 until
+    /// its first strict refill is answered).
+    pub(crate) fn strict_holder(&self, draw: impl FnOnce() -> i64) -> i64 {
+        self.slab
+            .free
+            .lock()
+            .strict
+            .entry(self.index)
+            .or_insert_with(|| (draw(), 0))
+            .0
+    }
+
+    /// Records the id of the grant that renewed the slot's strict lease, if it has a holder.
+    pub(crate) fn set_strict_lease_id(&self, lease_id: i64) {
+        if let Some(held) = self.slab.free.lock().strict.get_mut(&self.index) {
+            held.1 = lease_id;
+        }
+    }
 }
 
 impl std::ops::Deref for HotRef {
@@ -234,6 +265,16 @@ impl std::ops::Deref for HotRef {
 
 impl Drop for HotRef {
     fn drop(&mut self) {
-        self.slab.free.lock().recycled.push(self.index);
+        let mut free = self.slab.free.lock();
+        if !free.strict.is_empty() {
+            free.strict.remove(&self.index);
+            // Memory back after a flood of strict keys has left.
+            let capacity = free.strict.capacity();
+            if capacity > 1024 && free.strict.len() < capacity / 4 {
+                let keep = free.strict.len() * 2;
+                free.strict.shrink_to(keep);
+            }
+        }
+        free.recycled.push(self.index);
     }
 }

@@ -46,3 +46,26 @@ fn hands_out_each_record_once_and_recycles_released_ones() {
     assert!(std::ptr::eq(&*again, slab.get(index).expect("handed out")));
     assert!(slab.get(u32::MAX).is_none());
 }
+
+/// A record's strict lease (holder id, lease id) lives beside it in the slab: the holder is
+/// drawn once, the lease id follows each renewal, and the claim's release takes it away, so a
+/// recycled record's next slot starts without one.
+#[test]
+fn a_records_strict_lease_goes_with_its_claim() {
+    let slab = Slab::new(4);
+    let hot = slab.alloc().expect("room");
+    assert_eq!(hot.strict(), None);
+    hot.set_strict_lease_id(9);
+    assert_eq!(hot.strict(), None, "no lease id without a holder");
+    assert_eq!(hot.strict_holder(|| 7), 7);
+    assert_eq!(hot.strict_holder(|| 8), 7, "drawn once");
+    hot.set_strict_lease_id(3);
+    assert_eq!(hot.strict(), Some((7, 3)));
+    let other = slab.alloc().expect("room");
+    assert_eq!(other.strict(), None, "each record its own");
+    let index = hot.index();
+    drop(hot);
+    let again = slab.alloc().expect("recycled");
+    assert_eq!(again.index(), index);
+    assert_eq!(again.strict(), None);
+}
