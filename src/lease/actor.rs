@@ -73,7 +73,7 @@ const SLOW_PASS: u64 = 1_000_000_000;
 pub(super) struct Return {
     id: i64,
     /// The key and its plan, copied from the slot: a queued return does not keep the evicted
-    /// slot (192 bytes and its fast-path record) alive while it waits for its lane.
+    /// slot (176 bytes and its fast-path record) alive while it waits for its lane.
     key: SlotKey,
     plan: Arc<Plan>,
     amount: u64,

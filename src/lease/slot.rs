@@ -13,7 +13,7 @@ use crate::policy::Plan;
 use crate::store::LeaseRef;
 
 /// A shared slot: `triomphe`'s `Arc`, which has no weak count (no `Weak<Slot>` is ever taken),
-/// so a slot's allocation is 8 bytes smaller than with std's and fits a 192-byte heap chunk
+/// so a slot's allocation is 8 bytes smaller than with std's and fits a 176-byte heap chunk
 /// (`DESIGN.md` §10).
 pub(crate) type SlotRef = triomphe::Arc<Slot>;
 
@@ -238,7 +238,7 @@ impl Slot {
     /// Where callers wait for this slot's refill, and what the actor wakes after every answer.
     #[inline]
     pub(crate) fn notify(&self) -> &'static Notify {
-        // A multiplicative hash of the address: slots are 192-byte heap chunks, so the low bits
+        // A multiplicative hash of the address: slots are 176-byte heap chunks, so the low bits
         // alone would use a few of the sets.
         let at = std::ptr::from_ref(self) as usize as u64;
         let set = at.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - WAITER_SETS.trailing_zeros());
