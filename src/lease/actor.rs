@@ -786,9 +786,8 @@ fn expire(
             // A lease lives `ttl` after its last top-up (for a strict one, after the request
             // was sent), or after the last expiry it was spent from before (relaxed only).
             let reclaimed = slot.words().close();
-            let total = book.reclaimed.get() + reclaimed;
-            book.reclaimed.set(total);
-            queue_return(returns, ids, &slot, reclaimed, slot.strict_lease());
+            book.reclaimed.add(reclaimed);
+            queue_return(returns, ids, &slot, reclaimed, || slot.strict_lease());
             closed = true;
         }
         let idle_at = book.active_at.near(now).saturating_add(ttl);
@@ -901,13 +900,15 @@ fn renew_if_spent(slot: &Slot, book: &mut super::slot::Book, now: u64) -> bool {
 }
 
 /// Queues `amount` nanotokens of `slot` to go back to the store, under a fresh return id,
-/// settling the strict lease `lease` if there is one.
+/// settling the strict lease `lease` gives, if there is one. `lease` is asked only when there
+/// is something to give back: the slot's strict lease sits behind the slab's free-list lock,
+/// and most closes of a quiet key's lease give back nothing.
 fn queue_return(
     returns: &mut Vec<Return>,
     ids: &mut Ids,
     slot: &SlotRef,
     amount: u64,
-    lease: Option<LeaseRef>,
+    lease: impl FnOnce() -> Option<LeaseRef>,
 ) {
     if amount > 0 {
         returns.push(Return {
@@ -916,7 +917,7 @@ fn queue_return(
             plan: Arc::clone(&slot.plan),
             amount,
             attempts: 0,
-            lease,
+            lease: lease(),
             not_before: 0,
         });
     }
@@ -927,11 +928,8 @@ fn queue_return(
 fn retire(slot: &SlotRef, returns: &mut Vec<Return>, ids: &mut Ids) {
     slot.evicted().store(true, Ordering::Release);
     let reclaimed = slot.words().close();
-    let mut book = slot.book.lock();
-    let total = book.reclaimed.get() + reclaimed;
-    book.reclaimed.set(total);
-    drop(book);
-    queue_return(returns, ids, slot, reclaimed, slot.strict_lease());
+    slot.book.lock().reclaimed.add(reclaimed);
+    queue_return(returns, ids, slot, reclaimed, || slot.strict_lease());
     slot.notify().notify_waiters();
 }
 
@@ -1213,8 +1211,9 @@ fn apply(
         slot.fallback_until.store(0, Ordering::Release);
         slot.dry().store(scarce, Ordering::Release);
         // The strict lease as renewed above (holder and this answer's lease id).
-        let lease = strict.and_then(|_| slot.strict_lease());
-        queue_return(returns, ids, slot, unplaced, lease);
+        queue_return(returns, ids, slot, unplaced, || {
+            strict.and_then(|_| slot.strict_lease())
+        });
     }
     slot.notify().notify_waiters();
 }

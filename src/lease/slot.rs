@@ -135,6 +135,12 @@ impl Wide {
     pub(crate) fn set(&mut self, value: u64) {
         *self = Wide::new(value);
     }
+
+    /// Adds `n` to the value (as `+=` on the `u64` it stands for).
+    #[inline]
+    pub(crate) fn add(&mut self, n: u64) {
+        self.set(self.get() + n);
+    }
 }
 
 /// A time of the lease actor's clock (local monotonic nanoseconds) in 32 bits: whole
