@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use tokenlease::__private::ACQUIRE_SQL;
+use tokenlease::__private::acquire_one_sql;
 use tokenlease::Limiter;
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::embedded::TempPostgres;
@@ -28,7 +28,7 @@ use tokenlease::policy::Plan;
 use tokenlease::store::{AcquireRequest, PostgresStore, Store};
 
 const KEYS: u64 = 10_000;
-const CAPACITY: u64 = 1_000_000_000_000;
+const CAPACITY: u64 = 1_000_000_000;
 const RATE: u64 = 1_000_000_000;
 
 fn plan() -> Plan {
@@ -146,22 +146,19 @@ fn bench_direct(c: &mut Criterion, setup: &Setup) {
 /// (pool size, statements in flight) for 16 tasks on 10,000 keys.
 const BATCHING: [(u32, usize); 6] = [(4, 16), (4, 4), (4, 2), (4, 1), (8, 8), (16, 16)];
 
-/// pgbench on the statement the store sends (the `tokenlease_acquire` call): the same SQL, keys
-/// and concurrency, extended protocol.
+/// pgbench on the statement the store sends for a one-key take (the lean UPDATE of
+/// `src/store/postgres/lean.rs`): the same SQL, keys and concurrency, prepared once per
+/// connection as the store does by default.
 fn pgbench(setup: &Setup, clients: u32, many_keys: bool, sync_commit: bool) -> Option<f64> {
-    let key = if many_keys {
-        "ARRAY['pg' || :n]"
-    } else {
-        "ARRAY['pghot']"
-    };
-    let one = |v: u64| format!("ARRAY['{v}']");
-    let sql = ACQUIRE_SQL
-        .replace("$1::text[]", &format!("{key}::text[]"))
-        .replace("$2::text[]", &format!("{}::text[]", one(CAPACITY)))
-        .replace("$3::text[]", &format!("{}::text[]", one(RATE)))
-        .replace("$4::text[]", "ARRAY['1']::text[]")
-        .replace("$5::text[]", "ARRAY['1']::text[]")
-        .replace("$6::text[]", "ARRAY['1']::text[]");
+    let key = if many_keys { "'pg' || :n" } else { "'pghot'" };
+    let nanos = |tokens: u64| (u128::from(tokens) * 1_000_000_000).to_string();
+    let sql = acquire_one_sql()
+        .replace("$1", key)
+        .replace("$2", &nanos(CAPACITY))
+        .replace("$3", &nanos(RATE))
+        .replace("$4", &nanos(1))
+        .replace("$5", &nanos(1))
+        .replace("$6", &nanos(1));
     let sql: String = sql
         .lines()
         .filter(|l| !l.trim_start().starts_with("--"))
@@ -185,7 +182,7 @@ fn pgbench(setup: &Setup, clients: u32, many_keys: bool, sync_commit: bool) -> O
             &setup.server.port().to_string(),
         ])
         .args([
-            "-U", "postgres", "-n", "-M", "extended", "-T", "5", "-j", "2",
+            "-U", "postgres", "-n", "-M", "prepared", "-T", "5", "-j", "2",
         ])
         .args(["-c", &clients.to_string(), "-f"])
         .arg(&file)

@@ -91,7 +91,7 @@ pub mod __private {
     };
     #[cfg(feature = "postgres")]
     pub use crate::store::postgres::{
-        ACQUIRE_BARE_SQL, ACQUIRE_SQL, ConnectionManager, PgConnection, pool,
+        ConnectionManager, PgConnection, acquire_many_sql, acquire_one_sql, pool,
     };
 }
 

@@ -171,8 +171,9 @@ async fn immediate_restart_keeps_committed_rows() {
     migrate(&mut client).await.expect("migrate");
     client
         .batch_execute(
-            "INSERT INTO tokenlease_buckets (key, tokens, capacity, refill_per_second, updated_at)
-             SELECT 'k' || g, 1, 100, 50, now() FROM generate_series(1, 100) g",
+            "INSERT INTO tokenlease_buckets (key, tokens, capacity, refill_per_second, updated_us)
+             SELECT 'k' || g, 1000000000, 100000000000, 50000000000, 0
+             FROM generate_series(1, 100) g",
         )
         .await
         .expect("insert");
@@ -270,8 +271,8 @@ async fn test_database_create_gives_two_separate_migrated_databases() {
     assert_eq!(config.get_dbname(), Some(a.name()));
 
     ca.batch_execute(
-        "INSERT INTO tokenlease_buckets (key, tokens, capacity, refill_per_second, updated_at)
-         VALUES ('only-in-a', 1, 10, 1, now())",
+        "INSERT INTO tokenlease_buckets (key, tokens, capacity, refill_per_second, updated_us)
+         VALUES ('only-in-a', 1000000000, 10000000000, 1000000000, 0)",
     )
     .await
     .expect("insert into a");

@@ -403,16 +403,17 @@ async fn build_errors_name_the_failing_migration_step() {
     assert!(message.contains("migrat"), "{message}");
 }
 
-/// A database migrated by an older version (0001 to 0003: bare statements, no functions) gets
-/// `tokenlease_acquire` and `tokenlease_give_back` from 0004 when a store of this version is
-/// built on it, with their settings and a search_path pinned to the schema of the buckets; and
-/// the store's takes and returns go through the functions: with one dropped, its call is an error
-/// naming it. It also gets 0005's PL/pgSQL `tokenlease_grantable`.
+/// A database migrated by an older version (0001 to 0003: bare statements, no functions) is
+/// brought to the newest schema when a store of this version is built on it: the integer
+/// columns of 0007, `tokenlease_acquire_held` with its settings and a search_path pinned to the
+/// schema of the buckets, and none of the functions 0007 dropped. Plain takes and returns run as
+/// plain statements (they work with the function gone); a strict lease goes through the
+/// function, and with it dropped its call is an error naming it.
 #[tokio::test]
-async fn an_older_database_gets_the_acquire_function_and_the_store_uses_it() {
+async fn an_older_database_gets_the_newest_schema_and_the_store_uses_it() {
     use std::time::Duration;
     use tokenlease::bucket::Tokens;
-    use tokenlease::store::{AcquireRequest, PostgresStore, Store};
+    use tokenlease::store::{AcquireRequest, Hold, PostgresStore, Store};
 
     let db = TestDatabase::create().await.expect("create");
     let old = unmigrated(&db, &format!("{}_old", db.name())).await;
@@ -427,8 +428,9 @@ async fn an_older_database_gets_the_acquire_function_and_the_store_uses_it() {
     async fn functions(admin: &Client) -> Vec<String> {
         admin
             .query_typed(
-                "SELECT proname || ': ' || array_to_string(proconfig, ';') FROM pg_proc
-                 WHERE proname IN ('tokenlease_acquire', 'tokenlease_give_back')
+                "SELECT proname || ': ' || coalesce(array_to_string(proconfig, ';'), '') \
+                 FROM pg_proc WHERE proname IN ('tokenlease_acquire', 'tokenlease_give_back', \
+                                                'tokenlease_acquire_held') \
                  ORDER BY proname",
                 &[],
             )
@@ -455,10 +457,7 @@ async fn an_older_database_gets_the_acquire_function_and_the_store_uses_it() {
         "plan_cache_mode=force_generic_plan;enable_seqscan=off;search_path=public, pg_temp";
     assert_eq!(
         functions(&admin).await,
-        vec![
-            format!("tokenlease_acquire: {settings}"),
-            format!("tokenlease_give_back: {settings}"),
-        ]
+        vec![format!("tokenlease_acquire_held: {settings}")]
     );
     let version: i64 = admin
         .query_typed_one("SELECT max(version) FROM tokenlease_migrations", &[])
@@ -466,18 +465,30 @@ async fn an_older_database_gets_the_acquire_function_and_the_store_uses_it() {
         .expect("versions")
         .get(0);
     assert_eq!(version, MIGRATIONS.len() as i64);
-    // 0005: the grant's arithmetic runs as PL/pgSQL, planned once per session, not as a SQL
-    // function whose body is planned again in every statement.
-    let language: String = admin
-        .query_typed_one(
-            "SELECT l.lanname::text FROM pg_proc AS p JOIN pg_language AS l ON l.oid = p.prolang
-             WHERE p.proname = 'tokenlease_grantable'",
+    let types: Vec<String> = admin
+        .query_typed(
+            "SELECT column_name || ' ' || data_type FROM information_schema.columns \
+             WHERE table_name = 'tokenlease_buckets' AND column_name <> 'leases' \
+             ORDER BY column_name",
             &[],
         )
         .await
-        .expect("tokenlease_grantable")
-        .get(0);
-    assert_eq!(language, "plpgsql");
+        .expect("columns")
+        .iter()
+        .map(|r| r.get::<_, String>(0))
+        .collect();
+    assert_eq!(
+        types,
+        [
+            "capacity bigint",
+            "frac integer",
+            "key text",
+            "last_granted bigint",
+            "refill_per_second bigint",
+            "tokens bigint",
+            "updated_us bigint",
+        ]
+    );
 
     let bucket = tokenlease::bucket::BucketConfig::new(
         Tokens::whole(10),
@@ -500,19 +511,202 @@ async fn an_older_database_gets_the_acquire_function_and_the_store_uses_it() {
 
     admin
         .batch_execute(
-            "DROP FUNCTION tokenlease_acquire(text[], numeric[], numeric[], numeric[], \
-             numeric[], numeric[], bigint[], bigint[], numeric[], bigint[]);
-             DROP FUNCTION tokenlease_give_back(bigint[], text[], numeric[], numeric[], \
-             numeric[], bigint[], bigint[]);",
+            "DROP FUNCTION tokenlease_acquire_held(text[], bigint[], bigint[], bigint[], \
+             bigint[], bigint[], bigint[], bigint[], bigint[], bigint[])",
         )
         .await
-        .expect("drop the functions");
-    let err = store.acquire(take).await.expect_err("no function, no take");
-    assert!(err.to_string().contains("tokenlease_acquire"), "{err}");
-    let back = tokenlease::store::GiveBack { id: 43, ..back };
-    let err = store
-        .give_back(&[back])
+        .expect("drop the function");
+    let got = store
+        .acquire(take)
         .await
-        .expect_err("no function, no return");
-    assert!(err.to_string().contains("tokenlease_give_back"), "{err}");
+        .expect("a plain take needs no function");
+    assert!(got.granted <= Tokens::whole(4));
+    let strict = take.held(Hold {
+        holder: 7,
+        lease_id: 1,
+        kept: Tokens::ZERO,
+        lifetime: Duration::from_secs(1),
+    });
+    let err = store
+        .acquire(strict)
+        .await
+        .expect_err("no function, no strict lease");
+    assert!(err.to_string().contains("tokenlease_acquire_held"), "{err}");
+}
+
+/// Migration 0007 on a populated table under load, as a deploy meets it: 20,000 rows written
+/// by the previous version (numeric amounts, a few with strict leases), the previous version's
+/// function taking from them in a loop on another connection while the migration runs. The
+/// migration completes; every row keeps its tokens rounded down to the nanotoken (never more),
+/// its capacity, rate and refill time; the old version's calls fail with a clear error once its
+/// function is gone (its instances then decide by their fallback); and the new store takes from
+/// the migrated rows exactly as the pure bucket does from what was stored.
+#[tokio::test]
+async fn a_populated_table_migrates_under_load() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::time::Duration;
+    use tokenlease::bucket::Tokens;
+    use tokenlease::store::{AcquireRequest, PostgresStore, Store};
+
+    let db = TestDatabase::create().await.expect("create");
+    let url = unmigrated(&db, &format!("{}_load", db.name())).await;
+    let (mut admin, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    migrate_with(&mut admin, &MIGRATIONS[..6])
+        .await
+        .expect("the previous version's migrations");
+    // 20,000 rows as the previous version wrote them: 1/3 token steps, a 2/3 token/s rate.
+    admin
+        .batch_execute(
+            "INSERT INTO tokenlease_buckets (key, tokens, capacity, refill_per_second, updated_at)
+             SELECT 'k' || g, (g % 30) / 3.0, 10, 0.666666667, now() - interval '5 minutes'
+             FROM generate_series(1, 20000) g;
+             UPDATE tokenlease_buckets
+             SET leases = ARRAY[ROW(1, 1, 1.5, now() + interval '1 hour')::tokenlease_lease]
+             WHERE key IN ('k1', 'k2');",
+        )
+        .await
+        .expect("populate");
+    let before: Vec<(String, String)> = admin
+        .query(
+            "SELECT key, tokens::text FROM tokenlease_buckets WHERE key IN ('k1', 'k19999', 'k20000')
+             ORDER BY key",
+            &[],
+        )
+        .await
+        .expect("before")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+
+    // The previous version, still running: its function on its own connection, in a loop.
+    let (old_client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let load = {
+        let (stop, ok, failed) = (stop.clone(), ok.clone(), failed.clone());
+        tokio::spawn(async move {
+            let mut last_error = String::new();
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let key = format!("k{}", 3 + i % 19_990);
+                let result = old_client
+                    .query(
+                        "SELECT granted FROM tokenlease_acquire(ARRAY[$1]::text[], \
+                         ARRAY['10']::numeric[], ARRAY['0.666666667']::numeric[], \
+                         ARRAY['1']::numeric[], ARRAY['1']::numeric[], ARRAY['1']::numeric[])",
+                        &[&key],
+                    )
+                    .await;
+                match result {
+                    Ok(_) => ok.fetch_add(1, Ordering::Relaxed),
+                    Err(e) => {
+                        last_error = e
+                            .as_db_error()
+                            .map_or_else(|| e.to_string(), |db| db.message().to_owned());
+                        failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+                tokio::task::yield_now().await;
+            }
+            last_error
+        })
+    };
+    // Let the old version run before the migration starts (bounded: 5 s at most).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while ok.load(Ordering::Relaxed) < 20 && tokio::time::Instant::now() < deadline {
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        ok.load(Ordering::Relaxed) >= 20,
+        "the old version was taking"
+    );
+    let report = migrate(&mut admin).await.expect("migrate under load");
+    assert_eq!(report.applied.len(), 1, "{report:?}");
+    // The old version now fails at once: wait (bounded) until it has seen that.
+    let seen = failed.load(Ordering::Relaxed);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while failed.load(Ordering::Relaxed) < seen + 5 && tokio::time::Instant::now() < deadline {
+        tokio::task::yield_now().await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let last_error = load.await.expect("load task");
+    assert!(
+        last_error.contains("tokenlease_acquire"),
+        "the old version's calls name the missing function: {last_error}"
+    );
+
+    // Every row is there, its amounts rounded down to the nanotoken.
+    let rows: i64 = admin
+        .query_one("SELECT count(*) FROM tokenlease_buckets", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(rows, 20_000);
+    let shapes: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM tokenlease_buckets
+             WHERE capacity = 10000000000 AND refill_per_second = 666666667 AND frac = 0",
+            &[],
+        )
+        .await
+        .expect("shapes")
+        .get(0);
+    assert_eq!(shapes, 20_000, "capacity and rate in nanotokens");
+    let after: Vec<(String, i64)> = admin
+        .query(
+            "SELECT key, tokens FROM tokenlease_buckets WHERE key IN ('k1', 'k19999', 'k20000')
+             ORDER BY key",
+            &[],
+        )
+        .await
+        .expect("after")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    for ((key, old), (key_after, nanos)) in before.iter().zip(&after) {
+        assert_eq!(key, key_after);
+        let old: Tokens = old.parse().expect("old tokens");
+        let floor = old.as_atto() / 1_000_000_000;
+        assert_eq!(
+            *nanos as u128, floor,
+            "{key}: {old} rounded down to the nanotoken"
+        );
+    }
+
+    // The new store decides on the migrated rows as the pure bucket does.
+    let store = PostgresStore::builder(&url)
+        .expect("connection string")
+        .connect_timeout(Duration::from_secs(5))
+        .call_timeout(Duration::from_secs(5))
+        .pool_wait_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .expect("store");
+    let bucket = tokenlease::bucket::BucketConfig::new(
+        Tokens::whole(10),
+        tokenlease::bucket::Rate::from_nanos_per_second(666_666_667).expect("rate"),
+    )
+    .expect("bucket");
+    // k20000 held 20000 % 30 / 3 = 6.666… tokens five minutes ago: full by now.
+    let got = store
+        .acquire(AcquireRequest::take("k20000", bucket, Tokens::whole(10)))
+        .await
+        .expect("take");
+    assert_eq!(got.granted, Tokens::whole(10));
+    assert_eq!(got.remaining, Tokens::ZERO);
+    // k1 has a strict lease of 1.5 tokens out: it refills to 10 - 1.5 at most.
+    let got = store
+        .acquire(AcquireRequest::take("k1", bucket, Tokens::whole(9)))
+        .await
+        .expect("take");
+    assert!(got.granted.is_zero(), "the lease still counts: {got:?}");
+    assert_eq!(got.remaining, Tokens::from_nanos(8_500_000_000));
 }

@@ -127,7 +127,7 @@ async fn two_hundred_clients_on_distinct_ids_are_decided_by_the_store() {
     let admitted = store_admitted.load(Ordering::Relaxed);
     let rows = admin
         .query(
-            "SELECT count(*), coalesce(sum(capacity - tokens), 0)::float8 \
+            "SELECT count(*), coalesce(sum(capacity - tokens), 0)::float8 / 1e9 \
              FROM tokenlease_buckets WHERE key LIKE 'ratelimit:entity:%'",
             &[],
         )

@@ -71,6 +71,12 @@ const INVALID: &[Case] = &[
         message: r#"capacity_too_large.json:3:50: plans.standard.capacity: invalid type: floating point `1.8446744073709552e+19`, expected u64"#,
     },
     Case {
+        file: "capacity_above_the_bound.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.capacity"),
+        message: r#"capacity_above_the_bound.json: plans.standard.capacity: must be at most 8000000000 tokens, got 8000000001"#,
+    },
+    Case {
         file: "capacity_zero.json",
         plan: Some("standard"),
         field: Some("plans.standard.capacity"),

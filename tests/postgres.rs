@@ -57,7 +57,8 @@ async fn rows_of(store: &PostgresStore, key: &str) -> (i64, Tokens) {
         .expect("connection");
     let row = conn
         .query_one(
-            "SELECT count(*), min(tokens)::text FROM tokenlease_buckets WHERE key = $1",
+            "SELECT count(*), min(tokenlease_amount(tokens, frac))::numeric(38, 18)::text \
+             FROM tokenlease_buckets WHERE key = $1",
             &[&key],
         )
         .await
@@ -92,9 +93,7 @@ async fn database_decides_exactly_as_the_pure_bucket() {
         if model.is_some() {
             exec(
                 &store,
-                &format!(
-                    "UPDATE tokenlease_buckets SET updated_at = updated_at - interval '{age_ms} milliseconds'"
-                ),
+                &format!("UPDATE tokenlease_buckets SET updated_us = updated_us - {age_ms} * 1000"),
             )
             .await;
             if let Some(m) = model.as_mut() {
@@ -195,7 +194,7 @@ async fn one_key_calls_whose_row_comes_and_goes_grant_exactly() {
 #[tokio::test]
 async fn prepared_statements_decide_as_unnamed_ones() {
     let db = common::database().await;
-    let unnamed = common::store(&db, 1).await;
+    let unnamed = common::unprepared_store_at(&db.connection_string(), 1, false).await;
     let prepared = common::prepared_store_at(&db.connection_string(), 1).await;
     let config = common::bucket(10, 1.0 / 60.0);
     let mut seen: Vec<Vec<(u64, u64)>> = Vec::new();
@@ -238,7 +237,13 @@ async fn prepared_statements_decide_as_unnamed_ones() {
         }
     };
     assert_eq!(count(&unnamed).await, 0);
-    assert_eq!(count(&prepared).await, 1, "acquire.sql, prepared once");
+    // The statements of every decision (one key, many keys, returns), prepared once each when
+    // the session opened.
+    assert_eq!(
+        count(&prepared).await,
+        3,
+        "three statements, prepared once each"
+    );
 }
 
 /// B4: a stored refill time in the future (another writer's clock ahead, or a failover to a
@@ -252,7 +257,9 @@ async fn refill_time_in_the_future_or_in_1970() {
     store.acquire(take(100)).await.expect("drain");
     exec(
         &store,
-        "UPDATE tokenlease_buckets SET updated_at = now() + interval '10 seconds', tokens = 5",
+        "UPDATE tokenlease_buckets \
+         SET updated_us = (extract(epoch FROM now() + interval '10 seconds') * 1000000)::bigint, \
+             tokens = 5000000000",
     )
     .await;
     let before = store.inspect("skew").await.expect("inspect").expect("row");
@@ -284,7 +291,7 @@ async fn refill_time_in_the_future_or_in_1970() {
 
     exec(
         &store,
-        "UPDATE tokenlease_buckets SET updated_at = '1970-01-01T00:00:00Z', tokens = 0",
+        "UPDATE tokenlease_buckets SET updated_us = 0, tokens = 0",
     )
     .await;
     let a = store.acquire(take(1)).await.expect("acquire");
@@ -317,28 +324,37 @@ async fn schema_refuses_nan_infinity_and_out_of_range_values() {
         .expect("relpersistence")
         .get(0);
     assert_eq!(persistence, "p", "permanent (logged), not UNLOGGED");
+    // Integer columns: NaN and infinities are not bigint values at all (22P02), out-of-range
+    // numbers (22003) and values outside the bounds (23514) are refused too.
     let bad = [
         ("tokens", "'NaN'"),
         ("tokens", "-1"),
-        ("tokens", "11"),
+        ("tokens", "10000000001"),
         ("tokens", "'Infinity'"),
+        ("frac", "-1"),
+        ("frac", "1000000"),
         ("capacity", "'NaN'"),
         ("capacity", "0"),
         ("capacity", "-5"),
+        ("capacity", "8000000000000000001"),
         ("capacity", "'Infinity'"),
         ("refill_per_second", "'NaN'"),
         ("refill_per_second", "0"),
         ("refill_per_second", "'-Infinity'"),
         ("refill_per_second", "'Infinity'"),
-        ("refill_per_second", "1000000001"),
-        ("updated_at", "'infinity'"),
+        ("refill_per_second", "1000000000000000001"),
+        ("refill_per_second", "99999999999999999999"),
+        ("last_granted", "-1"),
+        ("updated_us", "'infinity'"),
     ];
     for (column, value) in bad {
         let mut values = [
-            ("tokens", "1"),
-            ("capacity", "10"),
-            ("refill_per_second", "1"),
-            ("updated_at", "now()"),
+            ("tokens", "1000000000"),
+            ("frac", "0"),
+            ("capacity", "10000000000"),
+            ("refill_per_second", "1000000000"),
+            ("last_granted", "0"),
+            ("updated_us", "0"),
         ];
         for v in values.iter_mut() {
             if v.0 == column {
@@ -346,15 +362,18 @@ async fn schema_refuses_nan_infinity_and_out_of_range_values() {
             }
         }
         let sql = format!(
-            "INSERT INTO tokenlease_buckets (key, tokens, capacity, refill_per_second, updated_at) \
-             VALUES ('bad', {}, {}, {}, {})",
-            values[0].1, values[1].1, values[2].1, values[3].1
+            "INSERT INTO tokenlease_buckets \
+             (key, tokens, frac, capacity, refill_per_second, last_granted, updated_us) \
+             VALUES ('bad', {}, {}, {}, {}, {}, {})",
+            values[0].1, values[1].1, values[2].1, values[3].1, values[4].1, values[5].1
         );
         let err = conn.batch_execute(&sql).await.expect_err(&sql);
         let code = err.code().map(|c| c.code().to_owned());
-        // Infinity in numeric(30, 9) overflows the type (22003) before the CHECK sees it.
         assert!(
-            matches!(code.as_deref(), Some("23514") | Some("22003")),
+            matches!(
+                code.as_deref(),
+                Some("23514") | Some("22003") | Some("22P02")
+            ),
             "{column} = {value}: {err:?}"
         );
     }
@@ -519,7 +538,11 @@ async fn the_idle_cleanup_task_deletes_full_rows_in_batches() {
         .await
         .expect("acquire");
     // The idle rows refilled long ago; "busy" is still 10 tokens short.
-    exec(&store, "UPDATE tokenlease_buckets SET updated_at = updated_at - interval '1 minute' WHERE key <> 'busy'").await;
+    exec(
+        &store,
+        "UPDATE tokenlease_buckets SET updated_us = updated_us - 60000000 WHERE key <> 'busy'",
+    )
+    .await;
     let cleanup = tokenlease::store::IdleCleanup::spawn(
         Arc::new(store.clone()),
         Duration::from_millis(20),
@@ -647,7 +670,7 @@ async fn a_statement_of_1024_keys_answers_each_key_as_the_pure_bucket() {
                 .expect("connection");
             conn.execute(
                 "UPDATE tokenlease_buckets AS b
-                 SET updated_at = b.updated_at - a.us * interval '1 microsecond'
+                 SET updated_us = b.updated_us - a.us
                  FROM unnest($1::text[], $2::int8[]) AS a(key, us) WHERE b.key = a.key",
                 &[&aged, &micros],
             )
@@ -721,7 +744,9 @@ async fn a_statement_of_1024_keys_answers_each_key_as_the_pure_bucket() {
         .expect("connection");
     let rows = conn
         .query(
-            "SELECT key, tokens::text, updated_at FROM tokenlease_buckets WHERE key LIKE 'many:%'",
+            "SELECT key, tokenlease_amount(tokens, frac)::numeric(38, 18)::text, \
+                    timestamptz 'epoch' + updated_us * interval '1 microsecond' \
+             FROM tokenlease_buckets WHERE key LIKE 'many:%'",
             &[],
         )
         .await
@@ -744,7 +769,7 @@ async fn a_statement_of_1024_keys_answers_each_key_as_the_pure_bucket() {
     }
 }
 
-/// The function pins its search_path: a session whose search_path puts another
+/// The strict-lease function pins its search_path: a session whose search_path puts another
 /// `tokenlease_buckets` first still takes from the limiter's table, and the decoy is untouched.
 #[tokio::test]
 async fn the_acquire_function_ignores_the_callers_search_path() {
@@ -763,23 +788,28 @@ async fn the_acquire_function_ignores_the_callers_search_path() {
     .expect("decoy");
     let row = conn
         .query_one(
-            "SELECT granted FROM tokenlease_acquire(ARRAY['pinned'], ARRAY[10], ARRAY[1], \
-             ARRAY[3], ARRAY[3], ARRAY[3])",
+            "SELECT granted FROM tokenlease_acquire_held(ARRAY['pinned'], \
+             ARRAY[10000000000]::bigint[], ARRAY[1000000000]::bigint[], \
+             ARRAY[3000000000]::bigint[], ARRAY[3000000000]::bigint[], \
+             ARRAY[3000000000]::bigint[])",
             &[],
         )
         .await
         .expect("call");
-    assert_eq!(row.get::<_, String>(0), "3.000000000000000000");
+    assert_eq!(row.get::<_, i64>(0), 3_000_000_000);
     let counts = conn
         .query_one(
             "SELECT (SELECT count(*) FROM decoy.tokenlease_buckets), \
-                    (SELECT tokens::text FROM public.tokenlease_buckets WHERE key = 'pinned')",
+                    (SELECT tokens FROM public.tokenlease_buckets WHERE key = 'pinned')",
             &[],
         )
         .await
         .expect("counts");
     assert_eq!(counts.get::<_, i64>(0), 0, "the decoy table is untouched");
-    assert_eq!(counts.get::<_, String>(1), "7.000000000000000000");
+    assert_eq!(counts.get::<_, i64>(1), 7_000_000_000);
+    conn.batch_execute("RESET search_path; DROP SCHEMA decoy CASCADE")
+        .await
+        .expect("reset");
 }
 
 /// The server's `lock_timeout` bounds a call of the function like any statement: with another

@@ -54,7 +54,7 @@ impl Harness for Postgres {
             .await
             .expect("connection");
         conn.batch_execute(&format!(
-            "UPDATE tokenlease_buckets SET updated_at = updated_at - interval '{us} microseconds',
+            "UPDATE tokenlease_buckets SET updated_us = updated_us - {us},
                  leases = (SELECT coalesce(array_agg(ROW(l.holder, l.lease_id, l.amount,
                                    l.expires_at - interval '{us} microseconds')::tokenlease_lease),
                                    '{{}}')
@@ -62,7 +62,7 @@ impl Harness for Postgres {
             us = by.as_micros()
         ))
         .await
-        .expect("shift updated_at");
+        .expect("shift updated_us");
     }
 }
 

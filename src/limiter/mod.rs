@@ -1102,8 +1102,11 @@ fn validate_cost_slow(plan: &Plan, cost: f64) -> Result<Tokens, Error> {
         return Err(invalid("the cost must be greater than zero"));
     }
     let tokens = Tokens::from_f64(cost).ok_or_else(|| invalid("the cost is too large"))?;
+    // Every store counts in whole nanotokens (10⁻⁹ token; PostgreSQL's bigint columns): a
+    // finer cost is rounded up to the next one, so it is never charged less than asked.
+    let tokens = Tokens::from_nanos(tokens.as_atto().div_ceil(1_000_000_000));
     if tokens.is_zero() {
-        return Err(invalid("the cost is below one attotoken (10⁻¹⁸ token)"));
+        return Err(invalid("the cost is below one nanotoken (10⁻⁹ token)"));
     }
     if tokens > plan.capacity() {
         return Err(invalid("the cost is larger than the plan's capacity"));

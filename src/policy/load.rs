@@ -48,6 +48,11 @@ const MAX_WAIT_MS: u64 = 60_000;
 /// The most `fallback.instances`.
 const MAX_INSTANCES: u32 = 10_000;
 
+/// The largest capacity a plan may have, in whole tokens: what PostgreSQL's bigint columns hold
+/// in nanotokens with room for a refill's sum (migration 0007). Governs every store alike, so a
+/// policy that works over `MemoryStore` works over `PostgresStore` too.
+pub const MAX_CAPACITY: u64 = 8_000_000_000;
+
 /// How many defined plans an "unknown plan" message lists.
 const LISTED_PLANS: usize = 10;
 
@@ -516,6 +521,16 @@ impl Checker {
                 name,
                 "capacity",
                 "must be a whole number of tokens ≥ 1, got 0",
+            ));
+        }
+        if raw.capacity > MAX_CAPACITY {
+            return Err(self.plan_err(
+                name,
+                "capacity",
+                format!(
+                    "must be at most {MAX_CAPACITY} tokens, got {}",
+                    raw.capacity
+                ),
             ));
         }
         let capacity = Tokens::whole(raw.capacity);

@@ -76,7 +76,7 @@ mod raw;
 mod types;
 
 pub use error::{PolicyError, PolicyErrorKind};
-pub use load::{MAX_POLICY_BYTES, Policies};
+pub use load::{MAX_CAPACITY, MAX_POLICY_BYTES, Policies};
 #[cfg(feature = "http")]
 pub(crate) use load::{route_params, route_pattern_error, route_shape};
 pub use types::{

@@ -45,7 +45,7 @@ pub use self::sharded::{
 /// tokens there, if that is at least `min`; otherwise nothing. A plain take is
 /// [`AcquireRequest::take`] (`min == want == step == cost`); `n` coalesced takes of one cost are
 /// `min = step = cost, want = n × cost`; a lease accepts any amount from `min` to `want`
-/// ([`AcquireRequest::lease`], `step` one attotoken).
+/// ([`AcquireRequest::lease`], `step` one nanotoken).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AcquireRequest<'a> {
     /// The bucket's key; already validated (see [`crate::error::validate_key`]).
@@ -106,14 +106,14 @@ impl<'a> AcquireRequest<'a> {
         }
     }
 
-    /// Take anything from `min` to `want`, to the attotoken.
+    /// Take anything from `min` to `want`, to the nanotoken (the unit every store counts in).
     pub const fn lease(key: &'a str, bucket: BucketConfig, min: Tokens, want: Tokens) -> Self {
         AcquireRequest {
             key,
             bucket,
             min,
             want,
-            step: Tokens::from_atto(1),
+            step: Tokens::from_atto(1_000_000_000),
             hold: None,
         }
     }

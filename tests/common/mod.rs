@@ -23,15 +23,23 @@ pub async fn store(db: &TestDatabase, pool: u32) -> PostgresStore {
     store_at(&db.connection_string(), pool, true).await
 }
 
-/// A store on `connection` (a PgBouncer, a proxy), as [`store`], migrating first when asked.
+/// A store on `connection` (a proxy), as [`store`], migrating first when asked. It prepares
+/// its statements once per session, the default.
 pub async fn store_at(connection: &str, pool: u32, migrate: bool) -> PostgresStore {
-    store_with(connection, pool, migrate, false).await
+    store_with(connection, pool, migrate, true).await
 }
 
 /// A store on `connection` as [`store_at`] (no migrations) that prepares its statements once
-/// per session (`PostgresStoreBuilder::prepared_statements`).
+/// per session (`PostgresStoreBuilder::prepared_statements`, the default).
 pub async fn prepared_store_at(connection: &str, pool: u32) -> PostgresStore {
     store_with(connection, pool, false, true).await
+}
+
+/// A store on `connection` as [`store_at`] that sends every statement unnamed, parsed and
+/// planned on each call (`prepared_statements(false)`): what a transaction pooler without
+/// prepared-statement support needs.
+pub async fn unprepared_store_at(connection: &str, pool: u32, migrate: bool) -> PostgresStore {
+    store_with(connection, pool, migrate, false).await
 }
 
 async fn store_with(connection: &str, pool: u32, migrate: bool, prepared: bool) -> PostgresStore {

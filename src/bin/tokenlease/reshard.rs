@@ -106,13 +106,16 @@ pub(crate) fn parse(flag: &'static str, args: &[String]) -> Result<Vec<Shard>, S
     Ok(out)
 }
 
-/// One page of an old shard's rows: key, tokens refilled to now (strict leases counted), the
-/// plan's capacity and rate, the last grant, and the leases, all as text.
+/// One page of an old shard's rows: key, tokens refilled to now (strict leases counted, in
+/// tokens as decimal text), the plan's capacity and rate (nanotokens), the last grant
+/// (nanotokens), and the leases, all as text.
 // language=SQL
 const READ_PAGE: &str = "\
 SELECT key,
-       tokenlease_refill_held(tokens, capacity, refill_per_second, updated_at, leases, now())
-           ::numeric(38, 18)::text,
+       tokenlease_refill_held(tokenlease_amount(tokens, frac), capacity / 1000000000.0,
+                              refill_per_second / 1000000000.0,
+                              timestamptz 'epoch' + updated_us * interval '1 microsecond',
+                              leases, now())::numeric(38, 18)::text,
        capacity::text, refill_per_second::text, last_granted::text, leases::text
 FROM tokenlease_buckets
 WHERE key > $1
@@ -124,18 +127,23 @@ LIMIT $2";
 // language=SQL
 const WRITE_ROWS: &str = "\
 INSERT INTO tokenlease_buckets AS b
-    (key, tokens, capacity, refill_per_second, updated_at, last_granted, leases)
-SELECT r.key, r.tokens::numeric, r.capacity::numeric, r.rate::numeric, now(),
-       r.last_granted::numeric, r.leases::tokenlease_lease[]
+    (key, tokens, frac, capacity, refill_per_second, updated_us, last_granted, leases)
+SELECT r.key, floor(r.tokens::numeric * 1000000000)::bigint,
+       (floor(r.tokens::numeric * 1000000000000000) % 1000000)::integer,
+       r.capacity::bigint, r.rate::bigint, (extract(epoch FROM now()) * 1000000)::bigint,
+       r.last_granted::bigint, r.leases::tokenlease_lease[]
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[])
     AS r(key, tokens, capacity, rate, last_granted, leases)
 ORDER BY r.key
 ON CONFLICT (key) DO UPDATE
-SET (tokens, capacity, refill_per_second, updated_at, last_granted, leases) =
-    (EXCLUDED.tokens, EXCLUDED.capacity, EXCLUDED.refill_per_second, EXCLUDED.updated_at,
-     EXCLUDED.last_granted, EXCLUDED.leases)
-WHERE EXCLUDED.tokens < tokenlease_refill_held(b.tokens, b.capacity, b.refill_per_second,
-                                               b.updated_at, b.leases, now())
+SET (tokens, frac, capacity, refill_per_second, updated_us, last_granted, leases) =
+    (EXCLUDED.tokens, EXCLUDED.frac, EXCLUDED.capacity, EXCLUDED.refill_per_second,
+     EXCLUDED.updated_us, EXCLUDED.last_granted, EXCLUDED.leases)
+WHERE tokenlease_amount(EXCLUDED.tokens, EXCLUDED.frac)
+      < tokenlease_refill_held(tokenlease_amount(b.tokens, b.frac), b.capacity / 1000000000.0,
+                               b.refill_per_second / 1000000000.0,
+                               timestamptz 'epoch' + b.updated_us * interval '1 microsecond',
+                               b.leases, now())
 RETURNING b.key";
 
 async fn connect(shard: &Shard) -> Result<Client, Box<dyn std::error::Error>> {

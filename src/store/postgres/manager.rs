@@ -3,6 +3,8 @@
 
 use std::fmt;
 use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::task::AbortHandle;
@@ -20,13 +22,21 @@ use crate::store::{StoreError, TimeoutKind};
 pub struct ConnectionManager {
     config: tokio_postgres::Config,
     connect_timeout: Duration,
+    /// The store's switch for prepared statements: while on, a new session prepares the
+    /// statements of every decision before it joins the pool.
+    prepare: Arc<AtomicBool>,
 }
 
 impl ConnectionManager {
-    pub(super) fn new(config: tokio_postgres::Config, connect_timeout: Duration) -> Self {
+    pub(super) fn new(
+        config: tokio_postgres::Config,
+        connect_timeout: Duration,
+        prepare: Arc<AtomicBool>,
+    ) -> Self {
         ConnectionManager {
             config,
             connect_timeout,
+            prepare,
         }
     }
 }
@@ -143,12 +153,31 @@ impl bb8::ManageConnection for ConnectionManager {
             }
         })
         .abort_handle();
-        Ok(PgConnection {
+        let conn = PgConnection {
             client,
             driver,
             discard: false,
             prepared: parking_lot::Mutex::new(Vec::new()),
-        })
+        };
+        if self.prepare.load(Ordering::Relaxed) {
+            // Prepared before the session serves a call, so that no call pays for a prepare's
+            // round trip (over a slow link that alone can exceed a call's timeout). The
+            // statements go out together: one round trip in all. A failure here is no failure
+            // of the connection: a call prepares (or sends unprepared) what is missing.
+            let bound = self.connect_timeout;
+            let statements = super::lean::warm_statements();
+            let prepares = statements
+                .iter()
+                .map(|(sql, types)| conn.client.prepare_typed(sql, types));
+            if let Ok(prepared) = tokio::time::timeout(bound, join_all(prepares)).await {
+                for ((sql, _), result) in statements.iter().zip(prepared) {
+                    if let Ok(statement) = result {
+                        conn.remember(sql, statement);
+                    }
+                }
+            }
+        }
+        Ok(conn)
     }
 
     async fn is_valid(&self, conn: &mut PgConnection) -> Result<(), StoreError> {
@@ -178,4 +207,30 @@ impl bb8::ErrorSink<StoreError> for CountErrors {
     fn boxed_clone(&self) -> Box<dyn bb8::ErrorSink<StoreError>> {
         Box::new(*self)
     }
+}
+
+/// Awaits every future of `futures`, polled together, and returns their outputs in order: the
+/// prepares of a new session are sent back to back and answered in one round trip, and the
+/// pool's connections are opened side by side.
+pub(super) async fn join_all<F: Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let mut set: Vec<std::pin::Pin<Box<F>>> = futures.map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = (0..set.len()).map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (slot, fut) in out.iter_mut().zip(set.iter_mut()) {
+            if slot.is_none() {
+                match fut.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *slot = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().flatten().collect()
 }

@@ -101,6 +101,11 @@ pub const MIGRATIONS: &[Migration] = &[
         description: "acquire_one_key",
         sql: include_str!("../../../migrations/0006_acquire_one_key.sql"),
     },
+    Migration {
+        version: 7,
+        description: "lean_buckets",
+        sql: include_str!("../../../migrations/0007_lean_buckets.sql"),
+    },
 ];
 
 /// What [`migrate`] found and did.

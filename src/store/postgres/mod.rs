@@ -1,12 +1,12 @@
 //! [`PostgresStore`]: buckets shared through PostgreSQL, one atomic statement per call.
 //!
-//! Every call is a single statement from `sql/`, sent with `query_typed`: no named prepared
-//! statements, so the store works behind PgBouncer in transaction pooling. Refill and take is a
-//! call of the server-side function `tokenlease_acquire`, and a return of lease tokens one of
-//! `tokenlease_give_back` (migration 0004): each locks its rows in key order, and refills by
-//! `now()` and takes (or credits) in the same statement. PostgreSQL keeps the plans of the
-//! functions' statements for the session, so only the short call is parsed and planned on every
-//! call. Every call is bounded by a client-side timeout, and the server stops abandoned
+//! A take is one plain SQL statement over the integer columns of migration 0007 (`lean.rs`: one
+//! key, or many keys locked in key order), which refills by the database's clock, takes, and
+//! inserts the keys that have no row yet; a return of lease tokens is one statement too, made
+//! idempotent by its id. Strict leases go through the PL/pgSQL function
+//! `tokenlease_acquire_held`. Each pooled session prepares the statements when it opens
+//! ([`PostgresStoreBuilder::prepared_statements`], on by default), so a call is only bound and
+//! run. Every call is bounded by a client-side timeout, and the server stops abandoned
 //! statements itself with `statement_timeout` and `lock_timeout`, set on every connection.
 
 use std::collections::HashMap;
@@ -22,53 +22,50 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{NoTls, Row};
 
 use super::{
-    AcquireRequest, Acquired, BucketRow, GiveBack, HeldLease, Store, StoreError, TimeoutKind, nanos,
+    AcquireRequest, Acquired, BucketRow, GiveBack, HeldLease, Store, StoreError, TimeoutKind,
+    nanos as nanos_duration,
 };
 use crate::bucket::Tokens;
 use crate::clock::timestamp_from_system_time;
 
+mod lean;
 mod manager;
 pub(crate) mod migrate;
 
 pub use self::manager::{ConnectionManager, PgConnection};
 
-/// The SQL statements, one file each.
+/// The statements kept as files: the background ones (idle cleanup, inspection). The statements
+/// of every decision are built in [`lean`] from one definition of the refill.
 mod sql {
-    // language=SQL
-    pub(super) const ACQUIRE: &str = include_str!("sql/acquire.sql");
-    // language=SQL
-    pub(super) const ACQUIRE_BARE: &str = include_str!("sql/acquire_bare.sql");
-    // language=SQL
-    pub(super) const ACQUIRE_HELD: &str = include_str!("sql/acquire_held.sql");
-    // language=SQL
-    pub(super) const GIVE_BACK: &str = include_str!("sql/give_back.sql");
     // language=SQL
     pub(super) const DELETE_IDLE: &str = include_str!("sql/delete_idle.sql");
     // language=SQL
     pub(super) const INSPECT: &str = include_str!("sql/inspect.sql");
 }
 
-/// The SQL text of the acquire statement the store sends (a call of `tokenlease_acquire`, with
-/// six `text[]` parameters written `$1::text[]` to `$6::text[]`), for benchmarks that run it
+/// The SQL text of the one-key take the store sends (`$1` text key, `$2` capacity, `$3` rate,
+/// `$4` min, `$5` want, `$6` step, all bigint nanotokens), for benchmarks that run it
 /// themselves (pgbench). Not part of the API: reached through `crate::__private`.
-pub const ACQUIRE_SQL: &str = sql::ACQUIRE;
+pub fn acquire_one_sql() -> &'static str {
+    lean::ACQUIRE_ONE.as_str()
+}
 
-/// The single bare statement that `tokenlease_acquire` replaced (same parameters and results,
-/// parsed and planned on every call, quadratic in the keys), for benchmarks that compare the two.
-pub const ACQUIRE_BARE_SQL: &str = sql::ACQUIRE_BARE;
+/// The SQL text of the many-key take (`$1` text[] keys, `$2`..`$6` bigint[] as
+/// [`acquire_one_sql`]'s), for benchmarks. Not part of the API.
+pub fn acquire_many_sql() -> &'static str {
+    lean::ACQUIRE_MANY.as_str()
+}
 
 type Manager = ConnectionManager;
 
 /// Buckets in PostgreSQL, shared by every instance that connects to the same database.
 ///
-/// Every call is a single statement from `sql/`, sent with `query_typed`: no named prepared
-/// statements, so the store works behind PgBouncer in transaction pooling. Refill and take is a
-/// call of the server-side function `tokenlease_acquire`, and a return of lease tokens one of
-/// `tokenlease_give_back` (migration 0004): each locks its rows in key order, and refills by
-/// `now()` and takes (or credits) in the same statement. PostgreSQL keeps the plans of the
-/// functions' statements for the session, so only the short call is parsed and planned on every
-/// call. Every call is bounded by a client-side timeout, and the server stops abandoned
-/// statements itself with `statement_timeout` and `lock_timeout`, set on every connection.
+/// A take is one plain SQL statement over integer columns (nanotokens), prepared once per
+/// session by default; a return of lease tokens is one statement, idempotent by its id; strict
+/// leases go through the function `tokenlease_acquire_held`. Every call is bounded by a
+/// client-side timeout, and the server stops abandoned statements itself with
+/// `statement_timeout` and `lock_timeout`, set on every connection. DESIGN.md §5 has the
+/// statements and what each costs the server.
 ///
 /// Cheap to clone: clones share one pool.
 #[derive(Clone)]
@@ -171,19 +168,22 @@ impl PostgresStoreBuilder {
     }
 
     /// Whether each pooled session prepares the store's statements once (a named prepared
-    /// statement per file of `sql/`) and then only binds and runs them, instead of sending each
-    /// call as an unnamed statement that the server parses and plans again. Defaults to `false`.
+    /// statement each, made on the session's first call of it) and then only binds and runs
+    /// them, instead of sending each call as an unnamed statement that the server parses and
+    /// plans again. Defaults to `true`.
     ///
-    /// It saves the server the parse and plan of every call: direct mode served about a tenth
-    /// more requests a second from the same 2-core server (DESIGN.md §7 has the measurements).
-    /// Turn it on when the store connects to PostgreSQL directly, through a pooler in session
-    /// mode, or through PgBouncer 1.21 or later with `max_prepared_statements` set. Not behind
-    /// an older PgBouncer in transaction mode: a call may then reach a server session that did
-    /// not prepare its statement, or one where another client's statement has the same name.
-    /// The store turns the setting off for good at the first refusal it can see (SQLSTATE
-    /// 26000, 42P05 or 08P01; the call is then sent unprepared, since the server ran nothing),
-    /// but another client's statement of the same name and parameter types would run in its
-    /// place.
+    /// Parse and plan are most of what a one-key take costs the server (DESIGN.md §5 has the
+    /// measurements). Keep it on when the store connects to PostgreSQL directly, through a
+    /// pooler in session mode, or through PgBouncer 1.21 or later with `max_prepared_statements`
+    /// set (PgBouncer then prepares on each server session itself). Turn it off behind an older
+    /// PgBouncer in transaction mode: a call may reach a server session that did not prepare
+    /// its statement, or one where another client's statement has the same name. The store
+    /// detects the refusals that follow (SQLSTATE 26000, 42P05 or 08P01: the server ran
+    /// nothing), sends that call unprepared and turns preparing off for good; a statement of
+    /// another client's that runs in place of one of ours must also take the same parameter
+    /// types, and the only two of the store's statements that do (the many-key UPDATE and the
+    /// INSERT of new keys) each return exact decisions for the rows they return, so a swap
+    /// between them changes no decision.
     pub fn prepared_statements(mut self, on: bool) -> Self {
         self.prepared_statements = on;
         self
@@ -240,7 +240,8 @@ impl PostgresStoreBuilder {
             self.lock_timeout.as_millis().max(1),
             if self.synchronous_commit { "on" } else { "off" },
         ));
-        let manager = ConnectionManager::new(config.clone(), self.connect_timeout);
+        let prepare = Arc::new(AtomicBool::new(self.prepared_statements));
+        let manager = ConnectionManager::new(config.clone(), self.connect_timeout, prepare.clone());
         let pool = Pool::builder()
             .max_size(self.pool_size)
             .min_idle(Some(0))
@@ -254,7 +255,7 @@ impl PostgresStoreBuilder {
             call_timeout: self.call_timeout,
             pool_wait_timeout: self.pool_wait_timeout,
             cancel_timeout: self.connect_timeout,
-            prepare: Arc::new(AtomicBool::new(self.prepared_statements)),
+            prepare,
         };
         // The first connection is made outside the pool, bounded by the connect timeout rather
         // than the (shorter) pool wait, so a busy machine does not fail the build: it proves the
@@ -283,6 +284,12 @@ impl PostgresStoreBuilder {
             Ok(Ok(Ok(()))) => {}
             _ => metrics::counter!(crate::metrics::STORE_CONNECTION_ERRORS).increment(1),
         }
+        // Warm the pool: open its connections (each preparing the statements of every
+        // decision) before the first call, so that no early call waits for a connection or a
+        // prepare. Bounded by the connect timeout; a connection that does not come in time is
+        // opened by the first call that needs it, as before.
+        let warm = (0..self.pool_size).map(|_| store.pool.get());
+        let _ = tokio::time::timeout(self.connect_timeout, manager::join_all(warm)).await;
         Ok(store)
     }
 }
@@ -329,7 +336,7 @@ impl PostgresStore {
             lock_timeout: Duration::from_millis(100),
             keepalive: Duration::from_secs(5),
             synchronous_commit: true,
-            prepared_statements: false,
+            prepared_statements: true,
             migrate: true,
             migrate_timeout: Duration::from_secs(30),
         })
@@ -360,6 +367,16 @@ impl PostgresStore {
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, StoreError> {
         let deadline = tokio::time::Instant::now() + self.call_timeout;
+        self.query_by(deadline, statement, params).await
+    }
+
+    /// [`query`](Self::query) by `deadline`: the statements of one call share its timeout.
+    async fn query_by(
+        &self,
+        deadline: tokio::time::Instant,
+        statement: &'static str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+    ) -> Result<Vec<Row>, StoreError> {
         let timed_out = || StoreError::Timeout {
             kind: TimeoutKind::Call,
             after: self.call_timeout,
@@ -580,8 +597,123 @@ fn tokens(row: &Row, idx: usize) -> Result<Tokens, StoreError> {
     Tokens::from_str(text).map_err(|e| StoreError::Protocol(e.to_string()))
 }
 
-fn time(row: &Row, idx: usize) -> Result<SystemTime, StoreError> {
-    row.try_get(idx).map_err(StoreError::from)
+/// A column of microseconds since the Unix epoch, as a time.
+fn micros(row: &Row, idx: usize) -> Result<SystemTime, StoreError> {
+    let us: i64 = row.try_get(idx).map_err(StoreError::from)?;
+    let us = u64::try_from(us)
+        .map_err(|_| StoreError::Protocol(format!("a time before 1970: {us} µs")))?;
+    Ok(SystemTime::UNIX_EPOCH + Duration::from_micros(us))
+}
+
+/// Nanotokens in one token, and attotokens in one nanotoken.
+const NANO: u128 = 1_000_000_000;
+
+/// The largest capacity the table holds: 8 × 10¹⁸ nanotokens (migration 0007).
+const MAX_CAPACITY_NANOS: i64 = 8_000_000_000_000_000_000;
+
+/// An amount in whole nanotokens, rounded down (a `want`: never more than asked for).
+fn nanos_down(t: Tokens) -> i64 {
+    i64::try_from(t.as_atto() / NANO).unwrap_or(i64::MAX)
+}
+
+/// An amount in whole nanotokens, rounded up (a `min`, a `step`: never less than asked for).
+fn nanos_up(t: Tokens) -> i64 {
+    i64::try_from(t.as_atto().div_ceil(NANO)).unwrap_or(i64::MAX)
+}
+
+/// The bucket's capacity and rate in nanotokens, or an error naming the key when the capacity is
+/// beyond what the table holds.
+fn shape(key: &str, bucket: &crate::bucket::BucketConfig) -> Result<(i64, i64), StoreError> {
+    let capacity = nanos_down(bucket.capacity());
+    if capacity > MAX_CAPACITY_NANOS {
+        return Err(StoreError::Protocol(format!(
+            "key {key:?}: capacity {} is above the 8000000000 tokens PostgresStore holds",
+            bucket.capacity()
+        )));
+    }
+    let rate = i64::try_from(bucket.rate().as_nanos_per_second()).unwrap_or(i64::MAX);
+    Ok((capacity.max(1), rate))
+}
+
+/// The bigint arrays of a batch of takes, in the statements' parameter order.
+struct Takes<'a> {
+    keys: Vec<&'a str>,
+    capacities: Vec<i64>,
+    rates: Vec<i64>,
+    mins: Vec<i64>,
+    wants: Vec<i64>,
+    steps: Vec<i64>,
+}
+
+impl<'a> Takes<'a> {
+    /// The takes of `requests` at `which` indices. Amounts go to whole nanotokens: `min` and
+    /// `step` rounded up, `want` down, so a grant is never more than
+    /// asked for; the limiter's costs and leases are whole nanotokens already.
+    fn new(requests: &[AcquireRequest<'a>], which: &[usize]) -> Result<Self, StoreError> {
+        let mut t = Takes {
+            keys: Vec::with_capacity(which.len()),
+            capacities: Vec::with_capacity(which.len()),
+            rates: Vec::with_capacity(which.len()),
+            mins: Vec::with_capacity(which.len()),
+            wants: Vec::with_capacity(which.len()),
+            steps: Vec::with_capacity(which.len()),
+        };
+        for &i in which {
+            let r = &requests[i];
+            let (capacity, rate) = shape(r.key, &r.bucket)?;
+            let min = nanos_up(r.min);
+            t.keys.push(r.key);
+            t.capacities.push(capacity);
+            t.rates.push(rate);
+            t.mins.push(min);
+            t.wants.push(nanos_down(r.want));
+            t.steps.push(nanos_up(r.step).max(1));
+        }
+        Ok(t)
+    }
+
+    fn params(&self) -> Vec<(&(dyn ToSql + Sync), Type)> {
+        vec![
+            (&self.keys, Type::TEXT_ARRAY),
+            (&self.capacities, Type::INT8_ARRAY),
+            (&self.rates, Type::INT8_ARRAY),
+            (&self.mins, Type::INT8_ARRAY),
+            (&self.wants, Type::INT8_ARRAY),
+            (&self.steps, Type::INT8_ARRAY),
+        ]
+    }
+}
+
+/// What the store did with `request`, from a row of the take statements: key, tokens left
+/// (whole nanotokens), femtotokens, nanotokens granted, refill time and now (microseconds).
+fn acquired(request: &AcquireRequest<'_>, row: &Row) -> Result<Acquired, StoreError> {
+    let get =
+        |idx: usize| -> Result<i64, StoreError> { row.try_get(idx).map_err(StoreError::from) };
+    let nanos = |n: i64| u128::try_from(n).unwrap_or(0) * NANO;
+    let frac: i32 = row.try_get(2).map_err(StoreError::from)?;
+    let femto = u128::try_from(frac).unwrap_or(0) * 1_000;
+    let remaining = Tokens::from_atto(nanos(get(1)?) + femto);
+    let granted = Tokens::from_atto(nanos(get(3)?));
+    let updated_at = timestamp_from_system_time(micros(row, 4)?);
+    let store_now = micros(row, 5)?;
+    let now = timestamp_from_system_time(store_now);
+    let config = &request.bucket;
+    // The refill time may be ahead of now() when another writer's clock ran ahead.
+    let ahead = updated_at.saturating_since(now);
+    let retry_after = if granted.is_zero() && !request.min.is_zero() {
+        ahead.saturating_add(config.time_to_refill(request.min.saturating_sub(remaining)))
+    } else {
+        0
+    };
+    let reset =
+        ahead.saturating_add(config.time_to_refill(config.capacity().saturating_sub(remaining)));
+    Ok(Acquired {
+        granted,
+        remaining,
+        retry_after: nanos_duration(retry_after),
+        reset_after: nanos_duration(reset),
+        store_now,
+    })
 }
 
 /// The strict leases of `inspect.sql`'s JSON column.
@@ -610,6 +742,104 @@ fn held_leases(json: &str) -> Result<Vec<HeldLease>, StoreError> {
         .collect()
 }
 
+impl PostgresStore {
+    /// Sends one take statement for the requests at `pending` and files each row it returns
+    /// under its request; `pending` keeps the requests that got no row.
+    async fn take_round(
+        &self,
+        deadline: tokio::time::Instant,
+        statement: &'static str,
+        requests: &[AcquireRequest<'_>],
+        pending: &mut Vec<usize>,
+        out: &mut [Option<Acquired>],
+    ) -> Result<(), StoreError> {
+        let rows = if statement == lean::ACQUIRE_ONE.as_str() {
+            let r = &requests[pending[0]];
+            let t = Takes::new(requests, &pending[..1])?;
+            let params: [(&(dyn ToSql + Sync), Type); 6] = [
+                (&r.key, Type::TEXT),
+                (&t.capacities[0], Type::INT8),
+                (&t.rates[0], Type::INT8),
+                (&t.mins[0], Type::INT8),
+                (&t.wants[0], Type::INT8),
+                (&t.steps[0], Type::INT8),
+            ];
+            self.query_by(deadline, statement, &params).await?
+        } else {
+            let t = Takes::new(requests, pending)?;
+            self.query_by(deadline, statement, &t.params()).await?
+        };
+        self.file_rows(&rows, requests, pending, out)
+    }
+
+    /// Files each row (key first) under its request among `pending`, and keeps in `pending`
+    /// the requests that got none.
+    fn file_rows(
+        &self,
+        rows: &[Row],
+        requests: &[AcquireRequest<'_>],
+        pending: &mut Vec<usize>,
+        out: &mut [Option<Acquired>],
+    ) -> Result<(), StoreError> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let mut by_key: HashMap<&str, &Row> = HashMap::with_capacity(rows.len());
+        for row in rows {
+            let key: &str = row.try_get(0).map_err(StoreError::from)?;
+            by_key.insert(key, row);
+        }
+        let mut left = Vec::new();
+        for &i in pending.iter() {
+            match by_key.get(requests[i].key) {
+                Some(row) => out[i] = Some(acquired(&requests[i], row)?),
+                None => left.push(i),
+            }
+        }
+        *pending = left;
+        Ok(())
+    }
+
+    /// Takes through `tokenlease_acquire_held`: strict leases, rows that hold them, and rows
+    /// another caller inserted while a plain statement ran.
+    async fn take_held(
+        &self,
+        deadline: tokio::time::Instant,
+        requests: &[AcquireRequest<'_>],
+        pending: &mut Vec<usize>,
+        out: &mut [Option<Acquired>],
+    ) -> Result<(), StoreError> {
+        let t = Takes::new(requests, pending)?;
+        let hold = |i: &usize| requests[*i].hold;
+        let holders: Vec<Option<i64>> = pending.iter().map(|i| hold(i).map(|h| h.holder)).collect();
+        let lease_ids: Vec<Option<i64>> = pending
+            .iter()
+            .map(|i| hold(i).map(|h| h.lease_id))
+            .collect();
+        let kept: Vec<i64> = pending
+            .iter()
+            .map(|i| hold(i).map_or(0, |h| nanos_up(h.kept)))
+            .collect();
+        let lifetimes: Vec<i64> = pending
+            .iter()
+            .map(|i| {
+                hold(i).map_or(0, |h| {
+                    i64::try_from(h.lifetime.as_micros()).unwrap_or(i64::MAX)
+                })
+            })
+            .collect();
+        let mut params = t.params();
+        params.extend([
+            (&holders as &(dyn ToSql + Sync), Type::INT8_ARRAY),
+            (&lease_ids, Type::INT8_ARRAY),
+            (&kept, Type::INT8_ARRAY),
+            (&lifetimes, Type::INT8_ARRAY),
+        ]);
+        let rows = self.query_by(deadline, lean::ACQUIRE_HELD, &params).await?;
+        self.file_rows(&rows, requests, pending, out)
+    }
+}
+
 #[async_trait]
 impl Store for PostgresStore {
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
@@ -618,93 +848,37 @@ impl Store for PostgresStore {
             .ok_or_else(|| StoreError::Protocol("acquire returned no row".into()))
     }
 
+    /// One statement for a plain batch, within the call timeout: [`lean::ACQUIRE_ONE`] or
+    /// [`lean::ACQUIRE_MANY`], which update the rows that exist and insert the keys that have
+    /// none. What they leave (strict leases, rows holding strict leases, rows another caller
+    /// inserted meanwhile) goes through `tokenlease_acquire_held`, and a batch with a strict
+    /// lease goes there directly.
     async fn acquire_many(
         &self,
         requests: &[AcquireRequest<'_>],
     ) -> Result<Vec<Acquired>, StoreError> {
-        let keys: Vec<&str> = requests.iter().map(|r| r.key).collect();
-        let text = |f: &dyn Fn(&AcquireRequest<'_>) -> Tokens| -> Vec<String> {
-            requests.iter().map(|r| f(r).to_string()).collect()
-        };
-        let capacities = text(&|r| r.bucket.capacity());
-        let rates = text(&|r| r.bucket.rate().per_second_amount());
-        let mins = text(&|r| r.min);
-        let wants = text(&|r| r.want);
-        let steps = text(&|r| r.step);
-        let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![
-            (&keys, Type::TEXT_ARRAY),
-            (&capacities, Type::TEXT_ARRAY),
-            (&rates, Type::TEXT_ARRAY),
-            (&mins, Type::TEXT_ARRAY),
-            (&wants, Type::TEXT_ARRAY),
-            (&steps, Type::TEXT_ARRAY),
-        ];
-        // Strict leases pass the holders' four arrays; a batch without any leaves them out (the
-        // function's defaults), which saves their bytes and their casts.
-        let held = requests.iter().any(|r| r.hold.is_some());
-        let holders: Vec<Option<i64>> = requests.iter().map(|r| r.hold.map(|h| h.holder)).collect();
-        let lease_ids: Vec<Option<i64>> = requests
-            .iter()
-            .map(|r| r.hold.map(|h| h.lease_id))
-            .collect();
-        let kept = text(&|r| r.hold.map_or(Tokens::ZERO, |h| h.kept));
-        let lifetimes: Vec<i64> = requests
-            .iter()
-            .map(|r| {
-                r.hold.map_or(0, |h| {
-                    i64::try_from(h.lifetime.as_micros()).unwrap_or(i64::MAX)
-                })
-            })
-            .collect();
-        if held {
-            params.extend([
-                (&holders as &(dyn ToSql + Sync), Type::INT8_ARRAY),
-                (&lease_ids, Type::INT8_ARRAY),
-                (&kept, Type::TEXT_ARRAY),
-                (&lifetimes, Type::INT8_ARRAY),
-            ]);
+        let deadline = tokio::time::Instant::now() + self.call_timeout;
+        let mut out: Vec<Option<Acquired>> = vec![None; requests.len()];
+        let mut pending: Vec<usize> = (0..requests.len()).collect();
+        if !requests.iter().any(|r| r.hold.is_some()) {
+            let statement = if requests.len() == 1 {
+                lean::ACQUIRE_ONE.as_str()
+            } else {
+                lean::ACQUIRE_MANY.as_str()
+            };
+            self.take_round(deadline, statement, requests, &mut pending, &mut out)
+                .await?;
         }
-        let statement = if held {
-            sql::ACQUIRE_HELD
-        } else {
-            sql::ACQUIRE
-        };
-        let rows = self.query(statement, &params).await?;
-        let mut by_key: HashMap<&str, &Row> = HashMap::with_capacity(rows.len());
-        for row in &rows {
-            let key: &str = row.try_get(0).map_err(StoreError::from)?;
-            by_key.insert(key, row);
+        if !pending.is_empty() {
+            self.take_held(deadline, requests, &mut pending, &mut out)
+                .await?;
         }
         requests
             .iter()
-            .map(|request| {
-                let row = by_key.get(request.key).ok_or_else(|| {
+            .zip(out)
+            .map(|(request, got)| {
+                got.ok_or_else(|| {
                     StoreError::Protocol(format!("no row returned for key {:?}", request.key))
-                })?;
-                let remaining = tokens(row, 1)?;
-                let granted = tokens(row, 2)?;
-                let updated_at = timestamp_from_system_time(time(row, 3)?);
-                let store_now = time(row, 4)?;
-                let now = timestamp_from_system_time(store_now);
-                let config = &request.bucket;
-                // The refill time may be ahead of now() when another writer's clock ran ahead.
-                let ahead = updated_at.saturating_since(now);
-                let retry_after = if granted.is_zero() && !request.min.is_zero() {
-                    ahead.saturating_add(
-                        config.time_to_refill(request.min.saturating_sub(remaining)),
-                    )
-                } else {
-                    0
-                };
-                let reset = ahead.saturating_add(
-                    config.time_to_refill(config.capacity().saturating_sub(remaining)),
-                );
-                Ok(Acquired {
-                    granted,
-                    remaining,
-                    retry_after: nanos(retry_after),
-                    reset_after: nanos(reset),
-                    store_now,
                 })
             })
             .collect()
@@ -716,12 +890,16 @@ impl Store for PostgresStore {
         }
         let ids: Vec<i64> = returns.iter().map(|r| r.id).collect();
         let keys: Vec<&str> = returns.iter().map(|r| r.key).collect();
-        let text = |f: &dyn Fn(&GiveBack<'_>) -> Tokens| -> Vec<String> {
-            returns.iter().map(|r| f(r).to_string()).collect()
-        };
-        let amounts = text(&|r| r.amount);
-        let capacities = text(&|r| r.bucket.capacity());
-        let rates = text(&|r| r.bucket.rate().per_second_amount());
+        // An amount is what a lease did not spend: whole nanotokens; rounded down, a return
+        // never credits more than it holds.
+        let amounts: Vec<i64> = returns.iter().map(|r| nanos_down(r.amount)).collect();
+        let mut capacities = Vec::with_capacity(returns.len());
+        let mut rates = Vec::with_capacity(returns.len());
+        for r in returns {
+            let (capacity, rate) = shape(r.key, &r.bucket)?;
+            capacities.push(capacity);
+            rates.push(rate);
+        }
         let holders: Vec<Option<i64>> = returns.iter().map(|r| r.lease.map(|l| l.holder)).collect();
         let lease_ids: Vec<Option<i64>> = returns
             .iter()
@@ -729,13 +907,13 @@ impl Store for PostgresStore {
             .collect();
         let rows = self
             .query(
-                sql::GIVE_BACK,
+                lean::GIVE_BACK.as_str(),
                 &[
                     (&ids, Type::INT8_ARRAY),
                     (&keys, Type::TEXT_ARRAY),
-                    (&amounts, Type::TEXT_ARRAY),
-                    (&capacities, Type::TEXT_ARRAY),
-                    (&rates, Type::TEXT_ARRAY),
+                    (&amounts, Type::INT8_ARRAY),
+                    (&capacities, Type::INT8_ARRAY),
+                    (&rates, Type::INT8_ARRAY),
                     (&holders, Type::INT8_ARRAY),
                     (&lease_ids, Type::INT8_ARRAY),
                 ],
@@ -761,8 +939,8 @@ impl Store for PostgresStore {
                     tokens: tokens(row, 1)?,
                     capacity: tokens(row, 2)?,
                     refill_per_second: tokens(row, 3)?,
-                    updated_at: time(row, 4)?,
-                    store_now: time(row, 5)?,
+                    updated_at: micros(row, 4)?,
+                    store_now: micros(row, 5)?,
                     tokens_now: tokens(row, 6)?,
                     leases: held_leases(row.try_get(7).map_err(StoreError::from)?)?,
                 })

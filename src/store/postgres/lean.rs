@@ -1,0 +1,259 @@
+//! The statements the store sends for plain takes and for returns, written out from one
+//! definition of the refill and the grant.
+//!
+//! The arithmetic is bigint throughout (migration 0007): tokens in whole nanotokens plus the
+//! femtotokens below one (`frac`), rates in nanotokens per second, the database's clock in
+//! microseconds. PostgreSQL evaluates an expression as often as it is written and does not
+//! share a common subexpression, and a helper function the planner cannot inline is run by the
+//! SQL-function executor on every call (much slower than the expression). So each statement
+//! spells the refill out where it needs it, built here from the one definition below, and keeps
+//! `now()` in microseconds in a subquery behind `OFFSET 0`, computed once per row of the request
+//! instead of once per use (a CTE referenced more than once is computed once). DESIGN.md section 5 has the measurements behind each choice.
+//!
+//! The refill of a row `(tokens, frac, updated_us)` at `now_us`, capacity `C`, rate `R`, is the
+//! pure bucket's (`BucketState::refill`) to the femtotoken: with `e = max(0, now_us -
+//! updated_us)` microseconds, the bucket gains `e × R` femtotokens. Written without overflow:
+//! `e / 10⁶ × R + e % 10⁶ × (R / 10⁶)` whole nanotokens, plus `(e % 10⁶ × (R % 10⁶) + frac) /
+//! 10⁶` carried from the femtotokens, whose remainder is the new `frac`. A row already full, or
+//! whose whole seconds of `e` exceed its deficit over `R`, is full without multiplying. The
+//! bounds of the table (capacity ≤ 8 × 10¹⁸, rate ≤ 10¹⁸) keep every sum below 2⁶³.
+
+use std::sync::LazyLock;
+
+/// Elapsed microseconds since the row's refill, never negative. `now` names the column with the
+/// database's clock in microseconds.
+fn elapsed(row: &str, now: &str) -> String {
+    format!("greatest(0, {now} - {row}.updated_us)")
+}
+
+/// The refilled whole nanotokens, before the capacity cap is applied to the sum, or the
+/// capacity when the row is full anyway.
+fn refilled_raw(row: &str, capacity: &str, rate: &str, now: &str) -> String {
+    let e = elapsed(row, now);
+    format!(
+        "CASE WHEN {row}.tokens >= {capacity} \
+              OR {e} / 1000000 > ({capacity} - {row}.tokens) / {rate} THEN {capacity} \
+         ELSE {row}.tokens + {e} / 1000000 * {rate} + {e} % 1000000 * ({rate} / 1000000) \
+              + ({e} % 1000000 * ({rate} % 1000000) + {row}.frac) / 1000000 END"
+    )
+}
+
+/// The refilled whole nanotokens, capped at the capacity.
+fn available(row: &str, capacity: &str, rate: &str, now: &str) -> String {
+    let raw = refilled_raw(row, capacity, rate, now);
+    format!("least({capacity}, {raw})")
+}
+
+/// The femtotokens left over by the refill: zero once the bucket is full.
+fn refilled_frac(row: &str, capacity: &str, rate: &str, now: &str) -> String {
+    let raw = refilled_raw(row, capacity, rate, now);
+    let e = elapsed(row, now);
+    format!(
+        "CASE WHEN {raw} >= {capacity} THEN 0 \
+         ELSE (({e} % 1000000 * ({rate} % 1000000) + {row}.frac) % 1000000)::integer END"
+    )
+}
+
+/// The grant from `available` whole nanotokens: the largest multiple of `step` up to `want`
+/// and `available`, if it reaches `min` and is above zero; else 0 (as
+/// `AcquireRequest::grantable`).
+fn grant(available: &str, min: &str, want: &str, step: &str) -> String {
+    let candidate = format!("least({want}, ({available}) / {step} * {step})");
+    format!("CASE WHEN {candidate} >= {min} AND {candidate} > 0 THEN {candidate} ELSE 0 END")
+}
+
+/// The database's clock in whole microseconds since the Unix epoch.
+const NOW_US: &str = "(extract(epoch FROM now()) * 1000000)::bigint";
+
+/// Refill and take for one key, in one statement: the UPDATE of its row when the row exists and
+/// holds no strict lease; otherwise, when the UPDATE found nothing, the INSERT of a full bucket
+/// less the grant. A key whose row holds strict leases, or whose row another caller inserted
+/// while this one ran, comes back without a row (then `tokenlease_acquire_held` decides).
+///
+/// `$1` text key, `$2` capacity, `$3` rate, `$4` min, `$5` want, `$6` step (bigint
+/// nanotokens). Returns key, tokens, frac, the grant, updated_us and now_us.
+pub(super) static ACQUIRE_ONE: LazyLock<String> = LazyLock::new(|| {
+    let avail = available("b", "$2", "$3", "n.now_us");
+    let frac = refilled_frac("b", "$2", "$3", "n.now_us");
+    let granted = grant(&avail, "$4", "$5", "$6");
+    let granted_new = grant("$2", "$4", "$5", "$6");
+    format!(
+        "-- tokenlease: refill and take, one key (src/store/postgres/lean.rs)\n\
+         WITH n AS (SELECT {NOW_US} AS now_us), \
+         u AS ( \
+             UPDATE tokenlease_buckets AS b \
+             SET tokens = {avail} - ({granted}), frac = {frac}, capacity = $2, \
+                 refill_per_second = $3, updated_us = greatest(b.updated_us, n.now_us), \
+                 last_granted = {granted} \
+             FROM n \
+             WHERE b.key = $1 AND cardinality(b.leases) = 0 \
+             RETURNING b.key, b.tokens, b.frac, b.last_granted, b.updated_us, n.now_us), \
+         i AS ( \
+             INSERT INTO tokenlease_buckets AS b \
+                 (key, tokens, frac, capacity, refill_per_second, updated_us, last_granted) \
+             SELECT $1, $2 - ({granted_new}), 0, $2, $3, n.now_us, {granted_new} \
+             FROM n \
+             WHERE NOT EXISTS (SELECT FROM u) \
+             ON CONFLICT (key) DO NOTHING \
+             RETURNING b.key, b.tokens, b.frac, b.last_granted, b.updated_us, b.updated_us) \
+         SELECT * FROM u UNION ALL SELECT * FROM i"
+    )
+});
+
+/// Refill and take for many distinct keys, in one statement: rows that exist and hold no
+/// strict lease are locked in key order first (so two statements with common keys never wait on
+/// each other in a cycle), then updated joined by key; keys the UPDATE did not find are inserted
+/// as full buckets less their grants, in key order. A key whose row holds strict leases, or
+/// whose row another caller inserted while this one ran, comes back without a row.
+///
+/// `$1` text[] keys, `$2`..`$6` bigint[] as [`ACQUIRE_ONE`]'s. Returns key, tokens, frac, the
+/// grant, updated_us and now_us.
+pub(super) static ACQUIRE_MANY: LazyLock<String> = LazyLock::new(|| {
+    let avail = available("b", "r.capacity", "r.rate", "r.now_us");
+    let frac = refilled_frac("b", "r.capacity", "r.rate", "r.now_us");
+    let granted = grant(&avail, "r.min_take", "r.want", "r.step");
+    let granted_new = grant("r.capacity", "r.min_take", "r.want", "r.step");
+    format!(
+        "-- tokenlease: refill and take, many keys (src/store/postgres/lean.rs)\n\
+         WITH r AS ( \
+             SELECT q.*, {NOW_US} AS now_us \
+             FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], \
+                         $6::bigint[]) AS q(key, capacity, rate, min_take, want, step)), \
+         locked AS ( \
+             SELECT l.key FROM tokenlease_buckets AS l \
+             WHERE l.key = ANY ($1::text[]) AND cardinality(l.leases) = 0 \
+             ORDER BY l.key FOR UPDATE), \
+         u AS ( \
+             UPDATE tokenlease_buckets AS b \
+             SET tokens = {avail} - ({granted}), frac = {frac}, capacity = r.capacity, \
+                 refill_per_second = r.rate, updated_us = greatest(b.updated_us, r.now_us), \
+                 last_granted = {granted} \
+             FROM r \
+             WHERE b.key = r.key AND b.key IN (SELECT locked.key FROM locked) \
+               AND cardinality(b.leases) = 0 \
+             RETURNING b.key, b.tokens, b.frac, b.last_granted, b.updated_us, r.now_us), \
+         i AS ( \
+             INSERT INTO tokenlease_buckets AS b \
+                 (key, tokens, frac, capacity, refill_per_second, updated_us, last_granted) \
+             SELECT r.key, r.capacity - ({granted_new}), 0, r.capacity, r.rate, r.now_us, \
+                    {granted_new} \
+             FROM r \
+             WHERE r.key NOT IN (SELECT u.key FROM u) \
+             ORDER BY r.key \
+             ON CONFLICT (key) DO NOTHING \
+             RETURNING b.key, b.tokens, b.frac, b.last_granted, b.updated_us, b.updated_us) \
+         SELECT * FROM u UNION ALL SELECT * FROM i"
+    )
+});
+
+/// Returns of unused lease tokens, idempotent by return id, for many distinct keys, in one
+/// statement.
+///
+/// The ids are recorded first (`ON CONFLICT DO NOTHING`); only returns whose id this statement
+/// recorded credit their bucket, so a retried return credits nothing. The rows are locked in
+/// key order, then refilled and credited, capped at the capacity. A row with strict leases is
+/// refilled and capped by migration 0003's functions (in tokens), less the tokens still out on
+/// its live leases, and a strict return settles its lease: credited at most what the entry
+/// held, nothing once the entry is gone. A key without a row is a full bucket and stays one.
+///
+/// `$1` bigint[] ids, `$2` text[] keys, `$3` bigint[] amounts, `$4` capacities, `$5` rates
+/// (nanotokens), `$6` bigint[] holders (NULL: a relaxed lease), `$7` bigint[] lease ids.
+/// Returns the credited keys.
+pub(super) static GIVE_BACK: LazyLock<String> = LazyLock::new(|| {
+    let avail = available("b", "r.capacity", "r.rate", "r.now_us");
+    let credited_raw = format!("({avail}) + r.amount");
+    let frac = refilled_frac("b", "r.capacity", "r.rate", "r.now_us");
+    // Rows with strict leases, in tokens: the leases after this return, what it credits, and
+    // the new amount.
+    let leases = "CASE WHEN r.holder IS NULL THEN tokenlease_hold(b.leases, now(), NULL, NULL, 0, 0) \
+                  ELSE tokenlease_release(b.leases, now(), r.holder, r.lease_id) END";
+    let held = format!(
+        "least(greatest(0, r.capacity / 1000000000.0 - tokenlease_outstanding({leases}, now())), \
+               tokenlease_refill_held(tokenlease_amount(b.tokens, b.frac), \
+                                      r.capacity / 1000000000.0, r.rate / 1000000000.0, \
+                                      timestamptz 'epoch' + b.updated_us * interval '1 microsecond', \
+                                      b.leases, now()) \
+               + CASE WHEN r.holder IS NULL THEN r.amount / 1000000000.0 \
+                      ELSE tokenlease_release_credit(b.leases, now(), r.holder, r.lease_id, \
+                                                     r.amount / 1000000000.0) END)"
+    );
+    format!(
+        "-- tokenlease: return of unused lease tokens (src/store/postgres/lean.rs)\n\
+         WITH fresh AS ( \
+             INSERT INTO tokenlease_returns AS t (id, key, amount) \
+             SELECT f.id, f.key, f.amount \
+             FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, key, amount) \
+             ORDER BY f.id \
+             ON CONFLICT (id) DO NOTHING \
+             RETURNING t.id), \
+         locked AS ( \
+             SELECT l.key FROM tokenlease_buckets AS l \
+             WHERE l.key = ANY ($2::text[]) \
+             ORDER BY l.key FOR UPDATE) \
+         UPDATE tokenlease_buckets AS b \
+         SET tokens = CASE WHEN cardinality(b.leases) = 0 \
+                           THEN least(r.capacity, {credited_raw}) \
+                           ELSE floor({held} * 1000000000)::bigint END, \
+             frac = CASE WHEN cardinality(b.leases) = 0 \
+                         THEN CASE WHEN {credited_raw} >= r.capacity THEN 0 ELSE {frac} END \
+                         ELSE (floor({held} * 1000000000000000) % 1000000)::integer END, \
+             capacity = r.capacity, refill_per_second = r.rate, \
+             updated_us = greatest(b.updated_us, r.now_us), last_granted = 0, \
+             leases = CASE WHEN cardinality(b.leases) = 0 THEN b.leases ELSE {leases} END \
+         FROM (SELECT r.*, {NOW_US} AS now_us \
+               FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], \
+                           $6::bigint[], $7::bigint[]) \
+                   AS r(id, key, amount, capacity, rate, holder, lease_id) \
+               OFFSET 0) AS r \
+         WHERE b.key = r.key AND b.key IN (SELECT locked.key FROM locked) \
+           AND r.id IN (SELECT fresh.id FROM fresh) \
+         RETURNING b.key"
+    )
+});
+
+/// Refill and take through `tokenlease_acquire_held` (migration 0007): strict leases, and
+/// takes on rows that hold strict leases. Parameters as [`ACQUIRE_MANY`], then `$7` holders,
+/// `$8` lease ids, `$9` kept nanotokens, `$10` lifetimes in microseconds.
+pub(super) const ACQUIRE_HELD: &str = "\
+-- tokenlease: refill and take with strict leases (src/store/postgres/lean.rs)
+SELECT key, tokens, frac, granted, updated_us, now_us
+FROM tokenlease_acquire_held($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[],
+                             $6::bigint[], $7::bigint[], $8::bigint[], $9::bigint[],
+                             $10::bigint[])";
+
+/// The statements of every decision with their parameter types, as the store sends them: what
+/// a new session prepares before it serves a call.
+pub(super) fn warm_statements() -> [(&'static str, Vec<tokio_postgres::types::Type>); 3] {
+    use tokio_postgres::types::Type;
+    let arrays = |first: Type, n: usize| {
+        let mut types = vec![first];
+        types.extend(std::iter::repeat_n(Type::INT8_ARRAY, n));
+        types
+    };
+    let mut one = vec![Type::TEXT];
+    one.extend(std::iter::repeat_n(Type::INT8, 5));
+    let mut give_back = vec![Type::INT8_ARRAY, Type::TEXT_ARRAY];
+    give_back.extend(std::iter::repeat_n(Type::INT8_ARRAY, 5));
+    [
+        (ACQUIRE_ONE.as_str(), one),
+        (ACQUIRE_MANY.as_str(), arrays(Type::TEXT_ARRAY, 5)),
+        (GIVE_BACK.as_str(), give_back),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every statement names each parameter it is sent (a missing `$n` would make the server
+    /// infer a type, or refuse the statement).
+    #[test]
+    fn statements_use_their_parameters() {
+        for (sql, n) in [(&*ACQUIRE_ONE, 6), (&*ACQUIRE_MANY, 6), (&*GIVE_BACK, 7)] {
+            for i in 1..=n {
+                assert!(sql.contains(&format!("${i}")), "${i} missing in {sql}");
+            }
+            assert!(!sql.contains(&format!("${}", n + 1)), "{sql}");
+        }
+    }
+}
