@@ -22,7 +22,13 @@
 #      100,000 requests/s with the default lease settings and with leases living 30 s; leased
 #      mode on 10,000 keys as a closed loop with leases living 30 s.
 #
-# and prints one table with the ratios to the Node peer. Each phase runs $PHASE_S seconds (10 by
+# and prints one table with the ratios to the Node peer, the server's CPU per decision among
+# them: the CPU seconds of the whole PostgreSQL cluster (postmaster, backends, background
+# processes, exited ones included; read from /proc) over the decisions served. For the Node peer
+# and pgbench the script reads it just before and just after the phase's process (so the
+# phase's connecting and, for the peer, its table set-up are in it); for tokenlease it is the
+# loadtest's own `server_cpu_us_per_decision`, over its measured window alone. Each phase runs
+# $PHASE_S seconds (10 by
 # default: about a minute in all, build aside). The server is started by
 # `tokenlease loadtest --serve-db` (migrated, removed at the end). Installs peers/node_modules
 # with `npm ci` when missing. The raw JSON lines go to target/peer-compare/results.jsonl.
@@ -65,13 +71,96 @@ url="$(head -n 1 "$tmp/url")"
 [[ -n "$url" ]] || { echo "peer-compare: the throwaway PostgreSQL did not start" >&2; cat "$tmp/serve.log" >&2; exit 1; }
 echo "peer-compare: PostgreSQL at $url, $PHASE_S s per phase" >&2
 
+# The server's CPU, as `tokenlease loadtest` reads it (src/bin/tokenlease/server_cpu.rs).
+# The postmaster: the parent (PPid) of the backend that answers `pg_backend_pid()`, read while
+# that session is still open (psql's \setenv and \! run inside it), when it is a postgres
+# process of this machine; nothing otherwise.
+postmaster_of() { # URL
+    psql "$1" -X -q -At -v ON_ERROR_STOP=1 2>/dev/null <<'SQL' || true
+SELECT pg_backend_pid() AS backend_pid \gset
+\setenv PEER_COMPARE_BACKEND :backend_pid
+\! ppid=$(awk '/^PPid:/ { print $2 }' "/proc/$PEER_COMPARE_BACKEND/status" 2>/dev/null); comm=$(cat "/proc/$ppid/comm" 2>/dev/null); { [ "$comm" = postgres ] || [ "$comm" = postmaster ]; } && echo "$ppid"
+SQL
+}
+postmaster="$(postmaster_of "$url")"
+if [[ -z "$postmaster" ]]; then
+    echo "peer-compare: the server's postmaster is not on this machine: no server CPU figures for the peers" >&2
+fi
+# The cluster's CPU seconds so far: the postmaster's utime + stime + cutime + cstime (cutime
+# and cstime hold the backends that exited and were reaped) plus the same four of each of its
+# live children, from /proc/<pid>/stat, in clock ticks. Read the postmaster, the children, the
+# postmaster again, and read again (at most 5 times) while its reaped time moved during the scan,
+# so that no child is counted both live and reaped. Prints nothing when the postmaster is gone
+# (exited: a zombie still listed until its parent reaps it counts as gone).
+cat >"$tmp/cluster_cpu.py" <<'PY'
+import os, sys
+
+def stat(pid):
+    try:
+        line = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and ')', so count after the last ')'.
+    f = line[line.rindex(")") + 2:].split()
+    ppid, times = int(f[1]), [int(x) for x in f[11:15]]  # fields 4 and 14-17
+    return ppid, sum(times), times[2] + times[3], f[0] in ("Z", "X")  # field 3: exited
+
+def postmaster_stat(pid):
+    # A postmaster that exited (a zombie until its parent reaps it) is gone.
+    s = stat(pid)
+    return None if s is None or s[3] else s
+
+postmaster = int(sys.argv[1])
+for attempt in range(5):
+    before = postmaster_stat(postmaster)
+    if before is None:
+        sys.exit(0)
+    children = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            s = stat(name)
+            if s is not None and s[0] == postmaster:
+                children += s[1]
+    after = postmaster_stat(postmaster)
+    if after is None:
+        sys.exit(0)
+    if after[2] == before[2]:
+        break
+print((after[1] + children) / os.sysconf("SC_CLK_TCK"))
+PY
+cluster_cpu() {
+    if [[ -n "$postmaster" ]]; then python3 "$tmp/cluster_cpu.py" "$postmaster"; fi
+}
+# Adds to the last line of the results the server's CPU between the readings START and END
+# (empty when not measured): server_cpu_s, and server_cpu_us_per_decision over the row's
+# `decisions` (decisions served: admitted and denied, not errors).
+add_server_cpu() { # START END
+    python3 - "$out" "$1" "$2" <<'PY'
+import json, sys
+path, start, end = sys.argv[1:]
+lines = open(path).read().splitlines()
+r = json.loads(lines[-1])
+if start and end:
+    s = float(end) - float(start)
+    r["server_cpu_s"] = s
+    r["server_cpu_us_per_decision"] = s * 1e6 / r["decisions"] if r["decisions"] else None
+else:
+    r["server_cpu_s"] = r["server_cpu_us_per_decision"] = None
+lines[-1] = json.dumps(r)
+open(path, "w").write("\n".join(lines) + "\n")
+PY
+}
+
 echo "== 1/4 rate-limiter-flexible RateLimiterPostgres (Node), 10,000 keys, 16 in flight" >&2
+cpu_start="$(cluster_cpu)"
 node peers/rlf-postgres.js --url "$url" --keys 10000 --concurrency 16 --pool 16 \
     --duration "$PHASE_S" | python3 -c '
 import json, sys
 r = json.loads(sys.stdin.read())
 r["client"] = "rate-limiter-flexible (Node), 16 in flight"
+r["decisions"] = r["allowed"] + r["denied"]
 print(json.dumps(r))' >>"$out"
+add_server_cpu "$cpu_start" "$(cluster_cpu)"
 
 echo "== 2/4 pgbench, 16 clients, tokenlease's statement on one random key of 10,000" >&2
 # A statement file with its six array parameters replaced by one-element arrays: key
@@ -117,7 +206,8 @@ def pct(q):  # nearest rank
 dur = float(re.search(r"duration: (\d+) s", text).group(1))
 tps = float(re.search(r"tps = ([\d.]+) \(without initial", text).group(1))
 print(json.dumps({
-    "client": label, "requests": len(lat) * keys, "per_sec": tps * keys,
+    "client": label, "requests": len(lat) * keys, "decisions": len(lat) * keys,
+    "per_sec": tps * keys,
     "p50_us": pct(0.5), "p99_us": pct(0.99), "p999_us": pct(0.999),
     "max_us": lat[-1] if lat else 0, "errors": failed, "duration_s": dur,
     "statements_per_1k": 1000 / keys,
@@ -134,12 +224,15 @@ for variant in function bare; do
         esac
         echo "== 2/4 pgbench -M $protocol, $label" >&2
         rm -f "$tmp"/pgbench_log*
+        cpu_start="$(cluster_cpu)"
         (cd "$tmp" && pgbench -n -M "$protocol" -c 16 -j 2 -T "$PHASE_S" -f "$variant.pgbench" \
             -l --log-prefix=pgbench_log "$url" >pgbench.out 2>pgbench.err) || {
             cat "$tmp/pgbench.err" >&2
             exit 1
         }
+        cpu_end="$(cluster_cpu)"
         pgbench_row "pgbench -M $protocol, 16 clients, $label, 1 key" 1
+        add_server_cpu "$cpu_start" "$cpu_end"
     done
 done
 
@@ -165,12 +258,15 @@ for shape in "16 1" "8 2"; do
         exit 1
     fi
     rm -f "$tmp"/pgbench_log*
+    cpu_start="$(cluster_cpu)"
     (cd "$tmp" && pgbench -n -M prepared -c "$clients" -j "$clients" -T "$PHASE_S" -f many.pgbench \
         -l --log-prefix=pgbench_log "$url" >pgbench.out 2>pgbench.err) || {
         cat "$tmp/pgbench.err" >&2
         exit 1
     }
+    cpu_end="$(cluster_cpu)"
     pgbench_row "pgbench -M prepared, $clients client(s), tokenlease_acquire() with $keys random keys a call (the ceiling for 16 callers: 16 in flight at most); p50/p99 are a statement's" "$keys"
+    add_server_cpu "$cpu_start" "$cpu_end"
 done
 
 # tokenlease's own load test, as a user would run it: the default pool (4 connections) and the
@@ -216,13 +312,29 @@ def offered(r):
     # Closed loops (the peers, and loadtest at an unreachable --rate) offer what they are served.
     rate = r.get("rate_per_s")
     return "closed loop" if rate is None or rate >= 1e6 else f"{rate:,.0f}"
-print("| client | offered /s | requests | served /s | × Node peer | statements / 1k | p50 µs | × Node peer | p99 µs | max µs | errors (peers) or fallback decisions (tokenlease) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+def cpu(r):
+    # The server's CPU µs per decision served: the peers' measured by this script around their
+    # phase, tokenlease's by the loadtest over its measured window; None when not measured.
+    return r.get("server_cpu_us_per_decision")
+def cpu_cells(r):
+    if cpu(r) is None:
+        return "– | –"
+    ratio = f"{cpu(r) / cpu(base):.2f}" if cpu(base) else "–"
+    return f"{cpu(r):,.1f} | {ratio}"
+print("| client | offered /s | requests | served /s | × Node peer | statements / 1k | server CPU µs/decision | × Node peer | p50 µs | × Node peer | p99 µs | max µs | errors (peers) or fallback decisions (tokenlease) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     errs = r.get("errors", r.get("fallback_decisions", 0))
     print(f'| {r["client"]} | {offered(r)} | {r["requests"]:,} | {per_s(r):,.0f} | {per_s(r) / per_s(base):.2f} '
-          f'| {stmts(r):.1f} | {r["p50_us"]:,.1f} | {r["p50_us"] / base["p50_us"]:.3f} '
+          f'| {stmts(r):.1f} | {cpu_cells(r)} | {r["p50_us"]:,.1f} | {r["p50_us"] / base["p50_us"]:.3f} '
           f'| {r["p99_us"]:,.1f} | {r["max_us"]:,.1f} | {errs} |')
+missing = [r["client"] for r in rows if cpu(r) is None]
+if missing:
+    print()
+    for r in rows:
+        if cpu(r) is None:
+            why = r.get("server_cpu_not_measured", "the server is not on this machine")
+            print(f"server CPU not measured for {r['client']}: {why}")
 PY
 echo
 echo "results: $out"

@@ -229,6 +229,52 @@ async fn statements_in_flight_reaches_the_limiter() {
     assert!(f(&r, "db_calls_per_1k") < 250.0, "{r}");
 }
 
+/// A direct-mode run against a server on this machine (the test database's: a throwaway
+/// cluster, or DATABASE_URL's when it is local) reports the server's CPU per decision, read
+/// from `/proc`: positive, finite and far below 100 ms a decision (a direct decision costs the
+/// server tens of microseconds; the bound only catches a wrong unit or a wrong window, not a
+/// slow machine), and `server_cpu_s` matches it. Skipped, with a note, when DATABASE_URL names
+/// a server elsewhere.
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_run_reports_the_server_cpu_per_decision() {
+    let db = common::database().await;
+    let r = loadtest(
+        &db,
+        &[
+            "--mode",
+            "direct",
+            "--keys",
+            "1000",
+            "--instances",
+            "1",
+            "--tasks",
+            "8",
+            "--duration",
+            "2",
+            "--rate",
+            "2000",
+        ],
+    );
+    eprintln!("{r}");
+    if let Some(why) = r["server_cpu_not_measured"].as_str() {
+        assert!(
+            std::env::var_os("DATABASE_URL").is_some(),
+            "the test's own throwaway cluster is on this machine, yet: {why}"
+        );
+        eprintln!("skipped: DATABASE_URL's server is not measured here: {why}");
+        return;
+    }
+    let per_decision = f(&r, "server_cpu_us_per_decision");
+    assert!(
+        per_decision.is_finite() && per_decision > 0.0 && per_decision < 100_000.0,
+        "{r}"
+    );
+    let seconds = f(&r, "server_cpu_s");
+    let expected = seconds * 1e6 / f(&r, "requests");
+    assert!((per_decision - expected).abs() <= 1e-6 * expected, "{r}");
+}
+
 /// Bad options are refused before anything starts, with a message naming the option.
 #[test]
 fn invalid_options_are_refused() {

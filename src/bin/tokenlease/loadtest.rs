@@ -11,6 +11,10 @@
 //! `capacity + rate × window` (`overshoot_tokens`). A progress line goes to stderr once a second
 //! (rewritten in place on a terminal, one line a second when piped), with the planned length
 //! (`--duration`) and count (`--requests`) beside the figures so far.
+//!
+//! When the PostgreSQL server runs on this machine (the throwaway cluster, `--serve-db`'s, or
+//! any local one), its CPU time over the measured window is read from `/proc` (the
+//! `server_cpu` module) and reported per decision served (`server_cpu_us_per_decision`).
 
 use std::io::IsTerminal;
 use std::num::NonZeroU32;
@@ -27,6 +31,7 @@ use tokenlease::{DecidedBy, Limiter};
 
 use super::db::{DatabaseError, given_or_throwaway};
 use super::reshard::Shard;
+use super::server_cpu;
 
 /// Arguments of `tokenlease loadtest`.
 #[derive(Debug, clap::Args)]
@@ -266,6 +271,19 @@ struct Report {
     /// The fault injected (`--fault`), with what happened.
     #[serde(skip_serializing_if = "Option::is_none")]
     fault: Option<crate::fault::Fault>,
+    /// CPU seconds the PostgreSQL server spent over the measured window (the window of
+    /// `duration_s`): the postmaster and every process of the cluster, those that exited
+    /// included (`server_cpu` module), summed over the shards' clusters. `None` when the
+    /// server is not on this machine or could not be read (`server_cpu_not_measured` says
+    /// why).
+    server_cpu_s: Option<f64>,
+    /// `server_cpu_s` in microseconds per decision served: per request answered (`requests`:
+    /// admitted and denied alike, the fallback's decisions included; calls dropped unanswered
+    /// at the end are not decisions). `None` when not measured or when no request was answered.
+    server_cpu_us_per_decision: Option<f64>,
+    /// Why the server's CPU time was not measured, when it was not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    server_cpu_not_measured: Option<String>,
 }
 
 /// One request: when it finished (ns since the start), its key, and whether it was allowed.
@@ -647,8 +665,10 @@ async fn load(
             limiters.push(tuned(Limiter::builder(sharded.build()?), args).build());
         }
     }
-    // Start every key full, whatever an earlier run left behind.
-    for Shard { url, .. } in shards {
+    // Start every key full, whatever an earlier run left behind; and find each shard's
+    // cluster on this machine, for its CPU time.
+    let mut clusters = Ok(Vec::with_capacity(shards.len()));
+    for Shard { name, url } in shards {
         let conn = tokio_postgres::connect(url, tokio_postgres::NoTls)
             .await
             .map_err(|e| DatabaseError::new("connect to", url, &e))?;
@@ -660,7 +680,15 @@ async fn load(
             )
             .await
             .map_err(|e| DatabaseError::new("reset the loadtest keys in", url, &e))?;
+        if let Ok(found) = &mut clusters {
+            match server_cpu::locate(&conn.0).await {
+                Ok(cluster) => found.push(cluster),
+                Err(why) if shards.len() > 1 => clusters = Err(format!("{name}: {why}")),
+                Err(why) => clusters = Err(why),
+            }
+        }
     }
+    let clusters: Result<Vec<server_cpu::Cluster>, String> = clusters;
     let key_names: Arc<Vec<String>> =
         Arc::new((0..args.keys).map(|k| format!("loadtest:{k}")).collect());
     let keys = Arc::new(Keys::new(args.keys, args.dist));
@@ -680,6 +708,9 @@ async fn load(
         planned_requests: args.requests,
         ..Counters::default()
     });
+    // The server's CPU time is read at the start and the end of the window `duration_s`
+    // measures, and nowhere else: not the start-up, the migrations or the shutdown.
+    let cpu_at_start = sample_clusters(&clusters);
     let start = Instant::now();
     let fault = injector.map(|i| i.spawn(start));
     let end = duration.map(|d| start + d);
@@ -793,6 +824,14 @@ async fn load(
         in_flight_at_end += r.in_flight_at_end;
     }
     let elapsed = start.elapsed().as_secs_f64();
+    let server_cpu_s = cpu_at_start.and_then(|at_start| {
+        let at_end = sample_clusters(&clusters)?;
+        Ok(at_start
+            .into_iter()
+            .zip(at_end)
+            .map(|(a, b)| server_cpu::seconds_between(a, b))
+            .sum::<f64>())
+    });
     progress.abort();
     let _ = progress.await;
     if std::io::stderr().is_terminal() {
@@ -916,7 +955,26 @@ async fn load(
         synchronous_commit: !args.sync_commit_off,
         prepared_statements: args.prepared_statements,
         fault,
+        server_cpu_us_per_decision: server_cpu_s
+            .as_ref()
+            .ok()
+            .filter(|_| n > 0)
+            .map(|s| s * 1e6 / n as f64),
+        server_cpu_s: server_cpu_s.as_ref().ok().copied(),
+        server_cpu_not_measured: server_cpu_s.err(),
     })
+}
+
+/// Samples the CPU time of every cluster, in shard order; the first reason one cannot be.
+fn sample_clusters(
+    clusters: &Result<Vec<server_cpu::Cluster>, String>,
+) -> Result<Vec<server_cpu::Sample>, String> {
+    clusters
+        .as_ref()
+        .map_err(Clone::clone)?
+        .iter()
+        .map(server_cpu::Cluster::sample)
+        .collect()
 }
 
 /// What one ideal bucket per key (starting full) admits for the same request times and costs.
@@ -1076,6 +1134,27 @@ fn print_table(r: &Report) {
     row(
         "fallback decisions",
         format!("{} (fallback: {})", r.fallback_decisions, r.fallback),
+    );
+    row(
+        "server CPU",
+        match (
+            r.server_cpu_s,
+            r.server_cpu_us_per_decision,
+            &r.server_cpu_not_measured,
+        ) {
+            (Some(s), Some(us), _) => format!(
+                "{us:.1} µs per decision ({s:.2} CPU s of PostgreSQL over the {:.2} s run{})",
+                r.duration_s,
+                if r.shard_names.len() > 1 {
+                    ", every shard's cluster"
+                } else {
+                    ""
+                }
+            ),
+            (Some(s), None, _) => format!("{s:.2} CPU s of PostgreSQL, no decision served"),
+            (_, _, Some(why)) => format!("not measured: {why}"),
+            (None, _, None) => "not measured".into(),
+        },
     );
 }
 

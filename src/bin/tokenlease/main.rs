@@ -18,6 +18,7 @@ mod loadtest;
 mod migrate;
 mod reload;
 mod reshard;
+mod server_cpu;
 mod trim;
 
 /// Distributed rate limiting with token leases over PostgreSQL.
@@ -37,7 +38,17 @@ enum Command {
     /// Show a bucket's row as the database sees it now.
     Inspect(inspect::Args),
     /// Run N limiter instances × M tasks against PostgreSQL and report database calls,
-    /// accuracy against an ideal bucket, throughput and latency.
+    /// accuracy against an ideal bucket, throughput, latency and the server's CPU per decision.
+    ///
+    /// The server's CPU per decision (`server_cpu_us_per_decision`, with `server_cpu_s`): when
+    /// PostgreSQL runs on this machine (the throwaway cluster, `--serve-db`'s server, or any
+    /// local one named by DATABASE_URL), the CPU time of its whole cluster (the postmaster,
+    /// every backend and background process, those that exited included), read from Linux's
+    /// /proc at the start and at the end of the measured run, over the requests answered
+    /// (admitted or denied, the fallback's decisions included); with --shards, over every
+    /// shard's cluster. Within a clock tick (10 ms) per server process that ran. Not measured,
+    /// and the report says why, when the server is on another machine, without /proc, or was
+    /// restarted during the run.
     Loadtest(loadtest::Args),
     /// Draw database calls and overshoot against lease size from loadtest JSON lines (PNG), or
     /// with --bands, statements and p99 latency against the per-key request rate.
