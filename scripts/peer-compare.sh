@@ -3,22 +3,18 @@
 #
 #   1. rate-limiter-flexible's RateLimiterPostgres (Node, peers/rlf-postgres.js): 10,000 random
 #      keys, 16 requests in flight over a pg Pool of 16 connections;
-#   2. pgbench, 16 clients, one random key of 10,000: the database's ceiling for
-#      one-statement-per-request, for two statements, each twice: `-M extended` (an unnamed
-#      statement parsed and planned on every call, as tokenlease sends it with `query_typed` so
-#      that it works behind PgBouncer) and `-M prepared` (parsed and planned once per connection):
-#      a. what tokenlease sends (src/store/postgres/sql/acquire.sql): a call of the PL/pgSQL
-#         function tokenlease_acquire (migration 0004), whose inner statements are planned once
-#         per session either way;
-#      b. the bare statement that function replaced (src/store/postgres/sql/acquire_bare.sql),
-#         for comparison;
-#      then the ceiling for 16 callers: the function with 16 random keys a call from 1 client,
-#      and with 8 from 2 clients (at most 16 requests in flight either way);
+#   2. pgbench, 16 clients, one random key of 10,000: the one-key take tokenlease sends
+#      (src/store/postgres/lean.rs, printed by `tokenlease loadtest --print-statement one`), with
+#      `-M extended` (an unnamed statement, parsed and planned on every call) and `-M prepared`
+#      (parsed and planned once per connection, as the store does by default); then the ceiling
+#      for 16 callers: the many-key take with 16 keys a call from 1 client, and with 8 from 2
+#      clients (at most 16 requests in flight either way);
 #   3. tokenlease loadtest, 1 instance × 16 tasks: direct mode on 10,000 keys as a closed loop
 #      (--rate far above what is reachable, so each task sends as soon as it is answered) with
 #      the default pool of 4, with 16 connections, and with the pool of 4 but 2 statements in
-#      flight (tuned: more keys share each commit on a small server), each of those two again with
-#      the statements prepared once per session (--prepared-statements); leased mode on 100,000 keys paced at
+#      flight (tuned: more keys share each commit on a small server), the default pool with
+#      every statement unnamed (--unprepared), and a lone caller (1 task); leased mode on
+#      100,000 keys paced at
 #      100,000 requests/s with the default lease settings and with leases living 30 s; leased
 #      mode on 10,000 keys as a closed loop with leases living 30 s.
 #
@@ -163,17 +159,19 @@ print(json.dumps(r))' >>"$out"
 add_server_cpu "$cpu_start" "$(cluster_cpu)"
 
 echo "== 2/4 pgbench, 16 clients, tokenlease's statement on one random key of 10,000" >&2
-# A statement file with its six array parameters replaced by one-element arrays: key
-# pgbench:<n>, capacity 100, refill 50/s, take exactly 1 (min = want = step = 1), as direct mode
-# sends it. Both files write the parameters as $1::text[] .. $6::text[].
+# The one-key take the store sends (src/store/postgres/lean.rs, printed by the binary), its six
+# parameters replaced: key pgbench:<n>, capacity 100, refill 50/s, take exactly 1 (min = want =
+# step = 1), all in nanotokens, as direct mode sends it.
+"$bin" loadtest --print-statement one >"$tmp/one.sql"
+"$bin" loadtest --print-statement many >"$tmp/many.sql"
 pgbench_script() { # FILE OUT
     {
         echo '\set key random(1, 10000)'
         grep -v '^[[:space:]]*--' "$1" |
-            sed -e "s/\\\$1::text\\[\\]/ARRAY['pgbench:' || :key::text]::text[]/" \
-                -e "s/\\\$2::text\\[\\]/ARRAY['100']::text[]/" \
-                -e "s/\\\$3::text\\[\\]/ARRAY['50']::text[]/" \
-                -e "s/\\\$[456]::text\\[\\]/ARRAY['1']::text[]/g"
+            sed -e "s/\\\$1/('pgbench:' || :key::text)/g" \
+                -e "s/\\\$2/100000000000::bigint/g" \
+                -e "s/\\\$3/50000000000::bigint/g" \
+                -e "s/\\\$[456]/1000000000::bigint/g"
         echo ';'
     } >"$2"
     if grep -q '\$[0-9]' "$2"; then
@@ -214,26 +212,20 @@ print(json.dumps({
 }))
 PY
 }
-pgbench_script src/store/postgres/sql/acquire.sql "$tmp/function.pgbench"
-pgbench_script src/store/postgres/sql/acquire_bare.sql "$tmp/bare.pgbench"
-for variant in function bare; do
-    for protocol in extended prepared; do
-        case "$variant" in
-            function) label="tokenlease_acquire() call, what tokenlease sends (acquire.sql)" ;;
-            bare) label="bare statement, before migration 0004 (acquire_bare.sql)" ;;
-        esac
-        echo "== 2/4 pgbench -M $protocol, $label" >&2
-        rm -f "$tmp"/pgbench_log*
-        cpu_start="$(cluster_cpu)"
-        (cd "$tmp" && pgbench -n -M "$protocol" -c 16 -j 2 -T "$PHASE_S" -f "$variant.pgbench" \
-            -l --log-prefix=pgbench_log "$url" >pgbench.out 2>pgbench.err) || {
-            cat "$tmp/pgbench.err" >&2
-            exit 1
-        }
-        cpu_end="$(cluster_cpu)"
-        pgbench_row "pgbench -M $protocol, 16 clients, $label, 1 key" 1
-        add_server_cpu "$cpu_start" "$cpu_end"
-    done
+pgbench_script "$tmp/one.sql" "$tmp/one.pgbench"
+for protocol in extended prepared; do
+    label="one-key take, what tokenlease sends (lean.rs)"
+    echo "== 2/4 pgbench -M $protocol, $label" >&2
+    rm -f "$tmp"/pgbench_log*
+    cpu_start="$(cluster_cpu)"
+    (cd "$tmp" && pgbench -n -M "$protocol" -c 16 -j 2 -T "$PHASE_S" -f one.pgbench \
+        -l --log-prefix=pgbench_log "$url" >pgbench.out 2>pgbench.err) || {
+        cat "$tmp/pgbench.err" >&2
+        exit 1
+    }
+    cpu_end="$(cluster_cpu)"
+    pgbench_row "pgbench -M $protocol, 16 clients, $label, 1 key" 1
+    add_server_cpu "$cpu_start" "$cpu_end"
 done
 
 # The most any client with 16 callers can get from this server: with 16 requests in flight at
@@ -246,15 +238,15 @@ for shape in "16 1" "8 2"; do
     read -r keys clients <<<"$shape"
     {
         echo "\\set k random(0, $((10000 / keys - 1)))"
-        grep -v '^[[:space:]]*--' src/store/postgres/sql/acquire.sql |
-            sed -e "s/\\\$1::text\\[\\]/ARRAY(SELECT 'pgbench:' || (:k * $keys + i)::text FROM generate_series(0, $((keys - 1))) AS i)/" \
-                -e "s/\\\$2::text\\[\\]/array_fill('100'::text, ARRAY[$keys])/" \
-                -e "s/\\\$3::text\\[\\]/array_fill('50'::text, ARRAY[$keys])/" \
-                -e "s/\\\$[456]::text\\[\\]/array_fill('1'::text, ARRAY[$keys])/g"
+        grep -v '^[[:space:]]*--' "$tmp/many.sql" |
+            sed -e "s/\\\$1::text\\[\\]/ARRAY(SELECT 'pgbench:' || (:k * $keys + i)::text FROM generate_series(0, $((keys - 1))) AS i)/g" \
+                -e "s/\\\$2::bigint\\[\\]/array_fill(100000000000::bigint, ARRAY[$keys])/" \
+                -e "s/\\\$3::bigint\\[\\]/array_fill(50000000000::bigint, ARRAY[$keys])/" \
+                -e "s/\\\$[456]::bigint\\[\\]/array_fill(1000000000::bigint, ARRAY[$keys])/g"
         echo ';'
     } >"$tmp/many.pgbench"
     if grep -q '\$[0-9]' "$tmp/many.pgbench"; then
-        echo "peer-compare: acquire.sql has parameters this script does not replace" >&2
+        echo "peer-compare: the many-key statement has parameters this script does not replace" >&2
         exit 1
     fi
     rm -f "$tmp"/pgbench_log*
@@ -265,7 +257,7 @@ for shape in "16 1" "8 2"; do
         exit 1
     }
     cpu_end="$(cluster_cpu)"
-    pgbench_row "pgbench -M prepared, $clients client(s), tokenlease_acquire() with $keys random keys a call (the ceiling for 16 callers: 16 in flight at most); p50/p99 are a statement's" "$keys"
+    pgbench_row "pgbench -M prepared, $clients client(s), the many-key take with $keys keys a call (the ceiling for 16 callers: 16 in flight at most); p50/p99 are a statement's" "$keys"
     add_server_cpu "$cpu_start" "$cpu_end"
 done
 
@@ -288,10 +280,10 @@ loadtest_phase "tokenlease direct, 10,000 keys, 1 × 16 tasks, closed loop, pool
     --mode direct --keys 10000 --rate 1000000 --pool 16
 loadtest_phase "tokenlease direct, 10,000 keys, 1 × 16 tasks, closed loop, pool 4, 2 statements in flight (tuned)" \
     --mode direct --keys 10000 --rate 1000000 --statements-in-flight 2
-loadtest_phase "tokenlease direct, 10,000 keys, 1 × 16 tasks, closed loop, default pool (4), prepared statements" \
-    --mode direct --keys 10000 --rate 1000000 --prepared-statements
-loadtest_phase "tokenlease direct, 10,000 keys, 1 × 16 tasks, closed loop, pool 4, 2 statements in flight, prepared statements (tuned)" \
-    --mode direct --keys 10000 --rate 1000000 --statements-in-flight 2 --prepared-statements
+loadtest_phase "tokenlease direct, 10,000 keys, 1 × 16 tasks, closed loop, default pool (4), unnamed statements" \
+    --mode direct --keys 10000 --rate 1000000 --unprepared
+loadtest_phase "tokenlease direct, 10,000 keys, 1 × 1 task, closed loop (a lone caller)" \
+    --mode direct --keys 10000 --rate 1000000 --tasks 1
 loadtest_phase "tokenlease leased, 100,000 keys at 100,000/s, 1 × 16 tasks, default lease settings" \
     --mode leased --keys 100000 --rate 100000
 loadtest_phase "tokenlease leased, 100,000 keys at 100,000/s, 1 × 16 tasks, leases living 30 s" \

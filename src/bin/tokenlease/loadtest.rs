@@ -124,11 +124,12 @@ pub(crate) struct Args {
     /// Run the limiter's statements with `synchronous_commit = off` (see DESIGN.md).
     #[arg(long)]
     sync_commit_off: bool,
-    /// Prepare the store's statements once per session (`PostgresStoreBuilder::
-    /// prepared_statements`): for a direct connection, not behind PgBouncer before 1.21 in
-    /// transaction mode.
+    /// Send every statement unnamed, parsed and planned on each call
+    /// (`PostgresStoreBuilder::prepared_statements(false)`), instead of preparing the store's
+    /// statements once per session (the default): what PgBouncer before 1.21 in transaction
+    /// mode needs.
     #[arg(long)]
-    prepared_statements: bool,
+    unprepared: bool,
     /// Leased mode: a sparse key's call goes to the direct-mode coalescer while the lease actor
     /// is busy (`LimiterBuilder::sparse_keys_direct`).
     #[arg(long)]
@@ -163,6 +164,10 @@ pub(crate) struct Args {
     /// (scripts/peer-compare.sh) against the same server.
     #[arg(long)]
     serve_db: bool,
+    /// Run no load: print the SQL of the store's take for one key (`one`) or many keys
+    /// (`many`) and exit, for benchmarks that run it themselves (scripts/peer-compare.sh).
+    #[arg(long, value_name = "one|many", hide = true)]
+    print_statement: Option<String>,
 }
 
 /// Seconds of `--duration` when neither it nor `--requests` is given.
@@ -250,7 +255,7 @@ struct Report {
     fallback: &'static str,
     fallback_decisions: u64,
     synchronous_commit: bool,
-    /// `--prepared-statements`.
+    /// Whether the store prepared its statements once per session (not `--unprepared`).
     prepared_statements: bool,
     /// The shards' names, in shard order (`shard-0`, … for `--shards`; the names of
     /// `--shard-url`; one entry otherwise).
@@ -400,6 +405,19 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
         .build()?;
     if args.serve_db {
         return serve_db(&runtime);
+    }
+    if let Some(which) = &args.print_statement {
+        match which.as_str() {
+            "one" => println!("{}", tokenlease::__private::acquire_one_sql()),
+            "many" => println!("{}", tokenlease::__private::acquire_many_sql()),
+            other => {
+                eprintln!(
+                    "tokenlease loadtest: --print-statement takes one or many, not {other:?}"
+                );
+                return Ok(ExitCode::from(2));
+            }
+        }
+        return Ok(ExitCode::SUCCESS);
     }
     let mut others = Vec::new();
     let (server, shards) = if args.shard_url.is_empty() {
@@ -646,7 +664,7 @@ async fn load(
                 .statement_timeout(server_timeout)
                 .lock_timeout(server_timeout)
                 .synchronous_commit(!args.sync_commit_off)
-                .prepared_statements(args.prepared_statements)
+                .prepared_statements(!args.unprepared)
                 .build()
                 .await
                 .map_err(|e| named(DatabaseError::new("connect to and migrate", shard_url, &e)))?;
@@ -953,7 +971,7 @@ async fn load(
         },
         fallback_decisions: fallback,
         synchronous_commit: !args.sync_commit_off,
-        prepared_statements: args.prepared_statements,
+        prepared_statements: !args.unprepared,
         fault,
         server_cpu_us_per_decision: server_cpu_s
             .as_ref()
