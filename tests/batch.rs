@@ -355,8 +355,8 @@ async fn a_full_queue_sends_callers_to_the_fallback_at_once() {
 }
 
 /// A slow link keeps its connections: every reply 30 ms late against a 50 ms call timeout,
-/// 8 callers on a pool of 2, for 2 s. Calls that waited for a connection time out with their
-/// statement on the wire; the statement then finishes within the abandon grace, and its
+/// 8 callers on a pool of 2 with 4 statements in flight, for 2 s. Calls that waited for a
+/// connection time out with their statement on the wire; the statement then finishes within the abandon grace, and its
 /// connection goes back to the pool instead of being closed. (Closing it made the next caller
 /// open a connection over the same link, whose start-up and first statement together took
 /// longer than a call, and so on: a run like this one opened 81 connections.)
@@ -372,7 +372,12 @@ async fn a_slow_link_keeps_its_connections() {
     let rig = Rig::start().await;
     let pool = 2;
     let store = rig.store(pool, Duration::from_millis(50)).await;
-    let limiter = Limiter::builder(store).build();
+    // Twice as many statements in flight as connections: the store opens its pool's connections
+    // before `build` returns, so it is statements waiting for a pooled connection that make a
+    // call reach its timeout with its statement on the wire.
+    let limiter = Limiter::builder(store)
+        .statements_in_flight(2 * pool as usize)
+        .build();
     let plan = Arc::new(deny_fallback(common::plan(1_000_000, 1_000.0)));
     // Open the pool's connections before the link slows down.
     for i in 0..pool {
