@@ -356,8 +356,8 @@ async fn a_full_queue_sends_callers_to_the_fallback_at_once() {
 
 /// A slow link keeps its connections: every reply 30 ms late against a 50 ms call timeout,
 /// 8 callers on a pool of 2 with 4 statements in flight, for 2 s. Calls that waited for a
-/// connection time out with their statement on the wire; the statement then finishes within the abandon grace, and its
-/// connection goes back to the pool instead of being closed. (Closing it made the next caller
+/// connection time out with their statement on the wire; the statement then finishes within the
+/// abandon grace, and its connection goes back to the pool instead of being closed. (Closing it made the next caller
 /// open a connection over the same link, whose start-up and first statement together took
 /// longer than a call, and so on: a run like this one opened 81 connections.)
 ///
