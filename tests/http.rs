@@ -1223,3 +1223,53 @@ async fn r5_a_reloaded_layer_applies_the_new_routes_to_the_next_request() {
         "the limiter holds what the layer reloaded"
     );
 }
+
+/// E6: a client chooses its method, so the method in a code-built layer's key comes from a bounded
+/// set: the standard methods as themselves (`HEAD` as `GET`), every other method string folded
+/// into one `OTHER` bucket. On an `any()` route of capacity 10, 200 requests with the methods
+/// `X0` … `X199` get 10 OK between them, and lowercase `get` (not `GET`) meets the same empty
+/// bucket; `GET` and `HEAD` share their own.
+#[tokio::test]
+async fn e6_method_rotation_on_an_any_route_shares_one_bucket() {
+    let (_clock, store) = manual();
+    let (store, tally) = counting(store);
+    let limiter = Limiter::builder(store).build();
+    let app = Router::new()
+        .route("/x", axum::routing::any(|| async { "x" }))
+        .route_layer(RouteLimitLayer::new(limiter.clone()).global(plan("g", 10, 0.001)));
+    let with_method = |method: &str| {
+        Request::builder()
+            .method(method)
+            .uri("/x")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let mut ok = 0;
+    for i in 0..200 {
+        if send(&app, with_method(&format!("X{i}"))).await.status() == StatusCode::OK {
+            ok += 1;
+        }
+    }
+    assert_eq!(
+        ok, 10,
+        "200 invented methods got {ok} OK from a bucket of 10"
+    );
+    assert_eq!(
+        send(&app, with_method("get")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "lowercase get is not GET: it is another invented method"
+    );
+    for i in 0..10 {
+        let method = if i % 2 == 0 { "GET" } else { "HEAD" };
+        let r = send(&app, with_method(method)).await;
+        assert_eq!(r.status(), StatusCode::OK, "{method} {i}");
+    }
+    assert_eq!(
+        send(&app, with_method("GET")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let mut keys: Vec<String> = tally.calls.lock().clone();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys, ["ratelimit:api:GET:/x", "ratelimit:api:OTHER:/x"]);
+}

@@ -377,6 +377,10 @@ impl RouteLimitLayer {
 
     /// Limits the whole route (all callers together) with one bucket under `plan`, keyed
     /// `ratelimit:api:{METHOD}:{route pattern}`.
+    ///
+    /// `{METHOD}` is one of a fixed set, whatever the client sends: `GET` (for `HEAD` too),
+    /// `POST`, `PUT`, `DELETE`, `PATCH`, `OPTIONS`, `TRACE`, `CONNECT`, and `OTHER` for every
+    /// other method string, so a client cannot get a fresh bucket by inventing a method.
     pub fn global(self, plan: Arc<Plan>) -> Self {
         self.edit_route(|r| RouteLimits::new(Some(plan), r.entity.clone(), r.pattern.clone()))
     }

@@ -61,6 +61,12 @@
 //! `HEAD` is limited as the `GET` whose handler answers it: same buckets, keyed `GET:...`,
 //! shared with `GET` (unless a policy file lists a `HEAD` route of its own).
 //!
+//! The client chooses the method, so it never chooses a bucket: a layer from a policy file
+//! limits only the methods the file lists, and a [`RouteLimitLayer`] (say on an axum `any`
+//! route) keys the standard methods by name and folds every other method string (`X0`, `get`,
+//! `PURGE`) into one `OTHER` bucket per route, so the keys and the `method` metric label take
+//! at most nine values.
+//!
 //! # Responses
 //!
 //! Every response of a limited route carries, per layer that was checked:

@@ -144,6 +144,27 @@ fn limited_method(method: &Method) -> &str {
     }
 }
 
+/// The method part of a code-built layer's keys and metric labels: one of a fixed set, since
+/// the client chooses the method and must not choose its bucket (or a new metric series) by
+/// inventing one. The standard methods are themselves (`HEAD` as `GET`, see
+/// [`limited_method`]); any other method string (`X0`, `get`, `PURGE`) is [`OTHER_METHOD`].
+fn key_method(method: &Method) -> &'static str {
+    match *method {
+        Method::GET | Method::HEAD => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::PATCH => "PATCH",
+        Method::OPTIONS => "OPTIONS",
+        Method::TRACE => "TRACE",
+        Method::CONNECT => "CONNECT",
+        _ => OTHER_METHOD,
+    }
+}
+
+/// The method part of the keys of every request whose method is not a standard one.
+const OTHER_METHOD: &str = "OTHER";
+
 /// The two checks: global first; a global denial stops there; then the entity, if the request
 /// has one; an entity denial gives the global token back. A malformed entity id is refused
 /// with `400` before either bucket is touched.
@@ -159,7 +180,7 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
                 Arc::clone(limits),
                 p.clone(),
                 p,
-                limited_method(&parts.method).to_owned(),
+                key_method(&parts.method).to_owned(),
             ),
             None => return Verdict::Pass,
         },
