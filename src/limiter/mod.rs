@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 use crate::bucket::Tokens;
 use crate::debt::{Debt, OutageDebt};
-use crate::error::{Error, validate_key};
+use crate::error::{Error, validate_key, validate_stored_key};
 use crate::fallback::Fallback;
 use crate::lease::{Fast, LeaseStats, Leases, TableSettings};
 use crate::policy::{FallbackMode, Plan, Policies};
@@ -549,8 +549,30 @@ impl Limiter {
             }
         };
         let cost_tokens = check_leased_call(plan, key, cost)?;
-        let Some(settings) = plan.lease() else {
+        if plan.shadow() {
+            // The rest runs on the shadow plan's own key, made once the caller's is checked.
             validate_key(key)?;
+            return Ok(Step::Shadow {
+                plan,
+                cost: cost_tokens,
+            });
+        }
+        self.start_at(plan, chosen, key, cost_tokens)
+    }
+
+    /// [`start`](Self::start) once the plan is known and the cost checked, on `key`, the key
+    /// under which the store keeps the plan's bucket ([`Plan::store_key`]): the caller's key
+    /// checked in full but for its NUL bytes, or a shadow plan's key.
+    #[inline]
+    fn start_at<'a>(
+        &'a self,
+        plan: &'a Plan,
+        chosen: Option<(&'a Arc<Plan>, u32)>,
+        key: &str,
+        cost_tokens: Tokens,
+    ) -> Result<Step<'a>, Error> {
+        let Some(settings) = plan.lease() else {
+            validate_stored_key(key)?;
             return Ok(Step::Direct {
                 plan,
                 cost: cost_tokens,
@@ -567,7 +589,7 @@ impl Limiter {
             return Ok(Step::Done(lease_allowed(plan, left, store_remaining)));
         }
         // Only a key already in the table (checked when it went in) is spent from a lease.
-        validate_key(key)?;
+        validate_stored_key(key)?;
         // A refill needs the actor: start it again if its task ended (its runtime was dropped,
         // or it panicked). Without one (no tokio runtime here), the fallback decides, counted
         // in `tokenlease_lease_actor_unavailable_total`.
@@ -625,8 +647,8 @@ impl Limiter {
     }
 
     /// The rest of a call that [`start`](Self::start) could not finish without waiting.
-    /// `named` and `asked` are the call's own plan and cost: a call whose slot was retired
-    /// while it waited starts over with them, once (`again`).
+    /// `named`, `key` and `asked` are the call's own plan, key and cost: a call whose slot was
+    /// retired while it waited starts over with them, once (`again`).
     async fn finish(
         &self,
         step: Step<'_>,
@@ -636,7 +658,32 @@ impl Limiter {
         again: bool,
     ) -> Result<Decision, Error> {
         match step {
+            // A shadow plan's call runs on its own key (`Plan::store_key`), from the start.
+            Step::Shadow { plan, cost } => {
+                let stored = plan.store_key(key);
+                let step = self.start_at(plan, None, &stored, cost)?;
+                self.finish_at(step, named, key, &stored, asked, again)
+                    .await
+            }
+            step => self.finish_at(step, named, key, key, asked, again).await,
+        }
+    }
+
+    /// [`finish`](Self::finish) on `stored`, the key under which the store keeps the plan's
+    /// bucket ([`Plan::store_key`]).
+    async fn finish_at(
+        &self,
+        step: Step<'_>,
+        named: Option<&Plan>,
+        key: &str,
+        stored: &str,
+        asked: f64,
+        again: bool,
+    ) -> Result<Decision, Error> {
+        match step {
             Step::Done(decision) => Ok(decision),
+            // Made by `start` alone, and answered by `finish`; `start_at` never makes it.
+            Step::Shadow { .. } => Box::pin(self.finish(step, named, key, asked, again)).await,
             Step::Wait {
                 plan,
                 cost,
@@ -658,7 +705,7 @@ impl Limiter {
                     }
                     Fast::Failing | Fast::Short(_) => Ok(recorded(
                         plan,
-                        self.inner.fallback.decide(plan, key, cost).await,
+                        self.inner.fallback.decide(plan, stored, cost).await,
                     )),
                     // A reload retired the slot (its plan changed): start over, so the call
                     // is decided under the plan in force now, on the key's new slot.
@@ -667,21 +714,21 @@ impl Limiter {
                         Box::pin(self.finish(step, named, key, asked, false)).await
                     }
                     Fast::NoRoom | Fast::Sparse(..) | Fast::Gone => self
-                        .direct(plan, key, cost)
+                        .direct(plan, stored, cost)
                         .await
                         .map(|d| recorded(plan, d)),
                 }
             }
             Step::Fallback { plan, cost } => Ok(recorded(
                 plan,
-                self.inner.fallback.decide(plan, key, cost).await,
+                self.inner.fallback.decide(plan, stored, cost).await,
             )),
             Step::Direct { plan, cost } => self
-                .direct(plan, key, cost)
+                .direct(plan, stored, cost)
                 .await
                 .map(|d| recorded(plan, d)),
             Step::Sparse { plan, cost, slot } => {
-                let decision = self.direct(plan, key, cost).await?;
+                let decision = self.direct(plan, stored, cost).await?;
                 let by_store = decision.decided_by == DecidedBy::Store;
                 let spent = if decision.allowed && by_store {
                     lease_cost(cost)
@@ -721,6 +768,11 @@ impl Limiter {
             validate_key(key)?;
             return Ok(None);
         }
+        if plan.shadow() {
+            validate_key(key)?;
+        }
+        // A shadow plan's bucket (and lease) is under a key of its own.
+        let key = &*plan.store_key(key);
         let leases = self.leases();
         match leases.try_take(plan, None, key, lease_cost(cost)) {
             Fast::Taken {
@@ -733,7 +785,7 @@ impl Limiter {
                 leases.ensure_actor();
                 // Only a key already in the table (checked when it went in) is spent from a
                 // lease; any other answer checks the key in full first.
-                validate_key(key)?;
+                validate_stored_key(key)?;
                 // This call never waits, so a sparse key gets no store call here: a refill is
                 // asked for instead, for a later call to find.
                 if let Fast::Sparse(slot) = &other {
@@ -765,6 +817,8 @@ impl Limiter {
     pub async fn refund(&self, plan: &Plan, key: &str, cost: f64) -> Result<bool, Error> {
         validate_key(key)?;
         let cost = validate_cost(plan, cost)?;
+        // A shadow plan's tokens go back to its own bucket.
+        let key = &*plan.store_key(key);
         // A strict lease's entry in the store covers only what its holder kept at the last
         // renewal: a refund into the word could leave the holder more than the store counts.
         // Strict refunds go to the store, which caps them under its lease accounting.
@@ -883,6 +937,9 @@ enum State<'a> {
 enum Step<'a> {
     /// Decided.
     Done(Decision),
+    /// A shadow plan's call: the rest runs on the plan's own key ([`Plan::store_key`]), made
+    /// in [`Limiter::finish`] (`start` borrows the caller's key and cannot hold a new one).
+    Shadow { plan: &'a Plan, cost: Tokens },
     /// Wait for the slot's refill until `deadline`.
     Wait {
         plan: &'a Plan,
@@ -1012,14 +1069,17 @@ fn shadowed(plan: &Plan, mut decision: Decision) -> Decision {
 }
 
 /// A cost in whole nanotokens, the lease word's unit (rounded up).
-/// Checks a call's cost and its key's length, leaving the key's scan for NUL bytes to the
-/// caller: a key the lease table holds was scanned when it went in (`Leases::try_take` refuses
+/// Checks a call's cost and its key's length and first byte (the one reserved for shadow
+/// plans' keys), leaving the key's scan for NUL bytes to the caller: a key the lease table holds was scanned when it went in (`Leases::try_take` refuses
 /// one with a NUL), so a call answered from a lease needs no scan, and every other answer runs
 /// [`validate_key`] in full before it is given. Errors come in [`validate_key`]'s order, key
 /// before cost.
 #[inline]
 fn check_leased_call(plan: &Plan, key: &str, cost: f64) -> Result<Tokens, Error> {
-    if key.is_empty() || key.len() > crate::error::MAX_KEY_BYTES {
+    if key.is_empty()
+        || key.len() > crate::error::MAX_KEY_BYTES
+        || key.as_bytes()[0] == crate::error::RESERVED_KEY_PREFIX as u8
+    {
         validate_key(key)?;
     }
     match validate_cost(plan, cost) {
