@@ -42,6 +42,18 @@ pub struct RateLimitLayer {
 #[must_use = "a layer limits nothing until it is applied to a router or service"]
 pub struct RouteLimitLayer {
     config: Arc<Config>,
+    /// The route's limits as the builder methods gave them; the route's [`RouteLimits`] are
+    /// built from them again at each change.
+    given: Given,
+}
+
+/// A [`RouteLimitLayer`]'s limits as given.
+#[derive(Clone, Debug, Default)]
+struct Given {
+    global: Option<Arc<Plan>>,
+    entity: Option<(EntityKey, Arc<Plan>)>,
+    pattern: Option<String>,
+    shadow: RouteShadow,
 }
 
 /// Everything the service needs, shared by all clones.
@@ -166,11 +178,31 @@ pub(crate) struct RouteLimits {
 }
 
 impl RouteLimits {
+    /// The limits of a route with `global` and `entity`, the layers named in `shadow` in
+    /// shadow mode.
+    ///
+    /// A shadow layer decides with its plan's shadow twin (`plan.clone().with_shadow(true)`):
+    /// its refusals let the request through as the layer's do, are counted as
+    /// `outcome="would_deny"` in `tokenlease_decisions_total` (registered at zero now, with
+    /// the recorder installed now), never as `denied`, and its buckets are the twin's own
+    /// ([`Plan::store_key`]).
     fn new(
         global: Option<Arc<Plan>>,
         entity: Option<(EntityKey, Arc<Plan>)>,
         pattern: Option<String>,
+        shadow: RouteShadow,
     ) -> RouteLimits {
+        let twin = |plan: Arc<Plan>, on: bool| {
+            if on && !plan.shadow() {
+                let twin = Arc::new((*plan).clone().with_shadow(true));
+                twin.counters();
+                twin
+            } else {
+                plan
+            }
+        };
+        let global = global.map(|plan| twin(plan, shadow.api));
+        let entity = entity.map(|(key, plan)| (key, twin(plan, shadow.entity)));
         let mut items = Vec::new();
         if let Some(plan) = &global {
             items.push(policy_item(LayerKind::Api, plan));
@@ -186,7 +218,7 @@ impl RouteLimits {
             pattern,
             file: None,
             policy,
-            shadow: RouteShadow::default(),
+            shadow,
         }
     }
 
@@ -326,8 +358,7 @@ fn route_table(policies: &Policies) -> Result<RouteTable, RouteConfigError> {
             }
         };
         let (api, per_entity) = (global.is_some(), entity.is_some());
-        let mut limits = RouteLimits::new(global, entity, None);
-        limits.shadow = route.shadow;
+        let mut limits = RouteLimits::new(global, entity, None, route.shadow);
         limits.file = Some(Arc::new(FileRoute::new(
             &route.method,
             &route.path,
@@ -369,9 +400,15 @@ impl RouteLimitLayer {
         RouteLimitLayer {
             config: Arc::new(Config {
                 limiter,
-                routes: Routes::One(Arc::new(RouteLimits::new(None, None, None))),
+                routes: Routes::One(Arc::new(RouteLimits::new(
+                    None,
+                    None,
+                    None,
+                    RouteShadow::default(),
+                ))),
                 trusted: TrustedProxies::none(),
             }),
+            given: Given::default(),
         }
     }
 
@@ -382,26 +419,23 @@ impl RouteLimitLayer {
     /// `POST`, `PUT`, `DELETE`, `PATCH`, `OPTIONS`, `TRACE`, `CONNECT`, and `OTHER` for every
     /// other method string, so a client cannot get a fresh bucket by inventing a method.
     pub fn global(self, plan: Arc<Plan>) -> Self {
-        self.edit_route(|r| RouteLimits::new(Some(plan), r.entity.clone(), r.pattern.clone()))
+        self.edit_route(|given| given.global = Some(plan))
     }
 
     /// Limits each entity of the route with its own bucket under `plan`, keyed
     /// `ratelimit:entity:{METHOD}:{route pattern}:{id}`, the id found by `key`.
     pub fn entity(self, key: EntityKey, plan: Arc<Plan>) -> Self {
-        self.edit_route(|r| {
-            RouteLimits::new(r.global.clone(), Some((key, plan)), r.pattern.clone())
-        })
+        self.edit_route(|given| given.entity = Some((key, plan)))
     }
 
     /// Puts the route's layers named in `shadow` in shadow mode: they decide and count as
     /// usual, and a denial lets the request through with the rate-limit header fields it would
     /// have carried (no `Retry-After`, no problem body), counted in
-    /// `tokenlease_http_would_deny_total`.
-    pub fn shadow(mut self, shadow: RouteShadow) -> Self {
-        if let Routes::One(route) = &mut Arc::make_mut(&mut self.config).routes {
-            Arc::make_mut(route).shadow = shadow;
-        }
-        self
+    /// `tokenlease_http_would_deny_total`, and as `outcome="would_deny"` (never `denied`) in
+    /// the plan's `tokenlease_decisions_total`. A shadow layer decides with its plan's shadow
+    /// twin, whose buckets are its own ([`Plan::with_shadow`]).
+    pub fn shadow(self, shadow: RouteShadow) -> Self {
+        self.edit_route(|given| given.shadow = shadow)
     }
 
     /// The route pattern for the keys (and for finding path parameters), for services without
@@ -421,11 +455,7 @@ impl RouteLimitLayer {
                 reason,
             });
         }
-        Ok(
-            self.edit_route(|r| {
-                RouteLimits::new(r.global.clone(), r.entity.clone(), Some(pattern))
-            }),
-        )
+        Ok(self.edit_route(|given| given.pattern = Some(pattern)))
     }
 
     /// The proxies whose `X-Forwarded-For` is believed for [`EntityKey::client_ip`]. By default
@@ -440,14 +470,18 @@ impl RouteLimitLayer {
         &self.config.limiter
     }
 
-    /// Replaces the route's limits with `f`'s, keeping its shadow layers (which
-    /// [`shadow`](Self::shadow) then sets).
-    fn edit_route(mut self, f: impl FnOnce(&RouteLimits) -> RouteLimits) -> Self {
-        let config = Arc::make_mut(&mut self.config);
+    /// Changes the limits as given with `f`, and builds the route's limits from them again.
+    fn edit_route(mut self, f: impl FnOnce(&mut Given)) -> Self {
+        f(&mut self.given);
+        let g = &self.given;
+        let limits = RouteLimits::new(
+            g.global.clone(),
+            g.entity.clone(),
+            g.pattern.clone(),
+            g.shadow,
+        );
         // Only `new` makes a `RouteLimitLayer`, always with one route.
-        if let Routes::One(route) = &mut config.routes {
-            let mut limits = f(route);
-            limits.shadow = route.shadow;
+        if let Routes::One(route) = &mut Arc::make_mut(&mut self.config).routes {
             *route = Arc::new(limits);
         }
         self

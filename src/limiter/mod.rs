@@ -454,9 +454,14 @@ impl Limiter {
             leases.reload(crate::lease::Stale(Box::new(
                 move |key: &str, plan: &Plan, by_key: bool| {
                     // A policy plan changed or removed (a plan the limiter was never given, passed
-                    // to `try_acquire_with`, is the caller's to change).
+                    // to `try_acquire_with`, is the caller's to change). A given plan's shadow
+                    // twin (an HTTP shadow layer's) goes with it; a change of the shadow mode
+                    // alone moves the plan's buckets to other keys, and these leases just
+                    // expire.
                     let named = policies.plan(plan.name());
-                    if named.is_none_or(|p| **p != *plan) && given.iter().any(|p| **p == *plan) {
+                    if named.is_none_or(|p| !p.same_but_shadow(plan))
+                        && given.iter().any(|p| p.same_but_shadow(plan))
+                    {
                         return true;
                     }
                     // A key reached through its prefix now names another plan.
