@@ -78,7 +78,8 @@
 //! X-RateLimit-Entity-Remaining: 19
 //! ```
 //!
-//! `q` is the capacity, `w` the seconds to refill from empty, `r` whole tokens left, `t` the
+//! `q` is the capacity, `w` the seconds to refill from empty, `r` whole tokens left (never
+//! above `q`, as [`Decision::remaining`](crate::Decision::remaining)), `t` the
 //! seconds until the bucket is full (or, for the layer that denied, until the next request
 //! fits). A layer decided by the `allow` or `deny` fallback, which knows nothing of the bucket
 //! ([`Decision::remaining`](crate::Decision::remaining) is `None`), is left out of `RateLimit`

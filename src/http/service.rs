@@ -256,11 +256,21 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
             // A shadow layer or plan: the denial is reported and counted, and the request goes
             // on (no token was taken, so none is given back later).
             Ok(d) if d.would_deny || limits.shadow.api => {
-                reports.push(Report::denied(LayerKind::Api, d.remaining, d.retry_after));
+                reports.push(Report::denied(
+                    LayerKind::Api,
+                    plan,
+                    d.remaining,
+                    d.retry_after,
+                ));
                 count_would_deny(&limits, LayerKind::Api, &method, &pattern);
             }
             Ok(d) => {
-                reports.push(Report::denied(LayerKind::Api, d.remaining, d.retry_after));
+                reports.push(Report::denied(
+                    LayerKind::Api,
+                    plan,
+                    d.remaining,
+                    d.retry_after,
+                ));
                 count_denied(&limits, LayerKind::Api, &method, &pattern);
                 return deny(LayerKind::Api, &d, &endpoint, &limits, &reports);
             }
@@ -278,6 +288,7 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
             Ok(d) if d.would_deny || limits.shadow.entity => {
                 reports.push(Report::denied(
                     LayerKind::Entity,
+                    plan,
                     d.remaining,
                     d.retry_after,
                 ));
@@ -294,6 +305,7 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
                 }
                 reports.push(Report::denied(
                     LayerKind::Entity,
+                    plan,
                     d.remaining,
                     d.retry_after,
                 ));

@@ -71,12 +71,13 @@ pub struct Decision {
     /// through: `allowed` is `true`, no token was taken, and the other fields are the denial's
     /// (`retry_after` included). Always `false` for an enforcing plan.
     pub would_deny: bool,
-    /// Tokens left in the bucket after this decision, as far as the decider knows.
+    /// Tokens left in the bucket after this decision, as far as the decider knows; never more
+    /// than [`limit`](Self::limit).
     ///
     /// From the store, exact at its clock. From a lease, an estimate: the tokens left in this
     /// process's lease plus what the store had left when it granted the lease (other
-    /// instances may have taken some since, and the refill may have added some); zero when
-    /// the lease's last word is that the bucket is empty. From the `local` fallback, what this
+    /// instances may have taken some since, and the refill may have added some), at most the
+    /// capacity; zero when the lease's last word is that the bucket is empty. From the `local` fallback, what this
     /// instance's share of the bucket holds (`None` when it keeps no share for the key: the
     /// cost exceeds the share, or the local buckets are at their bound). `None` when the `allow` or `deny` fallback
     /// decided: the store did not answer, and nothing knows what the shared bucket holds.
@@ -103,7 +104,7 @@ impl Decision {
         Decision {
             allowed: !acquired.granted.is_zero(),
             would_deny: false,
-            remaining: Some(acquired.remaining),
+            remaining: Some(std::cmp::min(acquired.remaining, plan.capacity())),
             limit: plan.capacity(),
             retry_after: acquired.retry_after,
             reset_after: Some(acquired.reset_after),
@@ -1112,8 +1113,11 @@ fn lease_allowed(plan: &Plan, left: u64, store_remaining: u64) -> Decision {
     Decision {
         allowed: true,
         would_deny: false,
-        remaining: Some(Tokens::from_nanos(
-            u128::from(left) + u128::from(store_remaining),
+        // The lease's tokens were taken from the bucket: beside what the bucket held then,
+        // they can add up to more than it ever holds.
+        remaining: Some(std::cmp::min(
+            Tokens::from_nanos(u128::from(left) + u128::from(store_remaining)),
+            plan.capacity(),
         )),
         limit: plan.capacity(),
         retry_after: Duration::ZERO,
@@ -1196,6 +1200,26 @@ mod tests {
             lease_cost(Tokens::whole(1_000_000)),
             1_000_000 * 1_000_000_000
         );
+    }
+
+    /// A lease's estimate of what is left (its own tokens plus the bucket's count at its last
+    /// refill) never says more than the capacity.
+    #[test]
+    fn a_lease_decision_never_reports_more_than_the_capacity() {
+        let plan = Plan::new(
+            "p",
+            crate::bucket::BucketConfig::new(
+                Tokens::whole(200),
+                crate::bucket::Rate::per_second(100).expect("rate"),
+            )
+            .expect("bucket"),
+        );
+        let nanos = |n: u64| n * 1_000_000_000;
+        let d = lease_allowed(&plan, nanos(28), nanos(180));
+        assert_eq!(d.remaining, Some(Tokens::whole(200)), "{d:?}");
+        assert_eq!(d.limit, Tokens::whole(200));
+        let d = lease_allowed(&plan, nanos(8), nanos(180));
+        assert_eq!(d.remaining, Some(Tokens::whole(188)), "{d:?}");
     }
 
     /// A decision states only what its decider knows: the store says when the bucket is full
