@@ -52,6 +52,8 @@ pub struct RouteLimitLayer {
 struct Given {
     global: Option<Arc<Plan>>,
     entity: Option<(EntityKey, Arc<Plan>)>,
+    /// The budget the entity layer's buckets are shared under ([`RouteLimitLayer::entity_budget`]).
+    budget: Option<Arc<str>>,
     pattern: Option<String>,
     shadow: RouteShadow,
 }
@@ -167,6 +169,9 @@ impl FileRoute {
 pub(crate) struct RouteLimits {
     pub(crate) global: Option<Arc<Plan>>,
     pub(crate) entity: Option<(EntityKey, Arc<Plan>)>,
+    /// For an entity layer shared across routes ([`RouteLimitLayer::entity_budget`]): the
+    /// budget's name, keyed `ratelimit:budget:{name}:{id}` instead of per endpoint.
+    pub(crate) budget: Option<Arc<str>>,
     /// The route pattern when not taken from axum's `MatchedPath`.
     pub(crate) pattern: Option<String>,
     /// The policy file's route, for a layer built from one.
@@ -215,6 +220,7 @@ impl RouteLimits {
         RouteLimits {
             global,
             entity,
+            budget: None,
             pattern,
             file: None,
             policy,
@@ -256,6 +262,13 @@ pub enum RouteConfigError {
         pattern: String,
         /// What is wrong with it, and how to write it.
         reason: String,
+    },
+    /// A budget name given to [`RouteLimitLayer::entity_budget`] is not 1 to 64 of
+    /// `A-Z a-z 0-9 _ . -`.
+    #[error("budget name {budget:?}: use 1 to 64 of A-Z a-z 0-9 _ . -")]
+    InvalidBudget {
+        /// The name as given (its first 100 characters).
+        budget: String,
     },
 }
 
@@ -425,7 +438,64 @@ impl RouteLimitLayer {
     /// Limits each entity of the route with its own bucket under `plan`, keyed
     /// `ratelimit:entity:{METHOD}:{route pattern}:{id}`, the id found by `key`.
     pub fn entity(self, key: EntityKey, plan: Arc<Plan>) -> Self {
-        self.edit_route(|given| given.entity = Some((key, plan)))
+        self.edit_route(|given| {
+            given.entity = Some((key, plan));
+            given.budget = None;
+        })
+    }
+
+    /// Limits each entity with one bucket under `plan` for every route whose layer names the
+    /// same `budget`, keyed `ratelimit:budget:{budget}:{id}` (no method, no route pattern): one
+    /// budget per customer across all endpoints. Instead of [`entity`](Self::entity) (the
+    /// last of the two called is the route's entity layer).
+    ///
+    /// Give the same layer (or layers with the same budget name and plan) to every route the
+    /// budget covers, for example with axum's `Router::route_layer` on a router holding them
+    /// all. Everything else is the entity layer's: the id is read first (a malformed one is
+    /// refused with `400`), the global layer, when the route has one, is checked before it and
+    /// gets its token back on a denial, the header fields name it `"entity"`, and a denial is a
+    /// `429` whose body names the route's endpoint.
+    ///
+    /// ```no_run
+    /// # fn demo(limiter: tokenlease::Limiter, per_customer: std::sync::Arc<tokenlease::policy::Plan>)
+    /// # -> Result<(), tokenlease::http::RouteConfigError> {
+    /// use axum::{Router, http::HeaderName, routing::{get, post}};
+    /// use tokenlease::http::{EntityKey, RouteLimitLayer};
+    ///
+    /// let api_key = EntityKey::header(HeaderName::from_static("x-api-key"));
+    /// let app: Router = Router::new()
+    ///     .route("/bookings", get(|| async { "list" }))
+    ///     .route("/bookings/{bookingId}", get(|| async { "one" }).post(|| async { "changed" }))
+    ///     .route_layer(
+    ///         RouteLimitLayer::new(limiter).entity_budget("customer", api_key, per_customer)?,
+    ///     );
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`RouteConfigError::InvalidBudget`] for a name that is not 1 to 64 of `A-Z a-z 0-9 _ .
+    /// -`: a colon in it could make two budgets' keys the same.
+    pub fn entity_budget(
+        self,
+        budget: &str,
+        key: EntityKey,
+        plan: Arc<Plan>,
+    ) -> Result<Self, RouteConfigError> {
+        let plain = (1..=64).contains(&budget.len())
+            && budget
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+        if !plain {
+            return Err(RouteConfigError::InvalidBudget {
+                budget: budget.chars().take(100).collect(),
+            });
+        }
+        let budget: Arc<str> = Arc::from(budget);
+        Ok(self.edit_route(|given| {
+            given.entity = Some((key, plan));
+            given.budget = Some(budget);
+        }))
     }
 
     /// Puts the route's layers named in `shadow` in shadow mode: they decide and count as
@@ -474,12 +544,13 @@ impl RouteLimitLayer {
     fn edit_route(mut self, f: impl FnOnce(&mut Given)) -> Self {
         f(&mut self.given);
         let g = &self.given;
-        let limits = RouteLimits::new(
+        let mut limits = RouteLimits::new(
             g.global.clone(),
             g.entity.clone(),
             g.pattern.clone(),
             g.shadow,
         );
+        limits.budget = g.budget.clone();
         // Only `new` makes a `RouteLimitLayer`, always with one route.
         if let Routes::One(route) = &mut Arc::make_mut(&mut self.config).routes {
             *route = Arc::new(limits);

@@ -279,7 +279,10 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
     }
 
     if let Some((plan, id)) = &entity {
-        let key = entity_bucket_key(&endpoint, id);
+        let key = match &limits.budget {
+            Some(budget) => hashed_key(&format!("ratelimit:budget:{budget}"), id),
+            None => entity_bucket_key(&endpoint, id),
+        };
         match limiter.try_acquire_with(plan, &key, 1.0).await {
             Ok(d) if d.allowed && !d.would_deny => {
                 reports.push(Report::allowed(LayerKind::Entity, plan, d.remaining));
@@ -457,7 +460,12 @@ async fn path_params(
 /// is replaced by `sha256:` and its hex digest, so every id still gets its own bucket. An id
 /// that itself starts with `sha256:` is hashed too, so it can never pose as another id's digest.
 pub(crate) fn entity_bucket_key(endpoint: &str, id: &str) -> String {
-    let key = format!("ratelimit:entity:{endpoint}:{id}");
+    hashed_key(&format!("ratelimit:entity:{endpoint}"), id)
+}
+
+/// `{prefix}:{id}`, the id hashed as [`entity_bucket_key`] does.
+fn hashed_key(prefix: &str, id: &str) -> String {
+    let key = format!("{prefix}:{id}");
     if !id.starts_with(HASHED) && validate_key(&key).is_ok() {
         return key;
     }
@@ -466,7 +474,7 @@ pub(crate) fn entity_bucket_key(endpoint: &str, id: &str) -> String {
     for b in digest.iter() {
         hex.push_str(&format!("{b:02x}"));
     }
-    format!("ratelimit:entity:{endpoint}:{HASHED}{hex}")
+    format!("{prefix}:{HASHED}{hex}")
 }
 
 /// What marks a hashed id in an entity key.
