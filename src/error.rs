@@ -12,7 +12,8 @@
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The key is not usable: empty, too long, or holding a NUL byte.
+    /// The key is not usable: empty, too long, holding a NUL byte, or starting with the byte
+    /// reserved for shadow plans' buckets.
     #[error(transparent)]
     InvalidKey(#[from] KeyError),
     /// The cost is zero, negative, not finite, or larger than the plan's capacity.
@@ -62,9 +63,24 @@ pub enum KeyError {
         /// Byte offset where the invalid sequence starts.
         offset: usize,
     },
+    /// The key starts with U+0001 ([`RESERVED_KEY_PREFIX`]), which marks the buckets a shadow
+    /// plan keeps under keys of its own ([`Plan::store_key`](crate::policy::Plan::store_key)).
+    #[error("invalid key: a key starting with U+0001 is reserved for the buckets of shadow plans")]
+    Reserved,
 }
 
-/// Checks a key for the store: non-empty, at most [`MAX_KEY_BYTES`] bytes, no NUL.
+/// The first character of every key under which a shadow plan keeps its bucket
+/// ([`Plan::store_key`](crate::policy::Plan::store_key)), and of no key a caller may use:
+/// [`validate_key`] refuses it, so a shadow plan's bucket never shares a row with a caller's
+/// key.
+pub const RESERVED_KEY_PREFIX: char = '\u{1}';
+
+/// The longest key the limiter sends to the store: [`MAX_KEY_BYTES`] and what a shadow plan's
+/// key adds (`Plan::store_key`: U+0001, `shadow:`, at most 64 bytes of plan name and a colon).
+pub(crate) const MAX_STORED_KEY_BYTES: usize = MAX_KEY_BYTES + 73;
+
+/// Checks a key for the store: non-empty, at most [`MAX_KEY_BYTES`] bytes, no NUL, not
+/// starting with [`RESERVED_KEY_PREFIX`].
 ///
 /// # Errors
 ///
@@ -74,6 +90,22 @@ pub fn validate_key(key: &str) -> Result<(), KeyError> {
         return Err(KeyError::Empty);
     }
     if key.len() > MAX_KEY_BYTES {
+        return Err(KeyError::TooLong { len: key.len() });
+    }
+    if key.starts_with(RESERVED_KEY_PREFIX) {
+        return Err(KeyError::Reserved);
+    }
+    validate_stored_key(key)
+}
+
+/// Checks a key the limiter itself sends to the store: a caller's key that passed
+/// [`validate_key`], or a shadow plan's key made from one, which starts with
+/// [`RESERVED_KEY_PREFIX`] and may be up to [`MAX_STORED_KEY_BYTES`] long.
+pub(crate) fn validate_stored_key(key: &str) -> Result<(), KeyError> {
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.len() > MAX_STORED_KEY_BYTES {
         return Err(KeyError::TooLong { len: key.len() });
     }
     if let Some(offset) = key.bytes().position(|b| b == 0) {

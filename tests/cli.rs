@@ -223,3 +223,50 @@ fn the_shipped_demo_policy_checks_without_warnings() {
     assert!(stdout.contains("6 plans, 3 routes"), "{stdout}");
     assert!(!stderr.contains("warning"), "{stderr}");
 }
+
+/// Numbers for people: `check` and `inspect` print amounts as they were written (`150`,
+/// `0.333333333`), not with eighteen fraction digits.
+#[tokio::test]
+async fn check_and_inspect_print_amounts_without_trailing_zeros() {
+    let out = check(
+        r#"{
+          "plans": {
+            "route": { "capacity": 100, "refill_per_second": 50 },
+            "big-burst": { "capacity": 150, "refill_per_second": 0.5 }
+          },
+          "routes": [
+            { "method": "GET", "path": "/a/{id}", "global": "route",
+              "entity": { "path_param": "id", "plan": "big-burst" } }
+          ]
+        }"#,
+    );
+    let (_, stderr) = text(&out);
+    assert!(stderr.contains("(burst 150 > 100)"), "{stderr}");
+
+    let db = common::database().await;
+    let store = common::store(&db, 1).await;
+    let plan = tokenlease::policy::Plan::new("p", common::bucket(50, 1.0 / 3.0));
+    let limiter = tokenlease::Limiter::builder(store).build();
+    let d = limiter
+        .try_acquire_with(&plan, "cli:amounts", 0.5)
+        .await
+        .expect("decision");
+    assert!(d.allowed);
+    let out = tokenlease()
+        .args(["inspect", "cli:amounts"])
+        .env("DATABASE_URL", db.connection_string())
+        .output()
+        .expect("run inspect");
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains(" of 50\n"), "{stdout}");
+    assert!(
+        stdout.contains("tokens stored      49.5 (as of"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("refill per second  0.333333333\n"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("000000000"), "{stdout}");
+}

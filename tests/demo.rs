@@ -126,6 +126,21 @@ fn demo_serves_both_layers_over_real_http_and_stops_on_sigterm() {
         })
         .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok());
     assert_eq!(would_deny, Some(4), "{}", metrics.body);
+    // And its plan counts those four as would-deny decisions, none as denied.
+    let decisions = |outcome: &str| -> u64 {
+        metrics
+            .body
+            .lines()
+            .filter(|l| {
+                l.starts_with("tokenlease_decisions_total{")
+                    && l.contains("plan=\"list-per-client\"")
+                    && l.contains(&format!("outcome=\"{outcome}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    assert_eq!(decisions("would_deny"), 4, "{}", metrics.body);
+    assert_eq!(decisions("denied"), 0, "{}", metrics.body);
     assert!(metrics.body.contains("tokenlease_http_refunds_total"));
 
     let status = demo.stop();

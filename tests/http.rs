@@ -23,7 +23,9 @@ use tokenlease::Limiter;
 use tokenlease::bucket::{BucketConfig, Rate, Timestamp, Tokens};
 use tokenlease::clock::ManualClock;
 use tokenlease::embedded::TestDatabase;
-use tokenlease::http::{EntityKey, RateLimitLayer, RouteLimitLayer, TrustedProxies, client_ip};
+use tokenlease::http::{
+    EntityKey, RateLimitLayer, RouteConfigError, RouteLimitLayer, TrustedProxies, client_ip,
+};
 use tokenlease::policy::{FallbackMode, FallbackSettings, Plan, Policies};
 use tokenlease::store::{
     AcquireRequest, Acquired, BucketRow, GiveBack, MemoryStore, PostgresStore, Store, StoreError,
@@ -1222,4 +1224,140 @@ async fn r5_a_reloaded_layer_applies_the_new_routes_to_the_next_request() {
         1,
         "the limiter holds what the layer reloaded"
     );
+}
+
+/// E6: a client chooses its method, so the method in a code-built layer's key comes from a bounded
+/// set: the standard methods as themselves (`HEAD` as `GET`), every other method string folded
+/// into one `OTHER` bucket. On an `any()` route of capacity 10, 200 requests with the methods
+/// `X0` … `X199` get 10 OK between them, and lowercase `get` (not `GET`) meets the same empty
+/// bucket; `GET` and `HEAD` share their own.
+#[tokio::test]
+async fn e6_method_rotation_on_an_any_route_shares_one_bucket() {
+    let (_clock, store) = manual();
+    let (store, tally) = counting(store);
+    let limiter = Limiter::builder(store).build();
+    let app = Router::new()
+        .route("/x", axum::routing::any(|| async { "x" }))
+        .route_layer(RouteLimitLayer::new(limiter.clone()).global(plan("g", 10, 0.001)));
+    let with_method = |method: &str| {
+        Request::builder()
+            .method(method)
+            .uri("/x")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let mut ok = 0;
+    for i in 0..200 {
+        if send(&app, with_method(&format!("X{i}"))).await.status() == StatusCode::OK {
+            ok += 1;
+        }
+    }
+    assert_eq!(
+        ok, 10,
+        "200 invented methods got {ok} OK from a bucket of 10"
+    );
+    assert_eq!(
+        send(&app, with_method("get")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "lowercase get is not GET: it is another invented method"
+    );
+    for i in 0..10 {
+        let method = if i % 2 == 0 { "GET" } else { "HEAD" };
+        let r = send(&app, with_method(method)).await;
+        assert_eq!(r.status(), StatusCode::OK, "{method} {i}");
+    }
+    assert_eq!(
+        send(&app, with_method("GET")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let mut keys: Vec<String> = tally.calls.lock().clone();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys, ["ratelimit:api:GET:/x", "ratelimit:api:OTHER:/x"]);
+}
+
+/// E7: one budget per customer across all endpoints (`RouteLimitLayer::entity_budget`): five
+/// requests of customer A spread over three routes and two methods spend one bucket of 5, the
+/// sixth is refused on whichever route it comes, with the entity layer's fields; customer B
+/// still has its own 5; the store sees one key per customer, without method or route. A bad
+/// budget name is a typed error.
+#[tokio::test]
+async fn e7_one_budget_per_customer_across_all_endpoints() {
+    let (_clock, store) = manual();
+    let (store, tally) = counting(store);
+    let limiter = Limiter::builder(store).build();
+    let api_key = || EntityKey::header(HeaderName::from_static("x-api-key"));
+    let layer = RouteLimitLayer::new(limiter.clone())
+        .entity_budget("customer", api_key(), plan("per-customer", 5, 0.001))
+        .expect("a valid budget name");
+    let app = Router::new()
+        .route("/bookings", get(|| async { "list" }))
+        .route(
+            BOOKING,
+            get(|| async { "one" }).post(|| async { "changed" }),
+        )
+        .route("/invoices", get(|| async { "invoices" }))
+        .route_layer(layer);
+    let call = |method: &str, path: &str, customer: &str| {
+        Request::builder()
+            .method(method)
+            .uri(path)
+            .header("x-api-key", customer)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let spread = [
+        ("GET", "/bookings"),
+        ("GET", "/bookings/1"),
+        ("POST", "/bookings/2"),
+        ("GET", "/invoices"),
+        ("GET", "/bookings/3"),
+    ];
+    for (i, (method, path)) in spread.iter().enumerate() {
+        let r = send(&app, call(method, path, "A")).await;
+        assert_eq!(r.status(), StatusCode::OK, "{method} {path}");
+        assert_eq!(
+            header(r.headers(), "x-ratelimit-entity-remaining"),
+            Some((4 - i).to_string().as_str()),
+            "{method} {path}"
+        );
+    }
+    for (method, path) in [("GET", "/invoices"), ("POST", "/bookings/9")] {
+        let r = send(&app, call(method, path, "A")).await;
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS, "{method} {path}");
+        let h = r.headers().clone();
+        assert_eq!(
+            header(&h, "ratelimit-policy"),
+            Some("\"entity\";q=5;w=5000")
+        );
+        assert_eq!(header(&h, "x-ratelimit-entity-remaining"), Some("0"));
+        assert!(header(&h, "retry-after").is_some());
+        let body = body_json(r).await;
+        assert_eq!(body["layer"], "entity");
+    }
+    for _ in 0..5 {
+        let r = send(&app, call("GET", "/invoices", "B")).await;
+        assert_eq!(
+            r.status(),
+            StatusCode::OK,
+            "customer B has a budget of its own"
+        );
+    }
+    let mut keys: Vec<String> = tally.calls.lock().clone();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(
+        keys,
+        ["ratelimit:budget:customer:A", "ratelimit:budget:customer:B"]
+    );
+    for bad in ["", "a:b", "tenant id", &"n".repeat(65)] {
+        let err = RouteLimitLayer::new(limiter.clone())
+            .entity_budget(bad, api_key(), plan("p", 5, 1.0))
+            .expect_err(bad);
+        assert!(
+            matches!(&err, RouteConfigError::InvalidBudget { budget } if budget == bad),
+            "{err}"
+        );
+        assert!(err.to_string().contains("A-Z a-z 0-9 _ . -"), "{err}");
+    }
 }

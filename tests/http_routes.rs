@@ -328,3 +328,74 @@ fn every_route_series_exists_at_zero_from_the_start() {
         assert_eq!(value(m::HTTP_CHECKED, &route), Some(2));
     });
 }
+
+/// S8: a route's layer in shadow mode (the demo's `GET /bookings`, `"shadow": "entity"`) refuses
+/// nothing, so its plan's decisions count as `outcome="would_deny"`, never as `denied`: the
+/// series exist at zero from the layer's build (the dashboard's "by plan" table and the
+/// Grafana panel read them), and the requests it let through count there.
+#[test]
+fn s8_a_shadow_route_layers_refusals_count_as_would_deny_not_denied() {
+    observed(async |snapshotter: &Snapshotter| {
+        let file = ITEMS.replace(
+            r#""plan": "item" } }"#,
+            r#""plan": "item" }, "shadow": "entity" }"#,
+        );
+        let policies = Policies::from_json_str(&file, None).unwrap();
+        assert!(policies.routes()[0].shadow.entity, "{file}");
+        let layer = RateLimitLayer::from_policies(&policies, limiter(&policies)).unwrap();
+        let decisions = |outcome: &str| {
+            counter(
+                snapshotter,
+                m::DECISIONS,
+                &[
+                    ("plan", "item"),
+                    ("outcome", outcome),
+                    ("decided_by", "store"),
+                ],
+            )
+        };
+        assert_eq!(decisions("would_deny"), Some(0), "registered at zero");
+        let app = Router::new()
+            .route("/items/{id}", get(|| async { "item" }))
+            .route_layer(layer);
+        for i in 0..3 {
+            let r = get_path(&app, "/items/1").await;
+            assert_eq!(r.status(), StatusCode::OK, "request {i}");
+        }
+        let seen = |outcome: &str| {
+            let mut want = vec![
+                ("plan".to_owned(), "item".to_owned()),
+                ("outcome".to_owned(), outcome.to_owned()),
+                ("decided_by".to_owned(), "store".to_owned()),
+            ];
+            want.sort();
+            want
+        };
+        let snapshot = snapshotter.snapshot().into_vec();
+        let value = |outcome: &str| {
+            snapshot.iter().find_map(|(k, _, _, v)| {
+                let key = k.key();
+                let mut have: Vec<(String, String)> = key
+                    .labels()
+                    .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                    .collect();
+                have.sort();
+                match v {
+                    DebugValue::Counter(n)
+                        if key.name() == m::DECISIONS && have == seen(outcome) =>
+                    {
+                        Some(*n)
+                    }
+                    _ => None,
+                }
+            })
+        };
+        assert_eq!(value("allowed"), Some(1));
+        assert_eq!(value("would_deny"), Some(2), "the two it let through");
+        assert_eq!(value("denied").unwrap_or(0), 0, "nothing was refused");
+        assert_eq!(
+            value("would_deny").unwrap_or(0) + value("allowed").unwrap_or(0),
+            3
+        );
+    });
+}

@@ -92,3 +92,60 @@ fn a_fault_needs_the_throwaway_server() {
         "{stderr}"
     );
 }
+
+/// The table's overshoot row names the bound that applies and what it covers: with the `allow`
+/// fallback deciding under the fault, the bound is the store's and the leases' alone, and the
+/// row says it excludes what the fallback admitted; with the `deny` fallback (which admits
+/// nothing) the bound covers every admission.
+#[test]
+fn the_overshoot_row_says_what_its_bound_covers() {
+    let row = |fallback: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+            .env_remove("DATABASE_URL")
+            .args([
+                "loadtest",
+                "--instances",
+                "1",
+                "--tasks",
+                "32",
+                "--mode",
+                "direct",
+            ])
+            .args(["--rate", "1000", "--duration", "2", "--capacity", "20"])
+            .args([
+                "--fault",
+                "sigstop",
+                "--fault-at",
+                "0.5",
+                "--fault-for",
+                "0.8",
+            ])
+            .args(["--fallback", fallback])
+            .output()
+            .expect("run tokenlease loadtest");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+            .lines()
+            .find(|l| l.starts_with("overshoot"))
+            .unwrap_or_else(|| panic!("no overshoot row: {stdout}"))
+            .to_owned()
+    };
+    let allow = row("allow");
+    assert!(
+        allow.contains("bound 1.00: one request's cost")
+            && allow.contains("holds for the store's and the leases' admissions only")
+            && allow.contains("excludes what the allow fallback admitted")
+            && allow.contains("under the fault"),
+        "{allow}"
+    );
+    let deny = row("deny");
+    assert!(
+        deny.contains("covers every admission (the deny fallback admits none)"),
+        "{deny}"
+    );
+}

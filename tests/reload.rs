@@ -302,3 +302,54 @@ async fn r4_reloading_the_same_versions_adds_no_plans() {
     // Distinct plans seen: p with capacity 5 and 6, and d.
     assert_eq!(tokenlease::__private::limiter_plans(&limiter), 3);
 }
+
+/// R7: a reload that changes a plan closes the leases of its shadow twin too (the plan an HTTP
+/// route's shadow layer decides with, `plan.clone().with_shadow(true)`), as it closes the
+/// plan's own: the twin's key leaves the lease table at the actor's next round instead of
+/// spending the old plan's lease for its whole lifetime (a minute here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r7_a_reload_closes_the_leases_of_a_changed_plans_shadow_twin() {
+    let db = common::database().await;
+    let file = |capacity: u64| {
+        policies(&format!(
+            r#"{{ "plans": {{ "p": {{ "capacity": {capacity}, "refill_per_second": 0.001,
+                 "lease": {{ "ttl_ms": 60000, "max_fraction": 0.5, "max_wait_ms": 1000 }} }} }} }}"#
+        ))
+    };
+    let first = file(100);
+    let twin = first
+        .plan("p")
+        .expect("p")
+        .as_ref()
+        .clone()
+        .with_shadow(true);
+    let limiter = Limiter::builder(common::store(&db, 4).await)
+        .policies(first)
+        .build();
+    let until = Instant::now() + Duration::from_secs(10);
+    while limiter
+        .try_acquire_now_with(&twin, "k", 1.0)
+        .expect("decision")
+        .is_none()
+    {
+        assert!(Instant::now() < until, "no lease after 10 s");
+        let d = limiter.try_acquire_with(&twin, "k", 1.0).await;
+        assert!(d.expect("decision").allowed);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(limiter.lease_stats().expect("stats").keys, 1);
+    limiter.reload(file(20)).expect("reload");
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = limiter.lease_stats().expect("stats");
+        if now.keys == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the twin's lease was not closed: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    limiter.shutdown().await;
+}

@@ -79,9 +79,12 @@ async fn shadow_and_enforcing_plans_give_the_same_counts_in_direct_mode() {
     );
     assert_eq!(s, e, "shadow counts equal enforcing counts");
     // Both buckets were emptied: what is left is the refill since (a thousandth of a token a
-    // second), under one token.
-    for key in ["s1:enforcing", "s1:shadow"] {
-        let row = store.inspect(key).await.expect("inspect").expect("a row");
+    // second), under one token. The shadow plan's bucket is under its own key.
+    for key in [
+        enforcing.store_key("s1:enforcing"),
+        shadow.store_key("s1:shadow"),
+    ] {
+        let row = store.inspect(&key).await.expect("inspect").expect("a row");
         assert!(row.tokens < Tokens::whole(1), "{key}: {row:?}");
     }
 }
@@ -227,4 +230,93 @@ fn the_policy_file_marks_plans_and_route_layers_shadow() {
     let err = Policies::from_json_str(&file(r#", "shadow": "yes""#, ""), None)
         .expect_err("a plan's shadow is a boolean");
     assert_eq!(err.plan(), Some("g"), "{err}");
+}
+
+/// S7: a shadow plan on the same key as an enforcing plan keeps its bucket under a key of its
+/// own, so it takes nothing from the enforcing plan: checked first on every request, a shadow
+/// candidate of capacity 5 and the enforcing plan's own shadow twin (the README's
+/// `plan.clone().with_shadow(true)`) leave the enforcing plan of capacity 20 admitting 20 of
+/// 30, as it does alone. In direct mode and in leased mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s7_a_shadow_plan_on_the_same_key_takes_nothing_from_the_enforcing_plan() {
+    let db = common::database().await;
+    let store = common::store(&db, 4).await;
+    let limiter = Limiter::builder(store.clone()).build();
+    let lease = LeaseSettings::default()
+        .with_max_fraction(0.2)
+        .with_max_wait(Duration::from_secs(1));
+    let deny = FallbackSettings::new(FallbackMode::Deny);
+    for (key, leased) in [("s7:direct", false), ("s7:leased", true)] {
+        let with_mode = |plan: Plan| {
+            let plan = plan.with_fallback(deny);
+            if leased { plan.with_lease(lease) } else { plan }
+        };
+        let enforcing = with_mode(Plan::new("enforcing", common::bucket(20, RATE)));
+        let candidate =
+            with_mode(Plan::new("candidate", common::bucket(5, RATE))).with_shadow(true);
+        let twin = enforcing.clone().with_shadow(true);
+        let (mut admitted, mut candidate_would_deny, mut twin_would_deny) = (0, 0, 0);
+        for _ in 0..30 {
+            let c = limiter
+                .try_acquire_with(&candidate, key, 1.0)
+                .await
+                .expect("decision");
+            assert!(c.allowed, "{key}: {c:?}");
+            candidate_would_deny += usize::from(c.would_deny);
+            let t = limiter
+                .try_acquire_with(&twin, key, 1.0)
+                .await
+                .expect("decision");
+            assert!(t.allowed, "{key}: {t:?}");
+            twin_would_deny += usize::from(t.would_deny);
+            let e = limiter
+                .try_acquire_with(&enforcing, key, 1.0)
+                .await
+                .expect("decision");
+            assert_ne!(
+                e.decided_by,
+                DecidedBy::Fallback(FallbackMode::Deny),
+                "{key}"
+            );
+            admitted += usize::from(e.allowed);
+        }
+        assert_eq!(
+            admitted, 20,
+            "{key}: the enforcing plan admitted {admitted} of 30"
+        );
+        assert_eq!(
+            candidate_would_deny, 25,
+            "{key}: the candidate's own bucket of 5"
+        );
+        assert_eq!(twin_would_deny, 10, "{key}: the twin's own bucket of 20");
+        if !leased {
+            // The caller's key holds the enforcing plan's bucket alone; each shadow plan's is
+            // under a key of its own, which no caller can use.
+            let row = |key: String| {
+                let store = store.clone();
+                async move { store.inspect(&key).await.expect("inspect").expect("a row") }
+            };
+            assert_eq!(enforcing.store_key(key), key);
+            assert_eq!(row(key.to_owned()).await.capacity, Tokens::whole(20));
+            let own = candidate.store_key(key).into_owned();
+            assert_eq!(own, "\u{1}shadow:candidate:s7:direct");
+            assert_eq!(row(own.clone()).await.capacity, Tokens::whole(5));
+            assert_ne!(twin.store_key(key), own);
+            assert_eq!(
+                row(twin.store_key(key).into_owned()).await.capacity,
+                Tokens::whole(20)
+            );
+            let refused = limiter.try_acquire_with(&enforcing, &own, 1.0).await;
+            assert!(
+                matches!(
+                    refused,
+                    Err(tokenlease::Error::InvalidKey(
+                        tokenlease::error::KeyError::Reserved
+                    ))
+                ),
+                "{refused:?}"
+            );
+        }
+    }
+    limiter.shutdown().await;
 }

@@ -40,7 +40,7 @@ pub struct BucketConfig {
 
 /// The request can never be satisfied: it asks for more than the bucket's capacity.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("cost {cost} is larger than the capacity {capacity}")]
+#[error("cost {} is larger than the capacity {}", cost.trimmed(), capacity.trimmed())]
 pub struct InsufficientCapacity {
     /// What was asked for.
     pub cost: Tokens,
@@ -515,14 +515,14 @@ mod tests {
         );
         assert_eq!(
             err.to_string(),
-            "cost 10.000000001000000000 is larger than the capacity 10.000000000000000000"
+            "cost 10.000000001 is larger than the capacity 10"
         );
         // One attotoken above the capacity is refused too.
         let just_over = t(10).saturating_add(atto(1));
         let err = s.take(&c, Timestamp(0), just_over).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "cost 10.000000000000000001 is larger than the capacity 10.000000000000000000"
+            "cost 10.000000000000000001 is larger than the capacity 10"
         );
         // Exactly the capacity is fine.
         let (_, o) = s.take(&c, Timestamp(0), t(10)).unwrap();

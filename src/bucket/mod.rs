@@ -25,4 +25,4 @@ mod math;
 mod tokens;
 
 pub use math::{BucketConfig, BucketState, Grant, InsufficientCapacity, Outcome, Timestamp};
-pub use tokens::{ParseTokensError, Rate, Tokens};
+pub use tokens::{ParseTokensError, Rate, Tokens, TrimmedTokens};

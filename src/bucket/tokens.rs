@@ -11,7 +11,11 @@ use std::str::FromStr;
 ///
 /// The largest amount is `u64::MAX` whole tokens, which keeps every product in the refill
 /// arithmetic inside `u128`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+///
+/// Printed for people with [`trimmed`](Self::trimmed) (`50`, `0.333333333`) and `Debug`
+/// (`Tokens(50)`); `Display` writes all eighteen fraction digits, the text PostgreSQL's
+/// `numeric` reads.
+#[derive(Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Tokens(u128);
 
 impl Tokens {
@@ -150,6 +154,47 @@ impl Tokens {
     pub const fn is_zero(self) -> bool {
         self.0 == 0
     }
+
+    /// The amount as a person writes it, exactly: the fraction without trailing zeros, and no
+    /// decimal point for a whole amount (`50`, `12.5`, `0.333333333`,
+    /// `0.000000000000000001`). For messages, command output and logs; `Display` keeps its
+    /// eighteen fraction digits for PostgreSQL, and [`FromStr`] reads either.
+    ///
+    /// ```
+    /// use tokenlease::bucket::Tokens;
+    /// assert_eq!(Tokens::whole(50).trimmed().to_string(), "50");
+    /// assert_eq!(Tokens::from_nanos(333_333_333).trimmed().to_string(), "0.333333333");
+    /// assert_eq!(Tokens::whole(50).to_string(), "50.000000000000000000");
+    /// ```
+    pub const fn trimmed(self) -> TrimmedTokens {
+        TrimmedTokens(self)
+    }
+}
+
+/// An amount of [`Tokens`] printed as a person writes it: see [`Tokens::trimmed`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TrimmedTokens(Tokens);
+
+impl fmt::Display for TrimmedTokens {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (whole, mut frac) = (self.0.0 / Tokens::SCALE, self.0.0 % Tokens::SCALE);
+        if frac == 0 {
+            return write!(f, "{whole}");
+        }
+        let mut digits = 18;
+        while frac % 10 == 0 {
+            frac /= 10;
+            digits -= 1;
+        }
+        write!(f, "{whole}.{frac:0digits$}")
+    }
+}
+
+/// `Tokens(50)`, `Tokens(0.333333333)`: the amount in tokens, as [`Tokens::trimmed`].
+impl fmt::Debug for Tokens {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tokens({})", self.trimmed())
+    }
 }
 
 /// Writes the amount as a decimal with exactly eighteen fraction digits
@@ -229,9 +274,16 @@ impl FromStr for Tokens {
 /// A refill rate in nanotokens per second (so 1 token/s is 10⁹).
 ///
 /// The slowest rate is one nanotoken per second (about 0.03 tokens a year); the fastest a policy
-/// accepts is 10⁹ tokens/s (one token per nanosecond), as in Bucket4j.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// accepts is 10⁹ tokens/s (one token per nanosecond), as in Bucket4j. `Debug` reads in tokens
+/// per second: `Rate(0.333333333/s)`.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Rate(u64);
+
+impl fmt::Debug for Rate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Rate({}/s)", self.per_second_amount().trimmed())
+    }
+}
 
 impl Rate {
     /// The fastest rate: 10⁹ tokens per second.
@@ -291,6 +343,49 @@ mod tests {
 
     fn parse(s: &str) -> Result<Tokens, ParseTokensError> {
         s.parse()
+    }
+
+    /// `Debug` reads as tokens, not attotokens, with the exact fraction and no trailing zeros.
+    #[test]
+    fn debug_reads_as_tokens() {
+        assert_eq!(format!("{:?}", Tokens::whole(99)), "Tokens(99)");
+        assert_eq!(format!("{:?}", Tokens::ZERO), "Tokens(0)");
+        assert_eq!(
+            format!("{:?}", Tokens::from_nanos(333_333_333)),
+            "Tokens(0.333333333)"
+        );
+        assert_eq!(
+            format!("{:?}", Tokens::from_atto(1)),
+            "Tokens(0.000000000000000001)"
+        );
+        assert_eq!(
+            format!("{:?}", Some(Tokens::from_atto(12_500_000_000_000_000_000))),
+            "Some(Tokens(12.5))"
+        );
+        assert_eq!(
+            format!("{:?}", Rate::from_f64(1.0 / 3.0).unwrap()),
+            "Rate(0.333333333/s)"
+        );
+        assert_eq!(format!("{:?}", Rate::per_second(50).unwrap()), "Rate(50/s)");
+    }
+
+    /// `trimmed` is exact and reads back to the same amount; `Display` is unchanged (it is the
+    /// text sent to PostgreSQL).
+    #[test]
+    fn trimmed_prints_what_a_person_wrote_and_reads_back() {
+        for (tokens, text) in [
+            (Tokens::whole(50), "50"),
+            (Tokens::ZERO, "0"),
+            (Tokens::from_atto(12_500_000_000_000_000_000), "12.5"),
+            (Tokens::from_nanos(333_333_333), "0.333333333"),
+            (Tokens::from_atto(1), "0.000000000000000001"),
+            (Tokens::from_atto(SCALE + 10), "1.00000000000000001"),
+            (Tokens::MAX, "18446744073709551615"),
+        ] {
+            assert_eq!(tokens.trimmed().to_string(), text);
+            assert_eq!(parse(text), Ok(tokens), "{text}");
+        }
+        assert_eq!(Tokens::whole(50).to_string(), "50.000000000000000000");
     }
 
     #[test]

@@ -97,7 +97,10 @@ pub(crate) struct Report {
 
 impl Report {
     /// The report of an allowed (or refunded) take: `t` is the time to refill to full.
+    /// `remaining` is reported at most at the plan's capacity (a lease's estimate can add up
+    /// to more).
     pub(crate) fn allowed(layer: LayerKind, plan: &Plan, remaining: Option<Tokens>) -> Report {
+        let remaining = remaining.map(|r| std::cmp::min(r, plan.capacity()));
         let t = remaining.map_or(0, |remaining| {
             let missing = plan.capacity().saturating_sub(remaining);
             seconds_up(missing.as_f64() / plan.rate().as_f64())
@@ -109,15 +112,17 @@ impl Report {
         }
     }
 
-    /// The report of a denial: `t` is the `Retry-After` value.
+    /// The report of a denial: `t` is the `Retry-After` value; `remaining` at most the plan's
+    /// capacity, as in [`allowed`](Self::allowed).
     pub(crate) fn denied(
         layer: LayerKind,
+        plan: &Plan,
         remaining: Option<Tokens>,
         retry_after: Duration,
     ) -> Report {
         Report {
             layer,
-            remaining,
+            remaining: remaining.map(|r| std::cmp::min(r, plan.capacity())),
             t: retry_after_secs(retry_after),
         }
     }
@@ -249,6 +254,28 @@ mod tests {
             policy_item(LayerKind::Api, &plan(5, 5.0 / 60.0)),
             "\"api\";q=5;w=60"
         );
+    }
+
+    /// A lease's estimate (its own tokens plus the bucket's count at its last refill) can
+    /// exceed the capacity: the fields never report more than the limit.
+    #[test]
+    fn remaining_is_never_reported_above_the_limit() {
+        let p = plan(200, 100.0);
+        let mut h = HeaderMap::new();
+        let policy = HeaderValue::from_static("\"api\";q=200;w=2");
+        let reports = [
+            Report::allowed(LayerKind::Api, &p, Some(Tokens::whole(208))),
+            Report::denied(
+                LayerKind::Entity,
+                &p,
+                Some(Tokens::whole(201)),
+                Duration::from_millis(1500),
+            ),
+        ];
+        write(&mut h, &policy, &reports);
+        assert_eq!(h[RATELIMIT], "\"api\";r=200;t=0, \"entity\";r=200;t=2");
+        assert_eq!(h[X_RATELIMIT_API_REMAINING], "200");
+        assert_eq!(h[X_RATELIMIT_ENTITY_REMAINING], "200");
     }
 
     #[test]

@@ -42,6 +42,20 @@ pub struct RateLimitLayer {
 #[must_use = "a layer limits nothing until it is applied to a router or service"]
 pub struct RouteLimitLayer {
     config: Arc<Config>,
+    /// The route's limits as the builder methods gave them; the route's [`RouteLimits`] are
+    /// built from them again at each change.
+    given: Given,
+}
+
+/// A [`RouteLimitLayer`]'s limits as given.
+#[derive(Clone, Debug, Default)]
+struct Given {
+    global: Option<Arc<Plan>>,
+    entity: Option<(EntityKey, Arc<Plan>)>,
+    /// The budget the entity layer's buckets are shared under ([`RouteLimitLayer::entity_budget`]).
+    budget: Option<Arc<str>>,
+    pattern: Option<String>,
+    shadow: RouteShadow,
 }
 
 /// Everything the service needs, shared by all clones.
@@ -155,6 +169,9 @@ impl FileRoute {
 pub(crate) struct RouteLimits {
     pub(crate) global: Option<Arc<Plan>>,
     pub(crate) entity: Option<(EntityKey, Arc<Plan>)>,
+    /// For an entity layer shared across routes ([`RouteLimitLayer::entity_budget`]): the
+    /// budget's name, keyed `ratelimit:budget:{name}:{id}` instead of per endpoint.
+    pub(crate) budget: Option<Arc<str>>,
     /// The route pattern when not taken from axum's `MatchedPath`.
     pub(crate) pattern: Option<String>,
     /// The policy file's route, for a layer built from one.
@@ -166,11 +183,31 @@ pub(crate) struct RouteLimits {
 }
 
 impl RouteLimits {
+    /// The limits of a route with `global` and `entity`, the layers named in `shadow` in
+    /// shadow mode.
+    ///
+    /// A shadow layer decides with its plan's shadow twin (`plan.clone().with_shadow(true)`):
+    /// its refusals let the request through as the layer's do, are counted as
+    /// `outcome="would_deny"` in `tokenlease_decisions_total` (registered at zero now, with
+    /// the recorder installed now), never as `denied`, and its buckets are the twin's own
+    /// ([`Plan::store_key`]).
     fn new(
         global: Option<Arc<Plan>>,
         entity: Option<(EntityKey, Arc<Plan>)>,
         pattern: Option<String>,
+        shadow: RouteShadow,
     ) -> RouteLimits {
+        let twin = |plan: Arc<Plan>, on: bool| {
+            if on && !plan.shadow() {
+                let twin = Arc::new((*plan).clone().with_shadow(true));
+                twin.counters();
+                twin
+            } else {
+                plan
+            }
+        };
+        let global = global.map(|plan| twin(plan, shadow.api));
+        let entity = entity.map(|(key, plan)| (key, twin(plan, shadow.entity)));
         let mut items = Vec::new();
         if let Some(plan) = &global {
             items.push(policy_item(LayerKind::Api, plan));
@@ -183,10 +220,11 @@ impl RouteLimits {
         RouteLimits {
             global,
             entity,
+            budget: None,
             pattern,
             file: None,
             policy,
-            shadow: RouteShadow::default(),
+            shadow,
         }
     }
 
@@ -224,6 +262,13 @@ pub enum RouteConfigError {
         pattern: String,
         /// What is wrong with it, and how to write it.
         reason: String,
+    },
+    /// A budget name given to [`RouteLimitLayer::entity_budget`] is not 1 to 64 of
+    /// `A-Z a-z 0-9 _ . -`.
+    #[error("budget name {budget:?}: use 1 to 64 of A-Z a-z 0-9 _ . -")]
+    InvalidBudget {
+        /// The name as given (its first 100 characters).
+        budget: String,
     },
 }
 
@@ -326,8 +371,7 @@ fn route_table(policies: &Policies) -> Result<RouteTable, RouteConfigError> {
             }
         };
         let (api, per_entity) = (global.is_some(), entity.is_some());
-        let mut limits = RouteLimits::new(global, entity, None);
-        limits.shadow = route.shadow;
+        let mut limits = RouteLimits::new(global, entity, None, route.shadow);
         limits.file = Some(Arc::new(FileRoute::new(
             &route.method,
             &route.path,
@@ -369,35 +413,99 @@ impl RouteLimitLayer {
         RouteLimitLayer {
             config: Arc::new(Config {
                 limiter,
-                routes: Routes::One(Arc::new(RouteLimits::new(None, None, None))),
+                routes: Routes::One(Arc::new(RouteLimits::new(
+                    None,
+                    None,
+                    None,
+                    RouteShadow::default(),
+                ))),
                 trusted: TrustedProxies::none(),
             }),
+            given: Given::default(),
         }
     }
 
     /// Limits the whole route (all callers together) with one bucket under `plan`, keyed
     /// `ratelimit:api:{METHOD}:{route pattern}`.
+    ///
+    /// `{METHOD}` is one of a fixed set, whatever the client sends: `GET` (for `HEAD` too),
+    /// `POST`, `PUT`, `DELETE`, `PATCH`, `OPTIONS`, `TRACE`, `CONNECT`, and `OTHER` for every
+    /// other method string, so a client cannot get a fresh bucket by inventing a method.
     pub fn global(self, plan: Arc<Plan>) -> Self {
-        self.edit_route(|r| RouteLimits::new(Some(plan), r.entity.clone(), r.pattern.clone()))
+        self.edit_route(|given| given.global = Some(plan))
     }
 
     /// Limits each entity of the route with its own bucket under `plan`, keyed
     /// `ratelimit:entity:{METHOD}:{route pattern}:{id}`, the id found by `key`.
     pub fn entity(self, key: EntityKey, plan: Arc<Plan>) -> Self {
-        self.edit_route(|r| {
-            RouteLimits::new(r.global.clone(), Some((key, plan)), r.pattern.clone())
+        self.edit_route(|given| {
+            given.entity = Some((key, plan));
+            given.budget = None;
         })
+    }
+
+    /// Limits each entity with one bucket under `plan` for every route whose layer names the
+    /// same `budget`, keyed `ratelimit:budget:{budget}:{id}` (no method, no route pattern): one
+    /// budget per customer across all endpoints. Instead of [`entity`](Self::entity) (the
+    /// last of the two called is the route's entity layer).
+    ///
+    /// Give the same layer (or layers with the same budget name and plan) to every route the
+    /// budget covers, for example with axum's `Router::route_layer` on a router holding them
+    /// all. Everything else is the entity layer's: the id is read first (a malformed one is
+    /// refused with `400`), the global layer, when the route has one, is checked before it and
+    /// gets its token back on a denial, the header fields name it `"entity"`, and a denial is a
+    /// `429` whose body names the route's endpoint.
+    ///
+    /// ```no_run
+    /// # fn demo(limiter: tokenlease::Limiter, per_customer: std::sync::Arc<tokenlease::policy::Plan>)
+    /// # -> Result<(), tokenlease::http::RouteConfigError> {
+    /// use axum::{Router, http::HeaderName, routing::{get, post}};
+    /// use tokenlease::http::{EntityKey, RouteLimitLayer};
+    ///
+    /// let api_key = EntityKey::header(HeaderName::from_static("x-api-key"));
+    /// let app: Router = Router::new()
+    ///     .route("/bookings", get(|| async { "list" }))
+    ///     .route("/bookings/{bookingId}", get(|| async { "one" }).post(|| async { "changed" }))
+    ///     .route_layer(
+    ///         RouteLimitLayer::new(limiter).entity_budget("customer", api_key, per_customer)?,
+    ///     );
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`RouteConfigError::InvalidBudget`] for a name that is not 1 to 64 of `A-Z a-z 0-9 _ .
+    /// -`: a colon in it could make two budgets' keys the same.
+    pub fn entity_budget(
+        self,
+        budget: &str,
+        key: EntityKey,
+        plan: Arc<Plan>,
+    ) -> Result<Self, RouteConfigError> {
+        let plain = (1..=64).contains(&budget.len())
+            && budget
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+        if !plain {
+            return Err(RouteConfigError::InvalidBudget {
+                budget: budget.chars().take(100).collect(),
+            });
+        }
+        let budget: Arc<str> = Arc::from(budget);
+        Ok(self.edit_route(|given| {
+            given.entity = Some((key, plan));
+            given.budget = Some(budget);
+        }))
     }
 
     /// Puts the route's layers named in `shadow` in shadow mode: they decide and count as
     /// usual, and a denial lets the request through with the rate-limit header fields it would
     /// have carried (no `Retry-After`, no problem body), counted in
-    /// `tokenlease_http_would_deny_total`.
-    pub fn shadow(mut self, shadow: RouteShadow) -> Self {
-        if let Routes::One(route) = &mut Arc::make_mut(&mut self.config).routes {
-            Arc::make_mut(route).shadow = shadow;
-        }
-        self
+    /// `tokenlease_http_would_deny_total`, and as `outcome="would_deny"` (never `denied`) in
+    /// the plan's `tokenlease_decisions_total`. A shadow layer decides with its plan's shadow
+    /// twin, whose buckets are its own ([`Plan::with_shadow`]).
+    pub fn shadow(self, shadow: RouteShadow) -> Self {
+        self.edit_route(|given| given.shadow = shadow)
     }
 
     /// The route pattern for the keys (and for finding path parameters), for services without
@@ -417,11 +525,7 @@ impl RouteLimitLayer {
                 reason,
             });
         }
-        Ok(
-            self.edit_route(|r| {
-                RouteLimits::new(r.global.clone(), r.entity.clone(), Some(pattern))
-            }),
-        )
+        Ok(self.edit_route(|given| given.pattern = Some(pattern)))
     }
 
     /// The proxies whose `X-Forwarded-For` is believed for [`EntityKey::client_ip`]. By default
@@ -436,14 +540,19 @@ impl RouteLimitLayer {
         &self.config.limiter
     }
 
-    /// Replaces the route's limits with `f`'s, keeping its shadow layers (which
-    /// [`shadow`](Self::shadow) then sets).
-    fn edit_route(mut self, f: impl FnOnce(&RouteLimits) -> RouteLimits) -> Self {
-        let config = Arc::make_mut(&mut self.config);
+    /// Changes the limits as given with `f`, and builds the route's limits from them again.
+    fn edit_route(mut self, f: impl FnOnce(&mut Given)) -> Self {
+        f(&mut self.given);
+        let g = &self.given;
+        let mut limits = RouteLimits::new(
+            g.global.clone(),
+            g.entity.clone(),
+            g.pattern.clone(),
+            g.shadow,
+        );
+        limits.budget = g.budget.clone();
         // Only `new` makes a `RouteLimitLayer`, always with one route.
-        if let Routes::One(route) = &mut config.routes {
-            let mut limits = f(route);
-            limits.shadow = route.shadow;
+        if let Routes::One(route) = &mut Arc::make_mut(&mut self.config).routes {
             *route = Arc::new(limits);
         }
         self

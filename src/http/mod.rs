@@ -61,6 +61,12 @@
 //! `HEAD` is limited as the `GET` whose handler answers it: same buckets, keyed `GET:...`,
 //! shared with `GET` (unless a policy file lists a `HEAD` route of its own).
 //!
+//! The client chooses the method, so it never chooses a bucket: a layer from a policy file
+//! limits only the methods the file lists, and a [`RouteLimitLayer`] (say on an axum `any`
+//! route) keys the standard methods by name and folds every other method string (`X0`, `get`,
+//! `PURGE`) into one `OTHER` bucket per route, so the keys and the `method` metric label take
+//! at most nine values.
+//!
 //! # Responses
 //!
 //! Every response of a limited route carries, per layer that was checked:
@@ -72,7 +78,8 @@
 //! X-RateLimit-Entity-Remaining: 19
 //! ```
 //!
-//! `q` is the capacity, `w` the seconds to refill from empty, `r` whole tokens left, `t` the
+//! `q` is the capacity, `w` the seconds to refill from empty, `r` whole tokens left (never
+//! above `q`, as [`Decision::remaining`](crate::Decision::remaining)), `t` the
 //! seconds until the bucket is full (or, for the layer that denied, until the next request
 //! fits). A layer decided by the `allow` or `deny` fallback, which knows nothing of the bucket
 //! ([`Decision::remaining`](crate::Decision::remaining) is `None`), is left out of `RateLimit`

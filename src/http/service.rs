@@ -144,6 +144,27 @@ fn limited_method(method: &Method) -> &str {
     }
 }
 
+/// The method part of a code-built layer's keys and metric labels: one of a fixed set, since
+/// the client chooses the method and must not choose its bucket (or a new metric series) by
+/// inventing one. The standard methods are themselves (`HEAD` as `GET`, see
+/// [`limited_method`]); any other method string (`X0`, `get`, `PURGE`) is [`OTHER_METHOD`].
+fn key_method(method: &Method) -> &'static str {
+    match *method {
+        Method::GET | Method::HEAD => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::PATCH => "PATCH",
+        Method::OPTIONS => "OPTIONS",
+        Method::TRACE => "TRACE",
+        Method::CONNECT => "CONNECT",
+        _ => OTHER_METHOD,
+    }
+}
+
+/// The method part of the keys of every request whose method is not a standard one.
+const OTHER_METHOD: &str = "OTHER";
+
 /// The two checks: global first; a global denial stops there; then the entity, if the request
 /// has one; an entity denial gives the global token back. A malformed entity id is refused
 /// with `400` before either bucket is touched.
@@ -159,7 +180,7 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
                 Arc::clone(limits),
                 p.clone(),
                 p,
-                limited_method(&parts.method).to_owned(),
+                key_method(&parts.method).to_owned(),
             ),
             None => return Verdict::Pass,
         },
@@ -235,11 +256,21 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
             // A shadow layer or plan: the denial is reported and counted, and the request goes
             // on (no token was taken, so none is given back later).
             Ok(d) if d.would_deny || limits.shadow.api => {
-                reports.push(Report::denied(LayerKind::Api, d.remaining, d.retry_after));
+                reports.push(Report::denied(
+                    LayerKind::Api,
+                    plan,
+                    d.remaining,
+                    d.retry_after,
+                ));
                 count_would_deny(&limits, LayerKind::Api, &method, &pattern);
             }
             Ok(d) => {
-                reports.push(Report::denied(LayerKind::Api, d.remaining, d.retry_after));
+                reports.push(Report::denied(
+                    LayerKind::Api,
+                    plan,
+                    d.remaining,
+                    d.retry_after,
+                ));
                 count_denied(&limits, LayerKind::Api, &method, &pattern);
                 return deny(LayerKind::Api, &d, &endpoint, &limits, &reports);
             }
@@ -248,7 +279,10 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
     }
 
     if let Some((plan, id)) = &entity {
-        let key = entity_bucket_key(&endpoint, id);
+        let key = match &limits.budget {
+            Some(budget) => hashed_key(&format!("ratelimit:budget:{budget}"), id),
+            None => entity_bucket_key(&endpoint, id),
+        };
         match limiter.try_acquire_with(plan, &key, 1.0).await {
             Ok(d) if d.allowed && !d.would_deny => {
                 reports.push(Report::allowed(LayerKind::Entity, plan, d.remaining));
@@ -257,6 +291,7 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
             Ok(d) if d.would_deny || limits.shadow.entity => {
                 reports.push(Report::denied(
                     LayerKind::Entity,
+                    plan,
                     d.remaining,
                     d.retry_after,
                 ));
@@ -273,6 +308,7 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
                 }
                 reports.push(Report::denied(
                     LayerKind::Entity,
+                    plan,
                     d.remaining,
                     d.retry_after,
                 ));
@@ -424,7 +460,12 @@ async fn path_params(
 /// is replaced by `sha256:` and its hex digest, so every id still gets its own bucket. An id
 /// that itself starts with `sha256:` is hashed too, so it can never pose as another id's digest.
 pub(crate) fn entity_bucket_key(endpoint: &str, id: &str) -> String {
-    let key = format!("ratelimit:entity:{endpoint}:{id}");
+    hashed_key(&format!("ratelimit:entity:{endpoint}"), id)
+}
+
+/// `{prefix}:{id}`, the id hashed as [`entity_bucket_key`] does.
+fn hashed_key(prefix: &str, id: &str) -> String {
+    let key = format!("{prefix}:{id}");
     if !id.starts_with(HASHED) && validate_key(&key).is_ok() {
         return key;
     }
@@ -433,7 +474,7 @@ pub(crate) fn entity_bucket_key(endpoint: &str, id: &str) -> String {
     for b in digest.iter() {
         hex.push_str(&format!("{b:02x}"));
     }
-    format!("ratelimit:entity:{endpoint}:{HASHED}{hex}")
+    format!("{prefix}:{HASHED}{hex}")
 }
 
 /// What marks a hashed id in an entity key.

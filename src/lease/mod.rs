@@ -322,11 +322,12 @@ impl Leases {
                 (slot, hot)
             }
             None => {
-                // A key goes into the table only once checked in full (`validate_key`): the
-                // limiter skips the scan for NUL bytes on a call the lease answers.
+                // A key goes into the table only once checked in full (`validate_key`, or
+                // `validate_stored_key` for a shadow plan's own key): the limiter skips the scan
+                // for NUL bytes on a call the lease answers.
                 if table.len() >= self.settings.max_entries
                     || self.stopping.load(Ordering::Relaxed)
-                    || crate::error::validate_key(key).is_err()
+                    || crate::error::validate_stored_key(key).is_err()
                 {
                     return Fast::NoRoom;
                 }

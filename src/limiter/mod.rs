@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 use crate::bucket::Tokens;
 use crate::debt::{Debt, OutageDebt};
-use crate::error::{Error, validate_key};
+use crate::error::{Error, validate_key, validate_stored_key};
 use crate::fallback::Fallback;
 use crate::lease::{Fast, LeaseStats, Leases, TableSettings};
 use crate::policy::{FallbackMode, Plan, Policies};
@@ -71,12 +71,13 @@ pub struct Decision {
     /// through: `allowed` is `true`, no token was taken, and the other fields are the denial's
     /// (`retry_after` included). Always `false` for an enforcing plan.
     pub would_deny: bool,
-    /// Tokens left in the bucket after this decision, as far as the decider knows.
+    /// Tokens left in the bucket after this decision, as far as the decider knows; never more
+    /// than [`limit`](Self::limit).
     ///
     /// From the store, exact at its clock. From a lease, an estimate: the tokens left in this
     /// process's lease plus what the store had left when it granted the lease (other
-    /// instances may have taken some since, and the refill may have added some); zero when
-    /// the lease's last word is that the bucket is empty. From the `local` fallback, what this
+    /// instances may have taken some since, and the refill may have added some), at most the
+    /// capacity; zero when the lease's last word is that the bucket is empty. From the `local` fallback, what this
     /// instance's share of the bucket holds (`None` when it keeps no share for the key: the
     /// cost exceeds the share, or the local buckets are at their bound). `None` when the `allow` or `deny` fallback
     /// decided: the store did not answer, and nothing knows what the shared bucket holds.
@@ -103,7 +104,7 @@ impl Decision {
         Decision {
             allowed: !acquired.granted.is_zero(),
             would_deny: false,
-            remaining: Some(acquired.remaining),
+            remaining: Some(std::cmp::min(acquired.remaining, plan.capacity())),
             limit: plan.capacity(),
             retry_after: acquired.retry_after,
             reset_after: Some(acquired.reset_after),
@@ -454,9 +455,14 @@ impl Limiter {
             leases.reload(crate::lease::Stale(Box::new(
                 move |key: &str, plan: &Plan, by_key: bool| {
                     // A policy plan changed or removed (a plan the limiter was never given, passed
-                    // to `try_acquire_with`, is the caller's to change).
+                    // to `try_acquire_with`, is the caller's to change). A given plan's shadow
+                    // twin (an HTTP shadow layer's) goes with it; a change of the shadow mode
+                    // alone moves the plan's buckets to other keys, and these leases just
+                    // expire.
                     let named = policies.plan(plan.name());
-                    if named.is_none_or(|p| **p != *plan) && given.iter().any(|p| **p == *plan) {
+                    if named.is_none_or(|p| !p.same_but_shadow(plan))
+                        && given.iter().any(|p| p.same_but_shadow(plan))
+                    {
                         return true;
                     }
                     // A key reached through its prefix now names another plan.
@@ -549,8 +555,30 @@ impl Limiter {
             }
         };
         let cost_tokens = check_leased_call(plan, key, cost)?;
-        let Some(settings) = plan.lease() else {
+        if plan.shadow() {
+            // The rest runs on the shadow plan's own key, made once the caller's is checked.
             validate_key(key)?;
+            return Ok(Step::Shadow {
+                plan,
+                cost: cost_tokens,
+            });
+        }
+        self.start_at(plan, chosen, key, cost_tokens)
+    }
+
+    /// [`start`](Self::start) once the plan is known and the cost checked, on `key`, the key
+    /// under which the store keeps the plan's bucket ([`Plan::store_key`]): the caller's key
+    /// checked in full but for its NUL bytes, or a shadow plan's key.
+    #[inline]
+    fn start_at<'a>(
+        &'a self,
+        plan: &'a Plan,
+        chosen: Option<(&'a Arc<Plan>, u32)>,
+        key: &str,
+        cost_tokens: Tokens,
+    ) -> Result<Step<'a>, Error> {
+        let Some(settings) = plan.lease() else {
+            validate_stored_key(key)?;
             return Ok(Step::Direct {
                 plan,
                 cost: cost_tokens,
@@ -567,7 +595,7 @@ impl Limiter {
             return Ok(Step::Done(lease_allowed(plan, left, store_remaining)));
         }
         // Only a key already in the table (checked when it went in) is spent from a lease.
-        validate_key(key)?;
+        validate_stored_key(key)?;
         // A refill needs the actor: start it again if its task ended (its runtime was dropped,
         // or it panicked). Without one (no tokio runtime here), the fallback decides, counted
         // in `tokenlease_lease_actor_unavailable_total`.
@@ -625,8 +653,8 @@ impl Limiter {
     }
 
     /// The rest of a call that [`start`](Self::start) could not finish without waiting.
-    /// `named` and `asked` are the call's own plan and cost: a call whose slot was retired
-    /// while it waited starts over with them, once (`again`).
+    /// `named`, `key` and `asked` are the call's own plan, key and cost: a call whose slot was
+    /// retired while it waited starts over with them, once (`again`).
     async fn finish(
         &self,
         step: Step<'_>,
@@ -636,7 +664,32 @@ impl Limiter {
         again: bool,
     ) -> Result<Decision, Error> {
         match step {
+            // A shadow plan's call runs on its own key (`Plan::store_key`), from the start.
+            Step::Shadow { plan, cost } => {
+                let stored = plan.store_key(key);
+                let step = self.start_at(plan, None, &stored, cost)?;
+                self.finish_at(step, named, key, &stored, asked, again)
+                    .await
+            }
+            step => self.finish_at(step, named, key, key, asked, again).await,
+        }
+    }
+
+    /// [`finish`](Self::finish) on `stored`, the key under which the store keeps the plan's
+    /// bucket ([`Plan::store_key`]).
+    async fn finish_at(
+        &self,
+        step: Step<'_>,
+        named: Option<&Plan>,
+        key: &str,
+        stored: &str,
+        asked: f64,
+        again: bool,
+    ) -> Result<Decision, Error> {
+        match step {
             Step::Done(decision) => Ok(decision),
+            // Made by `start` alone, and answered by `finish`; `start_at` never makes it.
+            Step::Shadow { .. } => Box::pin(self.finish(step, named, key, asked, again)).await,
             Step::Wait {
                 plan,
                 cost,
@@ -658,7 +711,7 @@ impl Limiter {
                     }
                     Fast::Failing | Fast::Short(_) => Ok(recorded(
                         plan,
-                        self.inner.fallback.decide(plan, key, cost).await,
+                        self.inner.fallback.decide(plan, stored, cost).await,
                     )),
                     // A reload retired the slot (its plan changed): start over, so the call
                     // is decided under the plan in force now, on the key's new slot.
@@ -667,21 +720,21 @@ impl Limiter {
                         Box::pin(self.finish(step, named, key, asked, false)).await
                     }
                     Fast::NoRoom | Fast::Sparse(..) | Fast::Gone => self
-                        .direct(plan, key, cost)
+                        .direct(plan, stored, cost)
                         .await
                         .map(|d| recorded(plan, d)),
                 }
             }
             Step::Fallback { plan, cost } => Ok(recorded(
                 plan,
-                self.inner.fallback.decide(plan, key, cost).await,
+                self.inner.fallback.decide(plan, stored, cost).await,
             )),
             Step::Direct { plan, cost } => self
-                .direct(plan, key, cost)
+                .direct(plan, stored, cost)
                 .await
                 .map(|d| recorded(plan, d)),
             Step::Sparse { plan, cost, slot } => {
-                let decision = self.direct(plan, key, cost).await?;
+                let decision = self.direct(plan, stored, cost).await?;
                 let by_store = decision.decided_by == DecidedBy::Store;
                 let spent = if decision.allowed && by_store {
                     lease_cost(cost)
@@ -721,6 +774,11 @@ impl Limiter {
             validate_key(key)?;
             return Ok(None);
         }
+        if plan.shadow() {
+            validate_key(key)?;
+        }
+        // A shadow plan's bucket (and lease) is under a key of its own.
+        let key = &*plan.store_key(key);
         let leases = self.leases();
         match leases.try_take(plan, None, key, lease_cost(cost)) {
             Fast::Taken {
@@ -733,7 +791,7 @@ impl Limiter {
                 leases.ensure_actor();
                 // Only a key already in the table (checked when it went in) is spent from a
                 // lease; any other answer checks the key in full first.
-                validate_key(key)?;
+                validate_stored_key(key)?;
                 // This call never waits, so a sparse key gets no store call here: a refill is
                 // asked for instead, for a later call to find.
                 if let Fast::Sparse(slot) = &other {
@@ -765,6 +823,8 @@ impl Limiter {
     pub async fn refund(&self, plan: &Plan, key: &str, cost: f64) -> Result<bool, Error> {
         validate_key(key)?;
         let cost = validate_cost(plan, cost)?;
+        // A shadow plan's tokens go back to its own bucket.
+        let key = &*plan.store_key(key);
         // A strict lease's entry in the store covers only what its holder kept at the last
         // renewal: a refund into the word could leave the holder more than the store counts.
         // Strict refunds go to the store, which caps them under its lease accounting.
@@ -883,6 +943,9 @@ enum State<'a> {
 enum Step<'a> {
     /// Decided.
     Done(Decision),
+    /// A shadow plan's call: the rest runs on the plan's own key ([`Plan::store_key`]), made
+    /// in [`Limiter::finish`] (`start` borrows the caller's key and cannot hold a new one).
+    Shadow { plan: &'a Plan, cost: Tokens },
     /// Wait for the slot's refill until `deadline`.
     Wait {
         plan: &'a Plan,
@@ -1012,14 +1075,17 @@ fn shadowed(plan: &Plan, mut decision: Decision) -> Decision {
 }
 
 /// A cost in whole nanotokens, the lease word's unit (rounded up).
-/// Checks a call's cost and its key's length, leaving the key's scan for NUL bytes to the
-/// caller: a key the lease table holds was scanned when it went in (`Leases::try_take` refuses
+/// Checks a call's cost and its key's length and first byte (the one reserved for shadow
+/// plans' keys), leaving the key's scan for NUL bytes to the caller: a key the lease table holds was scanned when it went in (`Leases::try_take` refuses
 /// one with a NUL), so a call answered from a lease needs no scan, and every other answer runs
 /// [`validate_key`] in full before it is given. Errors come in [`validate_key`]'s order, key
 /// before cost.
 #[inline]
 fn check_leased_call(plan: &Plan, key: &str, cost: f64) -> Result<Tokens, Error> {
-    if key.is_empty() || key.len() > crate::error::MAX_KEY_BYTES {
+    if key.is_empty()
+        || key.len() > crate::error::MAX_KEY_BYTES
+        || key.as_bytes()[0] == crate::error::RESERVED_KEY_PREFIX as u8
+    {
         validate_key(key)?;
     }
     match validate_cost(plan, cost) {
@@ -1047,8 +1113,11 @@ fn lease_allowed(plan: &Plan, left: u64, store_remaining: u64) -> Decision {
     Decision {
         allowed: true,
         would_deny: false,
-        remaining: Some(Tokens::from_nanos(
-            u128::from(left) + u128::from(store_remaining),
+        // The lease's tokens were taken from the bucket: beside what the bucket held then,
+        // they can add up to more than it ever holds.
+        remaining: Some(std::cmp::min(
+            Tokens::from_nanos(u128::from(left) + u128::from(store_remaining)),
+            plan.capacity(),
         )),
         limit: plan.capacity(),
         retry_after: Duration::ZERO,
@@ -1134,6 +1203,26 @@ mod tests {
             lease_cost(Tokens::whole(1_000_000)),
             1_000_000 * 1_000_000_000
         );
+    }
+
+    /// A lease's estimate of what is left (its own tokens plus the bucket's count at its last
+    /// refill) never says more than the capacity.
+    #[test]
+    fn a_lease_decision_never_reports_more_than_the_capacity() {
+        let plan = Plan::new(
+            "p",
+            crate::bucket::BucketConfig::new(
+                Tokens::whole(200),
+                crate::bucket::Rate::per_second(100).expect("rate"),
+            )
+            .expect("bucket"),
+        );
+        let nanos = |n: u64| n * 1_000_000_000;
+        let d = lease_allowed(&plan, nanos(28), nanos(180));
+        assert_eq!(d.remaining, Some(Tokens::whole(200)), "{d:?}");
+        assert_eq!(d.limit, Tokens::whole(200));
+        let d = lease_allowed(&plan, nanos(8), nanos(180));
+        assert_eq!(d.remaining, Some(Tokens::whole(188)), "{d:?}");
     }
 
     /// A decision states only what its decider knows: the store says when the bucket is full

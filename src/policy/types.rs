@@ -39,11 +39,18 @@ pub struct Plan {
 
 impl PartialEq for Plan {
     fn eq(&self, other: &Plan) -> bool {
+        self.same_but_shadow(other) && self.shadow == other.shadow
+    }
+}
+
+impl Plan {
+    /// Whether the two plans are equal but perhaps for their shadow mode: one may be the
+    /// other's shadow twin (the HTTP layer's shadow layers decide with one).
+    pub(crate) fn same_but_shadow(&self, other: &Plan) -> bool {
         self.name == other.name
             && self.bucket == other.bucket
             && self.lease == other.lease
             && self.fallback == other.fallback
-            && self.shadow == other.shadow
     }
 }
 
@@ -88,6 +95,12 @@ impl Plan {
     /// [`would_deny`](crate::Decision::would_deny) `true`, counted as `outcome="would_deny"`
     /// in `tokenlease_decisions_total`. This is how a new limit is rolled out: watch what it
     /// would refuse, then switch it on.
+    ///
+    /// A shadow plan keeps its bucket under a key of its own ([`store_key`](Self::store_key)),
+    /// never the caller's key: checked on the same key as an enforcing plan (its own
+    /// `plan.clone().with_shadow(true)` included), it takes nothing from the enforcing plan's
+    /// bucket, which admits exactly what it admits alone. Switched on, the plan starts from a
+    /// full bucket under the caller's key.
     #[must_use]
     pub fn with_shadow(mut self, shadow: bool) -> Plan {
         self.shadow = shadow;
@@ -134,6 +147,24 @@ impl Plan {
         self.shadow
     }
 
+    /// The key under which the store keeps this plan's bucket for the caller's `key`: `key`
+    /// itself for an enforcing plan; for a shadow plan, a key of its own made from the plan's
+    /// name and `key`, `"\u{1}shadow:{name}:{key}"`. A name that is not a policy file's plan
+    /// name (1 to 64 of `A-Z a-z 0-9 _ . -`) is replaced by `~` and 32 hex digits of its hash.
+    ///
+    /// The leading U+0001 ([`RESERVED_KEY_PREFIX`](crate::error::RESERVED_KEY_PREFIX)) is
+    /// refused in a caller's key ([`KeyError::Reserved`](crate::error::KeyError::Reserved)), so
+    /// a shadow plan's bucket can never be a caller's, and two shadow plans of different names
+    /// never share one. Pass the result to [`Store::inspect`](crate::store::Store::inspect) to
+    /// read a shadow plan's bucket.
+    pub fn store_key<'k>(&self, key: &'k str) -> std::borrow::Cow<'k, str> {
+        if self.shadow {
+            std::borrow::Cow::Owned(shadow_store_key(&self.name, key))
+        } else {
+            std::borrow::Cow::Borrowed(key)
+        }
+    }
+
     /// This plan's decision counters, registered with the recorder installed now on their first
     /// use (a limiter registers the plans of its policies when it is built).
     #[inline]
@@ -154,6 +185,31 @@ impl Plan {
             ))
         })
     }
+}
+
+/// A shadow plan's key for the caller's `key` ([`Plan::store_key`]).
+fn shadow_store_key(name: &str, key: &str) -> String {
+    let plain = (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    let mut out = String::with_capacity(key.len() + 73);
+    out.push(crate::error::RESERVED_KEY_PREFIX);
+    out.push_str("shadow:");
+    if plain {
+        out.push_str(name);
+    } else {
+        // FNV-1a, 128 bits: `~` is not in a plain name, so no plain name is taken for a hash.
+        let hash = name
+            .bytes()
+            .fold(0x6c62_272e_07bb_0142_62b8_2175_6295_c58d_u128, |h, b| {
+                (h ^ u128::from(b)).wrapping_mul(0x0000_0000_0100_0000_0000_0000_0000_013b)
+            });
+        out.push_str(&format!("~{hash:032x}"));
+    }
+    out.push(':');
+    out.push_str(key);
+    out
 }
 
 /// How a process holds tokens of a leased plan in memory.
@@ -429,4 +485,54 @@ pub struct KeyRule {
     pub prefix: String,
     /// The plan for matching keys.
     pub plan: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(name: &str) -> Plan {
+        Plan::new(
+            name,
+            BucketConfig::new(Tokens::whole(5), Rate::per_second(1).expect("rate"))
+                .expect("bucket"),
+        )
+    }
+
+    /// An enforcing plan's bucket is the caller's key; a shadow plan's is a key of its own,
+    /// reserved (no caller may use it) and distinct per plan name, however the name is written.
+    #[test]
+    fn a_shadow_plan_keeps_its_bucket_under_a_reserved_key_of_its_own() {
+        assert_eq!(plan("p").store_key("k"), "k");
+        let shadow =
+            |name: &str, key: &str| plan(name).with_shadow(true).store_key(key).into_owned();
+        assert_eq!(shadow("p", "k"), "\u{1}shadow:p:k");
+        for key in [
+            shadow("p", "k"),
+            shadow("a:b", "c"),
+            shadow(&"n".repeat(65), "k"),
+        ] {
+            assert_eq!(
+                crate::error::validate_key(&key),
+                Err(crate::error::KeyError::Reserved),
+                "{key:?}"
+            );
+            assert_eq!(crate::error::validate_stored_key(&key), Ok(()), "{key:?}");
+        }
+        // A name that is not a file's plan name is hashed, so a colon in it cannot shift the
+        // boundary between name and key, and a NUL never reaches the store.
+        assert_ne!(shadow("a:b", "c"), shadow("a", "b:c"));
+        let hashed = shadow("a\0b", "k");
+        assert!(
+            hashed.starts_with("\u{1}shadow:~") && !hashed.contains('\0'),
+            "{hashed:?}"
+        );
+        assert_eq!(hashed.len(), "\u{1}shadow:~".len() + 32 + ":k".len());
+        // The longest caller's key still fits what the store is sent.
+        let longest = "k".repeat(crate::error::MAX_KEY_BYTES);
+        assert_eq!(
+            crate::error::validate_stored_key(&shadow(&"n".repeat(64), &longest)),
+            Ok(())
+        );
+    }
 }

@@ -55,7 +55,11 @@ pub(crate) fn warnings(policies: &Policies) -> Vec<String> {
         };
         let mut above = Vec::new();
         if e.capacity() > g.capacity() {
-            above.push(format!("burst {} > {}", e.capacity(), g.capacity()));
+            above.push(format!(
+                "burst {} > {}",
+                e.capacity().trimmed(),
+                g.capacity().trimmed()
+            ));
         }
         if e.rate() > g.rate() {
             above.push(format!(

@@ -76,25 +76,32 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
         if args.json {
             let json = serde_json::json!({
                 "key": row.key,
-                "tokens": row.tokens.to_string(),
-                "tokens_now": row.tokens_now.to_string(),
-                "capacity": row.capacity.to_string(),
-                "refill_per_second": row.refill_per_second.to_string(),
+                "tokens": row.tokens.trimmed().to_string(),
+                "tokens_now": row.tokens_now.trimmed().to_string(),
+                "capacity": row.capacity.trimmed().to_string(),
+                "refill_per_second": row.refill_per_second.trimmed().to_string(),
                 "updated_at_unix_s": unix(row.updated_at),
                 "db_now_unix_s": unix(row.store_now),
                 "strict_leases": row.leases.iter().map(|l| serde_json::json!({
                     "holder": l.holder,
                     "lease_id": l.lease_id,
-                    "amount": l.amount.to_string(),
+                    "amount": l.amount.trimmed().to_string(),
                     "expires_at_unix_s": unix(l.expires_at),
                 })).collect::<Vec<_>>(),
             });
             println!("{json}");
         } else {
             println!("key                {:?}", row.key);
-            println!("tokens now         {} of {}", row.tokens_now, row.capacity);
-            println!("tokens stored      {} (as of updated_at)", row.tokens);
-            println!("refill per second  {}", row.refill_per_second);
+            println!(
+                "tokens now         {} of {}",
+                row.tokens_now.trimmed(),
+                row.capacity.trimmed()
+            );
+            println!(
+                "tokens stored      {} (as of updated_at)",
+                row.tokens.trimmed()
+            );
+            println!("refill per second  {}", row.refill_per_second.trimmed());
             println!("updated_at         {}", ago(row.updated_at));
             for l in &row.leases {
                 let left = l
@@ -103,7 +110,8 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
                     .map_or(0.0, |d| d.as_secs_f64());
                 println!(
                     "strict lease       holder {:x}: {} tokens, counted {left:.3} s more",
-                    l.holder, l.amount
+                    l.holder,
+                    l.amount.trimmed()
                 );
             }
         }

@@ -1103,13 +1103,7 @@ fn print_table(r: &Report) {
             100.0 * r.admitted_vs_ideal
         ),
     );
-    row(
-        "overshoot",
-        format!(
-            "{:.2} tokens (bound {:.2})",
-            r.overshoot_tokens, r.overshoot_bound
-        ),
-    );
+    row("overshoot", overshoot_text(r));
     row(
         "database calls",
         format!(
@@ -1174,6 +1168,48 @@ fn print_table(r: &Report) {
             (None, _, None) => "not measured".into(),
         },
     );
+}
+
+/// The overshoot row: the measured excess, the bound that applies and what it covers. The
+/// bound is on what the store and the leases admit; a fallback that admits (`allow`, `local`)
+/// admits outside it while the store cannot answer, and the row says so when it decided.
+fn overshoot_text(r: &Report) -> String {
+    let bound = match (r.lease_fraction, r.accounting) {
+        (Some(f), Some(AccountingArg::Relaxed)) => format!(
+            "{} instances × a lease of at most {} tokens (DESIGN.md §8)",
+            r.instances,
+            (f * r.capacity as f64).floor()
+        ),
+        (Some(_), _) => "one request's cost: strict leases count against the capacity \
+             (DESIGN.md §13)"
+            .to_owned(),
+        _ => "one request's cost (DESIGN.md §7)".to_owned(),
+    };
+    let covers = if r.fallback == "deny" {
+        "it covers every admission (the deny fallback admits none)".to_owned()
+    } else if r.fallback_decisions == 0 {
+        format!(
+            "it covers every admission (the {} fallback decided nothing)",
+            r.fallback
+        )
+    } else {
+        format!(
+            "it holds for the store's and the leases' admissions only, and excludes what the {} \
+             fallback admitted (of its {} decisions){} while the store could not answer: no \
+             bound here covers those",
+            r.fallback,
+            r.fallback_decisions,
+            if r.fault.is_some() {
+                " under the fault"
+            } else {
+                ""
+            }
+        )
+    };
+    format!(
+        "{:.2} tokens (bound {:.2}: {bound}; {covers})",
+        r.overshoot_tokens, r.overshoot_bound
+    )
 }
 
 /// The limiter settings the command line chooses.
