@@ -958,7 +958,11 @@ fn full_fixture_is_accepted_with_every_value() {
     );
 
     let per_customer = p.plan("per-customer").unwrap();
-    assert_eq!(per_customer.capacity(), Tokens::MAX);
+    // The largest capacity a plan may have (what PostgreSQL holds in nanotokens), the fastest rate.
+    assert_eq!(
+        per_customer.capacity(),
+        Tokens::whole(tokenlease::policy::MAX_CAPACITY)
+    );
     assert_eq!(per_customer.rate(), Rate::MAX);
     assert_eq!(per_customer.fallback().mode, FallbackMode::Allow);
     // Outage debt is on unless a plan turns it off.

@@ -65,38 +65,37 @@ fn grant(available: &str, min: &str, want: &str, step: &str) -> String {
 /// The database's clock in whole microseconds since the Unix epoch.
 const NOW_US: &str = "(extract(epoch FROM now()) * 1000000)::bigint";
 
-/// Refill and take for one key, in one statement: the UPDATE of its row when the row exists and
-/// holds no strict lease; otherwise, when the UPDATE found nothing, the INSERT of a full bucket
-/// less the grant. A key whose row holds strict leases, or whose row another caller inserted
-/// while this one ran, comes back without a row (then `tokenlease_acquire_held` decides).
+/// Refill and take for one key, in one statement: an upsert. A key without a row is inserted
+/// as a full bucket less its grant; a key whose row exists and holds no strict lease is refilled
+/// and taken from in `ON CONFLICT DO UPDATE`, which reads the request's capacity, rate and the
+/// clock from `EXCLUDED` (so the clock is computed once) and `min`, `want`, `step` from the
+/// parameters. A key whose row holds strict leases comes back without a row (the update's
+/// `WHERE` fails), and `tokenlease_acquire_held` decides it.
 ///
 /// `$1` text key, `$2` capacity, `$3` rate, `$4` min, `$5` want, `$6` step (bigint
 /// nanotokens). Returns key, tokens, frac, the grant, updated_us and now_us.
 pub(super) static ACQUIRE_ONE: LazyLock<String> = LazyLock::new(|| {
-    let avail = available("b", "$2", "$3", "n.now_us");
-    let frac = refilled_frac("b", "$2", "$3", "n.now_us");
+    let (capacity, rate, now) = (
+        "excluded.capacity",
+        "excluded.refill_per_second",
+        "excluded.updated_us",
+    );
+    let avail = available("b", capacity, rate, now);
+    let frac = refilled_frac("b", capacity, rate, now);
     let granted = grant(&avail, "$4", "$5", "$6");
     let granted_new = grant("$2", "$4", "$5", "$6");
     format!(
         "-- tokenlease: refill and take, one key (src/store/postgres/lean.rs)\n\
-         WITH n AS (SELECT {NOW_US} AS now_us), \
-         u AS ( \
-             UPDATE tokenlease_buckets AS b \
-             SET tokens = {avail} - ({granted}), frac = {frac}, capacity = $2, \
-                 refill_per_second = $3, updated_us = greatest(b.updated_us, n.now_us), \
-                 last_granted = {granted} \
-             FROM n \
-             WHERE b.key = $1 AND cardinality(b.leases) = 0 \
-             RETURNING b.key, b.tokens, b.frac, b.last_granted, b.updated_us, n.now_us), \
-         i AS ( \
-             INSERT INTO tokenlease_buckets AS b \
-                 (key, tokens, frac, capacity, refill_per_second, updated_us, last_granted) \
-             SELECT $1, $2 - ({granted_new}), 0, $2, $3, n.now_us, {granted_new} \
-             FROM n \
-             WHERE NOT EXISTS (SELECT FROM u) \
-             ON CONFLICT (key) DO NOTHING \
-             RETURNING b.key, b.tokens, b.frac, b.last_granted, b.updated_us, b.updated_us) \
-         SELECT * FROM u UNION ALL SELECT * FROM i"
+         INSERT INTO tokenlease_buckets AS b \
+             (key, tokens, frac, capacity, refill_per_second, updated_us, last_granted) \
+         SELECT $1, $2 - ({granted_new}), 0, $2, $3, n.now_us, {granted_new} \
+         FROM (SELECT {NOW_US} AS now_us OFFSET 0) AS n \
+         ON CONFLICT (key) DO UPDATE \
+         SET tokens = {avail} - ({granted}), frac = {frac}, capacity = {capacity}, \
+             refill_per_second = {rate}, updated_us = greatest(b.updated_us, {now}), \
+             last_granted = {granted} \
+         WHERE cardinality(b.leases) = 0 \
+         RETURNING b.key, b.tokens, b.frac, b.last_granted, b.updated_us, {NOW_US}"
     )
 });
 

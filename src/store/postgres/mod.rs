@@ -851,8 +851,8 @@ impl Store for PostgresStore {
     /// One statement for a plain batch, within the call timeout: [`lean::ACQUIRE_ONE`] or
     /// [`lean::ACQUIRE_MANY`], which update the rows that exist and insert the keys that have
     /// none. What they leave (strict leases, rows holding strict leases, rows another caller
-    /// inserted meanwhile) goes through `tokenlease_acquire_held`, and a batch with a strict
-    /// lease goes there directly.
+    /// inserted meanwhile) goes through `tokenlease_acquire_held`; a batch with a strict lease,
+    /// and every batch when the store does not prepare its statements, goes there directly.
     async fn acquire_many(
         &self,
         requests: &[AcquireRequest<'_>],
@@ -860,7 +860,12 @@ impl Store for PostgresStore {
         let deadline = tokio::time::Instant::now() + self.call_timeout;
         let mut out: Vec<Option<Acquired>> = vec![None; requests.len()];
         let mut pending: Vec<usize> = (0..requests.len()).collect();
-        if !requests.iter().any(|r| r.hold.is_some()) {
+        // Sent unnamed, the plain statements would be parsed and planned on every call, and
+        // their written-out arithmetic makes that cost more than the function's call (whose
+        // statements PL/pgSQL plans once per session): without prepared statements every take
+        // goes through the function, which decides plain takes exactly as they do.
+        let plain = self.prepare.load(Ordering::Relaxed);
+        if plain && !requests.iter().any(|r| r.hold.is_some()) {
             let statement = if requests.len() == 1 {
                 lean::ACQUIRE_ONE.as_str()
             } else {
