@@ -16,12 +16,13 @@
 --   refill_per_second  bigint   nanotokens per second, 1 to 10^18 (10^9 tokens a second)
 --   updated_us         bigint   the database's clock at the last refill, microseconds since the
 --                               Unix epoch (was updated_at, timestamptz)
---   last_granted       bigint   nanotokens granted by the last take (RETURNING sees only the
---                               new row)
+--   refilled           bigint   the bucket's whole nanotokens refilled at updated_us, before the
+--                               last take (was last_granted): RETURNING sees only the new row,
+--                               and refilled - tokens is the grant
 --   leases             unchanged: strict leases, amounts in tokens (numeric)
 --
--- The bounds keep every sum of the refill inside bigint: a refill adds at most
--- capacity + refill_per_second + 10^6 to tokens before it is capped, below 2^63.
+-- The refill's product (elapsed microseconds times the rate) is computed in numeric and capped
+-- at capacity - tokens before it becomes a bigint, so no sum leaves bigint.
 --
 -- The bounds are domains, checked on every value written, not a table CHECK constraint: for a
 -- table CHECK the executor prepares the constraint's expression afresh each time a statement
@@ -73,12 +74,13 @@ ALTER TABLE tokenlease_buckets
         USING (extract(epoch FROM updated_at) * 1000000)::bigint,
     ALTER COLUMN last_granted DROP DEFAULT,
     ALTER COLUMN last_granted TYPE tokenlease_nanotokens
-        USING least(floor(last_granted * 1000000000), floor(capacity * 1000000000),
+        USING least(floor(tokens * 1000000000), floor(capacity * 1000000000),
                     8000000000000000000)::bigint,
     ALTER COLUMN last_granted SET DEFAULT 0,
     ADD COLUMN frac tokenlease_femtotokens NOT NULL DEFAULT 0;
 
 ALTER TABLE tokenlease_buckets RENAME COLUMN updated_at TO updated_us;
+ALTER TABLE tokenlease_buckets RENAME COLUMN last_granted TO refilled;
 
 COMMENT ON TABLE tokenlease_buckets IS
     'tokenlease token buckets in nanotokens (10^-9 token) as of updated_us (database time, microseconds since the Unix epoch); an absent row is a full bucket';
@@ -90,8 +92,8 @@ COMMENT ON COLUMN tokenlease_buckets.capacity IS 'nanotokens';
 COMMENT ON COLUMN tokenlease_buckets.refill_per_second IS 'nanotokens per second';
 COMMENT ON COLUMN tokenlease_buckets.updated_us IS
     'the database clock at the last refill, microseconds since the Unix epoch; never moves back';
-COMMENT ON COLUMN tokenlease_buckets.last_granted IS
-    'nanotokens granted by the most recent take, so RETURNING can report the grant';
+COMMENT ON COLUMN tokenlease_buckets.refilled IS
+    'whole nanotokens refilled at updated_us before the most recent take: refilled - tokens is its grant';
 
 ALTER TABLE tokenlease_returns
     DROP CONSTRAINT IF EXISTS tokenlease_returns_amount_range,
@@ -146,8 +148,8 @@ DECLARE
 BEGIN
     -- 1. Every key's row, in key order: new keys inserted full, existing ones locked.
     INSERT INTO tokenlease_buckets AS b
-        (key, tokens, frac, capacity, refill_per_second, updated_us, last_granted)
-    SELECT r.key, r.capacity, 0, r.capacity, r.rate, at_us, 0
+        (key, tokens, frac, capacity, refill_per_second, updated_us, refilled)
+    SELECT r.key, r.capacity, 0, r.capacity, r.rate, at_us, r.capacity
     FROM unnest(keys, capacities, rates) AS r(key, capacity, rate)
     ORDER BY r.key
     ON CONFLICT (key) DO UPDATE SET tokens = b.tokens WHERE false;
@@ -155,11 +157,11 @@ BEGIN
     -- 2. Refill and take, joined by key, in tokens.
     RETURN QUERY
     UPDATE tokenlease_buckets AS b
-    SET (tokens, frac, capacity, refill_per_second, updated_us, last_granted, leases) = (
+    SET (tokens, frac, capacity, refill_per_second, updated_us, refilled, leases) = (
             SELECT floor((a.available - g.granted) * 1000000000)::bigint,
                    (floor((a.available - g.granted) * 1000000000000000) % 1000000)::integer,
                    req.capacity, req.rate, greatest(b.updated_us, at_us),
-                   (g.granted * 1000000000)::bigint,
+                   floor(a.available * 1000000000)::bigint,
                    CASE WHEN s.plain THEN b.leases
                         ELSE tokenlease_hold(b.leases, now(), req.holder, req.lease_id,
                                              req.kept / 1000000000.0 + g.granted,
@@ -195,8 +197,8 @@ BEGIN
         AS req(key, capacity, rate, min_take, want, step, holder, lease_id, kept, lifetime_us)
     WHERE b.key = req.key
       AND b.key = ANY (keys)
-    RETURNING b.key, b.tokens::bigint, b.frac::integer, b.last_granted::bigint, b.updated_us,
-              at_us;
+    RETURNING b.key, b.tokens::bigint, b.frac::integer, (b.refilled - b.tokens)::bigint,
+              b.updated_us, at_us;
 END
 $$;
 

@@ -158,6 +158,17 @@ r["decisions"] = r["allowed"] + r["denied"]
 print(json.dumps(r))' >>"$out"
 add_server_cpu "$cpu_start" "$(cluster_cpu)"
 
+echo "== 1/4 rate-limiter-flexible RateLimiterPostgres (Node), 10,000 keys, 1 in flight (a lone caller)" >&2
+cpu_start="$(cluster_cpu)"
+node peers/rlf-postgres.js --url "$url" --keys 10000 --concurrency 1 --pool 1 \
+    --duration "$PHASE_S" | python3 -c '
+import json, sys
+r = json.loads(sys.stdin.read())
+r["client"] = "rate-limiter-flexible (Node), 1 in flight (a lone caller)"
+r["decisions"] = r["allowed"] + r["denied"]
+print(json.dumps(r))' >>"$out"
+add_server_cpu "$cpu_start" "$(cluster_cpu)"
+
 echo "== 2/4 pgbench, 16 clients, tokenlease's statement on one random key of 10,000" >&2
 # The one-key take the store sends (src/store/postgres/lean.rs, printed by the binary), its six
 # parameters replaced: key pgbench:<n>, capacity 100, refill 50/s, take exactly 1 (min = want =
@@ -267,7 +278,8 @@ loadtest_phase() {
     local label="$1"
     shift
     echo "== 3/4 tokenlease loadtest: $label" >&2
-    "$bin" loadtest --database-url "$url" --json --instances 1 --tasks 16 --duration "$PHASE_S" "$@" |
+    "$bin" loadtest --database-url "$url" --json --instances 1 --tasks "${TASKS:-16}" \
+        --duration "$PHASE_S" "$@" |
         LABEL="$label" python3 -c '
 import json, os, sys
 r = json.loads(sys.stdin.read())
@@ -282,8 +294,8 @@ loadtest_phase "tokenlease direct, 10,000 keys, 1 × 16 tasks, closed loop, pool
     --mode direct --keys 10000 --rate 1000000 --statements-in-flight 2
 loadtest_phase "tokenlease direct, 10,000 keys, 1 × 16 tasks, closed loop, default pool (4), unnamed statements" \
     --mode direct --keys 10000 --rate 1000000 --unprepared
-loadtest_phase "tokenlease direct, 10,000 keys, 1 × 1 task, closed loop (a lone caller)" \
-    --mode direct --keys 10000 --rate 1000000 --tasks 1
+TASKS=1 loadtest_phase "tokenlease direct, 10,000 keys, 1 × 1 task, closed loop (a lone caller)" \
+    --mode direct --keys 10000 --rate 1000000
 loadtest_phase "tokenlease leased, 100,000 keys at 100,000/s, 1 × 16 tasks, default lease settings" \
     --mode leased --keys 100000 --rate 100000
 loadtest_phase "tokenlease leased, 100,000 keys at 100,000/s, 1 × 16 tasks, leases living 30 s" \

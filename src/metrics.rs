@@ -28,6 +28,10 @@ pub const DECISIONS: &str = "tokenlease_decisions_total";
 pub const DB_CALLS: &str = "tokenlease_db_calls_total";
 /// Store calls that failed or timed out, by `kind`.
 pub const DB_ERRORS: &str = "tokenlease_db_errors_total";
+/// Direct mode's limit on statements in flight, chosen from the callers that arrive while a
+/// statement runs so that each statement carries about 8 keys when callers wait (gauge; only
+/// while `LimiterBuilder::statements_in_flight` is not set).
+pub const STATEMENTS_IN_FLIGHT_LIMIT: &str = "tokenlease_statements_in_flight_limit";
 /// Decisions answered from a lease without a store call.
 pub const DB_CALLS_SAVED: &str = "tokenlease_db_calls_saved_total";
 /// Tokens granted to this process's leases.

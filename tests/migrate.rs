@@ -483,8 +483,8 @@ async fn an_older_database_gets_the_newest_schema_and_the_store_uses_it() {
             "capacity bigint",
             "frac integer",
             "key text",
-            "last_granted bigint",
             "refill_per_second bigint",
+            "refilled bigint",
             "tokens bigint",
             "updated_us bigint",
         ]

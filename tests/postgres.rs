@@ -345,8 +345,8 @@ async fn schema_refuses_nan_infinity_and_out_of_range_values() {
         ("refill_per_second", "'Infinity'"),
         ("refill_per_second", "1000000000000000001"),
         ("refill_per_second", "99999999999999999999"),
-        ("last_granted", "-1"),
-        ("last_granted", "8000000000000000001"),
+        ("refilled", "-1"),
+        ("refilled", "8000000000000000001"),
         ("updated_us", "'infinity'"),
     ];
     for (column, value) in bad {
@@ -355,7 +355,7 @@ async fn schema_refuses_nan_infinity_and_out_of_range_values() {
             ("frac", "0"),
             ("capacity", "10000000000"),
             ("refill_per_second", "1000000000"),
-            ("last_granted", "0"),
+            ("refilled", "0"),
             ("updated_us", "0"),
         ];
         for v in values.iter_mut() {
@@ -365,7 +365,7 @@ async fn schema_refuses_nan_infinity_and_out_of_range_values() {
         }
         let sql = format!(
             "INSERT INTO tokenlease_buckets \
-             (key, tokens, frac, capacity, refill_per_second, last_granted, updated_us) \
+             (key, tokens, frac, capacity, refill_per_second, refilled, updated_us) \
              VALUES ('bad', {}, {}, {}, {}, {}, {})",
             values[0].1, values[1].1, values[2].1, values[3].1, values[4].1, values[5].1
         );

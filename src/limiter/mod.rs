@@ -247,8 +247,14 @@ impl LimiterBuilder {
     }
 
     /// The most direct-mode statements in flight at once. Callers that arrive while this many
-    /// are in flight wait, and the next statement carries all their keys. Defaults to the
-    /// store's [`Store::max_concurrent_calls`] (the pool size), or 4; with
+    /// are in flight wait, and the next statement carries all their keys.
+    ///
+    /// Unset (the default), the limiter chooses it as it runs, at most the store's
+    /// [`Store::max_concurrent_calls`] (the pool size, or 4): from the callers that arrive while
+    /// a statement is in flight, as many statements as keep about 8 keys in each when callers
+    /// wait, and one statement sent at once for a lone caller. Fewer, larger statements cost
+    /// the database less per decision (DESIGN.md §7); the choice is the gauge
+    /// `tokenlease_statements_in_flight_limit`. Set, it is the fixed number. With
     /// [`sparse_keys_direct`](Self::sparse_keys_direct) on, one less (at least one) once a
     /// leased call has started the lease actor, since these statements then also carry sparse
     /// keys' calls, and the actor's refills must always find a connection.
@@ -336,6 +342,7 @@ impl LimiterBuilder {
             max_batch: self.batch_keys,
             // What the next round of statements could carry, one key per caller.
             max_queued: max_in_flight.saturating_mul(self.batch_keys),
+            adaptive: self.statements_in_flight.is_none(),
         };
         // Every plan's decision counters and the store-call counters, with the recorder
         // installed now, at zero.

@@ -107,8 +107,8 @@ pub(crate) fn parse(flag: &'static str, args: &[String]) -> Result<Vec<Shard>, S
 }
 
 /// One page of an old shard's rows: key, tokens refilled to now (strict leases counted, in
-/// tokens as decimal text), the plan's capacity and rate (nanotokens), the last grant
-/// (nanotokens), and the leases, all as text.
+/// tokens as decimal text), the plan's capacity and rate (nanotokens), the refilled amount
+/// before the last take (nanotokens), and the leases, all as text.
 // language=SQL
 const READ_PAGE: &str = "\
 SELECT key,
@@ -116,7 +116,7 @@ SELECT key,
                               refill_per_second / 1000000000.0,
                               timestamptz 'epoch' + updated_us * interval '1 microsecond',
                               leases, now())::numeric(38, 18)::text,
-       capacity::text, refill_per_second::text, last_granted::text, leases::text
+       capacity::text, refill_per_second::text, refilled::text, leases::text
 FROM tokenlease_buckets
 WHERE key > $1
 ORDER BY key
@@ -127,7 +127,7 @@ LIMIT $2";
 // language=SQL
 const WRITE_ROWS: &str = "\
 INSERT INTO tokenlease_buckets AS b
-    (key, tokens, frac, capacity, refill_per_second, updated_us, last_granted, leases)
+    (key, tokens, frac, capacity, refill_per_second, updated_us, refilled, leases)
 SELECT r.key, floor(r.tokens::numeric * 1000000000)::bigint,
        (floor(r.tokens::numeric * 1000000000000000) % 1000000)::integer,
        r.capacity::bigint, r.rate::bigint, (extract(epoch FROM now()) * 1000000)::bigint,
@@ -136,9 +136,9 @@ FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text
     AS r(key, tokens, capacity, rate, last_granted, leases)
 ORDER BY r.key
 ON CONFLICT (key) DO UPDATE
-SET (tokens, frac, capacity, refill_per_second, updated_us, last_granted, leases) =
+SET (tokens, frac, capacity, refill_per_second, updated_us, refilled, leases) =
     (EXCLUDED.tokens, EXCLUDED.frac, EXCLUDED.capacity, EXCLUDED.refill_per_second,
-     EXCLUDED.updated_us, EXCLUDED.last_granted, EXCLUDED.leases)
+     EXCLUDED.updated_us, EXCLUDED.refilled, EXCLUDED.leases)
 WHERE tokenlease_amount(EXCLUDED.tokens, EXCLUDED.frac)
       < tokenlease_refill_held(tokenlease_amount(b.tokens, b.frac), b.capacity / 1000000000.0,
                                b.refill_per_second / 1000000000.0,

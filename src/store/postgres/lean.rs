@@ -11,55 +11,51 @@
 //! instead of once per use (a CTE referenced more than once is computed once). DESIGN.md section 5 has the measurements behind each choice.
 //!
 //! The refill of a row `(tokens, frac, updated_us)` at `now_us`, capacity `C`, rate `R`, is the
-//! pure bucket's (`BucketState::refill`) to the femtotoken: with `e = max(0, now_us -
-//! updated_us)` microseconds, the bucket gains `e × R` femtotokens. Written without overflow:
-//! `e / 10⁶ × R + e % 10⁶ × (R / 10⁶)` whole nanotokens, plus `(e % 10⁶ × (R % 10⁶) + frac) /
-//! 10⁶` carried from the femtotokens, whose remainder is the new `frac`. A row already full, or
-//! whose whole seconds of `e` exceed its deficit over `R`, is full without multiplying. The
-//! bounds of the table (capacity ≤ 8 × 10¹⁸, rate ≤ 10¹⁸) keep every sum below 2⁶³.
+//! pure bucket's (`BucketState::refill`) to the femtotoken: with `e = max(0, now_us −
+//! updated_us)` microseconds, the bucket gains `e × R` femtotokens, computed as one exact
+//! `numeric` product `e × R + frac`; its whole millions are nanotokens (at most `C − tokens` of
+//! them), its remainder the new `frac` (zero once the bucket is full). One multiplication in
+//! `numeric` makes a smaller expression than the same sum split into `bigint` parts that cannot
+//! overflow, and the executor builds every expression of a statement afresh each time it runs:
+//! the smaller tree cost the server less per statement (DESIGN.md section 5).
 
 use std::sync::LazyLock;
 
-/// Elapsed microseconds since the row's refill, never negative. `now` names the column with the
+/// The femtotokens the bucket holds below its whole nanotokens plus what the refill since
+/// `updated_us` adds (`max(0, now − updated_us) × rate`), as an exact `numeric`: one
+/// multiplication, with no overflow whatever the elapsed time. `now` names the column with the
 /// database's clock in microseconds.
-fn elapsed(row: &str, now: &str) -> String {
-    format!("greatest(0, {now} - {row}.updated_us)")
+fn femtotokens(row: &str, rate: &str, now: &str) -> String {
+    format!("(greatest(0, {now} - {row}.updated_us)::numeric * {rate} + {row}.frac)")
 }
 
-/// The refilled whole nanotokens, before the capacity cap is applied to the sum, or the
-/// capacity when the row is full anyway.
-fn refilled_raw(row: &str, capacity: &str, rate: &str, now: &str) -> String {
-    let e = elapsed(row, now);
-    format!(
-        "CASE WHEN {row}.tokens >= {capacity} \
-              OR {e} / 1000000 > ({capacity} - {row}.tokens) / {rate} THEN {capacity} \
-         ELSE {row}.tokens + {e} / 1000000 * {rate} + {e} % 1000000 * ({rate} / 1000000) \
-              + ({e} % 1000000 * ({rate} % 1000000) + {row}.frac) / 1000000 END"
-    )
-}
-
-/// The refilled whole nanotokens, capped at the capacity.
+/// The refilled whole nanotokens, capped at the capacity: `tokens + min(capacity − tokens,
+/// refill)`, which is the capacity when a row holds more (its plan's capacity was lowered) and
+/// never leaves bigint (the refill is compared in `numeric` before the cast).
 fn available(row: &str, capacity: &str, rate: &str, now: &str) -> String {
-    let raw = refilled_raw(row, capacity, rate, now);
-    format!("least({capacity}, {raw})")
+    let femto = femtotokens(row, rate, now);
+    format!("({row}.tokens + least({capacity} - {row}.tokens, div({femto}, 1000000))::bigint)")
 }
 
 /// The femtotokens left over by the refill: zero once the bucket is full.
 fn refilled_frac(row: &str, capacity: &str, rate: &str, now: &str) -> String {
-    let raw = refilled_raw(row, capacity, rate, now);
-    let e = elapsed(row, now);
+    let femto = femtotokens(row, rate, now);
     format!(
-        "CASE WHEN {raw} >= {capacity} THEN 0 \
-         ELSE (({e} % 1000000 * ({rate} % 1000000) + {row}.frac) % 1000000)::integer END"
+        "CASE WHEN {row}.tokens + div({femto}, 1000000) >= {capacity} THEN 0 \
+         ELSE mod({femto}, 1000000)::integer END"
     )
 }
 
 /// The grant from `available` whole nanotokens: the largest multiple of `step` up to `want`
-/// and `available`, if it reaches `min` and is above zero; else 0 (as
-/// `AcquireRequest::grantable`).
+/// and `available`, if it reaches `min`; else 0 (as `AcquireRequest::grantable`). Written with
+/// `available` twice rather than the candidate twice: with `min` a multiple of `step` (the
+/// store makes it one), the candidate `least(want, available / step × step)` reaches `min`
+/// exactly when `available` and `want` both do, and a candidate of 0 grants 0 either way.
 fn grant(available: &str, min: &str, want: &str, step: &str) -> String {
-    let candidate = format!("least({want}, ({available}) / {step} * {step})");
-    format!("CASE WHEN {candidate} >= {min} AND {candidate} > 0 THEN {candidate} ELSE 0 END")
+    format!(
+        "CASE WHEN {available} >= {min} AND {want} >= {min} \
+         THEN least({want}, ({available}) / {step} * {step}) ELSE 0 END"
+    )
 }
 
 /// The database's clock in whole microseconds since the Unix epoch.
@@ -70,7 +66,9 @@ const NOW_US: &str = "(extract(epoch FROM now()) * 1000000)::bigint";
 /// and taken from in `ON CONFLICT DO UPDATE`, which reads the request's capacity, rate and the
 /// clock from `EXCLUDED` (so the clock is computed once) and `min`, `want`, `step` from the
 /// parameters. A key whose row holds strict leases comes back without a row (the update's
-/// `WHERE` fails), and `tokenlease_acquire_held` decides it.
+/// `WHERE` fails), and `tokenlease_acquire_held` decides it. The row keeps the refilled amount
+/// before the take in `refilled`, and the grant comes back as `refilled - tokens`: the grant's
+/// expression is written once, not once for `tokens` and again for the answer.
 ///
 /// `$1` text key, `$2` capacity, `$3` rate, `$4` min, `$5` want, `$6` step (bigint
 /// nanotokens). Returns key, tokens, frac, the grant, updated_us and now_us.
@@ -87,15 +85,14 @@ pub(super) static ACQUIRE_ONE: LazyLock<String> = LazyLock::new(|| {
     format!(
         "-- tokenlease: refill and take, one key (src/store/postgres/lean.rs)\n\
          INSERT INTO tokenlease_buckets AS b \
-             (key, tokens, frac, capacity, refill_per_second, updated_us, last_granted) \
-         SELECT $1, $2 - ({granted_new}), 0, $2, $3, n.now_us, {granted_new} \
-         FROM (SELECT {NOW_US} AS now_us OFFSET 0) AS n \
+             (key, tokens, frac, capacity, refill_per_second, updated_us, refilled) \
+         VALUES ($1, $2 - ({granted_new}), 0, $2, $3, {NOW_US}, $2) \
          ON CONFLICT (key) DO UPDATE \
          SET tokens = {avail} - ({granted}), frac = {frac}, capacity = {capacity}, \
              refill_per_second = {rate}, updated_us = greatest(b.updated_us, {now}), \
-             last_granted = {granted} \
+             refilled = {avail} \
          WHERE cardinality(b.leases) = 0 \
-         RETURNING b.key, b.tokens, b.frac, b.last_granted, b.updated_us, {NOW_US}"
+         RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, {NOW_US}"
     )
 });
 
@@ -126,21 +123,23 @@ pub(super) static ACQUIRE_MANY: LazyLock<String> = LazyLock::new(|| {
              UPDATE tokenlease_buckets AS b \
              SET tokens = {avail} - ({granted}), frac = {frac}, capacity = r.capacity, \
                  refill_per_second = r.rate, updated_us = greatest(b.updated_us, r.now_us), \
-                 last_granted = {granted} \
+                 refilled = {avail} \
              FROM r \
              WHERE b.key = r.key AND b.key IN (SELECT locked.key FROM locked) \
                AND cardinality(b.leases) = 0 \
-             RETURNING b.key, b.tokens, b.frac, b.last_granted, b.updated_us, r.now_us), \
+             RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, \
+                       r.now_us), \
          i AS ( \
              INSERT INTO tokenlease_buckets AS b \
-                 (key, tokens, frac, capacity, refill_per_second, updated_us, last_granted) \
+                 (key, tokens, frac, capacity, refill_per_second, updated_us, refilled) \
              SELECT r.key, r.capacity - ({granted_new}), 0, r.capacity, r.rate, r.now_us, \
-                    {granted_new} \
+                    r.capacity \
              FROM r \
              WHERE r.key NOT IN (SELECT u.key FROM u) \
              ORDER BY r.key \
              ON CONFLICT (key) DO NOTHING \
-             RETURNING b.key, b.tokens, b.frac, b.last_granted, b.updated_us, b.updated_us) \
+             RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, \
+                       b.updated_us) \
          SELECT * FROM u UNION ALL SELECT * FROM i"
     )
 });
@@ -197,7 +196,7 @@ pub(super) static GIVE_BACK: LazyLock<String> = LazyLock::new(|| {
                          THEN CASE WHEN {credited_raw} >= r.capacity THEN 0 ELSE {frac} END \
                          ELSE (floor({held} * 1000000000000000) % 1000000)::integer END, \
              capacity = r.capacity, refill_per_second = r.rate, \
-             updated_us = greatest(b.updated_us, r.now_us), last_granted = 0, \
+             updated_us = greatest(b.updated_us, r.now_us), refilled = 0, \
              leases = CASE WHEN cardinality(b.leases) = 0 THEN b.leases ELSE {leases} END \
          FROM (SELECT r.*, {NOW_US} AS now_us \
                FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], \
