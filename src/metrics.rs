@@ -134,6 +134,11 @@ pub fn describe() {
         Unit::Count,
         "store calls that failed or timed out, by kind"
     );
+    describe_gauge!(
+        STATEMENTS_IN_FLIGHT_LIMIT,
+        Unit::Count,
+        "direct mode's limit on statements in flight, about 8 keys a statement when callers wait"
+    );
     describe_counter!(
         DB_CALLS_SAVED,
         Unit::Count,
