@@ -21,7 +21,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
@@ -64,10 +65,13 @@ pub(crate) struct Settings {
 /// many callers' keys in each statement. Measured on the 2-core test machine (pgbench, the
 /// many-key take, prepared): 136–139 µs of server CPU per decision at 2 keys a statement,
 /// 81–83 µs at 4, 47 µs at 8, 28–29 µs at 16 (DESIGN.md §7).
-const TARGET_BATCH: u64 = 8;
+const TARGET_BATCH: f64 = 16.0;
 
-/// Fixed-point scale of [`Coalescer::arrivals_per_statement`]'s moving average.
-const EWMA_SCALE: u64 = 256;
+/// The longest a free slot waits for more callers before its statement leaves (the gather
+/// window is a quarter of the recent statement time, within this and [`MIN_GATHER`]).
+const MAX_GATHER: Duration = Duration::from_millis(1);
+/// The shortest gather window.
+const MIN_GATHER: Duration = Duration::from_micros(50);
 
 type Reply = oneshot::Sender<Result<Acquired, Unanswered>>;
 
@@ -104,9 +108,41 @@ struct State {
     in_flight: usize,
     /// Callers in some key's `waiters`.
     queued: usize,
-    /// Callers that ever arrived (wrapping): the adaptive limit counts those that arrive while
-    /// a statement is in flight.
+    /// Callers that ever arrived (wrapping), for the arrival rate.
     arrivals: u64,
+    /// What the adaptive limit measures (with [`Settings::adaptive`]).
+    load: Load,
+    /// A statement is held back for the gather window: a timer sends it.
+    gathering: bool,
+}
+
+/// The load the adaptive limit is chosen from: moving averages (about 8 samples) of the callers'
+/// arrival rate and of a statement's time, both measured as statements finish.
+#[derive(Default)]
+struct Load {
+    /// When the last statement finished, and `arrivals` then.
+    last: Option<(Instant, u64)>,
+    /// Callers per second.
+    rate: f64,
+    /// A statement's time, in seconds.
+    statement: f64,
+}
+
+impl Load {
+    /// The callers that arrive while one statement runs (λ·S).
+    fn per_statement(&self) -> f64 {
+        self.rate * self.statement
+    }
+}
+
+/// What a free slot does now.
+enum Next {
+    /// Send this statement.
+    Send(Vec<Item>),
+    /// Wait this long for more callers; a timer then sends what is ready.
+    Gather(Duration),
+    /// Nothing to send, or no slot free.
+    Nothing,
 }
 
 /// One key's request in a statement, and the callers it answers.
@@ -143,9 +179,6 @@ pub(crate) struct Coalescer {
     leases_run: AtomicBool,
     /// The adaptive limit on statements in flight (with [`Settings::adaptive`]).
     limit: AtomicUsize,
-    /// Moving average of the callers that arrive while one statement is in flight (×
-    /// [`EWMA_SCALE`]): the arrival rate times the statement time.
-    arrivals_per_statement: AtomicU64,
     /// A key of a part other than 0 was seen (a sharded store): statements to different parts
     /// must not wait for each other, so the limit stays at the cap.
     parts: AtomicBool,
@@ -174,7 +207,6 @@ impl Coalescer {
             },
             leases_run: AtomicBool::new(false),
             limit: AtomicUsize::new(settings.max_in_flight.max(1)),
-            arrivals_per_statement: AtomicU64::new(0),
             parts: AtomicBool::new(false),
         })
     }
@@ -199,29 +231,95 @@ impl Coalescer {
         }
     }
 
-    /// The adaptive limit after a statement during which `arrived` callers arrived.
+    /// Whether adaptation applies: the user left the number open and the store is one part.
+    fn adaptive(&self) -> bool {
+        self.settings.adaptive && !self.parts.load(Ordering::Relaxed)
+    }
+
+    /// The adaptive limit after a statement that took `took` finished at `now`.
     ///
     /// Callers arriving at rate λ while each statement takes S leave λ·S callers for the next
     /// statements; with L statements in flight each carries about λ·S / L of them. So
     /// L = λ·S / [`TARGET_BATCH`] (at least 1) makes every statement carry about
     /// [`TARGET_BATCH`] keys when that many callers wait, which is where the server's cost per
-    /// decision levels off, and sends a lone caller's statement at once (a slot is free). The
-    /// average over about 8 statements damps the swing between two limits.
-    fn adapt(&self, arrived: u64) {
-        let old = self.arrivals_per_statement.load(Ordering::Relaxed);
-        let sample = arrived.saturating_mul(EWMA_SCALE);
-        let avg = if old == 0 {
-            sample
-        } else {
-            old - old / 8 + sample / 8
+    /// decision levels off; a lone caller finds a slot free and its statement leaves at once.
+    fn adapt(&self, load: &mut Load, arrivals: u64, took: Duration, now: Instant) {
+        let smooth = |old: f64, sample: f64| {
+            if old == 0.0 {
+                sample
+            } else {
+                old + (sample - old) / 8.0
+            }
         };
-        self.arrivals_per_statement.store(avg, Ordering::Relaxed);
-        let per_statement = (avg + EWMA_SCALE * TARGET_BATCH / 2) / (EWMA_SCALE * TARGET_BATCH);
-        let limit = usize::try_from(per_statement)
-            .unwrap_or(usize::MAX)
-            .clamp(1, self.settings.max_in_flight);
+        load.statement = smooth(load.statement, took.as_secs_f64());
+        if let Some((at, before)) = load.last {
+            let dt = now.saturating_duration_since(at).as_secs_f64();
+            if dt > 0.0 {
+                let arrived = arrivals.wrapping_sub(before) as f64;
+                load.rate = smooth(load.rate, arrived / dt);
+            }
+        }
+        load.last = Some((now, arrivals));
+        let limit = (load.per_statement() / TARGET_BATCH).round() as usize;
+        let limit = limit.clamp(1, self.settings.max_in_flight);
         self.limit.store(limit, Ordering::Relaxed);
         metrics::gauge!(crate::metrics::STATEMENTS_IN_FLIGHT_LIMIT).set(limit as f64);
+    }
+
+    /// How long a free slot waits for more callers before it sends what is ready, if it should:
+    /// while fewer than [`TARGET_BATCH`] keys are ready and another caller is expected within
+    /// the window, a quarter of a statement's time (within [`MIN_GATHER`] and [`MAX_GATHER`]). Without the wait, the callers of a statement that just finished come
+    /// back one by one, the first finds the slot free and leaves alone, and statements
+    /// alternate between one key and all the others.
+    fn gather_window(&self, state: &State) -> Option<Duration> {
+        if !self.adaptive() || state.gathering || (state.ready.len() as f64) >= TARGET_BATCH {
+            return None;
+        }
+        let window =
+            Duration::from_secs_f64(state.load.statement / 4.0).clamp(MIN_GATHER, MAX_GATHER);
+        // Worth waiting only when another caller is expected within the window.
+        if state.load.rate * window.as_secs_f64() < 1.0 {
+            return None;
+        }
+        Some(window)
+    }
+
+    /// The next statement to send now, or the gather window to wait first (`gathering` is set
+    /// and the caller must start the timer, [`Coalescer::gather`]).
+    fn next(&self, state: &mut State, now: Instant) -> Next {
+        if state.gathering && (state.ready.len() as f64) < TARGET_BATCH {
+            // The timer sends it.
+            return Next::Nothing;
+        }
+        if state.in_flight >= self.cap() {
+            return Next::Nothing;
+        }
+        if let Some(window) = self.gather_window(state) {
+            if !state.ready.is_empty() {
+                state.gathering = true;
+                return Next::Gather(window);
+            }
+        }
+        match state.next_batch(&self.settings, self.cap(), now) {
+            Some(batch) => Next::Send(batch),
+            None => Next::Nothing,
+        }
+    }
+
+    /// Waits out a gather window, then sends what is ready.
+    fn gather(self: &Arc<Self>, store: &Arc<dyn Store>, window: Duration) {
+        let (this, store) = (Arc::clone(self), Arc::clone(store));
+        tokio::spawn(async move {
+            tokio::time::sleep(window).await;
+            let batch = {
+                let mut state = this.state.lock();
+                state.gathering = false;
+                state.next_batch(&this.settings, this.cap(), Instant::now())
+            };
+            if let Some(batch) = batch {
+                this.spawn(&store, batch);
+            }
+        });
     }
 
     /// Takes `cost` from `key`'s bucket, in a statement shared with other callers, answering by
@@ -273,10 +371,12 @@ impl Coalescer {
                 entry.ready = true;
                 ready.push_back(key.to_owned());
             }
-            state.next_batch(&self.settings, self.cap(), Instant::now())
+            self.next(&mut state, Instant::now())
         };
-        if let Some(batch) = batch {
-            self.spawn(store, batch);
+        match batch {
+            Next::Send(batch) => self.spawn(store, batch),
+            Next::Gather(window) => self.gather(store, window),
+            Next::Nothing => {}
         }
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(answer)) => answer,
@@ -298,7 +398,7 @@ impl Coalescer {
                 keys: batch.iter().map(|item| item.key.clone()).collect(),
                 armed: true,
             };
-            let arrivals_at_send = self.state.lock().arrivals;
+            let sent = Instant::now();
             let result = {
                 let requests: Vec<AcquireRequest<'_>> = batch.iter().map(Item::request).collect();
                 metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
@@ -318,8 +418,11 @@ impl Coalescer {
                 metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
             }
             flight.armed = false;
-            let mut next = self.finish(batch, result, arrivals_at_send);
+            let (mut next, window) = self.finish(batch, result, sent.elapsed());
             drop(flight);
+            if let Some(window) = window {
+                self.gather(&store, window);
+            }
             batch = match next.pop() {
                 Some(batch) => batch,
                 None => return,
@@ -336,8 +439,8 @@ impl Coalescer {
         &self,
         batch: Vec<Item>,
         result: Vec<Result<Acquired, StoreError>>,
-        arrivals_at_send: u64,
-    ) -> Vec<Vec<Item>> {
+        took: Duration,
+    ) -> (Vec<Vec<Item>>, Option<Duration>) {
         let mut answers: Vec<(Reply, Result<Acquired, Unanswered>)> = Vec::new();
         let keys: Vec<(String, BucketConfig)> = batch
             .iter()
@@ -361,8 +464,9 @@ impl Coalescer {
         let next = {
             let mut state = self.state.lock();
             state.in_flight -= 1;
-            if self.settings.adaptive {
-                self.adapt(state.arrivals.wrapping_sub(arrivals_at_send));
+            if self.adaptive() {
+                let arrivals = state.arrivals;
+                self.adapt(&mut state.load, arrivals, took, Instant::now());
             }
             for ((key, bucket), outcome) in keys.into_iter().zip(outcomes) {
                 let State {
@@ -398,10 +502,18 @@ impl Coalescer {
             }
             let now = Instant::now();
             let mut next = Vec::new();
-            while let Some(batch) = state.next_batch(&self.settings, self.cap(), now) {
-                next.push(batch);
+            let mut window = None;
+            loop {
+                match self.next(&mut state, now) {
+                    Next::Send(batch) => next.push(batch),
+                    Next::Gather(w) => {
+                        window = Some(w);
+                        break;
+                    }
+                    Next::Nothing => break,
+                }
             }
-            next
+            (next, window)
         };
         for (reply, answer) in answers {
             // A caller that went away has its share counted as spent.
