@@ -353,3 +353,34 @@ async fn r7_a_reload_closes_the_leases_of_a_changed_plans_shadow_twin() {
     }
     limiter.shutdown().await;
 }
+
+/// A policy of `n` plans `p0`, `p1`, … of this capacity, the rule `k:` naming the last one.
+fn numbered(n: usize, capacity: u64) -> Policies {
+    let mut json = String::from(r#"{ "plans": {"#);
+    for i in 0..n {
+        let comma = if i == 0 { "" } else { "," };
+        json.push_str(&format!(
+            r#"{comma}"p{i}":{{"capacity":{capacity},"refill_per_second":1}}"#
+        ));
+    }
+    json.push_str(&format!(
+        r#"}}, "keys": [ {{ "prefix": "k:", "plan": "p{}" }} ] }}"#,
+        n - 1
+    ));
+    policies(&json)
+}
+
+/// R9: a limiter built from a policy of 65,528 plans (the most a file may hold) holds them
+/// all and decides under the last one; reloading the same file again adds none.
+#[tokio::test]
+async fn r9_a_limiter_holds_a_policy_of_the_most_plans() {
+    let limiter = Limiter::builder(tokenlease::store::MemoryStore::new())
+        .policies(numbered(65_528, 2))
+        .build();
+    assert_eq!(limiter.policies().unwrap().plans().count(), 65_528);
+    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 65_528);
+    let d = limiter.try_acquire("k:x", 2.0).await.expect("a plan");
+    assert!(d.allowed);
+    limiter.reload(numbered(65_528, 2)).expect("the same plans");
+    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 65_528);
+}

@@ -453,11 +453,14 @@ impl Limiter {
         let new = Arc::clone(&loaded.policies);
         *self.inner.policies.write() = Some(loaded);
         if let Some(leases) = self.inner.leases.get() {
-            // Plans any policies have held (not a reference to the limiter: the actor holds
-            // this until its next round).
-            let given: Vec<Arc<Plan>> = (0..self.inner.plans.len())
-                .filter_map(|i| self.inner.plans.get(i).cloned())
-                .collect();
+            // Plans any policies have held, by name (not a reference to the limiter: the actor
+            // holds this until its next round), so that each lease costs a look-up, not a scan.
+            let mut given: std::collections::HashMap<String, Vec<Arc<Plan>>> =
+                std::collections::HashMap::new();
+            for plan in (0..self.inner.plans.len()).filter_map(|i| self.inner.plans.get(i)) {
+                let versions = given.entry(plan.name().to_owned()).or_default();
+                versions.push(Arc::clone(plan));
+            }
             let policies = Arc::clone(&new);
             leases.reload(crate::lease::Stale(Box::new(
                 move |key: &str, plan: &Plan, by_key: bool| {
@@ -468,7 +471,9 @@ impl Limiter {
                     // expire.
                     let named = policies.plan(plan.name());
                     if named.is_none_or(|p| !p.same_but_shadow(plan))
-                        && given.iter().any(|p| p.same_but_shadow(plan))
+                        && given
+                            .get(plan.name())
+                            .is_some_and(|v| v.iter().any(|p| p.same_but_shadow(plan)))
                     {
                         return true;
                     }
