@@ -352,8 +352,11 @@ impl LimiterBuilder {
         }
         crate::metrics::register_reloads();
         let plans = PlanRegistry::default();
-        // A policy file holds far fewer plans than the registry's bound.
-        let loaded = self.policies.and_then(|p| Loaded::new(p, &plans));
+        // A policy defines at most `policy::MAX_PLANS` plans (`Policies` refuses more), and a
+        // new registry holds that many: never `None`.
+        let loaded = self
+            .policies
+            .map(|p| Loaded::new(p, &plans).expect("a policy's plans fit in a new plan registry"));
         let fallback = if self.outage_debt {
             let settings = crate::debt::Settings::new(call_deadline);
             Fallback::with_debt(Debt::new(Arc::clone(&self.store), settings))

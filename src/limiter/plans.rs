@@ -23,8 +23,12 @@ use crate::policy::Plan;
 const FIRST: usize = 8;
 /// Chunks: `FIRST · (2^CHUNKS − 1)` entries in all.
 const CHUNKS: usize = 13;
-/// The most distinct plans one limiter holds over its life (65,528).
-pub(crate) const MAX_PLANS: usize = FIRST * ((1 << CHUNKS) - 1);
+/// The most distinct plans one limiter holds over its life (65,528): as many as a policy may
+/// define, so a limiter built with any policy holds it.
+pub(crate) const MAX_PLANS: usize = crate::policy::MAX_PLANS;
+
+// The chunks hold exactly that many.
+const _: () = assert!(FIRST * ((1 << CHUNKS) - 1) == MAX_PLANS);
 
 // A key's record names its plan by a 16-bit index, `u16::MAX` meaning "named by the caller".
 const _: () = assert!(MAX_PLANS < u16::MAX as usize);
