@@ -5,7 +5,11 @@
 //! Equal plans share one entry ([`PlanRegistry::intern`]), so reloading the same file again,
 //! or flipping between two versions of it, adds nothing. The registry is bounded
 //! ([`MAX_PLANS`] distinct plans over the limiter's life); a reload that would pass the bound
-//! is refused.
+//! is refused, and adds nothing ([`PlanRegistry::intern_all`]). Entries are never reused: a
+//! key's record may name a plan no policy holds any more until the lease actor's next round,
+//! and a call reads its entry without a lock or a reference count. So each distinct plan
+//! counts once for the limiter's life, however often it is reloaded: flipping between
+//! versions costs nothing, and a reload that changes `k` plans uses `k` entries.
 //!
 //! An entry is found from its plan's [`Identity`] through a hash map, so interning a policy
 //! is linear in its plans, whatever the registry holds.
@@ -56,6 +60,19 @@ impl Identity {
     }
 }
 
+/// The entries of each identity.
+type ByIdentity = HashMap<Identity, Vec<u32>>;
+
+/// Why [`PlanRegistry::intern_all`] added nothing: the plans it was given that no entry
+/// equals would take the registry past [`MAX_PLANS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Full {
+    /// The entries the registry holds.
+    pub(crate) held: usize,
+    /// The plans no entry equals.
+    pub(crate) adding: usize,
+}
+
 /// Append-only, lock-free to read.
 #[derive(Default)]
 pub(crate) struct PlanRegistry {
@@ -63,7 +80,7 @@ pub(crate) struct PlanRegistry {
     /// Entries published so far.
     len: AtomicUsize,
     /// The entries of each identity; its lock serialises appends.
-    push: Mutex<HashMap<Identity, Vec<u32>>>,
+    push: Mutex<ByIdentity>,
     /// Plan comparisons made by `intern`, for the test that it is linear.
     #[cfg(test)]
     compared: AtomicUsize,
@@ -95,30 +112,65 @@ impl PlanRegistry {
 
     /// The entry equal to `plan` (the same `Arc`, or an equal plan), added if there is none:
     /// its index and the shared `Arc`. `None` once the registry holds [`MAX_PLANS`].
-    ///
-    /// Takes time in the number of entries of `plan`'s [`Identity`], not in the registry's.
+    #[cfg(test)]
     pub(crate) fn intern(&self, plan: &Arc<Plan>) -> Option<(u32, &Arc<Plan>)> {
+        self.intern_all(std::slice::from_ref(plan)).ok()?.pop()
+    }
+
+    /// The entry of each of `plans`, in their order, as [`intern`](Self::intern) finds or adds
+    /// it; all or nothing: when the plans no entry equals would take the registry past
+    /// [`MAX_PLANS`], nothing is added and [`Full`] says how many there are.
+    ///
+    /// Takes time in the number of plans and, for each, in the entries of its [`Identity`],
+    /// not in the registry's.
+    pub(crate) fn intern_all(&self, plans: &[Arc<Plan>]) -> Result<Vec<(u32, &Arc<Plan>)>, Full> {
         let mut by_identity = self.push.lock();
-        let identity = Identity::of(plan);
-        for &i in by_identity.get(&identity).into_iter().flatten() {
-            let entry = self.get(i as usize).expect("published");
+        let found: Vec<Option<u32>> = plans.iter().map(|p| self.find(&by_identity, p)).collect();
+        let held = self.len.load(Ordering::Acquire);
+        // A plan equal to an earlier new one is counted twice here and added once below:
+        // never more than the bound.
+        let adding = found.iter().filter(|i| i.is_none()).count();
+        if held + adding > MAX_PLANS {
+            return Err(Full { held, adding });
+        }
+        Ok(plans
+            .iter()
+            .zip(found)
+            .map(|(plan, found)| {
+                let i = found
+                    .or_else(|| self.find(&by_identity, plan))
+                    .unwrap_or_else(|| self.append(&mut by_identity, plan));
+                (i, self.get(i as usize).expect("published"))
+            })
+            .collect())
+    }
+
+    /// The entry equal to `plan`, if any.
+    fn find(&self, by_identity: &ByIdentity, plan: &Arc<Plan>) -> Option<u32> {
+        let same = by_identity.get(&Identity::of(plan))?;
+        same.iter().copied().find(|&i| {
             #[cfg(test)]
             self.compared.fetch_add(1, Ordering::Relaxed);
-            if Arc::ptr_eq(entry, plan) || **entry == **plan {
-                return Some((i, entry));
-            }
-        }
+            let entry = self.get(i as usize).expect("published");
+            Arc::ptr_eq(entry, plan) || **entry == **plan
+        })
+    }
+
+    /// Adds `plan`, which no entry equals, to a registry below [`MAX_PLANS`]: its index.
+    fn append(&self, by_identity: &mut ByIdentity, plan: &Arc<Plan>) -> u32 {
         let len = self.len.load(Ordering::Acquire);
-        if len >= MAX_PLANS {
-            return None;
-        }
+        assert!(len < MAX_PLANS, "room checked before");
         let (chunk, offset) = locate(len);
         let slots = self.chunks[chunk]
             .get_or_init(|| (0..FIRST << chunk).map(|_| OnceLock::new()).collect());
         let _ = slots[offset].set(Arc::clone(plan));
-        by_identity.entry(identity).or_default().push(len as u32);
+        let index = len as u32;
+        by_identity
+            .entry(Identity::of(plan))
+            .or_default()
+            .push(index);
         self.len.store(len + 1, Ordering::Release);
-        Some((len as u32, slots[offset].get().expect("just set")))
+        index
     }
 
     /// Whether some entry equals `plan`.
