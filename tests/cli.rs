@@ -196,7 +196,7 @@ fn check_warns_about_entity_limits_above_the_global_limit() {
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "a warning is not a failure: {stderr}");
     assert!(stdout.contains("4 plans, 3 routes"), "{stdout}");
-    let warnings: Vec<&str> = stderr.lines().filter(|l| l.contains("warning")).collect();
+    let warnings: Vec<&str> = stderr.lines().filter(|l| l.contains("routes[")).collect();
     assert_eq!(warnings.len(), 2, "{stderr}");
     assert!(
         warnings[0].contains("routes[0]")
@@ -209,6 +209,47 @@ fn check_warns_about_entity_limits_above_the_global_limit() {
         warnings[1].contains("routes[1]") && warnings[1].contains("rate 80"),
         "{stderr}"
     );
+}
+
+/// A plan whose fallback is a local bucket for one instance (what a plan without `fallback`
+/// gets) lets every instance admit the whole limit while the database is down: `check` warns
+/// once for each such plan, naming it and what to set, and still accepts the file. Plans with
+/// `instances` above one, `deny` or `allow` are not warned about.
+#[test]
+fn check_warns_about_plans_whose_fallback_is_local_for_one_instance() {
+    let out = check(
+        r#"{
+          "plans": {
+            "unset": { "capacity": 100, "refill_per_second": 50 },
+            "one": { "capacity": 10, "refill_per_second": 1,
+                     "fallback": { "mode": "local", "instances": 1 } },
+            "four": { "capacity": 10, "refill_per_second": 1,
+                      "fallback": { "mode": "local", "instances": 4 } },
+            "closed": { "capacity": 10, "refill_per_second": 1, "fallback": { "mode": "deny" } },
+            "open": { "capacity": 10, "refill_per_second": 1, "fallback": { "mode": "allow" } }
+          }
+        }"#,
+    );
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "a warning is not a failure: {stderr}");
+    assert!(stdout.contains("5 plans"), "{stdout}");
+    let warnings: Vec<&str> = stderr.lines().filter(|l| l.contains("warning")).collect();
+    assert_eq!(warnings.len(), 2, "{stderr}");
+    assert!(
+        warnings[0].contains("plans.unset.fallback: warning:")
+            || warnings[0].contains(": warning: plans.unset.fallback:"),
+        "{stderr}"
+    );
+    assert!(warnings[1].contains("plans.one.fallback"), "{stderr}");
+    for w in &warnings {
+        assert!(
+            w.contains("local bucket for 1 instance")
+                && w.contains("every instance admits the plan's whole limit")
+                && w.contains(r#""instances""#)
+                && w.contains(r#""deny""#),
+            "{w}"
+        );
+    }
 }
 
 #[test]

@@ -1514,3 +1514,57 @@ fn check_command_refuses_a_missing_file() {
         "{stderr}"
     );
 }
+
+/// A policy of `n` plans `p0`, `p1`, … and a rule `k{i}:` for the last one.
+fn many_plans(n: usize) -> String {
+    let mut json = String::from(r#"{ "plans": {"#);
+    for i in 0..n {
+        let comma = if i == 0 { "" } else { "," };
+        let _ = write!(
+            json,
+            r#"{comma}"p{i}":{{"capacity":1,"refill_per_second":1}}"#
+        );
+    }
+    let _ = write!(
+        json,
+        r#"}}, "keys": [ {{ "prefix": "k:", "plan": "p{}" }} ] }}"#,
+        n - 1
+    );
+    json
+}
+
+/// A8: a file with more plans than a limiter can hold (65,528, `policy::MAX_PLANS`) is refused
+/// when it is read, naming the count and the bound, and so by `tokenlease check`, instead of
+/// giving a limiter that holds no policies; the bound itself is accepted.
+#[test]
+fn a8_a_file_with_more_plans_than_a_limiter_holds_is_refused() {
+    let ok = Policies::from_json_str(&many_plans(65_528), None).expect("the bound fits");
+    assert_eq!(ok.plans().count(), 65_528);
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("many.json");
+    std::fs::write(&path, many_plans(65_529)).unwrap();
+    let err = Policies::from_file(&path).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "{}: plans: too many plans: 65529, more than the 65528 a limiter can hold",
+            path.display()
+        )
+    );
+    assert_eq!(err.field(), Some("plans"));
+    assert_eq!(
+        err.kind(),
+        PolicyErrorKind::TooManyPlans {
+            count: 65_529,
+            limit: tokenlease::policy::MAX_PLANS
+        }
+    );
+    assert_eq!(tokenlease::policy::MAX_PLANS, 65_528);
+    #[cfg(feature = "cli")]
+    {
+        let out = check_command(&path);
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        assert_eq!(String::from_utf8(out.stderr).unwrap(), format!("{err}\n"));
+    }
+}

@@ -353,3 +353,73 @@ async fn r7_a_reload_closes_the_leases_of_a_changed_plans_shadow_twin() {
     }
     limiter.shutdown().await;
 }
+
+/// A policy of `n` plans `p0`, `p1`, … of this capacity, the rule `k:` naming the last one.
+fn numbered(n: usize, capacity: u64) -> Policies {
+    let mut json = String::from(r#"{ "plans": {"#);
+    for i in 0..n {
+        let comma = if i == 0 { "" } else { "," };
+        json.push_str(&format!(
+            r#"{comma}"p{i}":{{"capacity":{capacity},"refill_per_second":1}}"#
+        ));
+    }
+    json.push_str(&format!(
+        r#"}}, "keys": [ {{ "prefix": "k:", "plan": "p{}" }} ] }}"#,
+        n - 1
+    ));
+    policies(&json)
+}
+
+/// R8: a reload refused for too many plans leaves the plan registry as it was: with 30,000
+/// plans in force, 40,000 new ones are refused (30,000 + 40,000 > 65,528), and then 30,000
+/// new ones, which fit beside the 30,000, are put in force. The registry never forgets a plan
+/// (a key's record names its plan by index without a lock), so the next 30,000 are refused,
+/// and the message says what is held, what the reload adds, and what to do.
+#[tokio::test]
+async fn r8_a_refused_reload_leaves_the_registry_as_it_was() {
+    let limiter = Limiter::builder(tokenlease::store::MemoryStore::new())
+        .policies(numbered(30_000, 1))
+        .build();
+    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 30_000);
+
+    let err = limiter.reload(numbered(40_000, 2)).unwrap_err();
+    assert!(matches!(err, ReloadError::TooManyPlans { .. }), "{err}");
+    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 30_000);
+    // The old policies stay in force: capacity 1.
+    assert!(limiter.try_acquire("k:a", 1.0).await.unwrap().allowed);
+    assert!(!limiter.try_acquire("k:a", 1.0).await.unwrap().allowed);
+
+    limiter
+        .reload(numbered(30_000, 3))
+        .expect("30,000 new plans fit beside 30,000");
+    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 60_000);
+    assert_eq!(limiter.policies().unwrap().plans().count(), 30_000);
+    assert!(limiter.try_acquire("k:b", 3.0).await.unwrap().allowed);
+
+    let err = limiter.reload(numbered(30_000, 4)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "too many distinct plans: this reload adds 30000 to the 60000 the limiter holds, \
+         more than the 65528 it can hold over its life (a plan is kept until the process \
+         exits, once however often it is reloaded); restart the process to start afresh"
+    );
+    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 60_000);
+    // Reloading versions already held adds nothing and is not refused.
+    limiter.reload(numbered(30_000, 1)).expect("held already");
+    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 60_000);
+}
+
+/// R9: a limiter built from a policy of 65,528 plans (the most a file may hold) holds them
+/// all and decides under the last one; reloading the same file again adds none.
+#[tokio::test]
+async fn r9_a_limiter_holds_a_policy_of_the_most_plans() {
+    let limiter = Limiter::builder(tokenlease::store::MemoryStore::new())
+        .policies(numbered(65_528, 2))
+        .build();
+    assert_eq!(limiter.policies().unwrap().plans().count(), 65_528);
+    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 65_528);
+    let d = limiter.try_acquire("k:x", 2.0).await.expect("a plan");
+    assert!(d.allowed);
+    limiter.reload(numbered(65_528, 2)).expect("the same plans");
+    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 65_528);
+}

@@ -162,23 +162,17 @@ struct Loaded {
 }
 
 impl Loaded {
-    /// Interns `policies`' plans into `registry`; `None` when it would pass its bound.
-    fn new(mut policies: Policies, registry: &PlanRegistry) -> Option<Loaded> {
-        let mut index = Vec::new();
-        let mut full = false;
-        policies.intern_plans(|plan| match registry.intern(plan) {
-            Some((i, shared)) => {
-                index.push(i);
-                Arc::clone(shared)
-            }
-            None => {
-                full = true;
-                Arc::clone(plan)
-            }
-        });
-        (!full).then(|| Loaded {
+    /// Interns `policies`' plans into `registry`, all or none: [`plans::Full`] when they would
+    /// take it past its bound, and then the registry is as it was.
+    fn new(mut policies: Policies, registry: &PlanRegistry) -> Result<Loaded, plans::Full> {
+        let given: Vec<Arc<Plan>> = policies.plans().cloned().collect();
+        let entries = registry.intern_all(&given)?;
+        let index = entries.iter().map(|&(i, _)| i).collect();
+        let mut shared = entries.into_iter().map(|(_, plan)| Arc::clone(plan));
+        policies.intern_plans(|_| shared.next().expect("an entry for each plan"));
+        Ok(Loaded {
             policies: Arc::new(policies),
-            index: index.into(),
+            index,
         })
     }
 }
@@ -187,12 +181,24 @@ impl Loaded {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ReloadError {
-    /// The limiter keeps every distinct plan it has been given (so that a key's record can
-    /// name its plan without a lock), up to this many over its life.
-    #[error("too many distinct plans: a limiter holds at most {max} over its life")]
+    /// The limiter keeps every distinct plan it has been given until it is dropped (so that a
+    /// key's record can name its plan without a lock), each once however often it is
+    /// reloaded, up to `max` ([`policy::MAX_PLANS`](crate::policy::MAX_PLANS), 65,528):
+    /// this reload's new plans do not fit beside those it holds. A refused reload adds none.
+    /// A new limiter (a restart) starts afresh.
+    #[error(
+        "too many distinct plans: this reload adds {adding} to the {held} the limiter holds, \
+         more than the {max} it can hold over its life (a plan is kept until the process \
+         exits, once however often it is reloaded); restart the process to start afresh"
+    )]
+    #[non_exhaustive]
     TooManyPlans {
         /// The bound.
         max: usize,
+        /// The distinct plans the limiter holds.
+        held: usize,
+        /// The plans of the refused policies that it does not hold.
+        adding: usize,
     },
     /// The HTTP layer cannot use the policies' routes.
     #[cfg(feature = "http")]
@@ -352,8 +358,11 @@ impl LimiterBuilder {
         }
         crate::metrics::register_reloads();
         let plans = PlanRegistry::default();
-        // A policy file holds far fewer plans than the registry's bound.
-        let loaded = self.policies.and_then(|p| Loaded::new(p, &plans));
+        // A policy defines at most `policy::MAX_PLANS` plans (`Policies` refuses more), and a
+        // new registry holds that many: never refused.
+        let loaded = self
+            .policies
+            .map(|p| Loaded::new(p, &plans).expect("a policy's plans fit in a new plan registry"));
         let fallback = if self.outage_debt {
             let settings = crate::debt::Settings::new(call_deadline);
             Fallback::with_debt(Debt::new(Arc::clone(&self.store), settings))
@@ -437,15 +446,20 @@ impl Limiter {
     ///
     /// # Errors
     ///
-    /// [`ReloadError::TooManyPlans`] when the limiter has been given more distinct plans than
-    /// it keeps over its life; nothing changes then.
+    /// [`ReloadError::TooManyPlans`] when the new policies' plans that the limiter does not
+    /// hold yet would take it past the distinct plans it keeps over its life
+    /// ([`policy::MAX_PLANS`](crate::policy::MAX_PLANS)); nothing changes then. Plans are
+    /// never forgotten while the limiter lives: reloading versions it holds costs nothing, and
+    /// a reload that changes `k` plans uses `k` of the 65,528.
     pub fn reload(&self, policies: Policies) -> Result<Arc<Policies>, ReloadError> {
-        let Some(loaded) = Loaded::new(policies, &self.inner.plans) else {
+        let loaded = Loaded::new(policies, &self.inner.plans).map_err(|full| {
             crate::metrics::record_reload(false);
-            return Err(ReloadError::TooManyPlans {
+            ReloadError::TooManyPlans {
                 max: plans::MAX_PLANS,
-            });
-        };
+                held: full.held,
+                adding: full.adding,
+            }
+        })?;
         crate::metrics::record_reload(true);
         for plan in loaded.policies.plans() {
             plan.counters();
@@ -453,11 +467,14 @@ impl Limiter {
         let new = Arc::clone(&loaded.policies);
         *self.inner.policies.write() = Some(loaded);
         if let Some(leases) = self.inner.leases.get() {
-            // Plans any policies have held (not a reference to the limiter: the actor holds
-            // this until its next round).
-            let given: Vec<Arc<Plan>> = (0..self.inner.plans.len())
-                .filter_map(|i| self.inner.plans.get(i).cloned())
-                .collect();
+            // Plans any policies have held, by name (not a reference to the limiter: the actor
+            // holds this until its next round), so that each lease costs a look-up, not a scan.
+            let mut given: std::collections::HashMap<String, Vec<Arc<Plan>>> =
+                std::collections::HashMap::new();
+            for plan in (0..self.inner.plans.len()).filter_map(|i| self.inner.plans.get(i)) {
+                let versions = given.entry(plan.name().to_owned()).or_default();
+                versions.push(Arc::clone(plan));
+            }
             let policies = Arc::clone(&new);
             leases.reload(crate::lease::Stale(Box::new(
                 move |key: &str, plan: &Plan, by_key: bool| {
@@ -468,7 +485,9 @@ impl Limiter {
                     // expire.
                     let named = policies.plan(plan.name());
                     if named.is_none_or(|p| !p.same_but_shadow(plan))
-                        && given.iter().any(|p| p.same_but_shadow(plan))
+                        && given
+                            .get(plan.name())
+                            .is_some_and(|v| v.iter().any(|p| p.same_but_shadow(plan)))
                     {
                         return true;
                     }

@@ -122,6 +122,13 @@ pub enum PolicyErrorKind {
     /// A value out of its documented range, a bad name, an unknown plan, a duplicate: found
     /// while checking the values.
     Invalid,
+    /// The policy defines more plans than a limiter can hold.
+    TooManyPlans {
+        /// The plans the policy defines.
+        count: usize,
+        /// The most a limiter holds: [`MAX_PLANS`](super::MAX_PLANS).
+        limit: usize,
+    },
 }
 
 /// Why a policy file was refused: one message naming the file, the field and, for syntax and
@@ -157,13 +164,16 @@ pub struct PolicyError {
     kind: Kind,
 }
 
-/// [`PolicyErrorKind`] without its data, one byte.
+/// [`PolicyErrorKind`] without its constants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     Read,
     TooLarge,
     Syntax,
     Invalid,
+    /// The plans the policy defines (a 16 MiB file holds fewer than `u32::MAX`; 32 bits keep
+    /// the error small).
+    TooManyPlans(u32),
 }
 
 impl PolicyError {
@@ -208,7 +218,8 @@ impl PolicyError {
         &self.file
     }
 
-    /// What kind of problem this is: reading, size, syntax or an invalid value.
+    /// What kind of problem this is: reading, size, syntax, an invalid value, or too many
+    /// plans.
     pub fn kind(&self) -> PolicyErrorKind {
         match self.kind {
             Kind::Read => PolicyErrorKind::Read,
@@ -217,6 +228,10 @@ impl PolicyError {
             },
             Kind::Syntax => PolicyErrorKind::Syntax,
             Kind::Invalid => PolicyErrorKind::Invalid,
+            Kind::TooManyPlans(count) => PolicyErrorKind::TooManyPlans {
+                count: count as usize,
+                limit: super::MAX_PLANS,
+            },
         }
     }
 

@@ -39,6 +39,11 @@ const MAX_ENTITY_TYPE: usize = 64;
 /// file costs.
 pub const MAX_POLICY_BYTES: u64 = 16 * 1024 * 1024;
 
+/// The most plans a policy may define: what one limiter can hold (its plan registry gives each
+/// distinct plan a 16-bit index that a key's record keeps). A file with more is refused with
+/// [`PolicyErrorKind::TooManyPlans`](super::PolicyErrorKind::TooManyPlans).
+pub const MAX_PLANS: usize = 65_528;
+
 /// Lease `ttl_ms`: from 10 ms to 10 minutes.
 const TTL_MS: std::ops::RangeInclusive<u64> = 10..=600_000;
 
@@ -365,6 +370,17 @@ impl Checker {
     fn check(self, raw: RawPolicies) -> Result<Policies, PolicyError> {
         if raw.plans.plans.is_empty() {
             return Err(self.err("plans", "no plans: define at least one"));
+        }
+        let count = raw.plans.plans.len();
+        if count > MAX_PLANS {
+            return Err(self
+                .err(
+                    "plans",
+                    format!(
+                        "too many plans: {count}, more than the {MAX_PLANS} a limiter can hold"
+                    ),
+                )
+                .with_kind(Kind::TooManyPlans(u32::try_from(count).unwrap_or(u32::MAX))));
         }
         if let Some(name) = raw.plans.duplicates.first() {
             return Err(self.plan_err(

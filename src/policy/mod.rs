@@ -61,7 +61,8 @@
 //! minutes, `max_wait_ms` up to a minute and never past `ttl_ms`, `max_fraction × capacity`
 //! of at least one token, `instances` from 1 to 10,000 and at most the capacity (the table is
 //! in `docs/policy.md`). Values quoted in messages are cut to 64 characters plus their length.
-//! A policy is at most [`MAX_POLICY_BYTES`] (16 MiB), and loading is linear in its size.
+//! A policy is at most [`MAX_POLICY_BYTES`] (16 MiB) and defines at most [`MAX_PLANS`]
+//! (65,528) plans, what one limiter can hold; loading is linear in its size.
 //!
 //! # Layout
 //!
@@ -76,7 +77,7 @@ mod raw;
 mod types;
 
 pub use error::{PolicyError, PolicyErrorKind};
-pub use load::{MAX_CAPACITY, MAX_POLICY_BYTES, Policies};
+pub use load::{MAX_CAPACITY, MAX_PLANS, MAX_POLICY_BYTES, Policies};
 #[cfg(feature = "http")]
 pub(crate) use load::{route_params, route_pattern_error, route_shape};
 pub use types::{

@@ -1,16 +1,21 @@
 //! `tokenlease check`: validate a policy file without touching the database.
 //!
 //! A valid file may still hold limits that cannot work as meant; those are warned about on
-//! stderr (the exit code stays 0): an entity plan with a larger burst (capacity) or a faster
-//! refill than its route's global plan. One entity can then spend the whole endpoint's budget
-//! before its own limit applies, and every other entity is denied by the global layer with it,
-//! which is what the entity layer is there to prevent.
+//! stderr (the exit code stays 0):
+//!
+//! - A plan whose fallback is a local bucket for one instance (`"instances": 1`, or no
+//!   `fallback` at all, which defaults to it): while the database is down or slow, every
+//!   instance admits the plan's whole limit on its own, so a fleet of N admits N times it.
+//! - An entity plan with a larger burst (capacity) or a faster refill than its route's global
+//!   plan. One entity can then spend the whole endpoint's budget before its own limit
+//!   applies, and every other entity is denied by the global layer with it, which is what the
+//!   entity layer is there to prevent.
 
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use tokenlease::policy::Policies;
+use tokenlease::policy::{FallbackMode, Policies};
 
 /// Arguments of `tokenlease check`.
 #[derive(Debug, clap::Args)]
@@ -42,10 +47,24 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     }
 }
 
-/// The routes whose entity plan allows more than their global plan: a larger burst or a faster
-/// refill. One line per route, naming the route, both plans and both figures.
+/// The plans whose fallback is a local bucket for one instance, one line each in file order,
+/// then the routes whose entity plan allows more than their global plan: a larger burst or a
+/// faster refill, one line per route, naming the route, both plans and both figures.
 pub(crate) fn warnings(policies: &Policies) -> Vec<String> {
     let mut out = Vec::new();
+    for plan in policies.plans() {
+        if matches!(plan.fallback().mode, FallbackMode::Local { instances } if instances.get() == 1)
+        {
+            out.push(format!(
+                "{}.fallback: the fallback is a local bucket for 1 instance (the default when \
+                 \"fallback\" is unset): while the database is down or slow, every instance \
+                 admits the plan's whole limit on its own, so N instances admit N times it; \
+                 set \"fallback\": {{ \"mode\": \"local\", \"instances\": N }} to the number of \
+                 instances, or \"mode\": \"deny\" to refuse while the database cannot answer",
+                plan_path(plan.name()),
+            ));
+        }
+    }
     for (i, route) in policies.routes().iter().enumerate() {
         let (Some(global), Some(entity)) = (&route.global, &route.entity) else {
             continue;
@@ -84,6 +103,19 @@ pub(crate) fn warnings(policies: &Policies) -> Vec<String> {
         ));
     }
     out
+}
+
+/// `plans.NAME` for a plain name, as the policy errors write it, else `plans["NAME"]` (cut).
+fn plan_path(name: &str) -> String {
+    if !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    {
+        format!("plans.{name}")
+    } else {
+        format!("plans[{:?}]", short(name))
+    }
 }
 
 /// `text` cut to 100 characters (route paths and plan names come from the file).

@@ -3,7 +3,8 @@
 //! `tokenlease check` checks it, then swapped in with `RateLimitLayer::reload` while requests
 //! are in flight. A file that fails the check is refused with its error, and the policies in
 //! force stay. Each outcome is one line on stderr and one count in
-//! `tokenlease_policy_reloads_total{result}`.
+//! `tokenlease_policy_reloads_total{result}`. The check and the swap run on tokio's blocking
+//! threads (`spawn_blocking`), so a large file never holds a worker that answers requests.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -65,7 +66,17 @@ async fn watch(path: PathBuf, layer: RateLimitLayer) {
         if why != "SIGHUP" && applied.as_deref() == Some(bytes.as_slice()) {
             continue;
         }
-        match reload(&path, &layer) {
+        // Reading, checking and interning a large file takes a while: off the runtime's
+        // workers, which keep answering requests meanwhile.
+        let outcome = {
+            let (path, layer) = (path.clone(), layer.clone());
+            tokio::task::spawn_blocking(move || reload(&path, &layer)).await
+        };
+        let outcome = match outcome {
+            Ok(outcome) => outcome,
+            Err(e) => Err(Refused::Reload(format!("the reload failed: {e}"))),
+        };
+        match outcome {
             Ok(summary) => {
                 applied = Some(bytes);
                 // The summary names the file.
