@@ -848,8 +848,8 @@ impl Store for PostgresStore {
             .ok_or_else(|| StoreError::Protocol("acquire returned no row".into()))
     }
 
-    /// One statement for a plain batch, within the call timeout: [`lean::ACQUIRE_ONE`] or
-    /// [`lean::ACQUIRE_MANY`], which update the rows that exist and insert the keys that have
+    /// One statement for a plain batch, within the call timeout: the one-key take or
+    /// the many-key take (`lean.rs`), which update the rows that exist and insert the keys that have
     /// none. What they leave (strict leases, rows holding strict leases, rows another caller
     /// inserted meanwhile) goes through `tokenlease_acquire_held`; a batch with a strict lease,
     /// and every batch when the store does not prepare its statements, goes there directly.
