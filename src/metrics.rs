@@ -29,7 +29,7 @@ pub const DB_CALLS: &str = "tokenlease_db_calls_total";
 /// Store calls that failed or timed out, by `kind`.
 pub const DB_ERRORS: &str = "tokenlease_db_errors_total";
 /// Direct mode's limit on statements in flight, chosen from the callers that arrive while a
-/// statement runs so that each statement carries about 8 keys when callers wait (gauge; only
+/// statement runs so that each statement carries about 16 keys when callers wait (gauge; only
 /// while `LimiterBuilder::statements_in_flight` is not set).
 pub const STATEMENTS_IN_FLIGHT_LIMIT: &str = "tokenlease_statements_in_flight_limit";
 /// Decisions answered from a lease without a store call.
@@ -137,7 +137,7 @@ pub fn describe() {
     describe_gauge!(
         STATEMENTS_IN_FLIGHT_LIMIT,
         Unit::Count,
-        "direct mode's limit on statements in flight, about 8 keys a statement when callers wait"
+        "direct mode's limit on statements in flight, about 16 keys a statement when callers wait"
     );
     describe_counter!(
         DB_CALLS_SAVED,

@@ -257,7 +257,7 @@ impl LimiterBuilder {
     ///
     /// Unset (the default), the limiter chooses it as it runs, at most the store's
     /// [`Store::max_concurrent_calls`] (the pool size, or 4): from the callers that arrive while
-    /// a statement is in flight, as many statements as keep about 8 keys in each when callers
+    /// a statement is in flight, as many statements as keep about 16 keys in each when callers
     /// wait, and one statement sent at once for a lone caller. Fewer, larger statements cost
     /// the database less per decision (DESIGN.md §7); the choice is the gauge
     /// `tokenlease_statements_in_flight_limit`. Set, it is the fixed number. With
