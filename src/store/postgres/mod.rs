@@ -242,6 +242,7 @@ impl PostgresStoreBuilder {
         ));
         let prepare = Arc::new(AtomicBool::new(self.prepared_statements));
         let manager = ConnectionManager::new(config.clone(), self.connect_timeout, prepare.clone());
+        let warmer = ConnectionManager::new(config.clone(), self.connect_timeout, prepare.clone());
         let pool = Pool::builder()
             .max_size(self.pool_size)
             .min_idle(Some(0))
@@ -284,12 +285,17 @@ impl PostgresStoreBuilder {
             Ok(Ok(Ok(()))) => {}
             _ => metrics::counter!(crate::metrics::STORE_CONNECTION_ERRORS).increment(1),
         }
-        // Warm the pool: open its connections (each preparing the statements of every
-        // decision) before the first call, so that no early call waits for a connection or a
-        // prepare. Bounded by the connect timeout; a connection that does not come in time is
-        // opened by the first call that needs it, as before.
-        let warm = (0..self.pool_size).map(|_| store.pool.get());
-        let _ = tokio::time::timeout(self.connect_timeout, manager::join_all(warm)).await;
+        // Warm the pool: open its connections side by side (each preparing the statements of
+        // every decision) and hand them to the pool before the first call, so that no early
+        // call waits for a login or a prepare. Each is bounded by the connect timeout, not by
+        // the pool's wait (40 ms by default, less than a password login can take); a connection
+        // that does not come is opened by the first call that needs it, as before.
+        use bb8::ManageConnection as _;
+        let warm = (0..self.pool_size).map(|_| warmer.connect());
+        for conn in manager::join_all(warm).await.into_iter().flatten() {
+            // Refused only when the pool is full already: the connection is dropped.
+            let _ = store.pool.add(conn);
+        }
         Ok(store)
     }
 }
