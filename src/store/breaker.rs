@@ -838,27 +838,5 @@ mod tests {
         );
     }
 
-    /// Awaits every future, each in its own task-free poll loop (the calls run together).
-    async fn futures_join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
-        let mut pinned: Vec<_> = futures.into_iter().map(Box::pin).collect();
-        let mut out: Vec<Option<F::Output>> = (0..pinned.len()).map(|_| None).collect();
-        std::future::poll_fn(|cx| {
-            let mut pending = false;
-            for (slot, fut) in out.iter_mut().zip(pinned.iter_mut()) {
-                if slot.is_none() {
-                    match fut.as_mut().poll(cx) {
-                        std::task::Poll::Ready(v) => *slot = Some(v),
-                        std::task::Poll::Pending => pending = true,
-                    }
-                }
-            }
-            if pending {
-                std::task::Poll::Pending
-            } else {
-                std::task::Poll::Ready(())
-            }
-        })
-        .await;
-        out.into_iter().map(|v| v.expect("ready")).collect()
-    }
+    use crate::store::join_all as futures_join_all;
 }

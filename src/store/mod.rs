@@ -397,6 +397,35 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     }
 }
 
+/// Awaits every future of `futures`, polled together in the calling task, and returns their
+/// outputs in order: a new session's prepares go out back to back and are answered in one
+/// round trip, and a pool's connections are opened side by side.
+#[cfg(any(test, feature = "postgres"))]
+pub(crate) async fn join_all<F: std::future::Future>(
+    futures: impl IntoIterator<Item = F>,
+) -> Vec<F::Output> {
+    let mut pinned: Vec<std::pin::Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = (0..pinned.len()).map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (slot, fut) in out.iter_mut().zip(pinned.iter_mut()) {
+            if slot.is_none() {
+                match fut.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *slot = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().flatten().collect()
+}
+
 /// Converts nanoseconds to a [`Duration`].
 pub(crate) const fn nanos(n: u64) -> Duration {
     Duration::from_nanos(n)

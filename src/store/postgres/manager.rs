@@ -209,28 +209,4 @@ impl bb8::ErrorSink<StoreError> for CountErrors {
     }
 }
 
-/// Awaits every future of `futures`, polled together, and returns their outputs in order: the
-/// prepares of a new session are sent back to back and answered in one round trip, and the
-/// pool's connections are opened side by side.
-pub(super) async fn join_all<F: Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
-    let mut set: Vec<std::pin::Pin<Box<F>>> = futures.map(Box::pin).collect();
-    let mut out: Vec<Option<F::Output>> = (0..set.len()).map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (slot, fut) in out.iter_mut().zip(set.iter_mut()) {
-            if slot.is_none() {
-                match fut.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => *slot = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    out.into_iter().flatten().collect()
-}
+pub(super) use crate::store::join_all;
