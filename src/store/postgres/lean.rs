@@ -21,6 +21,8 @@
 
 use std::sync::LazyLock;
 
+use tokio_postgres::types::Type;
+
 /// The femtotokens the bucket holds below its whole nanotokens plus what the refill since
 /// `updated_us` adds (`max(0, now − updated_us) × rate`), as an exact `numeric`: one
 /// multiplication, with no overflow whatever the elapsed time. `now` names the column with the
@@ -219,23 +221,45 @@ FROM tokenlease_acquire_held($1::text[], $2::bigint[], $3::bigint[], $4::bigint[
                              $6::bigint[], $7::bigint[], $8::bigint[], $9::bigint[],
                              $10::bigint[])";
 
+/// The parameter types of [`ACQUIRE_ONE`]: the key, then capacity, rate, min, want, step.
+pub(super) const ONE_TYPES: [Type; 6] = [
+    Type::TEXT,
+    Type::INT8,
+    Type::INT8,
+    Type::INT8,
+    Type::INT8,
+    Type::INT8,
+];
+
+/// The parameter types of [`ACQUIRE_MANY`] (and of `tokenlease_acquire_held`'s first six).
+pub(super) const MANY_TYPES: [Type; 6] = [
+    Type::TEXT_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+];
+
+/// The parameter types of [`GIVE_BACK`]: ids, keys, amounts, capacities, rates, holders,
+/// lease ids.
+pub(super) const GIVE_BACK_TYPES: [Type; 7] = [
+    Type::INT8_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+];
+
 /// The statements of every decision with their parameter types, as the store sends them: what
 /// a new session prepares before it serves a call.
-pub(super) fn warm_statements() -> [(&'static str, Vec<tokio_postgres::types::Type>); 3] {
-    use tokio_postgres::types::Type;
-    let arrays = |first: Type, n: usize| {
-        let mut types = vec![first];
-        types.extend(std::iter::repeat_n(Type::INT8_ARRAY, n));
-        types
-    };
-    let mut one = vec![Type::TEXT];
-    one.extend(std::iter::repeat_n(Type::INT8, 5));
-    let mut give_back = vec![Type::INT8_ARRAY, Type::TEXT_ARRAY];
-    give_back.extend(std::iter::repeat_n(Type::INT8_ARRAY, 5));
+pub(super) fn warm_statements() -> [(&'static str, &'static [Type]); 3] {
     [
-        (ACQUIRE_ONE.as_str(), one),
-        (ACQUIRE_MANY.as_str(), arrays(Type::TEXT_ARRAY, 5)),
-        (GIVE_BACK.as_str(), give_back),
+        (ACQUIRE_ONE.as_str(), &ONE_TYPES),
+        (ACQUIRE_MANY.as_str(), &MANY_TYPES),
+        (GIVE_BACK.as_str(), &GIVE_BACK_TYPES),
     ]
 }
 

@@ -679,14 +679,28 @@ impl<'a> Takes<'a> {
     }
 
     fn params(&self) -> Vec<(&(dyn ToSql + Sync), Type)> {
-        vec![
-            (&self.keys, Type::TEXT_ARRAY),
-            (&self.capacities, Type::INT8_ARRAY),
-            (&self.rates, Type::INT8_ARRAY),
-            (&self.mins, Type::INT8_ARRAY),
-            (&self.wants, Type::INT8_ARRAY),
-            (&self.steps, Type::INT8_ARRAY),
-        ]
+        let values: [&(dyn ToSql + Sync); 6] = [
+            &self.keys,
+            &self.capacities,
+            &self.rates,
+            &self.mins,
+            &self.wants,
+            &self.steps,
+        ];
+        values.into_iter().zip(lean::MANY_TYPES).collect()
+    }
+
+    /// The parameters of the one-key take for the first (only) request.
+    fn one_params(&self) -> Vec<(&(dyn ToSql + Sync), Type)> {
+        let values: [&(dyn ToSql + Sync); 6] = [
+            &self.keys[0],
+            &self.capacities[0],
+            &self.rates[0],
+            &self.mins[0],
+            &self.wants[0],
+            &self.steps[0],
+        ];
+        values.into_iter().zip(lean::ONE_TYPES).collect()
     }
 }
 
@@ -749,61 +763,25 @@ fn held_leases(json: &str) -> Result<Vec<HeldLease>, StoreError> {
 }
 
 impl PostgresStore {
-    /// Sends one take statement for the requests at `pending` and files each row it returns
-    /// under its request; `pending` keeps the requests that got no row.
+    /// Sends the plain take for the requests at `pending` (the one-key statement for one, the
+    /// many-key one for more) and files each row it returns under its request; `pending` keeps
+    /// the requests that got no row.
     async fn take_round(
         &self,
         deadline: tokio::time::Instant,
-        statement: &'static str,
         requests: &[AcquireRequest<'_>],
         pending: &mut Vec<usize>,
         out: &mut [Option<Acquired>],
     ) -> Result<(), StoreError> {
-        let rows = if statement == lean::ACQUIRE_ONE.as_str() {
-            let r = &requests[pending[0]];
-            let t = Takes::new(requests, &pending[..1])?;
-            let params: [(&(dyn ToSql + Sync), Type); 6] = [
-                (&r.key, Type::TEXT),
-                (&t.capacities[0], Type::INT8),
-                (&t.rates[0], Type::INT8),
-                (&t.mins[0], Type::INT8),
-                (&t.wants[0], Type::INT8),
-                (&t.steps[0], Type::INT8),
-            ];
-            self.query_by(deadline, statement, &params).await?
+        let t = Takes::new(requests, pending)?;
+        let rows = if pending.len() == 1 {
+            let statement = lean::ACQUIRE_ONE.as_str();
+            self.query_by(deadline, statement, &t.one_params()).await?
         } else {
-            let t = Takes::new(requests, pending)?;
+            let statement = lean::ACQUIRE_MANY.as_str();
             self.query_by(deadline, statement, &t.params()).await?
         };
-        self.file_rows(&rows, requests, pending, out)
-    }
-
-    /// Files each row (key first) under its request among `pending`, and keeps in `pending`
-    /// the requests that got none.
-    fn file_rows(
-        &self,
-        rows: &[Row],
-        requests: &[AcquireRequest<'_>],
-        pending: &mut Vec<usize>,
-        out: &mut [Option<Acquired>],
-    ) -> Result<(), StoreError> {
-        if rows.is_empty() {
-            return Ok(());
-        }
-        let mut by_key: HashMap<&str, &Row> = HashMap::with_capacity(rows.len());
-        for row in rows {
-            let key: &str = row.try_get(0).map_err(StoreError::from)?;
-            by_key.insert(key, row);
-        }
-        let mut left = Vec::new();
-        for &i in pending.iter() {
-            match by_key.get(requests[i].key) {
-                Some(row) => out[i] = Some(acquired(&requests[i], row)?),
-                None => left.push(i),
-            }
-        }
-        *pending = left;
-        Ok(())
+        file_rows(&rows, requests, pending, out)
     }
 
     /// Takes through `tokenlease_acquire_held`: strict leases, rows that hold them, and rows
@@ -842,8 +820,35 @@ impl PostgresStore {
             (&lifetimes, Type::INT8_ARRAY),
         ]);
         let rows = self.query_by(deadline, lean::ACQUIRE_HELD, &params).await?;
-        self.file_rows(&rows, requests, pending, out)
+        file_rows(&rows, requests, pending, out)
     }
+}
+
+/// Files each row (key first) under its request among `pending`, and keeps in `pending`
+/// the requests that got none.
+fn file_rows(
+    rows: &[Row],
+    requests: &[AcquireRequest<'_>],
+    pending: &mut Vec<usize>,
+    out: &mut [Option<Acquired>],
+) -> Result<(), StoreError> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut by_key: HashMap<&str, &Row> = HashMap::with_capacity(rows.len());
+    for row in rows {
+        let key: &str = row.try_get(0).map_err(StoreError::from)?;
+        by_key.insert(key, row);
+    }
+    let mut left = Vec::new();
+    for &i in pending.iter() {
+        match by_key.get(requests[i].key) {
+            Some(row) => out[i] = Some(acquired(&requests[i], row)?),
+            None => left.push(i),
+        }
+    }
+    *pending = left;
+    Ok(())
 }
 
 #[async_trait]
@@ -872,12 +877,7 @@ impl Store for PostgresStore {
         // goes through the function, which decides plain takes exactly as they do.
         let plain = self.prepare.load(Ordering::Relaxed);
         if plain && !requests.iter().any(|r| r.hold.is_some()) {
-            let statement = if requests.len() == 1 {
-                lean::ACQUIRE_ONE.as_str()
-            } else {
-                lean::ACQUIRE_MANY.as_str()
-            };
-            self.take_round(deadline, statement, requests, &mut pending, &mut out)
+            self.take_round(deadline, requests, &mut pending, &mut out)
                 .await?;
         }
         if !pending.is_empty() {
@@ -920,14 +920,17 @@ impl Store for PostgresStore {
             .query(
                 lean::GIVE_BACK.as_str(),
                 &[
-                    (&ids, Type::INT8_ARRAY),
-                    (&keys, Type::TEXT_ARRAY),
-                    (&amounts, Type::INT8_ARRAY),
-                    (&capacities, Type::INT8_ARRAY),
-                    (&rates, Type::INT8_ARRAY),
-                    (&holders, Type::INT8_ARRAY),
-                    (&lease_ids, Type::INT8_ARRAY),
-                ],
+                    &ids as &(dyn ToSql + Sync),
+                    &keys,
+                    &amounts,
+                    &capacities,
+                    &rates,
+                    &holders,
+                    &lease_ids,
+                ]
+                .into_iter()
+                .zip(lean::GIVE_BACK_TYPES)
+                .collect::<Vec<_>>(),
             )
             .await?;
         Ok(rows.len() as u64)
