@@ -263,6 +263,36 @@ async fn unmigrated(db: &TestDatabase, name: &str) -> String {
     }
 }
 
+/// A database of its own on `db`'s server (named after `db` and `suffix`) migrated to the
+/// first `upto` migrations, as an older version of the library left it: its URL and a client.
+async fn older_database(db: &TestDatabase, suffix: &str, upto: usize) -> (String, Client) {
+    let url = unmigrated(db, &format!("{}_{suffix}", db.name())).await;
+    let (mut admin, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("connect to the new database");
+    tokio::spawn(connection);
+    let before = migrate_with(&mut admin, &MIGRATIONS[..upto])
+        .await
+        .expect("the older version's migrations");
+    assert_eq!(before.applied.len(), upto);
+    (url, admin)
+}
+
+/// A store on `url` with generous timeouts (these tests are about the schema, not about
+/// failure behaviour); building it applies the pending migrations.
+async fn patient_store(
+    url: &str,
+) -> Result<tokenlease::store::PostgresStore, tokenlease::store::StoreError> {
+    use std::time::Duration;
+    tokenlease::store::PostgresStore::builder(url)
+        .expect("connection string")
+        .connect_timeout(Duration::from_secs(5))
+        .call_timeout(Duration::from_secs(5))
+        .pool_wait_timeout(Duration::from_secs(5))
+        .build()
+        .await
+}
+
 /// Migrations run under the builder's migrate timeout, not the limiter's statement and lock
 /// timeouts: with both at 1 ms, and another session holding the migration lock until the
 /// store's session waits for it, the build still migrates.
@@ -413,18 +443,10 @@ async fn build_errors_name_the_failing_migration_step() {
 async fn an_older_database_gets_the_newest_schema_and_the_store_uses_it() {
     use std::time::Duration;
     use tokenlease::bucket::Tokens;
-    use tokenlease::store::{AcquireRequest, Hold, PostgresStore, Store};
+    use tokenlease::store::{AcquireRequest, Hold, Store};
 
     let db = TestDatabase::create().await.expect("create");
-    let old = unmigrated(&db, &format!("{}_old", db.name())).await;
-    let (mut admin, connection) = tokio_postgres::connect(&old, tokio_postgres::NoTls)
-        .await
-        .expect("connect to the new database");
-    tokio::spawn(connection);
-    let before = migrate_with(&mut admin, &MIGRATIONS[..3])
-        .await
-        .expect("the older version's migrations");
-    assert_eq!(before.applied.len(), 3);
+    let (old, admin) = older_database(&db, "old", 3).await;
     async fn functions(admin: &Client) -> Vec<String> {
         admin
             .query_typed(
@@ -445,12 +467,7 @@ async fn an_older_database_gets_the_newest_schema_and_the_store_uses_it() {
         "0003 has no such functions"
     );
 
-    let store = PostgresStore::builder(&old)
-        .expect("connection string")
-        .connect_timeout(Duration::from_secs(5))
-        .call_timeout(Duration::from_secs(5))
-        .pool_wait_timeout(Duration::from_secs(5))
-        .build()
+    let store = patient_store(&old)
         .await
         .expect("build migrates to the newest version");
     let settings =
@@ -547,17 +564,10 @@ async fn a_populated_table_migrates_under_load() {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::time::Duration;
     use tokenlease::bucket::Tokens;
-    use tokenlease::store::{AcquireRequest, PostgresStore, Store};
+    use tokenlease::store::{AcquireRequest, Store};
 
     let db = TestDatabase::create().await.expect("create");
-    let url = unmigrated(&db, &format!("{}_load", db.name())).await;
-    let (mut admin, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(connection);
-    migrate_with(&mut admin, &MIGRATIONS[..6])
-        .await
-        .expect("the previous version's migrations");
+    let (url, mut admin) = older_database(&db, "load", 6).await;
     // 20,000 rows as the previous version wrote them: 1/3 token steps, a 2/3 token/s rate.
     admin
         .batch_execute(
@@ -682,14 +692,7 @@ async fn a_populated_table_migrates_under_load() {
     }
 
     // The new store decides on the migrated rows as the pure bucket does.
-    let store = PostgresStore::builder(&url)
-        .expect("connection string")
-        .connect_timeout(Duration::from_secs(5))
-        .call_timeout(Duration::from_secs(5))
-        .pool_wait_timeout(Duration::from_secs(5))
-        .build()
-        .await
-        .expect("store");
+    let store = patient_store(&url).await.expect("store");
     let bucket = tokenlease::bucket::BucketConfig::new(
         Tokens::whole(10),
         tokenlease::bucket::Rate::from_nanos_per_second(666_666_667).expect("rate"),
