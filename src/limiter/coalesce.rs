@@ -272,7 +272,7 @@ impl Coalescer {
     /// back one by one, the first finds the slot free and leaves alone, and statements
     /// alternate between one key and all the others.
     fn gather_window(&self, state: &State) -> Option<Duration> {
-        if !self.adaptive() || state.gathering || (state.ready.len() as f64) >= TARGET_BATCH {
+        if !self.adaptive() || (state.ready.len() as f64) >= TARGET_BATCH {
             return None;
         }
         let window =
@@ -291,16 +291,17 @@ impl Coalescer {
             // The timer sends it.
             return Next::Nothing;
         }
-        if state.in_flight >= self.cap() {
+        let cap = self.cap();
+        if state.in_flight >= cap {
             return Next::Nothing;
         }
-        if let Some(window) = self.gather_window(state) {
-            if !state.ready.is_empty() {
+        if !state.ready.is_empty() {
+            if let Some(window) = self.gather_window(state) {
                 state.gathering = true;
                 return Next::Gather(window);
             }
         }
-        match state.next_batch(&self.settings, self.cap(), now) {
+        match state.next_batch(&self.settings, cap, now) {
             Some(batch) => Next::Send(batch),
             None => Next::Nothing,
         }
