@@ -974,10 +974,9 @@ async fn load(
     }
     // Where the leased tokens went, summed over the instances (leased mode), before shutdown
     // gives the rest back.
-    let lease_tokens = limiters
-        .iter()
-        .filter_map(Limiter::lease_stats)
-        .fold(None, |sum: Option<LeaseTokens>, s| {
+    let lease_tokens = limiters.iter().filter_map(Limiter::lease_stats).fold(
+        None,
+        |sum: Option<LeaseTokens>, s| {
             let sum = sum.unwrap_or_default();
             Some(LeaseTokens {
                 leased: sum.leased + s.leased,
@@ -985,7 +984,8 @@ async fn load(
                 waived: sum.waived + s.waived,
                 held_at_end: sum.held_at_end + s.outstanding,
             })
-        });
+        },
+    );
     let shutdown = async {
         for limiter in &limiters {
             limiter.shutdown().await;
