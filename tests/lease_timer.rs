@@ -671,7 +671,7 @@ async fn a_key_called_about_once_a_lifetime_keeps_its_lease() {
         d
     };
     for _ in 0..8 {
-        call().await;
+        let _ = call().await;
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let before = stats(&limiter);
