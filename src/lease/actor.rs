@@ -58,8 +58,14 @@ const QUIET_LIFETIMES_STRICT: f64 = 4.0;
 /// A relaxed lease nobody spent from in its last lifetime lives on while its key has been
 /// silent for fewer than this many of its expected gaps between calls (`expects_a_call`)...
 const SILENT_CALLS: f64 = 4.0;
-/// ... and for fewer than this many lifetimes.
+/// ... and for fewer than this many lifetimes ...
 const SILENT_LIFETIMES: f64 = 8.0;
+/// ... but at least this many, for any key that has been called since its first call (its demand
+/// is above zero): demand is sampled at refills, whose windows end at the call that asked for
+/// them, and reads high for a quiet key (a key called once a second, asked 0.3 s after the last
+/// sample, reads 3.3 calls a second); gaps of three lifetimes come once in twenty calls of a
+/// key called once a lifetime.
+const FEWEST_SILENT_LIFETIMES: f64 = 3.0;
 /// A relaxed key is sparse (sized no lease) when fewer than this many calls are expected over
 /// the longest a relaxed lease lives without a call (`SILENT_LIFETIMES` lifetimes).
 const SPARSE_CALLS: f64 = 2.0;
@@ -994,8 +1000,9 @@ fn waives(slot: &Slot, book: &super::slot::Book, now: u64) -> bool {
 
 /// Whether a relaxed lease nobody spent from during its last lifetime is still expected to be
 /// called soon: its key's demand says a call comes every `1 / rate`, and it has been silent
-/// (since the actor last saw it spend) for less than [`SILENT_CALLS`] such gaps and less than
-/// [`SILENT_LIFETIMES`] lifetimes. A key called about once a lifetime misses a whole lifetime
+/// (since the actor last saw it spend) for less than [`SILENT_CALLS`] such gaps, kept between
+/// [`FEWEST_SILENT_LIFETIMES`] and [`SILENT_LIFETIMES`] lifetimes. A key with no demand (never
+/// called since its first call) closes at its lifetime. A key called about once a lifetime misses a whole lifetime
 /// about a third of the time; closing its lease then sent its next call to wait for a refill,
 /// and cost the store a statement to take a new lease (and, before `waives`, one to give the
 /// old one back) about every third call. A key whose demand was high and stopped is silent for
@@ -1008,7 +1015,9 @@ fn expects_a_call(book: &super::slot::Book, settings: &LeaseSettings, now: u64) 
     }
     let silent = now.saturating_sub(book.active_at.near(now)) as f64;
     let ttl = settings.ttl.as_nanos() as f64;
-    silent * calls_per_ns < SILENT_CALLS && silent < ttl * SILENT_LIFETIMES
+    let allowed =
+        (SILENT_CALLS / calls_per_ns).clamp(ttl * FEWEST_SILENT_LIFETIMES, ttl * SILENT_LIFETIMES);
+    silent < allowed
 }
 
 /// Queues `amount` nanotokens of `slot` to go back to the store, under a fresh return id,
