@@ -270,6 +270,8 @@ struct Report {
     max_us: f64,
     fallback: &'static str,
     fallback_decisions: u64,
+    /// `fallback_decisions` answered after the warm-up (`--warmup`): all of them without one.
+    fallback_decisions_after_warmup: u64,
     synchronous_commit: bool,
     /// Whether the store prepared its statements once per session (not `--unprepared`).
     prepared_statements: bool,
@@ -330,6 +332,8 @@ struct Request {
     at: u64,
     key: u32,
     allowed: bool,
+    /// Decided by the fallback.
+    fallback: bool,
 }
 
 /// Requests so far over every task, for the progress line, and the run's bounds.
@@ -857,6 +861,7 @@ async fn load(
                         at: (ended - start).as_nanos() as u64,
                         key,
                         allowed: decision.allowed,
+                        fallback: matches!(decision.decided_by, DecidedBy::Fallback(_)),
                     });
                     counters.sent.fetch_add(1, Ordering::Relaxed);
                 };
@@ -1096,6 +1101,10 @@ async fn load(
             Fallback::Local => "local",
         },
         fallback_decisions: fallback,
+        fallback_decisions_after_warmup: requests
+            .iter()
+            .filter(|r| r.fallback && r.at >= warmup_ns)
+            .count() as u64,
         synchronous_commit: !args.sync_commit_off,
         prepared_statements: !args.unprepared,
         fault,
@@ -1282,7 +1291,14 @@ fn print_table(r: &Report) {
     }
     row(
         "fallback decisions",
-        format!("{} (fallback: {})", r.fallback_decisions, r.fallback),
+        if r.warmup_s > 0.0 {
+            format!(
+                "{} (fallback: {}), {} after the warm-up",
+                r.fallback_decisions, r.fallback, r.fallback_decisions_after_warmup
+            )
+        } else {
+            format!("{} (fallback: {})", r.fallback_decisions, r.fallback)
+        },
     );
     row(
         "server CPU",
