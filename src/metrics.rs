@@ -533,11 +533,11 @@ impl Batch {
     #[cold]
     fn flush(&self) {
         let n = self.pending.replace(0);
-        if n > 0 {
-            if let Some(c) = &*self.held.borrow() {
-                c.decisions[0][1].increment(n);
-                c.saved.increment(n);
-            }
+        if n > 0
+            && let Some(c) = &*self.held.borrow()
+        {
+            c.decisions[0][1].increment(n);
+            c.saved.increment(n);
         }
     }
 

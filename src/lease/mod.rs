@@ -318,12 +318,11 @@ impl Leases {
                 // `try_acquire_now_with`) whose plan is the one the policies choose for it: from
                 // now on `try_acquire` finds that plan through the record, not by matching the
                 // key's prefixes.
-                if let Some((shared, index)) = chosen {
-                    if hot.plan.load(Ordering::Relaxed) == slab::NO_PLAN
-                        && (Arc::ptr_eq(&slot.plan, shared) || *slot.plan == **shared)
-                    {
-                        hot.plan.store(slab::record_plan(index), Ordering::Relaxed);
-                    }
+                if let Some((shared, index)) = chosen
+                    && hot.plan.load(Ordering::Relaxed) == slab::NO_PLAN
+                    && (Arc::ptr_eq(&slot.plan, shared) || *slot.plan == **shared)
+                {
+                    hot.plan.store(slab::record_plan(index), Ordering::Relaxed);
                 }
                 (slot, hot)
             }
