@@ -38,7 +38,7 @@ for tool in node npm pgbench python3; do
     command -v "$tool" >/dev/null || { echo "peer-compare: $tool is not on PATH" >&2; exit 1; }
 done
 cargo build --release --quiet --features cli --bin tokenlease
-bin=target/release/tokenlease
+bin="${CARGO_TARGET_DIR:-target}/release/tokenlease"
 if [[ ! -d peers/node_modules/rate-limiter-flexible || ! -d peers/node_modules/pg ]]; then
     echo "peer-compare: installing the Node peer's dependencies (npm ci in peers/)" >&2
     (cd peers && npm ci --no-audit --no-fund)
