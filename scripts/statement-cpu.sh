@@ -114,7 +114,7 @@ for file in "$@"; do
     if [[ "$file" == - ]]; then
         "$bin" loadtest --print-statement one >"$tmp/store.sql"
         file="$tmp/store.sql"
-        names+=("the store's (lean.rs)")
+        names+=("the store's one-key take (lean.rs)")
     else
         names+=("$file")
     fi
@@ -147,10 +147,12 @@ for round in $(seq 1 "$ROUNDS"); do
         txns="$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$tmp/pgbench.out")"
         fails="$(sed -n 's/^number of failed transactions: \([0-9]*\).*/\1/p' "$tmp/pgbench.out")"
         echo "$i $round $start $end $txns ${fails:-0}" >>"$tmp/results"
-        python3 -c "
+        python3 - "$round" "${names[$i]}" "$start" "$end" "$txns" "$PHASE_S" "${fails:-0}" <<'PY'
 import sys
-s, e, t = float('$start'), float('$end'), int('$txns')
-print(f'round $round  {\"${names[$i]}\"}: {(e - s) * 1e6 / t:.1f} µs server CPU per transaction, {t / $PHASE_S:,.0f} tps, ${fails:-0} failed', file=sys.stderr)"
+rnd, name, s, e, t, phase, fails = sys.argv[1:]
+print(f"round {rnd}  {name}: {(float(e) - float(s)) * 1e6 / int(t):.1f} µs server CPU per "
+      f"transaction, {int(t) / float(phase):,.0f} tps, {fails} failed", file=sys.stderr)
+PY
     done
 done
 
