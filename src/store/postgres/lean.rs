@@ -1,9 +1,8 @@
 //! The statements the store sends for plain takes and for returns, written out from one
 //! definition of the refill and the grant.
 //!
-//! The arithmetic is bigint throughout (migration 0007): tokens in whole nanotokens plus the
-//! femtotokens below one (`frac`), rates in nanotokens per second, the database's clock in
-//! microseconds. PostgreSQL evaluates an expression as often as it is written and does not
+//! The table holds integers (migration 0007): tokens in whole nanotokens plus the femtotokens
+//! below one (`frac`), rates in nanotokens per second, the database's clock in microseconds. PostgreSQL evaluates an expression as often as it is written and does not
 //! share a common subexpression, and a helper function the planner cannot inline is run by the
 //! SQL-function executor on every call (much slower than the expression). So each statement
 //! spells the refill out, built here from the one definition below, and keeps `now()` in
@@ -58,7 +57,8 @@ fn frac_from(capped: &str) -> String {
     format!("mod({capped}, 1000000)::integer")
 }
 
-/// The refilled whole nanotokens, capped at the capacity, written out in one expression.
+/// The refilled whole nanotokens, capped at the capacity, written out in one expression (for
+/// the returns, which are rare; the takes use [`refill_and_take`]).
 fn available(row: &str, capacity: &str, rate: &str, now: &str) -> String {
     available_from(row, &capped_femtotokens(row, capacity, rate, now))
 }
