@@ -141,11 +141,18 @@ pub(super) static ACQUIRE_ONE: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// Refill and take for many distinct keys, in one statement: rows that exist and hold no
-/// strict lease are locked in key order first (so two statements with common keys never wait on
-/// each other in a cycle), then updated joined by key; keys the UPDATE did not find are inserted
-/// as full buckets less their grants, in key order. A key whose row holds strict leases, or
-/// whose row another caller inserted while this one ran, comes back without a row.
+/// Refill and take for many distinct keys, in one statement, in one pass over the keys in key
+/// order: the `INSERT … ON CONFLICT DO UPDATE … WHERE false` inserts each key without a row as a
+/// full bucket less its grant and locks each row that exists (the `WHERE false` updates
+/// nothing, but locks the conflicting row all the same), then the rows it locked and did not
+/// insert, holding no strict lease, are refilled and taken from, joined by key. Every lock the
+/// statement takes, an inserted key's or an existing row's, is taken in that one key order, so
+/// two statements with common keys never wait on each other in a cycle. (Locking the existing
+/// rows first and inserting the new keys after, each in key order, did: a statement whose
+/// snapshot predated another's insert of a key locked that key as an existing row after the
+/// other had inserted a smaller one it then waited on.) A key whose row holds strict leases, or
+/// whose row another caller committed after this statement's snapshot (locked, but not visible
+/// to the update), comes back without a row.
 ///
 /// `$1` text[] keys, `$2`..`$6` bigint[] as [`ACQUIRE_ONE`]'s. Returns key, tokens, frac, the
 /// grant, updated_us and now_us.
@@ -162,30 +169,25 @@ pub(super) static ACQUIRE_MANY: LazyLock<String> = LazyLock::new(|| {
              SELECT q.*, {NOW_US} AS now_us \
              FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], \
                          $6::bigint[]) AS q(key, capacity, rate, min_take, want, step)), \
-         locked AS ( \
-             SELECT l.key FROM tokenlease_buckets AS l \
-             WHERE l.key = ANY ($1::text[]) AND cardinality(l.leases) = 0 \
-             ORDER BY l.key FOR UPDATE), \
-         u AS ( \
-             UPDATE tokenlease_buckets AS b \
-             SET {take}, capacity = r.capacity, refill_per_second = r.rate, \
-                 updated_us = greatest(b.updated_us, r.now_us) \
-             FROM r \
-             WHERE b.key = r.key AND b.key IN (SELECT locked.key FROM locked) \
-               AND cardinality(b.leases) = 0 \
-             RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, \
-                       r.now_us), \
          i AS ( \
              INSERT INTO tokenlease_buckets AS b \
                  (key, tokens, frac, capacity, refill_per_second, updated_us, refilled) \
              SELECT r.key, r.capacity - ({granted_new}), 0, r.capacity, r.rate, r.now_us, \
                     r.capacity \
              FROM r \
-             WHERE r.key NOT IN (SELECT u.key FROM u) \
              ORDER BY r.key \
-             ON CONFLICT (key) DO NOTHING \
+             ON CONFLICT (key) DO UPDATE SET tokens = b.tokens WHERE false \
              RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, \
-                       b.updated_us) \
+                       b.updated_us), \
+         u AS ( \
+             UPDATE tokenlease_buckets AS b \
+             SET {take}, capacity = r.capacity, refill_per_second = r.rate, \
+                 updated_us = greatest(b.updated_us, r.now_us) \
+             FROM r \
+             WHERE b.key = r.key AND b.key NOT IN (SELECT i.key FROM i) \
+               AND cardinality(b.leases) = 0 \
+             RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, \
+                       r.now_us) \
          SELECT * FROM u UNION ALL SELECT * FROM i"
     )
 });
