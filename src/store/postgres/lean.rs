@@ -141,18 +141,17 @@ pub(super) static ACQUIRE_ONE: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// Refill and take for many distinct keys, in one statement, in one pass over the keys in key
-/// order: the `INSERT … ON CONFLICT DO UPDATE … WHERE false` inserts each key without a row as a
-/// full bucket less its grant and locks each row that exists (the `WHERE false` updates
-/// nothing, but locks the conflicting row all the same), then the rows it locked and did not
-/// insert, holding no strict lease, are refilled and taken from, joined by key. Every lock the
-/// statement takes, an inserted key's or an existing row's, is taken in that one key order, so
-/// two statements with common keys never wait on each other in a cycle. (Locking the existing
-/// rows first and inserting the new keys after, each in key order, did: a statement whose
-/// snapshot predated another's insert of a key locked that key as an existing row after the
-/// other had inserted a smaller one it then waited on.) A key whose row holds strict leases, or
-/// whose row another caller committed after this statement's snapshot (locked, but not visible
-/// to the update), comes back without a row.
+/// Refill and take for many distinct keys, in one statement: first the keys that have no row
+/// are inserted as full buckets less their grants, in key order (`ON CONFLICT DO NOTHING`);
+/// then the rows that exist and hold no strict lease are locked in key order; then they are
+/// refilled and taken from, joined by key. Inserts come first so that no statement ever waits
+/// for an insert while holding a row lock another waits on: a statement in its locking phase
+/// waits only for statements locking or updating rows, which wait on no insert, and statements
+/// inserting wait on each other in key order. (Locking first and inserting after, each in key
+/// order, deadlocked: a statement whose snapshot predated another's insert of a key K locked K
+/// as an existing row, then waited to insert a smaller key M that the other had inserted before
+/// it waited on K.) A key whose row holds strict leases, or whose row another caller committed
+/// after this statement's snapshot, comes back without a row.
 ///
 /// `$1` text[] keys, `$2`..`$6` bigint[] as [`ACQUIRE_ONE`]'s. Returns key, tokens, frac, the
 /// grant, updated_us and now_us.
@@ -175,16 +174,22 @@ pub(super) static ACQUIRE_MANY: LazyLock<String> = LazyLock::new(|| {
              SELECT r.key, r.capacity - ({granted_new}), 0, r.capacity, r.rate, r.now_us, \
                     r.capacity \
              FROM r \
+             WHERE NOT EXISTS (SELECT FROM tokenlease_buckets AS e WHERE e.key = r.key) \
              ORDER BY r.key \
-             ON CONFLICT (key) DO UPDATE SET tokens = b.tokens WHERE false \
+             ON CONFLICT (key) DO NOTHING \
              RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, \
                        b.updated_us), \
+         locked AS ( \
+             SELECT l.key FROM tokenlease_buckets AS l \
+             WHERE l.key = ANY ($1::text[]) AND cardinality(l.leases) = 0 \
+               AND l.key NOT IN (SELECT i.key FROM i) \
+             ORDER BY l.key FOR UPDATE), \
          u AS ( \
              UPDATE tokenlease_buckets AS b \
              SET {take}, capacity = r.capacity, refill_per_second = r.rate, \
                  updated_us = greatest(b.updated_us, r.now_us) \
              FROM r \
-             WHERE b.key = r.key AND b.key NOT IN (SELECT i.key FROM i) \
+             WHERE b.key = r.key AND b.key IN (SELECT locked.key FROM locked) \
                AND cardinality(b.leases) = 0 \
              RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, \
                        r.now_us) \
