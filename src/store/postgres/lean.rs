@@ -27,20 +27,20 @@ use tokio_postgres::types::Type;
 /// `updated_us` adds (`max(0, now − updated_us) × rate`), as an exact `numeric`: one
 /// multiplication, with no overflow whatever the elapsed time. `now` names the column with the
 /// database's clock in microseconds.
-fn femtotokens(row: &str, rate: &str, now: &str) -> String {
+pub(super) fn femtotokens(row: &str, rate: &str, now: &str) -> String {
     format!("(greatest(0, {now} - {row}.updated_us)::numeric * {rate} + {row}.frac)")
 }
 
 /// The refilled whole nanotokens, capped at the capacity: `tokens + min(capacity − tokens,
 /// refill)`, which is the capacity when a row holds more (its plan's capacity was lowered) and
 /// never leaves bigint (the refill is compared in `numeric` before the cast).
-fn available(row: &str, capacity: &str, rate: &str, now: &str) -> String {
+pub(super) fn available(row: &str, capacity: &str, rate: &str, now: &str) -> String {
     let femto = femtotokens(row, rate, now);
     format!("({row}.tokens + least({capacity} - {row}.tokens, div({femto}, 1000000))::bigint)")
 }
 
 /// The femtotokens left over by the refill: zero once the bucket is full.
-fn refilled_frac(row: &str, capacity: &str, rate: &str, now: &str) -> String {
+pub(super) fn refilled_frac(row: &str, capacity: &str, rate: &str, now: &str) -> String {
     let femto = femtotokens(row, rate, now);
     format!(
         "CASE WHEN {row}.tokens + div({femto}, 1000000) >= {capacity} THEN 0 \
@@ -53,7 +53,7 @@ fn refilled_frac(row: &str, capacity: &str, rate: &str, now: &str) -> String {
 /// `available` twice rather than the candidate twice: with `min` a multiple of `step` (the
 /// store makes it one), the candidate `least(want, available / step × step)` reaches `min`
 /// exactly when `available` and `want` both do, and a candidate of 0 grants 0 either way.
-fn grant(available: &str, min: &str, want: &str, step: &str) -> String {
+pub(super) fn grant(available: &str, min: &str, want: &str, step: &str) -> String {
     format!(
         "CASE WHEN {available} >= {min} AND {want} >= {min} \
          THEN least({want}, ({available}) / {step} * {step}) ELSE 0 END"
@@ -61,7 +61,7 @@ fn grant(available: &str, min: &str, want: &str, step: &str) -> String {
 }
 
 /// The database's clock in whole microseconds since the Unix epoch.
-const NOW_US: &str = "(extract(epoch FROM now()) * 1000000)::bigint";
+pub(super) const NOW_US: &str = "(extract(epoch FROM now()) * 1000000)::bigint";
 
 /// Refill and take for one key, in one statement: an upsert. A key without a row is inserted
 /// as a full bucket less its grant; a key whose row exists and holds no strict lease is refilled
