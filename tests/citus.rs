@@ -274,7 +274,7 @@ async fn every_call_runs_on_one_worker_without_a_distributed_transaction() {
     assert_eq!(baseline.1, 0, "no prepared transaction left by the setup");
 
     // One key on the first worker: the first worker commits, the second does not.
-    let (before, _) = routed_calls(&citus).await;
+    let (before, coordinator_before) = routed_calls(&citus).await;
     let mut granted = 0;
     for _ in 0..20 {
         let got = store.acquire(req(&on_first[0], 1)).await.expect("one key");
@@ -412,8 +412,9 @@ async fn every_call_runs_on_one_worker_without_a_distributed_transaction() {
     assert!(deleted >= keys.len() as u64 - 1, "deleted {deleted}");
 
     let (_, coordinator_on_shards) = routed_calls(&citus).await;
+    // (The migration's DDL names the shards: counted before the calls.)
     assert_eq!(
-        coordinator_on_shards, 0,
+        coordinator_on_shards, coordinator_before,
         "the coordinator ran a statement on a shard"
     );
     let (recorded, open) = two_phase(&citus).await;

@@ -118,6 +118,10 @@ pub(crate) struct Args {
     /// with `DATABASE_URL`, `--shards`, `--shard-url` or `--fault`.
     #[arg(long, value_name = "N", default_value_t = 0)]
     citus: usize,
+    /// With `--citus`: how many shards the tables are distributed over (`citus.shard_count`;
+    /// Citus's default is 32).
+    #[arg(long, value_name = "N")]
+    citus_shards: Option<u32>,
     /// A shard of your own, as NAME=URL (URL or key=value connection string); repeat for each
     /// shard. The keys are spread over these primaries by the names, as a service's
     /// `ShardedStore` with the same names would (a circuit breaker per shard); each is
@@ -446,10 +450,13 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     let mut others = Vec::new();
     let mut citus = None;
     let (server, shards) = if args.citus > 0 {
-        let cluster = tokenlease::embedded::TempCitus::builder()
+        let mut builder = tokenlease::embedded::TempCitus::builder()
             .workers(args.citus)
-            .setting("shared_preload_libraries", "citus,pg_stat_statements")
-            .start()?;
+            .setting("shared_preload_libraries", "citus,pg_stat_statements");
+        if let Some(n) = args.citus_shards {
+            builder = builder.setting("citus.shard_count", n.to_string());
+        }
+        let cluster = builder.start()?;
         let shards = vec![Shard {
             name: "citus".into(),
             url: cluster.url(),

@@ -710,7 +710,7 @@ fn literal(s: &str) -> String {
 fn functions() -> Vec<(&'static str, String)> {
     let parts = "\
 CREATE OR REPLACE FUNCTION tokenlease_citus_parts(keys text[])
-RETURNS TABLE (buckets text, returns text, members integer[])
+RETURNS TABLE (shard bigint, buckets text, returns text, members integer[])
 LANGUAGE plpgsql STABLE
 AS $fn$
 DECLARE
@@ -731,6 +731,7 @@ BEGIN
                 g.probe USING ERRCODE = 'object_not_in_prerequisite_state',
                 HINT = 'the shard map changed (a rebalance?): the store reads it again';
         END IF;
+        shard := g.shard;
         buckets := shard_name('tokenlease_buckets'::regclass, g.shard);
         returns := shard_name('tokenlease_returns'::regclass,
                               get_shard_id_for_distribution_column('tokenlease_returns', g.probe));
@@ -753,8 +754,18 @@ DECLARE
     p record;
 BEGIN
     FOR p IN SELECT * FROM tokenlease_citus_parts(keys) LOOP
-        RETURN QUERY EXECUTE format({}, p.buckets)
-            USING keys, capacities, rates, mins, wants, steps, p.members;
+        IF to_regprocedure(format('tokenlease_citus_take_%s(text[], bigint[], bigint[], '
+                                  'bigint[], bigint[], bigint[], integer[])', p.shard))
+           IS NOT NULL THEN
+            -- The shard's own function: its statement planned once per session.
+            RETURN QUERY EXECUTE format('SELECT * FROM tokenlease_citus_take_%s($1, $2, $3, '
+                                        '$4, $5, $6, $7)', p.shard)
+                USING keys, capacities, rates, mins, wants, steps, p.members;
+        ELSE
+            -- A shard newer than the last migrate (a split): planned on every call.
+            RETURN QUERY EXECUTE format({}, p.buckets)
+                USING keys, capacities, rates, mins, wants, steps, p.members;
+        END IF;
     END LOOP;
 END
 $fn$",
@@ -855,13 +866,42 @@ $fn$",
     ]
 }
 
-/// A fingerprint of the Citus step's SQL: the functions are created again when it changes.
-fn fingerprint() -> String {
+/// The take of one shard as a function of its own, `tokenlease_citus_take_<shardid>`: the same
+/// statement as [`TAKE_SHARD`] on that shard's table, but static, so each worker session plans
+/// it once (a generic plan) instead of on every call, which is most of what a routed call cost
+/// the worker when every call planned it. Created for every shard by [`distribute`], on every
+/// node (a worker calls only its own shards'); a shard made later (a split) has none until the
+/// next migrate, and is taken through `EXECUTE` meanwhile.
+fn shard_take_function(shard: i64, table: &str) -> String {
+    let statement = TAKE_SHARD.replace("%1$s", table).replace("%%", "%");
+    format!(
+        "CREATE OR REPLACE FUNCTION tokenlease_citus_take_{shard}(
+    text[], bigint[], bigint[], bigint[], bigint[], bigint[], integer[])
+RETURNS TABLE (key text, tokens bigint, frac integer, granted bigint, updated_us bigint,
+               now_us bigint)
+LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY {statement};
+END
+$fn$"
+    )
+}
+
+/// A fingerprint of the Citus step's SQL and the shards it made functions for: the functions
+/// are created again when it changes.
+fn fingerprint(shards: &[(i64, String)]) -> String {
     use sha2::{Digest, Sha256};
     let mut hasher = Sha256::new();
     for (signature, body) in functions() {
         hasher.update(signature.as_bytes());
         hasher.update(body.as_bytes());
+    }
+    for (shard, table) in shards {
+        hasher.update(shard_take_function(*shard, table).as_bytes());
     }
     hasher
         .finalize()
@@ -930,6 +970,23 @@ fn parse_version(v: &str) -> Option<(u32, u32)> {
     Some((major, minor))
 }
 
+/// The shards of `tokenlease_buckets` with their tables' names, in shard order; none before
+/// the table is distributed.
+async fn shards(tx: &tokio_postgres::Transaction<'_>) -> Result<Vec<(i64, String)>, MigrateError> {
+    let rows = tx
+        .query_typed(
+            "SELECT shardid, shard_name('tokenlease_buckets'::regclass, shardid) \
+             FROM pg_dist_shard WHERE logicalrelid = to_regclass('tokenlease_buckets') \
+             ORDER BY shardid",
+            &[],
+        )
+        .await
+        .map_err(MigrateError::database(
+            "read the shards of tokenlease_buckets",
+        ))?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
 /// `version` when this build supports it, else [`MigrateError::UnsupportedCitus`].
 fn check_version(version: String) -> Result<String, MigrateError> {
     let (low, high) = SUPPORTED_CITUS;
@@ -968,7 +1025,6 @@ pub(super) async fn distribute(
         .try_get(0)
         .map_err(MigrateError::database("read the Citus version"))?;
     let version = check_version(version)?;
-    let stamp = format!("tokenlease citus {}", fingerprint());
     let tx = client
         .transaction()
         .await
@@ -996,15 +1052,18 @@ pub(super) async fn distribute(
         .map_err(MigrateError::database("read the Citus state"))?;
     let row = &state[0];
     let (buckets, returns, comment): (bool, bool, String) = (row.get(0), row.get(1), row.get(2));
-    if buckets && returns && comment == stamp {
+    let step = |s: &'static str| MigrateError::database(s);
+    let current = format!("tokenlease citus {}", fingerprint(&shards(&tx).await?));
+    if buckets && returns && comment == current {
         return Ok(Some(version));
     }
-    let step = |s: &'static str| MigrateError::database(s);
     if !buckets {
         tx.batch_execute("SELECT create_distributed_table('tokenlease_buckets', 'key', 'hash')")
             .await
             .map_err(step("distribute tokenlease_buckets"))?;
     }
+    let shards = shards(&tx).await?;
+    let stamp = format!("tokenlease citus {}", fingerprint(&shards));
     if !returns {
         tx.batch_execute(
             "ALTER TABLE tokenlease_returns DROP CONSTRAINT IF EXISTS tokenlease_returns_pkey; \
@@ -1029,6 +1088,11 @@ pub(super) async fn distribute(
         ))
         .await
         .map_err(step("distribute a Citus function"))?;
+    }
+    for (shard, table) in &shards {
+        tx.batch_execute(&shard_take_function(*shard, table))
+            .await
+            .map_err(step("create a shard's take function"))?;
     }
     tx.batch_execute(&format!(
         "COMMENT ON FUNCTION tokenlease_citus_delete_idle(text, bigint) IS {}",
