@@ -159,7 +159,8 @@ fn req<'a>(key: &'a str, cost: u64) -> AcquireRequest<'a> {
 
 /// Z1: `migrate` on a Citus coordinator distributes both tables by key, co-located, with the
 /// returns' key `(key, id)`, and makes the routed functions distributed functions; a second
-/// migrate changes nothing. The client's hash of a key is Citus's (`worker_hash`) for 5,000 keys
+/// migrate changes nothing; every shard has a take function of its own, and a shard without one
+/// is still taken (through `EXECUTE`). The client's hash of a key is Citus's (`worker_hash`) for 5,000 keys
 /// of every shape, and every shard has a placement on a worker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_distributes_the_tables_and_the_client_hashes_as_citus() {
@@ -255,6 +256,45 @@ async fn migrate_distributes_the_tables_and_the_client_hashes_as_citus() {
         .expect("placements")
         .get(0);
     assert_eq!(unplaced, 0);
+
+    // Every shard has a take function of its own; a shard without one (made after the last
+    // migrate, as by a split) is taken through `EXECUTE`, with the same answers.
+    let per_shard: i64 = c
+        .query_one(
+            "SELECT count(*) FROM pg_proc WHERE proname ~ '^tokenlease_citus_take_[0-9]+$'",
+            &[],
+        )
+        .await
+        .expect("shard functions")
+        .get(0);
+    assert_eq!(per_shard, 32, "one take function per shard");
+    let store = store(&citus, 2).await;
+    let key = "dynamic-path";
+    let shard: i64 = c
+        .query_one(
+            "SELECT get_shard_id_for_distribution_column('tokenlease_buckets', $1::text)",
+            &[&key],
+        )
+        .await
+        .expect("shard of a key")
+        .get(0);
+    let first = store
+        .acquire(req(key, 4))
+        .await
+        .expect("through the shard's function");
+    c.batch_execute(&format!(
+        "DROP FUNCTION tokenlease_citus_take_{shard}(text[], bigint[], bigint[], bigint[], \
+         bigint[], bigint[], integer[])"
+    ))
+    .await
+    .expect("drop the shard's function");
+    let second = store.acquire(req(key, 4)).await.expect("through EXECUTE");
+    assert_eq!(first.granted, tokenlease::bucket::Tokens::whole(4));
+    assert_eq!(second.granted, tokenlease::bucket::Tokens::whole(4));
+    assert!(
+        second.remaining < first.remaining,
+        "{first:?} then {second:?}"
+    );
 }
 
 /// Z2: every kind of call works through the cluster and runs on one worker, with no

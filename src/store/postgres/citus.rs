@@ -27,11 +27,15 @@
 //! checks that each shard has its placement on this node (a stale map, say after a rebalance,
 //! fails the call instead of writing to a copy Citus no longer reads), and runs, shard by shard
 //! in shard order, the same refill-and-take as the plain store's statements on the shard's own
-//! table (`tokenlease_buckets_<shardid>`), through `EXECUTE`: plain PostgreSQL with no Citus
-//! planning in the way (Citus cannot plan the many-key statement on the distributed table as a
-//! one-shard query: it splits its CTEs into sub-plans and broadcasts intermediate results). The
+//! table (`tokenlease_buckets_<shardid>`): plain PostgreSQL with no Citus planning in the way
+//! (Citus cannot plan the many-key statement on the distributed table as a one-shard query: it
+//! splits its CTEs into sub-plans and broadcasts intermediate results). A take goes through the
+//! shard's own function (`tokenlease_citus_take_<shardid>`, [`shard_take_function`]), whose
+//! statement the worker session plans once; strict leases, returns and a shard without its
+//! function (made after the last migrate) go through `EXECUTE`, planned on every call. The
 //! rows of each shard are locked in key order, and shards are taken in shard order, so two
-//! calls never wait on each other in a cycle.
+//! calls never wait on each other in a cycle. Each worker's calls go through a pool of their
+//! own ([`Citus`]), so a worker that stalls holds only its own connections.
 //!
 //! Idle cleanup runs the same way, one call per worker, on that worker's shards.
 
@@ -319,10 +323,10 @@ pub(super) struct Citus {
 }
 
 impl Citus {
-    /// [`Store::acquire_each`] on Citus: the batch split by worker, one call of
-    /// `tokenlease_citus_take` per worker (then `tokenlease_citus_take_held` for what it left:
-    /// strict leases, rows that hold them), all the workers' calls side by side. A worker's
-    /// error goes to its keys only.
+    /// [`Store::acquire_each`](crate::store::Store::acquire_each) on Citus: the batch split by
+    /// worker, one call of `tokenlease_citus_take` per worker (then `tokenlease_citus_take_held`
+    /// for what it left: strict leases, rows that hold them), all the workers' calls side by side.
+    /// A worker's error goes to its keys only.
     pub(super) async fn acquire_each(
         &self,
         requests: &[AcquireRequest<'_>],
@@ -361,8 +365,9 @@ impl Citus {
             .collect()
     }
 
-    /// [`Store::give_back_each`] on Citus: one call of `tokenlease_citus_give_back` per worker,
-    /// each through its worker's pool; how many each return credited (0 or 1).
+    /// [`Store::give_back_each`](crate::store::Store::give_back_each) on Citus: one call of
+    /// `tokenlease_citus_give_back` per worker, each through its worker's pool; how many each
+    /// return credited (0 or 1).
     pub(super) async fn give_back_each(
         &self,
         returns: &[GiveBack<'_>],
@@ -383,8 +388,8 @@ impl Citus {
         out
     }
 
-    /// [`Store::delete_idle`] on Citus: one call of `tokenlease_citus_delete_idle` per worker,
-    /// in turn, until `limit` rows are gone.
+    /// [`Store::delete_idle`](crate::store::Store::delete_idle) on Citus: one call of
+    /// `tokenlease_citus_delete_idle` per worker, in turn, until `limit` rows are gone.
     pub(super) async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
         let mut deleted = 0u64;
         for (node, lane) in self.lanes.iter().enumerate() {
