@@ -474,7 +474,7 @@ fn pg_run(
                         }
                         // The fast path never yields: let the actor and other tasks run.
                         n = n.wrapping_add(1);
-                        if n % 64 == 0 {
+                        if n.is_multiple_of(64) {
                             tokio::task::yield_now().await;
                         }
                     }

@@ -14,9 +14,12 @@
 #      the default pool of 4, with 16 connections, and with the pool of 4 but 2 statements in
 #      flight (tuned: more keys share each commit on a small server), the default pool with
 #      every statement unnamed (--unprepared), and a lone caller (1 task); leased mode on
-#      100,000 keys paced at
-#      100,000 requests/s with the default lease settings and with leases living 30 s; leased
-#      mode on 10,000 keys as a closed loop with leases living 30 s.
+#      100,000 keys paced at 100,000 requests/s with the default lease settings and with leases
+#      living 30 s (16 serial tasks: a call waiting for a refill delays its task's next); the
+#      same rate kept while calls wait (--in-flight 64, an open loop: each key called about once
+#      a second), on 100,000 keys and on 10,000 keys at 10,000/s, over $LEASED_S seconds (20 by
+#      default) with the server's CPU read after half of them (--warmup); leased mode on 10,000
+#      keys as a closed loop with leases living 30 s.
 #
 # and prints one table with the ratios to the Node peer, the server's CPU per decision among
 # them: the CPU seconds of the whole PostgreSQL cluster (postmaster, backends, background
@@ -300,6 +303,20 @@ loadtest_phase "tokenlease leased, 100,000 keys at 100,000/s, 1 × 16 tasks, def
     --mode leased --keys 100000 --rate 100000
 loadtest_phase "tokenlease leased, 100,000 keys at 100,000/s, 1 × 16 tasks, leases living 30 s" \
     --mode leased --keys 100000 --rate 100000 --lease-ttl-ms 30000
+# The same offered rate kept while calls wait (each task keeps up to 64 calls in flight, as a
+# service whose every request is its own task): each key is called about once a second, and
+# the server's CPU is read after a warm-up (the first call of each key writes its row once),
+# over LEASED_S seconds in all (20 by default).
+loadtest_phase_open() {
+    local label="$1"
+    shift
+    PHASE_S="${LEASED_S:-20}" loadtest_phase "$label" --in-flight 64 \
+        --warmup "$(python3 -c "print(${LEASED_S:-20} / 2)")" "$@"
+}
+loadtest_phase_open "tokenlease leased, 100,000 keys at 100,000/s offered (64 in flight a task), default lease settings, CPU after a warm-up" \
+    --mode leased --keys 100000 --rate 100000
+loadtest_phase_open "tokenlease leased, 10,000 keys at 10,000/s offered (64 in flight a task), default lease settings, CPU after a warm-up" \
+    --mode leased --keys 10000 --rate 10000
 loadtest_phase "tokenlease leased, 10,000 keys, 1 × 16 tasks, closed loop, leases living 30 s" \
     --mode leased --keys 10000 --rate 1000000 --lease-ttl-ms 30000
 

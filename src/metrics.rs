@@ -38,7 +38,10 @@ pub const DB_CALLS_SAVED: &str = "tokenlease_db_calls_saved_total";
 pub const TOKENS_LEASED: &str = "tokenlease_lease_tokens_leased_total";
 /// Tokens given back to the store.
 pub const TOKENS_RETURNED: &str = "tokenlease_lease_tokens_returned_total";
-/// Tokens whose give-back failed for good.
+/// Tokens of relaxed leases closed unspent on a bucket that had refilled to its capacity since
+/// their grant: not sent back, since the store would cap the return away.
+pub const TOKENS_WAIVED: &str = "tokenlease_lease_tokens_waived_total";
+/// Lease tokens whose give-back failed for good.
 pub const TOKENS_STRANDED: &str = "tokenlease_lease_tokens_stranded_total";
 /// Tokens held in live leases now: how far this process can run ahead of the shared bucket.
 pub const OUTSTANDING: &str = "tokenlease_lease_outstanding_tokens";
@@ -146,6 +149,11 @@ pub fn describe() {
     );
     describe_counter!(TOKENS_LEASED, Unit::Count, "tokens granted to leases");
     describe_counter!(TOKENS_RETURNED, Unit::Count, "lease tokens given back");
+    describe_counter!(
+        TOKENS_WAIVED,
+        Unit::Count,
+        "lease tokens not given back to a bucket that had refilled to capacity"
+    );
     describe_counter!(
         TOKENS_STRANDED,
         Unit::Count,
@@ -525,11 +533,11 @@ impl Batch {
     #[cold]
     fn flush(&self) {
         let n = self.pending.replace(0);
-        if n > 0 {
-            if let Some(c) = &*self.held.borrow() {
-                c.decisions[0][1].increment(n);
-                c.saved.increment(n);
-            }
+        if n > 0
+            && let Some(c) = &*self.held.borrow()
+        {
+            c.decisions[0][1].increment(n);
+            c.saved.increment(n);
         }
     }
 

@@ -110,14 +110,15 @@ async fn a_strict_lease_closes_while_the_store_still_counts_it() {
 }
 
 /// A key whose lease nobody spends closes at the end of its lifetime, gives its tokens back and
-/// leaves the table (idle since its one refill).
+/// leaves the table (idle since its one refill). Its bucket refills a token a second, so at the
+/// close it has not refilled what the lease took, and the tokens go back (not waived).
 #[tokio::test(start_paused = true)]
 async fn a_key_that_was_never_spent_is_evicted() {
     let limiter = Limiter::builder(MemoryStore::new())
         .lease_tick(Duration::from_millis(10))
         .build();
     let ttl = Duration::from_millis(200);
-    let plan = leased(ttl, Accounting::Relaxed);
+    let plan = common::plan(1_000_000, 1.0).with_lease(LeaseSettings::default().with_ttl(ttl));
     let d = limiter
         .try_acquire_now_with(&plan, "never", 1.0)
         .expect("valid key");
@@ -352,6 +353,9 @@ struct Gate {
     release: std::sync::Arc<std::sync::atomic::AtomicBool>,
     delay: Duration,
     asked: std::sync::Arc<parking_lot::Mutex<Vec<(String, Instant)>>>,
+    /// Many-key statements in flight now, and the most at once.
+    in_flight: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    most_in_flight: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Gate {
@@ -384,7 +388,11 @@ impl Store for Gate {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }
+        use std::sync::atomic::Ordering::SeqCst;
+        let now = self.in_flight.fetch_add(1, SeqCst) + 1;
+        self.most_in_flight.fetch_max(now, SeqCst);
         self.note_and_wait(requests).await;
+        self.in_flight.fetch_sub(1, SeqCst);
         self.inner.acquire_many(requests).await
     }
     async fn give_back(
@@ -585,6 +593,115 @@ async fn a_key_called_once_is_not_sized_a_lease() {
     );
 }
 
+/// A relaxed lease that closes unspent on a bucket that has since refilled to its capacity
+/// waives its return: the store would cap it away, so no statement is sent, and the tokens are
+/// counted as waived (conservation holds). On a bucket that has not refilled yet the same
+/// close gives the tokens back, and a strict lease always does (its entry must be settled).
+#[tokio::test(start_paused = true)]
+async fn a_lease_on_a_refilled_bucket_waives_its_return() {
+    let ttl = Duration::from_millis(200);
+    // (refill per second, accounting, waived?): 1,000/s refills a token in a millisecond; one
+    // a second does not within the lifetime.
+    for (rate, accounting, waives) in [
+        (1_000.0, Accounting::Relaxed, true),
+        (1.0, Accounting::Relaxed, false),
+        (1_000.0, Accounting::Strict, false),
+    ] {
+        let store = MemoryStore::new();
+        let limiter = Limiter::builder(store.clone())
+            .lease_tick(Duration::from_millis(10))
+            .build();
+        let plan = common::plan(1_000_000, rate).with_lease(
+            LeaseSettings::default()
+                .with_ttl(ttl)
+                .with_accounting(accounting),
+        );
+        let case = format!("{rate}/s {accounting:?}");
+        let d = limiter
+            .try_acquire_now_with(&plan, "quiet", 1.0)
+            .expect("valid key");
+        assert!(d.is_none(), "{case}: no lease yet: {d:?}");
+        until(Duration::from_secs(2), "the lease", || {
+            stats(&limiter).outstanding == 1.0
+        })
+        .await;
+        until(Duration::from_secs(3), "closed and evicted", || {
+            let s = stats(&limiter);
+            s.keys == 0 && s.outstanding == 0.0 && s.leased == s.returned + s.waived
+        })
+        .await;
+        let s = stats(&limiter);
+        let expected = if waives {
+            (1.0, 0.0, 1.0, 1)
+        } else {
+            (1.0, 1.0, 0.0, 2)
+        };
+        assert_eq!(
+            (s.leased, s.returned, s.waived, s.store_calls),
+            expected,
+            "{case}: (leased, returned, waived, store calls): {s:?}"
+        );
+        // The row either way: the bucket is at its capacity once the token's refill time passed.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let row = store.inspect("quiet").await.expect("inspect").expect("row");
+        assert!(row.leases.is_empty(), "{case}: {row:?}");
+    }
+}
+
+/// A key called about once a lifetime keeps its lease through the lifetimes that happen to
+/// pass without a call: its demand says a call is due, so the lease lives on (up to a few
+/// expected gaps, at most eight lifetimes) instead of closing and costing a statement for the
+/// next call's new lease. Once the calls stop for good, the lease closes within those eight
+/// lifetimes and the key leaves the table.
+#[tokio::test(start_paused = true)]
+async fn a_key_called_about_once_a_lifetime_keeps_its_lease() {
+    let ttl = Duration::from_millis(200);
+    let limiter = Limiter::builder(MemoryStore::new())
+        .lease_tick(Duration::from_millis(10))
+        .build();
+    let plan = common::plan(1_000, 1_000.0).with_lease(LeaseSettings::default().with_ttl(ttl));
+    // Calls every 250 ms against lifetimes of 200 ms: some lifetimes pass with no call. Two
+    // seconds first, for the demand estimate to settle; then count.
+    let call = || async {
+        let d = limiter
+            .try_acquire_with(&plan, "steady", 1.0)
+            .await
+            .expect("decision");
+        assert!(d.allowed, "{d:?}");
+        d
+    };
+    for _ in 0..8 {
+        let _ = call().await;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let before = stats(&limiter);
+    let mut by_lease = 0;
+    for _ in 0..16 {
+        by_lease += u32::from(call().await.decided_by == tokenlease::DecidedBy::Lease);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let after = stats(&limiter);
+    assert_eq!(by_lease, 16, "every call paid by the lease: {after:?}");
+    assert!(
+        after.store_calls - before.store_calls <= 2,
+        "at most a top-up or two in 16 calls over 4 s: {before:?} -> {after:?}"
+    );
+    assert_eq!(
+        after.waived + after.returned,
+        before.waived + before.returned,
+        "no close"
+    );
+    // The calls stop: closed within eight lifetimes (plus a tick), the key evicted a lifetime
+    // after that.
+    let stopped = Instant::now();
+    until(ttl * 12, "closed and evicted", || stats(&limiter).keys == 0).await;
+    assert!(
+        stopped.elapsed() <= ttl * 10 + Duration::from_millis(20),
+        "closed after {:?}",
+        stopped.elapsed()
+    );
+}
+
 /// A store of two partitions (`Store::partition`), as a `ShardedStore` of two shards answers:
 /// the key `held` alone on partition 1, whose refills wait while `hold_refills` is set and
 /// whose give-backs wait while `hold_returns` is set; every other key on partition 0, answered
@@ -682,7 +799,9 @@ async fn a_partition_that_does_not_answer_holds_up_only_its_own_keys() {
         .lease_tick(Duration::from_millis(10))
         .build();
     let ttl = Duration::from_millis(100);
-    let plan = common::plan(1_000, 1_000.0).with_lease(LeaseSettings::default().with_ttl(ttl));
+    // Refilling 10 tokens a second, a bucket takes far longer than a lifetime to refill what a
+    // lease took, so an expired lease's tokens go back (not waived).
+    let plan = common::plan(1_000, 10.0).with_lease(LeaseSettings::default().with_ttl(ttl));
     // A refill of `held` in flight, not answering.
     store.hold_refills.store(true, Relaxed);
     hold_the_actor(&limiter, &plan).await;
@@ -721,7 +840,9 @@ async fn a_partition_that_does_not_answer_holds_up_only_its_own_keys() {
 /// from its key's lease (none waits out its 10 s `max_wait` into the fallback: no wake-up is
 /// lost), and each key's refill was sent to the store once before its caller was answered (a
 /// caller woken for another key's answer finds its own refill pending and waits again). A key
-/// may be asked for again after its caller spent from the new lease: a low-water refill.
+/// may be asked for again after its caller spent from the new lease: a low-water refill. With
+/// more than a statement's 256 keys waiting, the actor sends up to four refill statements at
+/// once (of distinct keys), not one after another.
 #[tokio::test(start_paused = true)]
 async fn callers_waiting_on_shared_notifys_are_each_answered_from_their_lease() {
     const KEYS: usize = 3_000;
@@ -730,6 +851,7 @@ async fn callers_waiting_on_shared_notifys_are_each_answered_from_their_lease() 
         ..Gate::default()
     };
     let asked = std::sync::Arc::clone(&store.asked);
+    let most_in_flight = std::sync::Arc::clone(&store.most_in_flight);
     let limiter = Limiter::builder(store).build();
     let plan = common::plan(1_000_000, 1_000.0).with_lease(
         LeaseSettings::default()
@@ -770,5 +892,10 @@ async fn callers_waiting_on_shared_notifys_are_each_answered_from_their_lease() 
     assert!(
         again.is_empty(),
         "asked again while its caller waited: {again:?}"
+    );
+    let most = most_in_flight.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        (2..=4).contains(&most),
+        "{most} refill statements in flight at most"
     );
 }

@@ -206,7 +206,7 @@ fn leased_and_direct_decisions_store_calls_and_lease_gauges() {
                 ),
                 "{d:?}"
             );
-            if warm_calls % 64 == 0 {
+            if warm_calls.is_multiple_of(64) {
                 // Time passes (the clock is paused): the actor measures the key's demand over
                 // it, and sizes its lease from that.
                 tokio::time::sleep(Duration::from_millis(1)).await;

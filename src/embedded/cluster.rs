@@ -600,26 +600,26 @@ impl Drop for TempPostgres {
     /// `pg_ctl stop -m immediate`; if that fails, SIGKILL to the postmaster) and removes the
     /// temp dir. Never panics; errors are ignored.
     fn drop(&mut self) {
-        if let Some(pid) = read_postmaster_pid(&self.data_dir) {
-            if os::process_alive(pid) != Some(false) {
-                // A fault test may have SIGSTOPped the server; a stopped server cannot stop.
-                if os::is_postmaster_of(pid, &self.data_dir) {
-                    os::resume_stopped(pid);
-                }
-                let mut cmd = self.pg_ctl();
-                cmd.args(["stop", "-D"])
-                    .arg(&self.data_dir)
-                    .args(["-m", "immediate", "-w", "-t"])
-                    .arg(DROP_STOP_TIMEOUT_SECS.to_string())
-                    .stdout(std::process::Stdio::null())
-                    .stderr(std::process::Stdio::null());
-                let stopped = cmd.status().map(|s| s.success()).unwrap_or(false);
-                if !stopped && os::is_postmaster_of(pid, &self.data_dir) {
-                    os::kill_hard(pid, Duration::from_secs(2));
-                }
-                // pg_ctl returns once postmaster.pid is gone, a moment before the process is.
-                os::wait_gone(pid, Duration::from_secs(2));
+        if let Some(pid) = read_postmaster_pid(&self.data_dir)
+            && os::process_alive(pid) != Some(false)
+        {
+            // A fault test may have SIGSTOPped the server; a stopped server cannot stop.
+            if os::is_postmaster_of(pid, &self.data_dir) {
+                os::resume_stopped(pid);
             }
+            let mut cmd = self.pg_ctl();
+            cmd.args(["stop", "-D"])
+                .arg(&self.data_dir)
+                .args(["-m", "immediate", "-w", "-t"])
+                .arg(DROP_STOP_TIMEOUT_SECS.to_string())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null());
+            let stopped = cmd.status().map(|s| s.success()).unwrap_or(false);
+            if !stopped && os::is_postmaster_of(pid, &self.data_dir) {
+                os::kill_hard(pid, Duration::from_secs(2));
+            }
+            // pg_ctl returns once postmaster.pid is gone, a moment before the process is.
+            os::wait_gone(pid, Duration::from_secs(2));
         }
         if fs::remove_dir_all(&self.root).is_err() {
             // A backend may still have been writing a file while the tree was removed.

@@ -292,10 +292,11 @@ fn lookup_user(user: &str) -> Option<(u32, u32)> {
     if let Ok(passwd) = fs::read_to_string("/etc/passwd") {
         for line in passwd.lines() {
             let fields: Vec<&str> = line.split(':').collect();
-            if fields.len() >= 4 && fields[0] == user {
-                if let (Ok(uid), Ok(gid)) = (fields[2].parse(), fields[3].parse()) {
-                    return Some((uid, gid));
-                }
+            if fields.len() >= 4
+                && fields[0] == user
+                && let (Ok(uid), Ok(gid)) = (fields[2].parse(), fields[3].parse())
+            {
+                return Some((uid, gid));
             }
         }
     }

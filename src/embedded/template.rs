@@ -48,13 +48,11 @@ pub(crate) fn fresh_data_dir(
     dest: &Path,
     use_cache: bool,
 ) -> Result<(), EmbeddedError> {
-    if use_cache {
-        if let Ok(template) = ensure_template(bins, run_as, temp_root) {
-            if copy_dir(&template, dest).is_ok() && dest.join("PG_VERSION").is_file() {
-                return Ok(());
-            }
-            let _ = fs::remove_dir_all(dest);
+    if use_cache && let Ok(template) = ensure_template(bins, run_as, temp_root) {
+        if copy_dir(&template, dest).is_ok() && dest.join("PG_VERSION").is_file() {
+            return Ok(());
         }
+        let _ = fs::remove_dir_all(dest);
     }
     initdb(bins, run_as, dest)
 }
@@ -264,10 +262,10 @@ pub(crate) fn remove_leftovers(temp_root: &Path) {
         }
         let dir = entry.path();
         let data = dir.join("data");
-        if let Some(pm) = super::cluster::read_postmaster_pid(&data) {
-            if os::is_postmaster_of(pm, &data) {
-                os::kill_hard(pm, Duration::from_secs(2));
-            }
+        if let Some(pm) = super::cluster::read_postmaster_pid(&data)
+            && os::is_postmaster_of(pm, &data)
+        {
+            os::kill_hard(pm, Duration::from_secs(2));
         }
         let _ = fs::remove_dir_all(&dir);
     }

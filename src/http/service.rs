@@ -298,13 +298,13 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
                 count_would_deny(&limits, LayerKind::Entity, &method, &pattern);
             }
             Ok(d) => {
-                if let Some((gplan, gkey, gd)) = &global_taken {
-                    if refund(limiter, gplan, gkey, cost, gd).await {
-                        let back = gd
-                            .remaining
-                            .map(|r| std::cmp::min(r.saturating_add(cost), gplan.capacity()));
-                        reports[0] = Report::allowed(LayerKind::Api, gplan, back);
-                    }
+                if let Some((gplan, gkey, gd)) = &global_taken
+                    && refund(limiter, gplan, gkey, cost, gd).await
+                {
+                    let back = gd
+                        .remaining
+                        .map(|r| std::cmp::min(r.saturating_add(cost), gplan.capacity()));
+                    reports[0] = Report::allowed(LayerKind::Api, gplan, back);
                 }
                 reports.push(Report::denied(
                     LayerKind::Entity,
@@ -370,11 +370,12 @@ fn file_names(
     limits: &RouteLimits,
     router_pattern: &str,
 ) -> Vec<(String, ParamValue)> {
-    if let Some(file) = &limits.file {
-        if file.path != router_pattern && params.len() == file.params.len() {
-            for ((name, _), file_name) in params.iter_mut().zip(&file.params) {
-                name.clone_from(file_name);
-            }
+    if let Some(file) = &limits.file
+        && file.path != router_pattern
+        && params.len() == file.params.len()
+    {
+        for ((name, _), file_name) in params.iter_mut().zip(&file.params) {
+            name.clone_from(file_name);
         }
     }
     params

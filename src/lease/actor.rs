@@ -7,20 +7,21 @@
 //! 2. handles the due-queue entries due within a tick: closes expired leases (their tokens go
 //!    back), evicts keys idle for a lease lifetime after closing, and re-queues the rest,
 //! 3. sends what is due to the store per partition of the store (`Store::partition`: a shard
-//!    of a `ShardedStore`, or one partition for a single store), each partition its own *lane*
-//!    with at most one statement in flight: give-backs first, one statement per 256 keys,
-//!    retrying failures with the same return ids (so a retry never credits twice), then
-//!    refills, one `acquire_each` statement per 256 keys,
+//!    of a `ShardedStore`, or one partition for a single store), each partition its own *lane*:
+//!    give-backs first, one statement per 256 keys, alone in the lane, retrying failures with
+//!    the same return ids (so a retry never credits twice), then refills, one `acquire_each`
+//!    statement per 256 keys, a second to fourth one in flight only while a whole 256 more
+//!    wait (a lane that fell behind),
 //! 4. applies each statement's answers as soon as that statement answers, whatever the other
 //!    lanes are doing: a slow or failing shard delays only its own keys.
 //!
 //! Its work follows what is due, not the number of keys: a slot is looked at when its lease
 //! expires and when its idle check comes, and an idle table with nothing due costs no wake-up.
 //!
-//! Only the actor adds tokens to a word or takes them back, and a key has one lane with one
-//! statement in flight at a time, so at most one refill is in flight per key, and a return
-//! and a refill of one key never overlap. A slot whose refill is in flight is not expired
-//! until its answer is applied.
+//! Only the actor adds tokens to a word or takes them back, and a key has one lane, whose
+//! refill statements in flight hold distinct slots and never run beside a give-back, so at
+//! most one refill is in flight per key, and a return and a refill of one key never overlap.
+//! A slot whose refill is in flight is not expired until its answer is applied.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
@@ -54,8 +55,29 @@ const QUIET_LIFETIMES: f64 = 32.0;
 /// A strict lease closes at its lifetime and is counted against the bucket until then, so it
 /// holds only a few lifetimes of demand.
 const QUIET_LIFETIMES_STRICT: f64 = 4.0;
+/// A relaxed lease nobody spent from in its last lifetime lives on while its key has been
+/// silent for fewer than this many of its expected gaps between calls (`expects_a_call`)...
+const SILENT_CALLS: f64 = 4.0;
+/// ... and for fewer than this many lifetimes ...
+const SILENT_LIFETIMES: f64 = 8.0;
+/// ... but at least this many, for any key that has been called since its first call (its demand
+/// is above zero): demand is sampled at refills, whose windows end at the call that asked for
+/// them, and reads high for a quiet key (a key called once a second, asked 0.3 s after the last
+/// sample, reads 3.3 calls a second); gaps of three lifetimes come once in twenty calls of a
+/// key called once a lifetime.
+const FEWEST_SILENT_LIFETIMES: f64 = 3.0;
+/// A relaxed key is sparse (sized no lease) when fewer than this many calls are expected over
+/// the longest a relaxed lease lives without a call (`SILENT_LIFETIMES` lifetimes).
+const SPARSE_CALLS: f64 = 2.0;
+/// The furthest ahead `Book::full_at` is kept (nanoseconds): well inside the range of the local
+/// clock's 32-bit milliseconds.
+const FULL_AT_HORIZON: u64 = 3_600_000_000_000;
 /// Keys per store statement.
 const CHUNK: usize = 256;
+/// Refill statements one lane may have in flight at once, each of distinct slots (a slot is
+/// queued in its lane once, and is in at most one statement): the pool's default size, so a lane
+/// that fell behind uses every connection instead of one.
+const REFILLS_IN_FLIGHT: usize = 4;
 /// Attempts at giving a return back before its tokens count as stranded.
 const RETURN_ATTEMPTS: u32 = 5;
 /// After a failed refill, callers of the key go to the fallback for this long instead of
@@ -373,15 +395,38 @@ enum Answered {
     },
 }
 
-/// One store partition's work: at most one statement in flight, and the slots waiting for a
+/// One store partition's work: its statements in flight (one give-back alone, or up to
+/// [`REFILLS_IN_FLIGHT`] refills of distinct slots), and the slots waiting for a
 /// refill behind it.
 #[derive(Default)]
 struct Lane {
-    /// A statement of this lane is in flight.
-    busy: bool,
+    /// Refill statements of this lane in flight (at most [`REFILLS_IN_FLIGHT`]).
+    refills: usize,
+    /// A give-back statement of this lane is in flight: it runs alone.
+    returning: bool,
     /// Slots waiting for a refill, in the order they asked; each once (its record's
     /// `queued` flag says it is here).
     due: VecDeque<SlotRef>,
+}
+
+impl Lane {
+    /// A statement of this lane is in flight.
+    fn busy(&self) -> bool {
+        self.returning || self.refills > 0
+    }
+
+    /// Whether another refill statement may start: never beside a give-back (a strict lease's
+    /// return is settled before its key's renewal); the first whenever slots wait; more, up to
+    /// [`REFILLS_IN_FLIGHT`], only while a whole [`CHUNK`] waits, so that a lane that keeps up
+    /// still sends one statement of every slot that asked meanwhile, and only a lane that
+    /// falls behind (the first calls of a flood of new keys) spreads over more connections.
+    fn may_refill(&self) -> bool {
+        !self.returning
+            && match self.refills {
+                0 => !self.due.is_empty(),
+                n => n < REFILLS_IN_FLIGHT && self.due.len() >= CHUNK,
+            }
+    }
 }
 
 /// The actor's lanes, one per store partition with work (`Store::partition`), and their
@@ -393,14 +438,14 @@ struct Lanes<'a> {
     lanes: HashMap<usize, Lane>,
     /// Slots whose refill is in flight, by address: not expired until it is applied.
     inflight: HashSet<usize>,
-    /// The statements in flight, at most one per lane.
+    /// The statements in flight: per lane, one give-back or up to [`REFILLS_IN_FLIGHT`] refills.
     jobs: Vec<Job<'a>>,
 }
 
 impl<'a> Lanes<'a> {
     /// Whether `lane` has a statement in flight.
     fn busy(&self, lane: usize) -> bool {
-        self.lanes.get(&lane).is_some_and(|l| l.busy)
+        self.lanes.get(&lane).is_some_and(Lane::busy)
     }
 
     /// Gives memory back after a burst of refills (the first calls of a flood of new keys):
@@ -441,9 +486,14 @@ impl<'a> Lanes<'a> {
         part
     }
 
-    /// Starts `job` on `lane`.
-    fn start(&mut self, leases: &Leases, lane: usize, job: Job<'a>) {
-        self.lanes.entry(lane).or_default().busy = true;
+    /// Starts `job` on `lane`: a give-back (`returning`) or a refill.
+    fn start(&mut self, leases: &Leases, lane: usize, returning: bool, job: Job<'a>) {
+        let l = self.lanes.entry(lane).or_default();
+        if returning {
+            l.returning = true;
+        } else {
+            l.refills += 1;
+        }
         self.jobs.push(job);
         leases.busy.store(true, Ordering::Relaxed);
     }
@@ -463,7 +513,7 @@ impl<'a> Lanes<'a> {
 
     /// Drops the lanes with nothing to do, and says whether a statement is in flight.
     fn tidy(&mut self, leases: &Leases) {
-        self.lanes.retain(|_, l| l.busy || !l.due.is_empty());
+        self.lanes.retain(|_, l| l.busy() || !l.due.is_empty());
         leases.busy.store(!self.jobs.is_empty(), Ordering::Relaxed);
     }
 }
@@ -499,20 +549,32 @@ fn dispatch<'a>(
         for (lane, (_, batch)) in batches {
             leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
             metrics::counter!(m::DB_CALLS, "kind" => "return").increment(1);
-            lanes.start(leases, lane, give_back_job(leases, lane, batch));
+            lanes.start(leases, lane, true, give_back_job(leases, lane, batch));
         }
     }
-    let idle: Vec<usize> = lanes
+    let ready: Vec<usize> = lanes
         .lanes
         .iter()
-        .filter(|(_, l)| !l.busy && !l.due.is_empty())
+        .filter(|(_, l)| l.may_refill())
         .map(|(&lane, _)| lane)
         .collect();
-    for lane in idle {
-        loop {
-            let part = lanes.take(lane, CHUNK);
+    for lane in ready {
+        // Slots whose refill is still in flight in another statement of the lane: queued
+        // again after this round, so that a key has one refill in flight at a time.
+        let mut later = Vec::new();
+        while lanes.lanes.get(&lane).is_some_and(Lane::may_refill) {
+            let mut part = lanes.take(lane, CHUNK);
             if part.is_empty() {
                 break;
+            }
+            if lanes.lanes.get(&lane).is_some_and(|l| l.refills > 0) {
+                part.retain(|slot| {
+                    let busy = lanes.inflight.contains(&(SlotRef::as_ptr(slot) as usize));
+                    if busy {
+                        later.push(SlotRef::clone(slot));
+                    }
+                    !busy
+                });
             }
             let asks = plan_chunk(leases, &part, timers, ids);
             if asks.is_empty() {
@@ -523,8 +585,10 @@ fn dispatch<'a>(
             }
             leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
             metrics::counter!(m::DB_CALLS, "kind" => "lease").increment(1);
-            lanes.start(leases, lane, refill_job(leases, lane, asks));
-            break;
+            lanes.start(leases, lane, false, refill_job(leases, lane, asks));
+        }
+        for slot in later {
+            lanes.queue(lane, slot);
         }
     }
     lanes.tidy(leases);
@@ -608,7 +672,10 @@ fn finish(
     ids: &mut Ids,
 ) {
     if let Some(l) = lanes.lanes.get_mut(&done.lane) {
-        l.busy = false;
+        match done.work {
+            Answered::Refill { .. } => l.refills = l.refills.saturating_sub(1),
+            Answered::Return { .. } => l.returning = false,
+        }
     }
     match done.work {
         Answered::Refill {
@@ -696,6 +763,7 @@ fn publish_counters(leases: &Leases) {
     metrics::counter!(m::TOKENS_LEASED).absolute(whole(&c.leased));
     metrics::counter!(m::TOKENS_RETURNED).absolute(whole(&c.returned));
     metrics::counter!(m::TOKENS_STRANDED).absolute(whole(&c.stranded));
+    metrics::counter!(m::TOKENS_WAIVED).absolute(whole(&c.waived));
 }
 
 /// Sets the lease gauges and token counters from the exact counters, summing what every live
@@ -712,6 +780,7 @@ fn publish_outstanding(leases: &Leases) {
     metrics::counter!(m::TOKENS_LEASED).absolute(stats.leased as u64);
     metrics::counter!(m::TOKENS_RETURNED).absolute(stats.returned as u64);
     metrics::counter!(m::TOKENS_STRANDED).absolute(stats.stranded as u64);
+    metrics::counter!(m::TOKENS_WAIVED).absolute(stats.waived as u64);
 }
 
 /// After a dropped nudge: queues every slot that asked for a refill (by its `PENDING` bit) on
@@ -787,7 +856,14 @@ fn expire(
             // was sent), or after the last expiry it was spent from before (relaxed only).
             let reclaimed = slot.words().close();
             book.reclaimed.add(reclaimed);
-            queue_return(returns, ids, &slot, reclaimed, || slot.strict_lease());
+            if waives(&slot, &book, now) {
+                leases
+                    .counters
+                    .waived
+                    .fetch_add(reclaimed, Ordering::AcqRel);
+            } else {
+                queue_return(returns, ids, &slot, reclaimed, || slot.strict_lease());
+            }
             closed = true;
         }
         let idle_at = book.active_at.near(now).saturating_add(ttl);
@@ -877,8 +953,9 @@ fn schedule(timers: &mut Timers, slot: &SlotRef, now: u64) {
     timers.arm(slot, &mut book, at);
 }
 
-/// At a relaxed lease's expiry: if callers spent from it during its lifetime, it lives another
-/// lifetime instead of closing, and `true` is returned. A relaxed lease's unspent tokens are
+/// At a relaxed lease's expiry: if callers spent from it during its lifetime, or its key is
+/// still expected to be called soon (`expects_a_call`), it lives another lifetime instead of
+/// closing, and `true` is returned. A relaxed lease's unspent tokens are
 /// already out of the shared bucket, and the overshoot bound (`N·B`, DESIGN.md §8) holds
 /// whatever its age; the lifetime exists so that tokens of a key nobody calls go back. Closing an
 /// active lease instead would send its next caller to wait for a refill, and a lease sized for a
@@ -890,13 +967,57 @@ fn renew_if_spent(slot: &Slot, book: &mut super::slot::Book, now: u64) -> bool {
     if settings.accounting != Accounting::Relaxed {
         return false;
     }
-    let spent = book.spend_mark(slot.words().available());
-    if spent == book.spent_at_renewal {
+    let available = slot.words().available();
+    sample_demand(
+        book,
+        available,
+        now,
+        settings.ttl.as_nanos() as u64,
+        &settings,
+    );
+    let spent = book.spend_mark(available);
+    if spent == book.spent_at_renewal && !expects_a_call(book, &settings, now) {
         return false;
     }
     book.spent_at_renewal = spent;
     book.expires_at = Ms32::from_ns(now.saturating_add(settings.ttl.as_nanos() as u64));
     true
+}
+
+/// Whether a relaxed lease closing at `now` keeps its unspent tokens instead of giving them back:
+/// when its bucket, at the store's `remaining` after the lease's last grant, has had time since
+/// to refill to its capacity (`book.full_at`). With no other taker, the return would then be
+/// capped away whole, and a statement per close of a quiet key (most of what quiet keys cost
+/// the database) buys nothing. Another instance that took from the bucket meanwhile finds at
+/// most this lease's tokens fewer, for at most the time they take to refill; no call is ever
+/// admitted beyond the bound of §8, which waived tokens only lower. A strict lease is always
+/// settled: its tokens are counted against the bucket until then (§13).
+fn waives(slot: &Slot, book: &super::slot::Book, now: u64) -> bool {
+    lease_settings(slot).accounting == Accounting::Relaxed
+        && book.full_known
+        && book.full_at.near(now) <= now
+}
+
+/// Whether a relaxed lease nobody spent from during its last lifetime is still expected to be
+/// called soon: its key's demand says a call comes every `1 / rate`, and it has been silent
+/// (since the actor last saw it spend) for less than [`SILENT_CALLS`] such gaps, kept between
+/// [`FEWEST_SILENT_LIFETIMES`] and [`SILENT_LIFETIMES`] lifetimes. A key with no demand (never
+/// called since its first call) closes at its lifetime. A key called about once a lifetime misses a whole lifetime
+/// about a third of the time; closing its lease then sent its next call to wait for a refill,
+/// and cost the store a statement to take a new lease (and, before `waives`, one to give the
+/// old one back) about every third call. A key whose demand was high and stopped is silent for
+/// many of its gaps within a lifetime and closes at its expiry as before.
+fn expects_a_call(book: &super::slot::Book, settings: &LeaseSettings, now: u64) -> bool {
+    let cost = book.max_cost.get().max(1) as f64;
+    let calls_per_ns = f64::from(book.demand) / cost / 1e9;
+    if calls_per_ns <= 0.0 {
+        return false;
+    }
+    let silent = now.saturating_sub(book.active_at.near(now)) as f64;
+    let ttl = settings.ttl.as_nanos() as f64;
+    let allowed =
+        (SILENT_CALLS / calls_per_ns).clamp(ttl * FEWEST_SILENT_LIFETIMES, ttl * SILENT_LIFETIMES);
+    silent < allowed
 }
 
 /// Queues `amount` nanotokens of `slot` to go back to the store, under a fresh return id,
@@ -957,19 +1078,19 @@ fn hold(leases: &Leases, slot: &Slot, ids: &mut Ids) -> Option<Hold> {
     })
 }
 
-/// What one slot asks the store for: (min, want) in nanotokens, with the target lease size
-/// they come from, or `None` when nothing is needed. Samples the slot's demand.
-fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64, u64)> {
-    let settings = lease_settings(slot);
-    let largest = largest_lease(slot, 0);
-    let available = slot.words().available();
-    let needed = slot.needed.swap(0, Ordering::AcqRel);
-    let waiting = slot.waiting.swap(0, Ordering::AcqRel);
-    let mut book = slot.book.lock();
-    let max_cost = book.max_cost.get().max(needed);
-    book.max_cost.set(max_cost);
+/// Samples a slot's demand (nanotokens a second) if the last sample is at least `least` ns old:
+/// what was spent since, over the time since, averaged with the estimate so far. Refills
+/// sample (at least a millisecond apart), and so does a relaxed lease's expiry when a whole
+/// lifetime has passed since, so a lease nobody spends from sees its key's estimate fall.
+fn sample_demand(
+    book: &mut super::slot::Book,
+    available: u64,
+    now: u64,
+    least: u64,
+    settings: &LeaseSettings,
+) {
     let elapsed = now.saturating_sub(book.sampled_at.get());
-    if elapsed >= 1_000_000 {
+    if elapsed >= least.max(1) {
         let spent = book.spent(available);
         let rate = (spent - book.spent_at_sample.get().min(spent)) as f64 * 1e9 / elapsed as f64;
         book.demand = if book.demand == 0.0 {
@@ -981,6 +1102,20 @@ fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64, u64)> {
         book.sampled_at.set(now);
         book.spent_at_sample.set(spent);
     }
+}
+
+/// What one slot asks the store for: (min, want) in nanotokens, with the target lease size
+/// they come from, or `None` when nothing is needed. Samples the slot's demand.
+fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64, u64)> {
+    let settings = lease_settings(slot);
+    let largest = largest_lease(slot, 0);
+    let available = slot.words().available();
+    let needed = slot.needed.swap(0, Ordering::AcqRel);
+    let waiting = slot.waiting.swap(0, Ordering::AcqRel);
+    let mut book = slot.book.lock();
+    let max_cost = book.max_cost.get().max(needed);
+    book.max_cost.set(max_cost);
+    sample_demand(&mut book, available, now, 1_000_000, &settings);
     let target = if book.dry {
         // A key whose bucket ran dry wants more than it gets: ask for the largest lease, so
         // that a dry bucket is asked about once per lease's worth of refill, not once per token.
@@ -1040,7 +1175,8 @@ pub(super) fn largest_lease(slot: &Slot, max_cost: u64) -> u64 {
 /// The lease size (nanotokens) for a key spending `demand` nanotokens a second in calls of at
 /// most `max_cost`, before the cap of `max_fraction × capacity`:
 ///
-/// - **Sparse** (fewer than one call's cost expected over a lease lifetime): zero. The key gets
+/// - **Sparse** (fewer than one call's cost expected over a strict lease's lifetime, or fewer
+///   than [`SPARSE_CALLS`] over the [`SILENT_LIFETIMES`] a relaxed one may live): zero. The key gets
 ///   exactly what its waiting callers need, one batched refill per call, and nothing sits
 ///   leased for a lifetime only to be given back.
 /// - Otherwise the largest of: a refresh interval of demand (what a hot key is sized by); a few
@@ -1051,7 +1187,14 @@ pub(super) fn largest_lease(slot: &Slot, max_cost: u64) -> u64 {
 fn target_size(demand: f64, max_cost: u64, settings: &LeaseSettings, landing: Duration) -> u64 {
     let cost = max_cost.max(1) as f64;
     let lifetime = demand * settings.ttl.as_secs_f64();
-    if lifetime < cost {
+    // What a lease may serve before it closes: a relaxed one lives on through up to
+    // `SILENT_LIFETIMES` silent lifetimes of a key still expected to call (`expects_a_call`),
+    // and its unspent tokens are mostly waived, not returned (`waives`).
+    let longest = match settings.accounting {
+        Accounting::Relaxed => lifetime * SILENT_LIFETIMES / SPARSE_CALLS,
+        Accounting::Strict => lifetime,
+    };
+    if longest < cost {
         return 0;
     }
     let refresh = demand * settings.refresh.as_secs_f64();
@@ -1186,6 +1329,19 @@ fn apply(
         if strict.is_none() {
             book.expires_at = Ms32::from_ns(now.saturating_add(ttl));
             book.spent_at_renewal = book.spend_mark(slot.words().available());
+            // When the bucket, left at `remaining` by this grant, has refilled to its capacity
+            // if nobody else takes from it (`waives`). Measured from after the answer, later
+            // than the store's clock took and a millisecond later still, so never early; not
+            // known if that is too far away for the local clock's 32-bit milliseconds.
+            let capacity = u64::try_from(slot.plan.capacity().as_nanos()).unwrap_or(u64::MAX);
+            let refill = slot
+                .plan
+                .bucket()
+                .time_to_refill(Tokens::from_nanos(u128::from(
+                    capacity.saturating_sub(remaining),
+                )));
+            book.full_known = refill < FULL_AT_HORIZON;
+            book.full_at = Ms32::from_ns(now.saturating_add(refill).saturating_add(1_000_000));
         }
         book.active_at = Ms32::from_ns(now);
         // Less than wanted: the bucket is scarce. No background top-up then (it would find the

@@ -63,7 +63,8 @@ const NUDGES: usize = 1 << 13;
 pub(crate) const GATHER: Duration = Duration::from_millis(10);
 
 /// Lease counters, in tokens, since the limiter started. Exact: every nanotoken leased is spent
-/// by a caller, given back, stranded (a give-back that failed for good), or still held.
+/// by a caller, given back, stranded (a give-back that failed for good), waived (not sent back
+/// to a bucket that had refilled to its capacity), or still held.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 #[non_exhaustive]
 pub struct LeaseStats {
@@ -73,6 +74,10 @@ pub struct LeaseStats {
     pub returned: f64,
     /// Tokens whose give-back failed for good (they count as spent in the store).
     pub stranded: f64,
+    /// Tokens of relaxed leases that closed unspent after their bucket had refilled to its
+    /// capacity since their grant (as far as this process knows): not sent back, since the
+    /// store would cap the return away (DESIGN.md §8, "Waived returns").
+    pub waived: f64,
     /// Tokens held in live leases now: how far this process can exceed its share right now.
     pub outstanding: f64,
     /// The most the keys in the table may hold in leases at once: for each key, its plan's
@@ -103,6 +108,7 @@ pub(crate) struct Counters {
     pub(crate) leased: AtomicU64,
     pub(crate) returned: AtomicU64,
     pub(crate) stranded: AtomicU64,
+    pub(crate) waived: AtomicU64,
     pub(crate) store_calls: AtomicU64,
     pub(crate) actor_rounds: AtomicU64,
     /// Actors started again after the previous one ended early.
@@ -312,12 +318,11 @@ impl Leases {
                 // `try_acquire_now_with`) whose plan is the one the policies choose for it: from
                 // now on `try_acquire` finds that plan through the record, not by matching the
                 // key's prefixes.
-                if let Some((shared, index)) = chosen {
-                    if hot.plan.load(Ordering::Relaxed) == slab::NO_PLAN
-                        && (Arc::ptr_eq(&slot.plan, shared) || *slot.plan == **shared)
-                    {
-                        hot.plan.store(slab::record_plan(index), Ordering::Relaxed);
-                    }
+                if let Some((shared, index)) = chosen
+                    && hot.plan.load(Ordering::Relaxed) == slab::NO_PLAN
+                    && (Arc::ptr_eq(&slot.plan, shared) || *slot.plan == **shared)
+                {
+                    hot.plan.store(slab::record_plan(index), Ordering::Relaxed);
                 }
                 (slot, hot)
             }
@@ -629,6 +634,7 @@ impl Leases {
             leased: tokens(self.counters.leased.load(Ordering::Acquire)),
             returned: tokens(self.counters.returned.load(Ordering::Acquire)),
             stranded: tokens(self.counters.stranded.load(Ordering::Acquire)),
+            waived: tokens(self.counters.waived.load(Ordering::Acquire)),
             outstanding: tokens(outstanding),
             outstanding_bound: tokens(bound),
             keys: table.len(),

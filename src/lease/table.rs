@@ -605,7 +605,7 @@ mod tests {
 
     fn key(i: usize) -> String {
         // Short keys (inline) and keys longer than `INLINE` (compared through the slot).
-        if i % 3 == 0 {
+        if i.is_multiple_of(3) {
             format!("a-key-long-enough-to-live-outside-the-bucket:{i}")
         } else {
             format!("k{i}")

@@ -295,11 +295,11 @@ impl Coalescer {
         if state.in_flight >= cap {
             return Next::Nothing;
         }
-        if !state.ready.is_empty() {
-            if let Some(window) = self.gather_window(state) {
-                state.gathering = true;
-                return Next::Gather(window);
-            }
+        if !state.ready.is_empty()
+            && let Some(window) = self.gather_window(state)
+        {
+            state.gathering = true;
+            return Next::Gather(window);
         }
         match state.next_batch(&self.settings, cap, now) {
             Some(batch) => Next::Send(batch),

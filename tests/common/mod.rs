@@ -134,14 +134,18 @@ pub fn worst_window(
 }
 
 /// Lease conservation, exact: every token `who` was granted was admitted (`admitted`, whole
-/// tokens), given back, stranded, or is still held.
+/// tokens), given back, stranded, waived, or is still held.
 pub fn assert_conserved(who: &str, admitted: f64, stats: &tokenlease::LeaseStats) {
     assert!(
-        (admitted + stats.returned + stats.stranded + stats.outstanding - stats.leased).abs()
+        (admitted + stats.returned + stats.stranded + stats.waived + stats.outstanding
+            - stats.leased)
+            .abs()
             < 1e-9,
-        "{who}: admitted {admitted} + returned {} + stranded {} + outstanding {} != leased {}",
+        "{who}: admitted {admitted} + returned {} + stranded {} + waived {} + outstanding {} \
+         != leased {}",
         stats.returned,
         stats.stranded,
+        stats.waived,
         stats.outstanding,
         stats.leased
     );

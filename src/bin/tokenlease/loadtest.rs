@@ -23,6 +23,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use serde::Serialize;
 use tokenlease::bucket::{BucketConfig, BucketState, Rate, Timestamp, Tokens};
 use tokenlease::policy::{Accounting, FallbackMode, FallbackSettings, LeaseSettings, Plan};
@@ -72,6 +74,20 @@ pub(crate) struct Args {
     /// Requests per second, in total over all tasks (paced, open loop).
     #[arg(long, default_value_t = 20_000.0)]
     rate: f64,
+    /// Calls each task may have in flight. With 1 (the default) a task waits for each answer
+    /// before its next slot, so `tasks × instances` bound the concurrency and a slow answer
+    /// delays the next request (a closed loop once the pace is out of reach). With more, a
+    /// task sends at its slots whether or not earlier calls have answered, up to this many at
+    /// once: the offered rate is kept while calls wait for the store, as when every request of
+    /// a service is its own task.
+    #[arg(long, default_value_t = 1)]
+    in_flight: usize,
+    /// Seconds at the start of the run left out of the server's CPU per decision: its CPU is
+    /// read at the end of the warm-up instead of the start, and divided by the decisions
+    /// answered after it. For the steady state of many keys, whose first calls each write a
+    /// row a long run would write once. Every other figure covers the whole run.
+    #[arg(long, default_value_t = 0.0)]
+    warmup: f64,
     /// `steady`: `--rate` throughout. `lull-burst`: cycles of 6 s: 3 s of demand below the
     /// refill rate (0.8 × refill × keys in all), 2.5 s of nothing, 0.5 s at `--rate`. The lull
     /// lets buckets refill while leases are still out (with `--lease-ttl-ms` above 2.5 s): the
@@ -264,6 +280,8 @@ struct Report {
     max_us: f64,
     fallback: &'static str,
     fallback_decisions: u64,
+    /// `fallback_decisions` answered after the warm-up (`--warmup`): all of them without one.
+    fallback_decisions_after_warmup: u64,
     synchronous_commit: bool,
     /// Whether the store prepared its statements once per session (not `--unprepared`).
     prepared_statements: bool,
@@ -287,15 +305,19 @@ struct Report {
     #[serde(skip_serializing_if = "Option::is_none")]
     fault: Option<crate::fault::Fault>,
     /// CPU seconds the PostgreSQL server spent over the measured window (the window of
-    /// `duration_s`): the postmaster and every process of the cluster, those that exited
+    /// `duration_s`, less the first `warmup_s`): the postmaster and every process of the cluster, those that exited
     /// included (`server_cpu` module), summed over the shards' clusters. `None` when the
     /// server is not on this machine or could not be read (`server_cpu_not_measured` says
     /// why).
     server_cpu_s: Option<f64>,
     /// `server_cpu_s` in microseconds per decision served: per request answered (`requests`:
     /// admitted and denied alike, the fallback's decisions included; calls dropped unanswered
-    /// at the end are not decisions). `None` when not measured or when no request was answered.
+    /// at the end are not decisions), after the warm-up. `None` when not measured or when no
+    /// request was answered.
     server_cpu_us_per_decision: Option<f64>,
+    /// Seconds at the start left out of `server_cpu_s` and `server_cpu_us_per_decision`
+    /// (`--warmup`); 0 when the whole run counts.
+    warmup_s: f64,
     /// Why the server's CPU time was not measured, when it was not.
     #[serde(skip_serializing_if = "Option::is_none")]
     server_cpu_not_measured: Option<String>,
@@ -317,6 +339,19 @@ struct Report {
     /// (`pg_dist_transaction`): 0 when every call ran on one worker.
     #[serde(skip_serializing_if = "Option::is_none")]
     citus_two_phase_commits: Option<i64>,
+    /// Leased mode: the tokens the instances' leases took from the store, gave back, waived
+    /// (not given back to a bucket that had refilled to capacity) and still held at the end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lease_tokens: Option<LeaseTokens>,
+}
+
+/// Where the leased tokens went (`Report::lease_tokens`), in tokens.
+#[derive(Debug, Default, Clone, Copy, Serialize)]
+struct LeaseTokens {
+    leased: f64,
+    returned: f64,
+    waived: f64,
+    held_at_end: f64,
 }
 
 /// One request: when it finished (ns since the start), its key, and whether it was allowed.
@@ -325,6 +360,8 @@ struct Request {
     at: u64,
     key: u32,
     allowed: bool,
+    /// Decided by the fallback.
+    fallback: bool,
 }
 
 /// Requests so far over every task, for the progress line, and the run's bounds.
@@ -550,6 +587,20 @@ fn validate(args: &Args) -> Result<(), String> {
              --shards, --fault and --serve-db"
                 .into(),
         );
+    }
+    if args.in_flight == 0 {
+        return Err("--in-flight must be at least 1".into());
+    }
+    let run_s = args.duration.unwrap_or(if args.requests.is_some() {
+        f64::INFINITY
+    } else {
+        DEFAULT_DURATION
+    });
+    if !(args.warmup.is_finite() && args.warmup >= 0.0 && args.warmup < run_s) {
+        return Err(format!(
+            "--warmup {} must be at least 0 and shorter than the run ({run_s} s)",
+            args.warmup
+        ));
     }
     let positive = |name: &str, v: f64| {
         if v.is_finite() && v > 0.0 {
@@ -805,10 +856,19 @@ async fn load(
         planned_requests: args.requests,
         ..Counters::default()
     });
-    // The server's CPU time is read at the start and the end of the window `duration_s`
-    // measures, and nowhere else: not the start-up, the migrations or the shutdown.
-    let cpu_at_start = sample_clusters(&clusters);
+    // The server's CPU time is read at the start (or the end of `--warmup`) and the end of the
+    // window `duration_s` measures, and nowhere else: not the start-up, the migrations or the
+    // shutdown.
+    let warmup = Duration::from_secs_f64(args.warmup);
+    let clusters = Arc::new(clusters);
     let start = Instant::now();
+    let cpu_at_start = {
+        let clusters = Arc::clone(&clusters);
+        tokio::spawn(async move {
+            tokio::time::sleep_until((start + warmup).into()).await;
+            sample_clusters(&clusters)
+        })
+    };
     let fault = injector.map(|i| i.spawn(start));
     let end = duration.map(|d| start + d);
     let hard_end = end.map(|e| e + END_GRACE);
@@ -839,6 +899,7 @@ async fn load(
                 end,
                 quota,
             };
+            let in_flight = args.in_flight;
             handles.push(tokio::spawn(async move {
                 let mut out = TaskResult {
                     requests: Vec::new(),
@@ -847,30 +908,26 @@ async fn load(
                     unsent: 0,
                     in_flight_at_end: 0,
                 };
-                while let Some(slot) = schedule.next_slot() {
-                    tokio::time::sleep_until(slot.into()).await;
-                    // Behind the pace at the end: this slot and the rest are not sent.
-                    if end.is_some_and(|e| Instant::now() >= e) {
-                        out.unsent = 1 + schedule.remaining();
-                        break;
+                // The calls this task has sent and not yet seen answered (at most `in_flight`).
+                let mut calls = FuturesUnordered::new();
+                let call = |key: u32| {
+                    let (limiter, plan, names) = (&limiter, &plan, &names);
+                    async move {
+                        let began = Instant::now();
+                        let decision = limiter
+                            .try_acquire_with(plan, &names[key as usize], cost)
+                            .await
+                            .expect("a valid request");
+                        (key, began, Instant::now(), decision)
                     }
-                    let key = keys.pick(&mut rng);
-                    let began = Instant::now();
-                    let call = limiter.try_acquire_with(&plan, &names[key as usize], cost);
-                    let decision = match hard_end {
-                        None => call.await,
-                        // Dropping the call is cancel safe (a take already sent counts as spent).
-                        Some(h) => match tokio::time::timeout_at(h.into(), call).await {
-                            Ok(d) => d,
-                            Err(_) => {
-                                out.in_flight_at_end = 1;
-                                out.unsent = schedule.remaining();
-                                break;
-                            }
-                        },
-                    }
-                    .expect("a valid request");
-                    let ended = Instant::now();
+                };
+                let record = |out: &mut TaskResult,
+                              (key, began, ended, decision): (
+                    u32,
+                    Instant,
+                    Instant,
+                    tokenlease::Decision,
+                )| {
                     let _ = out.latency.record((ended - began).as_nanos() as u64);
                     if matches!(decision.decided_by, DecidedBy::Fallback(_)) {
                         out.fallback += 1;
@@ -883,8 +940,64 @@ async fn load(
                         at: (ended - start).as_nanos() as u64,
                         key,
                         allowed: decision.allowed,
+                        fallback: matches!(decision.decided_by, DecidedBy::Fallback(_)),
                     });
                     counters.sent.fetch_add(1, Ordering::Relaxed);
+                };
+                let mut slot = schedule.next_slot();
+                while let Some(at) = slot {
+                    if calls.len() >= in_flight {
+                        // At the cap: the next slot waits for an answer, at most until the
+                        // hard end (then this slot and the rest are not sent).
+                        let answer = match hard_end {
+                            None => calls.next().await,
+                            Some(h) => {
+                                match tokio::time::timeout_at(h.into(), calls.next()).await {
+                                    Ok(a) => a,
+                                    Err(_) => {
+                                        out.unsent = 1 + schedule.remaining();
+                                        break;
+                                    }
+                                }
+                            }
+                        };
+                        if let Some(answer) = answer {
+                            record(&mut out, answer);
+                        }
+                        continue;
+                    }
+                    tokio::select! {
+                        biased;
+                        Some(answer) = calls.next(), if !calls.is_empty() => {
+                            record(&mut out, answer);
+                            continue;
+                        }
+                        () = tokio::time::sleep_until(at.into()) => {}
+                    }
+                    // Behind the pace at the end: this slot and the rest are not sent.
+                    if end.is_some_and(|e| Instant::now() >= e) {
+                        out.unsent = 1 + schedule.remaining();
+                        break;
+                    }
+                    calls.push(call(keys.pick(&mut rng)));
+                    slot = schedule.next_slot();
+                }
+                // The calls still in flight, each bounded by the hard end: dropping a call is
+                // cancel safe (a take already sent counts as spent).
+                while !calls.is_empty() {
+                    let answer = match hard_end {
+                        None => calls.next().await,
+                        Some(h) => match tokio::time::timeout_at(h.into(), calls.next()).await {
+                            Ok(a) => a,
+                            Err(_) => {
+                                out.in_flight_at_end = calls.len() as u64;
+                                break;
+                            }
+                        },
+                    };
+                    if let Some(answer) = answer {
+                        record(&mut out, answer);
+                    }
                 }
                 out
             }));
@@ -921,6 +1034,7 @@ async fn load(
         in_flight_at_end += r.in_flight_at_end;
     }
     let elapsed = start.elapsed().as_secs_f64();
+    let cpu_at_start = cpu_at_start.await?;
     let node_cpu_s: Result<Vec<f64>, String> = cpu_at_start.and_then(|at_start| {
         let at_end = sample_clusters(&clusters)?;
         Ok(at_start
@@ -947,6 +1061,20 @@ async fn load(
             END_GRACE.as_millis()
         );
     }
+    // Where the leased tokens went, summed over the instances (leased mode), before shutdown
+    // gives the rest back.
+    let lease_tokens = limiters.iter().filter_map(Limiter::lease_stats).fold(
+        None,
+        |sum: Option<LeaseTokens>, s| {
+            let sum = sum.unwrap_or_default();
+            Some(LeaseTokens {
+                leased: sum.leased + s.leased,
+                returned: sum.returned + s.returned,
+                waived: sum.waived + s.waived,
+                held_at_end: sum.held_at_end + s.outstanding,
+            })
+        },
+    );
     let shutdown = async {
         for limiter in &limiters {
             limiter.shutdown().await;
@@ -994,6 +1122,9 @@ async fn load(
         Mode::Direct => args.cost,
     };
     let n = requests.len() as u64;
+    // The decisions the server's CPU is divided by: those answered after the warm-up.
+    let warmup_ns = warmup.as_nanos() as u64;
+    let measured = requests.iter().filter(|r| r.at >= warmup_ns).count() as u64;
     let per_s = |calls: u64| calls as f64 / elapsed.max(1e-9);
     let shard_db_calls_per_s: Vec<f64> = shard_db_calls.iter().map(|&c| per_s(c)).collect();
     let decisions_per_statement = if db_calls == 0 {
@@ -1054,22 +1185,30 @@ async fn load(
             Fallback::Local => "local",
         },
         fallback_decisions: fallback,
+        fallback_decisions_after_warmup: requests
+            .iter()
+            .filter(|r| r.fallback && r.at >= warmup_ns)
+            .count() as u64,
         synchronous_commit: !args.sync_commit_off,
         prepared_statements: !args.unprepared,
         fault,
         server_cpu_us_per_decision: server_cpu_s
             .as_ref()
             .ok()
-            .filter(|_| n > 0)
-            .map(|s| s * 1e6 / n as f64),
+            .filter(|_| measured > 0)
+            .map(|s| s * 1e6 / measured as f64),
+        warmup_s: args.warmup,
         server_cpu_s: server_cpu_s.as_ref().ok().copied(),
         server_cpu_not_measured: server_cpu_s.err(),
+        lease_tokens,
         citus_nodes: citus_nodes
             .as_ref()
             .map(|nodes| nodes.names.clone())
             .unwrap_or_default(),
         citus_node_cpu_us_per_decision: match (&citus_nodes, node_cpu_s) {
-            (Some(_), Ok(nodes)) if n > 0 => nodes.iter().map(|s| s * 1e6 / n as f64).collect(),
+            (Some(_), Ok(nodes)) if measured > 0 => {
+                nodes.iter().map(|s| s * 1e6 / measured as f64).collect()
+            }
             _ => Vec::new(),
         },
         citus_worker_calls: match (&citus_at_start, &citus_at_end) {
@@ -1319,9 +1458,25 @@ fn print_table(r: &Report) {
             r.p50_us, r.p99_us, r.p999_us, r.max_us
         ),
     );
+    if let Some(t) = r.lease_tokens {
+        row(
+            "lease tokens",
+            format!(
+                "{:.0} leased, {:.0} given back, {:.0} waived, {:.0} held at the end",
+                t.leased, t.returned, t.waived, t.held_at_end
+            ),
+        );
+    }
     row(
         "fallback decisions",
-        format!("{} (fallback: {})", r.fallback_decisions, r.fallback),
+        if r.warmup_s > 0.0 {
+            format!(
+                "{} (fallback: {}), {} after the warm-up",
+                r.fallback_decisions, r.fallback, r.fallback_decisions_after_warmup
+            )
+        } else {
+            format!("{} (fallback: {})", r.fallback_decisions, r.fallback)
+        },
     );
     row(
         "server CPU",
@@ -1331,8 +1486,16 @@ fn print_table(r: &Report) {
             &r.server_cpu_not_measured,
         ) {
             (Some(s), Some(us), _) => format!(
-                "{us:.1} µs per decision ({s:.2} CPU s of PostgreSQL over the {:.2} s run{})",
-                r.duration_s,
+                "{us:.1} µs per decision ({s:.2} CPU s of PostgreSQL over {}{})",
+                if r.warmup_s > 0.0 {
+                    format!(
+                        "the {:.2} s run after a {:.2} s warm-up",
+                        r.duration_s - r.warmup_s,
+                        r.warmup_s
+                    )
+                } else {
+                    format!("the {:.2} s run", r.duration_s)
+                },
                 if r.shard_names.len() > 1 {
                     ", every shard's cluster"
                 } else {

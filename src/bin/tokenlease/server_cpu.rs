@@ -183,13 +183,13 @@ impl Cluster {
             format!("the server is not on this machine (its backend, pid {pid}, {why})")
         };
         let backend = ProcStat::read(pid).ok_or_else(|| elsewhere("is not in /proc"))?;
-        if let (Some(at), Some(here)) = (backend_start, started_at(&backend)) {
-            if (at - here).abs() > START_SLACK_S {
-                return Err(elsewhere(&format!(
-                    "started {:.0} s away from the local process of that pid",
-                    at - here
-                )));
-            }
+        if let (Some(at), Some(here)) = (backend_start, started_at(&backend))
+            && (at - here).abs() > START_SLACK_S
+        {
+            return Err(elsewhere(&format!(
+                "started {:.0} s away from the local process of that pid",
+                at - here
+            )));
         }
         let postmaster = ProcStat::read(backend.ppid)
             .filter(|s| !s.exited() && is_postgres(s))
