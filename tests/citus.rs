@@ -465,6 +465,56 @@ async fn every_call_runs_on_one_worker_without_a_distributed_transaction() {
     );
 }
 
+/// A dropped cluster leaves no server and no directory behind (each node is a `TempPostgres`,
+/// stopped and removed on drop), and the builder's settings reach every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_cluster_leaves_nothing_behind() {
+    let started = tokio::task::spawn_blocking(|| {
+        TempCitus::builder()
+            .workers(1)
+            .setting("citus.shard_count", "4")
+            .start()
+    })
+    .await
+    .expect("start task")
+    .expect("a Citus cluster");
+    for node in std::iter::once(started.coordinator()).chain(started.workers()) {
+        let c = client(&node.connection_string("postgres")).await;
+        let shards: String = c
+            .query_one("SHOW citus.shard_count", &[])
+            .await
+            .expect("setting")
+            .get(0);
+        assert_eq!(shards, "4");
+    }
+    let nodes: Vec<(std::path::PathBuf, u32)> = std::iter::once(started.coordinator())
+        .chain(started.workers())
+        .map(|n| {
+            (
+                n.data_dir().to_path_buf(),
+                n.postmaster_pid().expect("running"),
+            )
+        })
+        .collect();
+    tokio::task::spawn_blocking(move || drop(started))
+        .await
+        .expect("drop task");
+    for (dir, pid) in nodes {
+        assert!(!dir.exists(), "{} left behind", dir.display());
+        // Gone, or a zombie waiting for its new parent (pid 1) to reap it.
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.trim_start().chars().next())
+            });
+        assert!(
+            matches!(state, None | Some('Z')),
+            "postmaster {pid} still running ({state:?})"
+        );
+    }
+}
+
 /// One decision of [`drive`].
 #[derive(Debug, Clone)]
 struct Event {

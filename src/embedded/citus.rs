@@ -211,11 +211,17 @@ impl TempCitus {
     /// runtime (this may be called inside one).
     fn setup(&self) -> Result<(), EmbeddedError> {
         let coordinator = self.coordinator.connection_string("postgres");
-        let port = self.coordinator.port();
-        let workers: Vec<(String, u16)> = self
+        let (host, port) = (self.coordinator.host().to_string(), self.coordinator.port());
+        let workers: Vec<(String, String, u16)> = self
             .workers
             .iter()
-            .map(|w| (w.connection_string("postgres"), w.port()))
+            .map(|w| {
+                (
+                    w.connection_string("postgres"),
+                    w.host().to_string(),
+                    w.port(),
+                )
+            })
             .collect();
         let handle = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -225,7 +231,7 @@ impl TempCitus {
             rt.block_on(async move {
                 let setup = async {
                     let mut all = vec![coordinator.clone()];
-                    all.extend(workers.iter().map(|(conn, _)| conn.clone()));
+                    all.extend(workers.iter().map(|(conn, _, _)| conn.clone()));
                     let creates = all.iter().map(|conn| async move {
                         let client = connect(conn).await?;
                         client
@@ -239,18 +245,18 @@ impl TempCitus {
                     let client = connect(&coordinator).await?;
                     client
                         .execute(
-                            "SELECT citus_set_coordinator_host('127.0.0.1', $1)",
-                            &[&i32::from(port)],
+                            "SELECT citus_set_coordinator_host($1, $2)",
+                            &[&host, &i32::from(port)],
                         )
                         .await
                         .map_err(|err| {
                             EmbeddedError::database("citus_set_coordinator_host", &err)
                         })?;
-                    for (_, worker_port) in &workers {
+                    for (_, worker_host, worker_port) in &workers {
                         client
                             .execute(
-                                "SELECT citus_add_node('127.0.0.1', $1)",
-                                &[&i32::from(*worker_port)],
+                                "SELECT citus_add_node($1, $2)",
+                                &[worker_host, &i32::from(*worker_port)],
                             )
                             .await
                             .map_err(|err| EmbeddedError::database("citus_add_node", &err))?;
