@@ -34,14 +34,19 @@
 #
 #   bash scripts/peer-compare.sh
 #   PHASE_S=3 bash scripts/peer-compare.sh    # a quick check
+#   TOKENLEASE=/path/to/tokenlease bash scripts/peer-compare.sh    # a prebuilt binary
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PHASE_S="${PHASE_S:-10}"
 for tool in node npm pgbench python3; do
     command -v "$tool" >/dev/null || { echo "peer-compare: $tool is not on PATH" >&2; exit 1; }
 done
-cargo build --release --quiet --features cli --bin tokenlease
-bin=target/release/tokenlease
+if [[ -n "${TOKENLEASE:-}" ]]; then
+    bin="$TOKENLEASE" # a prebuilt binary, e.g. another commit's, for a before/after
+else
+    cargo build --release --quiet --features cli --bin tokenlease
+    bin="${CARGO_TARGET_DIR:-target}/release/tokenlease"
+fi
 if [[ ! -d peers/node_modules/rate-limiter-flexible || ! -d peers/node_modules/pg ]]; then
     echo "peer-compare: installing the Node peer's dependencies (npm ci in peers/)" >&2
     (cd peers && npm ci --no-audit --no-fund)

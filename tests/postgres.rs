@@ -614,6 +614,159 @@ async fn a_refund_puts_tokens_back_into_the_bucket() {
     );
 }
 
+/// B9 at every scale: the one-key statement (one request a call) and the many-key statement
+/// (every key in one call), round after round on the same rows, decide as the pure bucket to
+/// the attotoken for capacities from one nanotoken's worth of tokens to `MAX_CAPACITY`, rates from
+/// one nanotoken a second to `Rate::MAX`, rows aged by up to ten years (a refill product far
+/// beyond 64 bits before its cap), a few ahead of the clock, capacities changed between rounds
+/// (rows above their new capacity), plain takes, coalesced takes and leases of random costs.
+#[tokio::test]
+async fn both_take_statements_answer_as_the_pure_bucket_at_every_scale() {
+    use tokenlease::bucket::{BucketConfig, Rate};
+    use tokenlease::policy::MAX_CAPACITY;
+    const N: usize = 160;
+    const NANO: u128 = 1_000_000_000;
+    let db = common::database().await;
+    let store = common::store(&db, 1).await;
+    let keys: Vec<String> = (0..N).map(|i| format!("scale:{i:03}")).collect();
+    // A fixed sequence of pseudo-random numbers (PCG's multiplier), the same on every run.
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move |bound: u64| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (seed ^ (seed >> 29)) % bound.max(1)
+    };
+    let capacities = [1, 3, 100, 9_999, 1_000_000, 123_456_789, MAX_CAPACITY];
+    let rates = [
+        1,
+        3,
+        666_666_667,
+        50_000_000_000,
+        1_000_000_000_000_007,
+        Rate::MAX.as_nanos_per_second(),
+    ];
+    let mut model: Vec<Option<BucketState>> = vec![None; N];
+    let (mut granted, mut denied) = (0, 0);
+    for round in 0..6 {
+        if round > 0 {
+            // Age each stored row by its own amount: up to ten years, up to a minute or up to
+            // 4 s back, or up to 0.5 s ahead.
+            let (aged, micros): (Vec<&str>, Vec<i64>) = (0..N)
+                .filter_map(|i| {
+                    let state = model[i].as_mut()?;
+                    let us = match next(4) {
+                        0 => next(315_360_000_000_000) as i64,
+                        1 => next(60_000_000) as i64,
+                        2 => next(4_000_000) as i64,
+                        _ => -(next(500_000) as i64),
+                    };
+                    state.last_refill = Timestamp::from_nanos(
+                        state
+                            .last_refill
+                            .as_nanos()
+                            .checked_add_signed(-us * 1_000)?,
+                    );
+                    Some((keys[i].as_str(), us))
+                })
+                .unzip();
+            let conn = tokenlease::__private::pool(&store)
+                .get()
+                .await
+                .expect("connection");
+            conn.execute(
+                "UPDATE tokenlease_buckets AS b
+                 SET updated_us = b.updated_us - a.us
+                 FROM unnest($1::text[], $2::int8[]) AS a(key, us) WHERE b.key = a.key",
+                &[&aged, &micros],
+            )
+            .await
+            .expect("age the rows");
+        }
+        let requests: Vec<AcquireRequest<'_>> = (0..N)
+            .map(|i| {
+                let capacity = capacities[next(capacities.len() as u64) as usize];
+                let rate = match next(4) {
+                    0 => 1 + next(1_000_000_000_000_000_000),
+                    _ => rates[next(rates.len() as u64) as usize],
+                };
+                let config = BucketConfig::new(
+                    Tokens::whole(capacity),
+                    Rate::from_nanos_per_second(rate).expect("rate"),
+                )
+                .expect("bucket");
+                // A cost of whole nanotokens, at most the capacity; sometimes a small one.
+                let cap_nanos = capacity.saturating_mul(1_000_000_000);
+                let cost_nanos = match next(3) {
+                    0 => 1 + next(1_000),
+                    _ => 1 + next(cap_nanos),
+                };
+                let cost = Tokens::from_atto(u128::from(cost_nanos) * NANO);
+                match next(3) {
+                    0 => AcquireRequest::take(&keys[i], config, cost),
+                    1 => AcquireRequest {
+                        want: Tokens::from_atto(
+                            u128::from(cost_nanos * (cap_nanos / cost_nanos).min(3)) * NANO,
+                        ),
+                        ..AcquireRequest::take(&keys[i], config, cost)
+                    },
+                    _ => AcquireRequest::lease(
+                        &keys[i],
+                        config,
+                        cost,
+                        Tokens::from_atto(
+                            u128::from(cost_nanos.saturating_mul(4).min(cap_nanos)) * NANO,
+                        ),
+                    ),
+                }
+            })
+            .collect();
+        // Even rounds one request a call (the one-key statement), odd rounds all in one call.
+        let got = if round % 2 == 0 {
+            let mut got = Vec::with_capacity(N);
+            for request in &requests {
+                got.extend(
+                    store
+                        .acquire_many(std::slice::from_ref(request))
+                        .await
+                        .expect("acquire"),
+                );
+            }
+            got
+        } else {
+            store.acquire_many(&requests).await.expect("acquire_many")
+        };
+        assert_eq!(got.len(), N);
+        for (i, (request, got)) in requests.iter().zip(&got).enumerate() {
+            let now = timestamp_from_system_time(got.store_now);
+            let config = request.bucket;
+            let refilled = model[i]
+                .unwrap_or(BucketState::full(&config, now))
+                .refill(&config, now);
+            let expected = request.grantable(refilled.tokens);
+            assert_eq!(got.granted, expected, "round {round}, key {i}: granted");
+            let remaining = refilled.tokens.saturating_sub(expected);
+            assert_eq!(
+                got.remaining, remaining,
+                "round {round}, key {i}: remaining ({request:?})"
+            );
+            if expected.is_zero() {
+                denied += 1;
+            } else {
+                granted += 1;
+            }
+            model[i] = Some(BucketState {
+                tokens: remaining,
+                ..refilled
+            });
+        }
+    }
+    assert!(
+        granted > 200 && denied > 50,
+        "the statements exercise both: {granted} granted, {denied} denied"
+    );
+}
+
 /// One statement of 1,024 keys answers every key exactly as the pure bucket would: half the keys
 /// new, half stored and aged by a different amount each (a few with a refill time in the
 /// future), under plain takes, coalesced takes and leases, some with a capacity other than the

@@ -69,8 +69,8 @@ const FEWEST_SILENT_LIFETIMES: f64 = 3.0;
 /// A relaxed key is sparse (sized no lease) when fewer than this many calls are expected over
 /// the longest a relaxed lease lives without a call (`SILENT_LIFETIMES` lifetimes).
 const SPARSE_CALLS: f64 = 2.0;
-/// The furthest ahead `Book::full_at` is kept (nanoseconds): well inside the range of the local
-/// clock's 32-bit milliseconds.
+/// The longest refill `waives` compares (nanoseconds): well inside the range of the local clock's
+/// 32-bit milliseconds.
 const FULL_AT_HORIZON: u64 = 3_600_000_000_000;
 /// Keys per store statement.
 const CHUNK: usize = 256;
@@ -986,16 +986,35 @@ fn renew_if_spent(slot: &Slot, book: &mut super::slot::Book, now: u64) -> bool {
 
 /// Whether a relaxed lease closing at `now` keeps its unspent tokens instead of giving them back:
 /// when its bucket, at the store's `remaining` after the lease's last grant, has had time since
-/// to refill to its capacity (`book.full_at`). With no other taker, the return would then be
+/// to refill to its capacity (counted from the slot's last activity, which is no earlier). With no other taker, the return would then be
 /// capped away whole, and a statement per close of a quiet key (most of what quiet keys cost
 /// the database) buys nothing. Another instance that took from the bucket meanwhile finds at
 /// most this lease's tokens fewer, for at most the time they take to refill; no call is ever
 /// admitted beyond the bound of §8, which waived tokens only lower. A strict lease is always
 /// settled: its tokens are counted against the bucket until then (§13).
 fn waives(slot: &Slot, book: &super::slot::Book, now: u64) -> bool {
-    lease_settings(slot).accounting == Accounting::Relaxed
-        && book.full_known
-        && book.full_at.near(now) <= now
+    if lease_settings(slot).accounting != Accounting::Relaxed {
+        return false;
+    }
+    let capacity = u64::try_from(slot.plan.capacity().as_nanos()).unwrap_or(u64::MAX);
+    let remaining = slot.hot().store_remaining.load(Ordering::Relaxed);
+    let refill = slot
+        .plan
+        .bucket()
+        .time_to_refill(Tokens::from_nanos(u128::from(
+            capacity.saturating_sub(remaining),
+        )));
+    // From the slot's last activity, which is no earlier than the last grant (applying an
+    // answer marks the slot active), and a millisecond later for the clock's rounding: never
+    // early. A refill longer than an hour is not compared (the local clock's milliseconds wrap
+    // after 24 days).
+    refill < FULL_AT_HORIZON
+        && book
+            .active_at
+            .near(now)
+            .saturating_add(refill)
+            .saturating_add(1_000_000)
+            <= now
 }
 
 /// Whether a relaxed lease nobody spent from during its last lifetime is still expected to be
@@ -1329,19 +1348,6 @@ fn apply(
         if strict.is_none() {
             book.expires_at = Ms32::from_ns(now.saturating_add(ttl));
             book.spent_at_renewal = book.spend_mark(slot.words().available());
-            // When the bucket, left at `remaining` by this grant, has refilled to its capacity
-            // if nobody else takes from it (`waives`). Measured from after the answer, later
-            // than the store's clock took and a millisecond later still, so never early; not
-            // known if that is too far away for the local clock's 32-bit milliseconds.
-            let capacity = u64::try_from(slot.plan.capacity().as_nanos()).unwrap_or(u64::MAX);
-            let refill = slot
-                .plan
-                .bucket()
-                .time_to_refill(Tokens::from_nanos(u128::from(
-                    capacity.saturating_sub(remaining),
-                )));
-            book.full_known = refill < FULL_AT_HORIZON;
-            book.full_at = Ms32::from_ns(now.saturating_add(refill).saturating_add(1_000_000));
         }
         book.active_at = Ms32::from_ns(now);
         // Less than wanted: the bucket is scarce. No background top-up then (it would find the

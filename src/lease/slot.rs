@@ -75,9 +75,6 @@ pub(crate) struct Book {
     pub(crate) reclaimed: Wide,
     /// When the live lease expires; meaningless while closed.
     pub(crate) expires_at: Ms32,
-    /// When the bucket, at the store's remaining count after the last relaxed grant, has
-    /// refilled to its capacity if nobody else takes from it; meaningless unless `full_known`.
-    pub(crate) full_at: Ms32,
     /// Demand estimate in nanotokens per second. An `f32`: an estimate that halves its error
     /// at every sample needs no more than its 24 bits of precision (`DESIGN.md` §10).
     pub(crate) demand: f32,
@@ -98,9 +95,6 @@ pub(crate) struct Book {
     /// The store's last answer granted nothing: the next refill asks for a whole lease or
     /// nothing, so a dry bucket is asked about once per lease's worth of refill, not per token.
     pub(crate) dry: bool,
-    /// `full_at` holds a time: the last grant was relaxed and its bucket refills within
-    /// an hour.
-    pub(crate) full_known: bool,
     /// Some demand sample spanned at least a lease lifetime: the key has been watched long
     /// enough to call it sparse (`Hot::sparse`) when its demand is below one call a lifetime.
     /// A new key's first calls say nothing about how often it is called.

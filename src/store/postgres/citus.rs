@@ -46,7 +46,7 @@ use tokio_postgres::types::Type;
 
 use tokio_postgres::types::ToSql;
 
-use super::lean::{NOW_US, available, grant, refilled_frac};
+use super::lean::{NOW_US, available, refilled_frac};
 use super::migrate::MigrateError;
 use super::{PostgresStore, Takes, file_rows, nanos_down, nanos_up, shape};
 use crate::store::{AcquireRequest, Acquired, GiveBack, StoreError, join_all};
@@ -533,50 +533,11 @@ fn for_format(s: &str) -> String {
 }
 
 /// The refill-and-take of many keys on one shard: the plain store's many-key statement
-/// (`lean.rs`) on the shard's table `%1$s`, restricted to the keys whose positions are in `$7`.
-/// `$1` text[] keys, `$2`..`$6` bigint[] capacities, rates, mins, wants, steps, `$7` integer[]
-/// positions (1-based).
-static TAKE_SHARD: LazyLock<String> = LazyLock::new(|| {
-    let avail = available("b", "r.capacity", "r.rate", "r.now_us");
-    let frac = refilled_frac("b", "r.capacity", "r.rate", "r.now_us");
-    let granted = grant(&avail, "r.min_take", "r.want", "r.step");
-    let granted_new = grant("r.capacity", "r.min_take", "r.want", "r.step");
-    for_format(&format!(
-        "WITH r AS ( \
-             SELECT q.key, q.capacity, q.rate, q.min_take, q.want, q.step, {NOW_US} AS now_us \
-             FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], \
-                         $6::bigint[]) WITH ORDINALITY \
-                 AS q(key, capacity, rate, min_take, want, step, n) \
-             WHERE q.n = ANY ($7::integer[])), \
-         locked AS ( \
-             SELECT l.key FROM @buckets@ AS l \
-             WHERE l.key IN (SELECT r.key FROM r) AND cardinality(l.leases) = 0 \
-             ORDER BY l.key FOR UPDATE), \
-         u AS ( \
-             UPDATE @buckets@ AS b \
-             SET tokens = {avail} - ({granted}), frac = {frac}, capacity = r.capacity, \
-                 refill_per_second = r.rate, updated_us = greatest(b.updated_us, r.now_us), \
-                 refilled = {avail} \
-             FROM r \
-             WHERE b.key = r.key AND b.key IN (SELECT locked.key FROM locked) \
-               AND cardinality(b.leases) = 0 \
-             RETURNING b.key, b.tokens::bigint, b.frac::integer, (b.refilled - b.tokens)::bigint, \
-                       b.updated_us, r.now_us), \
-         i AS ( \
-             INSERT INTO @buckets@ AS b \
-                 (key, tokens, frac, capacity, refill_per_second, updated_us, refilled) \
-             SELECT r.key, r.capacity - ({granted_new}), 0, r.capacity, r.rate, r.now_us, \
-                    r.capacity \
-             FROM r \
-             WHERE r.key NOT IN (SELECT u.key FROM u) \
-             ORDER BY r.key \
-             ON CONFLICT (key) DO NOTHING \
-             RETURNING b.key, b.tokens::bigint, b.frac::integer, \
-                       (b.refilled - b.tokens)::bigint, b.updated_us, b.updated_us) \
-         SELECT * FROM u UNION ALL SELECT * FROM i"
-    ))
-    .replace("@buckets@", "%1$s")
-});
+/// (`lean.rs`'s `ACQUIRE_MANY`, the same text) on the shard's table `%1$s`, for `format()`. `$1`
+/// text[] keys (all of them in this shard), `$2`..`$6` bigint[] capacities, rates, mins, wants,
+/// steps.
+static TAKE_SHARD: LazyLock<String> =
+    LazyLock::new(|| for_format(&super::lean::ACQUIRE_MANY).replace("tokenlease_buckets", "%1$s"));
 
 /// Strict leases on one shard, as migration 0007's `tokenlease_acquire_held` (step 1: insert
 /// new keys full, lock existing ones, in key order). `$1` keys, `$2` capacities, `$3` rates,
@@ -751,25 +712,41 @@ $fn$"
 CREATE OR REPLACE FUNCTION tokenlease_citus_take(
     route text, keys text[], capacities bigint[], rates bigint[], mins bigint[], wants bigint[],
     steps bigint[])
-RETURNS TABLE (key text, tokens bigint, frac integer, granted bigint, updated_us bigint,
-               now_us bigint)
+RETURNS TABLE (key text, tokens tokenlease_nanotokens, frac tokenlease_femtotokens,
+               granted bigint, updated_us bigint, now_us bigint)
 LANGUAGE plpgsql VOLATILE
 AS $fn$
 DECLARE
     p record;
+    k text[];
+    c bigint[];
+    r bigint[];
+    lo bigint[];
+    hi bigint[];
+    st bigint[];
 BEGIN
     FOR p IN SELECT * FROM tokenlease_citus_parts(keys) LOOP
+        -- This shard's keys and their takes.
+        IF cardinality(p.members) = cardinality(keys) THEN
+            k := keys; c := capacities; r := rates; lo := mins; hi := wants; st := steps;
+        ELSE
+            k := ARRAY(SELECT keys[i] FROM unnest(p.members) AS i);
+            c := ARRAY(SELECT capacities[i] FROM unnest(p.members) AS i);
+            r := ARRAY(SELECT rates[i] FROM unnest(p.members) AS i);
+            lo := ARRAY(SELECT mins[i] FROM unnest(p.members) AS i);
+            hi := ARRAY(SELECT wants[i] FROM unnest(p.members) AS i);
+            st := ARRAY(SELECT steps[i] FROM unnest(p.members) AS i);
+        END IF;
         IF to_regprocedure(format('tokenlease_citus_take_%s(text[], bigint[], bigint[], '
-                                  'bigint[], bigint[], bigint[], integer[])', p.shard))
+                                  'bigint[], bigint[], bigint[])', p.shard))
            IS NOT NULL THEN
             -- The shard's own function: its statement planned once per session.
             RETURN QUERY EXECUTE format('SELECT * FROM tokenlease_citus_take_%s($1, $2, $3, '
-                                        '$4, $5, $6, $7)', p.shard)
-                USING keys, capacities, rates, mins, wants, steps, p.members;
+                                        '$4, $5, $6)', p.shard)
+                USING k, c, r, lo, hi, st;
         ELSE
             -- A shard newer than the last migrate (a split): planned on every call.
-            RETURN QUERY EXECUTE format({}, p.buckets)
-                USING keys, capacities, rates, mins, wants, steps, p.members;
+            RETURN QUERY EXECUTE format({}, p.buckets) USING k, c, r, lo, hi, st;
         END IF;
     END LOOP;
 END
@@ -881,9 +858,9 @@ fn shard_take_function(shard: i64, table: &str) -> String {
     let statement = TAKE_SHARD.replace("%1$s", table).replace("%%", "%");
     format!(
         "CREATE OR REPLACE FUNCTION tokenlease_citus_take_{shard}(
-    text[], bigint[], bigint[], bigint[], bigint[], bigint[], integer[])
-RETURNS TABLE (key text, tokens bigint, frac integer, granted bigint, updated_us bigint,
-               now_us bigint)
+    text[], bigint[], bigint[], bigint[], bigint[], bigint[])
+RETURNS TABLE (key text, tokens tokenlease_nanotokens, frac tokenlease_femtotokens,
+               granted bigint, updated_us bigint, now_us bigint)
 LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off

@@ -1,23 +1,26 @@
 //! The statements the store sends for plain takes and for returns, written out from one
 //! definition of the refill and the grant.
 //!
-//! The arithmetic is bigint throughout (migration 0007): tokens in whole nanotokens plus the
-//! femtotokens below one (`frac`), rates in nanotokens per second, the database's clock in
-//! microseconds. PostgreSQL evaluates an expression as often as it is written and does not
+//! The table holds integers (migration 0007): tokens in whole nanotokens plus the femtotokens
+//! below one (`frac`), rates in nanotokens per second, the database's clock in microseconds. PostgreSQL evaluates an expression as often as it is written and does not
 //! share a common subexpression, and a helper function the planner cannot inline is run by the
 //! SQL-function executor on every call (much slower than the expression). So each statement
-//! spells the refill out where it needs it, built here from the one definition below, and keeps
-//! `now()` in microseconds in a subquery behind `OFFSET 0`, computed once per row of the request
-//! instead of once per use (a CTE referenced more than once is computed once). DESIGN.md section 5 has the measurements behind each choice.
+//! spells the refill out, built here from the one definition below, and keeps `now()` in
+//! microseconds in a subquery behind `OFFSET 0`, computed once per row of the request instead
+//! of once per use (a CTE referenced more than once is computed once). DESIGN.md section 5 has
+//! the measurements behind each choice.
 //!
 //! The refill of a row `(tokens, frac, updated_us)` at `now_us`, capacity `C`, rate `R`, is the
 //! pure bucket's (`BucketState::refill`) to the femtotoken: with `e = max(0, now_us −
 //! updated_us)` microseconds, the bucket gains `e × R` femtotokens, computed as one exact
-//! `numeric` product `e × R + frac`; its whole millions are nanotokens (at most `C − tokens` of
-//! them), its remainder the new `frac` (zero once the bucket is full). One multiplication in
-//! `numeric` makes a smaller expression than the same sum split into `bigint` parts that cannot
-//! overflow, and the executor builds every expression of a statement afresh each time it runs:
-//! the smaller tree cost the server less per statement (DESIGN.md section 5).
+//! `numeric` product `e × R + frac` and capped at the femtotokens that fill the bucket, `(C −
+//! tokens) × 10⁶`; the capped sum's whole millions are the nanotokens added, its remainder the
+//! new `frac` (zero once the bucket is full, since the cap is a whole number of nanotokens).
+//! One multiplication in `numeric` makes a smaller expression than the same sum split into
+//! `bigint` parts that cannot overflow, and the executor builds every expression of a statement
+//! afresh each time it runs: the smaller tree cost the server less per statement (DESIGN.md
+//! section 5). For the same reason the takes compute the capped sum once per row, in a
+//! subquery of the `SET` ([`refill_and_take`]), instead of once for each column that needs it.
 
 use std::sync::LazyLock;
 
@@ -27,25 +30,42 @@ use tokio_postgres::types::Type;
 /// `updated_us` adds (`max(0, now − updated_us) × rate`), as an exact `numeric`: one
 /// multiplication, with no overflow whatever the elapsed time. `now` names the column with the
 /// database's clock in microseconds.
-pub(super) fn femtotokens(row: &str, rate: &str, now: &str) -> String {
+fn femtotokens(row: &str, rate: &str, now: &str) -> String {
     format!("(greatest(0, {now} - {row}.updated_us)::numeric * {rate} + {row}.frac)")
 }
 
-/// The refilled whole nanotokens, capped at the capacity: `tokens + min(capacity − tokens,
-/// refill)`, which is the capacity when a row holds more (its plan's capacity was lowered) and
-/// never leaves bigint (the refill is compared in `numeric` before the cast).
-pub(super) fn available(row: &str, capacity: &str, rate: &str, now: &str) -> String {
+/// [`femtotokens`] capped at the femtotokens that fill the bucket, `(capacity − tokens) ×
+/// 10⁶`: the whole refill of the row in one exact `numeric`. Its whole millions (at most
+/// `capacity − tokens`, negative when a row holds more than the capacity, its plan's capacity
+/// lowered) are the nanotokens the refill adds, and its remainder the femtotokens left over,
+/// zero once the bucket is full.
+fn capped_femtotokens(row: &str, capacity: &str, rate: &str, now: &str) -> String {
     let femto = femtotokens(row, rate, now);
-    format!("({row}.tokens + least({capacity} - {row}.tokens, div({femto}, 1000000))::bigint)")
+    format!("least(({capacity} - {row}.tokens)::numeric * 1000000, {femto})")
 }
 
-/// The femtotokens left over by the refill: zero once the bucket is full.
+/// The refilled whole nanotokens from the capped femtotokens `capped`: `tokens + capped /
+/// 10⁶`, which is the capacity when the refill fills the bucket or the row holds more, and
+/// never leaves bigint (the sum is capped in `numeric` before the cast).
+fn available_from(row: &str, capped: &str) -> String {
+    format!("({row}.tokens + div({capped}, 1000000)::bigint)")
+}
+
+/// The femtotokens left over by the refill, from the capped femtotokens: zero once the bucket
+/// is full.
+fn frac_from(capped: &str) -> String {
+    format!("mod({capped}, 1000000)::integer")
+}
+
+/// The refilled whole nanotokens, capped at the capacity, written out in one expression (for
+/// the returns, which are rare; the takes use [`refill_and_take`]).
+pub(super) fn available(row: &str, capacity: &str, rate: &str, now: &str) -> String {
+    available_from(row, &capped_femtotokens(row, capacity, rate, now))
+}
+
+/// The femtotokens left over by the refill, written out in one expression.
 pub(super) fn refilled_frac(row: &str, capacity: &str, rate: &str, now: &str) -> String {
-    let femto = femtotokens(row, rate, now);
-    format!(
-        "CASE WHEN {row}.tokens + div({femto}, 1000000) >= {capacity} THEN 0 \
-         ELSE mod({femto}, 1000000)::integer END"
-    )
+    frac_from(&capped_femtotokens(row, capacity, rate, now))
 }
 
 /// The grant from `available` whole nanotokens: the largest multiple of `step` up to `want`
@@ -53,10 +73,35 @@ pub(super) fn refilled_frac(row: &str, capacity: &str, rate: &str, now: &str) ->
 /// `available` twice rather than the candidate twice: with `min` a multiple of `step` (the
 /// store makes it one), the candidate `least(want, available / step × step)` reaches `min`
 /// exactly when `available` and `want` both do, and a candidate of 0 grants 0 either way.
-pub(super) fn grant(available: &str, min: &str, want: &str, step: &str) -> String {
+fn grant(available: &str, min: &str, want: &str, step: &str) -> String {
     format!(
         "CASE WHEN {available} >= {min} AND {want} >= {min} \
          THEN least({want}, ({available}) / {step} * {step}) ELSE 0 END"
+    )
+}
+
+/// The refill and the take of a row as one `SET` item: `(tokens, frac, refilled) = (SELECT
+/// ...)`, a subquery that computes the capped femtotokens once (behind `OFFSET 0`, so the
+/// planner does not copy the expression into each use), then the available nanotokens and the
+/// new `frac` from it once (likewise), then the tokens left after the grant and the refilled
+/// amount. Written out flat, the refill appeared four times for `tokens` and `refilled` and
+/// twice more for `frac`; the executor initialises and evaluates every copy on each run, and
+/// the subquery's two plan nodes cost less than the copies (DESIGN.md section 5).
+fn refill_and_take(
+    row: &str,
+    (capacity, rate, now): (&str, &str, &str),
+    (min, want, step): (&str, &str, &str),
+) -> String {
+    let capped = capped_femtotokens(row, capacity, rate, now);
+    let available = available_from(row, "f.femto");
+    let frac = frac_from("f.femto");
+    let granted = grant("refill.available", min, want, step);
+    format!(
+        "(tokens, frac, refilled) = ( \
+             SELECT refill.available - ({granted}), refill.frac, refill.available \
+             FROM (SELECT {available} AS available, {frac} AS frac \
+                   FROM (SELECT {capped} AS femto OFFSET 0) AS f \
+                   OFFSET 0) AS refill)"
     )
 }
 
@@ -68,9 +113,10 @@ pub(super) const NOW_US: &str = "(extract(epoch FROM now()) * 1000000)::bigint";
 /// and taken from in `ON CONFLICT DO UPDATE`, which reads the request's capacity, rate and the
 /// clock from `EXCLUDED` (so the clock is computed once) and `min`, `want`, `step` from the
 /// parameters. A key whose row holds strict leases comes back without a row (the update's
-/// `WHERE` fails), and `tokenlease_acquire_held` decides it. The row keeps the refilled amount
-/// before the take in `refilled`, and the grant comes back as `refilled - tokens`: the grant's
-/// expression is written once, not once for `tokens` and again for the answer.
+/// `WHERE` fails), and `tokenlease_acquire_held` decides it. The refill and the take are one
+/// `SET` item ([`refill_and_take`]). The row keeps the refilled amount before the take in
+/// `refilled`, and the grant comes back as `refilled - tokens`: the grant's expression is
+/// written once, not once for `tokens` and again for the answer.
 ///
 /// `$1` text key, `$2` capacity, `$3` rate, `$4` min, `$5` want, `$6` step (bigint
 /// nanotokens). Returns key, tokens, frac, the grant, updated_us and now_us.
@@ -80,9 +126,7 @@ pub(super) static ACQUIRE_ONE: LazyLock<String> = LazyLock::new(|| {
         "excluded.refill_per_second",
         "excluded.updated_us",
     );
-    let avail = available("b", capacity, rate, now);
-    let frac = refilled_frac("b", capacity, rate, now);
-    let granted = grant(&avail, "$4", "$5", "$6");
+    let take = refill_and_take("b", (capacity, rate, now), ("$4", "$5", "$6"));
     let granted_new = grant("$2", "$4", "$5", "$6");
     format!(
         "-- tokenlease: refill and take, one key (src/store/postgres/lean.rs)\n\
@@ -90,26 +134,34 @@ pub(super) static ACQUIRE_ONE: LazyLock<String> = LazyLock::new(|| {
              (key, tokens, frac, capacity, refill_per_second, updated_us, refilled) \
          VALUES ($1, $2 - ({granted_new}), 0, $2, $3, {NOW_US}, $2) \
          ON CONFLICT (key) DO UPDATE \
-         SET tokens = {avail} - ({granted}), frac = {frac}, capacity = {capacity}, \
-             refill_per_second = {rate}, updated_us = greatest(b.updated_us, {now}), \
-             refilled = {avail} \
+         SET {take}, capacity = {capacity}, refill_per_second = {rate}, \
+             updated_us = greatest(b.updated_us, {now}) \
          WHERE cardinality(b.leases) = 0 \
          RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, {NOW_US}"
     )
 });
 
-/// Refill and take for many distinct keys, in one statement: rows that exist and hold no
-/// strict lease are locked in key order first (so two statements with common keys never wait on
-/// each other in a cycle), then updated joined by key; keys the UPDATE did not find are inserted
-/// as full buckets less their grants, in key order. A key whose row holds strict leases, or
-/// whose row another caller inserted while this one ran, comes back without a row.
+/// Refill and take for many distinct keys, in one statement, in one pass over the keys in key
+/// order: the `INSERT … ON CONFLICT DO UPDATE … WHERE false` inserts each key without a row as a
+/// full bucket less its grant and locks each row that exists (the `WHERE false` updates
+/// nothing, but locks the conflicting row all the same), then the rows it locked and did not
+/// insert, holding no strict lease, are refilled and taken from, joined by key. Every lock the
+/// statement takes, an inserted key's or an existing row's, is taken in that one key order, so
+/// two statements with common keys never wait on each other in a cycle. (Locking the existing
+/// rows first and inserting the new keys after, each in key order, did: a statement whose
+/// snapshot predated another's insert of a key locked that key as an existing row after the
+/// other had inserted a smaller one it then waited on.) A key whose row holds strict leases, or
+/// whose row another caller committed after this statement's snapshot (locked, but not visible
+/// to the update), comes back without a row.
 ///
 /// `$1` text[] keys, `$2`..`$6` bigint[] as [`ACQUIRE_ONE`]'s. Returns key, tokens, frac, the
 /// grant, updated_us and now_us.
 pub(super) static ACQUIRE_MANY: LazyLock<String> = LazyLock::new(|| {
-    let avail = available("b", "r.capacity", "r.rate", "r.now_us");
-    let frac = refilled_frac("b", "r.capacity", "r.rate", "r.now_us");
-    let granted = grant(&avail, "r.min_take", "r.want", "r.step");
+    let take = refill_and_take(
+        "b",
+        ("r.capacity", "r.rate", "r.now_us"),
+        ("r.min_take", "r.want", "r.step"),
+    );
     let granted_new = grant("r.capacity", "r.min_take", "r.want", "r.step");
     format!(
         "-- tokenlease: refill and take, many keys (src/store/postgres/lean.rs)\n\
@@ -117,31 +169,25 @@ pub(super) static ACQUIRE_MANY: LazyLock<String> = LazyLock::new(|| {
              SELECT q.*, {NOW_US} AS now_us \
              FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], \
                          $6::bigint[]) AS q(key, capacity, rate, min_take, want, step)), \
-         locked AS ( \
-             SELECT l.key FROM tokenlease_buckets AS l \
-             WHERE l.key = ANY ($1::text[]) AND cardinality(l.leases) = 0 \
-             ORDER BY l.key FOR UPDATE), \
-         u AS ( \
-             UPDATE tokenlease_buckets AS b \
-             SET tokens = {avail} - ({granted}), frac = {frac}, capacity = r.capacity, \
-                 refill_per_second = r.rate, updated_us = greatest(b.updated_us, r.now_us), \
-                 refilled = {avail} \
-             FROM r \
-             WHERE b.key = r.key AND b.key IN (SELECT locked.key FROM locked) \
-               AND cardinality(b.leases) = 0 \
-             RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, \
-                       r.now_us), \
          i AS ( \
              INSERT INTO tokenlease_buckets AS b \
                  (key, tokens, frac, capacity, refill_per_second, updated_us, refilled) \
              SELECT r.key, r.capacity - ({granted_new}), 0, r.capacity, r.rate, r.now_us, \
                     r.capacity \
              FROM r \
-             WHERE r.key NOT IN (SELECT u.key FROM u) \
              ORDER BY r.key \
-             ON CONFLICT (key) DO NOTHING \
+             ON CONFLICT (key) DO UPDATE SET tokens = b.tokens WHERE false \
              RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, \
-                       b.updated_us) \
+                       b.updated_us), \
+         u AS ( \
+             UPDATE tokenlease_buckets AS b \
+             SET {take}, capacity = r.capacity, refill_per_second = r.rate, \
+                 updated_us = greatest(b.updated_us, r.now_us) \
+             FROM r \
+             WHERE b.key = r.key AND b.key NOT IN (SELECT i.key FROM i) \
+               AND cardinality(b.leases) = 0 \
+             RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, \
+                       r.now_us) \
          SELECT * FROM u UNION ALL SELECT * FROM i"
     )
 });

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Instructions the PostgreSQL server executes per run of candidate one-key statements, counted
+# by valgrind (callgrind) in a single-user backend: deterministic, where CPU time on a shared
+# 2-core machine varies by tens of percent from run to run (scripts/statement-cpu.sh measures
+# that). DESIGN.md section 5 has the figures this produced.
+#
+#   bash scripts/statement-instructions.sh A.sql B.sql ...   # `-`: the store's one-key take
+#   N=500 KEYS=10000 TOKENLEASE=/path/to/tokenlease bash scripts/statement-instructions.sh ...
+#
+# A candidate is one SQL statement with the one-key take's parameters ($1 text key, $2
+# capacity, $3 rate, $4 min, $5 want, $6 step, bigint nanotokens; `tokenlease loadtest
+# --print-statement one` prints the store's). The script makes a throwaway cluster (initdb, as
+# the `postgres` user through runuser when run as root), migrates it with `tokenlease migrate`,
+# stores a full bucket for each of $KEYS keys and stops it. Each candidate then runs from a
+# fresh copy of that cluster in `postgres --single` under callgrind: PREPARE, then 100 and
+# 100 + $N EXECUTEs on random keys (a fixed sequence: capacity 100 tokens, 50 tokens/s, take
+# exactly 1 token, as scripts/peer-compare.sh sends), and the difference over $N is the
+# figure: parse, plan, executor start, the statement, its commit (fsync off) and printing the
+# returned row, which single-user mode does for every candidate alike.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+N="${N:-500}"
+KEYS="${KEYS:-10000}"
+[[ $# -ge 1 ]] || { echo "usage: $0 A.sql [B.sql ...]" >&2; exit 2; }
+command -v valgrind >/dev/null || { echo "statement-instructions: valgrind is not on PATH" >&2; exit 1; }
+pg_bin="${PG_BIN:-$(dirname "$(command -v initdb 2>/dev/null || echo /usr/lib/postgresql/15/bin/initdb)")}"
+[[ -x "$pg_bin/postgres" ]] || { echo "statement-instructions: no postgres in $pg_bin (set PG_BIN)" >&2; exit 1; }
+if [[ -n "${TOKENLEASE:-}" ]]; then
+    bin="$TOKENLEASE"
+else
+    cargo build --release --quiet --features cli --bin tokenlease
+    bin="${CARGO_TARGET_DIR:-target}/release/tokenlease"
+fi
+as_server() { # PostgreSQL refuses to run as root.
+    if [[ "$(id -u)" == 0 ]]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+tmp="$(mktemp -d)"
+chmod 755 "$tmp"
+[[ "$(id -u)" == 0 ]] && chown postgres "$tmp"
+cleanup() {
+    as_server "$pg_bin/pg_ctl" -D "$tmp/pristine" -m immediate stop >/dev/null 2>&1 || true
+    rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+port=$((20000 + RANDOM % 20000))
+as_server "$pg_bin/initdb" -D "$tmp/pristine" -A trust -U postgres --no-sync >/dev/null
+as_server "$pg_bin/pg_ctl" -D "$tmp/pristine" -w -l "$tmp/server.log" \
+    -o "-p $port -k $tmp -c listen_addresses='' -c fsync=off" start >/dev/null
+url="host=$tmp port=$port user=postgres dbname=postgres"
+"$bin" migrate --database-url "$url" >/dev/null
+psql "$url" -X -q -v ON_ERROR_STOP=1 -c "
+INSERT INTO tokenlease_buckets (key, tokens, frac, capacity, refill_per_second, updated_us, refilled)
+SELECT 'pgbench:' || i, 100000000000, 0, 100000000000, 50000000000,
+       (extract(epoch FROM now()) * 1000000)::bigint, 100000000000
+FROM generate_series(1, $KEYS) AS i" >/dev/null
+as_server "$pg_bin/pg_ctl" -D "$tmp/pristine" -w stop >/dev/null
+
+# The input of one run: the statement prepared, then COUNT executions on random keys.
+input() { # FILE COUNT OUT
+    {
+        echo "PREPARE s(text, bigint, bigint, bigint, bigint, bigint) AS $(
+            grep -v '^[[:space:]]*--' "$1" | tr '\n' ' ' | sed 's/;[[:space:]]*$//');"
+        echo
+        python3 - "$2" "$KEYS" <<'PY'
+import random, sys
+count, keys = int(sys.argv[1]), int(sys.argv[2])
+rng = random.Random(7)
+for _ in range(count):
+    print(f"EXECUTE s('pgbench:{rng.randint(1, keys)}', 100000000000, 50000000000, "
+          "1000000000, 1000000000, 1000000000);")
+    print()
+PY
+    } >"$3"
+}
+# The instructions of one run from a fresh copy of the cluster.
+instructions() { # INPUT
+    rm -rf "$tmp/data"
+    cp -a "$tmp/pristine" "$tmp/data"
+    as_server valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+        "$pg_bin/postgres" --single -j -D "$tmp/data" -c fsync=off postgres \
+        <"$1" >"$tmp/out" 2>"$tmp/err"
+    if grep -q 'ERROR' "$tmp/out" "$tmp/err"; then
+        grep -m 3 'ERROR' "$tmp/out" "$tmp/err" >&2
+        exit 1
+    fi
+    sed -n 's/.*Collected : \([0-9]*\).*/\1/p' "$tmp/err"
+}
+
+echo "| candidate | instructions per execution |"
+echo "|---|---|"
+for file in "$@"; do
+    name="$file"
+    if [[ "$file" == - ]]; then
+        "$bin" loadtest --print-statement one >"$tmp/store.sql"
+        file="$tmp/store.sql"
+        name="the store's one-key take (lean.rs)"
+    fi
+    input "$file" 100 "$tmp/base.in"
+    input "$file" $((100 + N)) "$tmp/run.in"
+    base="$(instructions "$tmp/base.in")"
+    run="$(instructions "$tmp/run.in")"
+    echo "| $name | $(((run - base) / N)) |"
+done
