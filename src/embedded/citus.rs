@@ -23,7 +23,7 @@ use super::os;
 /// How long the cluster's setup SQL (extension, node registration) may take in all.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Builds a [`TempCitus`]. See the [module docs](self).
+/// Builds a [`TempCitus`]: how many workers, and settings for every node.
 #[derive(Clone, Debug)]
 #[must_use = "a builder does nothing until `start` is called"]
 pub struct TempCitusBuilder {
@@ -158,7 +158,25 @@ fn missing_extension(bin_dir: &std::path::Path) -> Option<String> {
 
 /// A throwaway Citus cluster: a coordinator and workers, each a [`TempPostgres`] with the
 /// extension created in its `postgres` database and the workers registered. Every node is
-/// stopped and removed on drop. See the [module docs](self).
+/// stopped and removed on drop.
+///
+/// Each node starts with `shared_preload_libraries = 'citus'`, `max_prepared_transactions`
+/// (which Citus needs for its own DDL) and the builder's settings, side by side on threads of
+/// their own; the coordinator then registers itself (`citus_set_coordinator_host`) and each
+/// worker (`citus_add_node`). Needs the Citus extension for the server binaries in use
+/// (`citus.so` in `pg_config --pkglibdir`); without it starting fails with
+/// [`EmbeddedErrorKind::Command`] and a message saying how to install it.
+///
+/// ```no_run
+/// use tokenlease::embedded::TempCitus;
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let citus = TempCitus::builder().workers(2).setting("citus.shard_count", "4").start()?;
+/// let url = citus.url(); // the coordinator; `PostgresStore::connect(&url)` distributes and routes
+/// # let _ = url;
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug)]
 pub struct TempCitus {
     coordinator: TempPostgres,
