@@ -91,7 +91,8 @@ pub mod __private {
     };
     #[cfg(feature = "postgres")]
     pub use crate::store::postgres::{
-        ConnectionManager, PgConnection, acquire_many_sql, acquire_one_sql, pool,
+        ConnectionManager, PgConnection, SUPPORTED_CITUS, acquire_many_sql, acquire_one_sql,
+        citus_hashtext, pool,
     };
 }
 

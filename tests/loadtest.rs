@@ -339,6 +339,62 @@ fn shards_spread_the_keys_over_throwaway_clusters() {
     assert!(stderr.contains("--shards"), "{stderr}");
 }
 
+/// `--citus 2` (Z6): the run on a throwaway Citus cluster of a coordinator and two workers
+/// reports both workers' routed calls (each served some), every node's CPU per decision (their
+/// sum the total), and no two-phase commit; `--citus` with `DATABASE_URL` is refused.
+#[test]
+fn citus_reports_each_workers_calls_and_no_two_phase_commit() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+        .args(["loadtest", "--json", "--mode", "direct", "--keys", "1000"])
+        .args(["--instances", "1", "--tasks", "8", "--rate", "2000"])
+        .args(["--duration", "2", "--citus", "2", "--citus-shards", "4"])
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run tokenlease loadtest");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let calls: Vec<u64> = report["citus_worker_calls"]
+        .as_array()
+        .expect("citus_worker_calls")
+        .iter()
+        .map(|v| v.as_u64().expect("a count"))
+        .collect();
+    assert_eq!(calls.len(), 2, "{report}");
+    assert!(calls.iter().all(|&n| n > 0), "{report}");
+    assert_eq!(
+        report["citus_two_phase_commits"].as_i64(),
+        Some(0),
+        "{report}"
+    );
+    assert_eq!(
+        report["citus_nodes"].as_array().map(Vec::len),
+        Some(3),
+        "{report}"
+    );
+    if let Some(total) = report["server_cpu_us_per_decision"].as_f64() {
+        let nodes: f64 = report["citus_node_cpu_us_per_decision"]
+            .as_array()
+            .expect("per node")
+            .iter()
+            .map(|v| v.as_f64().expect("a number"))
+            .sum();
+        assert!((nodes - total).abs() < 1e-6 * total.max(1.0), "{report}");
+    }
+
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
+        .args(["loadtest", "--citus", "2"])
+        .env("DATABASE_URL", "postgres://app@127.0.0.1:1/app")
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--citus"), "{stderr}");
+}
+
 /// `--shard-url NAME=URL`, repeated: the keys over primaries of the caller's (here two
 /// throwaway clusters the test starts, fresh, so the loadtest migrates them), placed by the
 /// names as a service's `ShardedStore` with those names would place them. The report gives

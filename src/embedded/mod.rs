@@ -71,6 +71,11 @@
 //! through [`tokio::task::spawn_blocking`]. [`TestDatabase::create`] is async and does that
 //! itself.
 //!
+//! # Citus
+//!
+//! [`TempCitus`] starts a coordinator and N workers with the Citus extension (each a
+//! [`TempPostgres`]), for the Citus tests and the CLI's `--citus N`.
+//!
 //! # Faults
 //!
 //! [`TempPostgres::stop`], [`start_again`](TempPostgres::start_again) and
@@ -78,6 +83,7 @@
 //! and bring it back on the same port with the same data. [`TempPostgres::postmaster_pid`]
 //! gives the pid to signal (e.g. `SIGSTOP`); never find server processes by name.
 
+mod citus;
 mod cluster;
 mod error;
 mod os;
@@ -85,6 +91,7 @@ mod proxy;
 mod template;
 mod test_database;
 
+pub use self::citus::{TempCitus, TempCitusBuilder};
 pub use self::cluster::{StopMode, Suspended, TempPostgres, TempPostgresBuilder};
 pub use self::error::{EmbeddedError, EmbeddedErrorKind};
 pub use self::proxy::FaultProxy;

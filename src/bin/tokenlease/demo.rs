@@ -67,6 +67,11 @@ pub(crate) struct Args {
     /// (the library's default is 50; the demo allows more for busy laptops).
     #[arg(long, default_value_t = 500)]
     db_timeout_ms: u64,
+    /// Serve from a throwaway Citus cluster of a coordinator and N workers instead of one
+    /// PostgreSQL (the extension must be installed): the store distributes its tables and
+    /// routes each worker's keys to it. Not with `DATABASE_URL`.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    citus: usize,
 }
 
 /// Runs the demo until Ctrl-C or SIGTERM.
@@ -86,12 +91,32 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
         cause,
     })?;
     listener.set_nonblocking(true)?;
-    let (server, url) = given_or_throwaway(args.database_url.as_deref())?;
+    let mut citus = None;
+    let (server, url) = if args.citus > 0 {
+        if args.database_url.is_some() {
+            return Err(
+                "--citus starts its own throwaway Citus cluster: unset DATABASE_URL \
+                        and drop --database-url"
+                    .into(),
+            );
+        }
+        let cluster = tokenlease::embedded::TempCitus::start(args.citus)?;
+        eprintln!(
+            "tokenlease demo: Citus cluster, coordinator {} and {} worker(s)",
+            cluster.url(),
+            cluster.workers().len()
+        );
+        let url = cluster.url();
+        citus = Some(cluster);
+        (None, url)
+    } else {
+        given_or_throwaway(args.database_url.as_deref())?
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     let timeout = Duration::from_millis(args.db_timeout_ms.max(1));
-    let throwaway = server.is_some();
+    let throwaway = server.is_some() || citus.is_some();
     let result = runtime.block_on(serve(
         listener,
         policies,
@@ -104,6 +129,7 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     drop(runtime);
     // Stops and deletes the throwaway cluster, also after an error.
     drop(server);
+    drop(citus);
     result?;
     eprintln!("tokenlease demo: stopped");
     Ok(ExitCode::SUCCESS)

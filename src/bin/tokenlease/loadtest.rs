@@ -128,6 +128,16 @@ pub(crate) struct Args {
     /// `DATABASE_URL`, `--shard-url` or `--fault`.
     #[arg(long, default_value_t = 1)]
     shards: usize,
+    /// Run against a throwaway Citus cluster of a coordinator and N workers (the extension
+    /// must be installed): the store distributes its tables and routes each worker's keys to
+    /// it; the report gives each worker's calls and each node's server CPU per decision. Not
+    /// with `DATABASE_URL`, `--shards`, `--shard-url` or `--fault`.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    citus: usize,
+    /// With `--citus`: how many shards the tables are distributed over (`citus.shard_count`;
+    /// Citus's default is 32).
+    #[arg(long, value_name = "N")]
+    citus_shards: Option<u32>,
     /// A shard of your own, as NAME=URL (URL or key=value connection string); repeat for each
     /// shard. The keys are spread over these primaries by the names, as a service's
     /// `ShardedStore` with the same names would (a circuit breaker per shard); each is
@@ -311,6 +321,24 @@ struct Report {
     /// Why the server's CPU time was not measured, when it was not.
     #[serde(skip_serializing_if = "Option::is_none")]
     server_cpu_not_measured: Option<String>,
+    /// `--citus`: the cluster's nodes, the coordinator first, then the workers.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    citus_nodes: Vec<String>,
+    /// `--citus`: each node's server CPU in microseconds per decision served, in node order
+    /// (their sum is `server_cpu_us_per_decision`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    citus_node_cpu_us_per_decision: Vec<f64>,
+    /// `--citus`: the store's routed calls each worker ran over the run (top-level statements
+    /// naming `tokenlease_citus_`, from the worker's `pg_stat_statements`), in worker order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    citus_worker_calls: Vec<u64>,
+    /// `--citus`: those calls per second.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    citus_worker_calls_per_s: Vec<f64>,
+    /// `--citus`: two-phase commits the coordinator recorded over the run
+    /// (`pg_dist_transaction`): 0 when every call ran on one worker.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    citus_two_phase_commits: Option<i64>,
     /// Leased mode: the tokens the instances' leases took from the store, gave back, waived
     /// (not given back to a bucket that had refilled to capacity) and still held at the end.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -457,7 +485,22 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
         return Ok(ExitCode::SUCCESS);
     }
     let mut others = Vec::new();
-    let (server, shards) = if args.shard_url.is_empty() {
+    let mut citus = None;
+    let (server, shards) = if args.citus > 0 {
+        let mut builder = tokenlease::embedded::TempCitus::builder()
+            .workers(args.citus)
+            .setting("shared_preload_libraries", "citus,pg_stat_statements");
+        if let Some(n) = args.citus_shards {
+            builder = builder.setting("citus.shard_count", n.to_string());
+        }
+        let cluster = builder.start()?;
+        let shards = vec![Shard {
+            name: "citus".into(),
+            url: cluster.url(),
+        }];
+        citus = Some(cluster);
+        (None, shards)
+    } else if args.shard_url.is_empty() {
         let (server, url) = given_or_throwaway(args.database_url.as_deref())?;
         // More throwaway clusters for `--shards`: the first shard is the one above.
         let mut shards = vec![Shard {
@@ -493,9 +536,10 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
                 return Err("--fault needs the throwaway PostgreSQL: unset DATABASE_URL".into());
             }
         };
-        load(&args, &shards, injector).await
+        load(&args, &shards, injector, citus.as_ref()).await
     })?;
     drop(others);
+    drop(citus);
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -595,6 +639,19 @@ fn validate(args: &Args) -> Result<(), String> {
     if args.shards == 0 {
         return Err("--shards must be at least 1".into());
     }
+    if args.citus > 0
+        && (args.shards > 1
+            || !args.shard_url.is_empty()
+            || args.database_url.is_some()
+            || args.fault.is_some()
+            || args.serve_db)
+    {
+        return Err(
+            "--citus starts its own throwaway Citus cluster: unset DATABASE_URL, and drop \
+             --database-url, --shards, --shard-url, --fault and --serve-db"
+                .into(),
+        );
+    }
     if args.shards > 1 && (args.database_url.is_some() || args.fault.is_some() || args.serve_db) {
         return Err(
             "--shards starts its own throwaway clusters: unset DATABASE_URL, and drop \
@@ -683,6 +740,7 @@ async fn load(
     args: &Args,
     shards: &[Shard],
     injector: Option<crate::fault::Injector>,
+    citus: Option<&tokenlease::embedded::TempCitus>,
 ) -> Result<Report, Box<dyn std::error::Error>> {
     let plan = Arc::new(plan(args)?);
     // Statements per shard (one shard without `--shards` or `--shard-url`).
@@ -757,6 +815,27 @@ async fn load(
             }
         }
     }
+    // With --citus: every node is a cluster of its own; the coordinator is the one found
+    // above, the workers follow in order.
+    let citus_nodes = match citus {
+        Some(cluster) => Some(CitusNodes::connect(cluster).await?),
+        None => None,
+    };
+    if let (Some(nodes), Ok(found)) = (&citus_nodes, &mut clusters) {
+        for worker in &nodes.workers {
+            match server_cpu::locate(worker).await {
+                Ok(cluster) => found.push(cluster),
+                Err(why) => {
+                    clusters = Err(why);
+                    break;
+                }
+            }
+        }
+    }
+    let citus_at_start = match &citus_nodes {
+        Some(nodes) => Some(nodes.counts().await?),
+        None => None,
+    };
     let clusters: Result<Vec<server_cpu::Cluster>, String> = clusters;
     let key_names: Arc<Vec<String>> =
         Arc::new((0..args.keys).map(|k| format!("loadtest:{k}")).collect());
@@ -956,14 +1035,19 @@ async fn load(
     }
     let elapsed = start.elapsed().as_secs_f64();
     let cpu_at_start = cpu_at_start.await?;
-    let server_cpu_s = cpu_at_start.and_then(|at_start| {
+    let node_cpu_s: Result<Vec<f64>, String> = cpu_at_start.and_then(|at_start| {
         let at_end = sample_clusters(&clusters)?;
         Ok(at_start
             .into_iter()
             .zip(at_end)
             .map(|(a, b)| server_cpu::seconds_between(a, b))
-            .sum::<f64>())
+            .collect())
     });
+    let server_cpu_s = node_cpu_s.clone().map(|nodes| nodes.iter().sum::<f64>());
+    let citus_at_end = match &citus_nodes {
+        Some(nodes) => Some(nodes.counts().await?),
+        None => None,
+    };
     progress.abort();
     let _ = progress.await;
     if std::io::stderr().is_terminal() {
@@ -1117,7 +1201,101 @@ async fn load(
         server_cpu_s: server_cpu_s.as_ref().ok().copied(),
         server_cpu_not_measured: server_cpu_s.err(),
         lease_tokens,
+        citus_nodes: citus_nodes
+            .as_ref()
+            .map(|nodes| nodes.names.clone())
+            .unwrap_or_default(),
+        citus_node_cpu_us_per_decision: match (&citus_nodes, node_cpu_s) {
+            (Some(_), Ok(nodes)) if measured > 0 => {
+                nodes.iter().map(|s| s * 1e6 / measured as f64).collect()
+            }
+            _ => Vec::new(),
+        },
+        citus_worker_calls: match (&citus_at_start, &citus_at_end) {
+            (Some(a), Some(b)) => a.calls.iter().zip(&b.calls).map(|(a, b)| b - a).collect(),
+            _ => Vec::new(),
+        },
+        citus_worker_calls_per_s: match (&citus_at_start, &citus_at_end) {
+            (Some(a), Some(b)) => a
+                .calls
+                .iter()
+                .zip(&b.calls)
+                .map(|(a, b)| per_s(b - a))
+                .collect(),
+            _ => Vec::new(),
+        },
+        citus_two_phase_commits: match (&citus_at_start, &citus_at_end) {
+            (Some(a), Some(b)) => Some(b.two_phase - a.two_phase),
+            _ => None,
+        },
     })
+}
+
+/// Sessions on every node of a `--citus` cluster, for its counters.
+struct CitusNodes {
+    names: Vec<String>,
+    coordinator: tokio_postgres::Client,
+    workers: Vec<tokio_postgres::Client>,
+}
+
+/// The Citus counters at one moment.
+struct CitusCounts {
+    /// Routed calls each worker has run so far, in worker order.
+    calls: Vec<u64>,
+    /// `pg_dist_transaction` rows on the coordinator.
+    two_phase: i64,
+}
+
+impl CitusNodes {
+    async fn connect(
+        cluster: &tokenlease::embedded::TempCitus,
+    ) -> Result<CitusNodes, Box<dyn std::error::Error>> {
+        let open = |url: String| async move {
+            let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .map_err(|e| DatabaseError::new("connect to", &url, &e))?;
+            tokio::spawn(conn);
+            Ok::<_, DatabaseError>(client)
+        };
+        let coordinator = open(cluster.url()).await?;
+        // Created on the coordinator, which creates it on the workers.
+        coordinator
+            .batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            .await?;
+        let mut workers = Vec::new();
+        let mut names = vec![format!("coordinator:{}", cluster.coordinator().port())];
+        for (i, worker) in cluster.workers().iter().enumerate() {
+            workers.push(open(worker.url()).await?);
+            names.push(format!("worker-{}:{}", i + 1, worker.port()));
+        }
+        Ok(CitusNodes {
+            names,
+            coordinator,
+            workers,
+        })
+    }
+
+    async fn counts(&self) -> Result<CitusCounts, Box<dyn std::error::Error>> {
+        let mut calls = Vec::with_capacity(self.workers.len());
+        for worker in &self.workers {
+            let n: i64 = worker
+                .query_one(
+                    "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements \
+                     WHERE toplevel AND query LIKE '%tokenlease_citus_%' \
+                       AND query NOT LIKE '%pg_stat_statements%'",
+                    &[],
+                )
+                .await?
+                .get(0);
+            calls.push(u64::try_from(n).unwrap_or(0));
+        }
+        let two_phase: i64 = self
+            .coordinator
+            .query_one("SELECT count(*) FROM pg_dist_transaction", &[])
+            .await?
+            .get(0);
+        Ok(CitusCounts { calls, two_phase })
+    }
 }
 
 /// Samples the CPU time of every cluster, in shard order; the first reason one cannot be.
@@ -1329,6 +1507,32 @@ fn print_table(r: &Report) {
             (None, _, None) => "not measured".into(),
         },
     );
+    if !r.citus_nodes.is_empty() {
+        if !r.citus_node_cpu_us_per_decision.is_empty() {
+            row(
+                "CPU per node",
+                r.citus_nodes
+                    .iter()
+                    .zip(&r.citus_node_cpu_us_per_decision)
+                    .map(|(name, us)| format!("{name} {us:.1} µs/decision"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            );
+        }
+        row(
+            "calls per worker",
+            r.citus_nodes
+                .iter()
+                .skip(1)
+                .zip(r.citus_worker_calls.iter().zip(&r.citus_worker_calls_per_s))
+                .map(|(name, (n, per_s))| format!("{name} {n} ({per_s:.0}/s)"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        );
+        if let Some(n) = r.citus_two_phase_commits {
+            row("two-phase commits", n.to_string());
+        }
+    }
 }
 
 /// The overshoot row: the measured excess, the bound that applies and what it covers. The

@@ -59,12 +59,12 @@ fn frac_from(capped: &str) -> String {
 
 /// The refilled whole nanotokens, capped at the capacity, written out in one expression (for
 /// the returns, which are rare; the takes use [`refill_and_take`]).
-fn available(row: &str, capacity: &str, rate: &str, now: &str) -> String {
+pub(super) fn available(row: &str, capacity: &str, rate: &str, now: &str) -> String {
     available_from(row, &capped_femtotokens(row, capacity, rate, now))
 }
 
 /// The femtotokens left over by the refill, written out in one expression.
-fn refilled_frac(row: &str, capacity: &str, rate: &str, now: &str) -> String {
+pub(super) fn refilled_frac(row: &str, capacity: &str, rate: &str, now: &str) -> String {
     frac_from(&capped_femtotokens(row, capacity, rate, now))
 }
 
@@ -106,7 +106,7 @@ fn refill_and_take(
 }
 
 /// The database's clock in whole microseconds since the Unix epoch.
-const NOW_US: &str = "(extract(epoch FROM now()) * 1000000)::bigint";
+pub(super) const NOW_US: &str = "(extract(epoch FROM now()) * 1000000)::bigint";
 
 /// Refill and take for one key, in one statement: an upsert. A key without a row is inserted
 /// as a full bucket less its grant; a key whose row exists and holds no strict lease is refilled

@@ -25,9 +25,18 @@ pub struct ConnectionManager {
     /// The store's switch for prepared statements: while on, a new session prepares the
     /// statements of every decision before it joins the pool.
     prepare: Arc<AtomicBool>,
+    /// Whether the store found a Citus coordinator: a new session then prepares the Citus
+    /// calls instead of the plain statements.
+    citus: Arc<AtomicBool>,
 }
 
 impl ConnectionManager {
+    /// Shares the store's Citus switch (set once the store has read the shard map).
+    pub(super) fn citus(mut self, on: Arc<AtomicBool>) -> Self {
+        self.citus = on;
+        self
+    }
+
     pub(super) fn new(
         config: tokio_postgres::Config,
         connect_timeout: Duration,
@@ -37,6 +46,7 @@ impl ConnectionManager {
             config,
             connect_timeout,
             prepare,
+            citus: Arc::new(AtomicBool::new(false)),
         }
     }
 }
@@ -165,7 +175,12 @@ impl bb8::ManageConnection for ConnectionManager {
             // statements go out together: one round trip in all. A failure here is no failure
             // of the connection: a call prepares (or sends unprepared) what is missing.
             let bound = self.connect_timeout;
-            let statements = super::lean::warm_statements();
+            let statements: Vec<(&'static str, &'static [tokio_postgres::types::Type])> =
+                if self.citus.load(Ordering::Relaxed) {
+                    super::citus::warm_statements().to_vec()
+                } else {
+                    super::lean::warm_statements().to_vec()
+                };
             let prepares = statements
                 .iter()
                 .map(|(sql, types)| conn.client.prepare_typed(sql, types));

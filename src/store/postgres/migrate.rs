@@ -120,6 +120,9 @@ pub struct MigrationReport {
     /// Versions recorded in the database that this library does not know: applied by a newer
     /// version of it. Not an error, so an older instance keeps working during a rolling deploy.
     pub unknown_versions: Vec<i64>,
+    /// The Citus version, when the database is a Citus coordinator: the tables are then
+    /// distributed by key and the Citus functions are in place. `None` on plain PostgreSQL.
+    pub citus: Option<String>,
 }
 
 impl MigrationReport {
@@ -146,6 +149,9 @@ impl fmt::Display for MigrationReport {
                 names.join(", "),
                 self.already_present.len()
             )?;
+        }
+        if let Some(citus) = &self.citus {
+            write!(f, "; Citus {citus}: tables distributed by key")?;
         }
         if !self.unknown_versions.is_empty() {
             write!(
@@ -208,6 +214,18 @@ pub enum MigrateError {
     /// The migration list itself is malformed (versions not strictly increasing, or ≤ 0).
     #[error("invalid migration list: {0}")]
     InvalidList(String),
+    /// The database is a Citus coordinator whose Citus version this build does not support:
+    /// nothing was distributed. See `SUPPORTED_CITUS` in the Citus module.
+    #[error(
+        "the database runs Citus {version}, which tokenlease does not support (supported: Citus \
+         {supported}); the tables were left as they are"
+    )]
+    UnsupportedCitus {
+        /// The `citus` extension's version, as `pg_extension.extversion` gives it.
+        version: String,
+        /// The supported range, in words.
+        supported: String,
+    },
 }
 
 impl MigrateError {
@@ -219,7 +237,9 @@ impl MigrateError {
         }
     }
 
-    fn database(step: &'static str) -> impl FnOnce(tokio_postgres::Error) -> MigrateError {
+    pub(super) fn database(
+        step: &'static str,
+    ) -> impl FnOnce(tokio_postgres::Error) -> MigrateError {
         move |error| MigrateError::Database {
             step,
             detail: describe(&error),
@@ -247,7 +267,7 @@ CREATE TABLE IF NOT EXISTS tokenlease_migrations (
 );";
 
 // language=SQL
-const LOCK: &str = "SELECT pg_advisory_xact_lock(8390042714202989921)";
+pub(super) const LOCK: &str = "SELECT pg_advisory_xact_lock(8390042714202989921)";
 
 // language=SQL
 const SELECT_APPLIED: &str = "SELECT version, checksum FROM tokenlease_migrations ORDER BY version";
@@ -286,7 +306,11 @@ const RECORD: &str =
 /// all (one transaction each), but may leave the client inside a transaction that its
 /// `Transaction` guard is rolling back; use a fresh connection after cancelling.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<MigrationReport, MigrateError> {
-    migrate_with(client, MIGRATIONS).await
+    let mut report = migrate_with(client, MIGRATIONS).await?;
+    // On a Citus coordinator: distribute the tables and create the routed functions
+    // (src/store/postgres/citus.rs). On plain PostgreSQL: one read of pg_extension.
+    report.citus = super::citus::distribute(client).await?;
+    Ok(report)
 }
 
 /// [`migrate`] with a list other than [`MIGRATIONS`], for tests of the migrator itself.

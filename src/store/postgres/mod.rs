@@ -28,10 +28,12 @@ use super::{
 use crate::bucket::Tokens;
 use crate::clock::timestamp_from_system_time;
 
+mod citus;
 mod lean;
 mod manager;
 pub(crate) mod migrate;
 
+pub use self::citus::{SUPPORTED_CITUS, hashtext as citus_hashtext};
 pub use self::manager::{ConnectionManager, PgConnection};
 
 /// The statements kept as files: the background ones (idle cleanup, inspection). The statements
@@ -81,6 +83,9 @@ pub struct PostgresStore {
     /// ([`PostgresStoreBuilder::prepared_statements`]); cleared for good when the server
     /// refuses a prepared statement as only a transaction pooler makes it do.
     prepare: Arc<AtomicBool>,
+    /// The shard map and a pool per worker when the database is a Citus coordinator with the
+    /// tables distributed: every call then goes through the routed functions of [`citus`].
+    citus: Option<Arc<citus::Citus>>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -241,22 +246,20 @@ impl PostgresStoreBuilder {
             if self.synchronous_commit { "on" } else { "off" },
         ));
         let prepare = Arc::new(AtomicBool::new(self.prepared_statements));
-        let manager = ConnectionManager::new(config.clone(), self.connect_timeout, prepare.clone());
-        let warmer = ConnectionManager::new(config.clone(), self.connect_timeout, prepare.clone());
-        let pool = Pool::builder()
-            .max_size(self.pool_size)
-            .min_idle(Some(0))
-            .connection_timeout(self.pool_wait_timeout)
-            .test_on_check_out(false)
-            .error_sink(Box::new(manager::CountErrors))
-            .build_unchecked(manager);
-        let store = PostgresStore {
+        let on_citus = Arc::new(AtomicBool::new(false));
+        let manager = ConnectionManager::new(config.clone(), self.connect_timeout, prepare.clone())
+            .citus(on_citus.clone());
+        let warmer = ConnectionManager::new(config.clone(), self.connect_timeout, prepare.clone())
+            .citus(on_citus.clone());
+        let pool = new_pool(manager, self.pool_size, self.pool_wait_timeout);
+        let mut store = PostgresStore {
             pool,
             pool_size: self.pool_size,
             call_timeout: self.call_timeout,
             pool_wait_timeout: self.pool_wait_timeout,
             cancel_timeout: self.connect_timeout,
             prepare,
+            citus: None,
         };
         // The first connection is made outside the pool, bounded by the connect timeout rather
         // than the (shorter) pool wait, so a busy machine does not fail the build: it proves the
@@ -278,6 +281,28 @@ impl PostgresStoreBuilder {
                 }
             }
         }
+        // A Citus coordinator with the tables distributed: route every call (citus.rs), each
+        // worker's calls through a pool of their own.
+        if let Some(map) = citus::shard_map(&client).await? {
+            on_citus.store(true, Ordering::Relaxed);
+            let lanes = (0..map.nodes().len())
+                .map(|_| PostgresStore {
+                    pool: new_pool(
+                        ConnectionManager::new(
+                            config.clone(),
+                            self.connect_timeout,
+                            store.prepare.clone(),
+                        )
+                        .citus(on_citus.clone()),
+                        self.pool_size,
+                        self.pool_wait_timeout,
+                    ),
+                    citus: None,
+                    ..store.clone()
+                })
+                .collect();
+            store.citus = Some(Arc::new(citus::Citus { map, lanes }));
+        }
         drop(client);
         // The session ends with the client: wait (bounded) for its driver to say goodbye, and
         // count a connection that ended in an error rather than dropping it silently.
@@ -291,10 +316,16 @@ impl PostgresStoreBuilder {
         // the pool's wait (40 ms by default, less than a password login can take); a connection
         // that does not come is opened by the first call that needs it, as before.
         use bb8::ManageConnection as _;
-        let warm = (0..self.pool_size).map(|_| warmer.connect());
-        for conn in manager::join_all(warm).await.into_iter().flatten() {
-            // Refused only when the pool is full already: the connection is dropped.
-            let _ = store.pool.add(conn);
+        let pools: Vec<&Pool<Manager>> = match &store.citus {
+            Some(citus) => citus.lanes.iter().map(|lane| &lane.pool).collect(),
+            None => vec![&store.pool],
+        };
+        for pool in pools {
+            let warm = (0..self.pool_size).map(|_| warmer.connect());
+            for conn in manager::join_all(warm).await.into_iter().flatten() {
+                // Refused only when the pool is full already: the connection is dropped.
+                let _ = pool.add(conn);
+            }
         }
         Ok(store)
     }
@@ -305,6 +336,17 @@ impl PostgresStoreBuilder {
 /// part of ours).
 pub fn pool(store: &PostgresStore) -> &Pool<ConnectionManager> {
     store.pool()
+}
+
+/// A pool of `size` connections made by `manager`, handing one out within `wait`.
+fn new_pool(manager: ConnectionManager, size: u32, wait: Duration) -> Pool<Manager> {
+    Pool::builder()
+        .max_size(size)
+        .min_idle(Some(0))
+        .connection_timeout(wait)
+        .test_on_check_out(false)
+        .error_sink(Box::new(manager::CountErrors))
+        .build_unchecked(manager)
 }
 
 fn pool_error(after: Duration) -> impl Fn(RunError<StoreError>) -> StoreError {
@@ -868,6 +910,9 @@ impl Store for PostgresStore {
         &self,
         requests: &[AcquireRequest<'_>],
     ) -> Result<Vec<Acquired>, StoreError> {
+        if let Some(citus) = &self.citus {
+            return citus.acquire_each(requests).await.into_iter().collect();
+        }
         let deadline = tokio::time::Instant::now() + self.call_timeout;
         let mut out: Vec<Option<Acquired>> = vec![None; requests.len()];
         let mut pending: Vec<usize> = (0..requests.len()).collect();
@@ -895,9 +940,39 @@ impl Store for PostgresStore {
             .collect()
     }
 
+    /// On Citus each worker's part succeeds or fails alone; elsewhere as the trait's default.
+    async fn acquire_each(
+        &self,
+        requests: &[AcquireRequest<'_>],
+    ) -> Vec<Result<Acquired, StoreError>> {
+        if let Some(citus) = &self.citus {
+            return citus.acquire_each(requests).await;
+        }
+        match self.acquire_many(requests).await {
+            Ok(answers) => answers.into_iter().map(Ok).collect(),
+            Err(err) => requests.iter().map(|_| Err(err.clone())).collect(),
+        }
+    }
+
+    /// On Citus each worker's part succeeds or fails alone; elsewhere as the trait's default.
+    async fn give_back_each(&self, returns: &[GiveBack<'_>]) -> Vec<Result<(), StoreError>> {
+        if let Some(citus) = &self.citus {
+            let answers = citus.give_back_each(returns).await;
+            return answers.into_iter().map(|r| r.map(|_| ())).collect();
+        }
+        match self.give_back(returns).await {
+            Ok(_) => returns.iter().map(|_| Ok(())).collect(),
+            Err(err) => returns.iter().map(|_| Err(err.clone())).collect(),
+        }
+    }
+
     async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
         if returns.is_empty() {
             return Ok(0);
+        }
+        if let Some(citus) = &self.citus {
+            let answers = citus.give_back_each(returns).await;
+            return answers.into_iter().sum();
         }
         let ids: Vec<i64> = returns.iter().map(|r| r.id).collect();
         let keys: Vec<&str> = returns.iter().map(|r| r.key).collect();
@@ -937,6 +1012,9 @@ impl Store for PostgresStore {
     }
 
     async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
+        if let Some(citus) = &self.citus {
+            return citus.delete_idle(limit).await;
+        }
         let limit = i64::from(limit);
         let rows = self
             .query(sql::DELETE_IDLE, &[(&limit, Type::INT8)])
@@ -966,8 +1044,18 @@ impl Store for PostgresStore {
         Some(self.call_timeout)
     }
 
+    /// The pool's size; on Citus, the sum of the workers' pools.
     fn max_concurrent_calls(&self) -> Option<usize> {
-        Some(self.pool_size as usize)
+        let lanes = self.citus.as_ref().map_or(1, |citus| citus.lanes.len());
+        Some(self.pool_size as usize * lanes)
+    }
+
+    /// On Citus, the worker holding the key's shard: a stalled worker then delays only its
+    /// own keys' callers. `0` on plain PostgreSQL.
+    fn partition(&self, key: &str) -> usize {
+        self.citus
+            .as_ref()
+            .map_or(0, |citus| citus.map.node_of(key))
     }
 }
 
