@@ -949,17 +949,9 @@ async fn load(
                     if calls.len() >= in_flight {
                         // At the cap: the next slot waits for an answer, at most until the
                         // hard end (then this slot and the rest are not sent).
-                        let answer = match hard_end {
-                            None => calls.next().await,
-                            Some(h) => {
-                                match tokio::time::timeout_at(h.into(), calls.next()).await {
-                                    Ok(a) => a,
-                                    Err(_) => {
-                                        out.unsent = 1 + schedule.remaining();
-                                        break;
-                                    }
-                                }
-                            }
+                        let Some(answer) = before(hard_end, calls.next()).await else {
+                            out.unsent = 1 + schedule.remaining();
+                            break;
                         };
                         if let Some(answer) = answer {
                             record(&mut out, answer);
@@ -985,15 +977,9 @@ async fn load(
                 // The calls still in flight, each bounded by the hard end: dropping a call is
                 // cancel safe (a take already sent counts as spent).
                 while !calls.is_empty() {
-                    let answer = match hard_end {
-                        None => calls.next().await,
-                        Some(h) => match tokio::time::timeout_at(h.into(), calls.next()).await {
-                            Ok(a) => a,
-                            Err(_) => {
-                                out.in_flight_at_end = calls.len() as u64;
-                                break;
-                            }
-                        },
+                    let Some(answer) = before(hard_end, calls.next()).await else {
+                        out.in_flight_at_end = calls.len() as u64;
+                        break;
                     };
                     if let Some(answer) = answer {
                         record(&mut out, answer);
@@ -1295,6 +1281,14 @@ impl CitusNodes {
             .await?
             .get(0);
         Ok(CitusCounts { calls, two_phase })
+    }
+}
+
+/// `future`'s output, or `None` if `deadline` (when there is one) comes first.
+async fn before<T>(deadline: Option<Instant>, future: impl Future<Output = T>) -> Option<T> {
+    match deadline {
+        None => Some(future.await),
+        Some(d) => tokio::time::timeout_at(d.into(), future).await.ok(),
     }
 }
 

@@ -48,7 +48,7 @@ use tokio_postgres::types::ToSql;
 
 use super::lean::{NOW_US, available, refilled_frac};
 use super::migrate::MigrateError;
-use super::{PostgresStore, Takes, file_rows, nanos_down, nanos_up, shape};
+use super::{Holds, PostgresStore, Takes, file_rows, nanos_down, shape};
 use crate::store::{AcquireRequest, Acquired, GiveBack, StoreError, join_all};
 
 /// The Citus versions the store runs on: from 12.0 up to (not including) 14.0. Tested on 13.2.
@@ -429,33 +429,10 @@ impl PostgresStore {
         if !pending.is_empty() {
             let t = Takes::new(requests, &pending)?;
             let route = t.keys[0];
-            let hold = |i: &usize| requests[*i].hold;
-            let holders: Vec<Option<i64>> =
-                pending.iter().map(|i| hold(i).map(|h| h.holder)).collect();
-            let lease_ids: Vec<Option<i64>> = pending
-                .iter()
-                .map(|i| hold(i).map(|h| h.lease_id))
-                .collect();
-            let kept: Vec<i64> = pending
-                .iter()
-                .map(|i| hold(i).map_or(0, |h| nanos_up(h.kept)))
-                .collect();
-            let lifetimes: Vec<i64> = pending
-                .iter()
-                .map(|i| {
-                    hold(i).map_or(0, |h| {
-                        i64::try_from(h.lifetime.as_micros()).unwrap_or(i64::MAX)
-                    })
-                })
-                .collect();
+            let holds = Holds::new(requests, &pending);
             let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&route, Type::TEXT)];
             params.extend(t.params());
-            params.extend([
-                (&holders as &(dyn ToSql + Sync), Type::INT8_ARRAY),
-                (&lease_ids, Type::INT8_ARRAY),
-                (&kept, Type::INT8_ARRAY),
-                (&lifetimes, Type::INT8_ARRAY),
-            ]);
+            params.extend(holds.params());
             let rows = self.query_by(deadline, TAKE_HELD, &params).await?;
             file_rows(&rows, requests, &mut pending, &mut out)?;
         }

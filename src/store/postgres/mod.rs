@@ -836,33 +836,51 @@ impl PostgresStore {
         out: &mut [Option<Acquired>],
     ) -> Result<(), StoreError> {
         let t = Takes::new(requests, pending)?;
-        let hold = |i: &usize| requests[*i].hold;
-        let holders: Vec<Option<i64>> = pending.iter().map(|i| hold(i).map(|h| h.holder)).collect();
-        let lease_ids: Vec<Option<i64>> = pending
-            .iter()
-            .map(|i| hold(i).map(|h| h.lease_id))
-            .collect();
-        let kept: Vec<i64> = pending
-            .iter()
-            .map(|i| hold(i).map_or(0, |h| nanos_up(h.kept)))
-            .collect();
-        let lifetimes: Vec<i64> = pending
-            .iter()
-            .map(|i| {
-                hold(i).map_or(0, |h| {
-                    i64::try_from(h.lifetime.as_micros()).unwrap_or(i64::MAX)
-                })
-            })
-            .collect();
+        let holds = Holds::new(requests, pending);
         let mut params = t.params();
-        params.extend([
-            (&holders as &(dyn ToSql + Sync), Type::INT8_ARRAY),
-            (&lease_ids, Type::INT8_ARRAY),
-            (&kept, Type::INT8_ARRAY),
-            (&lifetimes, Type::INT8_ARRAY),
-        ]);
+        params.extend(holds.params());
         let rows = self.query_by(deadline, lean::ACQUIRE_HELD, &params).await?;
         file_rows(&rows, requests, pending, out)
+    }
+}
+
+/// The strict-lease arrays of `tokenlease_acquire_held` beside a batch's [`Takes`]: each
+/// request's holder and lease id (NULL for a plain take), the tokens it keeps and its lifetime.
+struct Holds {
+    holders: Vec<Option<i64>>,
+    lease_ids: Vec<Option<i64>>,
+    kept: Vec<i64>,
+    lifetimes: Vec<i64>,
+}
+
+impl Holds {
+    /// The holds of `requests` at `which` indices.
+    fn new(requests: &[AcquireRequest<'_>], which: &[usize]) -> Self {
+        let holds = which.iter().map(|&i| requests[i].hold);
+        Holds {
+            holders: holds.clone().map(|h| h.map(|h| h.holder)).collect(),
+            lease_ids: holds.clone().map(|h| h.map(|h| h.lease_id)).collect(),
+            kept: holds
+                .clone()
+                .map(|h| h.map_or(0, |h| nanos_up(h.kept)))
+                .collect(),
+            lifetimes: holds
+                .map(|h| {
+                    h.map_or(0, |h| {
+                        i64::try_from(h.lifetime.as_micros()).unwrap_or(i64::MAX)
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    fn params(&self) -> [(&(dyn ToSql + Sync), Type); 4] {
+        [
+            (&self.holders, Type::INT8_ARRAY),
+            (&self.lease_ids, Type::INT8_ARRAY),
+            (&self.kept, Type::INT8_ARRAY),
+            (&self.lifetimes, Type::INT8_ARRAY),
+        ]
     }
 }
 
