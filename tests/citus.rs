@@ -2,8 +2,8 @@
 //! two workers started by each test ([`TempCitus`]), the tables distributed by `migrate`, every
 //! call routed to one worker, faults per worker, and the C1 envelope through the cluster.
 //!
-//! Needs the Citus extension for the server binaries (`bash ../shared/citus/install.sh`, which
-//! `.ci/run` calls).
+//! Needs the Citus extension for the server binaries (`.ci/run` builds it from Citus's source
+//! release when it is missing).
 
 mod common;
 
@@ -26,7 +26,7 @@ async fn cluster(workers: usize) -> Arc<TempCitus> {
     let started = tokio::task::spawn_blocking(move || TempCitus::start(workers))
         .await
         .expect("start task")
-        .expect("a Citus cluster (install Citus: bash ../shared/citus/install.sh)");
+        .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
     Arc::new(started)
 }
 
@@ -65,7 +65,7 @@ async fn counted_cluster(workers: usize) -> Arc<TempCitus> {
     })
     .await
     .expect("start task")
-    .expect("a Citus cluster (install Citus: bash ../shared/citus/install.sh)");
+    .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
     // Created on the coordinator, which creates it on every worker.
     client(&started.connection_string("postgres"))
         .await

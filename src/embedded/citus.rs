@@ -145,8 +145,8 @@ fn missing_extension(bin_dir: &std::path::Path) -> Option<String> {
     }
     Some(format!(
         "the Citus extension is not installed for the PostgreSQL server in {} (looked for {}): \
-         build and install it with `bash ../shared/citus/install.sh` as root (the script beside \
-         this repository), or from https://github.com/citusdata/citus",
+         install Citus's package for this PostgreSQL version, or build it from its source \
+         release (https://github.com/citusdata/citus) with this server's pg_config",
         bin_dir.display(),
         candidates
             .iter()
