@@ -91,8 +91,8 @@ pub mod __private {
     };
     #[cfg(feature = "postgres")]
     pub use crate::store::postgres::{
-        ConnectionManager, PgConnection, SUPPORTED_CITUS, acquire_many_sql, acquire_one_sql,
-        citus_hashtext, pool,
+        ConnectionManager, PgConnection, SUPPORTED_CITUS, acquire_held_sql, acquire_many_sql,
+        acquire_one_sql, citus_hashtext, pool,
     };
 }
 

@@ -1382,6 +1382,12 @@ async fn d5(mode: Mode) {
             }
         }
         let before = rig.row(KEY).await.expect("row");
+        if stop == StopMode::Immediate {
+            // The store commits takes asynchronously by default: a crash forgets those whose
+            // commit record the WAL writer has not yet flushed (at most 3 × wal_writer_delay
+            // old). Await the flush of everything written so far, as the server reports it.
+            await_wal_flush(&rig.admin().await).await;
+        }
         let down = Instant::now();
         rig.server(move |pg| pg.restart(stop).expect("restart"))
             .await;
@@ -1423,6 +1429,36 @@ async fn d5(mode: Mode) {
         );
     }
     eprintln!("D5 {}: {}", mode.label(), report.join("; "));
+}
+
+/// Waits until the server has flushed the WAL written so far (`pg_current_wal_flush_lsn()` at
+/// or past the insert position read first): then a crash forgets no commit made before. The
+/// WAL writer flushes within 3 × `wal_writer_delay` (600 ms by default); 5 s at most here.
+async fn await_wal_flush(admin: &tokio_postgres::Client) {
+    let written: String = admin
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .expect("insert lsn")
+        .get(0);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let flushed: bool = admin
+            .query_one(
+                "SELECT pg_current_wal_flush_lsn() >= $1::text::pg_lsn",
+                &[&written],
+            )
+            .await
+            .expect("flush lsn")
+            .get(0);
+        if flushed {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "WAL not flushed past {written} in 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 trait TokensF64 {

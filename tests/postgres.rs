@@ -494,14 +494,29 @@ async fn impossible_costs_are_errors_without_a_store_call() {
     );
 }
 
-/// `synchronous_commit = off` is applied to the limiter's own sessions only.
+/// `synchronous_commit = off` (the default) is applied to the limiter's own sessions only, and
+/// `synchronous_commit(true)` leaves the server's own setting.
 #[tokio::test]
 async fn synchronous_commit_off_applies_to_the_limiter_sessions() {
     let db = common::database().await;
-    let store = PostgresStore::builder(&db.connection_string())
+    let durable = PostgresStore::builder(&db.connection_string())
         .expect("config")
-        .synchronous_commit(false)
+        .synchronous_commit(true)
         .build()
+        .await
+        .expect("store");
+    let conn = tokenlease::__private::pool(&durable)
+        .get()
+        .await
+        .expect("connection");
+    let setting: String = conn
+        .query_one("SHOW synchronous_commit", &[])
+        .await
+        .expect("show")
+        .get(0);
+    assert_eq!(setting, "on", "the server's own setting");
+    drop(conn);
+    let store = PostgresStore::connect(&db.connection_string())
         .await
         .expect("store");
     let conn = tokenlease::__private::pool(&store)
@@ -513,13 +528,59 @@ async fn synchronous_commit_off_applies_to_the_limiter_sessions() {
         .await
         .expect("show")
         .get(0);
-    assert_eq!(setting, "off");
+    assert_eq!(setting, "off", "asynchronous by default");
     let timeout: String = conn
         .query_one("SHOW statement_timeout", &[])
         .await
         .expect("show")
         .get(0);
     assert_eq!(timeout, "100ms");
+}
+
+/// The strict take commits durably on the store's asynchronous sessions: its statement sets
+/// `synchronous_commit` to `on` for its own transaction, its commit included, and the session
+/// keeps `off` for the next one.
+#[tokio::test]
+async fn the_strict_take_commits_durably_on_asynchronous_sessions() {
+    let db = common::database().await;
+    let store = PostgresStore::connect(&db.connection_string())
+        .await
+        .expect("store");
+    let conn = tokenlease::__private::pool(&store)
+        .get()
+        .await
+        .expect("connection");
+    let show = || async {
+        conn.query_one("SHOW synchronous_commit", &[])
+            .await
+            .expect("show")
+            .get::<_, String>(0)
+    };
+    assert_eq!(show().await, "off");
+    let (keys, nanos) = (vec!["strict-durable"], vec![100_000_000_000_i64]);
+    let (rate, one) = (vec![50_000_000_000_i64], vec![1_000_000_000_i64]);
+    let (holders, leases, kept, lifetimes) =
+        (vec![7_i64], vec![1_i64], vec![0_i64], vec![1_000_000_i64]);
+    conn.batch_execute("BEGIN").await.expect("begin");
+    let rows = conn
+        .query(
+            tokenlease::__private::acquire_held_sql(),
+            &[
+                &keys, &nanos, &rate, &one, &one, &one, &holders, &leases, &kept, &lifetimes,
+            ],
+        )
+        .await
+        .expect("the strict take");
+    assert_eq!(rows.len(), 1);
+    let granted: i64 = rows[0].get(3);
+    assert_eq!(granted, 1_000_000_000, "one token leased");
+    assert_eq!(show().await, "on", "within the strict take's transaction");
+    conn.batch_execute("COMMIT").await.expect("commit");
+    assert_eq!(
+        show().await,
+        "off",
+        "the next transaction is asynchronous again"
+    );
 }
 
 /// The idle-row task deletes buckets that refilled to full, and keeps busy ones.

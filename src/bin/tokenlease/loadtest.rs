@@ -147,9 +147,11 @@ pub(crate) struct Args {
     /// Connections per instance (per shard with `--shards` or `--shard-url`).
     #[arg(long, default_value_t = 4)]
     pool: u32,
-    /// Run the limiter's statements with `synchronous_commit = off` (see DESIGN.md).
+    /// Commit the limiter's plain takes and returns durably, each waiting for its WAL flush
+    /// (`PostgresStoreBuilder::synchronous_commit(true)`), instead of asynchronously (the
+    /// default; see DESIGN.md section 5).
     #[arg(long)]
-    sync_commit_off: bool,
+    durable_commits: bool,
     /// Send every statement unnamed, parsed and planned on each call
     /// (`PostgresStoreBuilder::prepared_statements(false)`), instead of preparing the store's
     /// statements once per session (the default): what PgBouncer before 1.21 in transaction
@@ -282,6 +284,7 @@ struct Report {
     fallback_decisions: u64,
     /// `fallback_decisions` answered after the warm-up (`--warmup`): all of them without one.
     fallback_decisions_after_warmup: u64,
+    /// Whether plain takes and returns committed durably (`--durable-commits`).
     synchronous_commit: bool,
     /// Whether the store prepared its statements once per session (not `--unprepared`).
     prepared_statements: bool,
@@ -772,7 +775,7 @@ async fn load(
                 .pool_wait_timeout(call_timeout * 4 / 5)
                 .statement_timeout(server_timeout)
                 .lock_timeout(server_timeout)
-                .synchronous_commit(!args.sync_commit_off)
+                .synchronous_commit(args.durable_commits)
                 .prepared_statements(!args.unprepared)
                 .build()
                 .await
@@ -1175,7 +1178,7 @@ async fn load(
             .iter()
             .filter(|r| r.fallback && r.at >= warmup_ns)
             .count() as u64,
-        synchronous_commit: !args.sync_commit_off,
+        synchronous_commit: args.durable_commits,
         prepared_statements: !args.unprepared,
         fault,
         server_cpu_us_per_decision: server_cpu_s

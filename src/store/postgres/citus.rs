@@ -743,6 +743,11 @@ DECLARE
     p record;
     at_us bigint := (extract(epoch FROM now()) * 1000000)::bigint;
 BEGIN
+    -- A strict lease a crash forgot would let its holder spend tokens the bucket no longer
+    -- counts: this transaction commits durably even on the store's asynchronous sessions.
+    IF current_setting('synchronous_commit') = 'off' THEN
+        PERFORM set_config('synchronous_commit', 'on', true);
+    END IF;
     FOR p IN SELECT * FROM tokenlease_citus_parts(keys) LOOP
         EXECUTE format({}, p.buckets) USING keys, capacities, rates, at_us, p.members;
         RETURN QUERY EXECUTE format({}, p.buckets)
@@ -888,7 +893,8 @@ pub(super) const TAKE_TYPES: [Type; 7] = [
     Type::INT8_ARRAY,
 ];
 
-/// Strict leases on one Citus worker.
+/// Strict leases on one Citus worker (committed durably: `tokenlease_citus_take_held` sets
+/// `synchronous_commit` itself, as the plain store's strict take does).
 pub(super) const TAKE_HELD: &str = "\
 -- tokenlease: refill and take with strict leases on one Citus worker (src/store/postgres/citus.rs)
 SELECT key, tokens, frac, granted, updated_us, now_us

@@ -262,15 +262,33 @@ pub(super) static GIVE_BACK: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// The first item of a statement's `FROM` that makes its transaction commit durably: it sets
+/// `synchronous_commit` to `on` for the rest of the transaction (`set_config(..., true)`), its
+/// commit included, when the session has it `off` (the store's default, DESIGN.md section 5),
+/// and leaves any other setting as it is. The call that follows names `durable.setting` in its first
+/// argument (`CASE WHEN durable.setting IS NOT NULL THEN $1 END`, always `$1`), so it cannot run
+/// before the setting is made: a `LATERAL` reference is evaluated first.
+pub(super) const DURABLE: &str = "\
+(SELECT set_config('synchronous_commit', \
+                   CASE current_setting('synchronous_commit') WHEN 'off' THEN 'on' \
+                        ELSE current_setting('synchronous_commit') END, true) AS setting) AS durable";
+
 /// Refill and take through `tokenlease_acquire_held` (migration 0007): strict leases, and
 /// takes on rows that hold strict leases. Parameters as [`ACQUIRE_MANY`], then `$7` holders,
-/// `$8` lease ids, `$9` kept nanotokens, `$10` lifetimes in microseconds.
-pub(super) const ACQUIRE_HELD: &str = "\
--- tokenlease: refill and take with strict leases (src/store/postgres/lean.rs)
-SELECT key, tokens, frac, granted, updated_us, now_us
-FROM tokenlease_acquire_held($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[],
-                             $6::bigint[], $7::bigint[], $8::bigint[], $9::bigint[],
-                             $10::bigint[])";
+/// `$8` lease ids, `$9` kept nanotokens, `$10` lifetimes in microseconds. Its commit is durable
+/// whatever the session's `synchronous_commit` ([`DURABLE`]): a strict lease that a crash
+/// forgot would let its holder spend tokens the bucket no longer counts.
+pub(super) static ACQUIRE_HELD: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "-- tokenlease: refill and take with strict leases (src/store/postgres/lean.rs)\n\
+         SELECT h.key, h.tokens, h.frac, h.granted, h.updated_us, h.now_us \
+         FROM {DURABLE} \
+         CROSS JOIN LATERAL tokenlease_acquire_held( \
+             CASE WHEN durable.setting IS NOT NULL THEN $1::text[] END, $2::bigint[], $3::bigint[], \
+             $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[], \
+             $9::bigint[], $10::bigint[]) AS h"
+    )
+});
 
 /// The parameter types of [`ACQUIRE_ONE`]: the key, then capacity, rate, min, want, step.
 pub(super) const ONE_TYPES: [Type; 6] = [
@@ -322,7 +340,12 @@ mod tests {
     /// infer a type, or refuse the statement).
     #[test]
     fn statements_use_their_parameters() {
-        for (sql, n) in [(&*ACQUIRE_ONE, 6), (&*ACQUIRE_MANY, 6), (&*GIVE_BACK, 7)] {
+        for (sql, n) in [
+            (&*ACQUIRE_ONE, 6),
+            (&*ACQUIRE_MANY, 6),
+            (&*GIVE_BACK, 7),
+            (&*ACQUIRE_HELD, 10),
+        ] {
             for i in 1..=n {
                 assert!(sql.contains(&format!("${i}")), "${i} missing in {sql}");
             }

@@ -58,6 +58,13 @@ pub fn acquire_many_sql() -> &'static str {
     lean::ACQUIRE_MANY.as_str()
 }
 
+/// The SQL text of the take through `tokenlease_acquire_held` (strict leases; `$1`..`$6` as
+/// [`acquire_many_sql`]'s, `$7` holders, `$8` lease ids, `$9` kept nanotokens, `$10` lifetimes
+/// in microseconds), for tests of its commit. Not part of the API.
+pub fn acquire_held_sql() -> &'static str {
+    lean::ACQUIRE_HELD.as_str()
+}
+
 type Manager = ConnectionManager;
 
 /// Buckets in PostgreSQL, shared by every instance that connects to the same database.
@@ -162,11 +169,21 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// Whether the limiter's own statements wait for their commit record to reach disk. Defaults
-    /// to `true`. With `false` (`synchronous_commit = off` on the limiter's sessions only) a
-    /// take commits without waiting for the WAL flush; a database crash can then lose the takes
-    /// of the last few hundred milliseconds (at most `3 × wal_writer_delay`), which refills those
-    /// buckets by that much once. Never use an UNLOGGED table instead: that refills every bucket.
+    /// Whether the limiter's plain takes and returns wait for their commit record to reach disk
+    /// (the server's own `synchronous_commit`) or commit asynchronously (`synchronous_commit =
+    /// off` on the limiter's sessions only). Defaults to `false`: asynchronous.
+    ///
+    /// A durable commit is a WAL flush per statement, about a quarter of what a lone caller's
+    /// take costs the server (DESIGN.md §5). Rate-limit state is soft: with asynchronous
+    /// commits a crash of the server (not a clean stop) forgets at most the takes and returns of
+    /// its last `3 × wal_writer_delay` (600 ms by default). Forgotten takes refill those buckets
+    /// by what they took, once; a forgotten return leaves its tokens uncredited, and a retry of
+    /// it credits them once. Nothing is corrupted, and a clean shutdown or a switchover loses
+    /// nothing. Takes through strict leases ([`Accounting::Strict`](crate::policy::Accounting::Strict))
+    /// always commit durably: a strict lease the server forgot would let its holder spend
+    /// tokens the bucket no longer counts. Set `true` where one more admission per forgotten
+    /// take after a crash is not acceptable. Never use an UNLOGGED table instead: a crash
+    /// empties it, refilling every bucket.
     pub fn synchronous_commit(mut self, on: bool) -> Self {
         self.synchronous_commit = on;
         self
@@ -239,11 +256,17 @@ impl PostgresStoreBuilder {
         setup_config.options(format!(
             "-c statement_timeout={migrate_ms} -c lock_timeout={migrate_ms}"
         ));
+        // Durable: the server's own `synchronous_commit`, whatever it is (`on`, or a stronger
+        // `remote_apply` on a cluster with synchronous standbys).
         config.options(format!(
-            "-c statement_timeout={} -c lock_timeout={} -c synchronous_commit={}",
+            "-c statement_timeout={} -c lock_timeout={}{}",
             self.statement_timeout.as_millis().max(1),
             self.lock_timeout.as_millis().max(1),
-            if self.synchronous_commit { "on" } else { "off" },
+            if self.synchronous_commit {
+                ""
+            } else {
+                " -c synchronous_commit=off"
+            },
         ));
         let prepare = Arc::new(AtomicBool::new(self.prepared_statements));
         let on_citus = Arc::new(AtomicBool::new(false));
@@ -383,7 +406,7 @@ impl PostgresStore {
             statement_timeout: Duration::from_millis(100),
             lock_timeout: Duration::from_millis(100),
             keepalive: Duration::from_secs(5),
-            synchronous_commit: true,
+            synchronous_commit: false,
             prepared_statements: true,
             migrate: true,
             migrate_timeout: Duration::from_secs(30),
@@ -839,7 +862,9 @@ impl PostgresStore {
         let holds = Holds::new(requests, pending);
         let mut params = t.params();
         params.extend(holds.params());
-        let rows = self.query_by(deadline, lean::ACQUIRE_HELD, &params).await?;
+        let rows = self
+            .query_by(deadline, lean::ACQUIRE_HELD.as_str(), &params)
+            .await?;
         file_rows(&rows, requests, pending, out)
     }
 }
