@@ -2,7 +2,10 @@
 # tokenlease against a peer on ONE throwaway PostgreSQL, in one run, phase after phase:
 #
 #   1. rate-limiter-flexible's RateLimiterPostgres (Node, peers/rlf-postgres.js): 10,000 random
-#      keys, 16 requests in flight over a pg Pool of 16 connections;
+#      keys, 16 requests in flight over a pg Pool of 16 connections; then a lone caller (1 in
+#      flight), with the server's durable commits and with `synchronous_commit = off` (the
+#      store's default commit, DESIGN.md section 5), so each of tokenlease's lone callers has a
+#      peer with the same commit beside it;
 #   2. pgbench, 16 clients, one random key of 10,000: the one-key take tokenlease sends
 #      (src/store/postgres/lean.rs, printed by `tokenlease loadtest --print-statement one`), with
 #      `-M extended` (an unnamed statement, parsed and planned on every call) and `-M prepared`
@@ -13,7 +16,8 @@
 #      (--rate far above what is reachable, so each task sends as soon as it is answered) with
 #      the default pool of 4, with 16 connections, and with the pool of 4 but 2 statements in
 #      flight (tuned: more keys share each commit on a small server), the default pool with
-#      every statement unnamed (--unprepared), and a lone caller (1 task); leased mode on
+#      every statement unnamed (--unprepared), and a lone caller (1 task), also with durable
+#      commits (--durable-commits); leased mode on
 #      100,000 keys paced at 100,000 requests/s with the default lease settings and with leases
 #      living 30 s (16 serial tasks: a call waiting for a refill delays its task's next); the
 #      same rate kept while calls wait (--in-flight 64, an open loop: each key called about once
@@ -177,6 +181,17 @@ r["decisions"] = r["allowed"] + r["denied"]
 print(json.dumps(r))' >>"$out"
 add_server_cpu "$cpu_start" "$(cluster_cpu)"
 
+echo "== 1/4 the same lone caller with synchronous_commit = off (tokenlease's default commit)" >&2
+cpu_start="$(cluster_cpu)"
+PGOPTIONS="-c synchronous_commit=off" node peers/rlf-postgres.js --url "$url" --keys 10000 \
+    --concurrency 1 --pool 1 --duration "$PHASE_S" | python3 -c '
+import json, sys
+r = json.loads(sys.stdin.read())
+r["client"] = "rate-limiter-flexible (Node), 1 in flight (a lone caller), synchronous_commit = off"
+r["decisions"] = r["allowed"] + r["denied"]
+print(json.dumps(r))' >>"$out"
+add_server_cpu "$cpu_start" "$(cluster_cpu)"
+
 echo "== 2/4 pgbench, 16 clients, tokenlease's statement on one random key of 10,000" >&2
 # The one-key take the store sends (src/store/postgres/lean.rs, printed by the binary), its six
 # parameters replaced: key pgbench:<n>, capacity 100, refill 50/s, take exactly 1 (min = want =
@@ -304,6 +319,8 @@ loadtest_phase "tokenlease direct, 10,000 keys, 1 × 16 tasks, closed loop, defa
     --mode direct --keys 10000 --rate 1000000 --unprepared
 TASKS=1 loadtest_phase "tokenlease direct, 10,000 keys, 1 × 1 task, closed loop (a lone caller)" \
     --mode direct --keys 10000 --rate 1000000
+TASKS=1 loadtest_phase "tokenlease direct, 10,000 keys, 1 × 1 task, closed loop (a lone caller), durable commits" \
+    --mode direct --keys 10000 --rate 1000000 --durable-commits
 loadtest_phase "tokenlease leased, 100,000 keys at 100,000/s, 1 × 16 tasks, default lease settings" \
     --mode leased --keys 100000 --rate 100000
 loadtest_phase "tokenlease leased, 100,000 keys at 100,000/s, 1 × 16 tasks, leases living 30 s" \
