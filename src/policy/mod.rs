@@ -71,15 +71,17 @@
 //! - `load.rs`: [`Policies`], parsing and the checks.
 //! - `error.rs`: [`PolicyError`].
 
+mod check;
 mod error;
 mod load;
 mod raw;
+mod routes;
 mod types;
 
 pub use error::{PolicyError, PolicyErrorKind};
 pub use load::{MAX_CAPACITY, MAX_PLANS, MAX_POLICY_BYTES, Policies};
 #[cfg(feature = "http")]
-pub(crate) use load::{route_params, route_pattern_error, route_shape};
+pub(crate) use routes::{route_params, route_pattern_error, route_shape};
 pub use types::{
     Accounting, EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings,
     Plan, Route, RouteShadow,

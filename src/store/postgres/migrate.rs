@@ -308,7 +308,7 @@ const RECORD: &str =
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<MigrationReport, MigrateError> {
     let mut report = migrate_with(client, MIGRATIONS).await?;
     // On a Citus coordinator: distribute the tables and create the routed functions
-    // (src/store/postgres/citus.rs). On plain PostgreSQL: one read of pg_extension.
+    // (src/store/postgres/citus/). On plain PostgreSQL: one read of pg_extension.
     report.citus = super::citus::distribute(client).await?;
     Ok(report)
 }

@@ -1,0 +1,518 @@
+//! The checks a policy file goes through after its JSON is read: ranges, names and references,
+//! for plans, their leases and fallbacks (routes and entities: `routes.rs`).
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::fmt::Write as _;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::error::{Kind, PolicyError, number, quote, shorten};
+use super::raw::{
+    Obj, RawAccounting, RawFallback, RawFallbackMode, RawLease, RawPlan, RawPolicies,
+};
+use super::types::{
+    Accounting, FallbackMode, FallbackSettings, KeyRule, LeaseSettings, Plan, Route,
+};
+use crate::bucket::{BucketConfig, Rate, Tokens};
+
+use super::load::{
+    LISTED_PLANS, MAX_CAPACITY, MAX_INSTANCES, MAX_PLAN_NAME, MAX_PLANS, MAX_WAIT_MS,
+    NANOTOKENS_PER_TOKEN, Policies, TTL_MS, push_key,
+};
+
+/// The checks that run after the JSON has been read: ranges, names and references.
+pub(super) struct Checker {
+    pub(super) file: String,
+}
+
+impl Checker {
+    /// An error at `field`.
+    pub(super) fn err(&self, field: impl Into<String>, message: impl Into<String>) -> PolicyError {
+        PolicyError::new(&self.file, message).with_field(field)
+    }
+
+    /// An error at `field` inside plan `plan`.
+    pub(super) fn plan_err(
+        &self,
+        plan: &str,
+        field: &str,
+        message: impl Into<String>,
+    ) -> PolicyError {
+        let mut path = String::from("plans");
+        push_key(&mut path, plan);
+        if !field.is_empty() {
+            path.push('.');
+            path.push_str(field);
+        }
+        self.err(path, message).with_plan(plan)
+    }
+
+    pub(super) fn check(self, raw: RawPolicies) -> Result<Policies, PolicyError> {
+        if raw.plans.plans.is_empty() {
+            return Err(self.err("plans", "no plans: define at least one"));
+        }
+        let count = raw.plans.plans.len();
+        if count > MAX_PLANS {
+            return Err(self
+                .err(
+                    "plans",
+                    format!(
+                        "too many plans: {count}, more than the {MAX_PLANS} a limiter can hold"
+                    ),
+                )
+                .with_kind(Kind::TooManyPlans(u32::try_from(count).unwrap_or(u32::MAX))));
+        }
+        if let Some(name) = raw.plans.duplicates.first() {
+            return Err(self.plan_err(
+                name,
+                "",
+                "duplicate plan name: each plan may be defined once",
+            ));
+        }
+        let mut plans = Vec::with_capacity(raw.plans.plans.len());
+        let mut by_name = HashMap::with_capacity(raw.plans.plans.len());
+        for (name, raw_plan) in raw.plans.plans {
+            let plan = self.plan(&name, raw_plan)?;
+            by_name.insert(name, plans.len());
+            plans.push(Arc::new(plan));
+        }
+        let lookup = |field: &str, name: &str| -> Result<usize, PolicyError> {
+            by_name.get(name).copied().ok_or_else(|| {
+                let mut known: Vec<&str> = by_name.keys().map(String::as_str).collect();
+                known.sort_unstable();
+                let mut listed = known
+                    .iter()
+                    .take(LISTED_PLANS)
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                if known.len() > LISTED_PLANS {
+                    let _ = write!(listed, ", … ({} in all)", known.len());
+                }
+                self.err(
+                    field,
+                    format!("unknown plan {}; defined plans: {listed}", quote(name)),
+                )
+                .with_plan(name)
+            })
+        };
+
+        let default_plan = match &raw.default_plan {
+            Some(name) => Some(lookup("default_plan", name)?),
+            None => None,
+        };
+
+        let mut keys: Vec<(KeyRule, usize)> = Vec::with_capacity(raw.keys.len());
+        // Prefix → index of its rule, for duplicates in constant time.
+        let mut prefixes: HashMap<String, usize> = HashMap::with_capacity(raw.keys.len());
+        for (i, Obj(rule)) in raw.keys.into_iter().enumerate() {
+            let field = format!("keys[{i}]");
+            if rule.prefix.is_empty() {
+                return Err(self.err(
+                    format!("{field}.prefix"),
+                    "must not be empty; use default_plan for keys no prefix matches",
+                ));
+            }
+            if let Err(e) = crate::error::validate_key(&rule.prefix) {
+                let reason = e.to_string();
+                let reason = reason.strip_prefix("invalid key: ").unwrap_or(&reason);
+                return Err(self.err(
+                    format!("{field}.prefix"),
+                    format!("no key can start with this prefix: {reason}"),
+                ));
+            }
+            match prefixes.entry(rule.prefix.clone()) {
+                Entry::Occupied(first) => {
+                    return Err(self.err(
+                        format!("{field}.prefix"),
+                        format!(
+                            "duplicate prefix {}: already at keys[{}]",
+                            quote(&rule.prefix),
+                            first.get()
+                        ),
+                    ));
+                }
+                Entry::Vacant(slot) => {
+                    slot.insert(i);
+                }
+            }
+            let plan = lookup(&format!("{field}.plan"), &rule.plan)?;
+            keys.push((
+                KeyRule {
+                    prefix: rule.prefix,
+                    plan: rule.plan,
+                },
+                plan,
+            ));
+        }
+        // Longest prefix first; the sort is stable, so file order breaks ties (there are none:
+        // prefixes are unique, and equal lengths cannot both match one key).
+        keys.sort_by_key(|(rule, _)| std::cmp::Reverse(rule.prefix.len()));
+        let (keys, key_plans) = keys.into_iter().unzip();
+
+        let mut routes: Vec<Route> = Vec::with_capacity(raw.routes.len());
+        // Shape (method, path without parameter names) → index of its route.
+        let mut shapes: HashMap<(String, String), usize> = HashMap::with_capacity(raw.routes.len());
+        for (i, Obj(raw_route)) in raw.routes.into_iter().enumerate() {
+            let field = format!("routes[{i}]");
+            let (route, shape) = self.route(&field, raw_route, &lookup)?;
+            match shapes.entry(shape) {
+                Entry::Occupied(first) => {
+                    let first = *first.get();
+                    let other = &routes[first];
+                    let message = if other.path == route.path {
+                        format!(
+                            "duplicate route {} {}: already at routes[{first}]",
+                            route.method,
+                            shorten(&route.path)
+                        )
+                    } else {
+                        format!(
+                            "duplicate route {} {}: matches the same requests as \
+                             routes[{first}] ({} {})",
+                            route.method,
+                            shorten(&route.path),
+                            other.method,
+                            shorten(&other.path)
+                        )
+                    };
+                    return Err(self.err(field, message));
+                }
+                Entry::Vacant(slot) => {
+                    slot.insert(i);
+                }
+            }
+            routes.push(route);
+        }
+
+        Ok(Policies {
+            origin: self.file,
+            plans,
+            by_name,
+            default_plan,
+            keys,
+            key_plans,
+            routes,
+        })
+    }
+
+    pub(super) fn plan(&self, name: &str, raw: RawPlan) -> Result<Plan, PolicyError> {
+        let name_ok = !name.is_empty()
+            && name.chars().count() <= MAX_PLAN_NAME
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'));
+        if !name_ok {
+            return Err(self.plan_err(
+                name,
+                "",
+                format!(
+                    "invalid plan name {}: use 1 to {MAX_PLAN_NAME} of A-Z a-z 0-9 _ . -",
+                    quote(name)
+                ),
+            ));
+        }
+        if raw.capacity == 0 {
+            return Err(self.plan_err(
+                name,
+                "capacity",
+                "must be a whole number of tokens ≥ 1, got 0",
+            ));
+        }
+        if raw.capacity > MAX_CAPACITY {
+            return Err(self.plan_err(
+                name,
+                "capacity",
+                format!(
+                    "must be at most {MAX_CAPACITY} tokens, got {}",
+                    raw.capacity
+                ),
+            ));
+        }
+        let capacity = Tokens::whole(raw.capacity);
+        let rate = match (raw.refill_per_second, &raw.refill) {
+            (Some(_), Some(_)) => {
+                return Err(self.plan_err(
+                    name,
+                    "",
+                    "give one of refill_per_second or refill, not both",
+                ));
+            }
+            (None, None) => {
+                return Err(self.plan_err(
+                    name,
+                    "",
+                    "missing refill rate: give refill_per_second or refill",
+                ));
+            }
+            (Some(per_second), None) => self.rate_per_second(name, per_second)?,
+            (None, Some(Obj(refill))) => {
+                if refill.tokens == 0 {
+                    return Err(self.plan_err(name, "refill.tokens", "must be ≥ 1, got 0"));
+                }
+                if refill.period_ms == 0 {
+                    return Err(self.plan_err(
+                        name,
+                        "refill.period_ms",
+                        "must be ≥ 1 millisecond, got 0",
+                    ));
+                }
+                // Rate counts nanotokens per second (its own unit, independent of the finer
+                // scale of Tokens): tokens × 10⁹ × 1000 ms/s fits in u128 (< 2⁶⁴ × 2⁴⁰).
+                let numerator = u128::from(refill.tokens) * NANOTOKENS_PER_TOKEN * 1000;
+                let period = u128::from(refill.period_ms);
+                let nanos = (numerator + period / 2) / period;
+                let noun = if refill.tokens == 1 {
+                    "token"
+                } else {
+                    "tokens"
+                };
+                let described = format!("{} {noun} per {} ms", refill.tokens, refill.period_ms);
+                if nanos == 0 {
+                    return Err(self.plan_err(
+                        name,
+                        "refill",
+                        format!(
+                            "rate rounds to zero: {described} is slower than the slowest \
+                             rate, 0.000000001 tokens per second"
+                        ),
+                    ));
+                }
+                u64::try_from(nanos)
+                    .ok()
+                    .and_then(Rate::from_nanos_per_second)
+                    .ok_or_else(|| {
+                        self.plan_err(
+                            name,
+                            "refill",
+                            format!(
+                                "rate too high: {described} is more than 1000000000 tokens \
+                                 per second"
+                            ),
+                        )
+                    })?
+            }
+        };
+        let bucket = BucketConfig::new(capacity, rate)
+            .ok_or_else(|| self.plan_err(name, "capacity", "must be ≥ 1"))?;
+        let mut plan = Plan::new(name, bucket);
+        if let Some(Obj(lease)) = raw.lease {
+            plan = plan.with_lease(self.lease(name, lease, raw.capacity)?);
+        }
+        if let Some(Obj(fallback)) = raw.fallback {
+            plan = plan.with_fallback(self.fallback(name, fallback, raw.capacity)?);
+        }
+        if raw.shadow == Some(true) {
+            plan = plan.with_shadow(true);
+        }
+        Ok(plan)
+    }
+
+    pub(super) fn rate_per_second(&self, name: &str, per_second: f64) -> Result<Rate, PolicyError> {
+        let field = "refill_per_second";
+        if per_second.is_nan() || per_second <= 0.0 {
+            return Err(self.plan_err(
+                name,
+                field,
+                format!(
+                    "must be a number of tokens per second > 0, got {}",
+                    number(per_second)
+                ),
+            ));
+        }
+        if per_second > 1e9 {
+            return Err(self.plan_err(
+                name,
+                field,
+                format!(
+                    "must be at most 1000000000 tokens per second, got {}",
+                    number(per_second)
+                ),
+            ));
+        }
+        Rate::from_f64(per_second).ok_or_else(|| {
+            self.plan_err(
+                name,
+                field,
+                format!(
+                    "rounds to zero: the slowest rate is 0.000000001 tokens per second, \
+                     got {}",
+                    number(per_second)
+                ),
+            )
+        })
+    }
+
+    /// The lease settings of plan `name` with `capacity` whole tokens, each within its
+    /// documented range (`docs/policy.md`).
+    pub(super) fn lease(
+        &self,
+        name: &str,
+        raw: RawLease,
+        capacity: u64,
+    ) -> Result<LeaseSettings, PolicyError> {
+        let defaults = LeaseSettings::default();
+        let fraction = |field: &str, value: Option<f64>, default: f64| match value {
+            None => Ok(default),
+            Some(x) if x > 0.0 && x <= 1.0 => Ok(x),
+            Some(x) => Err(self.plan_err(
+                name,
+                &format!("lease.{field}"),
+                format!("must be a fraction in (0, 1], got {}", number(x)),
+            )),
+        };
+        let ttl_ms = raw.ttl_ms.unwrap_or(defaults.ttl.as_millis() as u64);
+        if !TTL_MS.contains(&ttl_ms) {
+            return Err(self.plan_err(
+                name,
+                "lease.ttl_ms",
+                format!(
+                    "must be from {} to {} milliseconds (10 minutes), got {ttl_ms}",
+                    TTL_MS.start(),
+                    TTL_MS.end()
+                ),
+            ));
+        }
+        let ttl = Duration::from_millis(ttl_ms);
+        let max_fraction = fraction("max_fraction", raw.max_fraction, defaults.max_fraction)?;
+        // A lease smaller than one token cannot serve a request of one token.
+        let largest = max_fraction * capacity as f64;
+        if largest < 1.0 - 1e-9 {
+            let given = if raw.max_fraction.is_some() {
+                "max_fraction"
+            } else {
+                "the default max_fraction"
+            };
+            return Err(self.plan_err(
+                name,
+                "lease.max_fraction",
+                format!(
+                    "a lease must hold at least one token: {given} {} × capacity {capacity} is \
+                     {} tokens; use at least {}",
+                    number(max_fraction),
+                    number(largest),
+                    number(1.0 / capacity as f64)
+                ),
+            ));
+        }
+        let low_water = fraction("low_water", raw.low_water, defaults.low_water)?;
+        let refresh = match raw.refresh_ms {
+            None => defaults.refresh,
+            Some(0) => {
+                return Err(self.plan_err(
+                    name,
+                    "lease.refresh_ms",
+                    "must be ≥ 1 millisecond, got 0",
+                ));
+            }
+            Some(ms) => Duration::from_millis(ms),
+        };
+        if refresh > ttl {
+            return Err(self.plan_err(
+                name,
+                "lease.refresh_ms",
+                format!(
+                    "must not be longer than the lease ttl_ms ({} ms), got {} ms",
+                    ttl.as_millis(),
+                    refresh.as_millis()
+                ),
+            ));
+        }
+        let max_wait = raw
+            .max_wait_ms
+            .map_or(defaults.max_wait, Duration::from_millis);
+        if max_wait > Duration::from_millis(MAX_WAIT_MS) {
+            return Err(self.plan_err(
+                name,
+                "lease.max_wait_ms",
+                format!(
+                    "must be at most {MAX_WAIT_MS} milliseconds (1 minute), got {}",
+                    max_wait.as_millis()
+                ),
+            ));
+        }
+        if max_wait > ttl {
+            return Err(self.plan_err(
+                name,
+                "lease.max_wait_ms",
+                format!(
+                    "must not be longer than the lease ttl_ms ({} ms), got {} ms",
+                    ttl.as_millis(),
+                    max_wait.as_millis()
+                ),
+            ));
+        }
+        let accounting = match raw.accounting {
+            None => defaults.accounting,
+            Some(RawAccounting::Relaxed) => Accounting::Relaxed,
+            Some(RawAccounting::Strict) => Accounting::Strict,
+        };
+        Ok(LeaseSettings {
+            ttl,
+            max_fraction,
+            low_water,
+            refresh,
+            max_wait,
+            accounting,
+        })
+    }
+
+    /// The fallback of plan `name` with `capacity` whole tokens: `instances` from 1 to
+    /// [`MAX_INSTANCES`] and at most the capacity, so that each instance's local bucket holds
+    /// at least one token; `outage_debt` (default `true`) only for `allow` and `local`.
+    pub(super) fn fallback(
+        &self,
+        name: &str,
+        raw: RawFallback,
+        capacity: u64,
+    ) -> Result<FallbackSettings, PolicyError> {
+        let mode = match (raw.mode, raw.instances) {
+            (RawFallbackMode::Allow, None) => FallbackMode::Allow,
+            (RawFallbackMode::Deny, None) => FallbackMode::Deny,
+            (RawFallbackMode::Allow | RawFallbackMode::Deny, Some(_)) => {
+                return Err(self.plan_err(
+                    name,
+                    "fallback.instances",
+                    "only applies to mode \"local\"",
+                ));
+            }
+            (RawFallbackMode::Local, instances) => {
+                let n = instances.unwrap_or(1);
+                if n == 0 || n > MAX_INSTANCES {
+                    return Err(self.plan_err(
+                        name,
+                        "fallback.instances",
+                        format!("must be from 1 to {MAX_INSTANCES}, got {n}"),
+                    ));
+                }
+                if u64::from(n) > capacity {
+                    return Err(self.plan_err(
+                        name,
+                        "fallback.instances",
+                        format!(
+                            "must be at most the capacity ({capacity}), so that each \
+                             instance's local bucket holds a whole token, got {n}"
+                        ),
+                    ));
+                }
+                FallbackMode::Local {
+                    instances: NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN),
+                }
+            }
+        };
+        let outage_debt = match (mode, raw.outage_debt) {
+            (FallbackMode::Deny, Some(_)) => {
+                return Err(self.plan_err(
+                    name,
+                    "fallback.outage_debt",
+                    "only applies to modes \"allow\" and \"local\" (a \"deny\" fallback \
+                     admits nothing, so it owes nothing)",
+                ));
+            }
+            (_, on) => on.unwrap_or(true),
+        };
+        Ok(FallbackSettings::new(mode).with_outage_debt(outage_debt))
+    }
+}

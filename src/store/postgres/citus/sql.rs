@@ -1,0 +1,433 @@
+//! The Citus path's SQL: the plain store's statements rewritten for one shard's tables, the
+//! functions that run them on a worker (created and distributed by `distribute`), and the calls
+//! the store sends.
+
+use std::sync::LazyLock;
+
+use tokio_postgres::types::Type;
+
+use super::super::lean::{NOW_US, available, refilled_frac};
+
+/// `s` for `format()`: every `%` doubled.
+pub(super) fn for_format(s: &str) -> String {
+    s.replace('%', "%%")
+}
+
+/// The refill-and-take of many keys on one shard: the plain store's many-key statement
+/// (`lean.rs`'s `ACQUIRE_MANY`, the same text) on the shard's table `%1$s`, for `format()`. `$1`
+/// text[] keys (all of them in this shard), `$2`..`$6` bigint[] capacities, rates, mins, wants,
+/// steps.
+pub(super) static TAKE_SHARD: LazyLock<String> = LazyLock::new(|| {
+    for_format(&super::super::lean::ACQUIRE_MANY).replace("tokenlease_buckets", "%1$s")
+});
+
+/// Strict leases on one shard, as migration 0007's `tokenlease_acquire_held` (step 1: insert
+/// new keys full, lock existing ones, in key order). `$1` keys, `$2` capacities, `$3` rates,
+/// `$4` the clock in microseconds, `$5` positions.
+pub(super) const HELD_INSERT_SHARD: &str = "\
+INSERT INTO %1$s AS b (key, tokens, frac, capacity, refill_per_second, updated_us, refilled) \
+SELECT r.key, r.capacity, 0, r.capacity, r.rate, $4, r.capacity \
+FROM unnest($1::text[], $2::bigint[], $3::bigint[]) WITH ORDINALITY AS r(key, capacity, rate, n) \
+WHERE r.n = ANY ($5::integer[]) \
+ORDER BY r.key \
+ON CONFLICT (key) DO UPDATE SET tokens = b.tokens WHERE false";
+
+/// Step 2 of `tokenlease_acquire_held` on one shard: refill and take, joined by key, in
+/// tokens. `$1`..`$10` as the function's arguments, `$11` the clock in microseconds, `$12`
+/// positions.
+pub(super) static HELD_UPDATE_SHARD: LazyLock<String> = LazyLock::new(|| {
+    for_format(
+        "UPDATE @buckets@ AS b \
+    SET (tokens, frac, capacity, refill_per_second, updated_us, refilled, leases) = ( \
+            SELECT floor((a.available - g.granted) * 1000000000)::bigint, \
+                   (floor((a.available - g.granted) * 1000000000000000) % 1000000)::integer, \
+                   req.capacity, req.rate, greatest(b.updated_us, $11), \
+                   floor(a.available * 1000000000)::bigint, \
+                   CASE WHEN s.plain THEN b.leases \
+                        ELSE tokenlease_hold(b.leases, now(), req.holder, req.lease_id, \
+                                             req.kept / 1000000000.0 + g.granted, \
+                                             req.lifetime_us) \
+                   END \
+            FROM (SELECT req.holder IS NULL AND cardinality(b.leases) = 0 AS plain, \
+                         tokenlease_amount(b.tokens, b.frac) AS tokens, \
+                         req.capacity / 1000000000.0 AS capacity, \
+                         req.rate / 1000000000.0 AS rate, \
+                         timestamptz 'epoch' + b.updated_us * interval '1 microsecond' \
+                             AS updated_at) AS s \
+            CROSS JOIN LATERAL ( \
+                SELECT CASE WHEN s.plain \
+                            THEN tokenlease_refill(s.tokens, s.capacity, s.rate, s.updated_at, \
+                                                   now()) \
+                            WHEN req.holder IS NULL \
+                            THEN tokenlease_refill_held(s.tokens, s.capacity, s.rate, \
+                                                        s.updated_at, b.leases, now()) \
+                            ELSE tokenlease_available_held(s.tokens, s.capacity, s.rate, \
+                                                           s.updated_at, b.leases, now(), \
+                                                           req.holder, \
+                                                           req.kept / 1000000000.0) \
+                       END AS available \
+            ) AS a \
+            CROSS JOIN LATERAL ( \
+                SELECT tokenlease_grantable(a.available, req.min_take / 1000000000.0, \
+                                            req.want / 1000000000.0, \
+                                            req.step / 1000000000.0) AS granted \
+            ) AS g \
+        ) \
+    FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[], \
+                $7::bigint[], $8::bigint[], $9::bigint[], $10::bigint[]) WITH ORDINALITY \
+        AS req(key, capacity, rate, min_take, want, step, holder, lease_id, kept, lifetime_us, n) \
+    WHERE b.key = req.key AND req.n = ANY ($12::integer[]) \
+    RETURNING b.key, b.tokens::bigint, b.frac::integer, (b.refilled - b.tokens)::bigint, \
+              b.updated_us, $11::bigint",
+    )
+    .replace("@buckets@", "%1$s")
+});
+
+/// Returns on one shard, as the plain store's return statement (`lean.rs`), with the returns'
+/// shard `%2$s` keyed by `(key, id)`. `$1`..`$7` as that statement's, `$8` positions.
+pub(super) static GIVE_BACK_SHARD: LazyLock<String> = LazyLock::new(|| {
+    let avail = available("b", "r.capacity", "r.rate", "r.now_us");
+    let credited_raw = format!("({avail}) + r.amount");
+    let frac = refilled_frac("b", "r.capacity", "r.rate", "r.now_us");
+    let leases = "CASE WHEN r.holder IS NULL THEN tokenlease_hold(b.leases, now(), NULL, NULL, 0, 0) \
+                  ELSE tokenlease_release(b.leases, now(), r.holder, r.lease_id) END";
+    let held = format!(
+        "least(greatest(0, r.capacity / 1000000000.0 - tokenlease_outstanding({leases}, now())), \
+               tokenlease_refill_held(tokenlease_amount(b.tokens, b.frac), \
+                                      r.capacity / 1000000000.0, r.rate / 1000000000.0, \
+                                      timestamptz 'epoch' + b.updated_us * interval '1 microsecond', \
+                                      b.leases, now()) \
+               + CASE WHEN r.holder IS NULL THEN r.amount / 1000000000.0 \
+                      ELSE tokenlease_release_credit(b.leases, now(), r.holder, r.lease_id, \
+                                                     r.amount / 1000000000.0) END)"
+    );
+    for_format(&format!(
+        "WITH r AS ( \
+             SELECT q.id, q.key, q.amount, q.capacity, q.rate, q.holder, q.lease_id, \
+                    {NOW_US} AS now_us \
+             FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], \
+                         $6::bigint[], $7::bigint[]) WITH ORDINALITY \
+                 AS q(id, key, amount, capacity, rate, holder, lease_id, n) \
+             WHERE q.n = ANY ($8::integer[]) \
+             OFFSET 0), \
+         fresh AS ( \
+             INSERT INTO @returns@ AS t (id, key, amount) \
+             SELECT r.id, r.key, r.amount FROM r \
+             ORDER BY r.key, r.id \
+             ON CONFLICT (key, id) DO NOTHING \
+             RETURNING t.key, t.id), \
+         locked AS ( \
+             SELECT l.key FROM @buckets@ AS l \
+             WHERE l.key IN (SELECT r.key FROM r) \
+             ORDER BY l.key FOR UPDATE) \
+         UPDATE @buckets@ AS b \
+         SET tokens = CASE WHEN cardinality(b.leases) = 0 \
+                           THEN least(r.capacity, {credited_raw}) \
+                           ELSE floor({held} * 1000000000)::bigint END, \
+             frac = CASE WHEN cardinality(b.leases) = 0 \
+                         THEN CASE WHEN {credited_raw} >= r.capacity THEN 0 ELSE {frac} END \
+                         ELSE (floor({held} * 1000000000000000) % 1000000)::integer END, \
+             capacity = r.capacity, refill_per_second = r.rate, \
+             updated_us = greatest(b.updated_us, r.now_us), refilled = 0, \
+             leases = CASE WHEN cardinality(b.leases) = 0 THEN b.leases ELSE {leases} END \
+         FROM r \
+         WHERE b.key = r.key AND b.key IN (SELECT locked.key FROM locked) \
+           AND (r.key, r.id) IN (SELECT fresh.key, fresh.id FROM fresh) \
+         RETURNING b.key"
+    ))
+    .replace("@buckets@", "%1$s")
+    .replace("@returns@", "%2$s")
+});
+
+/// Idle cleanup on one shard: `sql/delete_idle.sql` on the shard's tables (`%1$s` buckets,
+/// `%2$s` returns). `$1` the limit.
+pub(super) static DELETE_IDLE_SHARD: LazyLock<String> = LazyLock::new(|| {
+    for_format(super::super::sql::DELETE_IDLE)
+        .replace("tokenlease_buckets", "%1$s")
+        .replace("tokenlease_returns", "%2$s")
+});
+
+/// `'text'` with `'` doubled, for the dollar-free SQL literals of the function bodies.
+pub(super) fn literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// The functions of the Citus path, in the order they are created; each is then made a
+/// distributed function on its first argument (except the helper, which runs where its caller
+/// runs).
+pub(super) fn functions() -> Vec<(&'static str, String)> {
+    let parts = "\
+CREATE OR REPLACE FUNCTION tokenlease_citus_parts(keys text[])
+RETURNS TABLE (shard bigint, buckets text, returns text, members integer[])
+LANGUAGE plpgsql STABLE
+AS $fn$
+DECLARE
+    g record;
+BEGIN
+    FOR g IN
+        SELECT s.shard, min(s.k) AS probe, array_agg(s.n::integer ORDER BY s.n) AS members
+        FROM (SELECT get_shard_id_for_distribution_column('tokenlease_buckets', u.k) AS shard,
+                     u.k, u.n
+              FROM unnest(keys) WITH ORDINALITY AS u(k, n)) AS s
+        GROUP BY s.shard
+        ORDER BY s.shard
+    LOOP
+        IF NOT EXISTS (SELECT FROM pg_dist_placement AS p
+                       WHERE p.shardid = g.shard
+                         AND p.groupid = (SELECT l.groupid FROM pg_dist_local_group AS l)) THEN
+            RAISE EXCEPTION 'tokenlease: shard % (key %) has no placement on this node', g.shard,
+                g.probe USING ERRCODE = 'object_not_in_prerequisite_state',
+                HINT = 'the shard map changed (a rebalance?): the store reads it again';
+        END IF;
+        shard := g.shard;
+        buckets := shard_name('tokenlease_buckets'::regclass, g.shard);
+        returns := shard_name('tokenlease_returns'::regclass,
+                              get_shard_id_for_distribution_column('tokenlease_returns', g.probe));
+        members := g.members;
+        RETURN NEXT;
+    END LOOP;
+END
+$fn$"
+        .to_string();
+    let take = format!(
+        "\
+CREATE OR REPLACE FUNCTION tokenlease_citus_take(
+    route text, keys text[], capacities bigint[], rates bigint[], mins bigint[], wants bigint[],
+    steps bigint[])
+RETURNS TABLE (key text, tokens tokenlease_nanotokens, frac tokenlease_femtotokens,
+               granted bigint, updated_us bigint, now_us bigint)
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    p record;
+    k text[];
+    c bigint[];
+    r bigint[];
+    lo bigint[];
+    hi bigint[];
+    st bigint[];
+BEGIN
+    FOR p IN SELECT * FROM tokenlease_citus_parts(keys) LOOP
+        -- This shard's keys and their takes.
+        IF cardinality(p.members) = cardinality(keys) THEN
+            k := keys; c := capacities; r := rates; lo := mins; hi := wants; st := steps;
+        ELSE
+            k := ARRAY(SELECT keys[i] FROM unnest(p.members) AS i);
+            c := ARRAY(SELECT capacities[i] FROM unnest(p.members) AS i);
+            r := ARRAY(SELECT rates[i] FROM unnest(p.members) AS i);
+            lo := ARRAY(SELECT mins[i] FROM unnest(p.members) AS i);
+            hi := ARRAY(SELECT wants[i] FROM unnest(p.members) AS i);
+            st := ARRAY(SELECT steps[i] FROM unnest(p.members) AS i);
+        END IF;
+        IF to_regprocedure(format('tokenlease_citus_take_%s(text[], bigint[], bigint[], '
+                                  'bigint[], bigint[], bigint[])', p.shard))
+           IS NOT NULL THEN
+            -- The shard's own function: its statement planned once per session.
+            RETURN QUERY EXECUTE format('SELECT * FROM tokenlease_citus_take_%s($1, $2, $3, '
+                                        '$4, $5, $6)', p.shard)
+                USING k, c, r, lo, hi, st;
+        ELSE
+            -- A shard newer than the last migrate (a split): planned on every call.
+            RETURN QUERY EXECUTE format({}, p.buckets) USING k, c, r, lo, hi, st;
+        END IF;
+    END LOOP;
+END
+$fn$",
+        literal(&TAKE_SHARD)
+    );
+    let held = format!(
+        "\
+CREATE OR REPLACE FUNCTION tokenlease_citus_take_held(
+    route text, keys text[], capacities bigint[], rates bigint[], mins bigint[], wants bigint[],
+    steps bigint[], holders bigint[], lease_ids bigint[], kept bigint[], lifetimes bigint[])
+RETURNS TABLE (key text, tokens bigint, frac integer, granted bigint, updated_us bigint,
+               now_us bigint)
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    p record;
+    at_us bigint := (extract(epoch FROM now()) * 1000000)::bigint;
+BEGIN
+    -- A strict lease a crash forgot would let its holder spend tokens the bucket no longer
+    -- counts: this transaction commits durably even on the store's asynchronous sessions.
+    IF current_setting('synchronous_commit') = 'off' THEN
+        PERFORM set_config('synchronous_commit', 'on', true);
+    END IF;
+    FOR p IN SELECT * FROM tokenlease_citus_parts(keys) LOOP
+        EXECUTE format({}, p.buckets) USING keys, capacities, rates, at_us, p.members;
+        RETURN QUERY EXECUTE format({}, p.buckets)
+            USING keys, capacities, rates, mins, wants, steps, holders, lease_ids, kept,
+                  lifetimes, at_us, p.members;
+    END LOOP;
+END
+$fn$",
+        literal(HELD_INSERT_SHARD),
+        literal(&HELD_UPDATE_SHARD)
+    );
+    let give_back = format!(
+        "\
+CREATE OR REPLACE FUNCTION tokenlease_citus_give_back(
+    route text, ids bigint[], keys text[], amounts bigint[], capacities bigint[], rates bigint[],
+    holders bigint[], lease_ids bigint[])
+RETURNS TABLE (key text)
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    p record;
+BEGIN
+    FOR p IN SELECT * FROM tokenlease_citus_parts(keys) LOOP
+        RETURN QUERY EXECUTE format({}, p.buckets, p.returns)
+            USING ids, keys, amounts, capacities, rates, holders, lease_ids, p.members;
+    END LOOP;
+END
+$fn$",
+        literal(&GIVE_BACK_SHARD)
+    );
+    let delete_idle = format!(
+        "\
+CREATE OR REPLACE FUNCTION tokenlease_citus_delete_idle(route text, max_rows bigint)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    s record;
+    deleted bigint := 0;
+    n bigint;
+BEGIN
+    FOR s IN
+        SELECT shard_name('tokenlease_buckets'::regclass, b.shardid) AS buckets,
+               shard_name('tokenlease_returns'::regclass, r.shardid) AS returns
+        FROM pg_dist_shard AS b
+        JOIN pg_dist_shard AS r ON r.logicalrelid = 'tokenlease_returns'::regclass
+                                AND r.shardminvalue = b.shardminvalue
+        JOIN pg_dist_placement AS p ON p.shardid = b.shardid
+        WHERE b.logicalrelid = 'tokenlease_buckets'::regclass
+          AND p.groupid = (SELECT l.groupid FROM pg_dist_local_group AS l)
+        ORDER BY b.shardid
+    LOOP
+        EXIT WHEN deleted >= max_rows;
+        EXECUTE format({}, s.buckets, s.returns) USING max_rows - deleted;
+        GET DIAGNOSTICS n = ROW_COUNT;
+        deleted := deleted + n;
+    END LOOP;
+    RETURN deleted;
+END
+$fn$",
+        literal(&DELETE_IDLE_SHARD)
+    );
+    vec![
+        ("tokenlease_citus_parts(text[])", parts),
+        (
+            "tokenlease_citus_take(text, text[], bigint[], bigint[], bigint[], bigint[], bigint[])",
+            take,
+        ),
+        (
+            "tokenlease_citus_take_held(text, text[], bigint[], bigint[], bigint[], bigint[], \
+             bigint[], bigint[], bigint[], bigint[], bigint[])",
+            held,
+        ),
+        (
+            "tokenlease_citus_give_back(text, bigint[], text[], bigint[], bigint[], bigint[], \
+             bigint[], bigint[])",
+            give_back,
+        ),
+        ("tokenlease_citus_delete_idle(text, bigint)", delete_idle),
+    ]
+}
+
+/// The take of one shard as a function of its own, `tokenlease_citus_take_<shardid>`: the same
+/// statement as [`TAKE_SHARD`] on that shard's table, but static, so each worker session plans
+/// it once (a generic plan) instead of on every call, which is most of what a routed call cost
+/// the worker when every call planned it. Created for every shard by [`distribute`](super::distribute::distribute), on every
+/// node (a worker calls only its own shards'); a shard made later (a split) has none until the
+/// next migrate, and is taken through `EXECUTE` meanwhile.
+pub(super) fn shard_take_function(shard: i64, table: &str) -> String {
+    let statement = TAKE_SHARD.replace("%1$s", table).replace("%%", "%");
+    format!(
+        "CREATE OR REPLACE FUNCTION tokenlease_citus_take_{shard}(
+    text[], bigint[], bigint[], bigint[], bigint[], bigint[])
+RETURNS TABLE (key text, tokens tokenlease_nanotokens, frac tokenlease_femtotokens,
+               granted bigint, updated_us bigint, now_us bigint)
+LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY {statement};
+END
+$fn$"
+    )
+}
+
+/// A fingerprint of the Citus step's SQL and the shards it made functions for: the functions
+/// are created again when it changes.
+pub(super) fn fingerprint(shards: &[(i64, String)]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    for (signature, body) in functions() {
+        hasher.update(signature.as_bytes());
+        hasher.update(body.as_bytes());
+    }
+    for (shard, table) in shards {
+        hasher.update(shard_take_function(*shard, table).as_bytes());
+    }
+    hasher
+        .finalize()
+        .iter()
+        .take(12)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The calls the store sends on Citus: each a distributed function whose first argument routes
+/// it to one worker.
+pub(in crate::store::postgres) const TAKE: &str = "\
+-- tokenlease: refill and take on one Citus worker (src/store/postgres/citus/sql.rs)
+SELECT key, tokens, frac, granted, updated_us, now_us
+FROM tokenlease_citus_take($1, $2, $3, $4, $5, $6, $7)";
+
+/// The types of [`TAKE`]'s parameters.
+pub(super) const TAKE_TYPES: [Type; 7] = [
+    Type::TEXT,
+    Type::TEXT_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+];
+
+/// Strict leases on one Citus worker (committed durably: `tokenlease_citus_take_held` sets
+/// `synchronous_commit` itself, as the plain store's strict take does).
+pub(super) const TAKE_HELD: &str = "\
+-- tokenlease: refill and take with strict leases on one Citus worker (src/store/postgres/citus/sql.rs)
+SELECT key, tokens, frac, granted, updated_us, now_us
+FROM tokenlease_citus_take_held($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+
+/// Returns on one Citus worker.
+pub(super) const GIVE_BACK: &str = "\
+-- tokenlease: return of unused lease tokens on one Citus worker (src/store/postgres/citus/sql.rs)
+SELECT key FROM tokenlease_citus_give_back($1, $2, $3, $4, $5, $6, $7, $8)";
+
+/// The types of [`GIVE_BACK`]'s parameters.
+pub(super) const GIVE_BACK_TYPES: [Type; 8] = [
+    Type::TEXT,
+    Type::INT8_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+];
+
+/// Idle cleanup on one Citus worker.
+pub(super) const DELETE_IDLE: &str = "\
+-- tokenlease: idle cleanup on one Citus worker (src/store/postgres/citus/sql.rs)
+SELECT tokenlease_citus_delete_idle($1, $2)";
+
+/// The statements a new session on a Citus coordinator prepares.
+pub(in crate::store::postgres) fn warm_statements() -> [(&'static str, &'static [Type]); 2] {
+    [(TAKE, &TAKE_TYPES), (GIVE_BACK, &GIVE_BACK_TYPES)]
+}

@@ -1,0 +1,72 @@
+//! Unit tests of the Citus path: the hash, the shard map, the version check.
+
+use super::super::migrate::MigrateError;
+use super::distribute::{check_version, parse_version};
+use super::sql::*;
+use super::*;
+
+/// Values from `SELECT worker_hash(k::text)` on PostgreSQL 15 with Citus 13.2.
+#[test]
+fn hashtext_matches_postgres() {
+    assert_eq!(hashtext(b"a"), 1_075_015_857);
+    assert_eq!(hashtext(b"tokenlease"), 404_391_352);
+    assert_eq!(hashtext(b""), -1_477_818_771);
+    assert_eq!(hashtext(b"abcdefghijklmnopqrstuvwxyz"), 167_831_483);
+}
+
+#[test]
+fn unsupported_versions_are_refused_by_name() {
+    assert!(check_version("13.2-1".into()).is_ok());
+    assert!(check_version("12.1-1".into()).is_ok());
+    for old in ["11.3-1", "10.2-4", "14.0-1", "garbage"] {
+        let err = check_version(old.into()).expect_err(old);
+        assert!(
+            matches!(err, MigrateError::UnsupportedCitus { .. }),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains(old), "{err}");
+    }
+}
+
+#[test]
+fn versions_parse() {
+    assert_eq!(parse_version("13.2-1"), Some((13, 2)));
+    assert_eq!(parse_version("12.1"), Some((12, 1)));
+    assert_eq!(parse_version("x"), None);
+}
+
+#[test]
+fn shard_statements_name_no_distributed_table() {
+    for sql in [
+        TAKE_SHARD.as_str(),
+        HELD_UPDATE_SHARD.as_str(),
+        GIVE_BACK_SHARD.as_str(),
+        DELETE_IDLE_SHARD.as_str(),
+        HELD_INSERT_SHARD,
+    ] {
+        assert!(!sql.contains("tokenlease_buckets"), "{sql}");
+        assert!(!sql.contains("tokenlease_returns "), "{sql}");
+        assert!(sql.contains("%1$s"), "{sql}");
+    }
+}
+
+#[test]
+fn a_map_finds_every_key_a_shard() {
+    let step = (1i64 << 32) / 4;
+    let shards: Vec<Shard> = (0..4)
+        .map(|i| Shard {
+            id: 100 + i,
+            min: (i64::from(i32::MIN) + i * step) as i32,
+            max: (i64::from(i32::MIN) + (i + 1) * step - 1) as i32,
+            node: usize::try_from(i % 2).unwrap(),
+        })
+        .collect();
+    let map = ShardMap::new(shards, vec!["a".into(), "b".into()]).expect("valid map");
+    for k in ["a", "b", "tokenlease", ""] {
+        let h = hashtext(k.as_bytes());
+        let s = map.shard_of(k);
+        assert!(s.min <= h && h <= s.max);
+    }
+    assert_eq!(map.node_of(map.probe(0)), 0);
+    assert_eq!(map.node_of(map.probe(1)), 1);
+}
