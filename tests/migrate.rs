@@ -639,7 +639,8 @@ async fn a_populated_table_migrates_under_load() {
         "the old version was taking"
     );
     let report = migrate(&mut admin).await.expect("migrate under load");
-    assert_eq!(report.applied.len(), 1, "{report:?}");
+    let versions: Vec<i64> = report.applied.iter().map(|m| m.version).collect();
+    assert_eq!(versions, [7, 8], "{report}");
     // The old version now fails at once: wait (bounded) until it has seen that.
     let seen = failed.load(Ordering::Relaxed);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -712,4 +713,110 @@ async fn a_populated_table_migrates_under_load() {
         .expect("take");
     assert!(got.granted.is_zero(), "the lease still counts: {got:?}");
     assert_eq!(got.remaining, Tokens::from_nanos(8_500_000_000));
+}
+
+/// Every `tokenlease_` function in `schema`: its signature, full definition and comment.
+async fn functions_in(client: &Client, schema: &str) -> Vec<(String, String, Option<String>)> {
+    client
+        .query(
+            "SELECT p.oid::regprocedure::text, pg_get_functiondef(p.oid), \
+                    obj_description(p.oid, 'pg_proc') \
+             FROM pg_proc AS p JOIN pg_namespace AS n ON n.oid = p.pronamespace \
+             WHERE n.nspname = $1 AND p.proname LIKE 'tokenlease%' \
+             ORDER BY 1",
+            &[&schema],
+        )
+        .await
+        .expect("functions")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
+/// The function files (`functions/`) define exactly what the migrations left: on a new schema,
+/// the migrations alone, then `migrate`, which applies every file (none is recorded yet), leave
+/// the same functions with the same definitions, settings and comments. So moving the current
+/// definitions out of the migrations changed no function.
+#[tokio::test]
+async fn the_function_files_define_what_the_migrations_left() {
+    let db = TestDatabase::create().await.expect("create");
+    // A database of its own, empty (not from the migrated template): a second schema would
+    // find migration 0003's type in the first one.
+    let name = format!("{}_fn_files", db.name());
+    let admin = db.client().await.expect("connect");
+    admin
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .expect("create the empty database");
+    let mut config: tokio_postgres::Config = db.connection_string().parse().expect("config");
+    config.dbname(&name);
+    let (mut client, connection) = config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    let driver = tokio::spawn(connection);
+    migrate_with(&mut client, MIGRATIONS)
+        .await
+        .expect("the migrations alone");
+    let by_migrations = functions_in(&client, "public").await;
+    assert!(
+        by_migrations.len() >= 10,
+        "the migrations' functions: {by_migrations:?}"
+    );
+    let report = migrate(&mut client).await.expect("migrate");
+    assert_eq!(
+        report.functions_applied,
+        ["bucket", "held_leases", "acquire_held"]
+    );
+    assert!(!report.is_noop());
+    let by_files = functions_in(&client, "public").await;
+    assert_eq!(by_files, by_migrations);
+    drop(client);
+    let _ = driver.await;
+    admin
+        .batch_execute(&format!("DROP DATABASE {name}"))
+        .await
+        .expect("drop the database");
+}
+
+/// Whether `tokenlease_amount(1, 500000)` equals `expected` (numeric, compared by the server).
+async fn amount_is(client: &Client, expected: &str) -> bool {
+    let sql = format!("SELECT tokenlease_amount(1, 500000) = {expected}");
+    client.query_one(&sql, &[]).await.expect("amount").get(0)
+}
+
+/// A function file whose checksum the database does not have is applied again: a function
+/// edited by hand, with its file's recorded checksum changed, is restored by the next
+/// `migrate`, which names the file; the one after applies nothing.
+#[tokio::test]
+async fn a_function_file_with_another_checksum_is_applied_again() {
+    let db = TestDatabase::create().await.expect("create");
+    let mut client = db.client().await.expect("connect");
+    let report = migrate(&mut client).await.expect("migrate");
+    assert!(report.functions_applied.is_empty(), "{report}");
+    client
+        .batch_execute(
+            "CREATE OR REPLACE FUNCTION tokenlease_amount(nanotokens bigint, femtotokens integer) \
+             RETURNS numeric LANGUAGE sql IMMUTABLE RETURN 0; \
+             UPDATE tokenlease_functions SET checksum = 'edited' WHERE file = 'bucket'",
+        )
+        .await
+        .expect("edit");
+    assert!(amount_is(&client, "0").await, "edited by hand");
+    let report = migrate(&mut client).await.expect("migrate");
+    assert_eq!(report.functions_applied, ["bucket"]);
+    assert!(
+        report
+            .to_string()
+            .contains("function file(s) applied: bucket")
+    );
+    assert!(
+        amount_is(&client, "0.0000000015").await,
+        "restored: 1 nanotoken and 500,000 femtotokens"
+    );
+    let again = migrate(&mut client).await.expect("migrate");
+    assert!(
+        again.functions_applied.is_empty() && again.is_noop(),
+        "{again}"
+    );
 }

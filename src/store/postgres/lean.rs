@@ -59,12 +59,12 @@ fn frac_from(capped: &str) -> String {
 
 /// The refilled whole nanotokens, capped at the capacity, written out in one expression (for
 /// the returns, which are rare; the takes use [`refill_and_take`]).
-pub(super) fn available(row: &str, capacity: &str, rate: &str, now: &str) -> String {
+fn available(row: &str, capacity: &str, rate: &str, now: &str) -> String {
     available_from(row, &capped_femtotokens(row, capacity, rate, now))
 }
 
 /// The femtotokens left over by the refill, written out in one expression.
-pub(super) fn refilled_frac(row: &str, capacity: &str, rate: &str, now: &str) -> String {
+fn refilled_frac(row: &str, capacity: &str, rate: &str, now: &str) -> String {
     frac_from(&capped_femtotokens(row, capacity, rate, now))
 }
 
@@ -211,6 +211,39 @@ pub(super) static ACQUIRE_MANY: LazyLock<String> = LazyLock::new(|| {
 /// (nanotokens), `$6` bigint[] holders (NULL: a relaxed lease), `$7` bigint[] lease ids.
 /// Returns the credited keys.
 pub(super) static GIVE_BACK: LazyLock<String> = LazyLock::new(|| {
+    let credit = credit_set();
+    format!(
+        "-- tokenlease: return of unused lease tokens (src/store/postgres/lean.rs)\n\
+         WITH fresh AS ( \
+             INSERT INTO tokenlease_returns AS t (id, key, amount) \
+             SELECT f.id, f.key, f.amount \
+             FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, key, amount) \
+             ORDER BY f.id \
+             ON CONFLICT (id) DO NOTHING \
+             RETURNING t.id), \
+         locked AS ( \
+             SELECT l.key FROM tokenlease_buckets AS l \
+             WHERE l.key = ANY ($2::text[]) \
+             ORDER BY l.key FOR UPDATE) \
+         UPDATE tokenlease_buckets AS b \
+         SET {credit} \
+         FROM (SELECT r.*, {NOW_US} AS now_us \
+               FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], \
+                           $6::bigint[], $7::bigint[]) \
+                   AS r(id, key, amount, capacity, rate, holder, lease_id) \
+               OFFSET 0) AS r \
+         WHERE b.key = r.key AND b.key IN (SELECT locked.key FROM locked) \
+           AND r.id IN (SELECT fresh.id FROM fresh) \
+         RETURNING b.key"
+    )
+});
+
+/// The `SET` list of a return on row `b` from request `r` (`r.amount`, `r.capacity`, `r.rate`,
+/// `r.now_us`, `r.holder`, `r.lease_id`): the refill and the credit, capped at the capacity,
+/// for a row without strict leases; migration 0003's functions (in tokens) for a row with them,
+/// less the tokens still out on its live leases, a strict return settling its lease. One
+/// definition for the plain store's statement and the Citus shards'.
+pub(super) fn credit_set() -> String {
     let avail = available("b", "r.capacity", "r.rate", "r.now_us");
     let credited_raw = format!("({avail}) + r.amount");
     let frac = refilled_frac("b", "r.capacity", "r.rate", "r.now_us");
@@ -229,38 +262,17 @@ pub(super) static GIVE_BACK: LazyLock<String> = LazyLock::new(|| {
                                                      r.amount / 1000000000.0) END)"
     );
     format!(
-        "-- tokenlease: return of unused lease tokens (src/store/postgres/lean.rs)\n\
-         WITH fresh AS ( \
-             INSERT INTO tokenlease_returns AS t (id, key, amount) \
-             SELECT f.id, f.key, f.amount \
-             FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, key, amount) \
-             ORDER BY f.id \
-             ON CONFLICT (id) DO NOTHING \
-             RETURNING t.id), \
-         locked AS ( \
-             SELECT l.key FROM tokenlease_buckets AS l \
-             WHERE l.key = ANY ($2::text[]) \
-             ORDER BY l.key FOR UPDATE) \
-         UPDATE tokenlease_buckets AS b \
-         SET tokens = CASE WHEN cardinality(b.leases) = 0 \
-                           THEN least(r.capacity, {credited_raw}) \
-                           ELSE floor({held} * 1000000000)::bigint END, \
-             frac = CASE WHEN cardinality(b.leases) = 0 \
-                         THEN CASE WHEN {credited_raw} >= r.capacity THEN 0 ELSE {frac} END \
-                         ELSE (floor({held} * 1000000000000000) % 1000000)::integer END, \
-             capacity = r.capacity, refill_per_second = r.rate, \
-             updated_us = greatest(b.updated_us, r.now_us), refilled = 0, \
-             leases = CASE WHEN cardinality(b.leases) = 0 THEN b.leases ELSE {leases} END \
-         FROM (SELECT r.*, {NOW_US} AS now_us \
-               FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], \
-                           $6::bigint[], $7::bigint[]) \
-                   AS r(id, key, amount, capacity, rate, holder, lease_id) \
-               OFFSET 0) AS r \
-         WHERE b.key = r.key AND b.key IN (SELECT locked.key FROM locked) \
-           AND r.id IN (SELECT fresh.id FROM fresh) \
-         RETURNING b.key"
+        "tokens = CASE WHEN cardinality(b.leases) = 0 \
+                       THEN least(r.capacity, {credited_raw}) \
+                       ELSE floor({held} * 1000000000)::bigint END, \
+         frac = CASE WHEN cardinality(b.leases) = 0 \
+                     THEN CASE WHEN {credited_raw} >= r.capacity THEN 0 ELSE {frac} END \
+                     ELSE (floor({held} * 1000000000000000) % 1000000)::integer END, \
+         capacity = r.capacity, refill_per_second = r.rate, \
+         updated_us = greatest(b.updated_us, r.now_us), refilled = 0, \
+         leases = CASE WHEN cardinality(b.leases) = 0 THEN b.leases ELSE {leases} END"
     )
-});
+}
 
 /// The first item of a statement's `FROM` that makes its transaction commit durably: it sets
 /// `synchronous_commit` to `on` for the rest of the transaction (`set_config(..., true)`), its

@@ -20,6 +20,10 @@
 //!
 //! Add `migrations/<next version, 4 digits>_<description>.sql`, open it with a comment saying
 //! why, and add it to [`MIGRATIONS`] (a unit test checks that the list and the directory agree).
+//! A migration changes the schema only (tables, types, domains, constraints, and the `DROP` of a
+//! function no longer used): the store's SQL functions are defined in the files of `functions/`,
+//! which [`migrate`] applies after the migrations whenever a file's checksum differs from the
+//! one the database recorded (`functions.rs`). A new version of a function is an edit of its file.
 //! The whole file runs as one transaction, so statements that refuse to run inside a transaction
 //! (`CREATE INDEX CONCURRENTLY`, `ALTER TYPE … ADD VALUE` on older servers) cannot be used.
 //! Never edit a file that has been released: add a new one.
@@ -51,16 +55,21 @@ impl Migration {
     /// SHA-256 of the SQL, lower-case hex. Line endings are normalised to `\n` first, so a
     /// checkout that converted them (Git on Windows) does not count as an edit.
     pub fn checksum(&self) -> String {
-        let normalised = self.sql.replace("\r\n", "\n");
-        Sha256::digest(normalised.as_bytes()).iter().fold(
-            String::with_capacity(64),
-            |mut hex, byte| {
-                use fmt::Write;
-                let _ = write!(hex, "{byte:02x}");
-                hex
-            },
-        )
+        sha256_hex(self.sql)
     }
+}
+
+/// SHA-256 of `sql`, lower-case hex. Line endings are normalised to `\n` first, so a checkout
+/// that converted them (Git on Windows) does not count as an edit.
+pub(super) fn sha256_hex(sql: &str) -> String {
+    let normalised = sql.replace("\r\n", "\n");
+    Sha256::digest(normalised.as_bytes())
+        .iter()
+        .fold(String::with_capacity(64), |mut hex, byte| {
+            use fmt::Write;
+            let _ = write!(hex, "{byte:02x}");
+            hex
+        })
 }
 
 impl fmt::Display for Migration {
@@ -106,6 +115,11 @@ pub const MIGRATIONS: &[Migration] = &[
         description: "lean_buckets",
         sql: include_str!("../../../migrations/0007_lean_buckets.sql"),
     },
+    Migration {
+        version: 8,
+        description: "functions_table",
+        sql: include_str!("../../../migrations/0008_functions_table.sql"),
+    },
 ];
 
 /// What [`migrate`] found and did.
@@ -123,12 +137,15 @@ pub struct MigrationReport {
     /// The Citus version, when the database is a Citus coordinator: the tables are then
     /// distributed by key and the Citus functions are in place. `None` on plain PostgreSQL.
     pub citus: Option<String>,
+    /// The function files (`functions/<name>.sql`) this call applied because the database had
+    /// another checksum recorded for them, or none.
+    pub functions_applied: Vec<&'static str>,
 }
 
 impl MigrationReport {
     /// Whether this call changed nothing.
     pub fn is_noop(&self) -> bool {
-        self.applied.is_empty()
+        self.applied.is_empty() && self.functions_applied.is_empty()
     }
 }
 
@@ -148,6 +165,13 @@ impl fmt::Display for MigrationReport {
                 self.applied.len(),
                 names.join(", "),
                 self.already_present.len()
+            )?;
+        }
+        if !self.functions_applied.is_empty() {
+            write!(
+                f,
+                "; function file(s) applied: {}",
+                self.functions_applied.join(", ")
             )?;
         }
         if let Some(citus) = &self.citus {
@@ -211,6 +235,18 @@ pub enum MigrateError {
         #[source]
         error: tokio_postgres::Error,
     },
+    /// A function file's SQL failed; its transaction was rolled back, and the functions are as
+    /// they were.
+    #[error("function file {file} failed and was rolled back: {detail}")]
+    Function {
+        /// The file's name (`functions/<file>.sql`).
+        file: &'static str,
+        /// The server's error, with SQLSTATE.
+        detail: String,
+        /// The underlying error; also the error's [`source`](std::error::Error::source).
+        #[source]
+        error: tokio_postgres::Error,
+    },
     /// The migration list itself is malformed (versions not strictly increasing, or ≤ 0).
     #[error("invalid migration list: {0}")]
     InvalidList(String),
@@ -232,7 +268,9 @@ impl MigrateError {
     /// The underlying PostgreSQL error, when there is one.
     pub fn db_error(&self) -> Option<&tokio_postgres::Error> {
         match self {
-            MigrateError::Apply { error, .. } | MigrateError::Database { error, .. } => Some(error),
+            MigrateError::Apply { error, .. }
+            | MigrateError::Database { error, .. }
+            | MigrateError::Function { error, .. } => Some(error),
             _ => None,
         }
     }
@@ -248,7 +286,7 @@ impl MigrateError {
     }
 }
 
-fn describe(error: &tokio_postgres::Error) -> String {
+pub(super) fn describe(error: &tokio_postgres::Error) -> String {
     match (error.as_db_error(), std::error::Error::source(error)) {
         (Some(db), _) => format!("{db} (SQLSTATE {})", db.code().code()),
         (None, Some(source)) => format!("{error}: {source}"),
@@ -280,7 +318,8 @@ const RECORD: &str =
     "INSERT INTO tokenlease_migrations (version, description, checksum) VALUES ($1, $2, $3)";
 
 /// Applies the pending migrations of this version of the library (the SQL files in
-/// `migrations/`, embedded at compile time) on `client`'s database.
+/// `migrations/`, embedded at compile time) on `client`'s database, then the function files
+/// (`functions/`) whose checksum the database does not have recorded.
 ///
 /// [`PostgresStoreBuilder::build`](crate::store::PostgresStoreBuilder::build) calls it unless
 /// told not to; call it yourself to migrate from a deploy step instead.
@@ -307,6 +346,7 @@ const RECORD: &str =
 /// `Transaction` guard is rolling back; use a fresh connection after cancelling.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<MigrationReport, MigrateError> {
     let mut report = migrate_with(client, MIGRATIONS).await?;
+    report.functions_applied = super::functions::apply(client, super::functions::FUNCTIONS).await?;
     // On a Citus coordinator: distribute the tables and create the routed functions
     // (src/store/postgres/citus/). On plain PostgreSQL: one read of pg_extension.
     report.citus = super::citus::distribute(client).await?;

@@ -23,6 +23,7 @@ use super::{AcquireRequest, Acquired, BucketRow, GiveBack, Store, StoreError, Ti
 mod builder;
 mod call;
 mod citus;
+mod functions;
 mod lean;
 mod manager;
 pub(crate) mod migrate;

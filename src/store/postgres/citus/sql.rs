@@ -6,7 +6,7 @@ use std::sync::LazyLock;
 
 use tokio_postgres::types::Type;
 
-use super::super::lean::{NOW_US, available, refilled_frac};
+use super::super::lean::{NOW_US, credit_set};
 
 /// `s` for `format()`: every `%` doubled.
 pub(super) fn for_format(s: &str) -> String {
@@ -86,21 +86,7 @@ pub(super) static HELD_UPDATE_SHARD: LazyLock<String> = LazyLock::new(|| {
 /// Returns on one shard, as the plain store's return statement (`lean.rs`), with the returns'
 /// shard `%2$s` keyed by `(key, id)`. `$1`..`$7` as that statement's, `$8` positions.
 pub(super) static GIVE_BACK_SHARD: LazyLock<String> = LazyLock::new(|| {
-    let avail = available("b", "r.capacity", "r.rate", "r.now_us");
-    let credited_raw = format!("({avail}) + r.amount");
-    let frac = refilled_frac("b", "r.capacity", "r.rate", "r.now_us");
-    let leases = "CASE WHEN r.holder IS NULL THEN tokenlease_hold(b.leases, now(), NULL, NULL, 0, 0) \
-                  ELSE tokenlease_release(b.leases, now(), r.holder, r.lease_id) END";
-    let held = format!(
-        "least(greatest(0, r.capacity / 1000000000.0 - tokenlease_outstanding({leases}, now())), \
-               tokenlease_refill_held(tokenlease_amount(b.tokens, b.frac), \
-                                      r.capacity / 1000000000.0, r.rate / 1000000000.0, \
-                                      timestamptz 'epoch' + b.updated_us * interval '1 microsecond', \
-                                      b.leases, now()) \
-               + CASE WHEN r.holder IS NULL THEN r.amount / 1000000000.0 \
-                      ELSE tokenlease_release_credit(b.leases, now(), r.holder, r.lease_id, \
-                                                     r.amount / 1000000000.0) END)"
-    );
+    let credit = credit_set();
     for_format(&format!(
         "WITH r AS ( \
              SELECT q.id, q.key, q.amount, q.capacity, q.rate, q.holder, q.lease_id, \
@@ -121,15 +107,7 @@ pub(super) static GIVE_BACK_SHARD: LazyLock<String> = LazyLock::new(|| {
              WHERE l.key IN (SELECT r.key FROM r) \
              ORDER BY l.key FOR UPDATE) \
          UPDATE @buckets@ AS b \
-         SET tokens = CASE WHEN cardinality(b.leases) = 0 \
-                           THEN least(r.capacity, {credited_raw}) \
-                           ELSE floor({held} * 1000000000)::bigint END, \
-             frac = CASE WHEN cardinality(b.leases) = 0 \
-                         THEN CASE WHEN {credited_raw} >= r.capacity THEN 0 ELSE {frac} END \
-                         ELSE (floor({held} * 1000000000000000) % 1000000)::integer END, \
-             capacity = r.capacity, refill_per_second = r.rate, \
-             updated_us = greatest(b.updated_us, r.now_us), refilled = 0, \
-             leases = CASE WHEN cardinality(b.leases) = 0 THEN b.leases ELSE {leases} END \
+         SET {credit} \
          FROM r \
          WHERE b.key = r.key AND b.key IN (SELECT locked.key FROM locked) \
            AND (r.key, r.id) IN (SELECT fresh.key, fresh.id FROM fresh) \
