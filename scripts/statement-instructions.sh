@@ -6,6 +6,9 @@
 #
 #   bash scripts/statement-instructions.sh A.sql B.sql ...   # `-`: the store's one-key take
 #   N=500 KEYS=10000 TOKENLEASE=/path/to/tokenlease bash scripts/statement-instructions.sh ...
+#   bash scripts/statement-instructions.sh - scripts/statements/peer-upsert.sql   # beside the peer's
+#   CALLGRIND_OUT=dir bash scripts/statement-instructions.sh ...   # keep each candidate's profile
+#       (dir/<n>.callgrind, the run of 100 + N executions), for `callgrind_annotate --inclusive=yes`
 #
 # A candidate is one SQL statement with the one-key take's parameters ($1 text key, $2
 # capacity, $3 rate, $4 min, $5 want, $6 step, bigint nanotokens; `tokenlease loadtest
@@ -53,7 +56,9 @@ psql "$url" -X -q -v ON_ERROR_STOP=1 -c "
 INSERT INTO tokenlease_buckets (key, tokens, frac, capacity, refill_per_second, updated_us, refilled)
 SELECT 'pgbench:' || i, 100000000000, 0, 100000000000, 50000000000,
        (extract(epoch FROM now()) * 1000000)::bigint, 100000000000
-FROM generate_series(1, $KEYS) AS i" >/dev/null
+FROM generate_series(1, $KEYS) AS i;
+CREATE TABLE rlf (key varchar(255) PRIMARY KEY, points integer NOT NULL DEFAULT 0, expire bigint);
+INSERT INTO rlf SELECT 'pgbench:' || i, 1, 9999999999999 FROM generate_series(1, $KEYS) AS i" >/dev/null
 as_server "$pg_bin/pg_ctl" -D "$tmp/pristine" -w stop >/dev/null
 
 # The input of one run: the statement prepared, then COUNT executions on random keys.
@@ -74,10 +79,10 @@ PY
     } >"$3"
 }
 # The instructions of one run from a fresh copy of the cluster.
-instructions() { # INPUT
+instructions() { # INPUT [PROFILE]
     rm -rf "$tmp/data"
     cp -a "$tmp/pristine" "$tmp/data"
-    as_server valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+    as_server valgrind --tool=callgrind --callgrind-out-file="${2:-/dev/null}" \
         "$pg_bin/postgres" --single -j -D "$tmp/data" -c fsync=off postgres \
         <"$1" >"$tmp/out" 2>"$tmp/err"
     if grep -q 'ERROR' "$tmp/out" "$tmp/err"; then
@@ -99,6 +104,14 @@ for file in "$@"; do
     input "$file" 100 "$tmp/base.in"
     input "$file" $((100 + N)) "$tmp/run.in"
     base="$(instructions "$tmp/base.in")"
-    run="$(instructions "$tmp/run.in")"
+    if [[ -n "${CALLGRIND_OUT:-}" ]]; then
+        mkdir -p "$CALLGRIND_OUT"
+        chmod 777 "$CALLGRIND_OUT"
+        n=$((${n:-0} + 1))
+        run="$(instructions "$tmp/run.in" "$(realpath "$CALLGRIND_OUT")/$n.callgrind")"
+        echo "profile of $name: $CALLGRIND_OUT/$n.callgrind" >&2
+    else
+        run="$(instructions "$tmp/run.in")"
+    fi
     echo "| $name | $(((run - base) / N)) |"
 done
