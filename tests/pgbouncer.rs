@@ -101,7 +101,8 @@ impl PgBouncer {
         let config = format!(
             "[databases]\n\
              postgres = host=127.0.0.1 port={pg_port} dbname=postgres user=postgres \
-             connect_query='SET statement_timeout = 100; SET lock_timeout = 100'\n\
+             connect_query='SET statement_timeout = 100; SET lock_timeout = 100; \
+                            SET synchronous_commit = off'\n\
              [pgbouncer]\n\
              listen_addr = 127.0.0.1\n\
              listen_port = {port}\n\
@@ -333,6 +334,18 @@ async fn two_instances_through_pgbouncer_hold_the_envelope() {
         statement_timeout, "100ms",
         "connect_query sets statement_timeout"
     );
+    let shown = via
+        .simple_query("SHOW synchronous_commit")
+        .await
+        .expect("SHOW synchronous_commit through PgBouncer");
+    let commit = shown
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+            _ => None,
+        })
+        .unwrap_or_default();
+    assert_eq!(commit, "off", "connect_query sets synchronous_commit");
 
     let plan = Arc::new(common::plan(100, R));
     let seen = Arc::new(Mutex::new(Vec::new()));
