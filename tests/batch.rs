@@ -366,9 +366,11 @@ async fn a_full_queue_sends_callers_to_the_fallback_at_once() {
 /// cancelled and its connection closed. A busy machine can hold a statement's reply past the
 /// grace now and then; on a link that answers in 30 ms most must be kept, and every connection
 /// opened must replace one that was closed. (The counts are the process's: nextest runs each
-/// test in a process of its own.)
+/// test in a process of its own; under `cargo test` the serial lock keeps out the tests of the
+/// binary that read the same recorder.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_link_keeps_its_connections() {
+    let _serial = common::serial().await;
     let rig = Rig::start().await;
     let pool = 2;
     let store = rig.store(pool, Duration::from_millis(50)).await;
@@ -473,15 +475,7 @@ impl Cancels {
     /// Adds what was counted since the last snapshot (a snapshot returns counters since the
     /// previous one).
     fn add(&mut self) {
-        static SNAPSHOTTER: std::sync::OnceLock<metrics_util::debugging::Snapshotter> =
-            std::sync::OnceLock::new();
-        let snapshotter = SNAPSHOTTER.get_or_init(|| {
-            let recorder = metrics_util::debugging::DebuggingRecorder::new();
-            let snapshotter = recorder.snapshotter();
-            recorder.install().expect("install the metrics recorder");
-            snapshotter
-        });
-        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        for (key, _, _, value) in common::metrics().snapshot().into_vec() {
             let metrics_util::debugging::DebugValue::Counter(n) = value else {
                 continue;
             };

@@ -27,9 +27,6 @@ use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::CircuitBreaker;
 use tokenlease::{DecidedBy, Limiter};
 
-/// One test at a time within this binary, whatever the harness does.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 const KEY: &str = "debt:hot";
 
 /// D10's bucket: capacity 300, 100 tokens a second, so that the 3 s outage refills it exactly
@@ -166,14 +163,14 @@ mod d10_outage_debt {
     /// D10 with outage debt on (the default): the fleet stays within the bound.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn on() {
-        let _serial = SERIAL.lock().await;
+        let _serial = common::serial().await;
         d10(true).await;
     }
 
     /// D10 with outage debt off: the same scenario exceeds the same bound.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn off() {
-        let _serial = SERIAL.lock().await;
+        let _serial = common::serial().await;
         d10(false).await;
     }
 }
@@ -297,7 +294,7 @@ async fn d10(debt: bool) {
 /// direct-mode instance, a bucket of 1,000 refilling at 1 a second, a call every 10 ms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn d11_allow_debt_is_charged_after_recovery() {
-    let _serial = SERIAL.lock().await;
+    let _serial = common::serial().await;
     let pg = start_cluster().await;
     let limiter = instance(&pg, true).await;
     let plan = Arc::new(

@@ -15,12 +15,11 @@ mod common;
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
-use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use metrics_util::debugging::DebugValue;
 use parking_lot::Mutex;
 use tokenlease::bucket::Timestamp;
 use tokenlease::clock::{Clock, SystemClock, timestamp_from_system_time};
@@ -48,20 +47,6 @@ const KEY: &str = "faults:hot";
 /// 50 ms); plus scheduling slack.
 const DIRECT_WAIT: Duration = Duration::from_millis(120);
 
-/// One test at a time within this binary, whatever the harness does.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// The process's metrics recorder; snapshots return counters since the previous snapshot.
-fn metrics() -> &'static Snapshotter {
-    static SNAPSHOTTER: OnceLock<Snapshotter> = OnceLock::new();
-    SNAPSHOTTER.get_or_init(|| {
-        let recorder = DebuggingRecorder::new();
-        let snapshotter = recorder.snapshotter();
-        recorder.install().expect("install the metrics recorder");
-        snapshotter
-    })
-}
-
 /// A metric as read from a snapshot: name, labels, value.
 type Metric = (String, Vec<(String, String)>, DebugValue);
 
@@ -83,7 +68,7 @@ fn counter_delta(snapshot: &[Metric], name: &str, labels: &[(&str, &str)]) -> u6
 }
 
 fn snapshot() -> Vec<Metric> {
-    metrics()
+    common::metrics()
         .snapshot()
         .into_vec()
         .into_iter()
@@ -554,19 +539,19 @@ macro_rules! per_mode {
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn deny() {
-                let _serial = SERIAL.lock().await;
+                let _serial = common::serial().await;
                 $body(Mode::Deny).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn allow() {
-                let _serial = SERIAL.lock().await;
+                let _serial = common::serial().await;
                 $body(Mode::Allow).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn local() {
-                let _serial = SERIAL.lock().await;
+                let _serial = common::serial().await;
                 $body(Mode::Local).await;
             }
         }
@@ -2083,7 +2068,7 @@ async fn running_limiter_statements(admin: &tokio_postgres::Client) -> i64 {
 /// `statement_timeout` and `lock_timeout` are a minute, so only the store can stop it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timed_out_statement_is_cancelled_and_the_next_call_is_not_queued_behind_it() {
-    let _serial = SERIAL.lock().await;
+    let _serial = common::serial().await;
     let db = common::database().await;
     let call_timeout = Duration::from_millis(1_000);
     let store = PostgresStore::builder(&db.connection_string())
@@ -2186,7 +2171,7 @@ async fn timed_out_statement_is_cancelled_and_the_next_call_is_not_queued_behind
 /// (`tokenlease_store_connection_errors_total`), not dropped, and the next call still works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_lost_in_the_background_is_counted() {
-    let _serial = SERIAL.lock().await;
+    let _serial = common::serial().await;
     let db = common::database().await;
     let store = common::store(&db, 1).await;
     let bucket = common::bucket(10, 1.0);

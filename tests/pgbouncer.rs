@@ -42,9 +42,6 @@ const R: f64 = 50.0;
 const SLACK: f64 = 0.02;
 const WINDOWS: [f64; 5] = [0.1, 0.5, 1.0, 2.0, 5.0];
 
-/// One test at a time: both start servers and measure.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 /// Where `pgbouncer` is: on `PATH`, or Debian's `/usr/sbin` (not on a normal user's `PATH`).
 fn pgbouncer_binary() -> PathBuf {
     let on_path = std::env::var_os("PATH")
@@ -267,7 +264,7 @@ fn start_servers() -> (TempPostgres, PgBouncer) {
 /// every take is granted, and each row then holds 960 tokens (its refill aside).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_preparing_store_falls_back_to_unnamed_statements_behind_pgbouncer() {
-    let _serial = SERIAL.lock().await;
+    let _serial = common::serial().await;
     let (pg, bouncer) = tokio::task::spawn_blocking(start_servers)
         .await
         .expect("join");
@@ -310,7 +307,7 @@ async fn a_preparing_store_falls_back_to_unnamed_statements_behind_pgbouncer() {
 /// D8: C1 for 3 s through PgBouncer in transaction pooling.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_through_pgbouncer_hold_the_envelope() {
-    let _serial = SERIAL.lock().await;
+    let _serial = common::serial().await;
     let (pg, bouncer) = tokio::task::spawn_blocking(start_servers)
         .await
         .expect("join");
@@ -434,7 +431,7 @@ async fn two_instances_through_pgbouncer_hold_the_envelope() {
 /// statement is prepared on one server connection and executed on another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn named_prepared_statements_break_through_pgbouncer() {
-    let _serial = SERIAL.lock().await;
+    let _serial = common::serial().await;
     let (pg, bouncer) = tokio::task::spawn_blocking(start_servers)
         .await
         .expect("join");

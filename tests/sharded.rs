@@ -8,10 +8,10 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use metrics_util::debugging::DebugValue;
 use tokenlease::bucket::Tokens;
 use tokenlease::embedded::{StopMode, TempPostgres};
 use tokenlease::policy::{Accounting, FallbackMode, FallbackSettings, LeaseSettings, Plan};
@@ -29,23 +29,9 @@ const N: usize = 2;
 /// Tasks per instance.
 const TASKS: usize = 8;
 
-/// One test at a time within this binary, whatever the harness does.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// The process's metrics recorder (for the breakers' per-shard gauges).
-fn metrics() -> &'static Snapshotter {
-    static SNAPSHOTTER: OnceLock<Snapshotter> = OnceLock::new();
-    SNAPSHOTTER.get_or_init(|| {
-        let recorder = DebuggingRecorder::new();
-        let snapshotter = recorder.snapshotter();
-        recorder.install().expect("install the metrics recorder");
-        snapshotter
-    })
-}
-
 /// `tokenlease_circuit_state` per `store` label, as the recorder holds it now.
 fn circuit_states() -> HashMap<String, f64> {
-    metrics()
+    common::metrics()
         .snapshot()
         .into_vec()
         .into_iter()
@@ -211,7 +197,7 @@ fn assert_envelope(events: &[Event], keys: &[String], extra: f64, by_store: bool
 /// (as C1), and every key reaches 80% of its ideal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn direct_mode_holds_the_envelope_on_every_shard() {
-    let _serial = SERIAL.lock().await;
+    let _serial = common::serial().await;
     let clusters = common::clusters(3).await;
     let keys = Arc::new(keys("h3"));
     let mut limiters = Vec::new();
@@ -266,7 +252,7 @@ fn leased_plan(accounting: Accounting) -> Plan {
 /// out `max_wait` (denied by the fallback: under-admission only).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leased_mode_holds_the_envelope_on_every_shard() {
-    let _serial = SERIAL.lock().await;
+    let _serial = common::serial().await;
     let clusters = common::clusters(3).await;
     for accounting in [Accounting::Relaxed, Accounting::Strict] {
         // Fresh keys for each run: the first run leaves its keys' buckets drained.
@@ -345,8 +331,8 @@ async fn leased_a_stopped_shard_sends_only_its_own_keys_to_the_fallback() {
 }
 
 async fn h5(leased: bool) {
-    let _serial = SERIAL.lock().await;
-    let _ = metrics();
+    let _serial = common::serial().await;
+    let _ = common::metrics();
     let clusters = common::clusters(3).await;
     let keys = Arc::new(keys(if leased { "h5:leased" } else { "h5" }));
     let label = if leased { "H5 leased" } else { "H5" };
@@ -605,7 +591,7 @@ async fn h5(leased: bool) {
 /// drained bucket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_moved_key_starts_full_on_its_new_shard_once() {
-    let _serial = SERIAL.lock().await;
+    let _serial = common::serial().await;
     let clusters = common::clusters(3).await;
     let bucket = common::bucket(100, R);
     let two: Vec<(&str, String)> = shard_list(&clusters).into_iter().take(2).collect();
