@@ -32,23 +32,23 @@ use loom::thread;
 
 /// The lease core's synchronisation shim; its `model` half is what the files below import as
 /// `super::sync`.
-#[path = "../src/lease/sync.rs"]
-#[allow(dead_code, unused_imports)]
+#[path = "../../src/lease/sync.rs"]
+#[allow(dead_code, unused_imports, clippy::duplicate_mod)]
 mod shim;
 use shim::model as sync;
 
 /// The production lease word, compiled against loom's atomics.
-#[path = "../src/lease/word.rs"]
-#[allow(dead_code)]
+#[path = "../../src/lease/word.rs"]
+#[allow(dead_code, clippy::duplicate_mod)]
 mod word;
 
 /// The production slab of records, compiled against loom's atomics and mutex.
-#[path = "../src/lease/slab.rs"]
+#[path = "../../src/lease/slab.rs"]
 #[allow(dead_code)]
 mod slab;
 
 /// The production spread words, compiled against loom's atomics and thread-locals.
-#[path = "../src/lease/words.rs"]
+#[path = "../../src/lease/words.rs"]
 #[allow(dead_code)]
 mod words;
 

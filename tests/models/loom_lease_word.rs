@@ -32,14 +32,14 @@ use loom::thread;
 
 /// The lease core's synchronisation shim; its `model` half (loom's atomics) is what `word.rs`
 /// imports as `super::sync` here.
-#[path = "../src/lease/sync.rs"]
-#[allow(dead_code, unused_imports)]
+#[path = "../../src/lease/sync.rs"]
+#[allow(dead_code, unused_imports, clippy::duplicate_mod)]
 mod shim;
 use shim::model as sync;
 
 /// The production lease word, compiled against loom's atomics.
-#[path = "../src/lease/word.rs"]
-#[allow(dead_code)]
+#[path = "../../src/lease/word.rs"]
+#[allow(dead_code, clippy::duplicate_mod)]
 mod word;
 
 use word::{CLOSED, LeaseWord, PENDING, TOKENS, Take};

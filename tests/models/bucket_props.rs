@@ -2,7 +2,7 @@
 //!
 //! Everything runs on a fake clock: time is a number the test advances, so the runs are exact
 //! and repeatable, and a simulated year takes seconds. Failing proptest cases are saved in
-//! `tests/bucket_props.proptest-regressions` and replayed first on every run.
+//! `tests/models/bucket_props.proptest-regressions` and replayed first on every run.
 
 use proptest::prelude::*;
 use proptest::test_runner::Config as ProptestConfig;
