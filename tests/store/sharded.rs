@@ -5,7 +5,7 @@
 //! at most one capacity per moved key, once (H6). Runs in the nextest `serial` group:
 //! timing-dependent.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -5,7 +5,7 @@
 //! same thing to the arithmetic (strict lease expiries shift with it). Rates are low (1 token/s) so the few milliseconds of real time
 //! that pass between statements cannot change a whole-token outcome.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! limiter instances, each with its own pool, and many tasks on one real server, checked against
 //! the envelope of one ideal bucket. Runs in the nextest `serial` group: timing-dependent.
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! pure bucket's answer; every call is answered within the call deadline however long the queue;
 //! a caller alone costs one statement. Runs in the nextest `serial` group: timing-dependent.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -1,6 +1,7 @@
 //! Migrations against a real server: idempotence, checksums, failures, concurrent migrators,
 //! and the `tokenlease migrate` command.
 
+#[cfg(feature = "cli")]
 use std::process::Command;
 
 use tokenlease::embedded::TestDatabase;
@@ -183,6 +184,9 @@ async fn four_concurrent_migrators_apply_each_of_four_versions_exactly_once() {
     assert_eq!(n, 1, "migration 2's INSERT ran more than once");
 }
 
+// `tokenlease migrate` (the binary is built with the `cli` feature).
+
+#[cfg(feature = "cli")]
 #[tokio::test]
 async fn cli_migrate_uses_database_url() {
     let db = TestDatabase::create().await.expect("create");
@@ -205,6 +209,7 @@ async fn cli_migrate_uses_database_url() {
     assert!(!stderr.contains("throwaway"), "{stderr}");
 }
 
+#[cfg(feature = "cli")]
 #[test]
 fn cli_migrate_without_database_url_starts_a_throwaway_server() {
     let output = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
@@ -222,6 +227,7 @@ fn cli_migrate_without_database_url_starts_a_throwaway_server() {
     assert!(stdout.contains("applied 0001_create_buckets"), "{stdout}");
 }
 
+#[cfg(feature = "cli")]
 #[test]
 fn cli_migrate_reports_an_unreachable_database() {
     let output = Command::new(env!("CARGO_BIN_EXE_tokenlease"))

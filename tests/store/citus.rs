@@ -5,7 +5,7 @@
 //! Needs the Citus extension for the server binaries (`.ci/run` builds it from Citus's source
 //! release when it is missing).
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;

@@ -20,7 +20,7 @@
 //!
 //! Without a `pgbouncer` binary the tests fail with the command that installs it.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

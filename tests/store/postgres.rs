@@ -1,7 +1,7 @@
 //! SQL correctness on the real server (B2, B4, B5, B6, B7, and "the database decides as
 //! the pure bucket does").
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;
