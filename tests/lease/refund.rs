@@ -7,7 +7,7 @@
 //! stated bound of `N·B` = 10. A refund now goes into the lease only while the lease stays within
 //! `B`, and a top-up never lifts it above `B`; the rest goes back to the store.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -5,7 +5,7 @@
 //! relaxed C1 in `tests/lease.rs`. Several limiter instances (each with its own pool and actor)
 //! on one real server; runs in the nextest `serial` group.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};

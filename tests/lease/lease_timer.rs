@@ -6,7 +6,7 @@
 //! read: nothing sleeps through real time, and each lease closes, expires and leaves the table
 //! at the instant its rule says, which the tests check exactly.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

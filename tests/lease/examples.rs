@@ -3,7 +3,7 @@
 
 use tokenlease::embedded::TestDatabase;
 
-#[path = "../examples/instances.rs"]
+#[path = "../../examples/instances.rs"]
 #[allow(dead_code)]
 mod instances;
 

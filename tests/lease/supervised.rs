@@ -5,7 +5,7 @@
 //! leased call by the fallback after `max_wait`, silently and for ever, `store_calls` frozen and
 //! `shutdown()` a no-op; and the first leased call outside a tokio runtime panicked.
 
-mod common;
+use crate::common;
 
 use std::future::Future;
 use std::pin::pin;
