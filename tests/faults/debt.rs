@@ -14,7 +14,7 @@
 //! Timing-dependent: runs in the nextest `serial` group, and the tests of this file take a lock
 //! so `cargo test` runs them one at a time too. Each prints its figures (`--nocapture`).
 
-mod common;
+use crate::common;
 
 use std::num::NonZeroU32;
 use std::sync::Arc;

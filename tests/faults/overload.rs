@@ -13,7 +13,7 @@
 //! committing.
 //! Runs in the nextest `serial` group.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
