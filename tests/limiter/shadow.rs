@@ -2,7 +2,7 @@
 //! its denials through, marked `would_deny`; against a real server, in direct and leased mode,
 //! and with the server stopped (the fallback's denials too).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -642,7 +642,7 @@ async fn e3_spoofed_forwarded_for_shares_the_peers_bucket() {
 /// routes and methods pass untouched.
 #[tokio::test]
 async fn layer_from_the_policy_file() {
-    let policies = Policies::from_json_str(include_str!("../examples/policies/demo.json"), None)
+    let policies = Policies::from_json_str(include_str!("../../examples/policies/demo.json"), None)
         .expect("demo policy");
     let (_clock, store) = manual();
     let limiter = Limiter::builder(store).policies(policies.clone()).build();

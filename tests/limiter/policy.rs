@@ -1430,8 +1430,21 @@ fn policy_shaped_generator_reaches_the_value_checks() {
     );
 }
 
+/// Failing cases are saved in `policy.proptest-regressions` beside this file and replayed first.
+/// Named here because proptest's default (`SourceParallel`) finds the binary's `main.rs` and
+/// would use `tests/proptest-regressions/policy.txt` instead.
+fn regressions_beside_this_file() -> Option<Box<dyn proptest::test_runner::FailurePersistence>> {
+    Some(Box::new(
+        proptest::test_runner::FileFailurePersistence::WithSource("proptest-regressions"),
+    ))
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(10_000))]
+    #![proptest_config(ProptestConfig {
+        cases: 10_000,
+        failure_persistence: regressions_beside_this_file(),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn arbitrary_json_never_panics(value in json()) {

@@ -3,7 +3,7 @@
 //! and thousands of reloads under load from two instances keep every window inside the
 //! envelope of the larger plan. Runs in the nextest `serial` group: timing-dependent.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
