@@ -464,9 +464,19 @@ impl StateMachineTest for Sut {
     }
 }
 
+/// Failing cases are saved in `bucket_props.proptest-regressions` beside this file and replayed
+/// first. Named here because proptest's default (`SourceParallel`) finds the binary's `main.rs`
+/// and would use `tests/proptest-regressions/bucket_props.txt` instead.
+fn regressions_beside_this_file() -> Option<Box<dyn proptest::test_runner::FailurePersistence>> {
+    Some(Box::new(
+        proptest::test_runner::FileFailurePersistence::WithSource("proptest-regressions"),
+    ))
+}
+
 prop_state_machine! {
     #![proptest_config(ProptestConfig {
         cases: 2048,
+        failure_persistence: regressions_beside_this_file(),
         ..ProptestConfig::default()
     })]
 
@@ -528,7 +538,11 @@ fn wild_op() -> impl Strategy<Value = WildOp> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: 1024,
+        failure_persistence: regressions_beside_this_file(),
+        ..ProptestConfig::default()
+    })]
 
     /// Arbitrary timestamps (in any order), amounts up to and beyond `Tokens::MAX`, and rates at
     /// both ends: no panic (debug overflow checks are on), and tokens stay within [0, C].
