@@ -284,12 +284,17 @@ async fn test_database_create_gives_two_separate_migrated_databases() {
     );
 }
 
-/// Runs the ignored test `name` of this binary in a child process with `env` set; the helpers
+/// Runs the ignored test `name` of this module in a child process with `env` set; the helpers
 /// below do nothing unless `TOKENLEASE_TEST_HELPER` is set, so `--ignored` runs stay quick.
 fn helper(name: &str, env: &[(&str, &str)]) -> std::process::Command {
+    // The test's full name in the binary: this module's path without the crate's name.
+    let name = match module_path!().split_once("::") {
+        Some((_, module)) => format!("{module}::{name}"),
+        None => name.to_owned(),
+    };
     let mut cmd = std::process::Command::new(std::env::current_exe().expect("current exe"));
     cmd.args([
-        name,
+        name.as_str(),
         "--exact",
         "--ignored",
         "--nocapture",
