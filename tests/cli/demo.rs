@@ -1,7 +1,7 @@
 //! End to end: start `tokenlease demo` (the built binary, on its throwaway PostgreSQL or
 //! `DATABASE_URL`), talk real HTTP/1.1 to it over TCP, and stop it with SIGTERM.
 
-mod live_demo;
+use crate::live_demo;
 
 use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};

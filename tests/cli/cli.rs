@@ -3,7 +3,7 @@
 //! says what to set when it has no database and what "no row" means for a key, and `check`
 //! warns about entity limits larger than their route's global limit.
 
-mod common;
+use crate::common;
 
 use std::net::{SocketAddr, TcpListener};
 use std::process::{Command, Output};

@@ -3,13 +3,13 @@
 //! the policies in force stay. Real HTTP over TCP to the built binary on its throwaway
 //! PostgreSQL.
 
-mod live_demo;
+use crate::live_demo;
 
 use std::path::PathBuf;
 
 use live_demo::{Demo, must};
 
-const DEMO_POLICY: &str = include_str!("../examples/policies/demo.json");
+const DEMO_POLICY: &str = include_str!("../../examples/policies/demo.json");
 
 /// `GET path`: (status, the `ratelimit-policy` field).
 fn get(addr: &str, path: &str) -> (u16, Option<String>) {

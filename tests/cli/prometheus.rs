@@ -5,7 +5,7 @@
 //!
 //! Needs `prometheus`; without it the test says so and passes, unless `CI` is set.
 
-mod live_demo;
+use crate::live_demo;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -150,7 +150,7 @@ fn m1_every_query_of_the_grafana_dashboard_returns_series_from_a_real_prometheus
         return;
     };
     let dashboard: serde_json::Value =
-        serde_json::from_str(include_str!("../docs/grafana-dashboard.json"))
+        serde_json::from_str(include_str!("../../docs/grafana-dashboard.json"))
             .expect("the dashboard is JSON");
     let mut exprs = Vec::new();
     expressions(&dashboard, &mut exprs);

@@ -3,7 +3,7 @@
 //! beyond its refill after the switch; a second run changes nothing; no output shows a
 //! password. Runs the binary against three throwaway clusters (nextest `serial` group).
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Output};
 use std::sync::Arc;

@@ -4,7 +4,7 @@
 //! bounding the run and `--requests` fixing its count. Runs in the nextest `serial` group: each
 //! run takes a few seconds of wall time.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

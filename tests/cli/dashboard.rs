@@ -6,7 +6,7 @@
 //! With `TOKENLEASE_DASHBOARD_SCREENSHOT=path.png` it also saves a screenshot of the page after
 //! about a minute of traffic (docs/dashboard.png is made so).
 
-mod live_demo;
+use crate::live_demo;
 
 use std::path::Path;
 use std::process::Command;
