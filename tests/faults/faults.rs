@@ -2,11 +2,12 @@
 //! local (C/N, r/N per instance with N = 2).
 //!
 //! Each test starts its own throwaway cluster. Limiters reach it either directly (to stop the
-//! real server) or through the fault proxy of `common/proxy.rs`, with the plan's settings: call
-//! timeout 50 ms, connect timeout 250 ms, server-side `statement_timeout` 100 ms, a pool of 4,
-//! and a [`CircuitBreaker`] with its defaults (opens after 5 transient failures, back-off 50 ms
-//! doubling to 500 ms). Under the breaker a recording wrapper logs every call that reached the
-//! database, so the tests measure store calls and caller waits separately.
+//! real server) or through the fault proxy (`tokenlease::embedded::FaultProxy`), with the
+//! plan's settings: call timeout 50 ms, connect timeout 250 ms, server-side `statement_timeout`
+//! 100 ms, a pool of 4, and a [`CircuitBreaker`] with its defaults (opens after 5 transient
+//! failures, back-off 50 ms doubling to 500 ms). Under the breaker a recording wrapper logs
+//! every call that reached the database, so the tests measure store calls and caller waits
+//! separately.
 //!
 //! Timing-dependent: runs in the nextest `serial` group, and the tests of this file take a lock
 //! so `cargo test` runs them one at a time too. Each prints its figures (`--nocapture`).

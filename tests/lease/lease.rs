@@ -584,7 +584,7 @@ async fn a_refund_goes_back_into_the_live_lease() {
     let limiter = Limiter::builder(memory.clone()).build();
     // Leases of up to the whole capacity: 30 tokens spent leave the lease room for the refund
     // under its bound (a refund that would lift a lease above it goes to the store instead:
-    // tests/refund.rs).
+    // tests/lease/refund.rs).
     let plan = common::plan(100, 0.001)
         .with_lease(LeaseSettings::default().with_max_fraction(1.0))
         .with_fallback(FallbackSettings::new(FallbackMode::Deny));

@@ -2,7 +2,7 @@
 //! capacity, so leased mode admits no more in any window than one ideal bucket, with no lease
 //! term in the bound. Here: C5 in strict mode, the lull-then-burst case strict
 //! accounting exists for (relaxed as its negative control), and refunds. C1 strict sits beside
-//! relaxed C1 in `tests/lease.rs`. Several limiter instances (each with its own pool and actor)
+//! relaxed C1 in `tests/lease/lease.rs`. Several limiter instances (each with its own pool and actor)
 //! on one real server; runs in the nextest `serial` group.
 
 use crate::common;

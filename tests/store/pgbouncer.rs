@@ -7,7 +7,7 @@
 //! - two limiter instances (each with its own pool) × 16 tasks take from one key for 3 s in
 //!   direct mode: every decision comes from the store, no store call fails (so none mentions
 //!   "prepared statement": the store sends `query_typed`, unnamed statements), and every sliding
-//!   window holds the envelope of one ideal bucket, as in `tests/concurrency.rs`;
+//!   window holds the envelope of one ideal bucket, as in `tests/store/concurrency.rs`;
 //! - the negative control: plain `tokio_postgres::Client::query` (named prepared statements)
 //!   from several clients through the same PgBouncer fails with a prepared-statement error,
 //!   which proves the set-up really multiplexes server connections.

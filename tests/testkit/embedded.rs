@@ -414,7 +414,7 @@ async fn test_database_uses_database_url_when_set() {
 }
 
 /// Not a check: prints how long a cluster takes to start with and without the template cache.
-/// `cargo test --features embedded --test embedded start_times -- --ignored --nocapture`
+/// `cargo test --features embedded --test testkit start_times -- --ignored --nocapture`
 #[test]
 #[ignore = "timing report, run by hand"]
 fn start_times_with_and_without_the_template_cache() {
