@@ -24,7 +24,7 @@
 //! mutex, and the new owner publishes the record (its index in a bucket) through the bucket's
 //! `OnceLock`, an acquire/release pair. So [`Hot::reset`] stores `Relaxed`, and a reader that
 //! finds the record through the table sees it reset or newer, never half-reset, and never while
-//! an older handle to it lives (`tests/loom_lease_words.rs` checks all three). The fields'
+//! an older handle to it lives (`tests/models/loom_lease_words.rs` checks all three). The fields'
 //! own orderings, in use, are given beside each.
 //!
 //! The atomics and the mutex come from `super::sync`, so that the loom models can compile this

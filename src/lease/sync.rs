@@ -1,6 +1,6 @@
 //! The synchronisation shim of the lock-free lease core: every atomic, lock and thread-local
 //! that `word.rs`, `words.rs` and `slab.rs` use comes from here, so that the loom models
-//! (`tests/loom_lease_word.rs`, `tests/loom_lease_words.rs`) can compile those files, unchanged,
+//! (`tests/models/loom_lease_word.rs`, `tests/models/loom_lease_words.rs`) can compile those files, unchanged,
 //! against loom's instead.
 //!
 //! The library's names are std's (and `parking_lot`'s mutex): plain re-exports, so the lease core

@@ -14,7 +14,7 @@
 //! returned by the actor, never both: `admitted + returned = leased` holds exactly.
 //!
 //! This file uses nothing but the atomics of `super::sync`, so the loom models in
-//! `tests/loom_lease_word.rs` and `tests/loom_lease_words.rs` can compile it against loom's.
+//! `tests/models/loom_lease_word.rs` and `tests/models/loom_lease_words.rs` can compile it against loom's.
 //!
 //! # Memory orderings
 //!

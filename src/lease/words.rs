@@ -17,7 +17,7 @@
 //! extra words, so a quiet key's call reads the record alone.
 //!
 //! The atomics, the `OnceLock` and the thread-local come from `super::sync`, so that
-//! `tests/loom_lease_words.rs` can model-check this file against loom's. Each word's orderings
+//! `tests/models/loom_lease_words.rs` can model-check this file against loom's. Each word's orderings
 //! are `word.rs`'s; the ones added here are the `spread` flag's and the round-robin counter's,
 //! explained where they are used.
 
@@ -308,7 +308,7 @@ impl<'a> LeaseWords<'a> {
     /// of the overshoot bound); `false` when it would not, or is closed, or the word is full.
     /// The caller holds the slot's bookkeeping lock, which the actor's top-ups also take: with
     /// them excluded, nothing but a refund raises the lease, and callers' takes running beside
-    /// it only lower it, so the lease stays within `bound` (`tests/loom_lease_words.rs`).
+    /// it only lower it, so the lease stays within `bound` (`tests/models/loom_lease_words.rs`).
     pub(crate) fn refund_within(&self, amount: u64, bound: u64) -> bool {
         self.available().saturating_add(amount) <= bound && self.refund(amount)
     }

@@ -6,7 +6,7 @@
 //! - [`MemoryStore`]: the same contract inside one process, for single-instance services, tests,
 //!   and as the embedded default where no database is wanted.
 //!
-//! Both pass the one contract suite in `tests/store_contract.rs`. [`ShardedStore`] spreads
+//! Both pass the one contract suite in `tests/store/store_contract.rs`. [`ShardedStore`] spreads
 //! keys over several stores (several PostgreSQL primaries) by rendezvous hashing.
 
 use std::fmt;
@@ -253,7 +253,7 @@ pub struct HeldLease {
 ///
 /// The trait is public so that a limiter can run over another database, and so that a store
 /// can be wrapped ([`CircuitBreaker`], [`CountedStore`], a wrapper that injects faults in your
-/// tests). [`MemoryStore`] is the reference: `tests/store_contract.rs` runs one suite against
+/// tests). [`MemoryStore`] is the reference: `tests/store/store_contract.rs` runs one suite against
 /// it and `PostgresStore`, and a new store should pass it too.
 /// Answer with [`Acquired::new`]. [`acquire_each`](Store::acquire_each),
 /// [`give_back_each`](Store::give_back_each) and [`partition`](Store::partition) have default

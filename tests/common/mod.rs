@@ -10,6 +10,33 @@ use tokenlease::embedded::TestDatabase;
 use tokenlease::policy::Plan;
 use tokenlease::store::{PostgresStore, Store as _};
 
+/// One test at a time within a test binary, whatever the harness does: the timing-dependent
+/// tests that must not share the machine with another test of their binary hold this guard
+/// while they run. nextest runs every test in a process of its own (and the `serial` group one
+/// at a time, `.config/nextest.toml`); `cargo test` runs a binary's tests on parallel threads of
+/// one process, and there this lock keeps them apart. A tokio lock: a test that fails holding it
+/// does not poison it for the next.
+pub async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    SERIAL.lock().await
+}
+
+/// The process's metrics recorder, installed on first use (a process has one global recorder,
+/// so every test of a binary shares it). A snapshot returns the counters since the previous
+/// snapshot and drains the histograms, so a test that reads it holds [`serial`]: under
+/// `cargo test` another test's snapshot would take its counts. Tests that want a recorder of
+/// their own install it with `metrics::with_local_recorder` (as `metrics` and `http_routes` do).
+pub fn metrics() -> &'static metrics_util::debugging::Snapshotter {
+    static SNAPSHOTTER: std::sync::OnceLock<metrics_util::debugging::Snapshotter> =
+        std::sync::OnceLock::new();
+    SNAPSHOTTER.get_or_init(|| {
+        let recorder = metrics_util::debugging::DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder.install().expect("install the metrics recorder");
+        snapshotter
+    })
+}
+
 /// A fresh database with migrations applied (DATABASE_URL's server, or a throwaway cluster).
 pub async fn database() -> TestDatabase {
     TestDatabase::create()

@@ -1,0 +1,14 @@
+//! The limiter under faults and load: the server stopped, slow, reset, restarted, hung, its
+//! pool exhausted and the wall clock stepped, in every fallback mode (D1–D7, D9); outage debt
+//! (D10, D11); 200 callers on a healthy server. One module per former test binary;
+//! docs/testing.md lists each test, docs/failure.md their figures.
+//!
+//! Timing-dependent: nextest runs them in its `serial` group, and the tests of `faults` and
+//! `debt` hold the serial lock of `common` so that `cargo test` runs them one at a time too.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod debt;
+mod faults;
+mod overload;

@@ -1,0 +1,1020 @@
+//! The store on a real Citus cluster (issue #30, Z1–Z5 in docs/testing.md): a coordinator and
+//! two workers started by each test ([`TempCitus`]), the tables distributed by `migrate`, every
+//! call routed to one worker, faults per worker, and the C1 envelope through the cluster.
+//!
+//! Needs the Citus extension for the server binaries (`.ci/run` builds it from Citus's source
+//! release when it is missing).
+
+use crate::common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokenlease::embedded::{StopMode, TempCitus};
+use tokenlease::policy::{Accounting, FallbackMode, FallbackSettings, LeaseSettings, Plan};
+use tokenlease::store::{AcquireRequest, GiveBack, PostgresStore, Store as _};
+use tokenlease::{DecidedBy, Limiter};
+
+const C: f64 = 100.0;
+const R: f64 = 50.0;
+const B: f64 = 10.0;
+const SLACK: f64 = 0.02;
+
+/// A cluster of a coordinator and `workers` workers (started on a blocking thread).
+async fn cluster(workers: usize) -> Arc<TempCitus> {
+    let started = tokio::task::spawn_blocking(move || TempCitus::start(workers))
+        .await
+        .expect("start task")
+        .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
+    Arc::new(started)
+}
+
+/// [`cluster`] with the tables distributed (`tokenlease::store::migrate`).
+async fn migrated(workers: usize) -> Arc<TempCitus> {
+    let citus = cluster(workers).await;
+    let mut c = client(&citus.connection_string("postgres")).await;
+    tokenlease::store::migrate(&mut c).await.expect("migrate");
+    citus
+}
+
+/// A plain (non-Citus) session on `conn`.
+async fn client(conn: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(conn, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    client
+}
+
+/// A store on the coordinator with generous timeouts (migrating: distributes the tables).
+async fn store(citus: &TempCitus, pool: u32) -> PostgresStore {
+    common::store_at(&citus.connection_string("postgres"), pool, true).await
+}
+
+/// A cluster whose nodes count statements (`pg_stat_statements`, nested ones too).
+async fn counted_cluster(workers: usize) -> Arc<TempCitus> {
+    let started = tokio::task::spawn_blocking(move || {
+        TempCitus::builder()
+            .workers(workers)
+            .setting("shared_preload_libraries", "citus,pg_stat_statements")
+            .setting("pg_stat_statements.track", "all")
+            .start()
+    })
+    .await
+    .expect("start task")
+    .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
+    // Created on the coordinator, which creates it on every worker.
+    client(&started.connection_string("postgres"))
+        .await
+        .batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .await
+        .expect("pg_stat_statements");
+    Arc::new(started)
+}
+
+/// How many calls of the store's routed functions each worker has run (top-level statements
+/// naming `tokenlease_citus_`), by port; and how many statements on a shard table the
+/// coordinator ran (none: it holds no shards and only forwards the calls).
+async fn routed_calls(citus: &TempCitus) -> (BTreeMap<u16, i64>, i64) {
+    let mut out = BTreeMap::new();
+    for w in citus.workers() {
+        let c = client(&w.connection_string("postgres")).await;
+        let row = c
+            .query_one(
+                "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements \
+                 WHERE toplevel AND query LIKE '%tokenlease_citus_%' \
+                   AND query NOT LIKE '%pg_stat_statements%'",
+                &[],
+            )
+            .await
+            .expect("pg_stat_statements");
+        out.insert(w.port(), row.get(0));
+    }
+    let c = client(&citus.connection_string("postgres")).await;
+    let on_shards: i64 = c
+        .query_one(
+            "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements \
+             WHERE query ~ 'tokenlease_buckets_[0-9]+' AND query NOT LIKE '%pg_stat_statements%'",
+            &[],
+        )
+        .await
+        .expect("pg_stat_statements")
+        .get(0);
+    (out, on_shards)
+}
+
+/// Prepared (two-phase) transactions the coordinator has recorded, and those still open on any
+/// node: both stay at zero when no call is a multi-node transaction.
+async fn two_phase(citus: &TempCitus) -> (i64, i64) {
+    let coordinator = client(&citus.connection_string("postgres")).await;
+    let recorded: i64 = coordinator
+        .query_one("SELECT count(*) FROM pg_dist_transaction", &[])
+        .await
+        .expect("pg_dist_transaction")
+        .get(0);
+    let mut open = 0;
+    for node in std::iter::once(citus.coordinator()).chain(citus.workers()) {
+        let c = client(&node.connection_string("postgres")).await;
+        let n: i64 = c
+            .query_one("SELECT count(*) FROM pg_prepared_xacts", &[])
+            .await
+            .expect("pg_prepared_xacts")
+            .get(0);
+        open += n;
+    }
+    (recorded, open)
+}
+
+/// `count` keys `prefix-0`, `prefix-1`, … whose shard is on the worker at `port`, as the
+/// coordinator's shard map says.
+async fn keys_on(citus: &TempCitus, port: u16, prefix: &str, count: usize) -> Vec<String> {
+    let c = client(&citus.connection_string("postgres")).await;
+    let candidates: Vec<String> = (0..count * 8).map(|i| format!("{prefix}-{i}")).collect();
+    let rows = c
+        .query(
+            "SELECT k FROM unnest($1::text[]) WITH ORDINALITY AS u(k, n) \
+             JOIN pg_dist_placement AS p \
+               ON p.shardid = get_shard_id_for_distribution_column('tokenlease_buckets', u.k) \
+             JOIN pg_dist_node AS d ON d.groupid = p.groupid \
+             WHERE d.nodeport = $2 ORDER BY u.n LIMIT $3",
+            &[&candidates, &i32::from(port), &(count as i64)],
+        )
+        .await
+        .expect("keys on a worker");
+    let keys: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(keys.len(), count, "not enough keys on port {port}");
+    keys
+}
+
+fn req<'a>(key: &'a str, cost: u64) -> AcquireRequest<'a> {
+    AcquireRequest::take(
+        key,
+        common::bucket(10, 1.0),
+        tokenlease::bucket::Tokens::whole(cost),
+    )
+}
+
+/// Z1: `migrate` on a Citus coordinator distributes both tables by key, co-located, with the
+/// returns' key `(key, id)`, and makes the routed functions distributed functions; a second
+/// migrate changes nothing; every shard has a take function of its own, and a shard without one
+/// is still taken (through `EXECUTE`). The client's hash of a key is Citus's (`worker_hash`) for 5,000 keys
+/// of every shape, and every shard has a placement on a worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_distributes_the_tables_and_the_client_hashes_as_citus() {
+    let citus = cluster(2).await;
+    let conn = citus.connection_string("postgres");
+    let mut c = client(&conn).await;
+    let report = tokenlease::store::migrate(&mut c).await.expect("migrate");
+    assert!(
+        report
+            .citus
+            .as_deref()
+            .is_some_and(|v| v.starts_with("13.")),
+        "{report}"
+    );
+    assert!(
+        report.to_string().contains("distributed by key"),
+        "{report}"
+    );
+    let again = tokenlease::store::migrate(&mut c)
+        .await
+        .expect("migrate again");
+    assert!(again.is_noop(), "{again}");
+
+    let rows = c
+        .query(
+            "SELECT logicalrelid::text, partmethod::text, colocationid \
+             FROM pg_dist_partition \
+             WHERE logicalrelid::text IN ('tokenlease_buckets', 'tokenlease_returns') \
+             ORDER BY 1",
+            &[],
+        )
+        .await
+        .expect("pg_dist_partition");
+    assert_eq!(rows.len(), 2, "both tables distributed");
+    assert!(rows.iter().all(|r| r.get::<_, String>(1) == "h"));
+    assert_eq!(
+        rows[0].get::<_, i32>(2),
+        rows[1].get::<_, i32>(2),
+        "co-located"
+    );
+    let pkey: String = c
+        .query_one(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint \
+             WHERE conname = 'tokenlease_returns_pkey'",
+            &[],
+        )
+        .await
+        .expect("returns key")
+        .get(0);
+    assert_eq!(pkey, "PRIMARY KEY (key, id)");
+    let functions: i64 = c
+        .query_one(
+            "SELECT count(*) FROM pg_dist_object AS o JOIN pg_proc AS p ON p.oid = o.objid \
+             WHERE o.classid = 'pg_proc'::regclass AND p.proname LIKE 'tokenlease_citus_%' \
+               AND o.distribution_argument_index = 0 AND o.colocationid IS NOT NULL",
+            &[],
+        )
+        .await
+        .expect("distributed functions")
+        .get(0);
+    assert_eq!(functions, 4, "take, take_held, give_back, delete_idle");
+
+    let mut keys: Vec<String> = (0..4000).map(|i| format!("user:{i}")).collect();
+    keys.extend((0..500).map(|i| "é".repeat(i % 40) + &i.to_string()));
+    keys.extend((0..500).map(|i| "k".repeat(i)));
+    keys.push(String::new());
+    let rows = c
+        .query(
+            "SELECT k, worker_hash(k) FROM unnest($1::text[]) AS k",
+            &[&keys],
+        )
+        .await
+        .expect("worker_hash");
+    for row in rows {
+        let key: String = row.get(0);
+        let server: i32 = row.get(1);
+        assert_eq!(
+            tokenlease::__private::citus_hashtext(key.as_bytes()),
+            server,
+            "key {key:?}"
+        );
+    }
+    let unplaced: i64 = c
+        .query_one(
+            "SELECT count(*) FROM pg_dist_shard AS s \
+             WHERE s.logicalrelid = 'tokenlease_buckets'::regclass \
+               AND NOT EXISTS (SELECT FROM pg_dist_placement AS p \
+                               JOIN pg_dist_node AS n ON n.groupid = p.groupid \
+                               WHERE p.shardid = s.shardid AND n.shouldhaveshards)",
+            &[],
+        )
+        .await
+        .expect("placements")
+        .get(0);
+    assert_eq!(unplaced, 0);
+
+    // Every shard has a take function of its own; a shard without one (made after the last
+    // migrate, as by a split) is taken through `EXECUTE`, with the same answers.
+    let per_shard: i64 = c
+        .query_one(
+            "SELECT count(*) FROM pg_proc WHERE proname ~ '^tokenlease_citus_take_[0-9]+$'",
+            &[],
+        )
+        .await
+        .expect("shard functions")
+        .get(0);
+    assert_eq!(per_shard, 32, "one take function per shard");
+    let store = store(&citus, 2).await;
+    let key = "dynamic-path";
+    let shard: i64 = c
+        .query_one(
+            "SELECT get_shard_id_for_distribution_column('tokenlease_buckets', $1::text)",
+            &[&key],
+        )
+        .await
+        .expect("shard of a key")
+        .get(0);
+    let first = store
+        .acquire(req(key, 4))
+        .await
+        .expect("through the shard's function");
+    c.batch_execute(&format!(
+        "DROP FUNCTION tokenlease_citus_take_{shard}(text[], bigint[], bigint[], bigint[], \
+         bigint[], bigint[])"
+    ))
+    .await
+    .expect("drop the shard's function");
+    let second = store.acquire(req(key, 4)).await.expect("through EXECUTE");
+    assert_eq!(first.granted, tokenlease::bucket::Tokens::whole(4));
+    assert_eq!(second.granted, tokenlease::bucket::Tokens::whole(4));
+    assert!(
+        second.remaining < first.remaining,
+        "{first:?} then {second:?}"
+    );
+}
+
+/// Z2: every kind of call works through the cluster and runs on one worker, with no
+/// distributed transaction: one-key and many-key takes (keys of every shard, both workers in one
+/// batch), takes that insert and that update, strict leases and takes on rows holding them,
+/// returns (a retried return credits once), inspection and idle cleanup. The coordinator records
+/// no two-phase commit (`pg_dist_transaction`) and no node holds a prepared transaction; each
+/// one-worker call commits on that worker and not on the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_call_runs_on_one_worker_without_a_distributed_transaction() {
+    let citus = counted_cluster(2).await;
+    let store = store(&citus, 4).await;
+    let (ports, other) = (citus.workers()[0].port(), citus.workers()[1].port());
+    let on_first = keys_on(&citus, ports, "first", 40).await;
+    let on_second = keys_on(&citus, other, "second", 40).await;
+    let baseline = two_phase(&citus).await;
+    assert_eq!(baseline.1, 0, "no prepared transaction left by the setup");
+
+    // One key on the first worker: the first worker commits, the second does not.
+    let (before, coordinator_before) = routed_calls(&citus).await;
+    let mut granted = 0;
+    for _ in 0..20 {
+        let got = store.acquire(req(&on_first[0], 1)).await.expect("one key");
+        granted += u32::from(!got.granted.is_zero());
+    }
+    assert!(
+        (10..20).contains(&granted),
+        "granted {granted} of 20 on a bucket of 10"
+    );
+    let (after, _) = routed_calls(&citus).await;
+    assert_eq!(after[&ports] - before[&ports], 20, "{before:?} → {after:?}");
+    assert_eq!(
+        after[&other], before[&other],
+        "the other worker ran calls: {before:?} → {after:?}"
+    );
+
+    // Many keys of both workers in one batch: each part on its own worker.
+    let keys: Vec<&str> = on_first[1..]
+        .iter()
+        .chain(&on_second)
+        .map(String::as_str)
+        .collect();
+    let requests: Vec<AcquireRequest<'_>> = keys.iter().map(|k| req(k, 3)).collect();
+    for round in 0..4 {
+        let answers = store.acquire_many(&requests).await.expect("many keys");
+        for (k, a) in keys.iter().zip(&answers) {
+            let expected = if round < 3 { 3 } else { 0 };
+            assert_eq!(
+                a.granted,
+                tokenlease::bucket::Tokens::whole(expected),
+                "round {round}, key {k}"
+            );
+        }
+    }
+    let each = store.acquire_each(&requests).await;
+    assert!(each.iter().all(Result::is_ok));
+    // Five batches of both workers' keys: one call on each worker per batch.
+    let (batched, _) = routed_calls(&citus).await;
+    for port in [ports, other] {
+        assert_eq!(batched[&port] - after[&port], 5, "{after:?} → {batched:?}");
+    }
+
+    // Returns: credited once, a retry credits nothing.
+    let returns: Vec<GiveBack<'_>> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| GiveBack {
+            id: 1000 + i as i64,
+            key: k,
+            amount: tokenlease::bucket::Tokens::whole(2),
+            bucket: common::bucket(10, 1.0),
+            lease: None,
+        })
+        .collect();
+    assert_eq!(store.give_back(&returns).await.expect("give back"), 79);
+    assert_eq!(store.give_back(&returns).await.expect("retry"), 0);
+    let row = store
+        .inspect(&on_second[3])
+        .await
+        .expect("inspect")
+        .expect("a row");
+    assert!(
+        row.tokens >= tokenlease::bucket::Tokens::whole(2),
+        "{row:?}"
+    );
+
+    // Strict leases: a held take, then a plain take on the row that holds it.
+    let hold = tokenlease::store::Hold {
+        holder: 7,
+        lease_id: 1,
+        kept: tokenlease::bucket::Tokens::ZERO,
+        lifetime: Duration::from_secs(30),
+    };
+    let strict_key = &on_second[0];
+    let leased = store
+        .acquire(
+            AcquireRequest::lease(
+                strict_key,
+                common::bucket(10, 1.0),
+                tokenlease::bucket::Tokens::whole(1),
+                tokenlease::bucket::Tokens::whole(2),
+            )
+            .held(hold),
+        )
+        .await
+        .expect("strict lease");
+    assert!(!leased.granted.is_zero(), "{leased:?}");
+    let row = store
+        .inspect(strict_key)
+        .await
+        .expect("inspect")
+        .expect("row");
+    assert_eq!(row.leases.len(), 1, "{row:?}");
+    let plain = store
+        .acquire(req(strict_key, 1))
+        .await
+        .expect("plain take on a row with a strict lease");
+    let _ = plain;
+    // The strict lease comes back settled.
+    let settled = store
+        .give_back(&[GiveBack {
+            id: 99,
+            key: strict_key,
+            amount: leased.granted,
+            bucket: common::bucket(10, 1.0),
+            lease: Some(tokenlease::store::LeaseRef {
+                holder: 7,
+                lease_id: 1,
+            }),
+        }])
+        .await
+        .expect("strict return");
+    assert_eq!(settled, 1);
+    let row = store
+        .inspect(strict_key)
+        .await
+        .expect("inspect")
+        .expect("row");
+    assert!(row.leases.is_empty(), "{row:?}");
+
+    // Idle cleanup: fast-refilling buckets are full at once and deleted on both workers.
+    let fast = common::bucket(1, 1_000_000.0);
+    let idle: Vec<AcquireRequest<'_>> = keys
+        .iter()
+        .map(|k| AcquireRequest::take(k, fast, tokenlease::bucket::Tokens::whole(1)))
+        .collect();
+    store.acquire_many(&idle).await.expect("fast buckets");
+    let mut deleted = 0;
+    for _ in 0..10 {
+        deleted += store.delete_idle(1000).await.expect("delete idle");
+        if deleted >= keys.len() as u64 {
+            break;
+        }
+    }
+    assert!(deleted >= keys.len() as u64 - 1, "deleted {deleted}");
+
+    let (_, coordinator_on_shards) = routed_calls(&citus).await;
+    // (The migration's DDL names the shards: counted before the calls.)
+    assert_eq!(
+        coordinator_on_shards, coordinator_before,
+        "the coordinator ran a statement on a shard"
+    );
+    let (recorded, open) = two_phase(&citus).await;
+    assert_eq!(
+        (recorded, open),
+        (baseline.0, 0),
+        "a call of the store opened a distributed (two-phase) transaction"
+    );
+}
+
+/// A dropped cluster leaves no server and no directory behind (each node is a `TempPostgres`,
+/// stopped and removed on drop), and the builder's settings reach every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_cluster_leaves_nothing_behind() {
+    let started = tokio::task::spawn_blocking(|| {
+        TempCitus::builder()
+            .workers(1)
+            .setting("citus.shard_count", "4")
+            .start()
+    })
+    .await
+    .expect("start task")
+    .expect("a Citus cluster");
+    for node in std::iter::once(started.coordinator()).chain(started.workers()) {
+        let c = client(&node.connection_string("postgres")).await;
+        let shards: String = c
+            .query_one("SHOW citus.shard_count", &[])
+            .await
+            .expect("setting")
+            .get(0);
+        assert_eq!(shards, "4");
+    }
+    let nodes: Vec<(std::path::PathBuf, u32)> = std::iter::once(started.coordinator())
+        .chain(started.workers())
+        .map(|n| {
+            (
+                n.data_dir().to_path_buf(),
+                n.postmaster_pid().expect("running"),
+            )
+        })
+        .collect();
+    tokio::task::spawn_blocking(move || drop(started))
+        .await
+        .expect("drop task");
+    for (dir, pid) in nodes {
+        assert!(!dir.exists(), "{} left behind", dir.display());
+        // Gone, or a zombie waiting for its new parent (pid 1) to reap it.
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.trim_start().chars().next())
+            });
+        assert!(
+            matches!(state, None | Some('Z')),
+            "postmaster {pid} still running ({state:?})"
+        );
+    }
+}
+
+/// One decision of [`drive`].
+#[derive(Debug, Clone)]
+struct Event {
+    instance: usize,
+    /// When the decision came back, since the run's origin.
+    at: Duration,
+    key: usize,
+    allowed: bool,
+    by: DecidedBy,
+    /// How long the caller waited.
+    took: Duration,
+}
+
+/// `limiters` × `tasks` tasks for `duration`, each cycling through `keys` from its own offset,
+/// a 500 µs pause after each call.
+fn drive(
+    limiters: &[Limiter],
+    plan: &Arc<Plan>,
+    keys: &Arc<Vec<String>>,
+    tasks: usize,
+    origin: Instant,
+    duration: Duration,
+) -> tokio::task::JoinHandle<Vec<Event>> {
+    let mut handles = Vec::new();
+    for (i, limiter) in limiters.iter().enumerate() {
+        for t in 0..tasks {
+            let (limiter, plan, keys) = (limiter.clone(), Arc::clone(plan), Arc::clone(keys));
+            handles.push(tokio::spawn(async move {
+                let mut events = Vec::new();
+                let mut n = t * 7 + i * 3;
+                while origin.elapsed() < duration {
+                    n += 1;
+                    let key = n % keys.len();
+                    let started = Instant::now();
+                    let d = limiter
+                        .try_acquire_with(&plan, &keys[key], 1.0)
+                        .await
+                        .expect("decision");
+                    events.push(Event {
+                        instance: i,
+                        at: origin.elapsed(),
+                        key,
+                        allowed: d.allowed,
+                        by: d.decided_by,
+                        took: started.elapsed(),
+                    });
+                    tokio::time::sleep(Duration::from_micros(500)).await;
+                }
+                events
+            }));
+        }
+    }
+    tokio::spawn(async move {
+        let mut all = Vec::new();
+        for h in handles {
+            all.extend(h.await.expect("task"));
+        }
+        all
+    })
+}
+
+/// A store with short, fault-test timeouts: 300 ms per call (a loaded 2-core machine running
+/// three servers must not time out a healthy worker's call), a 250 ms pool wait and connect.
+async fn fault_store(citus: &TempCitus) -> PostgresStore {
+    PostgresStore::builder(&citus.connection_string("postgres"))
+        .expect("connection string")
+        .pool_size(4)
+        .call_timeout(Duration::from_millis(300))
+        .pool_wait_timeout(Duration::from_millis(250))
+        .connect_timeout(Duration::from_millis(250))
+        .statement_timeout(Duration::from_millis(500))
+        .lock_timeout(Duration::from_millis(500))
+        .migrate_timeout(Duration::from_secs(60))
+        .build()
+        .await
+        .expect("store")
+}
+
+/// One key of every shard of `tokenlease_buckets`, in shard order, with the port of the worker
+/// holding it.
+async fn keys_of_every_shard(citus: &TempCitus, prefix: &str) -> Vec<(String, u16)> {
+    let c = client(&citus.connection_string("postgres")).await;
+    let candidates: Vec<String> = (0..2000).map(|i| format!("{prefix}-{i}")).collect();
+    let rows = c
+        .query(
+            "SELECT DISTINCT ON (s.shard) s.k, d.nodeport \
+             FROM (SELECT u.k, u.n, \
+                          get_shard_id_for_distribution_column('tokenlease_buckets', u.k) \
+                              AS shard \
+                   FROM unnest($1::text[]) WITH ORDINALITY AS u(k, n)) AS s \
+             JOIN pg_dist_placement AS p ON p.shardid = s.shard \
+             JOIN pg_dist_node AS d ON d.groupid = p.groupid \
+             ORDER BY s.shard, s.n",
+            &[&candidates],
+        )
+        .await
+        .expect("a key per shard");
+    let shards: i64 = c
+        .query_one(
+            "SELECT count(*) FROM pg_dist_shard \
+             WHERE logicalrelid = 'tokenlease_buckets'::regclass",
+            &[],
+        )
+        .await
+        .expect("shards")
+        .get(0);
+    assert_eq!(rows.len() as i64, shards, "a key on every shard");
+    rows.iter()
+        .map(|r| (r.get(0), u16::try_from(r.get::<_, i32>(1)).expect("port")))
+        .collect()
+}
+
+/// Z3 and Z4: one worker stopped (`pg_ctl stop -m immediate`) or hung (SIGSTOP) under load in
+/// direct mode, fallback `allow`: while it is out, only its keys are decided by the fallback;
+/// every call on the other worker's keys is still the store's, and none of them waits out the
+/// call timeout. Afterwards both workers' keys are the store's again.
+async fn one_worker_out(hang: bool) {
+    let citus = migrated(2).await;
+    let shard_keys = keys_of_every_shard(&citus, "fault").await;
+    let down_port = citus.workers()[1].port();
+    // Four keys on each worker.
+    let mut keys = Vec::new();
+    for port in [citus.workers()[0].port(), down_port] {
+        keys.extend(
+            shard_keys
+                .iter()
+                .filter(|(_, p)| *p == port)
+                .take(4)
+                .map(|(k, _)| k.clone()),
+        );
+    }
+    let on_down: HashSet<usize> = (4..8).collect();
+    let keys = Arc::new(keys);
+    let mut limiters = Vec::new();
+    for _ in 0..2 {
+        limiters.push(Limiter::builder(fault_store(&citus).await).build());
+    }
+    // A bucket that never runs dry: every store decision is an admission.
+    let plan = Arc::new(
+        common::plan(1_000_000, 1_000_000.0)
+            .with_fallback(FallbackSettings::new(FallbackMode::Allow)),
+    );
+    let origin = Instant::now();
+    let run = drive(&limiters, &plan, &keys, 4, origin, Duration::from_secs(5));
+    tokio::time::sleep_until((origin + Duration::from_millis(1500)).into()).await;
+    let out_from = origin.elapsed();
+    let worker = Arc::clone(&citus);
+    let suspended = tokio::task::spawn_blocking(move || {
+        let w = worker.worker_on_port(down_port).expect("worker");
+        if hang {
+            Some(w.suspend().expect("SIGSTOP"))
+        } else {
+            w.stop(StopMode::Immediate).expect("stop");
+            None
+        }
+    })
+    .await
+    .expect("fault task");
+    tokio::time::sleep_until((origin + Duration::from_millis(3000)).into()).await;
+    let back_at = origin.elapsed();
+    match suspended {
+        Some(s) => s.resume(),
+        None => {
+            let worker = Arc::clone(&citus);
+            tokio::task::spawn_blocking(move || {
+                worker
+                    .worker_on_port(down_port)
+                    .expect("worker")
+                    .start_again()
+                    .expect("start again")
+            })
+            .await
+            .expect("start task");
+        }
+    }
+    let back = origin.elapsed();
+    let events = run.await.expect("run");
+    // After the fault, the worker's keys are the store's again: polled with a deadline (the
+    // coordinator's connections to the restarted worker are opened again on first use).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let recovered = loop {
+        let d = limiters[0]
+            .try_acquire_with(&plan, &keys[4], 1.0)
+            .await
+            .expect("decision");
+        if d.decided_by == DecidedBy::Store || Instant::now() > deadline {
+            break d.decided_by == DecidedBy::Store;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for limiter in &limiters {
+        limiter.shutdown().await;
+    }
+    let label = if hang { "SIGSTOP" } else { "stopped" };
+    let healthy: Vec<&Event> = events
+        .iter()
+        .filter(|e| !on_down.contains(&e.key))
+        .collect();
+    // While the worker is out: from the fault until the restart begins (a restart's crash
+    // recovery loads a 2-core machine, which slows every server alike).
+    let healthy_in_fault: Vec<&Event> = healthy
+        .iter()
+        .copied()
+        .filter(|e| e.at > out_from && e.at < back_at)
+        .collect();
+    // From 0.5 s in (the pools' first statements, each session's first plan of the shards'
+    // statements) until the restart begins.
+    let not_by_store: Vec<(u128, DecidedBy)> = healthy
+        .iter()
+        .filter(|e| e.at > Duration::from_millis(500) && e.at < back_at)
+        .filter(|e| e.by != DecidedBy::Store)
+        .map(|e| (e.at.as_millis(), e.by))
+        .collect();
+    let not_store = not_by_store.len();
+    let slowest = healthy_in_fault
+        .iter()
+        .map(|e| e.took)
+        .max()
+        .unwrap_or_default();
+    let mut took: Vec<u128> = healthy_in_fault
+        .iter()
+        .map(|e| e.took.as_micros())
+        .collect();
+    took.sort_unstable();
+    let p99 = took.get(took.len() * 99 / 100).copied().unwrap_or(0);
+    let mut before: Vec<u128> = healthy
+        .iter()
+        .filter(|e| e.at > Duration::from_millis(500) && e.at < out_from)
+        .map(|e| e.took.as_micros())
+        .collect();
+    before.sort_unstable();
+    eprintln!(
+        "Z {}: healthy keys before the fault: {} calls, p99 {} µs; in the fault, slow ones: {:?}",
+        if hang { "SIGSTOP" } else { "stopped" },
+        before.len(),
+        before.get(before.len() * 99 / 100).copied().unwrap_or(0),
+        healthy_in_fault
+            .iter()
+            .filter(|e| e.took > Duration::from_millis(100))
+            .map(|e| (e.at.as_millis(), e.took.as_millis(), e.by))
+            .collect::<Vec<_>>()
+    );
+    let down_in_fault: Vec<&Event> = events
+        .iter()
+        .filter(|e| {
+            on_down.contains(&e.key)
+                && e.at > out_from + Duration::from_millis(400)
+                && e.at < back_at
+        })
+        .collect();
+    let down_fallback = down_in_fault
+        .iter()
+        .filter(|e| matches!(e.by, DecidedBy::Fallback(_)))
+        .count();
+    eprintln!(
+        "Z {label}: {} decisions; healthy worker's keys: {} in the fault, {not_store} not by the \
+         store, p99 {p99} µs, slowest {slowest:?}; stopped worker's keys: {} in the fault, \
+         {down_fallback} by the fallback",
+        events.len(),
+        healthy_in_fault.len(),
+        down_in_fault.len()
+    );
+    assert!(
+        !healthy_in_fault.is_empty(),
+        "calls on the healthy worker's keys"
+    );
+    assert_eq!(
+        not_store, 0,
+        "{label}: the healthy worker's keys went to the fallback (ms into the run, by): \
+         {not_by_store:?}; the fault from {out_from:?} to {back_at:?}"
+    );
+    assert!(
+        slowest < Duration::from_millis(300),
+        "{label}: a healthy key's call waited {slowest:?}, the call timeout"
+    );
+    assert!(
+        !down_in_fault.is_empty(),
+        "calls on the stopped worker's keys"
+    );
+    assert_eq!(
+        down_fallback,
+        down_in_fault.len(),
+        "{label}: a stopped worker's key decided by the store"
+    );
+    assert!(recovered, "{label}: the worker's keys never came back");
+    let _ = back;
+}
+
+/// Z3: a worker stopped with `pg_ctl stop -m immediate`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_worker_sends_only_its_keys_to_the_fallback() {
+    one_worker_out(false).await;
+}
+
+/// Z3: a worker hung with SIGSTOP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_worker_sends_only_its_keys_to_the_fallback() {
+    one_worker_out(true).await;
+}
+
+/// Z4: the coordinator down (`pg_ctl stop -m immediate`): every call is decided by the
+/// fallback, each within the call timeout plus a generous margin (the store's connections to it
+/// fail at once; new ones are refused); once it is back, the store decides again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_coordinator_down_the_fallback_decides_within_the_timeout() {
+    let citus = migrated(2).await;
+    let keys = Arc::new(
+        keys_of_every_shard(&citus, "coord")
+            .await
+            .into_iter()
+            .take(8)
+            .map(|(k, _)| k)
+            .collect::<Vec<_>>(),
+    );
+    let limiter = Limiter::builder(fault_store(&citus).await).build();
+    let plan = Arc::new(
+        common::plan(1_000_000, 1_000_000.0)
+            .with_fallback(FallbackSettings::new(FallbackMode::Deny)),
+    );
+    let origin = Instant::now();
+    let run = drive(
+        std::slice::from_ref(&limiter),
+        &plan,
+        &keys,
+        4,
+        origin,
+        Duration::from_secs(4),
+    );
+    tokio::time::sleep_until((origin + Duration::from_millis(1000)).into()).await;
+    let c = Arc::clone(&citus);
+    tokio::task::spawn_blocking(move || c.coordinator().stop(StopMode::Immediate).expect("stop"))
+        .await
+        .expect("stop task");
+    let down = origin.elapsed();
+    tokio::time::sleep_until((origin + Duration::from_millis(2500)).into()).await;
+    let c = Arc::clone(&citus);
+    tokio::task::spawn_blocking(move || c.coordinator().start_again().expect("start"))
+        .await
+        .expect("start task");
+    let up = origin.elapsed();
+    let events = run.await.expect("run");
+    // The store decides again once the coordinator is back: within the run when the restart
+    // was quick, or else in calls made after it, until one is the store's (10 s at most: a
+    // restart after a crash replays the WAL, slower on a loaded machine).
+    let mut back = events
+        .iter()
+        .filter(|e| e.at > up && e.by == DecidedBy::Store)
+        .count();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while back == 0 && Instant::now() < deadline {
+        let decision = limiter
+            .try_acquire_with(&plan, &keys[0], 1.0)
+            .await
+            .expect("decision");
+        if decision.decided_by == DecidedBy::Store {
+            back += 1;
+        } else {
+            // The breaker's probe interval: the next call may reach the store.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    limiter.shutdown().await;
+    let outage: Vec<&Event> = events
+        .iter()
+        .filter(|e| e.at > down + Duration::from_millis(100) && e.at < up)
+        .collect();
+    assert!(!outage.is_empty(), "calls while the coordinator was down");
+    let slowest = outage.iter().map(|e| e.took).max().unwrap_or_default();
+    eprintln!(
+        "Z4: {} calls with the coordinator down, slowest {slowest:?}",
+        outage.len()
+    );
+    assert!(
+        outage
+            .iter()
+            .all(|e| e.by == DecidedBy::Fallback(FallbackMode::Deny) && !e.allowed),
+        "a decision not by the fallback while the coordinator was down"
+    );
+    assert!(
+        slowest < Duration::from_millis(300 + 700),
+        "a call took {slowest:?} with the coordinator down (call timeout 300 ms)"
+    );
+    assert!(
+        back > 0,
+        "the store never decided again after the coordinator came back"
+    );
+}
+
+/// The worst excess over `C + R·(w + SLACK) + extra` of every key's windows, admissions
+/// stamped with the local clock.
+fn assert_envelope(events: &[Event], keys: &[String], extra: f64, label: &str) {
+    for (k, key) in keys.iter().enumerate() {
+        let mut points: Vec<f64> = events
+            .iter()
+            .filter(|e| e.key == k && e.allowed)
+            .map(|e| e.at.as_secs_f64())
+            .collect();
+        points.sort_by(f64::total_cmp);
+        let points: Vec<(f64, f64)> = points.into_iter().map(|t| (t, 1.0)).collect();
+        for w in [0.1, 0.5, 1.0, 2.0, 3.0] {
+            let (excess, count) = common::worst_window(&points, w, C, R, SLACK);
+            assert!(
+                excess <= extra + 1e-9,
+                "{label}, {key}: window {w} s admitted {count} > {C} + {R}·({w} + {SLACK}) + {extra}"
+            );
+        }
+    }
+}
+
+/// A leased plan as C1's (docs/testing.md), fallback `deny`.
+fn leased_plan(accounting: Accounting) -> Plan {
+    common::plan(100, R)
+        .with_lease(
+            LeaseSettings::default()
+                .with_ttl(Duration::from_secs(1))
+                .with_max_fraction(B / C)
+                .with_low_water(0.5)
+                .with_refresh(Duration::from_millis(100))
+                .with_max_wait(Duration::from_millis(50))
+                .with_accounting(accounting),
+        )
+        .with_fallback(FallbackSettings::new(FallbackMode::Deny))
+}
+
+/// Z5: C1 through the cluster, two limiter instances (own pools and actors) × 8 tasks for 3 s
+/// on one key of every shard (both workers): in direct mode every window of every key holds
+/// `C + r·(w + ε)` within one token, leased (relaxed) within `N·B` more, strict with no lease
+/// term at all; leased conservation is exact per instance.
+async fn envelope(mode: Option<Accounting>) {
+    let citus = migrated(2).await;
+    let keys = Arc::new(
+        keys_of_every_shard(&citus, "c1")
+            .await
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect::<Vec<_>>(),
+    );
+    let mut limiters = Vec::new();
+    for _ in 0..2 {
+        limiters.push(Limiter::builder(store(&citus, 4).await).build());
+    }
+    let plan = Arc::new(match mode {
+        None => common::plan(100, R).with_fallback(FallbackSettings::new(FallbackMode::Deny)),
+        Some(accounting) => leased_plan(accounting),
+    });
+    let origin = Instant::now();
+    let events = drive(&limiters, &plan, &keys, 8, origin, Duration::from_secs(3))
+        .await
+        .expect("run");
+    let label = format!("Z5 {mode:?}");
+    let fallback = events
+        .iter()
+        .filter(|e| matches!(e.by, DecidedBy::Fallback(_)))
+        .count();
+    for (i, limiter) in limiters.iter().enumerate() {
+        limiter.shutdown().await;
+        if mode.is_some() {
+            let stats = limiter.lease_stats().expect("leased");
+            let by_lease = events
+                .iter()
+                .filter(|e| e.instance == i && e.allowed && e.by == DecidedBy::Lease)
+                .count();
+            common::assert_conserved(&format!("{label}, instance {i}"), by_lease as f64, &stats);
+            assert_eq!(stats.outstanding, 0.0, "shutdown gave everything back");
+        }
+    }
+    let extra = match mode {
+        None => 1.0,
+        Some(Accounting::Relaxed) => 2.0 * B,
+        Some(Accounting::Strict) => 0.0,
+    };
+    assert_envelope(&events, &keys, extra, &label);
+    let admitted = events.iter().filter(|e| e.allowed).count();
+    eprintln!(
+        "{label}: {} decisions on {} keys, {admitted} admitted, {fallback} by the fallback",
+        events.len(),
+        keys.len()
+    );
+    assert!(admitted > 0);
+    assert!(
+        fallback * 10 <= events.len(),
+        "{label}: {fallback} of {} decisions by the fallback",
+        events.len()
+    );
+}
+
+/// Z5 in direct mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_mode_holds_the_envelope_on_every_shard() {
+    envelope(None).await;
+}
+
+/// Z5 in leased mode, relaxed accounting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_mode_holds_the_envelope_on_every_shard() {
+    envelope(Some(Accounting::Relaxed)).await;
+}
+
+/// Z5 in leased mode, strict accounting: zero overshoot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_leases_hold_the_bucket_envelope_exactly_on_every_shard() {
+    envelope(Some(Accounting::Strict)).await;
+}
