@@ -23,7 +23,7 @@ use parking_lot::Mutex;
 
 use crate::bucket::{BucketConfig, Rate, Tokens};
 use crate::debt::{Debt, OutageDebt};
-use crate::limiter::{DecidedBy, Decision};
+use crate::decision::{DecidedBy, Decision};
 use crate::metrics::FALLBACK_ACTIVE_SECONDS;
 use crate::policy::{FallbackMode, Plan};
 use crate::store::{AcquireRequest, MemoryStore, Store};

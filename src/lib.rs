@@ -50,6 +50,7 @@
 pub mod bucket;
 pub mod clock;
 mod debt;
+mod decision;
 #[cfg(feature = "embedded")]
 pub mod embedded;
 pub mod error;

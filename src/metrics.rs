@@ -17,7 +17,7 @@ use metrics::{Counter, Gauge, Unit, describe_counter, describe_gauge, describe_h
 
 use crate::bucket::Tokens;
 
-use crate::limiter::{DecidedBy, Decision};
+use crate::decision::{DecidedBy, Decision};
 use crate::policy::FallbackMode;
 
 /// Decisions, by `plan` (the plan's name), `outcome` (`allowed`, `denied`, and for a shadow
