@@ -12,6 +12,7 @@ use super::headers::{LayerKind, policy_item};
 use super::key::{EntityKey, TrustedProxies};
 use super::service::RateLimit;
 use crate::metrics::{HTTP_CHECKED, HTTP_DENIED, HTTP_ERRORS, HTTP_UNMATCHED, HTTP_WOULD_DENY};
+use crate::policy::error::RouteConfigError;
 use crate::policy::{
     EntitySource, Plan, Policies, RouteShadow, route_params, route_pattern_error, route_shape,
 };
@@ -231,45 +232,6 @@ impl RouteLimits {
     pub(crate) fn is_empty(&self) -> bool {
         self.global.is_none() && self.entity.is_none()
     }
-}
-
-/// A route in the policy file that the layer cannot use.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum RouteConfigError {
-    /// A route names a plan the policy file does not define.
-    #[error("route {endpoint}: unknown plan {plan:?}")]
-    UnknownPlan {
-        /// The route's endpoint, `METHOD:pattern`.
-        endpoint: String,
-        /// The plan name.
-        plan: String,
-    },
-    /// A route's entity header is not a valid header name.
-    #[error("route {endpoint}: {header:?} is not a valid header name")]
-    InvalidHeader {
-        /// The route's endpoint, `METHOD:pattern`.
-        endpoint: String,
-        /// The header name as written.
-        header: String,
-    },
-    /// A route pattern given to [`RouteLimitLayer::route_pattern`] is not an axum 0.8 pattern
-    /// (for example the older `:id` syntax): it would never match as meant, and the route
-    /// would go unlimited.
-    #[error("route pattern {pattern:?} is not an axum 0.8 route pattern: {reason}")]
-    InvalidPattern {
-        /// The pattern as given (its first 100 characters).
-        pattern: String,
-        /// What is wrong with it, and how to write it.
-        reason: String,
-    },
-    /// A budget name given to [`RouteLimitLayer::entity_budget`] is not 1 to 64 of
-    /// `A-Z a-z 0-9 _ . -`.
-    #[error("budget name {budget:?}: use 1 to 64 of A-Z a-z 0-9 _ . -")]
-    InvalidBudget {
-        /// The name as given (its first 100 characters).
-        budget: String,
-    },
 }
 
 impl RateLimitLayer {

@@ -117,6 +117,7 @@ mod layer;
 mod refund;
 mod service;
 
+pub use crate::policy::error::RouteConfigError;
 pub use headers::{
     RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_API_REMAINING, X_RATELIMIT_ENTITY_REMAINING,
 };
@@ -124,5 +125,5 @@ pub use key::{
     EntityKey, MAX_FORWARDED_BYTES, MAX_FORWARDED_HOPS, TrustedProxies, TrustedProxyError,
     client_ip,
 };
-pub use layer::{RateLimitLayer, RouteConfigError, RouteLimitLayer};
+pub use layer::{RateLimitLayer, RouteLimitLayer};
 pub use service::{RateLimit, ResponseFuture};

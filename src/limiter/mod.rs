@@ -126,7 +126,7 @@ pub enum ReloadError {
     /// The HTTP layer cannot use the policies' routes.
     #[cfg(feature = "http")]
     #[error(transparent)]
-    Route(#[from] crate::http::RouteConfigError),
+    Route(#[from] crate::policy::error::RouteConfigError),
 }
 
 impl Drop for Inner {

@@ -1,5 +1,5 @@
 //! [`PolicyError`]: why a policy file was refused, and the helpers that keep its messages
-//! short whatever the input.
+//! short whatever the input; and `RouteConfigError`, why the HTTP layer refused a route.
 
 use std::fmt;
 
@@ -277,6 +277,49 @@ impl fmt::Display for PolicyError {
 }
 
 impl std::error::Error for PolicyError {}
+
+/// A route in the policy file that the HTTP layer cannot use (`tokenlease::http`).
+///
+/// Defined here, beside [`PolicyError`], so that [`ReloadError`](crate::ReloadError) can carry it
+/// without the limiter depending on the HTTP layer; re-exported there.
+#[cfg(feature = "http")]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RouteConfigError {
+    /// A route names a plan the policy file does not define.
+    #[error("route {endpoint}: unknown plan {plan:?}")]
+    UnknownPlan {
+        /// The route's endpoint, `METHOD:pattern`.
+        endpoint: String,
+        /// The plan name.
+        plan: String,
+    },
+    /// A route's entity header is not a valid header name.
+    #[error("route {endpoint}: {header:?} is not a valid header name")]
+    InvalidHeader {
+        /// The route's endpoint, `METHOD:pattern`.
+        endpoint: String,
+        /// The header name as written.
+        header: String,
+    },
+    /// A route pattern given to [`RouteLimitLayer::route_pattern`](crate::http::RouteLimitLayer::route_pattern) is not an axum 0.8 pattern
+    /// (for example the older `:id` syntax): it would never match as meant, and the route
+    /// would go unlimited.
+    #[error("route pattern {pattern:?} is not an axum 0.8 route pattern: {reason}")]
+    InvalidPattern {
+        /// The pattern as given (its first 100 characters).
+        pattern: String,
+        /// What is wrong with it, and how to write it.
+        reason: String,
+    },
+    /// A budget name given to [`RouteLimitLayer::entity_budget`](crate::http::RouteLimitLayer::entity_budget) is not 1 to 64 of
+    /// `A-Z a-z 0-9 _ . -`.
+    #[error("budget name {budget:?}: use 1 to 64 of A-Z a-z 0-9 _ . -")]
+    InvalidBudget {
+        /// The name as given (its first 100 characters).
+        budget: String,
+    },
+}
 
 #[cfg(test)]
 mod tests {

@@ -69,10 +69,10 @@
 //! - `types.rs`: the validated [`Plan`], [`LeaseSettings`], [`FallbackSettings`], [`Route`].
 //! - `raw.rs`: the file as written (serde types).
 //! - `load.rs`: [`Policies`], parsing and the checks.
-//! - `error.rs`: [`PolicyError`].
+//! - `error.rs`: [`PolicyError`], and the HTTP layer's `RouteConfigError`.
 
 mod check;
-mod error;
+pub(crate) mod error;
 mod load;
 mod raw;
 mod routes;
