@@ -57,6 +57,7 @@ pub mod error;
 mod fallback;
 #[cfg(feature = "http")]
 pub mod http;
+mod key;
 mod lease;
 pub mod limiter;
 pub mod metrics;

@@ -34,12 +34,12 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::key::SlotKey;
 use super::slot::{Ms32, Slot, SlotRef};
 use super::timers::Timers;
 use super::word::{CLOSED, PENDING, TOKENS};
 use super::{GATHER, Leases};
 use crate::bucket::Tokens;
+use crate::key::SlotKey;
 use crate::metrics as m;
 use crate::policy::{Accounting, LeaseSettings, Plan};
 use crate::store::{AcquireRequest, Acquired, GiveBack, Hold, LeaseRef, StoreError};

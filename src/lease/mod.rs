@@ -30,7 +30,6 @@ use crate::policy::Plan;
 use crate::store::Store;
 
 mod actor;
-pub(crate) mod key;
 mod slab;
 #[cfg(test)]
 mod slab_tests;

@@ -6,9 +6,9 @@ use std::sync::{Arc, LazyLock};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
-use super::key::SlotKey;
 use super::slab::{Hot, HotRef};
 use super::words::{Extra, LeaseWords};
+use crate::key::SlotKey;
 use crate::policy::Plan;
 use crate::store::LeaseRef;
 

@@ -13,7 +13,7 @@ use super::held::{self, Entry};
 use super::{AcquireRequest, Acquired, BucketRow, GiveBack, HeldLease, Store, StoreError, nanos};
 use crate::bucket::{BucketConfig, BucketState, Timestamp};
 use crate::clock::{Clock, MonotonicClock, system_time_from_timestamp};
-use crate::lease::key::SlotKey;
+use crate::key::SlotKey;
 
 /// Shards of the key map; a power of two so a hash picks one with a mask.
 const SHARDS: usize = 64;
