@@ -52,11 +52,17 @@ pub(crate) const PACE: Duration = Duration::from_millis(50);
 
 /// While waiting for the store (at the start, after a failed round), the longest the task
 /// waits for word that it answers again before it tries one round itself, if no call of the
-/// limiter fell back in the last second: from [`PROBE_MIN`], doubling, up to this.
+/// limiter fell back within [`ACTIVE_GAP`]: from [`PROBE_MIN`], doubling, up to this.
 pub(crate) const PROBE_MAX: Duration = Duration::from_secs(5);
 
 /// The first such wait (see [`PROBE_MAX`]).
 pub(crate) const PROBE_MIN: Duration = Duration::from_millis(250);
+
+/// Two fallback decisions at most this far apart belong to one episode: while a limiter's last
+/// fallback decision is at most this old, its callers still fall back. The charging task sends
+/// no probe then (the store is still failing them), and the fallback counts the time between two
+/// such decisions as time in fallback (`tokenlease_fallback_active_seconds`).
+pub(crate) const ACTIVE_GAP: Duration = Duration::from_secs(1);
 
 /// How often aged debt is looked for (a pass over the ledger).
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
@@ -592,7 +598,7 @@ async fn charge(shared: Weak<Shared>) {
                 () = tokio::time::sleep(wait) => false,
             };
             let now = Instant::now();
-            if !woken && shared.fell_back_within(crate::fallback::ACTIVE_GAP, now) {
+            if !woken && shared.fell_back_within(ACTIVE_GAP, now) {
                 if !shared.still_owing(now) {
                     return;
                 }
@@ -662,4 +668,4 @@ async fn charge(shared: Weak<Shared>) {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -22,15 +22,11 @@ use tokio::time::Instant;
 use parking_lot::Mutex;
 
 use crate::bucket::{BucketConfig, Rate, Tokens};
-use crate::debt::{Debt, OutageDebt};
+use crate::debt::{ACTIVE_GAP, Debt, OutageDebt};
 use crate::decision::{DecidedBy, Decision};
 use crate::metrics::FALLBACK_ACTIVE_SECONDS;
 use crate::policy::{FallbackMode, Plan};
 use crate::store::{AcquireRequest, MemoryStore, Store};
-
-/// Two fallback decisions at most this far apart belong to one episode, and the time between
-/// them counts as time in fallback.
-pub(crate) const ACTIVE_GAP: Duration = Duration::from_secs(1);
 
 /// Time in fallback, per mode (allow, deny, local), across every limiter in the process: the
 /// last fallback decision and the total so far. The lock is held for a few instructions and
@@ -331,5 +327,72 @@ mod tests {
         assert_eq!(at(2_800), Duration::from_millis(800));
         // Other modes keep their own time.
         assert_eq!(add_active(&active, FallbackMode::Allow, t0), Duration::ZERO);
+    }
+
+    /// The fallback over an outage-debt ledger: the ledger's own tests are in `debt/tests.rs`,
+    /// whose failing store and helpers these share.
+    mod with_debt {
+        use std::sync::Arc;
+        use std::sync::atomic::Ordering;
+        use std::time::Duration;
+
+        use crate::debt::OutageDebt;
+        use crate::debt::tests::{Switch, ledger, local, plan, settings, until, whole};
+        use crate::fallback::Fallback;
+        use crate::policy::{FallbackMode, FallbackSettings, Plan};
+
+        /// While the limiter's callers keep falling back the task sends no probe (the store is still
+        /// failing them); once they stop, it probes on its own, and charges when the store answers.
+        #[tokio::test(start_paused = true)]
+        async fn no_probe_while_callers_fall_back() {
+            let store = Arc::new(Switch::default());
+            store.failing.store(true, Ordering::SeqCst);
+            let fallback = Fallback::with_debt(ledger(&store, settings()));
+            let p = plan("p", 100, 1.0, FallbackMode::Allow);
+            for _ in 0..100 {
+                assert!(fallback.decide(&p, "k", whole(1)).await.allowed);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            assert_eq!(store.calls(), 0, "no probe in 10 s of fallback decisions");
+            // The callers stop; the store is back, and nobody says so: a probe finds it.
+            store.failing.store(false, Ordering::SeqCst);
+            until(Duration::from_secs(6), || fallback.debt().keys == 0).await;
+            assert_eq!(store.calls(), 1);
+            assert_eq!(fallback.debt().charged, whole(100));
+        }
+
+        /// Through the fallback: `allow` and `local` admissions are recorded, a `local` denial and a
+        /// `deny` fallback are not, and a plan with `outage_debt` off records nothing.
+        #[tokio::test(start_paused = true)]
+        async fn the_fallback_records_what_it_admits() {
+            let store = Arc::new(Switch::default());
+            store.failing.store(true, Ordering::SeqCst);
+            let fallback = Fallback::with_debt(ledger(&store, settings()));
+            let one = whole(1);
+            let allow = plan("allow", 100, 1.0, FallbackMode::Allow);
+            for _ in 0..3 {
+                assert!(fallback.decide(&allow, "a", one).await.allowed);
+            }
+            assert_eq!(fallback.debt().outstanding, whole(3));
+            // A local share of 10 / 2 = 5: five admitted, the rest denied, only the five recorded.
+            let local = plan("local", 10, 1.0, local(2));
+            let mut admitted = 0;
+            for _ in 0..8 {
+                admitted += u64::from(fallback.decide(&local, "l", one).await.allowed);
+            }
+            assert_eq!(admitted, 5);
+            assert_eq!(fallback.debt().outstanding, whole(8));
+            let deny = plan("deny", 10, 1.0, FallbackMode::Deny);
+            assert!(!fallback.decide(&deny, "d", one).await.allowed);
+            let off = Plan::new("off", *allow.bucket())
+                .with_fallback(FallbackSettings::new(FallbackMode::Allow).with_outage_debt(false));
+            assert!(fallback.decide(&off, "o", one).await.allowed);
+            assert_eq!(fallback.debt().outstanding, whole(8));
+            assert_eq!(fallback.debt().keys, 2);
+            // A fallback built without debt (the limiter's switch off) records nothing.
+            let plain = Fallback::default();
+            assert!(plain.decide(&allow, "a", one).await.allowed);
+            assert_eq!(plain.debt(), OutageDebt::default());
+        }
     }
 }

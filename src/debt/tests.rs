@@ -8,15 +8,14 @@ use async_trait::async_trait;
 
 use super::*;
 use crate::bucket::Rate;
-use crate::fallback::Fallback;
 use crate::policy::FallbackSettings;
 use crate::store::{Acquired, BucketRow, GiveBack, MemoryStore, StoreError};
 
 /// A memory store that fails while `failing` is set, and logs each call's keys.
 #[derive(Debug, Default)]
-struct Switch {
+pub(crate) struct Switch {
     inner: MemoryStore,
-    failing: AtomicBool,
+    pub(crate) failing: AtomicBool,
     calls: Mutex<Vec<Vec<String>>>,
     failed: AtomicUsize,
 }
@@ -56,28 +55,28 @@ impl Store for Switch {
 }
 
 impl Switch {
-    fn calls(&self) -> usize {
+    pub(crate) fn calls(&self) -> usize {
         self.calls.lock().len()
     }
 }
 
-fn plan(name: &str, capacity: u64, per_second: f64, mode: FallbackMode) -> Plan {
+pub(crate) fn plan(name: &str, capacity: u64, per_second: f64, mode: FallbackMode) -> Plan {
     let bucket =
         BucketConfig::new(Tokens::whole(capacity), Rate::from_f64(per_second).unwrap()).unwrap();
     Plan::new(name, bucket).with_fallback(FallbackSettings::new(mode))
 }
 
-fn local(instances: u32) -> FallbackMode {
+pub(crate) fn local(instances: u32) -> FallbackMode {
     FallbackMode::Local {
         instances: NonZeroU32::new(instances).unwrap(),
     }
 }
 
-fn settings() -> Settings {
+pub(crate) fn settings() -> Settings {
     Settings::new(Duration::from_millis(50))
 }
 
-fn ledger(store: &Arc<Switch>, settings: Settings) -> Debt {
+pub(crate) fn ledger(store: &Arc<Switch>, settings: Settings) -> Debt {
     Debt::new(Arc::clone(store) as Arc<dyn Store>, settings)
 }
 
@@ -91,7 +90,7 @@ async fn tokens(store: &Switch, key: &str) -> Option<f64> {
 }
 
 /// Lets the paused clock run until `done` holds (checked every 10 ms), for at most `limit`.
-async fn until(limit: Duration, mut done: impl FnMut() -> bool) {
+pub(crate) async fn until(limit: Duration, mut done: impl FnMut() -> bool) {
     let end = Instant::now() + limit;
     while !done() {
         assert!(Instant::now() < end, "not done within {limit:?}");
@@ -99,7 +98,7 @@ async fn until(limit: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
-fn whole(n: u64) -> Tokens {
+pub(crate) fn whole(n: u64) -> Tokens {
     Tokens::whole(n)
 }
 
@@ -313,26 +312,6 @@ async fn charging_waits_for_the_store_to_answer() {
     assert_eq!(debt.stats().charged, whole(15));
 }
 
-/// While the limiter's callers keep falling back the task sends no probe (the store is still
-/// failing them); once they stop, it probes on its own, and charges when the store answers.
-#[tokio::test(start_paused = true)]
-async fn no_probe_while_callers_fall_back() {
-    let store = Arc::new(Switch::default());
-    store.failing.store(true, Ordering::SeqCst);
-    let fallback = Fallback::with_debt(ledger(&store, settings()));
-    let p = plan("p", 100, 1.0, FallbackMode::Allow);
-    for _ in 0..100 {
-        assert!(fallback.decide(&p, "k", whole(1)).await.allowed);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(store.calls(), 0, "no probe in 10 s of fallback decisions");
-    // The callers stop; the store is back, and nobody says so: a probe finds it.
-    store.failing.store(false, Ordering::SeqCst);
-    until(Duration::from_secs(6), || fallback.debt().keys == 0).await;
-    assert_eq!(store.calls(), 1);
-    assert_eq!(fallback.debt().charged, whole(100));
-}
-
 /// A charging call that outlasts its deadline counts as failed, and the debt stays.
 #[tokio::test(start_paused = true)]
 async fn a_call_past_its_deadline_fails_the_round() {
@@ -374,59 +353,6 @@ async fn a_call_past_its_deadline_fails_the_round() {
     // Not another call until word of recovery or the probe wait.
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(hung.0.load(Ordering::SeqCst), 1);
-}
-
-/// Through the fallback: `allow` and `local` admissions are recorded, a `local` denial and a
-/// `deny` fallback are not, and a plan with `outage_debt` off records nothing.
-#[tokio::test(start_paused = true)]
-async fn the_fallback_records_what_it_admits() {
-    let store = Arc::new(Switch::default());
-    store.failing.store(true, Ordering::SeqCst);
-    let fallback = Fallback::with_debt(ledger(&store, settings()));
-    let one = whole(1);
-    let allow = plan("allow", 100, 1.0, FallbackMode::Allow);
-    for _ in 0..3 {
-        assert!(fallback.decide(&allow, "a", one).await.allowed);
-    }
-    assert_eq!(fallback.debt().outstanding, whole(3));
-    // A local share of 10 / 2 = 5: five admitted, the rest denied, only the five recorded.
-    let local = plan("local", 10, 1.0, local(2));
-    let mut admitted = 0;
-    for _ in 0..8 {
-        admitted += u64::from(fallback.decide(&local, "l", one).await.allowed);
-    }
-    assert_eq!(admitted, 5);
-    assert_eq!(fallback.debt().outstanding, whole(8));
-    let deny = plan("deny", 10, 1.0, FallbackMode::Deny);
-    assert!(!fallback.decide(&deny, "d", one).await.allowed);
-    let off = Plan::new("off", *allow.bucket())
-        .with_fallback(FallbackSettings::new(FallbackMode::Allow).with_outage_debt(false));
-    assert!(fallback.decide(&off, "o", one).await.allowed);
-    assert_eq!(fallback.debt().outstanding, whole(8));
-    assert_eq!(fallback.debt().keys, 2);
-    // A fallback built without debt (the limiter's switch off) records nothing.
-    let plain = Fallback::default();
-    assert!(plain.decide(&allow, "a", one).await.allowed);
-    assert_eq!(plain.debt(), OutageDebt::default());
-}
-
-/// The limiter's switch, on by default.
-#[tokio::test(start_paused = true)]
-async fn the_builder_switch() {
-    let p = Arc::new(plan("p", 10, 1.0, FallbackMode::Allow));
-    for on in [true, false] {
-        let store = Switch::default();
-        store.failing.store(true, Ordering::SeqCst);
-        let mut builder = crate::Limiter::builder(store);
-        if !on {
-            builder = builder.outage_debt(false);
-        }
-        let limiter = builder.build();
-        let d = limiter.try_acquire_with(&p, "k", 2.0).await.unwrap();
-        assert!(d.allowed);
-        let expect = if on { whole(2) } else { Tokens::ZERO };
-        assert_eq!(limiter.outage_debt().outstanding, expect, "switch {on}");
-    }
 }
 
 /// A flood of keys paid off gives the ledger's memory back: the map and the queue shrink to a

@@ -1265,4 +1265,29 @@ mod tests {
             assert_eq!(leases.plan_index("k"), Some(0));
         });
     }
+
+    /// The limiter's outage-debt switch, on by default: the ledger's own tests are in
+    /// `debt/tests.rs`, whose failing store this shares.
+    #[tokio::test(start_paused = true)]
+    async fn the_builder_switch() {
+        use std::sync::atomic::Ordering;
+
+        use crate::debt::tests::{Switch, plan, whole};
+        use crate::policy::FallbackMode;
+
+        let p = Arc::new(plan("p", 10, 1.0, FallbackMode::Allow));
+        for on in [true, false] {
+            let store = Switch::default();
+            store.failing.store(true, Ordering::SeqCst);
+            let mut builder = Limiter::builder(store);
+            if !on {
+                builder = builder.outage_debt(false);
+            }
+            let limiter = builder.build();
+            let d = limiter.try_acquire_with(&p, "k", 2.0).await.unwrap();
+            assert!(d.allowed);
+            let expect = if on { whole(2) } else { Tokens::ZERO };
+            assert_eq!(limiter.outage_debt().outstanding, expect, "switch {on}");
+        }
+    }
 }
