@@ -335,14 +335,19 @@ impl Debt {
 
     /// Records `cost` admitted by `plan`'s fallback on `key`, if the plan keeps outage debt
     /// (its `allow` or `local` fallback, with `outage_debt` on), and starts the charging task
-    /// if none runs.
-    pub(crate) fn record(&self, plan: &Plan, key: &str, cost: Tokens) {
+    /// if none runs. The debt is counted on the plan's `counters`.
+    pub(crate) fn record(
+        &self,
+        plan: &Plan,
+        counters: &Arc<PlanCounters>,
+        key: &str,
+        cost: Tokens,
+    ) {
         let Some(shared) = &self.shared else { return };
         let fallback = plan.fallback();
         if !fallback.outage_debt || fallback.mode == FallbackMode::Deny || cost.is_zero() {
             return;
         }
-        let counters = plan.counters();
         let now = Instant::now();
         {
             let mut ledger = shared.ledger.lock();

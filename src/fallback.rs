@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 use crate::bucket::{BucketConfig, Rate, Tokens};
 use crate::debt::{ACTIVE_GAP, Debt, OutageDebt};
 use crate::decision::{DecidedBy, Decision};
-use crate::metrics::FALLBACK_ACTIVE_SECONDS;
+use crate::metrics::{FALLBACK_ACTIVE_SECONDS, PlanCounters};
 use crate::policy::{FallbackMode, Plan};
 use crate::store::{AcquireRequest, MemoryStore, Store};
 
@@ -135,12 +135,18 @@ impl Fallback {
     }
 
     /// Decides `cost` on `key` under `plan`'s fallback mode; what it admits goes into the
-    /// outage debt (for plans that keep it).
-    pub(crate) async fn decide(&self, plan: &Plan, key: &str, cost: Tokens) -> Decision {
+    /// outage debt (for plans that keep it), counted on the plan's `counters`.
+    pub(crate) async fn decide(
+        &self,
+        plan: &Plan,
+        counters: &Arc<PlanCounters>,
+        key: &str,
+        cost: Tokens,
+    ) -> Decision {
         let decision = self.decide_alone(plan, key, cost).await;
         self.debt.fallback_decided();
         if decision.allowed {
-            self.debt.record(plan, key, cost);
+            self.debt.record(plan, counters, key, cost);
         }
         decision
     }
@@ -206,6 +212,7 @@ mod tests {
     use std::num::NonZeroU32;
 
     use super::*;
+    use crate::debt::tests::counters;
     use crate::policy::FallbackSettings;
 
     fn plan(mode: FallbackMode) -> Plan {
@@ -232,13 +239,15 @@ mod tests {
         let one = Tokens::whole(1);
         let mut admitted = 0;
         for _ in 0..200 {
-            let d = fallback.decide(&plan, "k", one).await;
+            let d = fallback.decide(&plan, &counters(&plan), "k", one).await;
             assert_eq!(d.decided_by, DecidedBy::Fallback(plan.fallback().mode));
             admitted += u32::from(d.allowed);
         }
         // 50 at once; a slow test machine may add a token or two of refill at 25/s.
         assert!((50..=53).contains(&admitted), "admitted {admitted}");
-        let d = fallback.decide(&plan, "k", Tokens::whole(51)).await;
+        let d = fallback
+            .decide(&plan, &counters(&plan), "k", Tokens::whole(51))
+            .await;
         assert!(!d.allowed, "a cost above the local share is denied");
     }
 
@@ -246,9 +255,23 @@ mod tests {
     async fn allow_and_deny() {
         let fallback = Fallback::default();
         let one = Tokens::whole(1);
-        let allow = fallback.decide(&plan(FallbackMode::Allow), "k", one).await;
+        let allow = fallback
+            .decide(
+                &plan(FallbackMode::Allow),
+                &counters(&plan(FallbackMode::Allow)),
+                "k",
+                one,
+            )
+            .await;
         assert!(allow.allowed);
-        let deny = fallback.decide(&plan(FallbackMode::Deny), "k", one).await;
+        let deny = fallback
+            .decide(
+                &plan(FallbackMode::Deny),
+                &counters(&plan(FallbackMode::Deny)),
+                "k",
+                one,
+            )
+            .await;
         assert!(!deny.allowed);
         assert_eq!(deny.retry_after, Duration::from_secs(1));
     }
@@ -260,7 +283,9 @@ mod tests {
         let fallback = Fallback::default();
         let one = Tokens::whole(1);
         for mode in [FallbackMode::Allow, FallbackMode::Deny] {
-            let d = fallback.decide(&plan(mode), "k", one).await;
+            let d = fallback
+                .decide(&plan(mode), &counters(&plan(mode)), "k", one)
+                .await;
             assert_eq!(d.remaining, None, "{mode:?}");
             assert_eq!(d.reset_after, None, "{mode:?}");
             assert_eq!(d.limit, Tokens::whole(100), "{mode:?}");
@@ -270,7 +295,7 @@ mod tests {
         let local = plan(FallbackMode::Local {
             instances: NonZeroU32::new(2).unwrap(),
         });
-        let d = fallback.decide(&local, "k", one).await;
+        let d = fallback.decide(&local, &counters(&local), "k", one).await;
         assert_eq!(d.remaining, Some(Tokens::whole(49)));
         assert_eq!(d.reset_after, Some(Duration::from_millis(40)));
     }
@@ -294,7 +319,9 @@ mod tests {
         let one = Tokens::whole(1);
         let mut admitted = 0;
         for i in 0..1_000_000 {
-            let d = fallback.decide(&plan, &format!("id:{i}"), one).await;
+            let d = fallback
+                .decide(&plan, &counters(&plan), &format!("id:{i}"), one)
+                .await;
             admitted += usize::from(d.allowed);
             if i % 10_000 == 0 {
                 assert!(fallback.local.len() <= FALLBACK_MAX_KEYS);
@@ -303,13 +330,13 @@ mod tests {
         assert_eq!(admitted, FALLBACK_MAX_KEYS);
         assert_eq!(fallback.local.len(), FALLBACK_MAX_KEYS);
         // A stored id still decides by its bucket: 49 of its 50 tokens left.
-        let d = fallback.decide(&plan, "id:0", one).await;
+        let d = fallback.decide(&plan, &counters(&plan), "id:0", one).await;
         assert!(d.allowed);
         assert_eq!(d.remaining, Some(Tokens::whole(48)));
 
         // A share of 50 refilling at 25/s is full again after 2 s: the next call deletes them.
         clock.advance(3_000_000_000);
-        let d = fallback.decide(&plan, "later", one).await;
+        let d = fallback.decide(&plan, &counters(&plan), "later", one).await;
         assert!(d.allowed);
         assert_eq!(fallback.local.len(), 1);
     }
@@ -337,7 +364,7 @@ mod tests {
         use std::time::Duration;
 
         use crate::debt::OutageDebt;
-        use crate::debt::tests::{Switch, ledger, local, plan, settings, until, whole};
+        use crate::debt::tests::{Switch, counters, ledger, local, plan, settings, until, whole};
         use crate::fallback::Fallback;
         use crate::policy::{FallbackMode, FallbackSettings, Plan};
 
@@ -350,7 +377,12 @@ mod tests {
             let fallback = Fallback::with_debt(ledger(&store, settings()));
             let p = plan("p", 100, 1.0, FallbackMode::Allow);
             for _ in 0..100 {
-                assert!(fallback.decide(&p, "k", whole(1)).await.allowed);
+                assert!(
+                    fallback
+                        .decide(&p, &counters(&p), "k", whole(1))
+                        .await
+                        .allowed
+                );
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             assert_eq!(store.calls(), 0, "no probe in 10 s of fallback decisions");
@@ -371,27 +403,52 @@ mod tests {
             let one = whole(1);
             let allow = plan("allow", 100, 1.0, FallbackMode::Allow);
             for _ in 0..3 {
-                assert!(fallback.decide(&allow, "a", one).await.allowed);
+                assert!(
+                    fallback
+                        .decide(&allow, &counters(&allow), "a", one)
+                        .await
+                        .allowed
+                );
             }
             assert_eq!(fallback.debt().outstanding, whole(3));
             // A local share of 10 / 2 = 5: five admitted, the rest denied, only the five recorded.
             let local = plan("local", 10, 1.0, local(2));
             let mut admitted = 0;
             for _ in 0..8 {
-                admitted += u64::from(fallback.decide(&local, "l", one).await.allowed);
+                admitted += u64::from(
+                    fallback
+                        .decide(&local, &counters(&local), "l", one)
+                        .await
+                        .allowed,
+                );
             }
             assert_eq!(admitted, 5);
             assert_eq!(fallback.debt().outstanding, whole(8));
             let deny = plan("deny", 10, 1.0, FallbackMode::Deny);
-            assert!(!fallback.decide(&deny, "d", one).await.allowed);
+            assert!(
+                !fallback
+                    .decide(&deny, &counters(&deny), "d", one)
+                    .await
+                    .allowed
+            );
             let off = Plan::new("off", *allow.bucket())
                 .with_fallback(FallbackSettings::new(FallbackMode::Allow).with_outage_debt(false));
-            assert!(fallback.decide(&off, "o", one).await.allowed);
+            assert!(
+                fallback
+                    .decide(&off, &counters(&off), "o", one)
+                    .await
+                    .allowed
+            );
             assert_eq!(fallback.debt().outstanding, whole(8));
             assert_eq!(fallback.debt().keys, 2);
             // A fallback built without debt (the limiter's switch off) records nothing.
             let plain = Fallback::default();
-            assert!(plain.decide(&allow, "a", one).await.allowed);
+            assert!(
+                plain
+                    .decide(&allow, &counters(&allow), "a", one)
+                    .await
+                    .allowed
+            );
             assert_eq!(plain.debt(), OutageDebt::default());
         }
     }

@@ -61,6 +61,7 @@ mod key;
 mod lease;
 pub mod limiter;
 pub mod metrics;
+mod plans;
 pub mod policy;
 mod report;
 pub mod store;

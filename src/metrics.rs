@@ -18,7 +18,7 @@ use metrics::{Counter, Gauge, Unit, describe_counter, describe_gauge, describe_h
 use crate::bucket::Tokens;
 
 use crate::decision::{DecidedBy, Decision};
-use crate::policy::FallbackMode;
+use crate::policy::{FallbackMode, Plan};
 
 /// Decisions, by `plan` (the plan's name), `outcome` (`allowed`, `denied`, and for a shadow
 /// plan `would_deny`: a denial let through) and `decided_by` (`store`, `lease`, `fallback`).
@@ -332,10 +332,13 @@ fn by_index(decided_by: DecidedBy) -> usize {
 /// The decision counters of one plan: `tokenlease_decisions_total` for each outcome and
 /// decider and `tokenlease_fallback_decisions_total` for each outcome under the plan's fallback
 /// mode, with the plan's name, `tokenlease_db_calls_saved_total`, and the plan's outage-debt
-/// series. Registered once per
-/// plan (at zero, so every series exists from the start), so that recording a decision is an
-/// increment on a handle: no label strings, no lookup in the recorder's registry.
+/// series. Registered once per plan (at zero, so every series exists from the start), so that
+/// recording a decision is an increment on a handle: no label strings, no lookup in the
+/// recorder's registry. A limiter's plan registry (`plans.rs`) holds them: by the plan's index
+/// for the plans of its policies, by these labels for plans its callers name.
 pub(crate) struct PlanCounters {
+    /// The plan's name, the `plan` label.
+    name: Box<str>,
     /// `[allowed, denied][store, lease, fallback]`.
     decisions: [[Counter; 3]; 2],
     /// `outcome="would_deny"`, `[store, lease, fallback]`: registered (at zero) for a shadow
@@ -415,6 +418,11 @@ impl fmt::Debug for PlanCounters {
 }
 
 impl PlanCounters {
+    /// Registers the counters of `plan` with the recorder installed now.
+    pub(crate) fn of(plan: &Plan) -> PlanCounters {
+        PlanCounters::register(plan.name(), plan.fallback().mode, plan.shadow())
+    }
+
     /// Registers the counters of the plan `name`, whose fallback decides with `mode`, with the
     /// recorder installed now.
     pub(crate) fn register(name: &str, mode: FallbackMode, shadow: bool) -> PlanCounters {
@@ -438,6 +446,7 @@ impl PlanCounters {
         // another plan of the same mode has already published as it is).
         metrics::gauge!(FALLBACK_ACTIVE_SECONDS, "mode" => mode).increment(0.0);
         PlanCounters {
+            name: name.into(),
             decisions: [row("allowed"), row("denied")],
             would_deny: shadow.then(|| row("would_deny")),
             mode,
@@ -448,13 +457,12 @@ impl PlanCounters {
     }
 }
 
-/// Records one decision made off the fast path under `plan`.
+/// Records one decision made off the fast path on a plan's `counters`.
 ///
 /// A shadow plan's denial let through ([`Decision::would_deny`]) counts as `would_deny` in
 /// `tokenlease_decisions_total`, and as the denial it is in
 /// `tokenlease_fallback_decisions_total`.
-pub(crate) fn record(plan: &crate::policy::Plan, decision: &Decision) {
-    let counters = plan.counters();
+pub(crate) fn record(counters: &PlanCounters, decision: &Decision) {
     let row = usize::from(!decision.allowed || decision.would_deny);
     if let DecidedBy::Fallback(mode) = decision.decided_by {
         let mode = mode_label(mode);
@@ -463,7 +471,7 @@ pub(crate) fn record(plan: &crate::policy::Plan, decision: &Decision) {
         } else {
             // The plan's fallback decides with the plan's mode; this is only for a decision
             // that names another one, counted by its own labels rather than misfiled.
-            metrics::counter!(FALLBACK_DECISIONS, "plan" => plan.name().to_owned(),
+            metrics::counter!(FALLBACK_DECISIONS, "plan" => counters.name.to_string(),
                 "mode" => mode, "outcome" => outcome(row == 0))
             .increment(1);
         }
@@ -471,10 +479,10 @@ pub(crate) fn record(plan: &crate::policy::Plan, decision: &Decision) {
     let by = by_index(decision.decided_by);
     match &counters.would_deny {
         Some(would_deny) if decision.would_deny => would_deny[by].increment(1),
-        // A would-deny decision of a plan built without shadow counters (not possible through
-        // `Plan`, kept total): by the macro.
+        // A would-deny decision on the counters of a plan without shadow mode (not possible:
+        // a plan's counters are registered with its shadow mode; kept total): by the macro.
         None if decision.would_deny => metrics::counter!(DECISIONS,
-            "plan" => plan.name().to_owned(), "outcome" => "would_deny",
+            "plan" => counters.name.to_string(), "outcome" => "would_deny",
             "decided_by" => DECIDED_BY[by])
         .increment(1),
         _ => counters.decisions[row][by].increment(1),
@@ -501,8 +509,8 @@ pub(crate) fn record_latency(decided_by: DecidedBy, took: std::time::Duration) {
 }
 
 /// Lease decisions not yet added to the counters, per thread: a few slots, each batching the
-/// decisions of one plan (chosen by the address of the plan's counters), so that a thread that
-/// serves several plans does not flush at every change of plan.
+/// decisions of one plan (chosen by an address: of the plan's counters, or of a plan its caller
+/// named), so that a thread that serves several plans does not flush at every change of plan.
 struct Batches([Batch; BATCH_SLOTS]);
 
 /// The batches a thread keeps at once.
@@ -513,12 +521,16 @@ const BATCH: u64 = 256;
 
 /// One plan's pending lease decisions on this thread.
 struct Batch {
-    /// The address of `held`'s counters (0: none).
+    /// What the slot batches (0: nothing): the address of `held`, or, with the low bit set, the
+    /// address of `name`, the name of a plan its caller named, whose counters `held` is.
     tag: Cell<usize>,
     /// Decisions not yet added.
     pending: Cell<u64>,
     /// The counters they go to; held, so their address cannot be reused while tagged.
     held: RefCell<Option<Arc<PlanCounters>>>,
+    /// The name of the plan `held` counts for, when its caller named it; held for the same
+    /// reason.
+    name: RefCell<Option<Arc<str>>>,
 }
 
 impl Batch {
@@ -527,6 +539,7 @@ impl Batch {
             tag: Cell::new(0),
             pending: Cell::new(0),
             held: RefCell::new(None),
+            name: RefCell::new(None),
         }
     }
 
@@ -541,11 +554,23 @@ impl Batch {
         }
     }
 
-    /// Flushes what this slot holds and gives it to `counters`, with one decision pending.
+    /// One more decision pending; flushed at [`BATCH`].
+    #[inline]
+    fn add_one(&self) {
+        let n = self.pending.get() + 1;
+        self.pending.set(n);
+        if n >= BATCH {
+            self.flush();
+        }
+    }
+
+    /// Flushes what this slot holds and gives it to `counters` (of the plan called `name`, when
+    /// its caller named it), with one decision pending.
     #[cold]
-    fn switch(&self, counters: &Arc<PlanCounters>, tag: usize) {
+    fn switch(&self, counters: Arc<PlanCounters>, name: Option<Arc<str>>, tag: usize) {
         self.flush();
-        *self.held.borrow_mut() = Some(Arc::clone(counters));
+        *self.held.borrow_mut() = Some(counters);
+        *self.name.borrow_mut() = name;
         self.tag.set(tag);
         self.pending.set(1);
     }
@@ -564,27 +589,53 @@ thread_local! {
     static FROM_LEASE: Batches = const { Batches([const { Batch::new() }; BATCH_SLOTS]) };
 }
 
-/// Counts one decision allowed from a lease (a store call saved) under `plan`, batched per
-/// thread: an increment of a thread-local count, and every 256 an increment of the plan's
-/// counters.
+/// Counts one decision allowed from a lease (a store call saved) on a plan's `counters` (held
+/// by the limiter's plan registry, at the plan's index), batched per thread: an increment of a
+/// thread-local count, and every 256 an increment of the plan's counters.
 #[inline]
-pub(crate) fn record_lease_allowed(plan: &crate::policy::Plan) {
-    let counters = plan.counters();
+pub(crate) fn record_lease_allowed(counters: &Arc<PlanCounters>) {
     let tag = Arc::as_ptr(counters) as usize;
-    // A multiplicative hash of the address picks the slot.
-    let slot = tag.wrapping_mul(0x9e37_79b9_7f4a_7c15_u64 as usize) >> (usize::BITS - 2);
     let _ = FROM_LEASE.try_with(|batches| {
-        let b = &batches.0[slot % BATCH_SLOTS];
+        let b = &batches.0[slot_of(tag)];
         if b.tag.get() == tag {
-            let n = b.pending.get() + 1;
-            b.pending.set(n);
-            if n >= BATCH {
-                b.flush();
-            }
+            b.add_one();
         } else {
-            b.switch(counters, tag);
+            b.switch(Arc::clone(counters), None, tag);
         }
     });
+}
+
+/// [`record_lease_allowed`] for a plan its caller named (not one of the policies' plans, which
+/// the registry holds by index): batched by the address of the plan's name, which the batch
+/// holds a clone of, so that no other name takes that address meanwhile; `counters` gives the
+/// plan's counters when the slot changes to it.
+///
+/// Clones of a plan share its name (`Plan::shared_name`), whatever else of them differs: enough,
+/// since the two series a lease decision adds to,
+/// `tokenlease_decisions_total{plan, outcome="allowed", decided_by="lease"}` and
+/// `tokenlease_db_calls_saved_total`, depend on nothing else of the plan.
+#[inline]
+pub(crate) fn record_lease_allowed_named(
+    plan: &Plan,
+    counters: impl FnOnce() -> Arc<PlanCounters>,
+) {
+    let name = plan.shared_name();
+    // Shared data is aligned to 8 bytes: the low bit tells a name's address from a counters'.
+    let tag = Arc::as_ptr(name).cast::<u8>() as usize | 1;
+    let _ = FROM_LEASE.try_with(|batches| {
+        let b = &batches.0[slot_of(tag)];
+        if b.tag.get() == tag {
+            b.add_one();
+        } else {
+            b.switch(counters(), Some(Arc::clone(name)), tag);
+        }
+    });
+}
+
+/// The batch slot of `tag`: a multiplicative hash of the address.
+#[inline]
+fn slot_of(tag: usize) -> usize {
+    (tag.wrapping_mul(0x9e37_79b9_7f4a_7c15_u64 as usize) >> (usize::BITS - 2)) % BATCH_SLOTS
 }
 
 /// Adds this thread's pending lease decisions to the counters now (tests and shutdown).
@@ -648,6 +699,53 @@ mod tests {
         metrics::with_local_recorder(&recorder, super::describe);
         let described = recorder.0.lock().clone();
         assert_eq!(described, names, "described vs defined");
+    }
+
+    /// Lease decisions on plans their callers name count under each plan's name, also when a
+    /// plan is dropped and the next one, of another name, is made in its place (the same stack
+    /// slot, its name of the same length, likely in the same heap chunk).
+    #[test]
+    fn named_plans_count_under_their_own_names() {
+        use std::sync::Arc;
+
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+        use crate::bucket::{BucketConfig, Rate, Tokens};
+        use crate::policy::Plan;
+
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        // A thread of its own: the batches are per thread.
+        std::thread::spawn(move || {
+            metrics::with_local_recorder(&recorder, || {
+                let bucket =
+                    BucketConfig::new(Tokens::whole(10), Rate::per_second(1).unwrap()).unwrap();
+                for (name, calls) in [("p1", 3), ("p2", 5), ("p3", 7)] {
+                    let plan = Plan::new(name, bucket);
+                    let counters = Arc::new(super::PlanCounters::of(&plan));
+                    for _ in 0..calls {
+                        super::record_lease_allowed_named(&plan, || Arc::clone(&counters));
+                    }
+                }
+                super::flush_thread();
+            });
+        })
+        .join()
+        .unwrap();
+        let mut counted = std::collections::BTreeMap::new();
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            let key = key.key();
+            let label = |k: &str| key.labels().find(|l| l.key() == k).map(|l| l.value());
+            if key.name() == super::DECISIONS
+                && label("outcome") == Some("allowed")
+                && label("decided_by") == Some("lease")
+                && let DebugValue::Counter(n) = value
+            {
+                counted.insert(label("plan").unwrap().to_owned(), n);
+            }
+        }
+        let expected = [("p1", 3), ("p2", 5), ("p3", 7)].map(|(n, c)| (n.to_owned(), c));
+        assert_eq!(counted, expected.into_iter().collect());
     }
 
     /// The `"tokenlease_..."` literals in `text`.

@@ -189,19 +189,20 @@ impl RouteLimits {
     ///
     /// A shadow layer decides with its plan's shadow twin (`plan.clone().with_shadow(true)`):
     /// its refusals let the request through as the layer's do, are counted as
-    /// `outcome="would_deny"` in `tokenlease_decisions_total` (registered at zero now, with
-    /// the recorder installed now), never as `denied`, and its buckets are the twin's own
-    /// ([`Plan::store_key`]).
+    /// `outcome="would_deny"` in `tokenlease_decisions_total` (registered at zero now in
+    /// `limiter`'s plan registry, with the recorder installed now), never as `denied`, and its
+    /// buckets are the twin's own ([`Plan::store_key`]).
     fn new(
         global: Option<Arc<Plan>>,
         entity: Option<(EntityKey, Arc<Plan>)>,
         pattern: Option<String>,
         shadow: RouteShadow,
+        limiter: &Limiter,
     ) -> RouteLimits {
         let twin = |plan: Arc<Plan>, on: bool| {
             if on && !plan.shadow() {
                 let twin = Arc::new((*plan).clone().with_shadow(true));
-                twin.counters();
+                limiter.register_plan(&twin);
                 twin
             } else {
                 plan
@@ -255,7 +256,7 @@ impl RateLimitLayer {
     ///
     /// [`RouteConfigError`] for a route naming an unknown plan or an invalid header name.
     pub fn from_policies(policies: &Policies, limiter: Limiter) -> Result<Self, RouteConfigError> {
-        let table = route_table(policies)?;
+        let table = route_table(policies, &limiter)?;
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 limiter,
@@ -285,18 +286,18 @@ impl RateLimitLayer {
         };
         // Checked before anything changes; built again from the limiter's copy, whose plans
         // are the ones its lease table knows.
-        if let Err(e) = route_table(&policies) {
+        if let Err(e) = route_table(&policies, &self.config.limiter) {
             crate::metrics::record_reload(false);
             return Err(e.into());
         }
         let policies = self.config.limiter.reload(policies)?;
-        *cell.write() = Arc::new(route_table(&policies)?);
+        *cell.write() = Arc::new(route_table(&policies, &self.config.limiter)?);
         Ok(())
     }
 }
 
-/// The route table of `policies`.
-fn route_table(policies: &Policies) -> Result<RouteTable, RouteConfigError> {
+/// The route table of `policies`, for a layer deciding with `limiter`.
+fn route_table(policies: &Policies, limiter: &Limiter) -> Result<RouteTable, RouteConfigError> {
     let mut by_shape = HashMap::new();
     let mut all = Vec::new();
     for route in policies.routes() {
@@ -333,7 +334,7 @@ fn route_table(policies: &Policies) -> Result<RouteTable, RouteConfigError> {
             }
         };
         let (api, per_entity) = (global.is_some(), entity.is_some());
-        let mut limits = RouteLimits::new(global, entity, None, route.shadow);
+        let mut limits = RouteLimits::new(global, entity, None, route.shadow, limiter);
         limits.file = Some(Arc::new(FileRoute::new(
             &route.method,
             &route.path,
@@ -372,15 +373,11 @@ impl RouteLimitLayer {
     /// A layer for one route with no limits yet: add them with [`global`](Self::global) and
     /// [`entity`](Self::entity).
     pub fn new(limiter: Limiter) -> Self {
+        let limits = RouteLimits::new(None, None, None, RouteShadow::default(), &limiter);
         RouteLimitLayer {
             config: Arc::new(Config {
                 limiter,
-                routes: Routes::One(Arc::new(RouteLimits::new(
-                    None,
-                    None,
-                    None,
-                    RouteShadow::default(),
-                ))),
+                routes: Routes::One(Arc::new(limits)),
                 trusted: TrustedProxies::none(),
             }),
             given: Given::default(),
@@ -511,6 +508,7 @@ impl RouteLimitLayer {
             g.entity.clone(),
             g.pattern.clone(),
             g.shadow,
+            &self.config.limiter,
         );
         limits.budget = g.budget.clone();
         // Only `new` makes a `RouteLimitLayer`, always with one route.

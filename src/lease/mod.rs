@@ -26,6 +26,7 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
+use crate::plans::PlanRegistry;
 use crate::policy::Plan;
 use crate::store::Store;
 
@@ -301,7 +302,8 @@ impl Leases {
     ///
     /// `chosen` is the plan's shared copy and its index among the limiter's policies when the
     /// policies chose it for `key` (`try_acquire`); a new slot records the index so that later
-    /// calls find the plan through [`Leases::try_take_known`].
+    /// calls find the plan through [`Leases::try_take_known`]. `plans` holds the plan's
+    /// counters.
     #[inline]
     pub(crate) fn try_take(
         &self,
@@ -309,6 +311,7 @@ impl Leases {
         chosen: Option<(&Arc<Plan>, u32)>,
         key: &str,
         cost: u64,
+        plans: &PlanRegistry,
     ) -> Fast {
         let table = self.table.pin();
         let (slot, hot) = match table.get(key) {
@@ -368,7 +371,10 @@ impl Leases {
                 if nudge {
                     self.nudge_soon(slot);
                 }
-                crate::metrics::record_lease_allowed(plan);
+                match chosen.and_then(|(_, index)| plans.get_counted(index as usize)) {
+                    Some((_, counters)) => crate::metrics::record_lease_allowed(counters),
+                    None => record_named(plans, plan),
+                }
                 Fast::Taken {
                     left,
                     store_remaining: hot.store_remaining.load(Ordering::Relaxed),
@@ -388,12 +394,12 @@ impl Leases {
     pub(crate) fn try_take_known<'p, E>(
         &self,
         key: &str,
-        plans: &'p crate::limiter::PlanRegistry,
+        plans: &'p PlanRegistry,
         cost: impl FnOnce(&Plan) -> Result<u64, E>,
     ) -> Option<Result<Known<'p>, E>> {
         let table = self.table.pin();
         let (slot, hot) = table.get(key)?;
-        let plan = plans.get(hot.plan.load(Ordering::Relaxed) as usize)?;
+        let (plan, counters) = plans.get_counted(hot.plan.load(Ordering::Relaxed) as usize)?;
         let nanos = match cost(plan) {
             Ok(nanos) => nanos,
             Err(e) => return Some(Err(e)),
@@ -406,7 +412,7 @@ impl Leases {
                 if nudge {
                     self.nudge_soon(slot);
                 }
-                crate::metrics::record_lease_allowed(plan);
+                crate::metrics::record_lease_allowed(counters);
                 Some(Ok(Known {
                     plan,
                     left,
@@ -499,13 +505,20 @@ impl Leases {
         self.nudge_soon(slot);
     }
 
-    /// Waits for `slot`'s refill and spends `cost` from it, until `deadline`.
+    /// Waits for `slot`'s refill and spends `cost` from it, until `deadline`. `plans` holds the
+    /// counters of the slot's plan.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: a dropped waiter leaves only its cost in the slot's `waiting` sum, which
     /// makes the next refill a little larger; the refill itself goes on.
-    pub(crate) async fn wait(&self, slot: SlotRef, cost: u64, deadline: Instant) -> Fast {
+    pub(crate) async fn wait(
+        &self,
+        slot: SlotRef,
+        cost: u64,
+        deadline: Instant,
+        plans: &PlanRegistry,
+    ) -> Fast {
         loop {
             let notified = slot.notify().notified();
             tokio::pin!(notified);
@@ -516,7 +529,7 @@ impl Leases {
                 .try_take(cost, hot.low_water.load(Ordering::Relaxed))
             {
                 Take::Taken { left, nudge } => {
-                    crate::metrics::record_lease_allowed(&slot.plan);
+                    record_named(plans, &slot.plan);
                     if nudge {
                         self.nudge_soon(&slot);
                     }
@@ -671,4 +684,11 @@ impl Leases {
         self.stopping.store(true, Ordering::Release);
         self.wake.notify_one();
     }
+}
+
+/// Counts a decision allowed from a lease under `plan`, a plan without a registry index (named
+/// by its caller, or a slot's shared copy): on the counters `plans` holds for its labels.
+#[inline]
+fn record_named(plans: &PlanRegistry, plan: &Plan) {
+    crate::metrics::record_lease_allowed_named(plan, || plans.counters_of(plan));
 }

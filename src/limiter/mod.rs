@@ -21,14 +21,13 @@ pub use crate::decision::{DecidedBy, Decision};
 use crate::error::{Error, validate_key, validate_stored_key};
 use crate::fallback::Fallback;
 use crate::lease::{Fast, LeaseStats, Leases, TableSettings};
+use crate::plans::{self, PlanRegistry};
 use crate::policy::{Plan, Policies};
 use crate::store::{AcquireRequest, Acquired, GiveBack, Store};
 
 mod coalesce;
-mod plans;
 
 use coalesce::Coalescer;
-pub(crate) use plans::PlanRegistry;
 
 /// The direct-mode deadline when the store does not say what its call timeout is.
 const DEFAULT_CALL_DEADLINE: Duration = Duration::from_secs(1);
@@ -273,12 +272,9 @@ impl LimiterBuilder {
             max_queued: max_in_flight.saturating_mul(self.batch_keys),
             adaptive: self.statements_in_flight.is_none(),
         };
-        // Every plan's decision counters and the store-call counters, with the recorder
-        // installed now, at zero.
+        // The store-call counters, and (as the registry takes them in) every plan's decision
+        // counters, with the recorder installed now, at zero.
         crate::metrics::register_store_calls();
-        for plan in self.policies.iter().flat_map(Policies::plans) {
-            plan.counters();
-        }
         crate::metrics::register_reloads();
         let plans = PlanRegistry::default();
         // A policy defines at most `policy::MAX_PLANS` plans (`Policies` refuses more), and a
@@ -384,9 +380,6 @@ impl Limiter {
             }
         })?;
         crate::metrics::record_reload(true);
-        for plan in loaded.policies.plans() {
-            plan.counters();
-        }
         let new = Arc::clone(&loaded.policies);
         *self.inner.policies.write() = Some(loaded);
         if let Some(leases) = self.inner.leases.get() {
@@ -535,7 +528,7 @@ impl Limiter {
         };
         let nanos = lease_cost(cost_tokens);
         let leases = self.leases();
-        let fast = leases.try_take(plan, chosen, key, nanos);
+        let fast = leases.try_take(plan, chosen, key, nanos, &self.inner.plans);
         if let Fast::Taken {
             left,
             store_remaining,
@@ -562,7 +555,7 @@ impl Limiter {
                 deadline: Instant::now() + settings.max_wait,
             },
             Fast::Dry { retry_after } => {
-                Step::Done(recorded(plan, lease_denied(plan, retry_after)))
+                Step::Done(self.recorded(plan, lease_denied(plan, retry_after)))
             }
             Fast::Failing | Fast::Short(_) => Step::Fallback {
                 plan,
@@ -578,6 +571,29 @@ impl Limiter {
                 cost: cost_tokens,
             },
         })
+    }
+
+    /// Counts a decision made off the fast path under `plan` (on its counters in the plan
+    /// registry), after [`shadowed`] let a shadow plan's denial through.
+    fn recorded(&self, plan: &Plan, decision: Decision) -> Decision {
+        let decision = shadowed(plan, decision);
+        crate::metrics::record(&self.inner.plans.counters_of(plan), &decision);
+        decision
+    }
+
+    /// The plan's fallback decides `cost` on `key`: the store failed, timed out, or cannot be
+    /// asked.
+    async fn decide_by_fallback(&self, plan: &Plan, key: &str, cost: Tokens) -> Decision {
+        let counters = self.inner.plans.counters_of(plan);
+        self.inner.fallback.decide(plan, &counters, key, cost).await
+    }
+
+    /// Registers `plan`'s decision counters now (at zero, with the recorder installed now), for
+    /// a plan that callers will name ([`try_acquire_with`](Self::try_acquire_with)): the HTTP
+    /// layer's shadow twins, whose series exist from the layer's build.
+    #[cfg(feature = "http")]
+    pub(crate) fn register_plan(&self, plan: &Plan) {
+        self.inner.plans.counters_of(plan);
     }
 
     /// Distinct plans given to the limiter over its life.
@@ -646,7 +662,10 @@ impl Limiter {
                 deadline,
             } => {
                 let leases = self.leases();
-                match leases.wait(slot, lease_cost(cost), deadline).await {
+                match leases
+                    .wait(slot, lease_cost(cost), deadline, &self.inner.plans)
+                    .await
+                {
                     Fast::Taken {
                         left,
                         store_remaining,
@@ -656,12 +675,11 @@ impl Limiter {
                         Ok(lease_allowed(plan, left, store_remaining))
                     }
                     Fast::Dry { retry_after } => {
-                        Ok(recorded(plan, lease_denied(plan, retry_after)))
+                        Ok(self.recorded(plan, lease_denied(plan, retry_after)))
                     }
-                    Fast::Failing | Fast::Short(_) => Ok(recorded(
-                        plan,
-                        self.inner.fallback.decide(plan, stored, cost).await,
-                    )),
+                    Fast::Failing | Fast::Short(_) => {
+                        Ok(self.recorded(plan, self.decide_by_fallback(plan, stored, cost).await))
+                    }
                     // A reload retired the slot (its plan changed): start over, so the call
                     // is decided under the plan in force now, on the key's new slot.
                     Fast::Gone if again => {
@@ -671,17 +689,16 @@ impl Limiter {
                     Fast::NoRoom | Fast::Sparse(..) | Fast::Gone => self
                         .direct(plan, stored, cost)
                         .await
-                        .map(|d| recorded(plan, d)),
+                        .map(|d| self.recorded(plan, d)),
                 }
             }
-            Step::Fallback { plan, cost } => Ok(recorded(
-                plan,
-                self.inner.fallback.decide(plan, stored, cost).await,
-            )),
+            Step::Fallback { plan, cost } => {
+                Ok(self.recorded(plan, self.decide_by_fallback(plan, stored, cost).await))
+            }
             Step::Direct { plan, cost } => self
                 .direct(plan, stored, cost)
                 .await
-                .map(|d| recorded(plan, d)),
+                .map(|d| self.recorded(plan, d)),
             Step::Sparse { plan, cost, slot } => {
                 let decision = self.direct(plan, stored, cost).await?;
                 let by_store = decision.decided_by == DecidedBy::Store;
@@ -695,7 +712,7 @@ impl Limiter {
                 let failed = matches!(decision.decided_by, DecidedBy::Fallback(_));
                 self.leases()
                     .record_direct(&slot, spent, denied_for, failed);
-                Ok(recorded(plan, decision))
+                Ok(self.recorded(plan, decision))
             }
         }
     }
@@ -729,7 +746,7 @@ impl Limiter {
         // A shadow plan's bucket (and lease) is under a key of its own.
         let key = &*plan.store_key(key);
         let leases = self.leases();
-        match leases.try_take(plan, None, key, lease_cost(cost)) {
+        match leases.try_take(plan, None, key, lease_cost(cost), &self.inner.plans) {
             Fast::Taken {
                 left,
                 store_remaining,
@@ -855,7 +872,7 @@ impl Limiter {
                 self.inner.fallback.tidy();
                 Ok(from_store(plan, &acquired))
             }
-            Err(_) => Ok(self.inner.fallback.decide(plan, key, cost).await),
+            Err(_) => Ok(self.decide_by_fallback(plan, key, cost).await),
         }
     }
 }
@@ -1001,15 +1018,6 @@ impl Future for Acquire<'_> {
             }
         }
     }
-}
-
-/// Counts a decision made off the fast path under `plan`.
-/// Counts a decision made off the fast path, after [`shadowed`] let a shadow plan's denial
-/// through.
-fn recorded(plan: &Plan, decision: Decision) -> Decision {
-    let decision = shadowed(plan, decision);
-    crate::metrics::record(plan, &decision);
-    decision
 }
 
 /// A shadow plan's denial becomes an admission marked [`Decision::would_deny`]; every other

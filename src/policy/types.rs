@@ -4,11 +4,11 @@
 //! with [`Plan::new`] for tests and embedders. See the [module docs](super) for the file format.
 
 use std::num::NonZeroU32;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
+
 use std::time::Duration;
 
 use crate::bucket::{BucketConfig, Rate, Tokens};
-use crate::metrics::PlanCounters;
 
 /// One named bucket shape with its lease and fallback settings.
 ///
@@ -18,13 +18,14 @@ use crate::metrics::PlanCounters;
 /// while the database cannot ([`fallback`](Plan::fallback)). Plans are shared as `Arc<Plan>` by
 /// [`Policies`](super::Policies).
 ///
-/// Two plans are equal when their name, bucket, lease and fallback are; the decision counters a
-/// plan carries (registered with the `metrics` recorder when a limiter is built with it, or at
-/// its first decision) play no part.
+/// Two plans are equal when their name, bucket, lease, fallback and shadow mode are. A plan
+/// holds no state: its decision counters are the limiter's (registered with the `metrics`
+/// recorder when a limiter is built with it, or at its first decision).
 #[derive(Debug, Clone)]
 pub struct Plan {
-    /// The plan's name, unique within one policy file.
-    name: String,
+    /// The plan's name, unique within one policy file. Shared by the plan's clones: see
+    /// [`shared_name`](Plan::shared_name).
+    name: Arc<str>,
     /// Capacity and refill rate.
     bucket: BucketConfig,
     /// Lease settings; `None` for direct mode.
@@ -33,8 +34,6 @@ pub struct Plan {
     fallback: FallbackSettings,
     /// Shadow mode: decide and count as usual, but let a denial through.
     shadow: bool,
-    /// `tokenlease_decisions_total{plan=name, ...}`, registered once.
-    counters: OnceLock<Arc<PlanCounters>>,
 }
 
 impl PartialEq for Plan {
@@ -62,12 +61,11 @@ impl Plan {
     /// [module docs](super)).
     pub fn new(name: impl Into<String>, bucket: BucketConfig) -> Plan {
         Plan {
-            name: name.into(),
+            name: name.into().into(),
             bucket,
             lease: None,
             fallback: FallbackSettings::default(),
             shadow: false,
-            counters: OnceLock::new(),
         }
     }
 
@@ -82,8 +80,6 @@ impl Plan {
     #[must_use]
     pub fn with_fallback(mut self, fallback: FallbackSettings) -> Plan {
         self.fallback = fallback;
-        // The counters carry the fallback's mode as a label: registered again when needed.
-        self.counters = OnceLock::new();
         self
     }
 
@@ -104,8 +100,6 @@ impl Plan {
     #[must_use]
     pub fn with_shadow(mut self, shadow: bool) -> Plan {
         self.shadow = shadow;
-        // The counters of a shadow plan include its would-deny series.
-        self.counters = OnceLock::new();
         self
     }
 }
@@ -114,6 +108,13 @@ impl Plan {
 impl Plan {
     /// The plan's name.
     pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The plan's name as the plan keeps it, shared by its clones: whoever holds a clone of it
+    /// knows that its address names no other string meanwhile (the metrics' per-thread batches of
+    /// lease decisions are keyed so, for plans their callers name).
+    pub(crate) fn shared_name(&self) -> &Arc<str> {
         &self.name
     }
 
@@ -163,27 +164,6 @@ impl Plan {
         } else {
             std::borrow::Cow::Borrowed(key)
         }
-    }
-
-    /// This plan's decision counters, registered with the recorder installed now on their first
-    /// use (a limiter registers the plans of its policies when it is built).
-    #[inline]
-    pub(crate) fn counters(&self) -> &Arc<PlanCounters> {
-        match self.counters.get() {
-            Some(c) => c,
-            None => self.register_counters(),
-        }
-    }
-
-    #[cold]
-    fn register_counters(&self) -> &Arc<PlanCounters> {
-        self.counters.get_or_init(|| {
-            Arc::new(PlanCounters::register(
-                &self.name,
-                self.fallback.mode,
-                self.shadow,
-            ))
-        })
     }
 }
 

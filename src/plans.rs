@@ -13,14 +13,23 @@
 //!
 //! An entry is found from its plan's [`Identity`] through a hash map, so interning a policy
 //! is linear in its plans, whatever the registry holds.
+//!
+//! Each entry holds its plan's decision counters (`metrics::PlanCounters`), registered with the
+//! recorder installed when the entry was added: a call that knows its plan's index counts on
+//! them without a lookup. The plans a caller names (`Limiter::try_acquire_with`) have no index;
+//! their counters are found by their labels (name, fallback mode, shadow mode) in a map beside
+//! the entries, which the entries' own counters are in too, so that one set of labels has one
+//! set of counters.
 
 use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
 use crate::bucket::BucketConfig;
+use crate::metrics::{PlanCounters, mode_label};
 use crate::policy::Plan;
 
 /// Entries in the first chunk; chunk `k` holds `FIRST << k`.
@@ -38,7 +47,65 @@ const _: () = assert!(FIRST * ((1 << CHUNKS) - 1) == MAX_PLANS);
 const _: () = assert!(MAX_PLANS < u16::MAX as usize);
 
 /// One chunk's entries, each set once.
-type Chunk = Box<[OnceLock<Arc<Plan>>]>;
+type Chunk = Box<[OnceLock<Entry>]>;
+
+/// A plan the registry holds, and its decision counters.
+#[derive(Debug)]
+struct Entry {
+    plan: Arc<Plan>,
+    counters: Arc<PlanCounters>,
+}
+
+/// The labels a plan's counters are registered with.
+#[derive(Debug, PartialEq, Eq)]
+struct Labels {
+    name: Box<str>,
+    mode: &'static str,
+    shadow: bool,
+}
+
+/// [`Labels`] borrowed from a plan, to look its counters up without allocating.
+struct LabelsOf<'p> {
+    name: &'p str,
+    mode: &'static str,
+    shadow: bool,
+}
+
+impl<'p> LabelsOf<'p> {
+    fn new(plan: &'p Plan) -> LabelsOf<'p> {
+        LabelsOf {
+            name: plan.name(),
+            mode: mode_label(plan.fallback().mode),
+            shadow: plan.shadow(),
+        }
+    }
+}
+
+// The two hash alike, field by field, as the map needs of an equivalent key.
+impl Hash for Labels {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        LabelsOf {
+            name: &self.name,
+            mode: self.mode,
+            shadow: self.shadow,
+        }
+        .hash(state);
+    }
+}
+
+impl Hash for LabelsOf<'_> {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.name.hash(state);
+        self.mode.hash(state);
+        self.shadow.hash(state);
+    }
+}
+
+impl papaya::Equivalent<Labels> for LabelsOf<'_> {
+    fn equivalent(&self, key: &Labels) -> bool {
+        *key.name == *self.name && key.mode == self.mode && key.shadow == self.shadow
+    }
+}
 
 /// What equal plans have in common, hashed to find a plan's entry: the entries of one
 /// identity are the versions of a plan that differ only in their lease or fallback settings
@@ -81,6 +148,9 @@ pub(crate) struct PlanRegistry {
     len: AtomicUsize,
     /// The entries of each identity; its lock serialises appends.
     push: Mutex<ByIdentity>,
+    /// The counters of every plan counted so far, entries' and named plans' alike, by their
+    /// labels.
+    counters: papaya::HashMap<Labels, Arc<PlanCounters>>,
     /// Plan comparisons made by `intern`, for the test that it is linear.
     #[cfg(test)]
     compared: AtomicUsize,
@@ -105,9 +175,37 @@ fn locate(i: usize) -> (usize, usize) {
 impl PlanRegistry {
     /// Entry `i`, if it exists.
     #[inline]
-    pub(crate) fn get(&self, i: usize) -> Option<&Arc<Plan>> {
+    fn entry(&self, i: usize) -> Option<&Entry> {
         let (chunk, offset) = locate(i);
         self.chunks.get(chunk)?.get()?.get(offset)?.get()
+    }
+
+    /// The plan of entry `i`, if it exists.
+    #[inline]
+    pub(crate) fn get(&self, i: usize) -> Option<&Arc<Plan>> {
+        self.entry(i).map(|e| &e.plan)
+    }
+
+    /// The plan of entry `i` and its counters, if it exists.
+    #[inline]
+    pub(crate) fn get_counted(&self, i: usize) -> Option<(&Arc<Plan>, &Arc<PlanCounters>)> {
+        self.entry(i).map(|e| (&e.plan, &e.counters))
+    }
+
+    /// The counters of `plan`, whether the registry holds it or a caller named it: found by
+    /// its labels, and registered with the recorder installed now (at zero) the first time.
+    pub(crate) fn counters_of(&self, plan: &Plan) -> Arc<PlanCounters> {
+        let counters = self.counters.pin();
+        if let Some(c) = counters.get(&LabelsOf::new(plan)) {
+            return Arc::clone(c);
+        }
+        let labels = LabelsOf::new(plan);
+        let key = Labels {
+            name: labels.name.into(),
+            mode: labels.mode,
+            shadow: labels.shadow,
+        };
+        Arc::clone(counters.get_or_insert_with(key, || Arc::new(PlanCounters::of(plan))))
     }
 
     /// The entry equal to `plan` (the same `Arc`, or an equal plan), added if there is none:
@@ -163,7 +261,11 @@ impl PlanRegistry {
         let (chunk, offset) = locate(len);
         let slots = self.chunks[chunk]
             .get_or_init(|| (0..FIRST << chunk).map(|_| OnceLock::new()).collect());
-        let _ = slots[offset].set(Arc::clone(plan));
+        let entry = Entry {
+            plan: Arc::clone(plan),
+            counters: self.counters_of(plan),
+        };
+        let _ = slots[offset].set(entry);
         let index = len as u32;
         by_identity
             .entry(Identity::of(plan))
@@ -225,6 +327,27 @@ mod tests {
         assert!(r.contains(&plan("a", 11)));
         assert!(!r.contains(&plan("a", 12)));
         assert!(r.get(102).is_none());
+    }
+
+    /// One set of labels has one set of counters: an entry's, an equal plan's named by a
+    /// caller, and those of another version of the plan with the same labels; a change of
+    /// fallback mode or of shadow mode has its own.
+    #[test]
+    fn counters_are_found_by_their_labels() {
+        use crate::policy::{FallbackMode, FallbackSettings};
+        let r = PlanRegistry::default();
+        let (i, _) = r.intern(&plan("a", 10)).unwrap();
+        let (_, held) = r.get_counted(i as usize).unwrap();
+        assert!(Arc::ptr_eq(held, &r.counters_of(&plan("a", 10))));
+        assert!(Arc::ptr_eq(held, &r.counters_of(&plan("a", 11))));
+        let shadow = (*plan("a", 10)).clone().with_shadow(true);
+        assert!(!Arc::ptr_eq(held, &r.counters_of(&shadow)));
+        let deny = (*plan("a", 10))
+            .clone()
+            .with_fallback(FallbackSettings::new(FallbackMode::Deny));
+        assert!(!Arc::ptr_eq(held, &r.counters_of(&deny)));
+        assert!(Arc::ptr_eq(&r.counters_of(&deny), &r.counters_of(&deny)));
+        assert!(!Arc::ptr_eq(held, &r.counters_of(&plan("b", 10))));
     }
 
     /// Interning is linear: each plan is compared with the entries of its own identity only,
