@@ -105,7 +105,8 @@
 //! # Layout
 //!
 //! - `layer.rs`: [`RateLimitLayer`] (a policy file's routes), [`RouteLimitLayer`] (one route in
-//!   code), their configuration.
+//!   code).
+//! - `route.rs`: the configuration they build and the service reads: each route's limits.
 //! - `service.rs`: [`RateLimit`], [`ResponseFuture`], the checks.
 //! - `key.rs`: [`EntityKey`], [`TrustedProxies`], [`client_ip`].
 //! - `headers.rs`: the header fields and the problem body.
@@ -115,6 +116,7 @@ mod headers;
 mod key;
 mod layer;
 mod refund;
+mod route;
 mod service;
 
 pub use crate::policy::error::RouteConfigError;

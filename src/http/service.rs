@@ -17,8 +17,8 @@ use tower::Service;
 
 use super::headers::{self, LayerKind, Report, malformed_problem, problem, retry_after_secs};
 use super::key::{MalformedId, ParamValue, match_pattern};
-use super::layer::{Config, RouteLimits, Routes};
 use super::refund::refund;
+use super::route::{Config, RouteLimits, Routes};
 use crate::bucket::Tokens;
 use crate::error::validate_key;
 use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_WOULD_DENY};
@@ -324,7 +324,7 @@ async fn check(config: &Config, parts: &mut Parts) -> Verdict {
     }
 }
 
-/// The index of a layer in [`FileRoute`](super::layer::FileRoute)'s counter pairs.
+/// The index of a layer in [`FileRoute`](super::route::FileRoute)'s counter pairs.
 fn layer_index(layer: LayerKind) -> usize {
     match layer {
         LayerKind::Api => 0,
