@@ -107,7 +107,7 @@ impl TempPostgresBuilder {
         let bins = os::binaries()?;
         let run_as = os::run_as()?;
         let temp_root = template::temp_root(run_as)?;
-        template::remove_leftovers(&temp_root);
+        remove_leftovers(&temp_root);
 
         let root = temp_root.join(format!("{CLUSTER_PREFIX}{}", template::unique_suffix()));
         fs::DirBuilder::new()
@@ -224,6 +224,44 @@ fn free_port() -> std::io::Result<u16> {
     }
     let listener = TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0))?;
     Ok(listener.local_addr()?.port())
+}
+
+/// Removes what dead processes left behind in `temp_root`: clusters (`tokenlease-pg-<pid>-…`,
+/// whose postmaster is killed first) and half-built templates (`….tmp-<pid>-…`). A directory is
+/// left alone unless the pid in its name is certainly gone. Best effort: errors are ignored.
+fn remove_leftovers(temp_root: &Path) {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = fs::read_dir(temp_root) else {
+        return;
+    };
+    let me = std::process::id();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let owner = if let Some(rest) = name.strip_prefix(template::TEMPLATE_PREFIX) {
+            rest.split_once(".tmp-")
+                .and_then(|(_, tail)| tail.split('-').next())
+        } else if let Some(rest) = name.strip_prefix(CLUSTER_PREFIX) {
+            rest.split('-').next()
+        } else {
+            continue;
+        };
+        let Some(pid) = owner.and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == me || os::process_alive(pid) != Some(false) {
+            continue;
+        }
+        let dir = entry.path();
+        let data = dir.join("data");
+        if let Some(pm) = read_postmaster_pid(&data)
+            && os::is_postmaster_of(pm, &data)
+        {
+            os::kill_hard(pm, Duration::from_secs(2));
+        }
+        let _ = fs::remove_dir_all(&dir);
+    }
 }
 
 /// Reads the postmaster's pid from `data_dir/postmaster.pid`.

@@ -233,44 +233,6 @@ impl Drop for LockFile {
     }
 }
 
-/// Removes what dead processes left behind in `temp_root`: clusters (`tokenlease-pg-<pid>-…`,
-/// whose postmaster is killed first) and half-built templates (`….tmp-<pid>-…`). A directory is
-/// left alone unless the pid in its name is certainly gone. Best effort: errors are ignored.
-pub(crate) fn remove_leftovers(temp_root: &Path) {
-    if !Path::new("/proc/self").exists() {
-        return;
-    }
-    let Ok(entries) = fs::read_dir(temp_root) else {
-        return;
-    };
-    let me = std::process::id();
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let owner = if let Some(rest) = name.strip_prefix(TEMPLATE_PREFIX) {
-            rest.split_once(".tmp-")
-                .and_then(|(_, tail)| tail.split('-').next())
-        } else if let Some(rest) = name.strip_prefix(super::cluster::CLUSTER_PREFIX) {
-            rest.split('-').next()
-        } else {
-            continue;
-        };
-        let Some(pid) = owner.and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        if pid == me || os::process_alive(pid) != Some(false) {
-            continue;
-        }
-        let dir = entry.path();
-        let data = dir.join("data");
-        if let Some(pm) = super::cluster::read_postmaster_pid(&data)
-            && os::is_postmaster_of(pm, &data)
-        {
-            os::kill_hard(pm, Duration::from_secs(2));
-        }
-        let _ = fs::remove_dir_all(&dir);
-    }
-}
-
 /// The directory new clusters go in: [`std::env::temp_dir`], or `/tmp` when running as root and
 /// the `postgres` user cannot reach the former (e.g. `TMPDIR=/root/tmp`).
 pub(crate) fn temp_root(run_as: &RunAs) -> Result<PathBuf, EmbeddedError> {
