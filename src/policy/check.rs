@@ -17,9 +17,10 @@ use super::types::{
 };
 use crate::bucket::{BucketConfig, Rate, Tokens};
 
+use super::MAX_PLANS;
 use super::load::{
-    LISTED_PLANS, MAX_CAPACITY, MAX_INSTANCES, MAX_PLAN_NAME, MAX_PLANS, MAX_WAIT_MS,
-    NANOTOKENS_PER_TOKEN, Policies, TTL_MS, push_key,
+    LISTED_PLANS, MAX_CAPACITY, MAX_INSTANCES, MAX_PLAN_NAME, MAX_WAIT_MS, NANOTOKENS_PER_TOKEN,
+    Policies, TTL_MS, push_key,
 };
 
 /// The checks that run after the JSON has been read: ranges, names and references.

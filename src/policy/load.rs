@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use serde_path_to_error::Segment;
 
+use super::MAX_POLICY_BYTES;
 use super::check::Checker;
 use super::error::{Kind, PolicyError, quote, shorten, shorten_quoted};
 use super::raw::{Obj, RawPolicies};
@@ -24,16 +25,6 @@ pub(super) const MAX_PLAN_NAME: usize = 64;
 
 /// The longest entity type, in characters.
 pub(super) const MAX_ENTITY_TYPE: usize = 64;
-
-/// The largest policy file (or text) read: 16 MiB. A larger one is refused before it is read
-/// whole. Real policies are a few kilobytes; the limit only bounds what a mistaken or hostile
-/// file costs.
-pub const MAX_POLICY_BYTES: u64 = 16 * 1024 * 1024;
-
-/// The most plans a policy may define: what one limiter can hold (its plan registry gives each
-/// distinct plan a 16-bit index that a key's record keeps). A file with more is refused with
-/// [`PolicyErrorKind::TooManyPlans`](super::PolicyErrorKind::TooManyPlans).
-pub const MAX_PLANS: usize = 65_528;
 
 /// Lease `ttl_ms`: from 10 ms to 10 minutes.
 pub(super) const TTL_MS: std::ops::RangeInclusive<u64> = 10..=600_000;

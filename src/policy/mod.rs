@@ -70,6 +70,9 @@
 //! - `raw.rs`: the file as written (serde types).
 //! - `load.rs`: [`Policies`], parsing and the checks.
 //! - `error.rs`: [`PolicyError`], and the HTTP layer's `RouteConfigError`.
+//!
+//! The limits the loader, the checks and the errors all quote, [`MAX_POLICY_BYTES`] and
+//! [`MAX_PLANS`], are defined here.
 
 mod check;
 pub(crate) mod error;
@@ -79,10 +82,20 @@ mod routes;
 mod types;
 
 pub use error::{PolicyError, PolicyErrorKind};
-pub use load::{MAX_CAPACITY, MAX_PLANS, MAX_POLICY_BYTES, Policies};
+pub use load::{MAX_CAPACITY, Policies};
 #[cfg(feature = "http")]
 pub(crate) use routes::{route_params, route_pattern_error, route_shape};
 pub use types::{
     Accounting, EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings,
     Plan, Route, RouteShadow,
 };
+
+/// The largest policy file (or text) read: 16 MiB. A larger one is refused before it is read
+/// whole. Real policies are a few kilobytes; the limit only bounds what a mistaken or hostile
+/// file costs.
+pub const MAX_POLICY_BYTES: u64 = 16 * 1024 * 1024;
+
+/// The most plans a policy may define: what one limiter can hold (its plan registry gives each
+/// distinct plan a 16-bit index that a key's record keeps). A file with more is refused with
+/// [`PolicyErrorKind::TooManyPlans`].
+pub const MAX_PLANS: usize = 65_528;
