@@ -1,4 +1,5 @@
-//! Store errors, classified so the limiter can tell a slow store from a broken one.
+//! Store errors, classified so the limiter can tell a slow store from a broken one, and
+//! `MigrateError`, why applying the migrations failed.
 
 use std::fmt;
 #[cfg(feature = "postgres")]
@@ -75,7 +76,7 @@ pub enum StoreError {
     /// [`MigrateError`]: crate::store::MigrateError
     #[cfg(feature = "postgres")]
     #[error("migrating the database failed: {0}")]
-    Migrate(#[source] Arc<crate::store::MigrateError>),
+    Migrate(#[source] Arc<MigrateError>),
     /// The store holds as many keys as it may ([`MemoryStore::max_keys`]), none of them idle:
     /// a request for a new key is refused rather than evicting a bucket that is not full
     /// (which would refill it and admit more than the limit). Transient: buckets refill and
@@ -142,5 +143,115 @@ impl From<tokio_postgres::Error> for StoreError {
             return StoreError::Connection(Arc::new(err));
         }
         StoreError::Protocol(err.to_string())
+    }
+}
+
+#[cfg(feature = "postgres")]
+/// Why [`migrate`](crate::store::migrate) failed. Messages include the server's own error text.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MigrateError {
+    /// A migration was applied with different SQL than this build embeds: its file was edited
+    /// after it was released.
+    #[error(
+        "migration {version} ({description}) was applied with checksum {applied}, but this build \
+         has checksum {expected}: the file was changed after it was applied; restore it and put \
+         the change in a new migration"
+    )]
+    ChecksumMismatch {
+        /// The version whose checksums differ.
+        version: i64,
+        /// Its description.
+        description: &'static str,
+        /// The checksum recorded in the database.
+        applied: String,
+        /// The checksum of the embedded SQL.
+        expected: String,
+    },
+    /// A migration's SQL failed; its transaction was rolled back.
+    #[error("migration {version} ({description}) failed and was rolled back: {detail}")]
+    Apply {
+        /// The failing version.
+        version: i64,
+        /// Its description.
+        description: &'static str,
+        /// The server's error, with SQLSTATE.
+        detail: String,
+        /// The underlying error, for [`tokio_postgres::Error::code`]; also the error's
+        /// [`source`](std::error::Error::source).
+        #[source]
+        error: tokio_postgres::Error,
+    },
+    /// Reading or writing the bookkeeping (`tokenlease_migrations`, the advisory lock, the
+    /// transaction itself) failed, e.g. the connection broke.
+    #[error("could not {step}: {detail}")]
+    Database {
+        /// What was being done.
+        step: &'static str,
+        /// The server's error, with SQLSTATE.
+        detail: String,
+        /// The underlying error; also the error's [`source`](std::error::Error::source).
+        #[source]
+        error: tokio_postgres::Error,
+    },
+    /// A function file's SQL failed; its transaction was rolled back, and the functions are as
+    /// they were.
+    #[error("function file {file} failed and was rolled back: {detail}")]
+    Function {
+        /// The file's name (`functions/<file>.sql`).
+        file: &'static str,
+        /// The server's error, with SQLSTATE.
+        detail: String,
+        /// The underlying error; also the error's [`source`](std::error::Error::source).
+        #[source]
+        error: tokio_postgres::Error,
+    },
+    /// The migration list itself is malformed (versions not strictly increasing, or ≤ 0).
+    #[error("invalid migration list: {0}")]
+    InvalidList(String),
+    /// The database is a Citus coordinator whose Citus version this build does not support:
+    /// nothing was distributed. See `SUPPORTED_CITUS` in the Citus module.
+    #[error(
+        "the database runs Citus {version}, which tokenlease does not support (supported: Citus \
+         {supported}); the tables were left as they are"
+    )]
+    UnsupportedCitus {
+        /// The `citus` extension's version, as `pg_extension.extversion` gives it.
+        version: String,
+        /// The supported range, in words.
+        supported: String,
+    },
+}
+
+#[cfg(feature = "postgres")]
+impl MigrateError {
+    /// The underlying PostgreSQL error, when there is one.
+    pub fn db_error(&self) -> Option<&tokio_postgres::Error> {
+        match self {
+            MigrateError::Apply { error, .. }
+            | MigrateError::Database { error, .. }
+            | MigrateError::Function { error, .. } => Some(error),
+            _ => None,
+        }
+    }
+
+    pub(super) fn database(
+        step: &'static str,
+    ) -> impl FnOnce(tokio_postgres::Error) -> MigrateError {
+        move |error| MigrateError::Database {
+            step,
+            detail: describe(&error),
+            error,
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+/// The server's error with its SQLSTATE, or the driver's with its cause.
+pub(super) fn describe(error: &tokio_postgres::Error) -> String {
+    match (error.as_db_error(), std::error::Error::source(error)) {
+        (Some(db), _) => format!("{db} (SQLSTATE {})", db.code().code()),
+        (None, Some(source)) => format!("{error}: {source}"),
+        (None, None) => error.to_string(),
     }
 }

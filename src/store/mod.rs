@@ -29,10 +29,12 @@ mod sharded;
 pub use self::breaker::{CircuitBreaker, CircuitState};
 pub use self::cleanup::IdleCleanup;
 pub use self::counted::CountedStore;
+#[cfg(feature = "postgres")]
+pub use self::error::MigrateError;
 pub use self::error::{StoreError, TimeoutKind};
 pub use self::memory::{DEFAULT_MAX_KEYS, DEFAULT_MAX_RETURN_IDS, MemoryStore, RETURN_ID_TTL};
 #[cfg(feature = "postgres")]
-pub use self::postgres::migrate::{MigrateError, Migration, MigrationReport, migrate};
+pub use self::postgres::migrate::{Migration, MigrationReport, migrate};
 #[cfg(feature = "postgres")]
 pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
 pub use self::sharded::{

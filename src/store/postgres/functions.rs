@@ -12,9 +12,12 @@
 //! with the same definitions (`tests/store/migrate.rs` checks that the files define exactly what the
 //! migrations leave, and that a changed file is applied again).
 
+use std::fmt;
+
+use sha2::{Digest, Sha256};
 use tokio_postgres::types::Type;
 
-use super::migrate::{LOCK, MigrateError, describe, sha256_hex};
+use crate::store::error::{MigrateError, describe};
 
 /// One file of `functions/`: the current definitions of some of the store's SQL functions, as
 /// `CREATE OR REPLACE` statements (and their `ALTER`s and comments), run as one batch.
@@ -91,7 +94,7 @@ async fn recorded(
 }
 
 /// Applies the files of `files` whose checksum the database does not have recorded, in order,
-/// in one transaction under the migration lock, and records them. Returns the names of the
+/// in one transaction under the migration lock (`lock`, the statement that takes it), and records them. Returns the names of the
 /// files it applied: none when every checksum matched (then it only read the table, without the
 /// lock), or when a concurrent migrator applied them first.
 ///
@@ -102,6 +105,7 @@ async fn recorded(
 pub(crate) async fn apply(
     client: &mut tokio_postgres::Client,
     files: &[FunctionFile],
+    lock: &str,
 ) -> Result<Vec<&'static str>, MigrateError> {
     if stale(files, &recorded(&*client).await?).is_empty() {
         return Ok(Vec::new());
@@ -109,7 +113,7 @@ pub(crate) async fn apply(
     let tx = client.transaction().await.map_err(MigrateError::database(
         "begin the function files' transaction",
     ))?;
-    tx.batch_execute(LOCK)
+    tx.batch_execute(lock)
         .await
         .map_err(MigrateError::database("take the migration advisory lock"))?;
     let recorded = recorded(&tx).await?;
@@ -135,6 +139,20 @@ pub(crate) async fn apply(
         .await
         .map_err(MigrateError::database("commit the function files"))?;
     Ok(applied)
+}
+
+/// SHA-256 of `sql`, lower-case hex: the checksum `tokenlease_migrations` and
+/// `tokenlease_functions` record. Line endings are normalised to `\n` first, so a checkout
+/// that converted them (Git on Windows) does not count as an edit.
+pub(super) fn sha256_hex(sql: &str) -> String {
+    let normalised = sql.replace("\r\n", "\n");
+    Sha256::digest(normalised.as_bytes())
+        .iter()
+        .fold(String::with_capacity(64), |mut hex, byte| {
+            use fmt::Write;
+            let _ = write!(hex, "{byte:02x}");
+            hex
+        })
 }
 
 #[cfg(test)]

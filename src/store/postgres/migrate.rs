@@ -30,8 +30,10 @@
 
 use std::fmt;
 
-use sha2::{Digest, Sha256};
 use tokio_postgres::types::Type;
+
+use super::functions::sha256_hex;
+use crate::store::error::{MigrateError, describe};
 
 /// The key of the transaction-level advisory lock that serialises migrators: the ASCII bytes
 /// of `"tokenlea"` as a big-endian `i64`.
@@ -57,19 +59,6 @@ impl Migration {
     pub fn checksum(&self) -> String {
         sha256_hex(self.sql)
     }
-}
-
-/// SHA-256 of `sql`, lower-case hex. Line endings are normalised to `\n` first, so a checkout
-/// that converted them (Git on Windows) does not count as an edit.
-pub(super) fn sha256_hex(sql: &str) -> String {
-    let normalised = sql.replace("\r\n", "\n");
-    Sha256::digest(normalised.as_bytes())
-        .iter()
-        .fold(String::with_capacity(64), |mut hex, byte| {
-            use fmt::Write;
-            let _ = write!(hex, "{byte:02x}");
-            hex
-        })
 }
 
 impl fmt::Display for Migration {
@@ -188,112 +177,6 @@ impl fmt::Display for MigrationReport {
     }
 }
 
-/// Why [`migrate`] failed. Messages include the server's own error text.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum MigrateError {
-    /// A migration was applied with different SQL than this build embeds: its file was edited
-    /// after it was released.
-    #[error(
-        "migration {version} ({description}) was applied with checksum {applied}, but this build \
-         has checksum {expected}: the file was changed after it was applied; restore it and put \
-         the change in a new migration"
-    )]
-    ChecksumMismatch {
-        /// The version whose checksums differ.
-        version: i64,
-        /// Its description.
-        description: &'static str,
-        /// The checksum recorded in the database.
-        applied: String,
-        /// The checksum of the embedded SQL.
-        expected: String,
-    },
-    /// A migration's SQL failed; its transaction was rolled back.
-    #[error("migration {version} ({description}) failed and was rolled back: {detail}")]
-    Apply {
-        /// The failing version.
-        version: i64,
-        /// Its description.
-        description: &'static str,
-        /// The server's error, with SQLSTATE.
-        detail: String,
-        /// The underlying error, for [`tokio_postgres::Error::code`]; also the error's
-        /// [`source`](std::error::Error::source).
-        #[source]
-        error: tokio_postgres::Error,
-    },
-    /// Reading or writing the bookkeeping (`tokenlease_migrations`, the advisory lock, the
-    /// transaction itself) failed, e.g. the connection broke.
-    #[error("could not {step}: {detail}")]
-    Database {
-        /// What was being done.
-        step: &'static str,
-        /// The server's error, with SQLSTATE.
-        detail: String,
-        /// The underlying error; also the error's [`source`](std::error::Error::source).
-        #[source]
-        error: tokio_postgres::Error,
-    },
-    /// A function file's SQL failed; its transaction was rolled back, and the functions are as
-    /// they were.
-    #[error("function file {file} failed and was rolled back: {detail}")]
-    Function {
-        /// The file's name (`functions/<file>.sql`).
-        file: &'static str,
-        /// The server's error, with SQLSTATE.
-        detail: String,
-        /// The underlying error; also the error's [`source`](std::error::Error::source).
-        #[source]
-        error: tokio_postgres::Error,
-    },
-    /// The migration list itself is malformed (versions not strictly increasing, or ≤ 0).
-    #[error("invalid migration list: {0}")]
-    InvalidList(String),
-    /// The database is a Citus coordinator whose Citus version this build does not support:
-    /// nothing was distributed. See `SUPPORTED_CITUS` in the Citus module.
-    #[error(
-        "the database runs Citus {version}, which tokenlease does not support (supported: Citus \
-         {supported}); the tables were left as they are"
-    )]
-    UnsupportedCitus {
-        /// The `citus` extension's version, as `pg_extension.extversion` gives it.
-        version: String,
-        /// The supported range, in words.
-        supported: String,
-    },
-}
-
-impl MigrateError {
-    /// The underlying PostgreSQL error, when there is one.
-    pub fn db_error(&self) -> Option<&tokio_postgres::Error> {
-        match self {
-            MigrateError::Apply { error, .. }
-            | MigrateError::Database { error, .. }
-            | MigrateError::Function { error, .. } => Some(error),
-            _ => None,
-        }
-    }
-
-    pub(super) fn database(
-        step: &'static str,
-    ) -> impl FnOnce(tokio_postgres::Error) -> MigrateError {
-        move |error| MigrateError::Database {
-            step,
-            detail: describe(&error),
-            error,
-        }
-    }
-}
-
-pub(super) fn describe(error: &tokio_postgres::Error) -> String {
-    match (error.as_db_error(), std::error::Error::source(error)) {
-        (Some(db), _) => format!("{db} (SQLSTATE {})", db.code().code()),
-        (None, Some(source)) => format!("{error}: {source}"),
-        (None, None) => error.to_string(),
-    }
-}
-
 // language=SQL
 const BOOTSTRAP: &str = "
 SELECT pg_advisory_xact_lock(8390042714202989921);
@@ -346,10 +229,11 @@ const RECORD: &str =
 /// `Transaction` guard is rolling back; use a fresh connection after cancelling.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<MigrationReport, MigrateError> {
     let mut report = migrate_with(client, MIGRATIONS).await?;
-    report.functions_applied = super::functions::apply(client, super::functions::FUNCTIONS).await?;
+    report.functions_applied =
+        super::functions::apply(client, super::functions::FUNCTIONS, LOCK).await?;
     // On a Citus coordinator: distribute the tables and create the routed functions
     // (src/store/postgres/citus/). On plain PostgreSQL: one read of pg_extension.
-    report.citus = super::citus::distribute(client).await?;
+    report.citus = super::citus::distribute(client, LOCK).await?;
     Ok(report)
 }
 

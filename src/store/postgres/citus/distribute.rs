@@ -1,9 +1,9 @@
 //! The Citus step of the migrations: the version check, the tables distributed by key, and the
 //! functions created again when this build's differ.
 
-use super::super::migrate::MigrateError;
 use super::SUPPORTED_CITUS;
 use super::sql::{fingerprint, functions, literal, shard_take_function};
+use crate::store::MigrateError;
 
 /// The Citus version of `extversion` (`13.2-1`) as (major, minor).
 pub(super) fn parse_version(v: &str) -> Option<(u32, u32)> {
@@ -50,9 +50,11 @@ pub(super) fn check_version(version: String) -> Result<String, MigrateError> {
 /// this build's differ). Returns the extension's version, or `None` on plain PostgreSQL (where
 /// it does nothing else).
 ///
-/// Runs in one transaction under the migration lock, so concurrent migrators do it once.
+/// Runs in one transaction under the migration lock (`lock`, the statement that takes it), so
+/// concurrent migrators do it once.
 pub(in crate::store::postgres) async fn distribute(
     client: &mut tokio_postgres::Client,
+    lock: &str,
 ) -> Result<Option<String>, MigrateError> {
     let rows = client
         .query_typed(
@@ -72,7 +74,7 @@ pub(in crate::store::postgres) async fn distribute(
         .transaction()
         .await
         .map_err(MigrateError::database("begin the Citus transaction"))?;
-    tx.batch_execute(super::super::migrate::LOCK)
+    tx.batch_execute(lock)
         .await
         .map_err(MigrateError::database("take the migration advisory lock"))?;
     // Distributing a table and then a function in one transaction needs one connection per

@@ -10,7 +10,7 @@
 //! which is all a retried return needs), then creates the functions below and marks each a
 //! *distributed function* whose first argument is the distribution argument, co-located with
 //! `tokenlease_buckets`. A Citus version outside [`SUPPORTED_CITUS`] is refused with
-//! [`MigrateError::UnsupportedCitus`](super::migrate::MigrateError::UnsupportedCitus). On plain PostgreSQL nothing here runs.
+//! [`MigrateError::UnsupportedCitus`](crate::store::MigrateError::UnsupportedCitus). On plain PostgreSQL nothing here runs.
 //!
 //! # Routing
 //!

@@ -1,9 +1,9 @@
 //! Unit tests of the Citus path: the hash, the shard map, the version check.
 
-use super::super::migrate::MigrateError;
 use super::distribute::{check_version, parse_version};
 use super::sql::*;
 use super::*;
+use crate::store::MigrateError;
 
 /// Values from `SELECT worker_hash(k::text)` on PostgreSQL 15 with Citus 13.2.
 #[test]
