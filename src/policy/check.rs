@@ -8,20 +8,47 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::error::{Kind, PolicyError, number, quote, shorten};
+use super::error::{Kind, PolicyError, number, push_key, quote, shorten};
 use super::raw::{
     Obj, RawAccounting, RawFallback, RawFallbackMode, RawLease, RawPlan, RawPolicies,
 };
 use super::types::{
-    Accounting, FallbackMode, FallbackSettings, KeyRule, LeaseSettings, Plan, Route,
+    Accounting, FallbackMode, FallbackSettings, KeyRule, LeaseSettings, Plan, Policies, Route,
 };
 use crate::bucket::{BucketConfig, Rate, Tokens};
 
 use super::MAX_PLANS;
-use super::load::{
-    LISTED_PLANS, MAX_CAPACITY, MAX_INSTANCES, MAX_PLAN_NAME, MAX_WAIT_MS, NANOTOKENS_PER_TOKEN,
-    Policies, TTL_MS, push_key,
-};
+
+/// The unit of [`Rate`]: nanotokens per token.
+pub(super) const NANOTOKENS_PER_TOKEN: u128 = 1_000_000_000;
+
+/// The longest plan name, in characters.
+pub(super) const MAX_PLAN_NAME: usize = 64;
+
+/// The longest entity type, in characters.
+pub(super) const MAX_ENTITY_TYPE: usize = 64;
+
+/// Lease `ttl_ms`: from 10 ms to 10 minutes.
+pub(super) const TTL_MS: std::ops::RangeInclusive<u64> = 10..=600_000;
+
+/// The longest lease `max_wait_ms`: one minute (and never longer than `ttl_ms`).
+pub(super) const MAX_WAIT_MS: u64 = 60_000;
+
+/// The most `fallback.instances`.
+pub(super) const MAX_INSTANCES: u32 = 10_000;
+
+/// The largest capacity a plan may have, in whole tokens: what PostgreSQL's bigint columns hold
+/// in nanotokens with room for a refill's sum (migration 0007). Governs every store alike, so a
+/// policy that works over `MemoryStore` works over `PostgresStore` too.
+pub const MAX_CAPACITY: u64 = 8_000_000_000;
+
+/// How many defined plans an "unknown plan" message lists.
+pub(super) const LISTED_PLANS: usize = 10;
+
+/// The HTTP methods a route may name.
+pub(super) const METHODS: [&str; 9] = [
+    "GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT",
+];
 
 /// The checks that run after the JSON has been read: ranges, names and references.
 pub(super) struct Checker {

@@ -2,6 +2,7 @@
 //! short whatever the input; and `RouteConfigError`, why the HTTP layer refused a route.
 
 use std::fmt;
+use std::fmt::Write as _;
 
 /// User values (names, numbers, keys) quoted in messages are cut to this many characters,
 /// followed by `…(N bytes)` giving the whole value's length.
@@ -22,6 +23,24 @@ pub(crate) fn shorten(s: &str) -> String {
     match cut_at(s, MAX_QUOTED) {
         Some(at) => format!("{}…({} bytes)", &s[..at], s.len()),
         None => s.to_owned(),
+    }
+}
+
+/// Appends `.key`, or `["key"]` when the key is not a plain word (holds a dot, space, ...)
+/// or is longer than 64 characters (then cut as [`quote`] cuts).
+pub(super) fn push_key(field: &mut String, key: &str) {
+    let plain = !key.is_empty()
+        && key.len() <= MAX_QUOTED
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if plain {
+        if !field.is_empty() {
+            field.push('.');
+        }
+        field.push_str(key);
+    } else {
+        let _ = write!(field, "[{}]", quote(key));
     }
 }
 

@@ -1,6 +1,5 @@
 //! [`Policies`]: reading, checking and looking up a policy file.
 
-use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::io::Read as _;
 use std::path::Path;
@@ -10,65 +9,12 @@ use serde_path_to_error::Segment;
 
 use super::MAX_POLICY_BYTES;
 use super::check::Checker;
-use super::error::{Kind, PolicyError, quote, shorten, shorten_quoted};
+use super::error::{Kind, PolicyError, push_key, shorten, shorten_quoted};
 use super::raw::{Obj, RawPolicies};
-use super::types::{KeyRule, Plan, Route};
+use super::types::{KeyRule, Plan, Policies, Route};
 
 /// The name used in errors for a policy given as a string without a file.
 pub(super) const NO_ORIGIN: &str = "<policy>";
-
-/// The unit of [`Rate`]: nanotokens per token.
-pub(super) const NANOTOKENS_PER_TOKEN: u128 = 1_000_000_000;
-
-/// The longest plan name, in characters.
-pub(super) const MAX_PLAN_NAME: usize = 64;
-
-/// The longest entity type, in characters.
-pub(super) const MAX_ENTITY_TYPE: usize = 64;
-
-/// Lease `ttl_ms`: from 10 ms to 10 minutes.
-pub(super) const TTL_MS: std::ops::RangeInclusive<u64> = 10..=600_000;
-
-/// The longest lease `max_wait_ms`: one minute (and never longer than `ttl_ms`).
-pub(super) const MAX_WAIT_MS: u64 = 60_000;
-
-/// The most `fallback.instances`.
-pub(super) const MAX_INSTANCES: u32 = 10_000;
-
-/// The largest capacity a plan may have, in whole tokens: what PostgreSQL's bigint columns hold
-/// in nanotokens with room for a refill's sum (migration 0007). Governs every store alike, so a
-/// policy that works over `MemoryStore` works over `PostgresStore` too.
-pub const MAX_CAPACITY: u64 = 8_000_000_000;
-
-/// How many defined plans an "unknown plan" message lists.
-pub(super) const LISTED_PLANS: usize = 10;
-
-/// The HTTP methods a route may name.
-pub(super) const METHODS: [&str; 9] = [
-    "GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT",
-];
-
-/// A checked policy file: named plans, key prefix rules and HTTP routes.
-///
-/// Every plan a rule or route names exists, so lookups by those names never fail. See the
-/// [module docs](super) for the file format and an example.
-#[derive(Debug, Clone)]
-pub struct Policies {
-    /// Where the policy came from, as errors and [`summary`](Self::summary) name it.
-    pub(super) origin: String,
-    /// Plans in file order.
-    pub(super) plans: Vec<Arc<Plan>>,
-    /// Plan name → index into `plans`.
-    pub(super) by_name: HashMap<String, usize>,
-    /// Index of the default plan, if the file names one.
-    pub(super) default_plan: Option<usize>,
-    /// Key rules, longest prefix first (file order among equal lengths).
-    pub(super) keys: Vec<KeyRule>,
-    /// Plan index of each rule in `keys`.
-    pub(super) key_plans: Vec<usize>,
-    /// Routes in file order.
-    pub(super) routes: Vec<Route>,
-}
 
 /// # Loading
 impl Policies {
@@ -286,24 +232,6 @@ pub(super) fn path_of(path: &serde_path_to_error::Path) -> (String, Option<Strin
         }
     }
     (field, plan)
-}
-
-/// Appends `.key`, or `["key"]` when the key is not a plain word (holds a dot, space, ...)
-/// or is longer than 64 characters (then cut as [`quote`] cuts).
-pub(super) fn push_key(field: &mut String, key: &str) {
-    let plain = !key.is_empty()
-        && key.len() <= super::error::MAX_QUOTED
-        && key
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-    if plain {
-        if !field.is_empty() {
-            field.push('.');
-        }
-        field.push_str(key);
-    } else {
-        let _ = write!(field, "[{}]", quote(key));
-    }
 }
 
 /// An error's text with its first letter in lower case (io errors start upper-case).

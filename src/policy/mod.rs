@@ -66,10 +66,14 @@
 //!
 //! # Layout
 //!
-//! - `types.rs`: the validated [`Plan`], [`LeaseSettings`], [`FallbackSettings`], [`Route`].
+//! - `types.rs`: the validated [`Policies`], [`Plan`], [`LeaseSettings`], [`FallbackSettings`],
+//!   [`Route`].
 //! - `raw.rs`: the file as written (serde types).
-//! - `load.rs`: [`Policies`], parsing and the checks.
-//! - `error.rs`: [`PolicyError`], and the HTTP layer's `RouteConfigError`.
+//! - `load.rs`: reading and parsing a file into [`Policies`], and their lookups.
+//! - `check.rs`: the checks of plans, leases and fallbacks, and the ranges they hold values to
+//!   ([`MAX_CAPACITY`] among them); `routes.rs`: the checks of routes and their patterns.
+//! - `error.rs`: [`PolicyError`] and the helpers that write its messages, and the HTTP layer's
+//!   `RouteConfigError`.
 //!
 //! The limits the loader, the checks and the errors all quote, [`MAX_POLICY_BYTES`] and
 //! [`MAX_PLANS`], are defined here.
@@ -81,13 +85,13 @@ mod raw;
 mod routes;
 mod types;
 
+pub use check::MAX_CAPACITY;
 pub use error::{PolicyError, PolicyErrorKind};
-pub use load::{MAX_CAPACITY, Policies};
 #[cfg(feature = "http")]
 pub(crate) use routes::{route_params, route_pattern_error, route_shape};
 pub use types::{
     Accounting, EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings,
-    Plan, Route, RouteShadow,
+    Plan, Policies, Route, RouteShadow,
 };
 
 /// The largest policy file (or text) read: 16 MiB. A larger one is refused before it is read

@@ -6,7 +6,7 @@ use super::raw::{Obj, RawEntity, RawRoute};
 use super::types::{EntityRule, EntitySource, Route, RouteShadow};
 
 use super::check::Checker;
-use super::load::{MAX_ENTITY_TYPE, METHODS};
+use super::check::{MAX_ENTITY_TYPE, METHODS};
 
 impl Checker {
     /// A checked route and its shape for duplicate detection (method, path with parameter

@@ -1,14 +1,38 @@
-//! The validated policy types: plans, lease and fallback settings, routes and key rules.
+//! The validated policy types: the checked policy file ([`Policies`], read in `load.rs`), its
+//! plans, lease and fallback settings, routes and key rules.
 //!
-//! Everything here is built by [`Policies`](super::Policies) from a checked file, or by hand
+//! Everything here is built by [`Policies`] from a checked file, or by hand
 //! with [`Plan::new`] for tests and embedders. See the [module docs](super) for the file format.
 
+use std::collections::HashMap;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use std::time::Duration;
 
 use crate::bucket::{BucketConfig, Rate, Tokens};
+
+/// A checked policy file: named plans, key prefix rules and HTTP routes.
+///
+/// Every plan a rule or route names exists, so lookups by those names never fail. See the
+/// [module docs](super) for the file format and an example.
+#[derive(Debug, Clone)]
+pub struct Policies {
+    /// Where the policy came from, as errors and [`summary`](Self::summary) name it.
+    pub(super) origin: String,
+    /// Plans in file order.
+    pub(super) plans: Vec<Arc<Plan>>,
+    /// Plan name → index into `plans`.
+    pub(super) by_name: HashMap<String, usize>,
+    /// Index of the default plan, if the file names one.
+    pub(super) default_plan: Option<usize>,
+    /// Key rules, longest prefix first (file order among equal lengths).
+    pub(super) keys: Vec<KeyRule>,
+    /// Plan index of each rule in `keys`.
+    pub(super) key_plans: Vec<usize>,
+    /// Routes in file order.
+    pub(super) routes: Vec<Route>,
+}
 
 /// One named bucket shape with its lease and fallback settings.
 ///
