@@ -159,38 +159,25 @@ open(path, "w").write("\n".join(lines) + "\n")
 PY
 }
 
-echo "== 1/4 rate-limiter-flexible RateLimiterPostgres (Node), 10,000 keys, 16 in flight" >&2
-cpu_start="$(cluster_cpu)"
-node peers/rlf-postgres.js --url "$url" --keys 10000 --concurrency 16 --pool 16 \
-    --duration "$PHASE_S" | python3 -c '
-import json, sys
+# One phase of the Node peer: IN_FLIGHT requests in flight over a pool of as many connections,
+# the row labelled LABEL; PGOPTIONS passes through to the peer's sessions.
+peer_phase() { # LABEL IN_FLIGHT
+    echo "== 1/4 $1" >&2
+    cpu_start="$(cluster_cpu)"
+    node peers/rlf-postgres.js --url "$url" --keys 10000 --concurrency "$2" --pool "$2" \
+        --duration "$PHASE_S" | LABEL="$1" python3 -c '
+import json, os, sys
 r = json.loads(sys.stdin.read())
-r["client"] = "rate-limiter-flexible (Node), 16 in flight"
+r["client"] = os.environ["LABEL"]
 r["decisions"] = r["allowed"] + r["denied"]
 print(json.dumps(r))' >>"$out"
-add_server_cpu "$cpu_start" "$(cluster_cpu)"
-
-echo "== 1/4 rate-limiter-flexible RateLimiterPostgres (Node), 10,000 keys, 1 in flight (a lone caller)" >&2
-cpu_start="$(cluster_cpu)"
-node peers/rlf-postgres.js --url "$url" --keys 10000 --concurrency 1 --pool 1 \
-    --duration "$PHASE_S" | python3 -c '
-import json, sys
-r = json.loads(sys.stdin.read())
-r["client"] = "rate-limiter-flexible (Node), 1 in flight (a lone caller)"
-r["decisions"] = r["allowed"] + r["denied"]
-print(json.dumps(r))' >>"$out"
-add_server_cpu "$cpu_start" "$(cluster_cpu)"
-
-echo "== 1/4 the same lone caller with synchronous_commit = off (tokenlease's default commit)" >&2
-cpu_start="$(cluster_cpu)"
-PGOPTIONS="-c synchronous_commit=off" node peers/rlf-postgres.js --url "$url" --keys 10000 \
-    --concurrency 1 --pool 1 --duration "$PHASE_S" | python3 -c '
-import json, sys
-r = json.loads(sys.stdin.read())
-r["client"] = "rate-limiter-flexible (Node), 1 in flight (a lone caller), synchronous_commit = off"
-r["decisions"] = r["allowed"] + r["denied"]
-print(json.dumps(r))' >>"$out"
-add_server_cpu "$cpu_start" "$(cluster_cpu)"
+    add_server_cpu "$cpu_start" "$(cluster_cpu)"
+}
+peer_phase "rate-limiter-flexible (Node), 16 in flight" 16
+peer_phase "rate-limiter-flexible (Node), 1 in flight (a lone caller)" 1
+# The same lone caller with tokenlease's default commit.
+PGOPTIONS="-c synchronous_commit=off" \
+    peer_phase "rate-limiter-flexible (Node), 1 in flight (a lone caller), synchronous_commit = off" 1
 
 echo "== 2/4 pgbench, 16 clients, tokenlease's statement on one random key of 10,000" >&2
 # The one-key take the store sends (src/store/postgres/lean.rs, printed by the binary), its six
