@@ -1,7 +1,7 @@
 //! Direct mode against a real PostgreSQL, side by side with pgbench running the bare statement
 //! on the same server at the same concurrency.
 //!
-//! `cargo bench --features embedded --bench direct` starts a throwaway cluster (durable settings), runs the criterion
+//! `cargo bench --bench direct` starts a throwaway cluster (durable settings), runs the criterion
 //! groups, then pgbench, and prints one table with both. Every call is allowed (a bucket far too
 //! large to run dry), so the figures are the statement's cost, not denials.
 //!
@@ -23,9 +23,9 @@ use criterion::{Criterion, Throughput};
 use tokenlease::__private::acquire_one_sql;
 use tokenlease::Limiter;
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
-use tokenlease::embedded::TempPostgres;
 use tokenlease::policy::Plan;
 use tokenlease::store::{AcquireRequest, PostgresStore, Store};
+use tokenlease_testkit::TempPostgres;
 
 const KEYS: u64 = 10_000;
 const CAPACITY: u64 = 1_000_000_000;

@@ -3,7 +3,7 @@
 #
 # The 100,000-key figures move a lot from one process to the next on a shared VM (governor's own
 # went from 54 to 177 ns between processes of one binary), so one run's ratio says little. This
-# runs the 1-key and 100,000-key pairs of `cargo bench --features embedded --bench lease` (criterion, 1 s warm-up,
+# runs the 1-key and 100,000-key pairs of `cargo bench --bench lease` (criterion, 1 s warm-up,
 # 3 s measurement) once per process and prints each process's ratios (governor ÷ tokenlease,
 # above 1 means tokenlease is faster), then the median and the range.
 #
@@ -11,14 +11,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-10}
-cargo bench --features embedded --bench lease --no-run >/dev/null 2>&1
+cargo bench --bench lease --no-run >/dev/null 2>&1
 filter='fast_path/(tokenlease/1_key|tokenlease/100k_keys|governor_keyed/1_key|governor_keyed/100k_keys)$'
 ratios=$(mktemp)
 trap 'rm -f "$ratios"' EXIT
 echo "| process | tokenlease 1 key (ns) | governor 1 key (ns) | ratio | tokenlease 100k keys (ns) | governor 100k keys (ns) | ratio |"
 echo "|---|---|---|---|---|---|---|"
 for i in $(seq 1 "$n"); do
-  TOKENLEASE_BENCH_CRITERION_ONLY=1 cargo bench --features embedded --bench lease -- \
+  TOKENLEASE_BENCH_CRITERION_ONLY=1 cargo bench --bench lease -- \
       --warm-up-time 1 --measurement-time 3 --noplot "$filter" 2>/dev/null |
     awk -v i="$i" '
       /^fast_path\// { name = $1 }

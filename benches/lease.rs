@@ -1,7 +1,7 @@
 //! Leased mode: the fast path beside `governor`, on one and two threads, and leased against
 //! direct mode on a real PostgreSQL.
 //!
-//! `cargo bench --features embedded --bench lease` runs the criterion groups, then (only under `--bench`) the
+//! `cargo bench --bench lease` runs the criterion groups, then (only under `--bench`) the
 //! PostgreSQL comparison, and prints the summary tables that `benches/README.md` quotes.
 //!
 //! - `fast_path/*`: ns per call of `Limiter::try_acquire_now_with` on keys with a live lease
@@ -35,11 +35,11 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput};
 use governor::{Quota, RateLimiter};
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
-use tokenlease::embedded::TempPostgres;
 use tokenlease::error::validate_key;
 use tokenlease::policy::{LeaseSettings, Plan};
 use tokenlease::store::{CountedStore, MemoryStore, PostgresStore};
 use tokenlease::{DecidedBy, Limiter};
+use tokenlease_testkit::TempPostgres;
 
 const CAPACITY: u64 = 1_000_000_000_000;
 const RATE: u64 = 1_000_000_000;

@@ -2,12 +2,12 @@
 //! bucket per booking, from the routes of `examples/policies/demo.json`.
 //!
 //! ```text
-//! cargo run --example axum --features http,embedded            # serves 127.0.0.1:3000
-//! cargo run --example axum --features http,embedded -- --check # sends itself requests, exits
+//! cargo run --example axum --features http            # serves 127.0.0.1:3000
+//! cargo run --example axum --features http -- --check # sends itself requests, exits
 //! ```
 //!
 //! With `DATABASE_URL` set it uses that server; otherwise it starts a throwaway PostgreSQL
-//! cluster (the `embedded` feature) and removes it on exit. Try
+//! cluster (the `tokenlease-testkit` crate) and removes it on exit. Try
 //! `curl -i -X POST 127.0.0.1:3000/bookings/7/automate/internal` six times: the sixth is
 //! refused by the entity layer (booking 7 has used its 5 a minute), while booking 8 still gets
 //! through.
@@ -18,10 +18,10 @@ use axum::Router;
 use axum::extract::Path;
 use axum::routing::{get, post};
 use tokenlease::Limiter;
-use tokenlease::embedded::TempPostgres;
 use tokenlease::http::RateLimitLayer;
 use tokenlease::policy::Policies;
 use tokenlease::store::PostgresStore;
+use tokenlease_testkit::TempPostgres;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 

@@ -2,13 +2,13 @@
 //! and connection pool (as two processes would have), spend from one bucket in the database.
 //!
 //! ```text
-//! cargo run --example instances --features embedded
-//! DATABASE_URL=postgres://app@localhost/app cargo run --example instances --features embedded
+//! cargo run --example instances
+//! DATABASE_URL=postgres://app@localhost/app cargo run --example instances
 //! ```
 //!
 //! With `DATABASE_URL` set it uses that server (and leaves one row behind under the key
 //! `ratelimit:example:instances:<pid>`); otherwise it starts a throwaway PostgreSQL cluster
-//! (the `embedded` feature) and removes it on exit.
+//! (the `tokenlease-testkit` crate) and removes it on exit.
 //!
 //! The plan is leased with strict accounting: each instance spends from a lease held in memory,
 //! and the bucket row counts every live lease against the capacity, so both together never
@@ -17,9 +17,9 @@
 use std::time::{Duration, Instant};
 
 use tokenlease::Limiter;
-use tokenlease::embedded::TempPostgres;
 use tokenlease::policy::Policies;
 use tokenlease::store::PostgresStore;
+use tokenlease_testkit::TempPostgres;
 
 /// The policy both instances load, as a service would from its file.
 const POLICY: &str = r#"{

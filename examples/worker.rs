@@ -4,8 +4,8 @@
 //! the other customers' jobs keep running in between.
 //!
 //! ```text
-//! cargo run --example worker --features embedded
-//! DATABASE_URL=postgres://app@localhost/app cargo run --example worker --features embedded
+//! cargo run --example worker
+//! DATABASE_URL=postgres://app@localhost/app cargo run --example worker
 //! ```
 //!
 //! With `DATABASE_URL` set it uses that server (its buckets stay behind as rows under
@@ -17,9 +17,9 @@ use std::collections::BinaryHeap;
 use std::time::{Duration, Instant};
 
 use tokenlease::Limiter;
-use tokenlease::embedded::TempPostgres;
 use tokenlease::policy::Policies;
 use tokenlease::store::PostgresStore;
+use tokenlease_testkit::TempPostgres;
 
 /// Each customer may start a burst of 10 jobs, then 10 a second. Leased: the worker asks the
 /// database about once per lease, not once per job.

@@ -19,7 +19,7 @@ MODES="${MODES:-direct leased}"
 KEYS="${KEYS:-1 10000}"
 DELAY_MS="${DELAY_MS:-30}"
 BOUND_MS=110
-cargo build --release --quiet --features cli --bin tokenlease
+cargo build --release --quiet -p tokenlease-cli --bin tokenlease
 bin=target/release/tokenlease
 mkdir -p target/loadtest
 out=target/loadtest/faults.jsonl

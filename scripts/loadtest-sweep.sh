@@ -31,7 +31,7 @@ leases | bands) ;;
     exit 2
     ;;
 esac
-cargo build --release --quiet --features cli --bin tokenlease
+cargo build --release --quiet -p tokenlease-cli --bin tokenlease
 bin=target/release/tokenlease
 
 if [[ "$SWEEP" == bands ]]; then

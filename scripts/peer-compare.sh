@@ -48,7 +48,7 @@ done
 if [[ -n "${TOKENLEASE:-}" ]]; then
     bin="$TOKENLEASE" # a prebuilt binary, e.g. another commit's, for a before/after
 else
-    cargo build --release --quiet --features cli --bin tokenlease
+    cargo build --release --quiet -p tokenlease-cli --bin tokenlease
     bin="${CARGO_TARGET_DIR:-target}/release/tokenlease"
 fi
 if [[ ! -d peers/node_modules/rate-limiter-flexible || ! -d peers/node_modules/pg ]]; then
@@ -79,7 +79,7 @@ url="$(head -n 1 "$tmp/url")"
 [[ -n "$url" ]] || { echo "peer-compare: the throwaway PostgreSQL did not start" >&2; cat "$tmp/serve.log" >&2; exit 1; }
 echo "peer-compare: PostgreSQL at $url, $PHASE_S s per phase" >&2
 
-# The server's CPU, as `tokenlease loadtest` reads it (src/bin/tokenlease/server_cpu.rs).
+# The server's CPU, as `tokenlease loadtest` reads it (cli/src/server_cpu.rs).
 # The postmaster: the parent (PPid) of the backend that answers `pg_backend_pid()`, read while
 # that session is still open (psql's \setenv and \! run inside it), when it is a postgres
 # process of this machine; nothing otherwise.

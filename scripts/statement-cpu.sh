@@ -37,7 +37,7 @@ done
 if [[ -n "${TOKENLEASE:-}" ]]; then
     bin="$TOKENLEASE"
 else
-    cargo build --release --quiet --features cli --bin tokenlease
+    cargo build --release --quiet -p tokenlease-cli --bin tokenlease
     bin="${CARGO_TARGET_DIR:-target}/release/tokenlease"
 fi
 tmp="$(mktemp -d)"

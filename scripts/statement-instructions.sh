@@ -31,7 +31,7 @@ pg_bin="${PG_BIN:-$(dirname "$(command -v initdb 2>/dev/null || echo /usr/lib/po
 if [[ -n "${TOKENLEASE:-}" ]]; then
     bin="$TOKENLEASE"
 else
-    cargo build --release --quiet --features cli --bin tokenlease
+    cargo build --release --quiet -p tokenlease-cli --bin tokenlease
     bin="${CARGO_TARGET_DIR:-target}/release/tokenlease"
 fi
 as_server() { # PostgreSQL refuses to run as root.

@@ -23,11 +23,11 @@
 //! |---|---|---|
 //! | `postgres` | yes | `store::PostgresStore`: the shared store, its pool and migrations (tokio-postgres, bb8) |
 //! | `http` | no | the `http` module: the tower layer for axum 0.8 |
-//! | `embedded` | no | the `embedded` module: a throwaway PostgreSQL cluster for tests and demos (implies `postgres`) |
-//! | `cli` | no | the `tokenlease` binary (implies `http` and `embedded`; clap, plotters, a Prometheus exporter) |
 //!
 //! With `default-features = false` the crate is the limiter over [`store::MemoryStore`] alone.
-//! The README has the crate counts each set compiles.
+//! The README has the crate counts each set compiles. The repository's two other crates are
+//! not needed to use this one: `tokenlease-testkit` (throwaway PostgreSQL and Citus clusters and
+//! a fault proxy, for tests) and `tokenlease-cli` (the `tokenlease` command).
 //!
 //! # Layout
 //!
@@ -42,7 +42,6 @@
 //!   answer, [`Decision`], and the lease counters, [`LeaseStats`].
 //! - `http` (feature `http`): the tower layer with a global and an entity limit per route.
 //! - [`metrics`]: metric names and `describe()`.
-//! - `embedded` (feature `embedded`): a throwaway PostgreSQL cluster for tests, the demo and the load test.
 //! - [`clock`]: the clocks local state reads.
 
 #![forbid(unsafe_code)]
@@ -51,8 +50,6 @@ pub mod bucket;
 pub mod clock;
 mod debt;
 mod decision;
-#[cfg(feature = "embedded")]
-pub mod embedded;
 pub mod error;
 mod fallback;
 #[cfg(feature = "http")]

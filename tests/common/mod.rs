@@ -6,9 +6,9 @@ pub mod traffic;
 use std::time::{Duration, SystemTime};
 
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
-use tokenlease::embedded::TestDatabase;
 use tokenlease::policy::Plan;
 use tokenlease::store::{PostgresStore, Store as _};
+use tokenlease_testkit::TestDatabase;
 
 /// One test at a time within a test binary, whatever the harness does: the timing-dependent
 /// tests that must not share the machine with another test of their binary hold this guard
@@ -179,9 +179,9 @@ pub fn assert_conserved(who: &str, admitted: f64, stats: &tokenlease::LeaseStats
 }
 
 /// `n` throwaway clusters, started concurrently (each start blocks: `spawn_blocking`).
-pub async fn clusters(n: usize) -> Vec<std::sync::Arc<tokenlease::embedded::TempPostgres>> {
+pub async fn clusters(n: usize) -> Vec<std::sync::Arc<tokenlease_testkit::TempPostgres>> {
     let starts: Vec<_> = (0..n)
-        .map(|_| tokio::task::spawn_blocking(tokenlease::embedded::TempPostgres::start))
+        .map(|_| tokio::task::spawn_blocking(tokenlease_testkit::TempPostgres::start))
         .collect();
     let mut out = Vec::with_capacity(n);
     for start in starts {

@@ -22,10 +22,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
-use tokenlease::embedded::{StopMode, TempPostgres};
 use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::CircuitBreaker;
 use tokenlease::{DecidedBy, Limiter};
+use tokenlease_testkit::{StopMode, TempPostgres};
 
 const KEY: &str = "debt:hot";
 

@@ -2,7 +2,7 @@
 //! local (C/N, r/N per instance with N = 2).
 //!
 //! Each test starts its own throwaway cluster. Limiters reach it either directly (to stop the
-//! real server) or through the fault proxy (`tokenlease::embedded::FaultProxy`), with the
+//! real server) or through the fault proxy (`tokenlease_testkit::FaultProxy`), with the
 //! plan's settings: call timeout 50 ms, connect timeout 250 ms, server-side `statement_timeout`
 //! 100 ms, a pool of 4, and a [`CircuitBreaker`] with its defaults (opens after 5 transient
 //! failures, back-off 50 ms doubling to 500 ms). Under the breaker a recording wrapper logs
@@ -24,16 +24,16 @@ use metrics_util::debugging::DebugValue;
 use parking_lot::Mutex;
 use tokenlease::bucket::Timestamp;
 use tokenlease::clock::{Clock, SystemClock, timestamp_from_system_time};
-use tokenlease::embedded::{StopMode, TempPostgres};
 use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::{
     AcquireRequest, Acquired, BucketRow, CircuitBreaker, GiveBack, PostgresStore, Store,
     StoreError, TimeoutKind,
 };
 use tokenlease::{DecidedBy, Limiter};
+use tokenlease_testkit::{StopMode, TempPostgres};
 use tokio_postgres::NoTls;
 
-use tokenlease::embedded::FaultProxy as Proxy;
+use tokenlease_testkit::FaultProxy as Proxy;
 
 const C: u64 = 100;
 const R: f64 = 50.0;

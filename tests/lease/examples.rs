@@ -1,7 +1,7 @@
 //! The examples' logic against a real PostgreSQL: `examples/instances.rs` runs here as a
 //! module (its `main` unused), on a fresh database from [`TestDatabase`].
 
-use tokenlease::embedded::TestDatabase;
+use tokenlease_testkit::TestDatabase;
 
 #[path = "../../examples/instances.rs"]
 #[allow(dead_code)]

@@ -22,7 +22,6 @@ use tower::ServiceExt;
 use tokenlease::Limiter;
 use tokenlease::bucket::{BucketConfig, Rate, Timestamp, Tokens};
 use tokenlease::clock::ManualClock;
-use tokenlease::embedded::TestDatabase;
 use tokenlease::http::{
     EntityKey, RateLimitLayer, RouteConfigError, RouteLimitLayer, TrustedProxies, client_ip,
 };
@@ -30,6 +29,7 @@ use tokenlease::policy::{FallbackMode, FallbackSettings, Plan, Policies};
 use tokenlease::store::{
     AcquireRequest, Acquired, BucketRow, GiveBack, MemoryStore, PostgresStore, Store, StoreError,
 };
+use tokenlease_testkit::TestDatabase;
 
 const BOOKING: &str = "/bookings/{bookingId}";
 const GLOBAL_KEY: &str = "ratelimit:api:GET:/bookings/{bookingId}";

@@ -4,8 +4,7 @@
 //!
 //! `metrics` and `http_routes` record into recorders of their own
 //! (`metrics::with_local_recorder`), so no global recorder is installed here. The `tokenlease
-//! check` cases of `policy` need the binary, so they are compiled with the `cli` feature only;
-//! its proptest regressions are in `policy.proptest-regressions` beside it.
+//! check` cases are in the binary's crate (cli/tests/commands.rs). `policy`'s proptest regressions are in `policy.proptest-regressions` beside it.
 
 #[path = "../common/mod.rs"]
 mod common;

@@ -1,11 +1,9 @@
 //! The policy file: every refusal has its own fixture and exact message (A6), valid
-//! files are accepted with the values they say, the parser never panics (A7), and
-//! `tokenlease check` reports both through its exit code.
+//! files are accepted with the values they say, and the parser never panics (A7).
+//! `tokenlease check` reports both through its exit code: cli/tests/commands.rs.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-#[cfg(feature = "cli")]
-use std::process::Command;
 use std::time::Duration;
 
 use proptest::prelude::*;
@@ -890,12 +888,6 @@ fn a_policy_over_the_size_limit_is_refused() {
             path.display()
         )
     );
-    #[cfg(feature = "cli")]
-    {
-        let out = check_command(&path);
-        assert_eq!(out.status.code(), Some(1), "{out:?}");
-        assert_eq!(String::from_utf8(out.stderr).unwrap(), format!("{err}\n"));
-    }
 
     // Exactly at the limit the file is read (and then refused for what it holds).
     let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
@@ -1475,59 +1467,6 @@ proptest! {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// `tokenlease check` (the binary is built with the `cli` feature).
-
-#[cfg(feature = "cli")]
-fn check_command(file: &Path) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_tokenlease"))
-        .arg("check")
-        .arg(file)
-        .output()
-        .unwrap()
-}
-
-#[cfg(feature = "cli")]
-#[test]
-fn check_command_accepts_a_valid_file() {
-    let path = examples().join("demo.json");
-    let out = check_command(&path);
-    assert!(out.status.success(), "{out:?}");
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout),
-        format!("{}: 6 plans, 3 routes, 2 key rules\n", path.display())
-    );
-    assert!(out.stderr.is_empty(), "{out:?}");
-}
-
-#[cfg(feature = "cli")]
-#[test]
-fn check_command_refuses_an_invalid_file() {
-    let path = fixtures().join("invalid/capacity_string.json");
-    let out = check_command(&path);
-    assert_eq!(out.status.code(), Some(1), "{out:?}");
-    assert!(out.stdout.is_empty(), "{out:?}");
-    assert_eq!(
-        String::from_utf8(out.stderr).unwrap(),
-        format!(
-            "{}:3:35: plans.standard.capacity: invalid type: string \"100\", expected u64\n",
-            path.display()
-        )
-    );
-}
-
-#[cfg(feature = "cli")]
-#[test]
-fn check_command_refuses_a_missing_file() {
-    let out = check_command(Path::new("/nonexistent/policy.json"));
-    assert_eq!(out.status.code(), Some(1), "{out:?}");
-    let stderr = String::from_utf8(out.stderr).unwrap();
-    assert!(
-        stderr.starts_with("/nonexistent/policy.json: cannot read the file: "),
-        "{stderr}"
-    );
-}
-
 /// A policy of `n` plans `p0`, `p1`, … and a rule `k{i}:` for the last one.
 fn many_plans(n: usize) -> String {
     let mut json = String::from(r#"{ "plans": {"#);
@@ -1574,10 +1513,4 @@ fn a8_a_file_with_more_plans_than_a_limiter_holds_is_refused() {
         }
     );
     assert_eq!(tokenlease::policy::MAX_PLANS, 65_528);
-    #[cfg(feature = "cli")]
-    {
-        let out = check_command(&path);
-        assert_eq!(out.status.code(), Some(1), "{out:?}");
-        assert_eq!(String::from_utf8(out.stderr).unwrap(), format!("{err}\n"));
-    }
 }

@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokenlease::bucket::Tokens;
-use tokenlease::embedded::{StopMode, TempPostgres};
 use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan, Policies};
 use tokenlease::store::{PostgresStore, Store};
 use tokenlease::{DecidedBy, Limiter};
+use tokenlease_testkit::{StopMode, TempPostgres};
 
 /// Calls made on each key.
 const CALLS: usize = 200;

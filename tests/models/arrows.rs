@@ -38,7 +38,7 @@
 //! Every arrow is thus between two children of one module, or from a child to its parent, so a
 //! cycle is always among the top-level modules of the crate or among the sibling files of one
 //! module directory (with, possibly, their parent's own file). The check runs the same rules over
-//! the `tokenlease` binary (`src/bin/tokenlease/main.rs`), a crate of its own.
+//! the `tokenlease` binary (`cli/src/main.rs`), a crate of its own.
 //!
 //! Not arrows: intra-doc links and other comments, a macro called by its bare name (`macro_rules!`
 //! scope is textual), and a path starting at a local name that is not an import (a type's

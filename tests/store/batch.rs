@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 
 use tokenlease::bucket::{BucketState, Outcome, Tokens};
 use tokenlease::clock::timestamp_from_system_time;
-use tokenlease::embedded::FaultProxy as Proxy;
-use tokenlease::embedded::TempPostgres;
 use tokenlease::policy::{FallbackMode, FallbackSettings, Plan};
 use tokenlease::store::{CountedStore, PostgresStore};
 use tokenlease::{DecidedBy, Decision, Limiter};
+use tokenlease_testkit::FaultProxy as Proxy;
+use tokenlease_testkit::TempPostgres;
 
 /// A throwaway cluster and a proxy in front of it.
 struct Rig {

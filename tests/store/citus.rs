@@ -11,10 +11,10 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokenlease::embedded::{StopMode, TempCitus};
 use tokenlease::policy::{Accounting, FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::{AcquireRequest, GiveBack, PostgresStore, Store as _};
 use tokenlease::{DecidedBy, Limiter};
+use tokenlease_testkit::{StopMode, TempCitus};
 
 const C: f64 = 100.0;
 const R: f64 = 50.0;

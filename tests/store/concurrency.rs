@@ -52,7 +52,7 @@ struct Run {
 /// Runs `instances` limiters (each with its own pool) × `tasks` tasks for `duration`; call `i`
 /// of a task takes `cost(i)` from the key `key(i)`.
 async fn hammer(
-    db: &tokenlease::embedded::TestDatabase,
+    db: &tokenlease_testkit::TestDatabase,
     instances: usize,
     tasks: usize,
     duration: Duration,

@@ -1,10 +1,7 @@
-//! Migrations against a real server: idempotence, checksums, failures, concurrent migrators,
-//! and the `tokenlease migrate` command.
+//! Migrations against a real server: idempotence, checksums, failures, concurrent migrators.
+//! `tokenlease migrate` is tested with the binary, in cli/tests/commands.rs.
 
-#[cfg(feature = "cli")]
-use std::process::Command;
-
-use tokenlease::embedded::TestDatabase;
+use tokenlease_testkit::TestDatabase;
 // The migration list and `migrate_with` are not API: the crate reaches them out to its own
 // tests through `__private`, so that these tests can migrate with lists of their own.
 use tokenlease::__private::{MIGRATIONS, migrate_with};
@@ -182,68 +179,6 @@ async fn four_concurrent_migrators_apply_each_of_four_versions_exactly_once() {
         .expect("count")
         .get(0);
     assert_eq!(n, 1, "migration 2's INSERT ran more than once");
-}
-
-// `tokenlease migrate` (the binary is built with the `cli` feature).
-
-#[cfg(feature = "cli")]
-#[tokio::test]
-async fn cli_migrate_uses_database_url() {
-    let db = TestDatabase::create().await.expect("create");
-    let output = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
-        .arg("migrate")
-        .env("DATABASE_URL", db.connection_string())
-        .output()
-        .expect("run tokenlease");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "stdout:\n{stdout}\nstderr:\n{stderr}"
-    );
-    assert!(
-        stdout.contains("already present 0001_create_buckets"),
-        "{stdout}"
-    );
-    assert!(stdout.contains("no migrations applied"), "{stdout}");
-    assert!(!stderr.contains("throwaway"), "{stderr}");
-}
-
-#[cfg(feature = "cli")]
-#[test]
-fn cli_migrate_without_database_url_starts_a_throwaway_server() {
-    let output = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
-        .arg("migrate")
-        .env_remove("DATABASE_URL")
-        .output()
-        .expect("run tokenlease");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "stdout:\n{stdout}\nstderr:\n{stderr}"
-    );
-    assert!(stderr.contains("throwaway PostgreSQL"), "{stderr}");
-    assert!(stdout.contains("applied 0001_create_buckets"), "{stdout}");
-}
-
-#[cfg(feature = "cli")]
-#[test]
-fn cli_migrate_reports_an_unreachable_database() {
-    let output = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
-        .args([
-            "migrate",
-            "--database-url",
-            "host=127.0.0.1 port=1 user=x connect_timeout=2",
-        ])
-        .output()
-        .expect("run tokenlease");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success());
-    assert!(
-        stderr.contains("could not connect to the database"),
-        "{stderr}"
-    );
 }
 
 /// A new, empty database `name` on the test database's server; returns its connection string

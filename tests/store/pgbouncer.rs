@@ -30,11 +30,11 @@ use std::time::{Duration, Instant, SystemTime};
 use async_trait::async_trait;
 use parking_lot::Mutex;
 use tokenlease::bucket::Tokens;
-use tokenlease::embedded::TempPostgres;
 use tokenlease::store::{
     AcquireRequest, Acquired, BucketRow, GiveBack, PostgresStore, Store, StoreError,
 };
 use tokenlease::{DecidedBy, Limiter};
+use tokenlease_testkit::TempPostgres;
 use tokio_postgres::NoTls;
 
 const C: f64 = 100.0;

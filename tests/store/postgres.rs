@@ -1081,8 +1081,8 @@ async fn the_lock_timeout_ends_a_call_waiting_inside_the_function() {
 /// call by the fallback in 3 runs of 3. A cluster of its own: its `pg_hba.conf` is rewritten.
 #[tokio::test]
 async fn a_built_store_has_its_pool_open_and_prepared_with_scram() {
-    use tokenlease::embedded::TempPostgres;
     use tokenlease::policy::LeaseSettings;
+    use tokenlease_testkit::TempPostgres;
     let pg = tokio::task::spawn_blocking(TempPostgres::start)
         .await
         .expect("join")

@@ -13,10 +13,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use metrics_util::debugging::DebugValue;
 use tokenlease::bucket::Tokens;
-use tokenlease::embedded::{StopMode, TempPostgres};
 use tokenlease::policy::{Accounting, FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::{AcquireRequest, PostgresStoreBuilder, ShardedStore, Store};
 use tokenlease::{DecidedBy, Limiter};
+use tokenlease_testkit::{StopMode, TempPostgres};
 
 const C: f64 = 100.0;
 const R: f64 = 50.0;

@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use tokenlease::bucket::{BucketConfig, Timestamp, Tokens};
 use tokenlease::clock::ManualClock;
-use tokenlease::embedded::TestDatabase;
 use tokenlease::store::{
     AcquireRequest, GiveBack, Hold, LeaseRef, MemoryStore, PostgresStore, Store,
 };
+use tokenlease_testkit::TestDatabase;
 
 /// A store under test and a way to move its time.
 #[async_trait::async_trait]

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tokenlease::bucket::Tokens;
-use tokenlease::embedded::TempPostgres;
 use tokenlease::store::{AcquireRequest, ShardedStore, Store, shard_of};
+use tokenlease_testkit::TempPostgres;
 
 const NAMES: [&str; 3] = ["pg-a", "pg-b", "pg-c"];
 const C: f64 = 100.0;

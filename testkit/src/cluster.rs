@@ -136,7 +136,7 @@ impl TempPostgresBuilder {
         pg.write_hba()?;
         append_file(
             &pg.data_dir.join("postgresql.conf"),
-            "\n# Added by tokenlease::embedded: the settings of this throwaway cluster.\ninclude = 'tokenlease.conf'\n",
+            "\n# Added by tokenlease_testkit: the settings of this throwaway cluster.\ninclude = 'tokenlease.conf'\n",
         )?;
 
         let mut last_error = None;
@@ -520,7 +520,7 @@ impl TempPostgres {
 
     fn write_hba(&self) -> Result<(), EmbeddedError> {
         let path = self.data_dir.join("pg_hba.conf");
-        let text = "# Written by tokenlease::embedded: a throwaway cluster reachable only from this \
+        let text = "# Written by tokenlease_testkit: a throwaway cluster reachable only from this \
                     machine, no passwords.\n\
                     local all         all              trust\n\
                     local replication all              trust\n\
@@ -539,7 +539,7 @@ impl TempPostgres {
             String::new()
         };
         let mut text = String::from(
-            "# Written by tokenlease::embedded for a throwaway cluster.\n\
+            "# Written by tokenlease_testkit for a throwaway cluster.\n\
              # Durable on purpose: crash tests (pg_ctl stop -m immediate) must keep committed rows.\n\
              fsync = on\n\
              synchronous_commit = on\n\

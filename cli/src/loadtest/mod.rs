@@ -273,7 +273,7 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     let mut others = Vec::new();
     let mut citus = None;
     let (server, shards) = if args.citus > 0 {
-        let mut builder = tokenlease::embedded::TempCitus::builder()
+        let mut builder = tokenlease_testkit::TempCitus::builder()
             .workers(args.citus)
             .setting("shared_preload_libraries", "citus,pg_stat_statements");
         if let Some(n) = args.citus_shards {
@@ -294,7 +294,7 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
             url,
         }];
         for i in 1..args.shards {
-            let more = tokenlease::embedded::TempPostgres::start()?;
+            let more = tokenlease_testkit::TempPostgres::start()?;
             shards.push(Shard {
                 name: format!("shard-{i}"),
                 url: more.url(),
@@ -337,7 +337,7 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
 /// `--serve-db`: a migrated throwaway PostgreSQL whose URL goes to stdout, up until SIGINT or
 /// SIGTERM, then stopped and removed.
 fn serve_db(runtime: &tokio::runtime::Runtime) -> super::CmdResult {
-    let server = tokenlease::embedded::TempPostgres::start()?;
+    let server = tokenlease_testkit::TempPostgres::start()?;
     let url = server.url();
     runtime.block_on(async {
         let (mut client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)

@@ -2,8 +2,8 @@
 
 use std::process::ExitCode;
 
-use tokenlease::embedded::TempPostgres;
 use tokenlease::store::migrate;
+use tokenlease_testkit::TempPostgres;
 
 use super::db::DatabaseError;
 

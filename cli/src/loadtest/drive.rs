@@ -130,7 +130,7 @@ pub(super) async fn load(
     args: &Args,
     shards: &[Shard],
     injector: Option<crate::fault::Injector>,
-    citus: Option<&tokenlease::embedded::TempCitus>,
+    citus: Option<&tokenlease_testkit::TempCitus>,
 ) -> Result<Report, Box<dyn std::error::Error>> {
     let plan = Arc::new(plan(args)?);
     // Statements per shard (one shard without `--shards` or `--shard-url`).
@@ -624,7 +624,7 @@ pub(super) struct CitusCounts {
 
 impl CitusNodes {
     async fn connect(
-        cluster: &tokenlease::embedded::TempCitus,
+        cluster: &tokenlease_testkit::TempCitus,
     ) -> Result<CitusNodes, Box<dyn std::error::Error>> {
         let open = |url: String| async move {
             let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)

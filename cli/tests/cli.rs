@@ -254,7 +254,10 @@ fn check_warns_about_plans_whose_fallback_is_local_for_one_instance() {
 
 #[test]
 fn the_shipped_demo_policy_checks_without_warnings() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/policies/demo.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/policies/demo.json"
+    );
     let out = tokenlease()
         .args(["check", path])
         .output()

@@ -1,7 +1,7 @@
 //! The `tokenlease` command: check policies, run migrations, inspect buckets.
 //!
 //! Every subcommand that needs PostgreSQL uses `DATABASE_URL` when it is set, and otherwise
-//! starts a throwaway cluster from the local server binaries (see `tokenlease::embedded`).
+//! starts a throwaway cluster from the local server binaries (see `tokenlease_testkit`).
 
 use std::process::ExitCode;
 

@@ -7,7 +7,7 @@ use tokio_postgres::NoTls;
 
 use super::cluster::TempPostgres;
 use super::error::{EmbeddedError, EmbeddedErrorKind};
-use crate::store::migrate;
+use tokenlease::store::migrate;
 
 /// The environment variable naming an existing server to use instead of a [`TempPostgres`].
 pub const DATABASE_URL_ENV: &str = "DATABASE_URL";

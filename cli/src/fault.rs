@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use tokenlease::embedded::{FaultProxy, StopMode, TempPostgres};
+use tokenlease_testkit::{FaultProxy, StopMode, TempPostgres};
 
 /// Which fault `--fault` injects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -148,7 +148,7 @@ impl Injector {
 
 /// Runs a blocking server command (`pg_ctl`) off the runtime's worker threads.
 async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, tokenlease::embedded::EmbeddedError> + Send + 'static,
+    f: impl FnOnce() -> Result<T, tokenlease_testkit::EmbeddedError> + Send + 'static,
 ) -> Result<T, String> {
     match tokio::task::spawn_blocking(f).await {
         Ok(result) => result.map_err(|e| e.to_string()),

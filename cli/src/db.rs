@@ -68,7 +68,7 @@ impl Error for BindError {}
 
 /// A throwaway PostgreSQL, when no database was named; the command's connection string either
 /// way. The cluster (if any) is stopped and removed when the first value is dropped.
-pub(crate) type Database = (Option<tokenlease::embedded::TempPostgres>, String);
+pub(crate) type Database = (Option<tokenlease_testkit::TempPostgres>, String);
 
 /// `url` when it is set and not blank; otherwise a throwaway PostgreSQL (saying so on stderr).
 pub(crate) fn given_or_throwaway(url: Option<&str>) -> Result<Database, Box<dyn Error>> {
@@ -76,7 +76,7 @@ pub(crate) fn given_or_throwaway(url: Option<&str>) -> Result<Database, Box<dyn 
         Some(url) => Ok((None, url.to_owned())),
         None => {
             eprintln!("DATABASE_URL is not set: starting a throwaway PostgreSQL");
-            let server = tokenlease::embedded::TempPostgres::start()?;
+            let server = tokenlease_testkit::TempPostgres::start()?;
             let url = server.url();
             Ok((Some(server), url))
         }

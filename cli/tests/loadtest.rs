@@ -12,12 +12,12 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 /// Runs the loadtest against `db` with `args` and returns its JSON report.
-fn loadtest(db: &tokenlease::embedded::TestDatabase, args: &[&str]) -> Value {
+fn loadtest(db: &tokenlease_testkit::TestDatabase, args: &[&str]) -> Value {
     loadtest_with_stderr(db, args).0
 }
 
 /// As [`loadtest`], with what it wrote on stderr (piped, so not a terminal).
-fn loadtest_with_stderr(db: &tokenlease::embedded::TestDatabase, args: &[&str]) -> (Value, String) {
+fn loadtest_with_stderr(db: &tokenlease_testkit::TestDatabase, args: &[&str]) -> (Value, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_tokenlease"))
         .arg("loadtest")
         .args(["--json", "--database-url", &db.connection_string()])

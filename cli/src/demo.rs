@@ -43,7 +43,7 @@ use tokenlease::store::{CircuitBreaker, IdleCleanup, PostgresStore, Store};
 use super::db::{BindError, DatabaseError, given_or_throwaway, redact};
 
 /// The shipped demo policy, built in.
-const DEMO_POLICY: &str = include_str!("../../../examples/policies/demo.json");
+const DEMO_POLICY: &str = include_str!("../../examples/policies/demo.json");
 
 /// How often the idle-row cleanup runs.
 const CLEANUP_EVERY: Duration = Duration::from_secs(30);
@@ -100,7 +100,7 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
                     .into(),
             );
         }
-        let cluster = tokenlease::embedded::TempCitus::start(args.citus)?;
+        let cluster = tokenlease_testkit::TempCitus::start(args.citus)?;
         eprintln!(
             "tokenlease demo: Citus cluster, coordinator {} and {} worker(s)",
             cluster.url(),

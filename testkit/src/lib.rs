@@ -6,7 +6,7 @@
 //! else on a new `TempPostgres`.
 //!
 //! ```no_run
-//! use tokenlease::embedded::TempPostgres;
+//! use tokenlease_testkit::TempPostgres;
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let pg = TempPostgres::builder().setting("statement_timeout", "100ms").start()?;

@@ -168,7 +168,7 @@ fn missing_extension(bin_dir: &std::path::Path) -> Option<String> {
 /// [`EmbeddedErrorKind::Command`] and a message saying how to install it.
 ///
 /// ```no_run
-/// use tokenlease::embedded::TempCitus;
+/// use tokenlease_testkit::TempCitus;
 ///
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let citus = TempCitus::builder().workers(2).setting("citus.shard_count", "4").start()?;
@@ -250,15 +250,28 @@ impl TempCitus {
                 let setup = async {
                     let mut all = vec![coordinator.clone()];
                     all.extend(workers.iter().map(|(conn, _, _)| conn.clone()));
-                    let creates = all.iter().map(|conn| async move {
-                        let client = connect(conn).await?;
-                        client
-                            .batch_execute("CREATE EXTENSION IF NOT EXISTS citus")
-                            .await
-                            .map_err(|err| EmbeddedError::database("CREATE EXTENSION citus", &err))
-                    });
-                    for result in crate::store::join_all(creates).await {
-                        result?;
+                    // On every node at once: each its own task on this runtime.
+                    let creates: Vec<_> = all
+                        .into_iter()
+                        .map(|conn| {
+                            tokio::spawn(async move {
+                                let client = connect(&conn).await?;
+                                client
+                                    .batch_execute("CREATE EXTENSION IF NOT EXISTS citus")
+                                    .await
+                                    .map_err(|err| {
+                                        EmbeddedError::database("CREATE EXTENSION citus", &err)
+                                    })
+                            })
+                        })
+                        .collect();
+                    for create in creates {
+                        create.await.map_err(|err| {
+                            EmbeddedError::new(
+                                EmbeddedErrorKind::Io,
+                                format!("the task creating the Citus extension failed: {err}"),
+                            )
+                        })??;
                     }
                     let client = connect(&coordinator).await?;
                     client

@@ -1,11 +1,11 @@
-//! The throwaway PostgreSQL (`tokenlease::embedded`) against a real server: start, connect,
+//! The throwaway PostgreSQL (`tokenlease_testkit`) against a real server: start, connect,
 //! migrate, stop, start again, crash-restart, drop. Each test starts its own cluster.
 
 use std::time::Instant;
 
 use tokenlease::__private::MIGRATIONS;
-use tokenlease::embedded::{StopMode, TempPostgres, TestDatabase};
 use tokenlease::store::migrate;
+use tokenlease_testkit::{StopMode, TempPostgres, TestDatabase};
 use tokio_postgres::{Client, NoTls};
 
 async fn connect(conn: &str) -> Result<Client, tokio_postgres::Error> {
@@ -414,7 +414,7 @@ async fn test_database_uses_database_url_when_set() {
 }
 
 /// Not a check: prints how long a cluster takes to start with and without the template cache.
-/// `cargo test --features embedded --test testkit start_times -- --ignored --nocapture`
+/// `cargo test -p tokenlease-testkit --test testkit start_times -- --ignored --nocapture`
 #[test]
 #[ignore = "timing report, run by hand"]
 fn start_times_with_and_without_the_template_cache() {
