@@ -9,6 +9,10 @@
 #   bash scripts/statement-instructions.sh - scripts/statements/peer-upsert.sql   # beside the peer's
 #   CALLGRIND_OUT=dir bash scripts/statement-instructions.sh ...   # keep each candidate's profile
 #       (dir/<n>.callgrind, the run of 100 + N executions), for `callgrind_annotate --inclusive=yes`
+#   UNPREP=1 bash scripts/statement-instructions.sh scripts/statements/peer-upsert.sql
+#       # each execution sent as a plain statement, its parameters written in as typed literals:
+#       # parsed, analysed and planned every time, as an unnamed statement is (the Node peer's
+#       # client sends every query unnamed)
 #
 # A candidate is one SQL statement with the one-key take's parameters ($1 text key, $2
 # capacity, $3 rate, $4 min, $5 want, $6 step, bigint nanotokens; `tokenlease loadtest
@@ -63,6 +67,22 @@ as_server "$pg_bin/pg_ctl" -D "$tmp/pristine" -w stop >/dev/null
 
 # The input of one run: the statement prepared, then COUNT executions on random keys.
 input() { # FILE COUNT OUT
+    if [[ -n "${UNPREP:-}" ]]; then
+        python3 - "$1" "$2" "$KEYS" >"$3" <<'PY'
+import random, re, sys
+lines = open(sys.argv[1]).read().splitlines()
+text = " ".join(l for l in lines if not l.strip().startswith("--")).strip().rstrip(";")
+count, keys = int(sys.argv[2]), int(sys.argv[3])
+rng = random.Random(7)
+for _ in range(count):
+    values = {"1": f"'pgbench:{rng.randint(1, keys)}'::text", "2": "100000000000::bigint",
+              "3": "50000000000::bigint", "4": "1000000000::bigint", "5": "1000000000::bigint",
+              "6": "1000000000::bigint"}
+    print(re.sub(r"\$([1-6])(?![0-9])", lambda m: values[m.group(1)], text) + ";")
+    print()
+PY
+        return
+    fi
     {
         echo "PREPARE s(text, bigint, bigint, bigint, bigint, bigint) AS $(
             grep -v '^[[:space:]]*--' "$1" | tr '\n' ' ' | sed 's/;[[:space:]]*$//');"
