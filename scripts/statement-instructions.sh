@@ -11,8 +11,8 @@
 #       (dir/<n>.callgrind, the run of 100 + N executions), for `callgrind_annotate --inclusive=yes`
 #   UNPREP=1 bash scripts/statement-instructions.sh scripts/statements/peer-upsert.sql
 #       # each execution sent as a plain statement, its parameters written in as typed literals:
-#       # parsed, analysed and planned every time, as an unnamed statement is (the Node peer's
-#       # client sends every query unnamed)
+#       # parsed, analysed and planned every time, as an unnamed statement is (what a client
+#       # that does not prepare pays; the Node peer names its upsert, so node-postgres prepares it)
 #
 # A candidate is one SQL statement with the one-key take's parameters ($1 text key, $2
 # capacity, $3 rate, $4 min, $5 want, $6 step, bigint nanotokens; `tokenlease loadtest
