@@ -9,6 +9,8 @@
 #   bash scripts/statement-instructions.sh - scripts/statements/peer-upsert.sql   # beside the peer's
 #   CALLGRIND_OUT=dir bash scripts/statement-instructions.sh ...   # keep each candidate's profile
 #       (dir/<n>.callgrind, the run of 100 + N executions), for `callgrind_annotate --inclusive=yes`
+#   SETUP=scripts/statements/narrow-table.sql bash scripts/statement-instructions.sh \
+#       scripts/statements/narrow-*.sql   # SETUP: SQL run on the cluster after the migrations
 #   UNPREP=1 bash scripts/statement-instructions.sh scripts/statements/peer-upsert.sql
 #       # each execution sent as a plain statement, its parameters written in as typed literals:
 #       # parsed, analysed and planned every time, as an unnamed statement is (what a client
@@ -56,6 +58,9 @@ as_server "$pg_bin/pg_ctl" -D "$tmp/pristine" -w -l "$tmp/server.log" \
     -o "-p $port -k $tmp -c listen_addresses='' -c fsync=off" start >/dev/null
 url="host=$tmp port=$port user=postgres dbname=postgres"
 "$bin" migrate --database-url "$url" >/dev/null
+if [[ -n "${SETUP:-}" ]]; then # more tables for the candidates, made before the snapshot
+    psql "$url" -X -q -v ON_ERROR_STOP=1 -f "$SETUP" >/dev/null
+fi
 psql "$url" -X -q -v ON_ERROR_STOP=1 -c "
 INSERT INTO tokenlease_buckets (key, tokens, frac, capacity, refill_per_second, updated_us, refilled)
 SELECT 'pgbench:' || i, 100000000000, 0, 100000000000, 50000000000,
