@@ -9,6 +9,12 @@
 #   bash scripts/statement-instructions.sh - scripts/statements/peer-upsert.sql   # beside the peer's
 #   CALLGRIND_OUT=dir bash scripts/statement-instructions.sh ...   # keep each candidate's profile
 #       (dir/<n>.callgrind, the run of 100 + N executions), for `callgrind_annotate --inclusive=yes`
+#   SETUP=scripts/statements/narrow-table.sql bash scripts/statement-instructions.sh \
+#       scripts/statements/narrow-*.sql   # SETUP: SQL run on the cluster after the migrations
+#   UNPREP=1 bash scripts/statement-instructions.sh scripts/statements/peer-upsert.sql
+#       # each execution sent as a plain statement, its parameters written in as typed literals:
+#       # parsed, analysed and planned every time, as an unnamed statement is (what a client
+#       # that does not prepare pays; the Node peer names its upsert, so node-postgres prepares it)
 #
 # A candidate is one SQL statement with the one-key take's parameters ($1 text key, $2
 # capacity, $3 rate, $4 min, $5 want, $6 step, bigint nanotokens; `tokenlease loadtest
@@ -52,6 +58,9 @@ as_server "$pg_bin/pg_ctl" -D "$tmp/pristine" -w -l "$tmp/server.log" \
     -o "-p $port -k $tmp -c listen_addresses='' -c fsync=off" start >/dev/null
 url="host=$tmp port=$port user=postgres dbname=postgres"
 "$bin" migrate --database-url "$url" >/dev/null
+if [[ -n "${SETUP:-}" ]]; then # more tables for the candidates, made before the snapshot
+    psql "$url" -X -q -v ON_ERROR_STOP=1 -f "$SETUP" >/dev/null
+fi
 psql "$url" -X -q -v ON_ERROR_STOP=1 -c "
 INSERT INTO tokenlease_buckets (key, tokens, frac, capacity, refill_per_second, updated_us, refilled)
 SELECT 'pgbench:' || i, 100000000000, 0, 100000000000, 50000000000,
@@ -63,6 +72,22 @@ as_server "$pg_bin/pg_ctl" -D "$tmp/pristine" -w stop >/dev/null
 
 # The input of one run: the statement prepared, then COUNT executions on random keys.
 input() { # FILE COUNT OUT
+    if [[ -n "${UNPREP:-}" ]]; then
+        python3 - "$1" "$2" "$KEYS" >"$3" <<'PY'
+import random, re, sys
+lines = open(sys.argv[1]).read().splitlines()
+text = " ".join(l for l in lines if not l.strip().startswith("--")).strip().rstrip(";")
+count, keys = int(sys.argv[2]), int(sys.argv[3])
+rng = random.Random(7)
+for _ in range(count):
+    values = {"1": f"'pgbench:{rng.randint(1, keys)}'::text", "2": "100000000000::bigint",
+              "3": "50000000000::bigint", "4": "1000000000::bigint", "5": "1000000000::bigint",
+              "6": "1000000000::bigint"}
+    print(re.sub(r"\$([1-6])(?![0-9])", lambda m: values[m.group(1)], text) + ";")
+    print()
+PY
+        return
+    fi
     {
         echo "PREPARE s(text, bigint, bigint, bigint, bigint, bigint) AS $(
             grep -v '^[[:space:]]*--' "$1" | tr '\n' ' ' | sed 's/;[[:space:]]*$//');"

@@ -1,0 +1,16 @@
+-- A candidate one-key take measured for DESIGN.md section 5 ("The lone caller against the
+-- peer"); not what the store sends. UPDATE only (a key without a row would need the upsert
+-- after it), for exact takes (min = want), on a row whose stored capacity and rate are the
+-- call's. The arithmetic is bigint: the elapsed microseconds are capped at the time the
+-- call's bucket takes to fill from empty (2,000,000 us for scripts/statement-instructions.sh's
+-- 100 tokens at 50 tokens/s; a store would send it as a parameter), beyond which the bucket is
+-- full anyway, so no product leaves bigint for capacities up to about 9,000 tokens.
+-- The grant as a condition of the WHERE (a denial updates nothing and needs a second
+-- statement); refilled not written, the grant returned as $5.
+UPDATE tokenlease_buckets AS b
+SET tokens = (b.tokens + least((b.capacity - b.tokens) * 1000000, (greatest(0, least((extract(epoch FROM now()) * 1000000)::bigint - b.updated_us, 2000000)) * b.refill_per_second + b.frac)) / 1000000) - $5,
+    frac = (least((b.capacity - b.tokens) * 1000000, (greatest(0, least((extract(epoch FROM now()) * 1000000)::bigint - b.updated_us, 2000000)) * b.refill_per_second + b.frac)) % 1000000)::integer,
+    updated_us = greatest(b.updated_us, (extract(epoch FROM now()) * 1000000)::bigint)
+WHERE b.key = $1 AND b.capacity = $2 AND b.refill_per_second = $3 AND cardinality(b.leases) = 0
+  AND b.tokens <= b.capacity AND (b.tokens + least((b.capacity - b.tokens) * 1000000, (greatest(0, least((extract(epoch FROM now()) * 1000000)::bigint - b.updated_us, 2000000)) * b.refill_per_second + b.frac)) / 1000000) >= $5
+RETURNING b.key, b.tokens, b.frac, $5, b.updated_us, (extract(epoch FROM now()) * 1000000)::bigint
