@@ -17,7 +17,7 @@ D="${D:-15}"
 if [[ -n "${TOKENLEASE:-}" ]]; then
     bin="$TOKENLEASE"
 else
-    cargo build --release --quiet --features cli --bin tokenlease
+    cargo build --release --quiet -p tokenlease-cli --bin tokenlease
     bin="${CARGO_TARGET_DIR:-target}/release/tokenlease"
 fi
 [[ -d peers/node_modules/rate-limiter-flexible ]] || (cd peers && npm ci --no-audit --no-fund)

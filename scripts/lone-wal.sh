@@ -14,7 +14,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ -n "${TOKENLEASE:-}" ]]; then
     bin="$TOKENLEASE"
 else
-    cargo build --release --quiet --features cli --bin tokenlease
+    cargo build --release --quiet -p tokenlease-cli --bin tokenlease
     bin="${CARGO_TARGET_DIR:-target}/release/tokenlease"
 fi
 [[ -d peers/node_modules/rate-limiter-flexible ]] || (cd peers && npm ci --no-audit --no-fund)
