@@ -22,13 +22,33 @@ use tokio::time::Instant;
 
 use crate::bucket::Timestamp;
 
-/// A source of [`Timestamp`]s (nanoseconds since the Unix epoch).
+/// A source of [`Timestamp`]s (nanoseconds since the Unix epoch) and of tokio [`Instant`]s.
 ///
 /// [`MonotonicClock`] never goes backwards on its own; [`SystemClock`] goes wherever the host's
 /// wall clock goes; [`ManualClock`] goes where a test sets it.
+///
+/// The limiter reads time only through the clock given to
+/// [`LimiterBuilder::clock`](crate::limiter::LimiterBuilder::clock) (by default a [`MonotonicClock`]),
+/// once per call, and passes that reading down (DESIGN.md §11, "One clock").
 pub trait Clock: Send + Sync + fmt::Debug + 'static {
     /// The current time.
     fn now(&self) -> Timestamp;
+
+    /// The current time as a tokio [`Instant`], for deadlines and durations (lease expiry, the
+    /// circuit breaker's backoff, a call's deadline). The default reads tokio's clock, which a
+    /// test can pause and advance (`tokio::time::pause`); a clock that moves by hand overrides
+    /// it so that its instants move with [`now`](Self::now).
+    fn instant(&self) -> Instant {
+        Instant::now()
+    }
+}
+
+/// The clock that everything keeping time locally shares: the one given to the builder.
+pub(crate) type SharedClock = Arc<dyn Clock>;
+
+/// The clock of a limiter or store built without one: the process's monotonic clock.
+pub(crate) fn default_clock() -> SharedClock {
+    Arc::new(MonotonicClock::new())
 }
 
 /// The process's monotonic clock, reading nanoseconds since the Unix epoch as the wall clock
@@ -61,6 +81,11 @@ impl Clock for MonotonicClock {
         let elapsed = u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.origin_wall.saturating_add(elapsed)
     }
+
+    #[inline]
+    fn instant(&self) -> Instant {
+        Instant::now()
+    }
 }
 
 /// The host's wall clock ([`SystemTime::now`]), read at every call: it steps when the wall clock
@@ -75,9 +100,20 @@ impl Clock for SystemClock {
 }
 
 /// A clock that moves only when told to; cheap to clone, all clones share one time.
-#[derive(Clone, Debug, Default)]
+///
+/// Its [`instant`](Clock::instant) is tokio's clock as it stood when the clock was made, plus
+/// however far the clock was moved since (never before that instant).
+#[derive(Clone, Debug)]
 pub struct ManualClock {
     nanos: Arc<AtomicU64>,
+    start: u64,
+    origin: Instant,
+}
+
+impl Default for ManualClock {
+    fn default() -> Self {
+        Self::new(Timestamp::from_nanos(0))
+    }
 }
 
 impl ManualClock {
@@ -85,6 +121,8 @@ impl ManualClock {
     pub fn new(start: Timestamp) -> Self {
         ManualClock {
             nanos: Arc::new(AtomicU64::new(start.as_nanos())),
+            start: start.as_nanos(),
+            origin: Instant::now(),
         }
     }
 
@@ -103,6 +141,11 @@ impl Clock for ManualClock {
     fn now(&self) -> Timestamp {
         Timestamp::from_nanos(self.nanos.load(Ordering::SeqCst))
     }
+
+    fn instant(&self) -> Instant {
+        let moved = self.nanos.load(Ordering::SeqCst).saturating_sub(self.start);
+        self.origin + std::time::Duration::from_nanos(moved)
+    }
 }
 
 /// Converts a wall-clock time (as PostgreSQL's `now()` arrives) to nanoseconds since the Unix
@@ -115,4 +158,37 @@ pub fn timestamp_from_system_time(t: SystemTime) -> Timestamp {
 /// Converts nanoseconds since the Unix epoch back to a wall-clock time.
 pub fn system_time_from_timestamp(t: Timestamp) -> SystemTime {
     UNIX_EPOCH + std::time::Duration::from_nanos(t.as_nanos())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A manual clock's instants move with it, and only with it: forward by what it advanced,
+    /// never before the instant it was made at.
+    #[tokio::test(start_paused = true)]
+    async fn a_manual_clocks_instants_move_with_it() {
+        let clock = ManualClock::new(Timestamp::from_nanos(5_000));
+        let start = clock.instant();
+        tokio::time::advance(std::time::Duration::from_secs(1)).await;
+        assert_eq!(clock.instant(), start, "tokio's time does not move it");
+        clock.advance(2_000_000);
+        assert_eq!(clock.instant() - start, std::time::Duration::from_millis(2));
+        clock.set(Timestamp::from_nanos(0));
+        assert_eq!(
+            clock.instant(),
+            start,
+            "set before its start: its first instant"
+        );
+    }
+
+    /// The default clock's instants are tokio's, so a paused runtime drives it.
+    #[tokio::test(start_paused = true)]
+    async fn the_default_clock_reads_tokios_paused_time() {
+        let clock = default_clock();
+        let (t0, w0) = (clock.instant(), clock.now());
+        tokio::time::advance(std::time::Duration::from_secs(3)).await;
+        assert_eq!(clock.instant() - t0, std::time::Duration::from_secs(3));
+        assert_eq!(clock.now().as_nanos() - w0.as_nanos(), 3_000_000_000);
+    }
 }

@@ -27,6 +27,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::bucket::{BucketConfig, Tokens};
+use crate::clock::SharedClock;
 use crate::metrics::PlanCounters;
 use crate::policy::{FallbackMode, Plan};
 use crate::store::{AcquireRequest, Store};
@@ -286,6 +287,8 @@ struct Shared {
     /// When the fallback last decided a call of this limiter: nanoseconds since `origin`, plus
     /// one (zero: never). While callers keep falling back, the task does not probe the store.
     last_fallback: AtomicU64,
+    /// The limiter's clock, and its instant when the ledger was made.
+    clock: SharedClock,
     origin: Instant,
 }
 
@@ -317,8 +320,9 @@ struct Charge {
 }
 
 impl Debt {
-    /// A ledger charging over `store`.
-    pub(crate) fn new(store: Arc<dyn Store>, settings: Settings) -> Debt {
+    /// A ledger charging over `store`, on the limiter's `clock`.
+    pub(crate) fn new(store: Arc<dyn Store>, settings: Settings, clock: SharedClock) -> Debt {
+        let origin = clock.instant();
         Debt {
             shared: Some(Arc::new(Shared {
                 store,
@@ -328,27 +332,29 @@ impl Debt {
                 parked: AtomicBool::new(false),
                 wake: Notify::new(),
                 last_fallback: AtomicU64::new(0),
-                origin: Instant::now(),
+                clock,
+                origin,
             })),
         }
     }
 
     /// Records `cost` admitted by `plan`'s fallback on `key`, if the plan keeps outage debt
     /// (its `allow` or `local` fallback, with `outage_debt` on), and starts the charging task
-    /// if none runs. The debt is counted on the plan's `counters`.
+    /// if none runs. The debt is counted on the plan's `counters`; `now` is the call's reading
+    /// of the limiter's clock.
     pub(crate) fn record(
         &self,
         plan: &Plan,
         counters: &Arc<PlanCounters>,
         key: &str,
         cost: Tokens,
+        now: Instant,
     ) {
         let Some(shared) = &self.shared else { return };
         let fallback = plan.fallback();
         if !fallback.outage_debt || fallback.mode == FallbackMode::Deny || cost.is_zero() {
             return;
         }
-        let now = Instant::now();
         {
             let mut ledger = shared.ledger.lock();
             let ledger = &mut *ledger;
@@ -393,11 +399,26 @@ impl Debt {
         Shared::ensure_task(shared);
     }
 
-    /// The fallback decided a call (the store did not answer it): noted, so that the task
-    /// does not probe the store while callers still fall back.
-    pub(crate) fn fallback_decided(&self) {
+    /// [`record`](Self::record) at the ledger's clock's time now (tests).
+    #[cfg(test)]
+    pub(crate) fn record_now(
+        &self,
+        plan: &Plan,
+        counters: &Arc<PlanCounters>,
+        key: &str,
+        cost: Tokens,
+    ) {
         if let Some(shared) = &self.shared {
-            let since = Instant::now().saturating_duration_since(shared.origin);
+            self.record(plan, counters, key, cost, shared.clock.instant());
+        }
+    }
+
+    /// The fallback decided a call (the store did not answer it): noted, so that the task
+    /// does not probe the store while callers still fall back. `now`: the call's reading of the
+    /// limiter's clock.
+    pub(crate) fn fallback_decided(&self, now: Instant) {
+        if let Some(shared) = &self.shared {
+            let since = now.saturating_duration_since(shared.origin);
             let nanos = u64::try_from(since.as_nanos()).unwrap_or(u64::MAX - 1);
             shared.last_fallback.store(nanos + 1, Ordering::Relaxed);
         }
@@ -602,7 +623,7 @@ async fn charge(shared: Weak<Shared>) {
                 () = shared.wake.notified() => true,
                 () = tokio::time::sleep(wait) => false,
             };
-            let now = Instant::now();
+            let now = shared.clock.instant();
             if !woken && shared.fell_back_within(ACTIVE_GAP, now) {
                 if !shared.still_owing(now) {
                     return;
@@ -611,7 +632,7 @@ async fn charge(shared: Weak<Shared>) {
             }
             waiting = false;
         }
-        let Some(round) = shared.next_round(Instant::now()) else {
+        let Some(round) = shared.next_round(shared.clock.instant()) else {
             return;
         };
         if round.is_empty() {

@@ -22,6 +22,7 @@ use tokio::time::Instant;
 use parking_lot::Mutex;
 
 use crate::bucket::{BucketConfig, Rate, Tokens};
+use crate::clock::SharedClock;
 use crate::debt::{ACTIVE_GAP, Debt, OutageDebt};
 use crate::decision::{DecidedBy, Decision};
 use crate::metrics::{FALLBACK_ACTIVE_SECONDS, PlanCounters};
@@ -79,31 +80,55 @@ pub(crate) struct Fallback {
     reported: Arc<AtomicUsize>,
     /// What the `allow` and `local` fallbacks admitted, charged to the store after recovery.
     debt: Debt,
+    /// The limiter's clock (the local buckets read it too).
+    #[cfg_attr(not(test), allow(dead_code))]
+    clock: SharedClock,
 }
 
+#[cfg(test)]
 impl Default for Fallback {
-    /// A fallback without outage debt.
+    /// A fallback without outage debt, on the default clock.
     fn default() -> Self {
-        Fallback::with_local(MemoryStore::new().with_max_keys(FALLBACK_MAX_KEYS))
+        Fallback::new(crate::clock::default_clock())
     }
 }
 
 impl Fallback {
-    /// A fallback whose admissions are recorded in `debt`.
-    pub(crate) fn with_debt(debt: Debt) -> Self {
+    /// A fallback without outage debt, its local buckets on `clock`.
+    pub(crate) fn new(clock: SharedClock) -> Self {
+        let local = MemoryStore::with_shared_clock(Arc::clone(&clock));
+        Fallback::with_local(local.with_max_keys(FALLBACK_MAX_KEYS), clock)
+    }
+
+    /// A fallback whose admissions are recorded in `debt`, its local buckets on `clock`.
+    pub(crate) fn with_debt(debt: Debt, clock: SharedClock) -> Self {
         Fallback {
             debt,
-            ..Fallback::default()
+            ..Fallback::new(clock)
         }
     }
 
     /// A fallback over the given local buckets (tests: a store on a manual clock).
-    fn with_local(local: MemoryStore) -> Self {
+    fn with_local(local: MemoryStore, clock: SharedClock) -> Self {
         Fallback {
             local,
             reported: Arc::new(AtomicUsize::new(0)),
             debt: Debt::default(),
+            clock,
         }
+    }
+
+    /// [`decide`](Self::decide) at the fallback's clock's time now (tests).
+    #[cfg(test)]
+    pub(crate) async fn decide_now(
+        &self,
+        plan: &Plan,
+        counters: &Arc<PlanCounters>,
+        key: &str,
+        cost: Tokens,
+    ) -> Decision {
+        let now = self.clock.instant();
+        self.decide(plan, counters, key, cost, now).await
     }
 
     /// The outage debt's figures now.
@@ -134,26 +159,28 @@ impl Fallback {
         self.debt.store_answered();
     }
 
-    /// Decides `cost` on `key` under `plan`'s fallback mode; what it admits goes into the
-    /// outage debt (for plans that keep it), counted on the plan's `counters`.
+    /// Decides `cost` on `key` under `plan`'s fallback mode, at `now` (the call's reading of
+    /// the limiter's clock); what it admits goes into the outage debt (for plans that keep it),
+    /// counted on the plan's `counters`.
     pub(crate) async fn decide(
         &self,
         plan: &Plan,
         counters: &Arc<PlanCounters>,
         key: &str,
         cost: Tokens,
+        now: Instant,
     ) -> Decision {
-        let decision = self.decide_alone(plan, key, cost).await;
-        self.debt.fallback_decided();
+        let decision = self.decide_alone(plan, key, cost, now).await;
+        self.debt.fallback_decided(now);
         if decision.allowed {
-            self.debt.record(plan, counters, key, cost);
+            self.debt.record(plan, counters, key, cost, now);
         }
         decision
     }
 
     /// The decision of [`decide`](Self::decide), before any debt is recorded.
-    async fn decide_alone(&self, plan: &Plan, key: &str, cost: Tokens) -> Decision {
-        record_active(plan.fallback().mode, Instant::now());
+    async fn decide_alone(&self, plan: &Plan, key: &str, cost: Tokens, now: Instant) -> Decision {
+        record_active(plan.fallback().mode, now);
         let limit = plan.capacity();
         // Allow and deny decide without any bucket: what the shared bucket holds, and when it is
         // full, nobody here knows (`None`), rather than a made-up count such as the capacity.
@@ -239,14 +266,14 @@ mod tests {
         let one = Tokens::whole(1);
         let mut admitted = 0;
         for _ in 0..200 {
-            let d = fallback.decide(&plan, &counters(&plan), "k", one).await;
+            let d = fallback.decide_now(&plan, &counters(&plan), "k", one).await;
             assert_eq!(d.decided_by, DecidedBy::Fallback(plan.fallback().mode));
             admitted += u32::from(d.allowed);
         }
         // 50 at once; a slow test machine may add a token or two of refill at 25/s.
         assert!((50..=53).contains(&admitted), "admitted {admitted}");
         let d = fallback
-            .decide(&plan, &counters(&plan), "k", Tokens::whole(51))
+            .decide_now(&plan, &counters(&plan), "k", Tokens::whole(51))
             .await;
         assert!(!d.allowed, "a cost above the local share is denied");
     }
@@ -256,7 +283,7 @@ mod tests {
         let fallback = Fallback::default();
         let one = Tokens::whole(1);
         let allow = fallback
-            .decide(
+            .decide_now(
                 &plan(FallbackMode::Allow),
                 &counters(&plan(FallbackMode::Allow)),
                 "k",
@@ -265,7 +292,7 @@ mod tests {
             .await;
         assert!(allow.allowed);
         let deny = fallback
-            .decide(
+            .decide_now(
                 &plan(FallbackMode::Deny),
                 &counters(&plan(FallbackMode::Deny)),
                 "k",
@@ -284,7 +311,7 @@ mod tests {
         let one = Tokens::whole(1);
         for mode in [FallbackMode::Allow, FallbackMode::Deny] {
             let d = fallback
-                .decide(&plan(mode), &counters(&plan(mode)), "k", one)
+                .decide_now(&plan(mode), &counters(&plan(mode)), "k", one)
                 .await;
             assert_eq!(d.remaining, None, "{mode:?}");
             assert_eq!(d.reset_after, None, "{mode:?}");
@@ -295,7 +322,9 @@ mod tests {
         let local = plan(FallbackMode::Local {
             instances: NonZeroU32::new(2).unwrap(),
         });
-        let d = fallback.decide(&local, &counters(&local), "k", one).await;
+        let d = fallback
+            .decide_now(&local, &counters(&local), "k", one)
+            .await;
         assert_eq!(d.remaining, Some(Tokens::whole(49)));
         assert_eq!(d.reset_after, Some(Duration::from_millis(40)));
     }
@@ -312,6 +341,7 @@ mod tests {
         let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000_000_000));
         let fallback = Fallback::with_local(
             MemoryStore::with_clock(clock.clone()).with_max_keys(FALLBACK_MAX_KEYS),
+            Arc::new(clock.clone()),
         );
         let plan = plan(FallbackMode::Local {
             instances: NonZeroU32::new(2).unwrap(),
@@ -320,7 +350,7 @@ mod tests {
         let mut admitted = 0;
         for i in 0..1_000_000 {
             let d = fallback
-                .decide(&plan, &counters(&plan), &format!("id:{i}"), one)
+                .decide_now(&plan, &counters(&plan), &format!("id:{i}"), one)
                 .await;
             admitted += usize::from(d.allowed);
             if i % 10_000 == 0 {
@@ -330,13 +360,17 @@ mod tests {
         assert_eq!(admitted, FALLBACK_MAX_KEYS);
         assert_eq!(fallback.local.len(), FALLBACK_MAX_KEYS);
         // A stored id still decides by its bucket: 49 of its 50 tokens left.
-        let d = fallback.decide(&plan, &counters(&plan), "id:0", one).await;
+        let d = fallback
+            .decide_now(&plan, &counters(&plan), "id:0", one)
+            .await;
         assert!(d.allowed);
         assert_eq!(d.remaining, Some(Tokens::whole(48)));
 
         // A share of 50 refilling at 25/s is full again after 2 s: the next call deletes them.
         clock.advance(3_000_000_000);
-        let d = fallback.decide(&plan, &counters(&plan), "later", one).await;
+        let d = fallback
+            .decide_now(&plan, &counters(&plan), "later", one)
+            .await;
         assert!(d.allowed);
         assert_eq!(fallback.local.len(), 1);
     }
@@ -344,7 +378,7 @@ mod tests {
     #[test]
     fn active_time_adds_gaps_within_an_episode() {
         let active: Active = Mutex::new([(None, Duration::ZERO); 3]);
-        let t0 = Instant::now();
+        let t0 = crate::clock::default_clock().instant();
         let at = |ms| add_active(&active, FallbackMode::Deny, t0 + Duration::from_millis(ms));
         at(0);
         at(300);
@@ -374,12 +408,13 @@ mod tests {
         async fn no_probe_while_callers_fall_back() {
             let store = Arc::new(Switch::default());
             store.failing.store(true, Ordering::SeqCst);
-            let fallback = Fallback::with_debt(ledger(&store, settings()));
+            let fallback =
+                Fallback::with_debt(ledger(&store, settings()), crate::clock::default_clock());
             let p = plan("p", 100, 1.0, FallbackMode::Allow);
             for _ in 0..100 {
                 assert!(
                     fallback
-                        .decide(&p, &counters(&p), "k", whole(1))
+                        .decide_now(&p, &counters(&p), "k", whole(1))
                         .await
                         .allowed
                 );
@@ -399,13 +434,14 @@ mod tests {
         async fn the_fallback_records_what_it_admits() {
             let store = Arc::new(Switch::default());
             store.failing.store(true, Ordering::SeqCst);
-            let fallback = Fallback::with_debt(ledger(&store, settings()));
+            let fallback =
+                Fallback::with_debt(ledger(&store, settings()), crate::clock::default_clock());
             let one = whole(1);
             let allow = plan("allow", 100, 1.0, FallbackMode::Allow);
             for _ in 0..3 {
                 assert!(
                     fallback
-                        .decide(&allow, &counters(&allow), "a", one)
+                        .decide_now(&allow, &counters(&allow), "a", one)
                         .await
                         .allowed
                 );
@@ -417,7 +453,7 @@ mod tests {
             for _ in 0..8 {
                 admitted += u64::from(
                     fallback
-                        .decide(&local, &counters(&local), "l", one)
+                        .decide_now(&local, &counters(&local), "l", one)
                         .await
                         .allowed,
                 );
@@ -427,7 +463,7 @@ mod tests {
             let deny = plan("deny", 10, 1.0, FallbackMode::Deny);
             assert!(
                 !fallback
-                    .decide(&deny, &counters(&deny), "d", one)
+                    .decide_now(&deny, &counters(&deny), "d", one)
                     .await
                     .allowed
             );
@@ -435,7 +471,7 @@ mod tests {
                 .with_fallback(FallbackSettings::new(FallbackMode::Allow).with_outage_debt(false));
             assert!(
                 fallback
-                    .decide(&off, &counters(&off), "o", one)
+                    .decide_now(&off, &counters(&off), "o", one)
                     .await
                     .allowed
             );
@@ -445,7 +481,7 @@ mod tests {
             let plain = Fallback::default();
             assert!(
                 plain
-                    .decide(&allow, &counters(&allow), "a", one)
+                    .decide_now(&allow, &counters(&allow), "a", one)
                     .await
                     .allowed
             );

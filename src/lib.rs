@@ -85,6 +85,13 @@ pub mod __private {
     pub fn limiter_plans(limiter: &crate::Limiter) -> usize {
         limiter.registered_plans()
     }
+
+    /// Waits until `limiter`'s lease actor is idle (no statement in flight, no give-back to
+    /// send again, no refill asked for and not yet sent); at once when no actor runs. Tests
+    /// await this rather than sleep.
+    pub async fn lease_actor_idle(limiter: &crate::Limiter) {
+        limiter.lease_actor_idle().await;
+    }
     #[cfg(feature = "postgres")]
     pub use crate::store::postgres::migrate::{
         MIGRATION_LOCK_ID, MIGRATIONS, MIGRATIONS_TABLE, migrate_with,

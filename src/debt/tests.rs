@@ -8,6 +8,7 @@ use async_trait::async_trait;
 
 use super::*;
 use crate::bucket::Rate;
+use crate::clock::default_clock;
 use crate::policy::FallbackSettings;
 use crate::store::{Acquired, BucketRow, GiveBack, MemoryStore, StoreError};
 
@@ -77,7 +78,11 @@ pub(crate) fn settings() -> Settings {
 }
 
 pub(crate) fn ledger(store: &Arc<Switch>, settings: Settings) -> Debt {
-    Debt::new(Arc::clone(store) as Arc<dyn Store>, settings)
+    Debt::new(
+        Arc::clone(store) as Arc<dyn Store>,
+        settings,
+        default_clock(),
+    )
 }
 
 /// The tokens the store's bucket for `key` holds now (`None`: no row, a full bucket).
@@ -91,9 +96,10 @@ async fn tokens(store: &Switch, key: &str) -> Option<f64> {
 
 /// Lets the paused clock run until `done` holds (checked every 10 ms), for at most `limit`.
 pub(crate) async fn until(limit: Duration, mut done: impl FnMut() -> bool) {
-    let end = Instant::now() + limit;
+    let clock = default_clock();
+    let end = clock.instant() + limit;
     while !done() {
-        assert!(Instant::now() < end, "not done within {limit:?}");
+        assert!(clock.instant() < end, "not done within {limit:?}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -121,7 +127,7 @@ async fn charges_in_batched_calls_and_ends_when_paid() {
     let debt = ledger(&store, settings());
     let p = plan("p", 10, 1.0, FallbackMode::Allow);
     for i in 0..600 {
-        debt.record(&p, &counters(&p), &format!("k{i}"), whole(1));
+        debt.record_now(&p, &counters(&p), &format!("k{i}"), whole(1));
     }
     assert_eq!(debt.stats().outstanding, whole(600));
     assert_eq!(debt.stats().keys, 600);
@@ -143,7 +149,7 @@ async fn charges_in_batched_calls_and_ends_when_paid() {
     let shared = debt.shared.as_ref().unwrap();
     assert!(!shared.running.load(Ordering::SeqCst), "the task ended");
     // New debt starts it again.
-    debt.record(&p, &counters(&p), "k0", whole(2));
+    debt.record_now(&p, &counters(&p), "k0", whole(2));
     assert!(shared.running.load(Ordering::SeqCst));
     recovered(&debt).await;
     until(Duration::from_secs(1), || debt.stats().keys == 0).await;
@@ -165,9 +171,9 @@ async fn the_key_bound_drops_and_counts_new_keys() {
     );
     let p = plan("p", 100, 1.0, local(2));
     for i in 0..5 {
-        debt.record(&p, &counters(&p), &format!("k{i}"), whole(2));
+        debt.record_now(&p, &counters(&p), &format!("k{i}"), whole(2));
     }
-    debt.record(&p, &counters(&p), "k0", whole(1));
+    debt.record_now(&p, &counters(&p), "k0", whole(1));
     let stats = debt.stats();
     assert_eq!(stats.keys, 3);
     assert_eq!(stats.outstanding, whole(7));
@@ -191,9 +197,9 @@ async fn unpaid_debt_ages_out() {
         },
     );
     let p = plan("p", 100, 1.0, FallbackMode::Allow);
-    debt.record(&p, &counters(&p), "old", whole(5));
+    debt.record_now(&p, &counters(&p), "old", whole(5));
     tokio::time::sleep(Duration::from_secs(20)).await;
-    debt.record(&p, &counters(&p), "new", whole(3));
+    debt.record_now(&p, &counters(&p), "new", whole(3));
     // 31 s after the first record: "old" has aged out, "new" (11 s old) has not.
     tokio::time::sleep(Duration::from_secs(11)).await;
     until(Duration::from_secs(2), || debt.stats().keys == 1).await;
@@ -223,7 +229,7 @@ async fn partial_payment_is_carried_over() {
         .unwrap();
     assert_eq!(taken.granted, whole(8));
     let debt = ledger(&store, settings());
-    debt.record(&p, &counters(&p), "k", whole(7));
+    debt.record_now(&p, &counters(&p), "k", whole(7));
     recovered(&debt).await;
     // The first round takes the 2 there: 5 left, carried.
     tokio::time::sleep(Duration::from_millis(25)).await;
@@ -251,10 +257,10 @@ async fn a_plans_debt_goes_to_that_plans_bucket() {
     let big = plan("big", 100, 1.0, FallbackMode::Allow);
     let small = plan("small", 20, 1.0, local(2));
     let debt = ledger(&store, settings());
-    debt.record(&big, &counters(&big), "a", whole(30));
-    debt.record(&small, &counters(&small), "b", whole(50));
-    debt.record(&big, &counters(&big), "shared", whole(1));
-    debt.record(&small, &counters(&small), "shared", whole(1));
+    debt.record_now(&big, &counters(&big), "a", whole(30));
+    debt.record_now(&small, &counters(&small), "b", whole(50));
+    debt.record_now(&big, &counters(&big), "shared", whole(1));
+    debt.record_now(&small, &counters(&small), "shared", whole(1));
     recovered(&debt).await;
     tokio::time::sleep(Duration::from_millis(25)).await;
     // "a" paid in full from a bucket of 100; "b" took the 20 its plan's bucket holds.
@@ -284,10 +290,10 @@ async fn charging_waits_for_the_store_to_answer() {
     store.failing.store(true, Ordering::SeqCst);
     let debt = ledger(&store, settings());
     let p = plan("p", 100, 1.0, FallbackMode::Allow);
-    debt.record(&p, &counters(&p), "k", whole(4));
+    debt.record_now(&p, &counters(&p), "k", whole(4));
     // More debt while the store is down does not send calls.
     for _ in 0..10 {
-        debt.record(&p, &counters(&p), "k", whole(1));
+        debt.record_now(&p, &counters(&p), "k", whole(1));
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
@@ -304,7 +310,7 @@ async fn charging_waits_for_the_store_to_answer() {
     // The store fails again while the task still runs: its round fails, the debt stays, and
     // it waits again.
     store.failing.store(true, Ordering::SeqCst);
-    debt.record(&p, &counters(&p), "k", whole(1));
+    debt.record_now(&p, &counters(&p), "k", whole(1));
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(store.calls(), 2, "one failed round");
     assert_eq!(debt.stats().outstanding, whole(1));
@@ -339,9 +345,13 @@ async fn a_call_past_its_deadline_fails_the_round() {
         }
     }
     let hung = Arc::new(Hung::default());
-    let debt = Debt::new(Arc::clone(&hung) as Arc<dyn Store>, settings());
+    let debt = Debt::new(
+        Arc::clone(&hung) as Arc<dyn Store>,
+        settings(),
+        default_clock(),
+    );
     let p = plan("p", 100, 1.0, FallbackMode::Allow);
-    debt.record(&p, &counters(&p), "k", whole(3));
+    debt.record_now(&p, &counters(&p), "k", whole(3));
     recovered(&debt).await;
     tokio::time::sleep(Duration::from_millis(60)).await;
     assert_eq!(
@@ -368,7 +378,7 @@ async fn a_paid_off_flood_gives_the_ledgers_memory_back() {
     let debt = ledger(&store, settings());
     let p = plan("p", 10, 1.0, FallbackMode::Allow);
     for i in 0..MAX_KEYS {
-        debt.record(&p, &counters(&p), &format!("k{i}"), whole(1));
+        debt.record_now(&p, &counters(&p), &format!("k{i}"), whole(1));
     }
     let shared = debt.shared.as_ref().unwrap();
     let capacity = || {

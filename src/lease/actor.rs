@@ -32,8 +32,6 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::time::Instant;
-
 use super::slot::{Ms32, Slot, SlotRef};
 use super::timers::Timers;
 use super::word::{CLOSED, PENDING, TOKENS};
@@ -154,6 +152,8 @@ struct Alive<'a>(&'a Leases);
 impl Drop for Alive<'_> {
     fn drop(&mut self) {
         self.0.alive.store(false, Ordering::Release);
+        // Whoever awaits an idle actor stops waiting: there is none.
+        self.0.went_idle.notify_waiters();
     }
 }
 
@@ -230,6 +230,9 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
         // A statement's answer wakes the actor too, and is applied at once, whatever the
         // other lanes' statements are doing.
         let mut answered = None;
+        // Nothing in flight and nothing to send again: idle until woken (`Leases::until_idle`).
+        let idle = lanes.jobs.is_empty() && returns.is_empty() && lanes.inflight.is_empty();
+        leases.set_idle(idle);
         match wake_at {
             Some(at) => {
                 let deadline = leases.origin + Duration::from_nanos(at.saturating_add(1));
@@ -244,6 +247,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
                 done = lanes.next(), if !lanes.jobs.is_empty() => answered = Some(done),
             },
         }
+        leases.set_idle(false);
         if let Some(done) = answered.take() {
             // An answer alone: apply it and give its lane its next statement. Nudges that came
             // meanwhile have left the wake-up's permit, so the next round follows at once.
@@ -269,7 +273,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
                 .next(leases.now())
                 .is_none_or(|at| at > leases.now().saturating_add(tick))
         {
-            let until = tokio::time::Instant::now() + GATHER.min(leases.settings.tick);
+            let until = leases.instant() + GATHER.min(leases.settings.tick);
             tokio::select! {
                 () = leases.wake.notified() => {}
                 () = tokio::time::sleep_until(until) => {}
@@ -609,10 +613,10 @@ fn refill_job(leases: &Leases, lane: usize, asks: Vec<Ask>) -> Job<'_> {
                 hold: *hold,
             })
             .collect();
-        let started = Instant::now();
+        let started = leases.instant();
         // One answer per key: a sharded store fails only the keys of a failing shard.
         let result = leases.store.acquire_each(&requests).await;
-        let took = started.elapsed();
+        let took = leases.instant().saturating_duration_since(started);
         drop(requests);
         Done {
             lane,

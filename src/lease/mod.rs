@@ -21,6 +21,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::clock::SharedClock;
+
 use crossbeam_queue::ArrayQueue;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -150,8 +152,15 @@ pub(crate) struct Leases {
     overflowed: AtomicBool,
     /// Wakes the actor.
     wake: Notify,
+    /// The actor waits with nothing in flight and nothing to send again; `went_idle` tells
+    /// [`until_idle`](Leases::until_idle) when it starts to.
+    idle: AtomicBool,
+    went_idle: Notify,
     /// Set when the limiter is dropped or shut down.
     stopping: AtomicBool,
+    /// The limiter's clock, and its instant when the table started: [`now`](Self::now) counts
+    /// from there.
+    clock: SharedClock,
     origin: Instant,
     store: Arc<dyn Store>,
     pub(crate) counters: Counters,
@@ -229,7 +238,12 @@ pub(crate) enum Fast {
 
 impl Leases {
     /// A table over `store`, with its actor spawned on the current runtime.
-    pub(crate) fn start(store: Arc<dyn Store>, settings: TableSettings) -> Arc<Leases> {
+    pub(crate) fn start(
+        store: Arc<dyn Store>,
+        settings: TableSettings,
+        clock: SharedClock,
+    ) -> Arc<Leases> {
+        let origin = clock.instant();
         let leases = Arc::new(Leases {
             // Records for every key the table may hold, the removed keys whose slots are not yet
             // dropped (at most an eighth more, by the table's rebuild rule, plus what the actor
@@ -244,8 +258,11 @@ impl Leases {
             urgent: AtomicBool::new(false),
             overflowed: AtomicBool::new(false),
             wake: Notify::new(),
+            idle: AtomicBool::new(false),
+            went_idle: Notify::new(),
             stopping: AtomicBool::new(false),
-            origin: Instant::now(),
+            clock,
+            origin,
             store,
             counters: Counters::default(),
             refill_ns: AtomicU64::new(0),
@@ -290,9 +307,49 @@ impl Leases {
         true
     }
 
-    /// Local monotonic time in nanoseconds.
+    /// Called by the actor before it waits: `idle` when it has nothing in flight and nothing to
+    /// send again.
+    pub(crate) fn set_idle(&self, idle: bool) {
+        self.idle.store(idle, Ordering::Release);
+        if idle {
+            self.went_idle.notify_waiters();
+        }
+    }
+
+    /// Waits until the actor is idle: waiting with no statement in flight, no give-back to send
+    /// again, and no refill asked for and not yet sent (no nudge queued). Returns at once when
+    /// no actor runs. For tests, which await this rather than sleep; a timer that falls due
+    /// later (a lease's expiry) makes it busy again.
+    pub(crate) async fn until_idle(&self) {
+        loop {
+            let went_idle = self.went_idle.notified();
+            tokio::pin!(went_idle);
+            went_idle.as_mut().enable();
+            let quiet = self.nudges.is_empty()
+                && !self.soon.load(Ordering::Acquire)
+                && !self.urgent.load(Ordering::Acquire)
+                && !self.overflowed.load(Ordering::Acquire)
+                && self.reload.lock().is_none();
+            if !self.alive.load(Ordering::Acquire) || (quiet && self.idle.load(Ordering::Acquire)) {
+                return;
+            }
+            went_idle.await;
+        }
+    }
+
+    /// Local monotonic time in nanoseconds (since the table started, by the limiter's clock).
     pub(crate) fn now(&self) -> u64 {
-        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+        self.nanos_at(self.clock.instant())
+    }
+
+    /// The limiter's clock now.
+    pub(crate) fn instant(&self) -> Instant {
+        self.clock.instant()
+    }
+
+    /// `at` in the table's local nanoseconds.
+    pub(crate) fn nanos_at(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX)
     }
 
     /// The fast path: spend `cost` nanotokens from `key`'s lease.

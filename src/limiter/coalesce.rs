@@ -29,7 +29,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::bucket::{BucketConfig, BucketState, Outcome, Tokens};
-use crate::clock::timestamp_from_system_time;
+use crate::clock::{SharedClock, timestamp_from_system_time};
 use crate::store::{AcquireRequest, Acquired, Store, StoreError, nanos};
 
 /// Why a caller got no answer from the store; the plan's fallback decides it.
@@ -182,6 +182,8 @@ pub(crate) struct Coalescer {
     /// A key of a part other than 0 was seen (a sharded store): statements to different parts
     /// must not wait for each other, so the limit stays at the cap.
     parts: AtomicBool,
+    /// The limiter's clock.
+    clock: SharedClock,
 }
 
 impl std::fmt::Debug for Coalescer {
@@ -193,7 +195,7 @@ impl std::fmt::Debug for Coalescer {
 }
 
 impl Coalescer {
-    pub(crate) fn new(settings: Settings) -> Arc<Self> {
+    pub(crate) fn new(settings: Settings, clock: SharedClock) -> Arc<Self> {
         Arc::new(Coalescer {
             state: Mutex::new(State::default()),
             settings: Settings {
@@ -208,6 +210,7 @@ impl Coalescer {
             leases_run: AtomicBool::new(false),
             limit: AtomicUsize::new(settings.max_in_flight.max(1)),
             parts: AtomicBool::new(false),
+            clock,
         })
     }
 
@@ -315,7 +318,7 @@ impl Coalescer {
             let batch = {
                 let mut state = this.state.lock();
                 state.gathering = false;
-                state.next_batch(&this.settings, this.cap(), Instant::now())
+                state.next_batch(&this.settings, this.cap(), this.clock.instant())
             };
             if let Some(batch) = batch {
                 this.spawn(&store, batch);
@@ -324,7 +327,7 @@ impl Coalescer {
     }
 
     /// Takes `cost` from `key`'s bucket, in a statement shared with other callers, answering by
-    /// `deadline` at the latest.
+    /// `deadline` at the latest. `now` is the caller's reading of the limiter's clock.
     ///
     /// # Cancel safety
     ///
@@ -337,6 +340,7 @@ impl Coalescer {
         key: &str,
         bucket: BucketConfig,
         cost: Tokens,
+        now: Instant,
         deadline: Instant,
     ) -> Result<Acquired, Unanswered> {
         let (reply, rx) = oneshot::channel();
@@ -372,7 +376,7 @@ impl Coalescer {
                 entry.ready = true;
                 ready.push_back(key.to_owned());
             }
-            self.next(&mut state, Instant::now())
+            self.next(&mut state, now)
         };
         match batch {
             Next::Send(batch) => self.spawn(store, batch),
@@ -399,7 +403,7 @@ impl Coalescer {
                 keys: batch.iter().map(|item| item.key.clone()).collect(),
                 armed: true,
             };
-            let sent = Instant::now();
+            let sent = self.clock.instant();
             let result = {
                 let requests: Vec<AcquireRequest<'_>> = batch.iter().map(Item::request).collect();
                 metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
@@ -419,7 +423,7 @@ impl Coalescer {
                 metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
             }
             flight.armed = false;
-            let (mut next, window) = self.finish(batch, result, sent.elapsed());
+            let (mut next, window) = self.finish(batch, result, sent);
             drop(flight);
             if let Some(window) = window {
                 self.gather(&store, window);
@@ -435,13 +439,16 @@ impl Coalescer {
     }
 
     /// Answers a finished statement's callers and those queued behind it that its answer
-    /// decides, frees its keys and its slot, and returns the statements to send next.
+    /// decides, frees its keys and its slot, and returns the statements to send next. `sent`:
+    /// when the statement was sent.
     fn finish(
         &self,
         batch: Vec<Item>,
         result: Vec<Result<Acquired, StoreError>>,
-        took: Duration,
+        sent: Instant,
     ) -> (Vec<Vec<Item>>, Option<Duration>) {
+        let now = self.clock.instant();
+        let took = now.saturating_duration_since(sent);
         let mut answers: Vec<(Reply, Result<Acquired, Unanswered>)> = Vec::new();
         let keys: Vec<(String, BucketConfig)> = batch
             .iter()
@@ -467,7 +474,7 @@ impl Coalescer {
             state.in_flight -= 1;
             if self.adaptive() {
                 let arrivals = state.arrivals;
-                self.adapt(&mut state.load, arrivals, took, Instant::now());
+                self.adapt(&mut state.load, arrivals, took, now);
             }
             for ((key, bucket), outcome) in keys.into_iter().zip(outcomes) {
                 let State {
@@ -501,7 +508,6 @@ impl Coalescer {
                     ready.push_back(key);
                 }
             }
-            let now = Instant::now();
             let mut next = Vec::new();
             let mut window = None;
             loop {

@@ -16,6 +16,7 @@ use std::task::{Context, Poll};
 use tokio::time::Instant;
 
 use crate::bucket::Tokens;
+use crate::clock::{Clock, SharedClock};
 use crate::debt::{Debt, OutageDebt};
 pub use crate::decision::{DecidedBy, Decision};
 use crate::error::{Error, validate_key, validate_stored_key};
@@ -73,6 +74,8 @@ struct Inner {
     /// The lease table and its actor, started by the first call on a leased plan.
     leases: OnceLock<Arc<Leases>>,
     table: TableSettings,
+    /// The one clock everything here reads (DESIGN.md §11, "One clock").
+    clock: SharedClock,
 }
 
 /// Policies as the limiter holds them: their plans interned in [`Inner::plans`].
@@ -149,6 +152,7 @@ pub struct LimiterBuilder {
     batch_keys: usize,
     table: TableSettings,
     outage_debt: bool,
+    clock: SharedClock,
 }
 
 impl LimiterBuilder {
@@ -247,6 +251,18 @@ impl LimiterBuilder {
         self
     }
 
+    /// The clock the limiter reads time from: lease expiry and refill timing, call deadlines,
+    /// the fallback's local buckets and the outage debt's pacing. Defaults to a
+    /// [`MonotonicClock`](crate::clock::MonotonicClock), whose instants are tokio's (so a test
+    /// that pauses tokio's time drives the limiter too). A call reads it once when it leaves
+    /// the lease's fast path (which reads no time) and passes that reading down. The store keeps
+    /// its own time (PostgreSQL's `now()`), and a [`CircuitBreaker`](crate::store::CircuitBreaker)
+    /// around it its own clock ([`CircuitBreaker::clock`](crate::store::CircuitBreaker::clock)).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
     /// The limiter.
     pub fn build(self) -> Limiter {
         let call_deadline = self
@@ -284,20 +300,24 @@ impl LimiterBuilder {
             .map(|p| Loaded::new(p, &plans).expect("a policy's plans fit in a new plan registry"));
         let fallback = if self.outage_debt {
             let settings = crate::debt::Settings::new(call_deadline);
-            Fallback::with_debt(Debt::new(Arc::clone(&self.store), settings))
+            let debt = Debt::new(Arc::clone(&self.store), settings, Arc::clone(&self.clock));
+            Fallback::with_debt(debt, Arc::clone(&self.clock))
         } else {
-            Fallback::default()
+            Fallback::new(Arc::clone(&self.clock))
         };
         Limiter {
             inner: Arc::new(Inner {
                 store: self.store,
                 plans,
                 policies: RwLock::new(loaded),
-                coalescer: self.coalesce.then(|| Coalescer::new(settings)),
+                coalescer: self
+                    .coalesce
+                    .then(|| Coalescer::new(settings, Arc::clone(&self.clock))),
                 call_deadline,
                 fallback,
                 leases: OnceLock::new(),
                 table: self.table,
+                clock: self.clock,
             }),
         }
     }
@@ -324,6 +344,7 @@ impl Limiter {
                 sparse_direct: false,
             },
             outage_debt: true,
+            clock: crate::clock::default_clock(),
         }
     }
 
@@ -552,7 +573,7 @@ impl Limiter {
                 plan,
                 cost: cost_tokens,
                 slot,
-                deadline: Instant::now() + settings.max_wait,
+                max_wait: settings.max_wait,
             },
             Fast::Dry { retry_after } => {
                 Step::Done(self.recorded(plan, lease_denied(plan, retry_after)))
@@ -581,11 +602,20 @@ impl Limiter {
         decision
     }
 
-    /// The plan's fallback decides `cost` on `key`: the store failed, timed out, or cannot be
-    /// asked.
-    async fn decide_by_fallback(&self, plan: &Plan, key: &str, cost: Tokens) -> Decision {
+    /// The plan's fallback decides `cost` on `key` at `now`: the store failed, timed out, or
+    /// cannot be asked.
+    async fn decide_by_fallback(
+        &self,
+        plan: &Plan,
+        key: &str,
+        cost: Tokens,
+        now: Instant,
+    ) -> Decision {
         let counters = self.inner.plans.counters_of(plan);
-        self.inner.fallback.decide(plan, &counters, key, cost).await
+        self.inner
+            .fallback
+            .decide(plan, &counters, key, cost, now)
+            .await
     }
 
     /// Registers `plan`'s decision counters now (at zero, with the recorder installed now), for
@@ -619,10 +649,12 @@ impl Limiter {
 
     /// The rest of a call that [`start`](Self::start) could not finish without waiting.
     /// `named`, `key` and `asked` are the call's own plan, key and cost: a call whose slot was
-    /// retired while it waited starts over with them, once (`again`).
+    /// retired while it waited starts over with them, once (`again`). `now`: the limiter's
+    /// clock when this part of the call began, read once and passed down.
     async fn finish(
         &self,
         step: Step<'_>,
+        now: Instant,
         named: Option<&Plan>,
         key: &str,
         asked: f64,
@@ -633,18 +665,23 @@ impl Limiter {
             Step::Shadow { plan, cost } => {
                 let stored = plan.store_key(key);
                 let step = self.start_at(plan, None, &stored, cost)?;
-                self.finish_at(step, named, key, &stored, asked, again)
+                self.finish_at(step, now, named, key, &stored, asked, again)
                     .await
             }
-            step => self.finish_at(step, named, key, key, asked, again).await,
+            step => {
+                self.finish_at(step, now, named, key, key, asked, again)
+                    .await
+            }
         }
     }
 
     /// [`finish`](Self::finish) on `stored`, the key under which the store keeps the plan's
     /// bucket ([`Plan::store_key`]).
+    #[allow(clippy::too_many_arguments)]
     async fn finish_at(
         &self,
         step: Step<'_>,
+        now: Instant,
         named: Option<&Plan>,
         key: &str,
         stored: &str,
@@ -654,18 +691,20 @@ impl Limiter {
         match step {
             Step::Done(decision) => Ok(decision),
             // Made by `start` alone, and answered by `finish`; `start_at` never makes it.
-            Step::Shadow { .. } => Box::pin(self.finish(step, named, key, asked, again)).await,
+            Step::Shadow { .. } => Box::pin(self.finish(step, now, named, key, asked, again)).await,
             Step::Wait {
                 plan,
                 cost,
                 slot,
-                deadline,
+                max_wait,
             } => {
                 let leases = self.leases();
-                match leases
-                    .wait(slot, lease_cost(cost), deadline, &self.inner.plans)
-                    .await
-                {
+                let waited = leases
+                    .wait(slot, lease_cost(cost), now + max_wait, &self.inner.plans)
+                    .await;
+                // The call waited: what decides it next reads the clock once more.
+                let now = self.inner.clock.instant();
+                match waited {
                     Fast::Taken {
                         left,
                         store_remaining,
@@ -678,29 +717,30 @@ impl Limiter {
                         Ok(self.recorded(plan, lease_denied(plan, retry_after)))
                     }
                     Fast::Failing | Fast::Short(_) => {
-                        Ok(self.recorded(plan, self.decide_by_fallback(plan, stored, cost).await))
+                        Ok(self
+                            .recorded(plan, self.decide_by_fallback(plan, stored, cost, now).await))
                     }
                     // A reload retired the slot (its plan changed): start over, so the call
                     // is decided under the plan in force now, on the key's new slot.
                     Fast::Gone if again => {
                         let step = self.start(named, key, asked)?;
-                        Box::pin(self.finish(step, named, key, asked, false)).await
+                        Box::pin(self.finish(step, now, named, key, asked, false)).await
                     }
                     Fast::NoRoom | Fast::Sparse(..) | Fast::Gone => self
-                        .direct(plan, stored, cost)
+                        .direct(plan, stored, cost, now)
                         .await
                         .map(|d| self.recorded(plan, d)),
                 }
             }
             Step::Fallback { plan, cost } => {
-                Ok(self.recorded(plan, self.decide_by_fallback(plan, stored, cost).await))
+                Ok(self.recorded(plan, self.decide_by_fallback(plan, stored, cost, now).await))
             }
             Step::Direct { plan, cost } => self
-                .direct(plan, stored, cost)
+                .direct(plan, stored, cost, now)
                 .await
                 .map(|d| self.recorded(plan, d)),
             Step::Sparse { plan, cost, slot } => {
-                let decision = self.direct(plan, stored, cost).await?;
+                let decision = self.direct(plan, stored, cost, now).await?;
                 let by_store = decision.decided_by == DecidedBy::Store;
                 let spent = if decision.allowed && by_store {
                     lease_cost(cost)
@@ -833,23 +873,43 @@ impl Limiter {
         }
     }
 
+    /// Waits until the lease actor is idle: no statement in flight, no give-back to send again,
+    /// no refill asked for and not yet sent. Returns at once when no actor runs. For tests
+    /// (through `crate::__private::lease_actor_idle`), which await this instead of sleeping.
+    pub(crate) async fn lease_actor_idle(&self) {
+        if let Some(leases) = self.inner.leases.get() {
+            leases.until_idle().await;
+        }
+    }
+
     fn leases(&self) -> &Arc<Leases> {
         self.inner.leases.get_or_init(|| {
             if let Some(coalescer) = &self.inner.coalescer {
                 coalescer.share_with_leases();
             }
-            Leases::start(Arc::clone(&self.inner.store), self.inner.table)
+            Leases::start(
+                Arc::clone(&self.inner.store),
+                self.inner.table,
+                Arc::clone(&self.inner.clock),
+            )
         })
     }
 
     /// Direct mode: one store statement (shared with concurrent callers), answered by the call
-    /// deadline; the fallback decides whatever the store did not answer in time.
-    async fn direct(&self, plan: &Plan, key: &str, cost: Tokens) -> Result<Decision, Error> {
+    /// deadline (from `now`, the call's reading of the clock); the fallback decides whatever
+    /// the store did not answer in time.
+    async fn direct(
+        &self,
+        plan: &Plan,
+        key: &str,
+        cost: Tokens,
+        now: Instant,
+    ) -> Result<Decision, Error> {
         let bucket = *plan.bucket();
-        let deadline = Instant::now() + self.inner.call_deadline;
+        let deadline = now + self.inner.call_deadline;
         let result = match &self.inner.coalescer {
             Some(coalescer) => coalescer
-                .take(&self.inner.store, key, bucket, cost, deadline)
+                .take(&self.inner.store, key, bucket, cost, now, deadline)
                 .await
                 .map_err(drop),
             None => {
@@ -872,7 +932,12 @@ impl Limiter {
                 self.inner.fallback.tidy();
                 Ok(from_store(plan, &acquired))
             }
-            Err(_) => Ok(self.decide_by_fallback(plan, key, cost).await),
+            Err(_) => {
+                // Past the deadline (or a failed statement): the fallback decides at the
+                // clock's reading now, not the call's start.
+                let now = self.inner.clock.instant();
+                Ok(self.decide_by_fallback(plan, key, cost, now).await)
+            }
         }
     }
 }
@@ -894,10 +959,11 @@ enum State<'a> {
         key: &'a str,
         cost: f64,
     },
-    /// The rest of the call, and when it started waiting.
+    /// The rest of the call, when it started waiting, and the clock that said so.
     Waiting(
         Pin<Box<dyn Future<Output = Result<Decision, Error>> + Send + 'a>>,
         Instant,
+        &'a SharedClock,
     ),
     /// Decided, and handed over on the next poll (the task yielded for tokio's budget). Boxed:
     /// rare, and a `Decision` inline would make every `Acquire` as large as one.
@@ -912,12 +978,13 @@ enum Step<'a> {
     /// A shadow plan's call: the rest runs on the plan's own key ([`Plan::store_key`]), made
     /// in [`Limiter::finish`] (`start` borrows the caller's key and cannot hold a new one).
     Shadow { plan: &'a Plan, cost: Tokens },
-    /// Wait for the slot's refill until `deadline`.
+    /// Wait for the slot's refill for at most `max_wait` (from the call's reading of the clock,
+    /// taken when it leaves [`Limiter::start`]).
     Wait {
         plan: &'a Plan,
         cost: Tokens,
         slot: crate::lease::SlotRef,
-        deadline: Instant,
+        max_wait: Duration,
     },
     /// The fallback decides.
     Fallback { plan: &'a Plan, cost: Tokens },
@@ -967,7 +1034,7 @@ impl Future for Acquire<'_> {
                 Err(e) => Err(e),
             });
         }
-        let (mut waiting, since) = match std::mem::replace(&mut self.state, State::Done) {
+        let (mut waiting, since, clock) = match std::mem::replace(&mut self.state, State::Done) {
             State::Start {
                 limiter,
                 plan,
@@ -995,25 +1062,33 @@ impl Future for Acquire<'_> {
                     };
                 }
                 Err(e) => return Poll::Ready(Err(e)),
-                Ok(step) => (
-                    Box::pin(limiter.finish(step, plan, key, cost, true))
-                        as Pin<Box<dyn Future<Output = _> + Send + '_>>,
-                    Instant::now(),
-                ),
+                Ok(step) => {
+                    // The call's one reading of the clock: its deadlines, the fallback's and
+                    // the debt's time, and its latency all count from here.
+                    let clock = &limiter.inner.clock;
+                    let now = clock.instant();
+                    (
+                        Box::pin(limiter.finish(step, now, plan, key, cost, true))
+                            as Pin<Box<dyn Future<Output = _> + Send + '_>>,
+                        now,
+                        clock,
+                    )
+                }
             },
             State::Decided(decision) => return Poll::Ready(Ok(*decision)),
-            State::Waiting(waiting, since) => (waiting, since),
+            State::Waiting(waiting, since, clock) => (waiting, since, clock),
             State::Done => panic!("`Acquire` polled after it completed"),
         };
         match waiting.as_mut().poll(cx) {
             Poll::Ready(out) => {
                 if let Ok(decision) = &out {
-                    crate::metrics::record_latency(decision.decided_by, since.elapsed());
+                    let took = clock.instant().saturating_duration_since(since);
+                    crate::metrics::record_latency(decision.decided_by, took);
                 }
                 Poll::Ready(out)
             }
             Poll::Pending => {
-                self.state = State::Waiting(waiting, since);
+                self.state = State::Waiting(waiting, since, clock);
                 Poll::Pending
             }
         }

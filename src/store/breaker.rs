@@ -176,6 +176,8 @@ pub struct CircuitBreaker<S> {
     state: Mutex<State>,
     /// The local wall clock the skew is measured against.
     wall: Arc<dyn Clock>,
+    /// The clock of the back-off and the failure count ([`Clock::instant`]).
+    clock: Arc<dyn Clock>,
     /// The last skew measured, in nanoseconds (store minus local); `i64::MIN` before any.
     skew_nanos: AtomicI64,
     /// Registers the state gauge and the transition counters, once, at the first call.
@@ -191,6 +193,7 @@ impl<S: fmt::Debug> fmt::Debug for CircuitBreaker<S> {
             .field("threshold", &self.threshold)
             .field("backoff", &(self.min_backoff..=self.max_backoff))
             .field("wall", &self.wall)
+            .field("clock", &self.clock)
             .finish()
     }
 }
@@ -200,6 +203,7 @@ impl<S> CircuitBreaker<S> {
     /// A closed breaker around `inner` with the default settings.
     pub fn new(inner: S) -> Self {
         let min_backoff = Duration::from_millis(50);
+        let clock = crate::clock::default_clock();
         CircuitBreaker {
             inner,
             name: "default".to_owned(),
@@ -210,10 +214,11 @@ impl<S> CircuitBreaker<S> {
                 state: CircuitState::Closed,
                 failures: 0,
                 failure_seen: None,
-                open_until: Instant::now(),
+                open_until: clock.instant(),
                 next_backoff: min_backoff,
             }),
             wall: Arc::new(SystemClock),
+            clock,
             skew_nanos: AtomicI64::new(i64::MIN),
             series: Once::new(),
         }
@@ -249,10 +254,20 @@ impl<S> CircuitBreaker<S> {
     /// The local wall clock that [`clock_skew`](Self::clock_skew) and
     /// `tokenlease_store_clock_skew_seconds` compare the store's `now()` with. Defaults to
     /// [`SystemClock`]; a test passes a clock it can step. Only the skew reads it: the breaker's
-    /// back-off runs on [`Instant`], and no decision depends on the wall clock.
+    /// back-off runs on [`clock`](Self::clock), and no decision depends on the wall clock.
     #[must_use]
     pub fn wall_clock(mut self, clock: impl Clock) -> Self {
         self.wall = Arc::new(clock);
+        self
+    }
+
+    /// The clock the back-off, the failure count and the skew's round trip run on (its
+    /// [`Clock::instant`]), read once when a call is let through and once when it returns.
+    /// Defaults to a [`MonotonicClock`](crate::clock::MonotonicClock), whose instants are
+    /// tokio's, so a test that pauses tokio's time drives the breaker too.
+    #[must_use]
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
         self
     }
 
@@ -312,7 +327,7 @@ impl<S> Drop for Permit<'_, S> {
             // The probe was cancelled: stay open, but let the next call probe at once.
             let mut st = self.breaker.state.lock();
             if st.state == CircuitState::HalfOpen {
-                st.open_until = Instant::now();
+                st.open_until = self.breaker.clock.instant();
                 self.breaker.transition(&mut st, CircuitState::Open);
             }
         }
@@ -320,18 +335,17 @@ impl<S> Drop for Permit<'_, S> {
 }
 
 impl<S> CircuitBreaker<S> {
-    /// Lets one call through, or refuses it at once.
-    fn admit(&self) -> Result<Permit<'_, S>, StoreError> {
+    /// Lets one call through at `now`, or refuses it at once.
+    fn admit(&self, now: Instant) -> Result<Permit<'_, S>, StoreError> {
         let mut st = self.state.lock();
         match st.state {
             CircuitState::Closed => Ok(Permit {
                 breaker: self,
                 probe: false,
                 done: false,
-                sent: Instant::now(),
+                sent: now,
             }),
             CircuitState::Open => {
-                let now = Instant::now();
                 if now < st.open_until {
                     return Err(StoreError::CircuitOpen {
                         retry_in: st.open_until - now,
@@ -351,8 +365,8 @@ impl<S> CircuitBreaker<S> {
         }
     }
 
-    /// Records a finished call's outcome.
-    fn finish(&self, mut permit: Permit<'_, S>, failed: bool) {
+    /// Records a finished call's outcome, at `now`.
+    fn finish(&self, mut permit: Permit<'_, S>, failed: bool, now: Instant) {
         permit.done = true;
         let mut st = self.state.lock();
         match (st.state, permit.probe, failed) {
@@ -367,7 +381,7 @@ impl<S> CircuitBreaker<S> {
                 st.failures = 0;
                 st.failure_seen = None;
             }
-            (CircuitState::HalfOpen, true, true) => self.open(&mut st),
+            (CircuitState::HalfOpen, true, true) => self.open(&mut st, now),
             // Sent before the last counted failure was seen: it failed in the same stall (a
             // checkpoint's slow flush times out every statement in flight at once), which was
             // counted already.
@@ -375,9 +389,9 @@ impl<S> CircuitBreaker<S> {
                 if st.failure_seen.is_some_and(|seen| permit.sent < seen) => {}
             (CircuitState::Closed, _, true) => {
                 st.failures = st.failures.saturating_add(1);
-                st.failure_seen = Some(Instant::now());
+                st.failure_seen = Some(now);
                 if st.failures >= self.threshold {
-                    self.open(&mut st);
+                    self.open(&mut st, now);
                 }
             }
             // A call admitted before the circuit opened, finishing late: it says nothing new.
@@ -385,10 +399,10 @@ impl<S> CircuitBreaker<S> {
         }
     }
 
-    fn open(&self, st: &mut State) {
+    fn open(&self, st: &mut State, now: Instant) {
         st.failures = 0;
         st.failure_seen = None;
-        st.open_until = Instant::now() + st.next_backoff;
+        st.open_until = now + st.next_backoff;
         st.next_backoff = std::cmp::min(st.next_backoff.saturating_mul(2), self.max_backoff);
         self.transition(st, CircuitState::Open);
     }
@@ -418,17 +432,32 @@ impl<S> CircuitBreaker<S> {
         }
     }
 
-    /// Runs `call` if the circuit lets it through, and learns from its outcome.
-    async fn call<T, F>(&self, call: impl FnOnce() -> F) -> Result<T, StoreError>
+    /// Runs `call` if the circuit lets it through at `started`, and learns from its outcome;
+    /// returns it with the clock's reading when it returned.
+    async fn call_at<T, F>(
+        &self,
+        started: Instant,
+        call: impl FnOnce() -> F,
+    ) -> Result<(T, Instant), StoreError>
     where
         F: Future<Output = Result<T, StoreError>>,
     {
         self.series.call_once(|| self.register_series());
-        let permit = self.admit()?;
+        let permit = self.admit(started)?;
         let result = call().await;
+        let ended = self.clock.instant();
         let failed = matches!(&result, Err(e) if e.is_transient());
-        self.finish(permit, failed);
-        result
+        self.finish(permit, failed, ended);
+        result.map(|t| (t, ended))
+    }
+
+    /// [`call_at`](Self::call_at) now, for a call whose duration nothing needs.
+    async fn call<T, F>(&self, call: impl FnOnce() -> F) -> Result<T, StoreError>
+    where
+        F: Future<Output = Result<T, StoreError>>,
+    {
+        let started = self.clock.instant();
+        self.call_at(started, call).await.map(|(t, _)| t)
     }
 
     /// The local wall clock now.
@@ -455,9 +484,12 @@ impl<S> CircuitBreaker<S> {
 #[async_trait]
 impl<S: Store> Store for CircuitBreaker<S> {
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
-        let (sent, started) = (self.wall_now(), Instant::now());
-        let acquired = self.call(|| self.inner.acquire(request)).await?;
-        self.record_skew(sent, started.elapsed(), std::slice::from_ref(&acquired));
+        let (sent, started) = (self.wall_now(), self.clock.instant());
+        let (acquired, ended) = self
+            .call_at(started, || self.inner.acquire(request))
+            .await?;
+        let rtt = ended.saturating_duration_since(started);
+        self.record_skew(sent, rtt, std::slice::from_ref(&acquired));
         Ok(acquired)
     }
 
@@ -465,9 +497,12 @@ impl<S: Store> Store for CircuitBreaker<S> {
         &self,
         requests: &[AcquireRequest<'_>],
     ) -> Result<Vec<Acquired>, StoreError> {
-        let (sent, started) = (self.wall_now(), Instant::now());
-        let acquired = self.call(|| self.inner.acquire_many(requests)).await?;
-        self.record_skew(sent, started.elapsed(), &acquired);
+        let (sent, started) = (self.wall_now(), self.clock.instant());
+        let (acquired, ended) = self
+            .call_at(started, || self.inner.acquire_many(requests))
+            .await?;
+        let rtt = ended.saturating_duration_since(started);
+        self.record_skew(sent, rtt, &acquired);
         Ok(acquired)
     }
 

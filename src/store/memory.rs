@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use super::held::{self, Entry};
 use super::{AcquireRequest, Acquired, BucketRow, GiveBack, HeldLease, Store, StoreError, nanos};
 use crate::bucket::{BucketConfig, BucketState, Timestamp};
-use crate::clock::{Clock, MonotonicClock, system_time_from_timestamp};
+use crate::clock::{Clock, MonotonicClock, SharedClock, system_time_from_timestamp};
 use crate::key::SlotKey;
 
 /// Shards of the key map; a power of two so a hash picks one with a mask.
@@ -296,6 +296,11 @@ impl MemoryStore {
     /// An empty store reading time from `clock` (a [`ManualClock`](crate::clock::ManualClock) in
     /// tests).
     pub fn with_clock(clock: impl Clock) -> Self {
+        Self::with_shared_clock(Arc::new(clock))
+    }
+
+    /// An empty store reading time from a limiter's clock.
+    pub(crate) fn with_shared_clock(clock: SharedClock) -> Self {
         MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             keys: Arc::default(),
@@ -305,7 +310,7 @@ impl MemoryStore {
             returned: Arc::default(),
             max_return_ids: DEFAULT_MAX_RETURN_IDS,
             hasher: RandomState::new(),
-            clock: Arc::new(clock),
+            clock,
         }
     }
 

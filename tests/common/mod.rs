@@ -233,3 +233,18 @@ pub async fn take_for_a_second(
     }
     (granted, last)
 }
+
+/// Waits until `limiter`'s lease actor is idle (no statement in flight, no give-back to send
+/// again, no refill asked for and not yet sent), at most `limit`: the refills that earlier calls
+/// asked for have landed. Panics past `limit`, naming the lease counters.
+pub async fn actor_idle(limiter: &tokenlease::Limiter, limit: Duration) {
+    if tokio::time::timeout(limit, tokenlease::__private::lease_actor_idle(limiter))
+        .await
+        .is_err()
+    {
+        panic!(
+            "the lease actor not idle within {limit:?}: {:?}",
+            limiter.lease_stats()
+        );
+    }
+}

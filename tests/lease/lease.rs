@@ -212,18 +212,8 @@ async fn an_expired_lease_goes_back_to_the_bucket() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // A top-up asked for by the last calls may still be on its way: read the lease once the
-    // actor has sent no statement for 50 ms (bounded).
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut last = limiter.lease_stats().expect("leased").store_calls;
-    loop {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let now = limiter.lease_stats().expect("leased").store_calls;
-        if now == last {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the actor never went quiet");
-        last = now;
-    }
+    // actor is idle (bounded).
+    common::actor_idle(&limiter, Duration::from_secs(5)).await;
     let stats = limiter.lease_stats().expect("leased");
     let held = stats.outstanding;
     assert!(held >= 1.0, "the lease holds tokens ({held})");
@@ -597,9 +587,8 @@ async fn a_refund_goes_back_into_the_live_lease() {
                 .allowed
         );
     }
-    // The refills the calls asked for land (the paused clock moves on once every task waits);
-    // nothing asks for more after this.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The refills the calls asked for land; nothing asks for more after this.
+    common::actor_idle(&limiter, Duration::from_secs(5)).await;
     let before = limiter.lease_stats().expect("leased").outstanding;
     limiter.refund(&plan, "r", 2.0).await.expect("refund");
     let after = limiter.lease_stats().expect("leased").outstanding;
@@ -922,32 +911,6 @@ async fn a_flooding_instance_does_not_starve_a_light_one() {
     );
 }
 
-/// Waits (from a plain thread, at most 5 s, looking every millisecond) until the lease actor has
-/// neither started a round nor made a store call for 10 ms, and returns its store calls so far.
-fn quiet_store_calls(limiter: &Limiter) -> u64 {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let counters = || {
-        let stats = limiter.lease_stats().expect("leased");
-        (stats.actor_rounds, stats.store_calls)
-    };
-    let mut seen = counters();
-    let mut since = Instant::now();
-    loop {
-        std::thread::sleep(Duration::from_millis(1));
-        let now = counters();
-        if now != seen {
-            (seen, since) = (now, Instant::now());
-        } else if since.elapsed() >= Duration::from_millis(10) {
-            return now.1;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the lease actor never went quiet: {:?}",
-            limiter.lease_stats()
-        );
-    }
-}
-
 /// A hot key's lease is spread over per-core words once two threads race on it. Spent by one
 /// thread alone afterwards, it still costs a store call per lease, not per few calls: each
 /// top-up refills the word that thread drained. (An even split gave that word back half of what
@@ -985,10 +948,9 @@ fn a_spread_key_spent_by_one_thread_is_refilled_once_per_lease() {
             });
         }
     });
-    // The refills the race asked for land before the count starts: the actor has gone quiet,
-    // neither a round nor a store call for 10 ms (a refill it is in the middle of then shows
-    // as one more store call below, within the bound's slack).
-    let calls_before = quiet_store_calls(&limiter);
+    // The refills the race asked for land before the count starts: the actor is idle.
+    runtime.block_on(common::actor_idle(&limiter, Duration::from_secs(5)));
+    let calls_before = limiter.lease_stats().expect("leased").store_calls;
     let (mut allowed, started) = (0u64, Instant::now());
     while started.elapsed() < Duration::from_secs(1) {
         for _ in 0..1000 {

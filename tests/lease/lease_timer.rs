@@ -350,7 +350,7 @@ async fn a_caller_retrying_a_denied_key_in_a_tight_loop_lets_other_tasks_run() {
 #[derive(Debug, Clone, Default)]
 struct Gate {
     inner: MemoryStore,
-    release: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    release: std::sync::Arc<Hold>,
     delay: Duration,
     asked: std::sync::Arc<parking_lot::Mutex<Vec<(String, Instant)>>>,
     /// Many-key statements in flight now, and the most at once.
@@ -384,9 +384,7 @@ impl Store for Gate {
         requests: &[tokenlease::store::AcquireRequest<'_>],
     ) -> Result<Vec<tokenlease::store::Acquired>, tokenlease::store::StoreError> {
         if requests.iter().any(|r| r.key == "held") {
-            while !self.release.load(std::sync::atomic::Ordering::Relaxed) {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+            self.release.until(true).await;
         }
         use std::sync::atomic::Ordering::SeqCst;
         let now = self.in_flight.fetch_add(1, SeqCst) + 1;
@@ -472,8 +470,7 @@ async fn a_sparse_key_is_decided_by_store_calls_while_the_actor_is_busy() {
     );
     // The actor idle again: a call a millisecond waits for the key's first refills, and once
     // the actor has seen the demand, leases pay the calls.
-    gate.release
-        .store(true, std::sync::atomic::Ordering::Relaxed);
+    gate.release.set(true);
     let mut by = (0u32, 0u32);
     for _ in 0..200 {
         let d = call().await;
@@ -540,8 +537,7 @@ async fn a_sparse_keys_denial_stands_until_its_retry_time() {
         store_denials, 1,
         "one store call denied; the slot denied the rest until the store's retry time"
     );
-    gate.release
-        .store(true, std::sync::atomic::Ordering::Relaxed);
+    gate.release.set(true);
     limiter.shutdown().await;
 }
 
@@ -563,8 +559,7 @@ async fn by_default_a_sparse_keys_call_waits_for_the_actor() {
         .expect("decision");
     assert!(matches!(d.decided_by, DecidedBy::Fallback(_)), "{d:?}");
     assert_eq!(started.elapsed(), Duration::from_millis(50), "its max_wait");
-    gate.release
-        .store(true, std::sync::atomic::Ordering::Relaxed);
+    gate.release.set(true);
     limiter.shutdown().await;
 }
 
@@ -709,16 +704,35 @@ async fn a_key_called_about_once_a_lifetime_keeps_its_lease() {
 #[derive(Debug, Clone, Default)]
 struct TwoShards {
     inner: MemoryStore,
-    hold_refills: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    hold_returns: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    hold_refills: std::sync::Arc<Hold>,
+    hold_returns: std::sync::Arc<Hold>,
     /// Give-back statements of `held` waiting now.
     returns_waiting: std::sync::Arc<std::sync::atomic::AtomicU32>,
 }
 
-impl TwoShards {
-    async fn wait(flag: &std::sync::atomic::AtomicBool) {
-        while flag.load(std::sync::atomic::Ordering::Relaxed) {
-            tokio::time::sleep(Duration::from_millis(1)).await;
+/// A flag that statements wait on, woken when it changes.
+#[derive(Debug, Default)]
+struct Hold {
+    on: std::sync::atomic::AtomicBool,
+    changed: tokio::sync::Notify,
+}
+
+impl Hold {
+    fn set(&self, on: bool) {
+        self.on.store(on, std::sync::atomic::Ordering::SeqCst);
+        self.changed.notify_waiters();
+    }
+
+    /// Returns once the flag is `on`.
+    async fn until(&self, on: bool) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.on.load(std::sync::atomic::Ordering::SeqCst) == on {
+                return;
+            }
+            changed.await;
         }
     }
 }
@@ -736,7 +750,7 @@ impl Store for TwoShards {
         requests: &[tokenlease::store::AcquireRequest<'_>],
     ) -> Result<Vec<tokenlease::store::Acquired>, tokenlease::store::StoreError> {
         if requests.iter().any(|r| r.key == "held") {
-            Self::wait(&self.hold_refills).await;
+            self.hold_refills.until(false).await;
         }
         self.inner.acquire_many(requests).await
     }
@@ -747,7 +761,7 @@ impl Store for TwoShards {
         if returns.iter().any(|r| r.key == "held") {
             use std::sync::atomic::Ordering::Relaxed;
             self.returns_waiting.fetch_add(1, Relaxed);
-            Self::wait(&self.hold_returns).await;
+            self.hold_returns.until(false).await;
             self.returns_waiting.fetch_sub(1, Relaxed);
         }
         self.inner.give_back(returns).await
@@ -803,18 +817,18 @@ async fn a_partition_that_does_not_answer_holds_up_only_its_own_keys() {
     // lease took, so an expired lease's tokens go back (not waived).
     let plan = common::plan(1_000, 10.0).with_lease(LeaseSettings::default().with_ttl(ttl));
     // A refill of `held` in flight, not answering.
-    store.hold_refills.store(true, Relaxed);
+    store.hold_refills.set(true);
     hold_the_actor(&limiter, &plan).await;
     decided_without_the_fallback(&limiter, &plan, "free", 200).await;
     // `held` leased, then its lease expires with its give-back not answering.
-    store.hold_refills.store(false, Relaxed);
+    store.hold_refills.set(false);
     until(
         Duration::from_secs(1),
         "held leased",
         || matches!(limiter.try_acquire_now_with(&plan, "held", 1.0), Ok(Some(d)) if d.allowed),
     )
     .await;
-    store.hold_returns.store(true, Relaxed);
+    store.hold_returns.set(true);
     until(ttl * 3, "held's give-back sent", || {
         store.returns_waiting.load(Relaxed) == 1
     })
@@ -826,7 +840,7 @@ async fn a_partition_that_does_not_answer_holds_up_only_its_own_keys() {
         "held's give-back waited all along"
     );
     // Once it answers, `held`'s tokens are back and nothing is stranded.
-    store.hold_returns.store(false, Relaxed);
+    store.hold_returns.set(false);
     limiter.shutdown().await;
     let end = stats(&limiter);
     assert_eq!(end.outstanding, 0.0, "{end:?}");

@@ -105,18 +105,8 @@ async fn a_refund_that_would_exceed_the_bound_goes_to_the_store() {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     // Wait (bounded) until the refills the calls asked for have landed: nothing asks for more.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut before = limiter.lease_stats().expect("leased");
-    loop {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        let now = limiter.lease_stats().expect("leased");
-        if now.store_calls == before.store_calls && now.outstanding > 0.0 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "refills never settled: {now:?}");
-        before = now;
-    }
-    let held = before.outstanding;
+    common::actor_idle(&limiter, Duration::from_secs(5)).await;
+    let held = limiter.lease_stats().expect("leased").outstanding;
     assert!(held > 0.0 && held <= B, "lease {held}");
     let row = |m: &MemoryStore| {
         let m = m.clone();

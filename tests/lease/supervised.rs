@@ -118,17 +118,8 @@ fn shutdown_after_the_actor_died_gives_the_leases_back() {
             // Conservation counts what leases paid; each key's first calls are store calls.
             admitted += f64::from(u8::from(d.decided_by == DecidedBy::Lease));
         }
-        // Let the refills the last calls asked for land (bounded wait for a quiet actor).
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        let mut last = limiter.lease_stats().expect("leased").store_calls;
-        loop {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            let now = limiter.lease_stats().expect("leased").store_calls;
-            if now == last || std::time::Instant::now() > deadline {
-                break;
-            }
-            last = now;
-        }
+        // Let the refills the last calls asked for land (bounded wait for an idle actor).
+        common::actor_idle(&limiter, Duration::from_secs(5)).await;
     });
     assert!(limiter.lease_stats().expect("leased").outstanding > 0.0);
     drop(first);

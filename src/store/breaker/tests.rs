@@ -173,7 +173,7 @@ async fn only_one_probe_at_a_time_and_a_cancelled_probe_reopens() {
     }
     sleep_ms(110).await;
     // Take the half-open slot by hand, as a probe in flight would.
-    let permit = b.admit().expect("probe admitted");
+    let permit = b.admit(b.clock.instant()).expect("probe admitted");
     assert!(permit.probe);
     assert_eq!(b.state(), CircuitState::HalfOpen);
     assert!(is_open_error(&take(&b).await));
@@ -189,9 +189,9 @@ async fn only_one_probe_at_a_time_and_a_cancelled_probe_reopens() {
 /// reads +1 h, an hour ahead −1 h; the breaker's back-off (on `Instant`) is unaffected.
 #[tokio::test]
 async fn skew_follows_the_injected_wall_clock() {
-    use crate::clock::{ManualClock, timestamp_from_system_time};
+    use crate::clock::{ManualClock, SystemClock};
     let hour = 3_600_000_000_000u64;
-    let real = || timestamp_from_system_time(SystemTime::now());
+    let real = || SystemClock.now();
     let wall = ManualClock::new(real());
     let b = breaker(&Flaky::default()).wall_clock(wall.clone());
     assert!(take(&b).await.is_ok());
@@ -341,3 +341,33 @@ async fn one_stall_of_many_calls_in_flight_counts_once() {
 }
 
 use crate::store::join_all as futures_join_all;
+
+/// The back-off runs on the injected clock: with a clock moved by hand, the circuit stays open
+/// however long the test takes until the clock passes the back-off, and then lets one probe
+/// through. No sleep: nothing but the clock decides.
+#[tokio::test]
+async fn the_back_off_follows_the_injected_clock() {
+    use crate::bucket::Timestamp;
+    use crate::clock::ManualClock;
+    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000));
+    let flaky = Flaky::default();
+    let b = breaker(&flaky).clock(clock.clone());
+    flaky.failing.store(true, Ordering::SeqCst);
+    for _ in 0..3 {
+        assert!(is_timeout(&take(&b).await));
+    }
+    assert_eq!(b.state(), CircuitState::Open);
+    let calls = flaky.calls.load(Ordering::SeqCst);
+    clock.advance(99_000_000);
+    let err = take(&b).await.unwrap_err();
+    assert!(
+        matches!(err, StoreError::CircuitOpen { retry_in } if retry_in == Duration::from_millis(1)),
+        "{err:?}"
+    );
+    assert_eq!(flaky.calls.load(Ordering::SeqCst), calls);
+    clock.advance(1_000_000);
+    flaky.failing.store(false, Ordering::SeqCst);
+    assert!(take(&b).await.is_ok(), "the probe at 100 ms");
+    assert_eq!(b.state(), CircuitState::Closed);
+    assert_eq!(flaky.calls.load(Ordering::SeqCst), calls + 1);
+}

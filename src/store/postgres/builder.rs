@@ -191,6 +191,7 @@ impl PostgresStoreBuilder {
             cancel_timeout: self.connect_timeout,
             prepare,
             citus: None,
+            clock: crate::clock::default_clock(),
         };
         // The first connection is made outside the pool, bounded by the connect timeout rather
         // than the (shorter) pool wait, so a busy machine does not fail the build: it proves the

@@ -94,6 +94,8 @@ pub struct PostgresStore {
     /// The shard map and a pool per worker when the database is a Citus coordinator with the
     /// tables distributed: every call then goes through the routed functions of [`citus`].
     citus: Option<Arc<citus::Citus>>,
+    /// The clock that call deadlines count from (DESIGN.md §11, "One clock").
+    clock: crate::clock::SharedClock,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -128,7 +130,7 @@ impl PostgresStore {
         statement: &'static str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, StoreError> {
-        let deadline = tokio::time::Instant::now() + self.call_timeout;
+        let deadline = self.clock.instant() + self.call_timeout;
         self.query_by(deadline, statement, params).await
     }
 
@@ -298,7 +300,7 @@ impl Store for PostgresStore {
         if let Some(citus) = &self.citus {
             return citus.acquire_each(requests).await.into_iter().collect();
         }
-        let deadline = tokio::time::Instant::now() + self.call_timeout;
+        let deadline = self.clock.instant() + self.call_timeout;
         let mut out: Vec<Option<Acquired>> = vec![None; requests.len()];
         let mut pending: Vec<usize> = (0..requests.len()).collect();
         // Sent unnamed, the plain statements would be parsed and planned on every call, and

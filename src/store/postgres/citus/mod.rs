@@ -331,7 +331,7 @@ impl Citus {
         let groups = by_node(&self.map, requests.iter().map(|r| r.key));
         let calls = groups.iter().map(|(node, group)| {
             let lane = &self.lanes[*node];
-            let deadline = tokio::time::Instant::now() + lane.call_timeout;
+            let deadline = lane.clock.instant() + lane.call_timeout;
             lane.citus_take(deadline, requests, group)
         });
         let mut out: Vec<Option<Result<Acquired, StoreError>>> = vec![None; requests.len()];
