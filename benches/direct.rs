@@ -20,11 +20,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use tokenlease::__private::acquire_one_sql;
 use tokenlease::Limiter;
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::policy::Plan;
-use tokenlease::store::{AcquireRequest, PostgresStore, Store};
+use tokenlease::store::{AcquireRequest, PostgresStore, Store, acquire_one_sql};
 use tokenlease_testkit::TempPostgres;
 
 const KEYS: u64 = 10_000;

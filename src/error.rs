@@ -8,6 +8,8 @@
 //! ([`StoreError`](crate::store::StoreError)) reach the caller only from the calls that talk to
 //! the store itself: building a store and [`Store`](crate::store::Store)'s own methods.
 
+pub use crate::report::{chain, redact};
+
 /// Why [`Limiter::try_acquire`](crate::Limiter::try_acquire) could not decide.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

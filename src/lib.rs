@@ -57,6 +57,7 @@ pub mod http;
 mod key;
 mod lease;
 pub mod limiter;
+mod limiter_ext;
 pub mod metrics;
 mod plans;
 pub mod policy;
@@ -70,37 +71,18 @@ pub use limiter::{DecidedBy, Decision, Limiter, ReloadError};
 
 /// Not part of the API: no semver promise, may change in any release.
 ///
-/// What the crate's own integration tests and benchmarks reach that a user has no use for:
-/// the SQL text the store sends (benchmarks that run it through pgbench), a limiter's plan
-/// count (reload tests), the migration list
-/// and lock (tests that migrate on their own terms), the store's bb8 pool (tests that run
-/// their own SQL on the store's sessions), and the password-hiding and cause-chain text the
-/// library's messages use (which the `tokenlease` binary shares). Kept out of the documented
-/// modules so that the API's types do not depend on bb8 or on the migration bookkeeping.
+/// What is left of the crate's test hooks: the store's bb8 pool, for the one fault test (D6 in
+/// `tests/faults/faults.rs`) that holds every pooled connection to exhaust the pool. Every
+/// other former user has a documented API or moved into the crate as a unit test.
+#[cfg(feature = "postgres")]
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::report::{chain, redact};
-
-    /// How many distinct plans `limiter` has been given over its life (its plan registry).
-    pub fn limiter_plans(limiter: &crate::Limiter) -> usize {
-        limiter.registered_plans()
+    /// The store's connection pool (bb8's type: why it is not in the API).
+    pub fn pool(
+        store: &crate::store::PostgresStore,
+    ) -> &bb8::Pool<impl bb8::ManageConnection + use<>> {
+        store.pool()
     }
-
-    /// Waits until `limiter`'s lease actor is idle (no statement in flight, no give-back to
-    /// send again, no refill asked for and not yet sent); at once when no actor runs. Tests
-    /// await this rather than sleep.
-    pub async fn lease_actor_idle(limiter: &crate::Limiter) {
-        limiter.lease_actor_idle().await;
-    }
-    #[cfg(feature = "postgres")]
-    pub use crate::store::postgres::migrate::{
-        MIGRATION_LOCK_ID, MIGRATIONS, MIGRATIONS_TABLE, migrate_with,
-    };
-    #[cfg(feature = "postgres")]
-    pub use crate::store::postgres::{
-        ConnectionManager, PgConnection, SUPPORTED_CITUS, acquire_held_sql, acquire_many_sql,
-        acquire_one_sql, citus_hashtext, pool,
-    };
 }
 
 /// The README's Rust blocks, compiled as doc tests (`cargo test --doc --all-features`).

@@ -1,6 +1,7 @@
 //! Text about errors and connection strings that is safe to print: a connection string with
-//! its password hidden, and an error with every cause. Used by the library's own messages and
-//! by the `tokenlease` binary (through `crate::__private`); not part of the API.
+//! its password hidden, and an error with every cause. Used by the library's own messages;
+//! public as [`crate::error::redact`] and [`crate::error::chain`] (the `tokenlease` binary's
+//! messages use them too).
 
 use std::error::Error;
 

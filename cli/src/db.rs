@@ -4,7 +4,7 @@
 use std::error::Error;
 use std::fmt;
 
-pub(crate) use tokenlease::__private::{chain, redact};
+pub(crate) use tokenlease::error::{chain, redact};
 
 /// A database the command could not reach or use, with the address (password hidden) and the
 /// whole cause.

@@ -34,9 +34,11 @@ pub use self::error::MigrateError;
 pub use self::error::{StoreError, TimeoutKind};
 pub use self::memory::{DEFAULT_MAX_KEYS, DEFAULT_MAX_RETURN_IDS, MemoryStore, RETURN_ID_TTL};
 #[cfg(feature = "postgres")]
-pub use self::postgres::migrate::{Migration, MigrationReport, migrate};
+pub use self::postgres::migrate::{
+    MIGRATION_LOCK_ID, MIGRATIONS, Migration, MigrationReport, migrate,
+};
 #[cfg(feature = "postgres")]
-pub use self::postgres::{PostgresStore, PostgresStoreBuilder};
+pub use self::postgres::{PostgresStore, PostgresStoreBuilder, acquire_many_sql, acquire_one_sql};
 pub use self::sharded::{
     ShardError, ShardedStore, ShardedStoreBuilder, rendezvous_score, shard_of,
 };

@@ -3,8 +3,7 @@
 
 use std::time::Instant;
 
-use tokenlease::__private::MIGRATIONS;
-use tokenlease::store::migrate;
+use tokenlease::store::{MIGRATIONS, migrate};
 use tokenlease_testkit::{StopMode, TempPostgres, TestDatabase};
 use tokio_postgres::{Client, NoTls};
 

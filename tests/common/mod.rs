@@ -238,7 +238,7 @@ pub async fn take_for_a_second(
 /// again, no refill asked for and not yet sent), at most `limit`: the refills that earlier calls
 /// asked for have landed. Panics past `limit`, naming the lease counters.
 pub async fn actor_idle(limiter: &tokenlease::Limiter, limit: Duration) {
-    if tokio::time::timeout(limit, tokenlease::__private::lease_actor_idle(limiter))
+    if tokio::time::timeout(limit, limiter.leases_idle())
         .await
         .is_err()
     {

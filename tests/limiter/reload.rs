@@ -300,7 +300,7 @@ async fn r4_reloading_the_same_versions_adds_no_plans() {
         r.expect("reload");
     }
     // Distinct plans seen: p with capacity 5 and 6, and d.
-    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 3);
+    assert_eq!(limiter.plans_held(), 3);
 }
 
 /// R7: a reload that changes a plan closes the leases of its shadow twin too (the plan an HTTP
@@ -380,11 +380,11 @@ async fn r8_a_refused_reload_leaves_the_registry_as_it_was() {
     let limiter = Limiter::builder(tokenlease::store::MemoryStore::new())
         .policies(numbered(30_000, 1))
         .build();
-    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 30_000);
+    assert_eq!(limiter.plans_held(), 30_000);
 
     let err = limiter.reload(numbered(40_000, 2)).unwrap_err();
     assert!(matches!(err, ReloadError::TooManyPlans { .. }), "{err}");
-    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 30_000);
+    assert_eq!(limiter.plans_held(), 30_000);
     // The old policies stay in force: capacity 1.
     assert!(limiter.try_acquire("k:a", 1.0).await.unwrap().allowed);
     assert!(!limiter.try_acquire("k:a", 1.0).await.unwrap().allowed);
@@ -392,7 +392,7 @@ async fn r8_a_refused_reload_leaves_the_registry_as_it_was() {
     limiter
         .reload(numbered(30_000, 3))
         .expect("30,000 new plans fit beside 30,000");
-    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 60_000);
+    assert_eq!(limiter.plans_held(), 60_000);
     assert_eq!(limiter.policies().unwrap().plans().count(), 30_000);
     assert!(limiter.try_acquire("k:b", 3.0).await.unwrap().allowed);
 
@@ -403,10 +403,10 @@ async fn r8_a_refused_reload_leaves_the_registry_as_it_was() {
          more than the 65528 it can hold over its life (a plan is kept until the process \
          exits, once however often it is reloaded); restart the process to start afresh"
     );
-    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 60_000);
+    assert_eq!(limiter.plans_held(), 60_000);
     // Reloading versions already held adds nothing and is not refused.
     limiter.reload(numbered(30_000, 1)).expect("held already");
-    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 60_000);
+    assert_eq!(limiter.plans_held(), 60_000);
 }
 
 /// R9: a limiter built from a policy of 65,528 plans (the most a file may hold) holds them
@@ -417,9 +417,9 @@ async fn r9_a_limiter_holds_a_policy_of_the_most_plans() {
         .policies(numbered(65_528, 2))
         .build();
     assert_eq!(limiter.policies().unwrap().plans().count(), 65_528);
-    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 65_528);
+    assert_eq!(limiter.plans_held(), 65_528);
     let d = limiter.try_acquire("k:x", 2.0).await.expect("a plan");
     assert!(d.allowed);
     limiter.reload(numbered(65_528, 2)).expect("the same plans");
-    assert_eq!(tokenlease::__private::limiter_plans(&limiter), 65_528);
+    assert_eq!(limiter.plans_held(), 65_528);
 }

@@ -346,11 +346,7 @@ async fn every_key_of_a_thousand_holds_its_envelope() {
         "the per-key limit bites"
     );
     let touched: HashSet<&str> = by_key.keys().copied().collect();
-    let store = common::store(&db, 1).await;
-    let conn = tokenlease::__private::pool(&store)
-        .get()
-        .await
-        .expect("connection");
+    let conn = db.client().await.expect("connection");
     let rows: i64 = conn
         .query_one("SELECT count(*) FROM tokenlease_buckets", &[])
         .await

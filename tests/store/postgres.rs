@@ -11,12 +11,11 @@ use tokenlease::clock::timestamp_from_system_time;
 use tokenlease::error::{Error, KeyError, MAX_KEY_BYTES};
 use tokenlease::store::{AcquireRequest, GiveBack, PostgresStore, Store};
 use tokenlease::{DecidedBy, Limiter};
+use tokenlease_testkit::TestDatabase;
 
-async fn exec(store: &PostgresStore, sql: &str) {
-    let conn = tokenlease::__private::pool(store)
-        .get()
-        .await
-        .expect("connection");
+/// Runs `sql` on a session of its own (not one of the store's).
+async fn exec(db: &TestDatabase, sql: &str) {
+    let conn = db.client().await.expect("connection");
     conn.batch_execute(sql).await.expect(sql);
 }
 
@@ -50,11 +49,8 @@ async fn take_at_once(
 }
 
 /// How many rows `key` has, and the tokens of the one with fewest.
-async fn rows_of(store: &PostgresStore, key: &str) -> (i64, Tokens) {
-    let conn = tokenlease::__private::pool(store)
-        .get()
-        .await
-        .expect("connection");
+async fn rows_of(db: &TestDatabase, key: &str) -> (i64, Tokens) {
+    let conn = db.client().await.expect("connection");
     let row = conn
         .query_one(
             "SELECT count(*), min(tokenlease_amount(tokens, frac))::numeric(38, 18)::text \
@@ -92,7 +88,7 @@ async fn database_decides_exactly_as_the_pure_bucket() {
         let cost = Tokens::from_atto(u128::from(1 + next(20_000)) * 1_000_000_000_000_000);
         if model.is_some() {
             exec(
-                &store,
+                &db,
                 &format!("UPDATE tokenlease_buckets SET updated_us = updated_us - {age_ms} * 1000"),
             )
             .await;
@@ -142,7 +138,7 @@ async fn first_touch_race_creates_one_row_and_grants_exactly() {
         let granted = take_at_once(&store, &key, config, k).await;
         let expected = k.min(10) as u64;
         assert_eq!(granted, expected, "k = {k}");
-        let (rows, tokens) = rows_of(&store, &key).await;
+        let (rows, tokens) = rows_of(&db, &key).await;
         assert_eq!(rows, 1, "exactly one row");
         // At 1 token/minute, the few milliseconds of the race add well under a token.
         assert_eq!(tokens.floor(), 10 - expected, "k = {k}");
@@ -162,13 +158,13 @@ async fn one_key_calls_whose_row_comes_and_goes_grant_exactly() {
     let key = "one-key-path";
     for round in 0..5 {
         exec(
-            &store,
+            &db,
             "DELETE FROM tokenlease_buckets WHERE key = 'one-key-path'",
         )
         .await;
         let granted = take_at_once(&store, key, config, 32).await;
         assert_eq!(granted, 10, "round {round}: a full bucket of 10, once");
-        let (rows, tokens) = rows_of(&store, key).await;
+        let (rows, tokens) = rows_of(&db, key).await;
         assert_eq!(rows, 1, "round {round}: one row");
         assert_eq!(
             tokens.floor(),
@@ -187,65 +183,6 @@ async fn one_key_calls_whose_row_comes_and_goes_grant_exactly() {
     }
 }
 
-/// B8: a store that prepares its statements once per session decides as one that sends them
-/// unnamed. The same takes, of one key and of several keys with mixed costs, on keys of their
-/// own with the same bucket (a token a minute), get the same grants and leave the same tokens;
-/// the preparing store's session holds its prepared statement, the other's none.
-#[tokio::test]
-async fn prepared_statements_decide_as_unnamed_ones() {
-    let db = common::database().await;
-    let unnamed = common::unprepared_store_at(&db.connection_string(), 1, false).await;
-    let prepared = common::prepared_store_at(&db.connection_string(), 1).await;
-    let config = common::bucket(10, 1.0 / 60.0);
-    let mut seen: Vec<Vec<(u64, u64)>> = Vec::new();
-    for (store, side) in [(&unnamed, "unnamed"), (&prepared, "prepared")] {
-        let mut answers = Vec::new();
-        for cost in [3, 4, 5, 1, 2] {
-            let one = format!("{side}:one");
-            let a = store
-                .acquire(AcquireRequest::take(&one, config, Tokens::whole(cost)))
-                .await
-                .expect("acquire");
-            answers.push((a.granted.floor(), a.remaining.floor()));
-            let keys: Vec<String> = (0..3).map(|i| format!("{side}:many:{i}")).collect();
-            let requests: Vec<AcquireRequest<'_>> = keys
-                .iter()
-                .zip([cost, 1, 2 * cost])
-                .map(|(key, c)| AcquireRequest::take(key, config, Tokens::whole(c)))
-                .collect();
-            for a in store.acquire_many(&requests).await.expect("acquire_many") {
-                answers.push((a.granted.floor(), a.remaining.floor()));
-            }
-        }
-        seen.push(answers);
-    }
-    assert_eq!(seen[0], seen[1], "unnamed then prepared");
-    assert!(
-        seen[0].iter().any(|&(granted, _)| granted == 0),
-        "some takes were denied"
-    );
-    let count = |store: &PostgresStore| {
-        let pool = tokenlease::__private::pool(store).clone();
-        async move {
-            let conn = pool.get().await.expect("connection");
-            // Unnamed, so that the count does not see itself.
-            let rows = conn
-                .query_typed("SELECT count(*) FROM pg_prepared_statements", &[])
-                .await
-                .expect("pg_prepared_statements");
-            rows[0].get::<_, i64>(0)
-        }
-    };
-    assert_eq!(count(&unnamed).await, 0);
-    // The statements of every decision (one key, many keys, returns), prepared once each when
-    // the session opened.
-    assert_eq!(
-        count(&prepared).await,
-        3,
-        "three statements, prepared once each"
-    );
-}
-
 /// B4: a stored refill time in the future (another writer's clock ahead, or a failover to a
 /// host whose clock lags) refills nothing and is not rewound; one in 1970 gives a full bucket.
 #[tokio::test]
@@ -256,7 +193,7 @@ async fn refill_time_in_the_future_or_in_1970() {
     let take = |cost| AcquireRequest::take("skew", config, Tokens::whole(cost));
     store.acquire(take(100)).await.expect("drain");
     exec(
-        &store,
+        &db,
         "UPDATE tokenlease_buckets \
          SET updated_us = (extract(epoch FROM now() + interval '10 seconds') * 1000000)::bigint, \
              tokens = 5000000000",
@@ -290,7 +227,7 @@ async fn refill_time_in_the_future_or_in_1970() {
     );
 
     exec(
-        &store,
+        &db,
         "UPDATE tokenlease_buckets SET updated_us = 0, tokens = 0",
     )
     .await;
@@ -310,11 +247,7 @@ async fn refill_time_in_the_future_or_in_1970() {
 #[tokio::test]
 async fn schema_refuses_nan_infinity_and_out_of_range_values() {
     let db = common::database().await;
-    let store = common::store(&db, 1).await;
-    let conn = tokenlease::__private::pool(&store)
-        .get()
-        .await
-        .expect("connection");
+    let conn = db.client().await.expect("connection");
     let persistence: String = conn
         .query_one(
             "SELECT relpersistence::text FROM pg_class WHERE relname = 'tokenlease_buckets'",
@@ -439,10 +372,7 @@ async fn hostile_keys_never_reach_sql_as_text() {
             .allowed
     );
 
-    let conn = tokenlease::__private::pool(&store)
-        .get()
-        .await
-        .expect("connection");
+    let conn = db.client().await.expect("connection");
     let n: i64 = conn
         .query_one("SELECT count(*) FROM tokenlease_buckets", &[])
         .await
@@ -494,95 +424,6 @@ async fn impossible_costs_are_errors_without_a_store_call() {
     );
 }
 
-/// `synchronous_commit = off` (the default) is applied to the limiter's own sessions only, and
-/// `synchronous_commit(true)` leaves the server's own setting.
-#[tokio::test]
-async fn synchronous_commit_off_applies_to_the_limiter_sessions() {
-    let db = common::database().await;
-    let durable = PostgresStore::builder(&db.connection_string())
-        .expect("config")
-        .synchronous_commit(true)
-        .build()
-        .await
-        .expect("store");
-    let conn = tokenlease::__private::pool(&durable)
-        .get()
-        .await
-        .expect("connection");
-    let setting: String = conn
-        .query_one("SHOW synchronous_commit", &[])
-        .await
-        .expect("show")
-        .get(0);
-    assert_eq!(setting, "on", "the server's own setting");
-    drop(conn);
-    let store = PostgresStore::connect(&db.connection_string())
-        .await
-        .expect("store");
-    let conn = tokenlease::__private::pool(&store)
-        .get()
-        .await
-        .expect("connection");
-    let setting: String = conn
-        .query_one("SHOW synchronous_commit", &[])
-        .await
-        .expect("show")
-        .get(0);
-    assert_eq!(setting, "off", "asynchronous by default");
-    let timeout: String = conn
-        .query_one("SHOW statement_timeout", &[])
-        .await
-        .expect("show")
-        .get(0);
-    assert_eq!(timeout, "100ms");
-}
-
-/// The strict take commits durably on the store's asynchronous sessions: its statement sets
-/// `synchronous_commit` to `on` for its own transaction, its commit included, and the session
-/// keeps `off` for the next one.
-#[tokio::test]
-async fn the_strict_take_commits_durably_on_asynchronous_sessions() {
-    let db = common::database().await;
-    let store = PostgresStore::connect(&db.connection_string())
-        .await
-        .expect("store");
-    let conn = tokenlease::__private::pool(&store)
-        .get()
-        .await
-        .expect("connection");
-    let show = || async {
-        conn.query_one("SHOW synchronous_commit", &[])
-            .await
-            .expect("show")
-            .get::<_, String>(0)
-    };
-    assert_eq!(show().await, "off");
-    let (keys, nanos) = (vec!["strict-durable"], vec![100_000_000_000_i64]);
-    let (rate, one) = (vec![50_000_000_000_i64], vec![1_000_000_000_i64]);
-    let (holders, leases, kept, lifetimes) =
-        (vec![7_i64], vec![1_i64], vec![0_i64], vec![1_000_000_i64]);
-    conn.batch_execute("BEGIN").await.expect("begin");
-    let rows = conn
-        .query(
-            tokenlease::__private::acquire_held_sql(),
-            &[
-                &keys, &nanos, &rate, &one, &one, &one, &holders, &leases, &kept, &lifetimes,
-            ],
-        )
-        .await
-        .expect("the strict take");
-    assert_eq!(rows.len(), 1);
-    let granted: i64 = rows[0].get(3);
-    assert_eq!(granted, 1_000_000_000, "one token leased");
-    assert_eq!(show().await, "on", "within the strict take's transaction");
-    conn.batch_execute("COMMIT").await.expect("commit");
-    assert_eq!(
-        show().await,
-        "off",
-        "the next transaction is asynchronous again"
-    );
-}
-
 /// The idle-row task deletes buckets that refilled to full, and keeps busy ones.
 #[tokio::test]
 async fn the_idle_cleanup_task_deletes_full_rows_in_batches() {
@@ -602,7 +443,7 @@ async fn the_idle_cleanup_task_deletes_full_rows_in_batches() {
         .expect("acquire");
     // The idle rows refilled long ago; "busy" is still 10 tokens short.
     exec(
-        &store,
+        &db,
         "UPDATE tokenlease_buckets SET updated_us = updated_us - 60000000 WHERE key <> 'busy'",
     )
     .await;
@@ -611,10 +452,7 @@ async fn the_idle_cleanup_task_deletes_full_rows_in_batches() {
         Duration::from_millis(20),
         10,
     );
-    let conn = tokenlease::__private::pool(&store)
-        .get()
-        .await
-        .expect("connection");
+    let conn = db.client().await.expect("connection");
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     loop {
         let n: i64 = conn
@@ -731,10 +569,7 @@ async fn both_take_statements_answer_as_the_pure_bucket_at_every_scale() {
                     Some((keys[i].as_str(), us))
                 })
                 .unzip();
-            let conn = tokenlease::__private::pool(&store)
-                .get()
-                .await
-                .expect("connection");
+            let conn = db.client().await.expect("connection");
             conn.execute(
                 "UPDATE tokenlease_buckets AS b
                  SET updated_us = b.updated_us - a.us
@@ -880,10 +715,7 @@ async fn a_statement_of_1024_keys_answers_each_key_as_the_pure_bucket() {
                     Some((keys[i].as_str(), us))
                 })
                 .unzip();
-            let conn = tokenlease::__private::pool(&store)
-                .get()
-                .await
-                .expect("connection");
+            let conn = db.client().await.expect("connection");
             conn.execute(
                 "UPDATE tokenlease_buckets AS b
                  SET updated_us = b.updated_us - a.us
@@ -954,10 +786,7 @@ async fn a_statement_of_1024_keys_answers_each_key_as_the_pure_bucket() {
     assert_eq!(store.give_back(&backs).await.expect("give back"), N as u64);
     let retry: Vec<GiveBack<'_>> = backs.iter().copied().step_by(2).collect();
     assert_eq!(store.give_back(&retry).await.expect("retry"), 0);
-    let conn = tokenlease::__private::pool(&store)
-        .get()
-        .await
-        .expect("connection");
+    let conn = db.client().await.expect("connection");
     let rows = conn
         .query(
             "SELECT key, tokenlease_amount(tokens, frac)::numeric(38, 18)::text, \
@@ -990,11 +819,7 @@ async fn a_statement_of_1024_keys_answers_each_key_as_the_pure_bucket() {
 #[tokio::test]
 async fn the_acquire_function_ignores_the_callers_search_path() {
     let db = common::database().await;
-    let store = common::store(&db, 1).await;
-    let conn = tokenlease::__private::pool(&store)
-        .get()
-        .await
-        .expect("connection");
+    let conn = db.client().await.expect("connection");
     conn.batch_execute(
         "CREATE SCHEMA decoy;
          CREATE TABLE decoy.tokenlease_buckets (LIKE public.tokenlease_buckets INCLUDING ALL);
@@ -1068,112 +893,4 @@ async fn the_lock_timeout_ends_a_call_waiting_inside_the_function() {
         .await
         .expect("take after the lock is gone");
     assert_eq!(got.granted, Tokens::whole(1));
-}
-
-/// B11, the cold start: a store built with the defaults against a server that asks for a
-/// password (SCRAM, whose key derivation is slow in a debug build) has opened every connection
-/// of its pool, each with the statements of every decision prepared, before `build` returns; so
-/// a fresh limiter's first calls (direct, and leased) are decided by the store or a lease, not
-/// by a fallback while a connection is opened and a login computed inside the call.
-///
-/// Before the store warmed its pool, `build` opened one connection for the migrations and
-/// closed it: the pool was empty, and the README's snippet in a debug build decided its first
-/// call by the fallback in 3 runs of 3. A cluster of its own: its `pg_hba.conf` is rewritten.
-#[tokio::test]
-async fn a_built_store_has_its_pool_open_and_prepared_with_scram() {
-    use tokenlease::policy::LeaseSettings;
-    use tokenlease_testkit::TempPostgres;
-    let pg = tokio::task::spawn_blocking(TempPostgres::start)
-        .await
-        .expect("join")
-        .expect("a throwaway cluster");
-    let admin = pg.connection_string("postgres");
-    let (client, connection) = tokio_postgres::connect(&admin, tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(connection);
-    client
-        .batch_execute(
-            "SET password_encryption = 'scram-sha-256';
-             CREATE ROLE app LOGIN PASSWORD 's3cret-pw';
-             GRANT ALL ON SCHEMA public TO app;",
-        )
-        .await
-        .expect("a role with a password");
-    // The role logs in with SCRAM over TCP; everything else stays as the cluster has it.
-    let hba = pg.data_dir().join("pg_hba.conf");
-    let rules = std::fs::read_to_string(&hba).expect("pg_hba.conf");
-    std::fs::write(
-        &hba,
-        format!(
-            "host all app 127.0.0.1/32 scram-sha-256\nhost all app ::1/128 scram-sha-256\n{rules}"
-        ),
-    )
-    .expect("write pg_hba.conf");
-    client
-        .batch_execute("SELECT pg_reload_conf()")
-        .await
-        .expect("reload");
-    let url = format!(
-        "postgres://app:s3cret-pw@{}:{}/postgres",
-        pg.host(),
-        pg.port()
-    );
-    // The login really asks for the password.
-    let wrong = url.replace("s3cret-pw", "wrong");
-    assert!(
-        tokio_postgres::connect(&wrong, tokio_postgres::NoTls)
-            .await
-            .is_err(),
-        "a wrong password is refused: SCRAM is on"
-    );
-
-    // The defaults, but a connect timeout that a debug build's SCRAM login on a busy machine
-    // meets (the default 250 ms is for a release build), and a call timeout that a busy machine
-    // does not miss: what is checked is where the first call's time goes, not how fast it is.
-    let store = PostgresStore::builder(&url)
-        .expect("connection string")
-        .connect_timeout(Duration::from_secs(5))
-        .call_timeout(Duration::from_secs(2))
-        .build()
-        .await
-        .expect("store");
-    let state = tokenlease::__private::pool(&store).state();
-    assert_eq!(
-        state.connections, 4,
-        "every connection of the pool is open: {state:?}"
-    );
-    assert_eq!(state.idle_connections, 4, "{state:?}");
-    {
-        let conn = tokenlease::__private::pool(&store)
-            .get()
-            .await
-            .expect("a pooled connection");
-        let prepared: i64 = conn
-            .query_typed_one("SELECT count(*) FROM pg_prepared_statements", &[])
-            .await
-            .expect("pg_prepared_statements")
-            .get(0);
-        assert_eq!(prepared, 3, "the statements of every decision are prepared");
-    }
-
-    let limiter = Limiter::builder(store).build();
-    let direct = common::plan(100, 50.0);
-    let mut lease = LeaseSettings::default();
-    lease.max_wait = Duration::from_secs(2);
-    let leased = common::plan(100, 50.0).with_lease(lease);
-    let first = limiter
-        .try_acquire_with(&direct, "cold:direct", 1.0)
-        .await
-        .expect("decision");
-    assert_eq!(first.decided_by, DecidedBy::Store, "{first:?}");
-    let first = limiter
-        .try_acquire_with(&leased, "cold:leased", 1.0)
-        .await
-        .expect("decision");
-    assert!(
-        matches!(first.decided_by, DecidedBy::Store | DecidedBy::Lease),
-        "{first:?}"
-    );
-    limiter.shutdown().await;
 }

@@ -259,8 +259,8 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
     }
     if let Some(which) = &args.print_statement {
         match which.as_str() {
-            "one" => println!("{}", tokenlease::__private::acquire_one_sql()),
-            "many" => println!("{}", tokenlease::__private::acquire_many_sql()),
+            "one" => println!("{}", tokenlease::store::acquire_one_sql()),
+            "many" => println!("{}", tokenlease::store::acquire_many_sql()),
             other => {
                 eprintln!(
                     "tokenlease loadtest: --print-statement takes one or many, not {other:?}"

@@ -9,7 +9,7 @@
 //! function as it was. A new definition is an edit of its file; a database migrated by an older
 //! build gets it at the next `migrate`. The function definitions in migrations 0001 to 0007 are
 //! their history: on a new database the migrations create them and the files then replace them
-//! with the same definitions (`tests/store/migrate.rs` checks that the files define exactly what the
+//! with the same definitions (`src/store/postgres/migrate/db_tests.rs` checks that the files define exactly what the
 //! migrations leave, and that a changed file is applied again).
 
 use std::fmt;

@@ -19,7 +19,7 @@ use crate::store::{StoreError, TimeoutKind};
 /// the startup and login exchange, so without a bound on the whole setup a connection attempt
 /// would hold a pool slot until the server resumed.
 #[derive(Debug)]
-pub struct ConnectionManager {
+pub(crate) struct ConnectionManager {
     config: tokio_postgres::Config,
     connect_timeout: Duration,
     /// The store's switch for prepared statements: while on, a new session prepares the
@@ -58,7 +58,7 @@ impl ConnectionManager {
 /// whose statement the store abandoned (its call timed out or was dropped) is marked discarded
 /// and never goes back to the pool: the next caller must not queue behind that statement, nor
 /// receive the cancel that was sent for it.
-pub struct PgConnection {
+pub(crate) struct PgConnection {
     client: Client,
     driver: AbortHandle,
     discard: bool,

@@ -37,10 +37,11 @@ use crate::store::error::{MigrateError, describe};
 
 /// The key of the transaction-level advisory lock that serialises migrators: the ASCII bytes
 /// of `"tokenlea"` as a big-endian `i64`.
+///
+/// A deploy tool that applies [`MIGRATIONS`] itself (instead of calling [`migrate`]) can take
+/// the same lock (`pg_advisory_xact_lock`) so that it never runs beside a store's own
+/// migration; a check for a migration stuck behind a lock can look for it in `pg_locks`.
 pub const MIGRATION_LOCK_ID: i64 = 0x746f_6b65_6e6c_6561;
-
-/// The table recording applied migrations.
-pub const MIGRATIONS_TABLE: &str = "tokenlease_migrations";
 
 /// One migration: a SQL file from `migrations/`, embedded at compile time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,7 +68,10 @@ impl fmt::Display for Migration {
     }
 }
 
-/// Every migration of this version of the library, oldest first.
+/// Every migration of this version of the library, oldest first: what [`migrate`] applies.
+///
+/// Public for deploy steps that review or apply the schema with a tool of their own; the
+/// functions of `functions/` are applied by [`migrate`] after these and are not in the list.
 pub const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
@@ -243,7 +247,7 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<MigrationRep
 ///
 /// As [`migrate`], plus [`MigrateError::InvalidList`] when the versions are not positive and
 /// strictly increasing.
-pub async fn migrate_with(
+pub(crate) async fn migrate_with(
     client: &mut tokio_postgres::Client,
     migrations: &[Migration],
 ) -> Result<MigrationReport, MigrateError> {
@@ -382,6 +386,9 @@ fn validate(migrations: &[Migration]) -> Result<(), MigrateError> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod db_tests;
 
 #[cfg(test)]
 mod tests {

@@ -34,8 +34,7 @@ use self::builder::pool_error;
 use self::call::{InFlight, refused_by_pooler, stale_plan};
 use self::rows::{Holds, Takes, file_rows, held_leases, micros, nanos_down, shape, tokens};
 
-pub use self::citus::{SUPPORTED_CITUS, hashtext as citus_hashtext};
-pub use self::manager::{ConnectionManager, PgConnection};
+use self::manager::{ConnectionManager, PgConnection};
 
 /// The statements kept as files: the background ones (idle cleanup, inspection). The statements
 /// of every decision are built in [`lean`] from one definition of the refill.
@@ -47,22 +46,28 @@ mod sql {
 }
 
 /// The SQL text of the one-key take the store sends (`$1` text key, `$2` capacity, `$3` rate,
-/// `$4` min, `$5` want, `$6` step, all bigint nanotokens), for benchmarks that run it
-/// themselves (pgbench). Not part of the API: reached through `crate::__private`.
+/// `$4` min, `$5` want, `$6` step, all bigint nanotokens): for running it yourself, e.g.
+/// through `EXPLAIN` or pgbench when sizing a database (`tokenlease loadtest
+/// --print-statement one` prints it).
+///
+/// The text is what this version of the library sends; it may change in any release, with the
+/// schema (`MIGRATIONS`) it reads.
 pub fn acquire_one_sql() -> &'static str {
     lean::ACQUIRE_ONE.as_str()
 }
 
 /// The SQL text of the many-key take (`$1` text[] keys, `$2`..`$6` bigint[] as
-/// [`acquire_one_sql`]'s), for benchmarks. Not part of the API.
+/// [`acquire_one_sql`]'s): for `EXPLAIN` or pgbench, as [`acquire_one_sql`] (`tokenlease
+/// loadtest --print-statement many` prints it). May change in any release.
 pub fn acquire_many_sql() -> &'static str {
     lean::ACQUIRE_MANY.as_str()
 }
 
 /// The SQL text of the take through `tokenlease_acquire_held` (strict leases; `$1`..`$6` as
 /// [`acquire_many_sql`]'s, `$7` holders, `$8` lease ids, `$9` kept nanotokens, `$10` lifetimes
-/// in microseconds), for tests of its commit. Not part of the API.
-pub fn acquire_held_sql() -> &'static str {
+/// in microseconds), for tests of its commit.
+#[cfg(test)]
+pub(crate) fn acquire_held_sql() -> &'static str {
     lean::ACQUIRE_HELD.as_str()
 }
 
@@ -107,16 +112,9 @@ impl std::fmt::Debug for PostgresStore {
     }
 }
 
-/// The store's connection pool, for tests that run their own SQL on the store's sessions
-/// (reached through `crate::__private`; never in the API, where bb8's version would become
-/// part of ours).
-pub fn pool(store: &PostgresStore) -> &Pool<ConnectionManager> {
-    store.pool()
-}
-
 impl PostgresStore {
-    /// The connection pool: for tests, through `crate::__private::pool`, never in the API
-    /// (bb8's version would become part of ours).
+    /// The connection pool: for the crate's own tests, never in the API (bb8's version would
+    /// become part of ours).
     pub(crate) fn pool(&self) -> &Pool<Manager> {
         &self.pool
     }
@@ -445,6 +443,9 @@ impl Store for PostgresStore {
             .map_or(0, |citus| citus.map.node_of(key))
     }
 }
+
+#[cfg(test)]
+mod session_tests;
 
 #[cfg(test)]
 mod tests {

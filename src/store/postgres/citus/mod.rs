@@ -49,13 +49,13 @@ use super::{Holds, PostgresStore, Takes, file_rows, nanos_down, shape};
 use crate::store::{AcquireRequest, Acquired, GiveBack, StoreError, join_all};
 
 /// The Citus versions the store runs on: from 12.0 up to (not including) 14.0. Tested on 13.2.
-pub const SUPPORTED_CITUS: ((u32, u32), (u32, u32)) = ((12, 0), (14, 0));
+pub(crate) const SUPPORTED_CITUS: ((u32, u32), (u32, u32)) = ((12, 0), (14, 0));
 
 /// PostgreSQL's `hashtext` for a deterministic collation: `hash_bytes` (Bob Jenkins's lookup3,
 /// `hashfn.c`) over the key's UTF-8 bytes, as a signed 32-bit value. Citus hashes a text
 /// distribution column with it (`worker_hash(text)`), and a shard holds the keys whose hash is
 /// within its `[shardminvalue, shardmaxvalue]`.
-pub fn hashtext(key: &[u8]) -> i32 {
+pub(crate) fn hashtext(key: &[u8]) -> i32 {
     #[inline]
     fn mix(a: &mut u32, b: &mut u32, c: &mut u32) {
         *a = a.wrapping_sub(*c);

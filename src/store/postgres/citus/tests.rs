@@ -14,6 +14,42 @@ fn hashtext_matches_postgres() {
     assert_eq!(hashtext(b"abcdefghijklmnopqrstuvwxyz"), 167_831_483);
 }
 
+/// Z1 (part): the client's hash of a key is Citus's (`worker_hash`) for 5,000 keys of every
+/// shape, on a real cluster (`tokenlease_testkit::TempCitus`; needs the Citus extension for
+/// the server binaries, which `.ci/run` builds when missing). It was part of
+/// `tests/store/citus.rs`'s Z1 while the hash was reachable from outside the crate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hashtext_matches_worker_hash_on_a_cluster() {
+    let citus = tokio::task::spawn_blocking(|| tokenlease_testkit::TempCitus::start(2))
+        .await
+        .expect("start task")
+        .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
+    let (c, connection) =
+        tokio_postgres::connect(&citus.connection_string("postgres"), tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    let mut keys: Vec<String> = (0..4000).map(|i| format!("user:{i}")).collect();
+    keys.extend((0..500).map(|i| "é".repeat(i % 40) + &i.to_string()));
+    keys.extend((0..500).map(|i| "k".repeat(i)));
+    keys.push(String::new());
+    let rows = c
+        .query(
+            "SELECT k, worker_hash(k) FROM unnest($1::text[]) AS k",
+            &[&keys],
+        )
+        .await
+        .expect("worker_hash");
+    assert_eq!(rows.len(), keys.len());
+    for row in rows {
+        let key: String = row.get(0);
+        let server: i32 = row.get(1);
+        assert_eq!(hashtext(key.as_bytes()), server, "key {key:?}");
+    }
+}
+
 #[test]
 fn unsupported_versions_are_refused_by_name() {
     assert!(check_version("13.2-1".into()).is_ok());

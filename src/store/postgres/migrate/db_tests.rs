@@ -1,12 +1,16 @@
 //! Migrations against a real server: idempotence, checksums, failures, concurrent migrators.
 //! `tokenlease migrate` is tested with the binary, in cli/tests/commands.rs.
+//!
+//! Unit tests (they were `tests/store/migrate.rs`) because they migrate with lists of their own
+//! through `migrate_with`, which is not part of the API. The databases come from
+//! `tokenlease_testkit`, which links its own copy of this crate: only connection strings and
+//! `tokio_postgres` clients cross over.
 
 use tokenlease_testkit::TestDatabase;
-// The migration list and `migrate_with` are not API: the crate reaches them out to its own
-// tests through `__private`, so that these tests can migrate with lists of their own.
-use tokenlease::__private::{MIGRATIONS, migrate_with};
-use tokenlease::store::{MigrateError, Migration, migrate};
 use tokio_postgres::Client;
+
+use super::{MIGRATIONS, migrate, migrate_with};
+use crate::store::{MigrateError, Migration};
 
 /// A migration list of our own, for tests that need more than one version.
 const LONGER: &[Migration] = &[
@@ -221,11 +225,9 @@ async fn older_database(db: &TestDatabase, suffix: &str, upto: usize) -> (String
 
 /// A store on `url` with generous timeouts (these tests are about the schema, not about
 /// failure behaviour); building it applies the pending migrations.
-async fn patient_store(
-    url: &str,
-) -> Result<tokenlease::store::PostgresStore, tokenlease::store::StoreError> {
+async fn patient_store(url: &str) -> Result<crate::store::PostgresStore, crate::store::StoreError> {
     use std::time::Duration;
-    tokenlease::store::PostgresStore::builder(url)
+    crate::store::PostgresStore::builder(url)
         .expect("connection string")
         .connect_timeout(Duration::from_secs(5))
         .call_timeout(Duration::from_secs(5))
@@ -239,9 +241,9 @@ async fn patient_store(
 /// store's session waits for it, the build still migrates.
 #[tokio::test]
 async fn build_migrates_under_its_own_timeout_not_the_statement_timeout() {
+    use super::MIGRATION_LOCK_ID;
+    use crate::store::PostgresStore;
     use std::time::{Duration, Instant};
-    use tokenlease::__private::MIGRATION_LOCK_ID;
-    use tokenlease::store::PostgresStore;
 
     let db = TestDatabase::create().await.expect("create");
     let fresh = unmigrated(&db, &format!("{}_fresh", db.name())).await;
@@ -303,9 +305,9 @@ async fn build_migrates_under_its_own_timeout_not_the_statement_timeout() {
 /// migration lock held past the migrate timeout names the bookkeeping step that waited.
 #[tokio::test]
 async fn build_errors_name_the_failing_migration_step() {
+    use super::MIGRATION_LOCK_ID;
+    use crate::store::{PostgresStore, StoreError};
     use std::time::Duration;
-    use tokenlease::__private::MIGRATION_LOCK_ID;
-    use tokenlease::store::{PostgresStore, StoreError};
 
     let db = TestDatabase::create().await.expect("create");
     let broken = unmigrated(&db, &format!("{}_broken", db.name())).await;
@@ -366,7 +368,7 @@ async fn build_errors_name_the_failing_migration_step() {
             "{message}"
         ),
         StoreError::Timeout {
-            kind: tokenlease::store::TimeoutKind::Migrate,
+            kind: crate::store::TimeoutKind::Migrate,
             ..
         } => {}
         other => panic!("expected a migrate error, got {other:?}"),
@@ -382,9 +384,9 @@ async fn build_errors_name_the_failing_migration_step() {
 /// function, and with it dropped its call is an error naming it.
 #[tokio::test]
 async fn an_older_database_gets_the_newest_schema_and_the_store_uses_it() {
+    use crate::bucket::Tokens;
+    use crate::store::{AcquireRequest, Hold, Store};
     use std::time::Duration;
-    use tokenlease::bucket::Tokens;
-    use tokenlease::store::{AcquireRequest, Hold, Store};
 
     let db = TestDatabase::create().await.expect("create");
     let (old, admin) = older_database(&db, "old", 3).await;
@@ -448,9 +450,9 @@ async fn an_older_database_gets_the_newest_schema_and_the_store_uses_it() {
         ]
     );
 
-    let bucket = tokenlease::bucket::BucketConfig::new(
+    let bucket = crate::bucket::BucketConfig::new(
         Tokens::whole(10),
-        tokenlease::bucket::Rate::per_second(1).expect("rate"),
+        crate::bucket::Rate::per_second(1).expect("rate"),
     )
     .expect("bucket");
     let take = AcquireRequest::take("old-db", bucket, Tokens::whole(4));
@@ -458,7 +460,7 @@ async fn an_older_database_gets_the_newest_schema_and_the_store_uses_it() {
     assert_eq!(got.granted, Tokens::whole(4));
     assert_eq!(got.remaining, Tokens::whole(6));
 
-    let back = tokenlease::store::GiveBack {
+    let back = crate::store::GiveBack {
         id: 42,
         key: "old-db",
         amount: Tokens::whole(2),
@@ -501,11 +503,11 @@ async fn an_older_database_gets_the_newest_schema_and_the_store_uses_it() {
 /// the migrated rows exactly as the pure bucket does from what was stored.
 #[tokio::test]
 async fn a_populated_table_migrates_under_load() {
+    use crate::bucket::Tokens;
+    use crate::store::{AcquireRequest, Store};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::time::Duration;
-    use tokenlease::bucket::Tokens;
-    use tokenlease::store::{AcquireRequest, Store};
 
     let db = TestDatabase::create().await.expect("create");
     let (url, mut admin) = older_database(&db, "load", 6).await;
@@ -635,9 +637,9 @@ async fn a_populated_table_migrates_under_load() {
 
     // The new store decides on the migrated rows as the pure bucket does.
     let store = patient_store(&url).await.expect("store");
-    let bucket = tokenlease::bucket::BucketConfig::new(
+    let bucket = crate::bucket::BucketConfig::new(
         Tokens::whole(10),
-        tokenlease::bucket::Rate::from_nanos_per_second(666_666_667).expect("rate"),
+        crate::bucket::Rate::from_nanos_per_second(666_666_667).expect("rate"),
     )
     .expect("bucket");
     // k20000 held 20000 % 30 / 3 = 6.666… tokens five minutes ago: full by now.
