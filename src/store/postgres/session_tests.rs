@@ -284,8 +284,7 @@ async fn a_built_store_has_its_pool_open_and_prepared_with_scram() {
 
     let limiter = Limiter::builder(store).build();
     let direct = plan(100, 50.0);
-    let mut lease = LeaseSettings::default();
-    lease.max_wait = Duration::from_secs(2);
+    let lease = LeaseSettings::default().with_max_wait(Duration::from_secs(2));
     let leased = plan(100, 50.0).with_lease(lease);
     let first = limiter
         .try_acquire_with(&direct, "cold:direct", 1.0)
