@@ -64,6 +64,9 @@ pub mod policy;
 mod report;
 pub mod store;
 
+#[cfg(all(test, feature = "postgres"))]
+mod assembled_tests;
+
 pub use debt::OutageDebt;
 pub use error::Error;
 pub use lease::LeaseStats;

@@ -12,6 +12,11 @@ use tokio_postgres::Client;
 use super::{MIGRATIONS, migrate, migrate_with};
 use crate::store::{MigrateError, Migration};
 
+/// Now, on the library's default clock (tokio's): the tests' deadlines read time as the code does.
+fn now() -> tokio::time::Instant {
+    crate::clock::default_clock().instant()
+}
+
 /// A migration list of our own, for tests that need more than one version.
 const LONGER: &[Migration] = &[
     Migration {
@@ -243,7 +248,7 @@ async fn patient_store(url: &str) -> Result<crate::store::PostgresStore, crate::
 async fn build_migrates_under_its_own_timeout_not_the_statement_timeout() {
     use super::MIGRATION_LOCK_ID;
     use crate::store::PostgresStore;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     let db = TestDatabase::create().await.expect("create");
     let fresh = unmigrated(&db, &format!("{}_fresh", db.name())).await;
@@ -259,7 +264,7 @@ async fn build_migrates_under_its_own_timeout_not_the_statement_timeout() {
         .connect_timeout(Duration::from_secs(5));
     let mut build = tokio::spawn(builder.build());
     // Release the lock once the store's session waits for it (or the build has ended).
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = now() + Duration::from_secs(10);
     loop {
         let waiting: i64 = holder
             .query_one(
@@ -273,10 +278,7 @@ async fn build_migrates_under_its_own_timeout_not_the_statement_timeout() {
         if waiting > 0 || build.is_finished() {
             break;
         }
-        assert!(
-            Instant::now() < deadline,
-            "the build never waited for the lock"
-        );
+        assert!(now() < deadline, "the build never waited for the lock");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     holder
@@ -573,8 +575,8 @@ async fn a_populated_table_migrates_under_load() {
         })
     };
     // Let the old version run before the migration starts (bounded: 5 s at most).
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while ok.load(Ordering::Relaxed) < 20 && tokio::time::Instant::now() < deadline {
+    let deadline = now() + Duration::from_secs(5);
+    while ok.load(Ordering::Relaxed) < 20 && now() < deadline {
         tokio::task::yield_now().await;
     }
     assert!(
@@ -586,8 +588,8 @@ async fn a_populated_table_migrates_under_load() {
     assert_eq!(versions, [7, 8], "{report}");
     // The old version now fails at once: wait (bounded) until it has seen that.
     let seen = failed.load(Ordering::Relaxed);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while failed.load(Ordering::Relaxed) < seen + 5 && tokio::time::Instant::now() < deadline {
+    let deadline = now() + Duration::from_secs(5);
+    while failed.load(Ordering::Relaxed) < seen + 5 && now() < deadline {
         tokio::task::yield_now().await;
     }
     stop.store(true, Ordering::Relaxed);
