@@ -12,7 +12,7 @@ use crate::error::Error;
 use crate::plans::{self, PlanRegistry};
 use crate::policy::{Plan, Policies};
 
-/// Policies as the limiter holds them: their plans interned in [`Inner::plans`].
+/// Policies as the limiter holds them: their plans interned in [`Inner::plans`](super::Inner::plans).
 #[derive(Debug)]
 pub(super) struct Loaded {
     policies: Arc<Policies>,

@@ -104,10 +104,10 @@ fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64, u64)> {
     Some((min, want, target))
 }
 
-/// Plans the refill of up to [`CHUNK`] slots of one lane: what each asks the store for (one
-/// ask per distinct key). A slot that needs nothing has its pending mark cleared and its waiters
-/// woken, and is queued on the due-queue at once; the asked slots are queued when the answer is
-/// applied.
+/// Plans the refill of up to [`CHUNK`](super::CHUNK) slots of one lane: what each asks the
+/// store for (one ask per distinct key). A slot that needs nothing has its pending mark cleared
+/// and its waiters woken, and is queued on the due-queue at once; the asked slots are queued
+/// when the answer is applied.
 pub(super) fn plan_chunk(
     leases: &Leases,
     part: &[SlotRef],
