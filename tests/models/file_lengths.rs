@@ -9,7 +9,9 @@
 //!
 //! The last test runs the check over made-up files, to show it finds what it is for.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use super::clock_reads::rust_files;
 
 /// The most lines a source file of the library may have.
 const MOST_LINES: usize = 800;
@@ -30,22 +32,6 @@ fn too_long<'a>(files: impl IntoIterator<Item = (&'a str, &'a str)>) -> Vec<(Str
         .map(|(rel, text)| (rel.to_owned(), text.lines().count()))
         .filter(|&(_, lines)| lines > MOST_LINES)
         .collect()
-}
-
-/// Every `.rs` file under `dir`, sorted.
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|e| e.expect("directory entry").path())
-        .collect();
-    entries.sort();
-    for path in entries {
-        if path.is_dir() {
-            rust_files(&path, out);
-        } else if path.extension().is_some_and(|x| x == "rs") {
-            out.push(path);
-        }
-    }
 }
 
 /// The check over the library's `src/`.
