@@ -57,7 +57,6 @@ pub mod http;
 mod key;
 mod lease;
 pub mod limiter;
-mod limiter_ext;
 pub mod metrics;
 mod plans;
 pub mod policy;

@@ -2,7 +2,7 @@
 //! background by an actor.
 //!
 //! A [`Leases`] owns the lease table (key → [`Slot`]) and is shared by the limiter's callers
-//! and one actor task (`actor.rs`). A caller whose key has a live lease with enough tokens is
+//! and one actor task (`actor/`). A caller whose key has a live lease with enough tokens is
 //! answered by [`Leases::try_take`]: a table lookup and a CAS on the slot's word
 //! ([`word`]); no lock, no allocation, no system call, no `.await`. Below the low-water mark
 //! the same CAS asks for a refill and the caller wakes the actor; it does not wait. A caller that
@@ -656,7 +656,7 @@ impl Leases {
     /// Only the first such nudge of a gathering wakes the actor (a wake-up of a parked thread is
     /// a system call), and one that finds the queue half full, so that it is drained before it
     /// overflows. The lease's low-water share is sized to last a refill plus a tick
-    /// (`actor.rs::target_size`), which covers the gathering.
+    /// (`actor/sizing.rs::target_size`), which covers the gathering.
     #[inline]
     fn nudge_soon(&self, slot: &SlotRef) {
         self.queue(slot);

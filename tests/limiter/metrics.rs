@@ -752,7 +752,7 @@ fn fallback_decisions_by_mode_and_outcome() {
 /// Bug pin: a lease admission made after waiting for a refill is not counted.
 ///
 /// `Limiter::try_acquire_with` returns `Fast::Taken` from `Leases::wait` without recording it
-/// (`src/limiter/mod.rs`, the `Fast::Taken` arm after `leases.wait(..)`), and `Leases::wait`
+/// (`src/limiter/call.rs`, the `Fast::Taken` arm after `leases.wait(..)`), and `Leases::wait`
 /// (`src/lease/mod.rs`) does not call `record_lease_allowed` either, unlike `Leases::try_take`.
 /// So `tokenlease_decisions_total{outcome="allowed",decided_by="lease"}` misses the first call
 /// on every key, and every call that found its lease empty: the decisions counter undercounts

@@ -1,0 +1,406 @@
+//! The actor's lanes: one per store partition, each sending its own statements (a give-back
+//! alone, or refills of distinct slots) and having their answers applied as they come.
+//!
+//! Apart from the loop because this is where the actor meets the store: which statement a
+//! partition may start, what it carries, and what its answer changes. The loop only says
+//! when; a slow or failing shard delays only its own lane.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use super::refill::{Ask, apply, plan_chunk, schedule};
+use super::returns::{Carried, Ids, Return, give_back_requests, settle};
+use super::{CHUNK, FAILURE_BACKOFF};
+use crate::bucket::Tokens;
+use crate::key::SlotKey;
+use crate::lease::Leases;
+use crate::lease::slot::SlotRef;
+use crate::lease::timers::Timers;
+use crate::metrics as m;
+use crate::store::{AcquireRequest, Acquired, StoreError};
+
+/// Refill statements one lane may have in flight at once, each of distinct slots (a slot is
+/// queued in its lane once, and is in at most one statement): the pool's default size, so a lane
+/// that fell behind uses every connection instead of one.
+const REFILLS_IN_FLIGHT: usize = 4;
+
+/// A store statement of the actor in flight: it owns what it sends, and answers with a
+/// [`Done`].
+pub(super) type Job<'a> = Pin<Box<dyn Future<Output = Done> + Send + 'a>>;
+
+/// A statement's answer, back on the actor.
+pub(super) struct Done {
+    /// The partition the statement went to.
+    lane: usize,
+    work: Answered,
+}
+
+/// What a statement was, and what the store answered.
+enum Answered {
+    /// A refill: the asks sent, one answer per ask.
+    Refill {
+        asks: Vec<Ask>,
+        result: Vec<Result<Acquired, StoreError>>,
+        /// When the request was sent (local monotonic ns; taken before it was built).
+        sent: u64,
+        took: Duration,
+    },
+    /// A give-back: the returns sent, one outcome per return.
+    Return {
+        batch: Vec<Return>,
+        result: Vec<Result<(), StoreError>>,
+    },
+}
+
+/// One store partition's work: its statements in flight (one give-back alone, or up to
+/// [`REFILLS_IN_FLIGHT`] refills of distinct slots), and the slots waiting for a
+/// refill behind it.
+#[derive(Default)]
+struct Lane {
+    /// Refill statements of this lane in flight (at most [`REFILLS_IN_FLIGHT`]).
+    refills: usize,
+    /// A give-back statement of this lane is in flight: it runs alone.
+    returning: bool,
+    /// Slots waiting for a refill, in the order they asked; each once (its record's
+    /// `queued` flag says it is here).
+    due: VecDeque<SlotRef>,
+}
+
+impl Lane {
+    /// A statement of this lane is in flight.
+    fn busy(&self) -> bool {
+        self.returning || self.refills > 0
+    }
+
+    /// Whether another refill statement may start: never beside a give-back (a strict lease's
+    /// return is settled before its key's renewal); the first whenever slots wait; more, up to
+    /// [`REFILLS_IN_FLIGHT`], only while a whole [`CHUNK`] waits, so that a lane that keeps up
+    /// still sends one statement of every slot that asked meanwhile, and only a lane that
+    /// falls behind (the first calls of a flood of new keys) spreads over more connections.
+    fn may_refill(&self) -> bool {
+        !self.returning
+            && match self.refills {
+                0 => !self.due.is_empty(),
+                n => n < REFILLS_IN_FLIGHT && self.due.len() >= CHUNK,
+            }
+    }
+}
+
+/// The actor's lanes, one per store partition with work (`Store::partition`), and their
+/// statements in flight. A lane with nothing in flight and nothing waiting is dropped, so
+/// there are at most as many as partitions with work, and a lane holds each slot once.
+#[derive(Default)]
+pub(super) struct Lanes<'a> {
+    /// By partition.
+    lanes: HashMap<usize, Lane>,
+    /// Slots whose refill is in flight, by address: not expired until it is applied.
+    pub(super) inflight: HashSet<usize>,
+    /// The statements in flight: per lane, one give-back or up to [`REFILLS_IN_FLIGHT`] refills.
+    pub(super) jobs: Vec<Job<'a>>,
+}
+
+impl<'a> Lanes<'a> {
+    /// Whether `lane` has a statement in flight.
+    fn busy(&self, lane: usize) -> bool {
+        self.lanes.get(&lane).is_some_and(Lane::busy)
+    }
+
+    /// Gives memory back after a burst of refills (the first calls of a flood of new keys):
+    /// the set of slots in flight, and each lane's queue, keep the capacity of their largest
+    /// burst otherwise (1 MB for 100,000 new keys, kept while the lane has work).
+    pub(super) fn shrink(&mut self) {
+        let capacity = self.inflight.capacity();
+        if capacity > 1024 && self.inflight.len() < capacity / 4 {
+            self.inflight.shrink_to(self.inflight.len() * 2);
+        }
+        for lane in self.lanes.values_mut() {
+            let capacity = lane.due.capacity();
+            if capacity > 1024 && lane.due.len() < capacity / 4 {
+                lane.due.shrink_to(lane.due.len() * 2);
+            }
+        }
+    }
+
+    /// Queues `slot` for a refill on `lane`, unless it waits in a lane already.
+    pub(super) fn queue(&mut self, lane: usize, slot: SlotRef) {
+        // Relaxed: the flag is the actor's own (set here, cleared when the slot leaves its lane).
+        if !slot.hot().queued.swap(true, Ordering::Relaxed) {
+            self.lanes.entry(lane).or_default().due.push_back(slot);
+        }
+    }
+
+    /// Takes up to `n` slots off the front of `lane`'s queue: a slot nudged from now on is
+    /// queued again.
+    fn take(&mut self, lane: usize, n: usize) -> Vec<SlotRef> {
+        let Some(l) = self.lanes.get_mut(&lane) else {
+            return Vec::new();
+        };
+        let n = l.due.len().min(n);
+        let part: Vec<SlotRef> = l.due.drain(..n).collect();
+        for slot in &part {
+            slot.hot().queued.store(false, Ordering::Relaxed);
+        }
+        part
+    }
+
+    /// Starts `job` on `lane`: a give-back (`returning`) or a refill.
+    fn start(&mut self, leases: &Leases, lane: usize, returning: bool, job: Job<'a>) {
+        let l = self.lanes.entry(lane).or_default();
+        if returning {
+            l.returning = true;
+        } else {
+            l.refills += 1;
+        }
+        self.jobs.push(job);
+        leases.busy.store(true, Ordering::Relaxed);
+    }
+
+    /// The next statement to answer (pending for ever when none is in flight).
+    pub(super) fn next(&mut self) -> impl Future<Output = Done> + '_ {
+        std::future::poll_fn(move |cx: &mut Context<'_>| {
+            for i in 0..self.jobs.len() {
+                if let Poll::Ready(done) = self.jobs[i].as_mut().poll(cx) {
+                    drop(self.jobs.swap_remove(i));
+                    return Poll::Ready(done);
+                }
+            }
+            Poll::Pending
+        })
+    }
+
+    /// Drops the lanes with nothing to do, and says whether a statement is in flight.
+    fn tidy(&mut self, leases: &Leases) {
+        self.lanes.retain(|_, l| l.busy() || !l.due.is_empty());
+        leases.busy.store(!self.jobs.is_empty(), Ordering::Relaxed);
+    }
+}
+
+/// Starts a statement on every idle lane with work: up to [`CHUNK`] of its returns whose time
+/// has come, else a refill of up to [`CHUNK`] of its waiting slots. Slots that need nothing
+/// are done with at once.
+pub(super) fn dispatch<'a>(
+    leases: &'a Leases,
+    lanes: &mut Lanes<'a>,
+    timers: &mut Timers,
+    returns: &mut Vec<Return>,
+    ids: &mut Ids,
+    now: u64,
+) {
+    if !returns.is_empty() {
+        let mut batches: HashMap<usize, (HashSet<SlotKey>, Vec<Return>)> = HashMap::new();
+        let mut rest = Vec::new();
+        for r in returns.drain(..) {
+            let lane = leases.store.partition(&r.key);
+            if r.not_before > now || lanes.busy(lane) {
+                rest.push(r);
+                continue;
+            }
+            let (keys, batch) = batches.entry(lane).or_default();
+            if keys.len() < CHUNK && keys.insert(r.key.clone()) {
+                batch.push(r);
+            } else {
+                rest.push(r);
+            }
+        }
+        *returns = rest;
+        for (lane, (_, batch)) in batches {
+            leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
+            metrics::counter!(m::DB_CALLS, "kind" => "return").increment(1);
+            lanes.start(leases, lane, true, give_back_job(leases, lane, batch));
+        }
+    }
+    let ready: Vec<usize> = lanes
+        .lanes
+        .iter()
+        .filter(|(_, l)| l.may_refill())
+        .map(|(&lane, _)| lane)
+        .collect();
+    for lane in ready {
+        // Slots whose refill is still in flight in another statement of the lane: queued
+        // again after this round, so that a key has one refill in flight at a time.
+        let mut later = Vec::new();
+        while lanes.lanes.get(&lane).is_some_and(Lane::may_refill) {
+            let mut part = lanes.take(lane, CHUNK);
+            if part.is_empty() {
+                break;
+            }
+            if lanes.lanes.get(&lane).is_some_and(|l| l.refills > 0) {
+                part.retain(|slot| {
+                    let busy = lanes.inflight.contains(&(SlotRef::as_ptr(slot) as usize));
+                    if busy {
+                        later.push(SlotRef::clone(slot));
+                    }
+                    !busy
+                });
+            }
+            let asks = plan_chunk(leases, &part, timers, ids);
+            if asks.is_empty() {
+                continue;
+            }
+            for (slot, ..) in &asks {
+                lanes.inflight.insert(SlotRef::as_ptr(slot) as usize);
+            }
+            leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
+            metrics::counter!(m::DB_CALLS, "kind" => "lease").increment(1);
+            lanes.start(leases, lane, false, refill_job(leases, lane, asks));
+        }
+        for slot in later {
+            lanes.queue(lane, slot);
+        }
+    }
+    lanes.tidy(leases);
+}
+
+/// Sends one refill statement.
+fn refill_job(leases: &Leases, lane: usize, asks: Vec<Ask>) -> Job<'_> {
+    let sent = leases.now();
+    Box::pin(async move {
+        let requests: Vec<AcquireRequest<'_>> = asks
+            .iter()
+            .map(|(slot, min, want, hold, _)| AcquireRequest {
+                key: &slot.key,
+                bucket: *slot.plan.bucket(),
+                min: Tokens::from_nanos(u128::from(*min)),
+                want: Tokens::from_nanos(u128::from(*want)),
+                step: Tokens::from_nanos(1),
+                hold: *hold,
+            })
+            .collect();
+        let started = leases.instant();
+        // One answer per key: a sharded store fails only the keys of a failing shard.
+        let result = leases.store.acquire_each(&requests).await;
+        let took = leases.instant().saturating_duration_since(started);
+        drop(requests);
+        Done {
+            lane,
+            work: Answered::Refill {
+                asks,
+                result,
+                sent,
+                took,
+            },
+        }
+    })
+}
+
+/// Sends one give-back statement. Its returns are held in a guard until it answers: an actor
+/// that ends mid-statement leaves them to the next one.
+fn give_back_job(leases: &Leases, lane: usize, batch: Vec<Return>) -> Job<'_> {
+    let mut batch = Carried::new(leases, batch);
+    Box::pin(async move {
+        let requests = give_back_requests(&batch.items);
+        // One outcome per return: a sharded store fails only the returns of a failing shard.
+        let result = leases.store.give_back_each(&requests).await;
+        drop(requests);
+        Done {
+            lane,
+            work: Answered::Return {
+                batch: std::mem::take(&mut batch.items),
+                result,
+            },
+        }
+    })
+}
+
+/// Applies one statement's answers. A refill's grants go into their slots (a key whose store
+/// failed sends its callers to the fallback for [`FAILURE_BACKOFF`]) and each slot is queued
+/// on the due-queue; a give-back's failed returns are sent again a tick later, under the same
+/// ids, and count as stranded after their last attempt (`settle`).
+pub(super) fn finish(
+    leases: &Leases,
+    done: Done,
+    lanes: &mut Lanes<'_>,
+    timers: &mut Timers,
+    returns: &mut Vec<Return>,
+    ids: &mut Ids,
+) {
+    if let Some(l) = lanes.lanes.get_mut(&done.lane) {
+        match done.work {
+            Answered::Refill { .. } => l.refills = l.refills.saturating_sub(1),
+            Answered::Return { .. } => l.returning = false,
+        }
+    }
+    match done.work {
+        Answered::Refill {
+            asks,
+            result,
+            sent,
+            took,
+        } => {
+            metrics::histogram!(m::REFILL_SECONDS).record(took);
+            let took = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+            let before = leases.refill_ns.load(Ordering::Relaxed);
+            leases
+                .refill_ns
+                .store(before / 2 + took / 2, Ordering::Relaxed);
+            let now = leases.now();
+            let short = result.len() != asks.len();
+            if short || result.iter().any(Result::is_err) {
+                metrics::counter!(m::DB_ERRORS, "kind" => "lease").increment(1);
+            }
+            let until = now + FAILURE_BACKOFF.as_nanos() as u64;
+            let mut answers = result.into_iter();
+            for (slot, _, want, hold, target) in &asks {
+                lanes.inflight.remove(&(SlotRef::as_ptr(slot) as usize));
+                match answers.next() {
+                    Some(Ok(answer)) if !short => {
+                        let strict = hold.map(|h| (sent, h.lease_id));
+                        apply(
+                            leases, slot, *want, *target, &answer, now, strict, returns, ids,
+                        );
+                    }
+                    _ => {
+                        slot.fallback_until.store(until, Ordering::Release);
+                        slot.words().clear_pending();
+                        slot.notify().notify_waiters();
+                    }
+                }
+                schedule(timers, slot, now);
+            }
+        }
+        Answered::Return { batch, result } => {
+            let retry_at = leases
+                .now()
+                .saturating_add(leases.settings.tick.as_nanos() as u64)
+                .max(1);
+            settle(leases, batch, result, Some(retry_at), returns);
+        }
+    }
+    lanes.tidy(leases);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::slab::Slab;
+    use crate::lease::slot::test_slot;
+
+    /// A lane holds each slot once, however often it is queued, until it is taken off the
+    /// lane; then it can be queued again. Slots keep their order.
+    #[test]
+    fn a_lane_holds_each_slot_once_until_it_is_taken() {
+        let slab = Slab::new(16);
+        let (a, b) = (test_slot(&slab, "a"), test_slot(&slab, "b"));
+        let mut lanes = Lanes::default();
+        for _ in 0..3 {
+            lanes.queue(0, SlotRef::clone(&a));
+            lanes.queue(0, SlotRef::clone(&b));
+        }
+        lanes.queue(1, SlotRef::clone(&a));
+        assert_eq!(lanes.lanes[&0].due.len(), 2);
+        assert!(!lanes.lanes.contains_key(&1), "a waits in lane 0 already");
+        let first = lanes.take(0, 1);
+        assert!(SlotRef::ptr_eq(&first[0], &a));
+        lanes.queue(0, SlotRef::clone(&b));
+        lanes.queue(0, SlotRef::clone(&a));
+        let rest = lanes.take(0, CHUNK);
+        assert_eq!(rest.len(), 2);
+        assert!(SlotRef::ptr_eq(&rest[0], &b) && SlotRef::ptr_eq(&rest[1], &a));
+        assert!(lanes.take(0, CHUNK).is_empty());
+        assert!(lanes.take(7, CHUNK).is_empty(), "a lane never used");
+    }
+}

@@ -1,0 +1,426 @@
+//! The rest of a call once its first poll could not answer it: the lease's slow path (a wait
+//! for a refill, a sparse key's store call), direct mode through the coalescer, and the
+//! fallback; beside them, the never-waiting [`Limiter::try_acquire_now_with`] and
+//! [`Limiter::refund`].
+//!
+//! Apart from `acquire.rs` because none of this is on the fast path: it may await the store,
+//! the actor or the fallback, and counts what it decides on the plan's counters.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::cost::{check_leased_call, lease_cost, validate_cost};
+use super::decisions::{from_store, lease_allowed, lease_denied, shadowed};
+use super::{DecidedBy, Decision, Limiter};
+use crate::bucket::Tokens;
+use crate::error::{Error, validate_key, validate_stored_key};
+use crate::lease::Fast;
+use crate::policy::Plan;
+use crate::store::{AcquireRequest, GiveBack};
+
+impl Limiter {
+    /// The part of a call that never awaits: the lease's fast path, or what the rest of the
+    /// call needs to go on.
+    #[inline]
+    pub(super) fn start<'a>(
+        &'a self,
+        plan: Option<&'a Plan>,
+        key: &'a str,
+        cost: f64,
+    ) -> Result<Step<'a>, Error> {
+        let (plan, chosen) = match plan {
+            Some(plan) => (plan, None),
+            None => {
+                let (plan, index) = self.plan_for_key(key)?;
+                (&**plan, Some((plan, index)))
+            }
+        };
+        let cost_tokens = check_leased_call(plan, key, cost)?;
+        if plan.shadow() {
+            // The rest runs on the shadow plan's own key, made once the caller's is checked.
+            validate_key(key)?;
+            return Ok(Step::Shadow {
+                plan,
+                cost: cost_tokens,
+            });
+        }
+        self.start_at(plan, chosen, key, cost_tokens)
+    }
+
+    /// [`start`](Self::start) once the plan is known and the cost checked, on `key`, the key
+    /// under which the store keeps the plan's bucket ([`Plan::store_key`]): the caller's key
+    /// checked in full but for its NUL bytes, or a shadow plan's key.
+    #[inline]
+    fn start_at<'a>(
+        &'a self,
+        plan: &'a Plan,
+        chosen: Option<(&'a Arc<Plan>, u32)>,
+        key: &str,
+        cost_tokens: Tokens,
+    ) -> Result<Step<'a>, Error> {
+        let Some(settings) = plan.lease() else {
+            validate_stored_key(key)?;
+            return Ok(Step::Direct {
+                plan,
+                cost: cost_tokens,
+            });
+        };
+        let nanos = lease_cost(cost_tokens);
+        let leases = self.leases();
+        let fast = leases.try_take(plan, chosen, key, nanos, &self.inner.plans);
+        if let Fast::Taken {
+            left,
+            store_remaining,
+        } = fast
+        {
+            return Ok(Step::Done(lease_allowed(plan, left, store_remaining)));
+        }
+        // Only a key already in the table (checked when it went in) is spent from a lease.
+        validate_stored_key(key)?;
+        // A refill needs the actor: start it again if its task ended (its runtime was dropped,
+        // or it panicked). Without one (no tokio runtime here), the fallback decides, counted
+        // in `tokenlease_lease_actor_unavailable_total`.
+        if !leases.ensure_actor() && !matches!(fast, Fast::Dry { .. } | Fast::NoRoom) {
+            return Ok(Step::Fallback {
+                plan,
+                cost: cost_tokens,
+            });
+        }
+        Ok(match fast {
+            Fast::Short(slot) if !settings.max_wait.is_zero() => Step::Wait {
+                plan,
+                cost: cost_tokens,
+                slot,
+                max_wait: settings.max_wait,
+            },
+            Fast::Dry { retry_after } => {
+                Step::Done(self.recorded(plan, lease_denied(plan, retry_after)))
+            }
+            Fast::Failing | Fast::Short(_) => Step::Fallback {
+                plan,
+                cost: cost_tokens,
+            },
+            Fast::Sparse(slot) => Step::Sparse {
+                plan,
+                cost: cost_tokens,
+                slot,
+            },
+            Fast::NoRoom | Fast::Taken { .. } | Fast::Gone => Step::Direct {
+                plan,
+                cost: cost_tokens,
+            },
+        })
+    }
+
+    /// Counts a decision made off the fast path under `plan` (on its counters in the plan
+    /// registry), after [`shadowed`] let a shadow plan's denial through.
+    fn recorded(&self, plan: &Plan, decision: Decision) -> Decision {
+        let decision = shadowed(plan, decision);
+        crate::metrics::record(&self.inner.plans.counters_of(plan), &decision);
+        decision
+    }
+
+    /// The plan's fallback decides `cost` on `key` at `now`: the store failed, timed out, or
+    /// cannot be asked.
+    async fn decide_by_fallback(
+        &self,
+        plan: &Plan,
+        key: &str,
+        cost: Tokens,
+        now: Instant,
+    ) -> Decision {
+        let counters = self.inner.plans.counters_of(plan);
+        self.inner
+            .fallback
+            .decide(plan, &counters, key, cost, now)
+            .await
+    }
+
+    /// The rest of a call that [`start`](Self::start) could not finish without waiting.
+    /// `named`, `key` and `asked` are the call's own plan, key and cost: a call whose slot was
+    /// retired while it waited starts over with them, once (`again`). `now`: the limiter's
+    /// clock when this part of the call began, read once and passed down.
+    pub(super) async fn finish(
+        &self,
+        step: Step<'_>,
+        now: Instant,
+        named: Option<&Plan>,
+        key: &str,
+        asked: f64,
+        again: bool,
+    ) -> Result<Decision, Error> {
+        match step {
+            // A shadow plan's call runs on its own key (`Plan::store_key`), from the start.
+            Step::Shadow { plan, cost } => {
+                let stored = plan.store_key(key);
+                let step = self.start_at(plan, None, &stored, cost)?;
+                self.finish_at(step, now, named, key, &stored, asked, again)
+                    .await
+            }
+            step => {
+                self.finish_at(step, now, named, key, key, asked, again)
+                    .await
+            }
+        }
+    }
+
+    /// [`finish`](Self::finish) on `stored`, the key under which the store keeps the plan's
+    /// bucket ([`Plan::store_key`]).
+    #[allow(clippy::too_many_arguments)]
+    async fn finish_at(
+        &self,
+        step: Step<'_>,
+        now: Instant,
+        named: Option<&Plan>,
+        key: &str,
+        stored: &str,
+        asked: f64,
+        again: bool,
+    ) -> Result<Decision, Error> {
+        match step {
+            Step::Done(decision) => Ok(decision),
+            // Made by `start` alone, and answered by `finish`; `start_at` never makes it.
+            Step::Shadow { .. } => Box::pin(self.finish(step, now, named, key, asked, again)).await,
+            Step::Wait {
+                plan,
+                cost,
+                slot,
+                max_wait,
+            } => {
+                let leases = self.leases();
+                let waited = leases
+                    .wait(slot, lease_cost(cost), now + max_wait, &self.inner.plans)
+                    .await;
+                // The call waited: what decides it next reads the clock once more.
+                let now = self.inner.clock.instant();
+                match waited {
+                    Fast::Taken {
+                        left,
+                        store_remaining,
+                    } => {
+                        // A refill landed: the store answers.
+                        self.inner.fallback.tidy();
+                        Ok(lease_allowed(plan, left, store_remaining))
+                    }
+                    Fast::Dry { retry_after } => {
+                        Ok(self.recorded(plan, lease_denied(plan, retry_after)))
+                    }
+                    Fast::Failing | Fast::Short(_) => {
+                        Ok(self
+                            .recorded(plan, self.decide_by_fallback(plan, stored, cost, now).await))
+                    }
+                    // A reload retired the slot (its plan changed): start over, so the call
+                    // is decided under the plan in force now, on the key's new slot.
+                    Fast::Gone if again => {
+                        let step = self.start(named, key, asked)?;
+                        Box::pin(self.finish(step, now, named, key, asked, false)).await
+                    }
+                    Fast::NoRoom | Fast::Sparse(..) | Fast::Gone => self
+                        .direct(plan, stored, cost, now)
+                        .await
+                        .map(|d| self.recorded(plan, d)),
+                }
+            }
+            Step::Fallback { plan, cost } => {
+                Ok(self.recorded(plan, self.decide_by_fallback(plan, stored, cost, now).await))
+            }
+            Step::Direct { plan, cost } => self
+                .direct(plan, stored, cost, now)
+                .await
+                .map(|d| self.recorded(plan, d)),
+            Step::Sparse { plan, cost, slot } => {
+                let decision = self.direct(plan, stored, cost, now).await?;
+                let by_store = decision.decided_by == DecidedBy::Store;
+                let spent = if decision.allowed && by_store {
+                    lease_cost(cost)
+                } else {
+                    0
+                };
+                let denied_for = (!decision.allowed && by_store)
+                    .then(|| u64::try_from(decision.retry_after.as_nanos()).unwrap_or(u64::MAX));
+                let failed = matches!(decision.decided_by, DecidedBy::Fallback(_));
+                self.leases()
+                    .record_direct(&slot, spent, denied_for, failed);
+                Ok(self.recorded(plan, decision))
+            }
+        }
+    }
+
+    /// Decides from the lease alone, never waiting: `Ok(None)` when that would need the store
+    /// (no live lease with enough tokens, or a direct-mode plan). A refill is asked for in the
+    /// background, so a later call may find the tokens.
+    ///
+    /// This is the fast path with nothing around it: a table lookup and a CAS.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_acquire_with`](Self::try_acquire_with).
+    ///
+    /// Outside a tokio runtime it never panics: with no lease actor running (none can start
+    /// there), a key without a live lease keeps answering `Ok(None)`.
+    pub fn try_acquire_now_with(
+        &self,
+        plan: &Plan,
+        key: &str,
+        cost: f64,
+    ) -> Result<Option<Decision>, Error> {
+        let cost = check_leased_call(plan, key, cost)?;
+        if plan.lease().is_none() {
+            validate_key(key)?;
+            return Ok(None);
+        }
+        if plan.shadow() {
+            validate_key(key)?;
+        }
+        // A shadow plan's bucket (and lease) is under a key of its own.
+        let key = &*plan.store_key(key);
+        let leases = self.leases();
+        match leases.try_take(plan, None, key, lease_cost(cost), &self.inner.plans) {
+            Fast::Taken {
+                left,
+                store_remaining,
+            } => Ok(Some(lease_allowed(plan, left, store_remaining))),
+            other => {
+                // The refill asked for needs an actor; outside a runtime none can start, and the
+                // answer stays `None`.
+                leases.ensure_actor();
+                // Only a key already in the table (checked when it went in) is spent from a
+                // lease; any other answer checks the key in full first.
+                validate_stored_key(key)?;
+                // This call never waits, so a sparse key gets no store call here: a refill is
+                // asked for instead, for a later call to find.
+                if let Fast::Sparse(slot) = &other {
+                    leases.ask_refill_now(slot, lease_cost(cost));
+                }
+                Ok(match other {
+                    Fast::Dry { retry_after } => {
+                        Some(shadowed(plan, lease_denied(plan, retry_after)))
+                    }
+                    _ => None,
+                })
+            }
+        }
+    }
+
+    /// Gives back `cost` tokens that a decision of this limiter allowed, because the request was
+    /// refused further on (the HTTP layer refunds the endpoint's token when the entity's bucket
+    /// denies). With a live relaxed lease the tokens go back into it; otherwise (and always for
+    /// strict accounting) to the store, capped at the capacity less the strict leases out. Returns whether they were credited: a refund the store cannot take (it is
+    /// failing) is dropped, and those tokens count as spent, which under-admits and never
+    /// over-admits.
+    ///
+    /// Refund only what was allowed: the limiter cannot tell, and a refund of tokens never taken
+    /// lets the bucket admit more than its limit.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_acquire_with`](Self::try_acquire_with), for an invalid key or cost.
+    pub async fn refund(&self, plan: &Plan, key: &str, cost: f64) -> Result<bool, Error> {
+        validate_key(key)?;
+        let cost = validate_cost(plan, cost)?;
+        // A shadow plan's tokens go back to its own bucket.
+        let key = &*plan.store_key(key);
+        // A strict lease's entry in the store covers only what its holder kept at the last
+        // renewal: a refund into the word could leave the holder more than the store counts.
+        // Strict refunds go to the store, which caps them under its lease accounting.
+        if plan
+            .lease()
+            .is_some_and(|l| l.accounting == crate::policy::Accounting::Relaxed)
+            && let Some(leases) = self.inner.leases.get()
+            && leases.refund(key, lease_cost(cost))
+        {
+            return Ok(true);
+        }
+        let id =
+            (std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), key) >> 1) as i64;
+        let give = GiveBack {
+            id,
+            key,
+            bucket: *plan.bucket(),
+            amount: cost,
+            lease: None,
+        };
+        metrics::counter!(crate::metrics::DB_CALLS, "kind" => "return").increment(1);
+        let credited = self.inner.store.give_back(&[give]).await.is_ok();
+        if !credited {
+            metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "return").increment(1);
+        }
+        Ok(credited)
+    }
+
+    /// Direct mode: one store statement (shared with concurrent callers), answered by the call
+    /// deadline (from `now`, the call's reading of the clock); the fallback decides whatever
+    /// the store did not answer in time.
+    async fn direct(
+        &self,
+        plan: &Plan,
+        key: &str,
+        cost: Tokens,
+        now: Instant,
+    ) -> Result<Decision, Error> {
+        let bucket = *plan.bucket();
+        let deadline = now + self.inner.call_deadline;
+        let result = match &self.inner.coalescer {
+            Some(coalescer) => coalescer
+                .take(&self.inner.store, key, bucket, cost, now, deadline)
+                .await
+                .map_err(drop),
+            None => {
+                metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
+                let call = self
+                    .inner
+                    .store
+                    .acquire(AcquireRequest::take(key, bucket, cost));
+                match tokio::time::timeout_at(deadline, call).await {
+                    Ok(Ok(acquired)) => Ok(acquired),
+                    Ok(Err(_)) | Err(_) => {
+                        metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
+                        Err(())
+                    }
+                }
+            }
+        };
+        match result {
+            Ok(acquired) => {
+                self.inner.fallback.tidy();
+                Ok(from_store(plan, &acquired))
+            }
+            Err(_) => {
+                // Past the deadline (or a failed statement): the fallback decides at the
+                // clock's reading now, not the call's start.
+                let now = self.inner.clock.instant();
+                Ok(self.decide_by_fallback(plan, key, cost, now).await)
+            }
+        }
+    }
+}
+
+/// Where [`Limiter::start`] left a call.
+pub(super) enum Step<'a> {
+    /// Decided.
+    Done(Decision),
+    /// A shadow plan's call: the rest runs on the plan's own key ([`Plan::store_key`]), made
+    /// in [`Limiter::finish`] (`start` borrows the caller's key and cannot hold a new one).
+    Shadow { plan: &'a Plan, cost: Tokens },
+    /// Wait for the slot's refill for at most `max_wait` (from the call's reading of the clock,
+    /// taken when it leaves [`Limiter::start`]).
+    Wait {
+        plan: &'a Plan,
+        cost: Tokens,
+        slot: crate::lease::SlotRef,
+        max_wait: Duration,
+    },
+    /// The fallback decides.
+    Fallback { plan: &'a Plan, cost: Tokens },
+    /// One store call decides (direct mode, or no room in the lease table).
+    Direct { plan: &'a Plan, cost: Tokens },
+    /// One store call decides a sparse key's call (`Fast::Sparse`), and the lease table hears
+    /// of it.
+    Sparse {
+        plan: &'a Plan,
+        cost: Tokens,
+        slot: crate::lease::SlotRef,
+    },
+}

@@ -1,0 +1,188 @@
+//! The policies a limiter holds: which plan a key gets, [`Limiter::reload`] swapping them
+//! while calls run (and [`ReloadError`] when it refuses), and the plan registry that keeps
+//! every plan the limiter was given.
+//!
+//! Apart because it changes at its own pace, by reloads, and what it must keep true (no call
+//! fails or waits because of a reload; a stale lease is retired) is not the call path's.
+
+use std::sync::Arc;
+
+use super::Limiter;
+use crate::error::Error;
+use crate::plans::{self, PlanRegistry};
+use crate::policy::{Plan, Policies};
+
+/// Policies as the limiter holds them: their plans interned in [`Inner::plans`](super::Inner::plans).
+#[derive(Debug)]
+pub(super) struct Loaded {
+    policies: Arc<Policies>,
+    /// The registry index of each of `policies`' plans, in their order.
+    index: Box<[u32]>,
+}
+
+impl Loaded {
+    /// Interns `policies`' plans into `registry`, all or none: [`plans::Full`] when they would
+    /// take it past its bound, and then the registry is as it was.
+    pub(super) fn new(
+        mut policies: Policies,
+        registry: &PlanRegistry,
+    ) -> Result<Loaded, plans::Full> {
+        let given: Vec<Arc<Plan>> = policies.plans().cloned().collect();
+        let entries = registry.intern_all(&given)?;
+        let index = entries.iter().map(|&(i, _)| i).collect();
+        let mut shared = entries.into_iter().map(|(_, plan)| Arc::clone(plan));
+        policies.intern_plans(|_| shared.next().expect("an entry for each plan"));
+        Ok(Loaded {
+            policies: Arc::new(policies),
+            index,
+        })
+    }
+}
+
+/// Why [`Limiter::reload`] refused new policies. The old ones stay in force.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReloadError {
+    /// The limiter keeps every distinct plan it has been given until it is dropped (so that a
+    /// key's record can name its plan without a lock), each once however often it is
+    /// reloaded, up to `max` ([`policy::MAX_PLANS`](crate::policy::MAX_PLANS), 65,528):
+    /// this reload's new plans do not fit beside those it holds. A refused reload adds none.
+    /// A new limiter (a restart) starts afresh.
+    #[error(
+        "too many distinct plans: this reload adds {adding} to the {held} the limiter holds, \
+         more than the {max} it can hold over its life (a plan is kept until the process \
+         exits, once however often it is reloaded); restart the process to start afresh"
+    )]
+    #[non_exhaustive]
+    TooManyPlans {
+        /// The bound.
+        max: usize,
+        /// The distinct plans the limiter holds.
+        held: usize,
+        /// The plans of the refused policies that it does not hold.
+        adding: usize,
+    },
+    /// The HTTP layer cannot use the policies' routes.
+    #[cfg(feature = "http")]
+    #[error(transparent)]
+    Route(#[from] crate::policy::error::RouteConfigError),
+}
+
+impl Limiter {
+    /// The policies in force: those given to the builder, or to the latest
+    /// [`reload`](Self::reload).
+    pub fn policies(&self) -> Option<Arc<Policies>> {
+        self.inner
+            .policies
+            .read()
+            .as_ref()
+            .map(|l| Arc::clone(&l.policies))
+    }
+
+    /// Swaps in new policies while calls are in flight. No call fails or waits because of it;
+    /// the next decision uses them.
+    ///
+    /// - A key is matched to its plan by the new key rules from now on.
+    /// - A changed plan's capacity and rate take effect in the store's next statement for the
+    ///   key (every statement carries the plan's bucket); a call already past its plan lookup
+    ///   finishes under the plan it found.
+    /// - Live leases of a changed or removed plan (and of keys whose rule now names another
+    ///   plan) are closed by the lease actor in its next round, their unspent tokens given
+    ///   back as at expiry; the key's next call takes a lease sized for the new plan. Until
+    ///   that round (one actor wake-up) callers may still spend what such a lease holds, so
+    ///   an instance can exceed the new plan's envelope by at most one old lease per key: the
+    ///   same bound a lease always has (`DESIGN.md` §15).
+    /// - A key whose rule is gone falls to the new default plan, or is refused with
+    ///   [`Error::NoPlanForKey`] when there is none.
+    ///
+    /// Unchanged plans keep their leases and counters. Check a policy file before reloading it
+    /// (`tokenlease check`, [`Policies::from_file`]).
+    ///
+    /// # Errors
+    ///
+    /// [`ReloadError::TooManyPlans`] when the new policies' plans that the limiter does not
+    /// hold yet would take it past the distinct plans it keeps over its life
+    /// ([`policy::MAX_PLANS`](crate::policy::MAX_PLANS)); nothing changes then. Plans are
+    /// never forgotten while the limiter lives: reloading versions it holds costs nothing, and
+    /// a reload that changes `k` plans uses `k` of the 65,528.
+    pub fn reload(&self, policies: Policies) -> Result<Arc<Policies>, ReloadError> {
+        let loaded = Loaded::new(policies, &self.inner.plans).map_err(|full| {
+            crate::metrics::record_reload(false);
+            ReloadError::TooManyPlans {
+                max: plans::MAX_PLANS,
+                held: full.held,
+                adding: full.adding,
+            }
+        })?;
+        crate::metrics::record_reload(true);
+        let new = Arc::clone(&loaded.policies);
+        *self.inner.policies.write() = Some(loaded);
+        if let Some(leases) = self.inner.leases.get() {
+            // Plans any policies have held, by name (not a reference to the limiter: the actor
+            // holds this until its next round), so that each lease costs a look-up, not a scan.
+            let mut given: std::collections::HashMap<String, Vec<Arc<Plan>>> =
+                std::collections::HashMap::new();
+            for plan in (0..self.inner.plans.len()).filter_map(|i| self.inner.plans.get(i)) {
+                let versions = given.entry(plan.name().to_owned()).or_default();
+                versions.push(Arc::clone(plan));
+            }
+            let policies = Arc::clone(&new);
+            leases.reload(crate::lease::Stale(Box::new(
+                move |key: &str, plan: &Plan, by_key: bool| {
+                    // A policy plan changed or removed (a plan the limiter was never given, passed
+                    // to `try_acquire_with`, is the caller's to change). A given plan's shadow
+                    // twin (an HTTP shadow layer's) goes with it; a change of the shadow mode
+                    // alone moves the plan's buckets to other keys, and these leases just
+                    // expire.
+                    let named = policies.plan(plan.name());
+                    if named.is_none_or(|p| !p.same_but_shadow(plan))
+                        && given
+                            .get(plan.name())
+                            .is_some_and(|v| v.iter().any(|p| p.same_but_shadow(plan)))
+                    {
+                        return true;
+                    }
+                    // A key reached through its prefix now names another plan.
+                    by_key && policies.plan_for_key(key).is_none_or(|p| **p != *plan)
+                },
+            )));
+        }
+        Ok(new)
+    }
+
+    /// Registers `plan`'s decision counters now (at zero, with the recorder installed now), for
+    /// a plan that callers will name ([`try_acquire_with`](Self::try_acquire_with)): the HTTP
+    /// layer's shadow twins, whose series exist from the layer's build.
+    #[cfg(feature = "http")]
+    pub(crate) fn register_plan(&self, plan: &Plan) {
+        self.inner.plans.counters_of(plan);
+    }
+
+    /// How many distinct plans this limiter has held over its life: every plan of every policy
+    /// it was built with or reloaded with, counted once each.
+    ///
+    /// A limiter holds at most [`policy::MAX_PLANS`](crate::policy::MAX_PLANS) and
+    /// [`reload`](Limiter::reload) refuses policies that would pass that bound
+    /// ([`ReloadError::TooManyPlans`]): watch this number to
+    /// see how close frequent reloads bring it.
+    #[must_use]
+    pub fn plans_held(&self) -> usize {
+        self.inner.plans.len()
+    }
+
+    /// The plan the policies give `key`, and its index among them.
+    pub(super) fn plan_for_key(&self, key: &str) -> Result<(&Arc<Plan>, u32), Error> {
+        let no_plan = || Error::NoPlanForKey {
+            key: key.chars().take(64).collect(),
+        };
+        let index = {
+            let loaded = self.inner.policies.read();
+            loaded
+                .as_ref()
+                .and_then(|l| Some(l.index[l.policies.plan_index_for_key(key)?]))
+                .ok_or_else(no_plan)?
+        };
+        let plan = self.inner.plans.get(index as usize).ok_or_else(no_plan)?;
+        Ok((plan, index))
+    }
+}
