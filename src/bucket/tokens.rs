@@ -1,8 +1,10 @@
 //! Fixed-point token amounts and refill rates.
 //!
-//! One token is [`Tokens::SCALE`] (10¹⁸) units, so amounts carry eighteen decimal places exactly, the
-//! same scale as the `numeric(38, 18)` columns in PostgreSQL. Integer arithmetic keeps the pure
-//! bucket and the SQL statement bit-for-bit identical and free of floating-point drift.
+//! One token is [`Tokens::SCALE`] (10¹⁸) units, so amounts carry eighteen decimal places exactly.
+//! PostgreSQL's rows keep whole nanotokens and the femtotokens below one, which is this scale
+//! divided by 1,000 for every state a statement reaches (the database's clock ticks in whole
+//! microseconds). Integer arithmetic keeps the pure bucket and the SQL statement bit-for-bit
+//! identical and free of floating-point drift.
 
 use std::fmt;
 use std::str::FromStr;
@@ -32,11 +34,11 @@ impl Tokens {
     }
 
     /// An amount given in attotokens, saturating at [`Tokens::MAX`].
-    pub const fn from_atto(nanos: u128) -> Self {
-        if nanos > Self::MAX.0 {
+    pub const fn from_atto(atto: u128) -> Self {
+        if atto > Self::MAX.0 {
             Self::MAX
         } else {
-            Tokens(nanos)
+            Tokens(atto)
         }
     }
 
