@@ -3,7 +3,8 @@
 //! module per former test binary; they keep a core busy for seconds, so nextest runs them in
 //! its `serial` group. Beside them, `arrows` reads the crate's source and checks that its
 //! modules depend on each other one way (L1; a fraction of a second), and `clock_reads` that
-//! the library reads time only through its clock (L2).
+//! the library reads time only through its clock (L2), and `test_sleeps` that every sleep in the
+//! tests is the shared poll helper's or says why it is there (L4).
 //!
 //! `loom_lease_word` and `loom_lease_words` each compile `src/lease/sync.rs` and
 //! `src/lease/word.rs` as modules of their own (hence `clippy::duplicate_mod` allowed there):
@@ -14,3 +15,4 @@ mod bucket_props;
 mod clock_reads;
 mod loom_lease_word;
 mod loom_lease_words;
+mod test_sleeps;
