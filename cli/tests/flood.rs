@@ -193,6 +193,7 @@ async fn flood(addr: &str, pid: u32, first: u64, count: u64, peak: &mut f64) -> 
     loop {
         tokio::select! {
             () = &mut all => break,
+            // sleep: pacing, the RSS sampled every 100 ms while the flood runs.
             () = tokio::time::sleep(Duration::from_millis(100)) => *peak = peak.max(rss_mib(pid)),
         }
     }
@@ -283,6 +284,7 @@ async fn a_flood_of_ids_with_the_database_down_then_up_stays_bounded_and_shrinks
         let mut ignored = 0.0;
         flood(&demo.addr, pid, id, 10, &mut ignored).await;
         id += 10;
+        // sleep: pacing, a round of 10 requests every 500 ms while the demo settles.
         tokio::time::sleep(Duration::from_millis(500)).await;
         held = local_buckets(&demo.addr).await;
         settle_fallbacks = (fallback_decisions(&demo.addr).await - fallback_before) as u64;

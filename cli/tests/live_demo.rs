@@ -43,19 +43,8 @@ pub fn outside_program(name: &str, candidates: &[&str], install: &str) -> Option
 }
 
 /// Polls `done` every 100 ms until it returns `Some`, or fails after `limit` naming `what`.
-pub fn wait_for<T>(what: &str, limit: Duration, mut done: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(v) = done() {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not within {} s",
-            limit.as_secs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+pub fn wait_for<T>(what: &str, limit: Duration, done: impl FnMut() -> Option<T>) -> T {
+    crate::common::eventually_blocking(Duration::from_millis(100), limit, what, done)
 }
 
 /// One HTTP response: status, header fields (lower-case names), body.
@@ -239,10 +228,11 @@ impl Drop for Demo {
             let _ = Command::new("kill")
                 .args(["-TERM", &self.child.id().to_string()])
                 .status();
-            let deadline = Instant::now() + Duration::from_secs(2);
-            while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            let _ = crate::common::poll_until_blocking(
+                Duration::from_millis(20),
+                Duration::from_secs(2),
+                || !matches!(self.child.try_wait(), Ok(None)),
+            );
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
@@ -285,6 +275,7 @@ impl Traffic {
                             _ => 2,
                         };
                         counts[slot].fetch_add(1, Ordering::Relaxed);
+                        // sleep: pacing, a request every 3 ms per thread.
                         std::thread::sleep(Duration::from_millis(3));
                     }
                 })
@@ -341,18 +332,14 @@ pub fn run_with_deadline(
         .stderr(std::fs::File::create(&err).expect("a file for stderr"))
         .spawn()
         .unwrap_or_else(|e| panic!("start {name}: {e}"));
-    let deadline = Instant::now() + limit;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("the child's status") {
-            break Some(status);
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let status = crate::common::poll_until_blocking(Duration::from_millis(100), limit, || {
+        child.try_wait().expect("the child's status")
+    })
+    .ok();
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
     (status, std::fs::read_to_string(&out).unwrap_or_default())
 }
 

@@ -322,6 +322,7 @@ fn helper_hold_a_cluster_until_killed() {
         pg.postmaster_pid().expect("pid"),
         pg.data_dir().display()
     );
+    // sleep: the helper holds its cluster until the test kills it; 60 s bounds an orphan.
     std::thread::sleep(std::time::Duration::from_secs(60));
 }
 

@@ -87,8 +87,8 @@ async fn store_with(connection: &str, pool: u32, migrate: bool, prepared: bool) 
 
 /// A store with the fault tests' settings: a pool of `pool`, 50 ms call and pool-wait
 /// timeouts, a 250 ms connect timeout, 100 ms statement and lock timeouts. Its first connection
-/// must come within the 50 ms pool wait, so building is retried (20 times, 50 ms apart) on a
-/// busy machine.
+/// must come within the 50 ms pool wait, so building is retried (50 ms apart, for up to 20 s)
+/// on a busy machine.
 pub async fn fault_store(connection: &str, pool: u32) -> PostgresStore {
     let store = PostgresStore::builder(connection)
         .expect("connection string")
@@ -99,16 +99,121 @@ pub async fn fault_store(connection: &str, pool: u32) -> PostgresStore {
         .statement_timeout(Duration::from_millis(100))
         .lock_timeout(Duration::from_millis(100));
     let mut attempts = 0;
-    loop {
-        match store.clone().build().await {
-            Ok(store) => return store,
-            Err(e) if attempts < 20 => {
-                attempts += 1;
+    eventually(
+        Duration::from_millis(50),
+        Duration::from_secs(20),
+        "a fault store built (its first connection within the pool wait)",
+        async || {
+            attempts += 1;
+            let built = store.clone().build().await;
+            if let Err(e) = &built {
                 eprintln!("store build attempt {attempts}: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            Err(e) => panic!("store: {e}"),
+            built.map_err(|e| e.to_string())
+        },
+    )
+    .await
+}
+
+/// What one look at a condition saw: done (with what it yields), or not yet (with what was seen
+/// instead, for the failure message). `true`/`false`, `Some`/`None`, `Ok`/`Err(seen)`.
+pub trait Polled {
+    type Done;
+    type Seen: std::fmt::Debug;
+    fn outcome(self) -> Result<Self::Done, Self::Seen>;
+}
+
+impl Polled for bool {
+    type Done = ();
+    type Seen = bool;
+    fn outcome(self) -> Result<(), bool> {
+        if self { Ok(()) } else { Err(false) }
+    }
+}
+
+impl<T> Polled for Option<T> {
+    type Done = T;
+    type Seen = &'static str;
+    fn outcome(self) -> Result<T, &'static str> {
+        self.ok_or("None")
+    }
+}
+
+impl<T, S: std::fmt::Debug> Polled for Result<T, S> {
+    type Done = T;
+    type Seen = S;
+    fn outcome(self) -> Self {
+        self
+    }
+}
+
+/// The one place where a test waits for something by looking again (L4): looks at `check`
+/// at once, then every `step` of tokio's clock (real time, or the paused clock of a test that
+/// paused it), the last look at the deadline, `within` from now. What it yielded once done, or
+/// what the last look saw.
+pub async fn poll_until<P: Polled>(
+    step: Duration,
+    within: Duration,
+    mut check: impl AsyncFnMut() -> P,
+) -> Result<P::Done, P::Seen> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let seen = match check().await.outcome() {
+            Ok(done) => return Ok(done),
+            Err(seen) => seen,
+        };
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            return Err(seen);
         }
+        tokio::time::sleep(step.min(deadline - now)).await;
+    }
+}
+
+/// [`poll_until`], failing the test naming `what` never happened, and what the last look saw.
+pub async fn eventually<P: Polled>(
+    step: Duration,
+    within: Duration,
+    what: &str,
+    check: impl AsyncFnMut() -> P,
+) -> P::Done {
+    match poll_until(step, within, check).await {
+        Ok(done) => done,
+        Err(seen) => panic!("{what}: not within {within:?}; last seen: {seen:?}"),
+    }
+}
+
+/// [`poll_until`] for a thread outside any runtime (a `Drop`, a blocking test): the thread
+/// sleeps between looks, on the real clock.
+pub fn poll_until_blocking<P: Polled>(
+    step: Duration,
+    within: Duration,
+    mut check: impl FnMut() -> P,
+) -> Result<P::Done, P::Seen> {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let seen = match check().outcome() {
+            Ok(done) => return Ok(done),
+            Err(seen) => seen,
+        };
+        let now = std::time::Instant::now();
+        if now >= deadline {
+            return Err(seen);
+        }
+        std::thread::sleep(step.min(deadline - now));
+    }
+}
+
+/// [`poll_until_blocking`], failing the test naming `what` never happened.
+pub fn eventually_blocking<P: Polled>(
+    step: Duration,
+    within: Duration,
+    what: &str,
+    check: impl FnMut() -> P,
+) -> P::Done {
+    match poll_until_blocking(step, within, check) {
+        Ok(done) => done,
+        Err(seen) => panic!("{what}: not within {within:?}; last seen: {seen:?}"),
     }
 }
 
@@ -229,6 +334,7 @@ pub async fn take_for_a_second(
         if !a.granted.is_zero() {
             last = a.store_now;
         }
+        // sleep: pacing, a take every 2 ms.
         tokio::time::sleep(std::time::Duration::from_millis(2)).await;
     }
     (granted, last)

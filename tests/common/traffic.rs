@@ -55,6 +55,7 @@ pub async fn calls(
                         }
                         _ => seen.denied += 1,
                     }
+                    // sleep: pacing, the offered load's period.
                     tokio::time::sleep(every).await;
                 }
                 (i, seen)

@@ -112,6 +112,7 @@ fn drive(
                         allowed: d.allowed,
                         by: d.decided_by,
                     });
+                    // sleep: pacing, the offered load's period.
                     tokio::time::sleep(pace).await;
                 }
                 events
@@ -142,16 +143,9 @@ fn debt_of(instances: &[Limiter]) -> (f64, f64, f64) {
 
 /// Polls `done` every 20 ms until it holds or `limit` has passed; whether it held.
 async fn poll(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
-    let end = Instant::now() + limit;
-    loop {
-        if done() {
-            return true;
-        }
-        if Instant::now() >= end {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    common::poll_until(Duration::from_millis(20), limit, async || done())
+        .await
+        .is_ok()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -311,11 +305,14 @@ async fn d11_allow_debt_is_charged_after_recovery() {
         origin,
         &stop,
     );
+    // sleep: the fault timeline on the real server, 1 s of traffic before the stop.
     tokio::time::sleep(Duration::from_secs(1)).await;
     server(&pg, |pg| pg.stop(StopMode::Fast).expect("stop")).await;
+    // sleep: the fault timeline, the server stopped for 2 s.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let owed_in_outage = limiter.outage_debt().outstanding.as_f64();
     server(&pg, |pg| pg.start_again().expect("start again")).await;
+    // sleep: the fault timeline, 1 s of traffic after the restart.
     tokio::time::sleep(Duration::from_secs(1)).await;
     stop.store(true, Ordering::Relaxed);
     let events = run.await.expect("the run");

@@ -328,17 +328,19 @@ impl Rig {
     /// The key's tokens now, read again every 20 ms until `done` holds of them (5 s at most:
     /// `Err` with the last reading).
     async fn row_until(&self, key: &str, done: impl Fn(f64) -> bool) -> Result<f64, f64> {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let tokens = self.row(key).await.expect("row").tokens_now.to_f64();
-            if done(tokens) {
-                return Ok(tokens);
-            }
-            if Instant::now() >= deadline {
-                return Err(tokens);
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        common::poll_until(
+            Duration::from_millis(20),
+            Duration::from_secs(5),
+            async || {
+                let tokens = self.row(key).await.expect("row").tokens_now.to_f64();
+                if done(tokens) {
+                    Ok(tokens)
+                } else {
+                    Err(tokens)
+                }
+            },
+        )
+        .await
     }
 
     /// Limiter connections open on the server now.
@@ -422,6 +424,7 @@ fn drive_until(
                         took: start.elapsed(),
                         store_time: d.store_time,
                     });
+                    // sleep: pacing, a call a millisecond per task.
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
                 events
@@ -864,6 +867,7 @@ async fn d2(mode: Mode) {
     rig.proxy.pass();
     let a_end = origin.elapsed();
     // Replies already in the pipe still arrive 2 s late.
+    // sleep: the fault timeline, 0.5 s into the 2 s delay of the replies in the pipe.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let stuck_a = old_limiter_statements(&admin).await;
     tokio::time::sleep_until((origin + Duration::from_millis(4_500)).into()).await;
@@ -879,6 +883,7 @@ async fn d2(mode: Mode) {
     )
     .await
     .expect("lock the row");
+    // sleep: the fault timeline, the row's lock held 1 s before the count.
     tokio::time::sleep(Duration::from_millis(1_000)).await;
     let stuck_b = old_limiter_statements(&admin).await;
     tokio::time::sleep_until((origin + Duration::from_millis(6_500)).into()).await;
@@ -1060,11 +1065,19 @@ async fn d3(mode: Mode) {
     // (The timed-out take's connection may still be in its cancel: then the pool opens another,
     // which a busy machine can make later than one 50 ms call. 5 s at most.)
     rig.proxy.pass();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while let Err(e) = instance.breaker.inspect(KEY).await {
-        assert!(Instant::now() < deadline, "a pooled connection: {e}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    common::eventually(
+        Duration::from_millis(20),
+        Duration::from_secs(5),
+        "a pooled connection",
+        async || {
+            instance
+                .breaker
+                .inspect(KEY)
+                .await
+                .map_err(|e| e.to_string())
+        },
+    )
+    .await;
     rig.proxy.delay(Duration::ZERO, Duration::from_millis(200));
     let key_bucket = *plan.bucket();
     let give = [GiveBack {
@@ -1184,6 +1197,7 @@ async fn d4(mode: Mode) {
             proxy.reset_fraction(0.3);
         }
         sessions.sample(&admin, &proxies).await;
+        // sleep: pacing, the resets' period (100 ms).
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let a_end = origin.elapsed();
@@ -1191,6 +1205,7 @@ async fn d4(mode: Mode) {
     // judged calls are over.
     while origin.elapsed() < a_end + settle + judged {
         sessions.sample(&admin, &proxies).await;
+        // sleep: pacing, the sessions sampled every 50 ms.
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let b_start = origin.elapsed();
@@ -1206,6 +1221,7 @@ async fn d4(mode: Mode) {
             .expect("terminate");
         terminated += row.get::<_, i64>(0);
         sessions.sample(&admin, &proxies).await;
+        // sleep: pacing, the terminations' period (200 ms).
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let b_end = origin.elapsed();
@@ -1213,6 +1229,7 @@ async fn d4(mode: Mode) {
     until.store(stop.as_millis() as u64, Ordering::Relaxed);
     while origin.elapsed() < stop {
         sessions.sample(&admin, &proxies).await;
+        // sleep: pacing, the sessions sampled every 50 ms.
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let events = run.await.expect("the run");
@@ -1384,19 +1401,24 @@ async fn d5(mode: Mode) {
         let got = after.tokens_now.to_f64();
         // The limiter finds the server again.
         let back = Instant::now();
-        let mut recovered = None;
-        while back.elapsed() < Duration::from_secs(2) {
-            let d = instance
-                .limiter
-                .try_acquire_with(&plan, KEY, 1.0)
-                .await
-                .expect("decision");
-            if d.by_store() {
-                recovered = Some(back.elapsed());
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let recovered = common::poll_until(
+            Duration::from_millis(5),
+            Duration::from_secs(2),
+            async || {
+                let d = instance
+                    .limiter
+                    .try_acquire_with(&plan, KEY, 1.0)
+                    .await
+                    .expect("decision");
+                if d.by_store() {
+                    Ok(back.elapsed())
+                } else {
+                    Err(d)
+                }
+            },
+        )
+        .await
+        .ok();
         report.push(format!(
             "{stop:?}: T0 {:.2}, down {:.0} ms, {elapsed:.3} s of db time → expected {expected:.2}, \
              row {got:.2}; limiter back after {:?} ms",
@@ -1426,25 +1448,22 @@ async fn await_wal_flush(admin: &tokio_postgres::Client) {
         .await
         .expect("insert lsn")
         .get(0);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let flushed: bool = admin
-            .query_one(
-                "SELECT pg_current_wal_flush_lsn() >= $1::text::pg_lsn",
-                &[&written],
-            )
-            .await
-            .expect("flush lsn")
-            .get(0);
-        if flushed {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "WAL not flushed past {written} in 5 s"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    common::eventually(
+        Duration::from_millis(10),
+        Duration::from_secs(5),
+        &format!("the WAL flushed past {written}"),
+        async || -> bool {
+            admin
+                .query_one(
+                    "SELECT pg_current_wal_flush_lsn() >= $1::text::pg_lsn",
+                    &[&written],
+                )
+                .await
+                .expect("flush lsn")
+                .get(0)
+        },
+    )
+    .await;
 }
 
 trait TokensF64 {
@@ -2159,12 +2178,16 @@ async fn timed_out_statement_is_cancelled_and_the_next_call_is_not_queued_behind
         .await;
     let fresh_took = started.elapsed();
     // The abandoned statement is gone from the server while the lock is still held.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut running = running_limiter_statements(&admin).await;
-    while running != 0 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        running = running_limiter_statements(&admin).await;
-    }
+    let running = common::poll_until(
+        Duration::from_millis(5),
+        Duration::from_secs(5),
+        async || match running_limiter_statements(&admin).await {
+            0 => Ok(0),
+            running => Err(running),
+        },
+    )
+    .await
+    .unwrap_or_else(|running| running);
     let gone_after = started.elapsed();
     tx.rollback().await.expect("release the row");
     let held = store
@@ -2229,11 +2252,15 @@ async fn a_connection_lost_in_the_background_is_counted() {
         .expect("terminate")
         .get(0);
     assert_eq!(terminated, 1);
-    let deadline = Instant::now() + Duration::from_secs(5);
     let mut counted = 0;
-    while counted == 0 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        counted += counter_delta(&snapshot(), "tokenlease_store_connection_errors_total", &[]);
-    }
+    let _ = common::poll_until(
+        Duration::from_millis(5),
+        Duration::from_secs(5),
+        async || {
+            counted += counter_delta(&snapshot(), "tokenlease_store_connection_errors_total", &[]);
+            counted != 0
+        },
+    )
+    .await;
     assert_eq!(counted, 1, "the lost connection is counted once");
 }

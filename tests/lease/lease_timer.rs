@@ -38,11 +38,7 @@ async fn until(limit: Duration, what: &str, done: impl FnMut() -> bool) {
 /// [`until`], polling every `step`: `lease_stats` sums every slot, so a test with a hundred
 /// thousand keys polls less often, or its polls would be most of its work.
 async fn until_every(step: Duration, limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
-    let started = Instant::now();
-    while !done() {
-        assert!(started.elapsed() < limit, "{what}: not within {limit:?}");
-        tokio::time::sleep(step).await;
-    }
+    common::eventually(step, limit, what, async || done()).await;
 }
 
 /// A strict lease is closed locally one lifetime after its request was sent (the actor's entry
@@ -216,8 +212,10 @@ async fn an_idle_table_costs_the_actor_nothing() {
         || stats(&limiter).keys == KEYS,
     )
     .await;
+    // sleep: paused clock, the actor's last gauge pass (due within a second) falls due.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let before = stats(&limiter);
+    // sleep: paused clock, 2 s in which an idle table must cost nothing.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let after = stats(&limiter);
     assert_eq!(after.keys, KEYS);
@@ -365,6 +363,7 @@ impl Gate {
             .lock()
             .extend(requests.iter().map(|r| (r.key.to_owned(), now)));
         if !self.delay.is_zero() {
+            // sleep: a slow store's latency.
             tokio::time::sleep(self.delay).await;
         }
     }
@@ -451,6 +450,7 @@ async fn a_sparse_key_is_decided_by_store_calls_while_the_actor_is_busy() {
     for _ in 0..7 {
         let d = call().await;
         assert!(d.allowed && d.decided_by == DecidedBy::Store, "{d:?}");
+        // sleep: pacing (paused clock), a call every 300 ms.
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     let quiet = stats(&limiter);
@@ -480,6 +480,7 @@ async fn a_sparse_key_is_decided_by_store_calls_while_the_actor_is_busy() {
             DecidedBy::Store => by.1 += 1,
             _ => panic!("{d:?}"),
         }
+        // sleep: pacing (paused clock), a call every millisecond.
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     assert!(
@@ -530,6 +531,7 @@ async fn a_sparse_keys_denial_stands_until_its_retry_time() {
                 _ => panic!("{d:?}"),
             }
         }
+        // sleep: pacing (paused clock), calls 40 ms apart.
         tokio::time::sleep(Duration::from_millis(40)).await;
     }
     assert_eq!(allowed, 2);
@@ -579,6 +581,7 @@ async fn a_key_called_once_is_not_sized_a_lease() {
         .await
         .expect("decision");
     assert!(d.allowed, "{d:?}");
+    // sleep: paused clock, ten lease lifetimes pass with no call.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let s = stats(&limiter);
     assert_eq!(
@@ -637,6 +640,7 @@ async fn a_lease_on_a_refilled_bucket_waives_its_return() {
             "{case}: (leased, returned, waived, store calls): {s:?}"
         );
         // The row either way: the bucket is at its capacity once the token's refill time passed.
+        // sleep: paused clock, the token's refill time.
         tokio::time::sleep(Duration::from_secs(2)).await;
         let row = store.inspect("quiet").await.expect("inspect").expect("row");
         assert!(row.leases.is_empty(), "{case}: {row:?}");
@@ -667,12 +671,14 @@ async fn a_key_called_about_once_a_lifetime_keeps_its_lease() {
     };
     for _ in 0..8 {
         let _ = call().await;
+        // sleep: pacing (paused clock), calls 250 ms apart.
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let before = stats(&limiter);
     let mut by_lease = 0;
     for _ in 0..16 {
         by_lease += u32::from(call().await.decided_by == tokenlease::DecidedBy::Lease);
+        // sleep: pacing (paused clock), calls 250 ms apart.
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let after = stats(&limiter);
@@ -795,6 +801,7 @@ async fn decided_without_the_fallback(limiter: &Limiter, plan: &Plan, key: &str,
             "call {i} of {key}: {d:?}"
         );
         leased += u32::from(d.decided_by == DecidedBy::Lease);
+        // sleep: pacing (paused clock), a call every millisecond.
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     assert!(leased >= calls / 2, "{leased} of {calls} calls by a lease");

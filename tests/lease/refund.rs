@@ -54,6 +54,7 @@ async fn refunds_do_not_grow_a_lease_past_its_bound() {
                                 admitted.push(Instant::now());
                             }
                         }
+                        // sleep: pacing, calls 500 µs apart.
                         tokio::time::sleep(Duration::from_micros(500)).await;
                     }
                     admitted
@@ -100,8 +101,8 @@ async fn a_refund_that_would_exceed_the_bound_goes_to_the_store() {
             .await
             .expect("decision");
         assert!(d.allowed);
-        // Calls a few milliseconds apart: the actor measures the key's demand (hundreds of
-        // tokens a second) and leases it the bound, `B`.
+        // sleep: pacing. Calls a few milliseconds apart: the actor measures the key's demand
+        // (hundreds of tokens a second) and leases it the bound, `B`.
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     // Wait (bounded) until the refills the calls asked for have landed: nothing asks for more.

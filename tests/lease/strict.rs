@@ -195,7 +195,8 @@ async fn a_burst_after_a_lull_spends_no_more_than_one_bucket() {
             .iter()
             .map(|l| l.lease_stats().expect("leased").outstanding)
             .sum();
-        // The lull: 2.5 s, enough for the bucket to refill completely; the leases live on.
+        // sleep: the lull, 2.5 s of the server's clock, enough for the bucket to refill
+        // completely; the leases live on.
         tokio::time::sleep(Duration::from_millis(2500)).await;
         // The burst: 16 tasks per instance for 0.5 s.
         let burst = calls(

@@ -167,10 +167,14 @@ fn recorded<T>(body: impl AsyncFnOnce(&Snapshotter) -> T) -> (Snapshotter, T) {
     (snapshotter, out)
 }
 
-/// Lets the lease actor run a few ticks of the paused clock (its tick is 5 ms in these tests),
-/// so that every refill asked for has been answered and the gauges were published after it.
-async fn settle() {
-    tokio::time::sleep(Duration::from_millis(60)).await;
+/// Awaits `limiter`'s lease actor idle (every refill asked for has been answered, its counters
+/// published), then lets two of its ticks pass on the paused clock (5 ms each in these tests):
+/// the gauges' pass falls due a tick after the actor's last work, so they were published after
+/// the answers too.
+async fn settle(limiter: &Limiter) {
+    crate::common::actor_idle(limiter, Duration::from_secs(5)).await;
+    // sleep: paused clock, the gauges' pass is due a tick after the actor's last work.
+    tokio::time::sleep(Duration::from_millis(10)).await;
 }
 
 #[test]
@@ -207,12 +211,12 @@ fn leased_and_direct_decisions_store_calls_and_lease_gauges() {
                 "{d:?}"
             );
             if warm_calls.is_multiple_of(64) {
-                // Time passes (the clock is paused): the actor measures the key's demand over
-                // it, and sizes its lease from that.
+                // sleep: pacing (paused clock). Time passes: the actor measures the key's
+                // demand over it, and sizes its lease from that.
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }
-        settle().await;
+        settle(&limiter).await;
         tokenlease::metrics::flush_thread();
         let warm = Seen::take(snapshotter);
         let stats = limiter.lease_stats().expect("lease stats");
@@ -383,7 +387,7 @@ fn leased_and_direct_decisions_store_calls_and_lease_gauges() {
             denied_by_lease >= 6,
             "one store denial, then the slot's: {denied_by_lease} of 7 denied by the lease"
         );
-        settle().await;
+        settle(&limiter).await;
         tokenlease::metrics::flush_thread();
         let mixed = Seen::take(snapshotter);
         let stats = limiter.lease_stats().expect("lease stats");
@@ -601,12 +605,12 @@ fn outage_debt_series_from_the_start_and_through_an_outage() {
             .await
             .expect("valid");
         assert_eq!(d.decided_by, DecidedBy::Store);
-        for _ in 0..100 {
-            if limiter.outage_debt().keys == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let _ = crate::common::poll_until(
+            Duration::from_millis(10),
+            Duration::from_secs(1),
+            async || limiter.outage_debt().keys == 0,
+        )
+        .await;
         assert_eq!(limiter.outage_debt().charged, Tokens::whole(3));
     });
     let seen = Seen::take(&snapshotter);
@@ -861,7 +865,7 @@ fn decisions_by_plan_exist_from_the_start_and_count_under_their_plan() {
         for key in ["red:1", "blue:1"] {
             for _ in 0..5 {
                 let _ = limiter.try_acquire(key, 1.0).await.unwrap();
-                settle().await;
+                settle(&limiter).await;
             }
         }
         tokenlease::metrics::flush_thread();

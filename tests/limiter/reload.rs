@@ -57,6 +57,7 @@ async fn r1_a_reload_applies_to_the_next_decision_in_direct_mode() {
     limiter
         .reload(file(5, 1000.0, None, false))
         .expect("reload");
+    // sleep: 20 ms of the server's clock, 20 tokens at the new rate.
     tokio::time::sleep(Duration::from_millis(20)).await;
     let d = limiter.try_acquire("k:a", 1.0).await.expect("decision");
     assert!(d.allowed, "the new rate refilled the bucket: {d:?}");
@@ -136,6 +137,7 @@ async fn r2_a_reload_closes_the_leases_of_a_changed_plan() {
                     .allowed
             );
         }
+        // sleep: pacing, calls 5 ms apart build the demand a lease needs.
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let before = limiter.lease_stats().expect("stats");
@@ -145,15 +147,20 @@ async fn r2_a_reload_closes_the_leases_of_a_changed_plan() {
     let p2 = Arc::clone(second.plan("p").expect("p"));
     limiter.reload(second).expect("reload");
     // The actor's next round closes `k:a`'s lease: it leaves the table and its tokens go back.
-    let until = Instant::now() + Duration::from_secs(5);
-    loop {
-        let now = limiter.lease_stats().expect("stats");
-        if now.keys == 1 && now.returned > before.returned {
-            break;
-        }
-        assert!(Instant::now() < until, "the lease was not closed: {now:?}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    common::eventually(
+        Duration::from_millis(5),
+        Duration::from_secs(5),
+        "k:a's lease closed",
+        async || {
+            let now = limiter.lease_stats().expect("stats");
+            if now.keys == 1 && now.returned > before.returned {
+                Ok(())
+            } else {
+                Err(now)
+            }
+        },
+    )
+    .await;
     assert!(live(&q, "q:a"), "q's lease outlived the reload");
     assert!(
         !live(&p2, "k:a"),
@@ -233,6 +240,7 @@ async fn r3_thousands_of_reloads_under_load_keep_the_envelope() {
                     } else if d.allowed {
                         admitted.push(origin.elapsed().as_secs_f64());
                     }
+                    // sleep: pacing, calls 2 ms apart.
                     tokio::time::sleep(Duration::from_millis(2)).await;
                 }
                 (admitted, calls, fallback)
@@ -335,22 +343,21 @@ async fn r7_a_reload_closes_the_leases_of_a_changed_plans_shadow_twin() {
         assert!(Instant::now() < until, "no lease after 10 s");
         let d = limiter.try_acquire_with(&twin, "k", 1.0).await;
         assert!(d.expect("decision").allowed);
+        // sleep: pacing, calls 5 ms apart build the demand a lease needs.
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(limiter.lease_stats().expect("stats").keys, 1);
     limiter.reload(file(20)).expect("reload");
-    let until = Instant::now() + Duration::from_secs(5);
-    loop {
-        let now = limiter.lease_stats().expect("stats");
-        if now.keys == 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < until,
-            "the twin's lease was not closed: {now:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    common::eventually(
+        Duration::from_millis(5),
+        Duration::from_secs(5),
+        "the twin's lease closed",
+        async || {
+            let now = limiter.lease_stats().expect("stats");
+            if now.keys == 0 { Ok(()) } else { Err(now) }
+        },
+    )
+    .await;
     limiter.shutdown().await;
 }
 

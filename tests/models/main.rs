@@ -3,8 +3,9 @@
 //! module per former test binary; they keep a core busy for seconds, so nextest runs them in
 //! its `serial` group. Beside them, `arrows` reads the crate's source and checks that its
 //! modules depend on each other one way (L1; a fraction of a second), `clock_reads` that
-//! the library reads time only through its clock (L2), and `file_lengths` that no source file
-//! of the library is over 800 lines (L3).
+//! the library reads time only through its clock (L2), `file_lengths` that no source file
+//! of the library is over 800 lines (L3), and `test_sleeps` that every sleep in the tests is
+//! the shared poll helper's or says why it is there (L4).
 //!
 //! `loom_lease_word` and `loom_lease_words` each compile `src/lease/sync.rs` and
 //! `src/lease/word.rs` as modules of their own (hence `clippy::duplicate_mod` allowed there):
@@ -16,3 +17,4 @@ mod clock_reads;
 mod file_lengths;
 mod loom_lease_word;
 mod loom_lease_words;
+mod test_sleeps;

@@ -238,6 +238,7 @@ async fn every_call_is_answered_within_the_call_deadline() {
         let mut worst = Duration::ZERO;
         while start.elapsed() < Duration::from_secs(1) {
             let began = Instant::now();
+            // sleep: the probe measures how late a 5 ms timer fires.
             tokio::time::sleep(Duration::from_millis(5)).await;
             worst = worst.max(began.elapsed().saturating_sub(Duration::from_millis(5)));
         }
@@ -255,8 +256,8 @@ async fn every_call_is_answered_within_the_call_deadline() {
                         .await
                         .expect("decision");
                     seen.push((began.elapsed(), d.decided_by, d.allowed));
-                    // A client does some work between requests (and this test must not take the
-                    // machine's two cores for itself).
+                    // sleep: pacing. A client does some work between requests (and this test
+                    // must not take the machine's two cores for itself).
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
                 seen
@@ -423,16 +424,21 @@ async fn a_slow_link_keeps_its_connections() {
     }
     // The abandoned statements of the last calls settle within the grace plus one cancel
     // (bounded by the 50 ms call timeout) and one idle query: 2 s at most.
-    let settled = Instant::now() + Duration::from_secs(2);
-    loop {
-        let counted = (cancels.kept, cancels.closed);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        cancels.add();
-        let quiet = (cancels.kept, cancels.closed) == counted;
-        if (quiet && rig.proxy.active() <= pool as usize) || Instant::now() >= settled {
-            break;
-        }
-    }
+    // Quiet: nothing more counted over one 20 ms step, and no more connections than the pool.
+    let mut counted = None;
+    let _ = common::poll_until(
+        Duration::from_millis(20),
+        Duration::from_secs(2),
+        async || {
+            if counted.is_some() {
+                cancels.add();
+            }
+            let now = (cancels.kept, cancels.closed);
+            let quiet = counted.replace(now) == Some(now);
+            quiet && rig.proxy.active() <= pool as usize
+        },
+    )
+    .await;
     let (kept, closed) = (cancels.kept - kept_before, cancels.closed - closed_before);
     let opened = rig.proxy.accepted() - opened_before;
     println!(

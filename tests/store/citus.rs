@@ -542,6 +542,7 @@ fn drive(
                         by: d.decided_by,
                         took: started.elapsed(),
                     });
+                    // sleep: pacing, calls 500 µs apart.
                     tokio::time::sleep(Duration::from_micros(500)).await;
                 }
                 events
@@ -675,17 +676,19 @@ async fn one_worker_out(hang: bool) {
     let events = run.await.expect("run");
     // After the fault, the worker's keys are the store's again: polled with a deadline (the
     // coordinator's connections to the restarted worker are opened again on first use).
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let recovered = loop {
-        let d = limiters[0]
-            .try_acquire_with(&plan, &keys[4], 1.0)
-            .await
-            .expect("decision");
-        if d.decided_by == DecidedBy::Store || Instant::now() > deadline {
-            break d.decided_by == DecidedBy::Store;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let recovered = common::poll_until(
+        Duration::from_millis(50),
+        Duration::from_secs(20),
+        async || {
+            let d = limiters[0]
+                .try_acquire_with(&plan, &keys[4], 1.0)
+                .await
+                .expect("decision");
+            d.decided_by == DecidedBy::Store
+        },
+    )
+    .await
+    .is_ok();
     for limiter in &limiters {
         limiter.shutdown().await;
     }
@@ -844,18 +847,21 @@ async fn with_the_coordinator_down_the_fallback_decides_within_the_timeout() {
         .iter()
         .filter(|e| e.at > up && e.by == DecidedBy::Store)
         .count();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while back == 0 && Instant::now() < deadline {
-        let decision = limiter
-            .try_acquire_with(&plan, &keys[0], 1.0)
-            .await
-            .expect("decision");
-        if decision.decided_by == DecidedBy::Store {
-            back += 1;
-        } else {
-            // The breaker's probe interval: the next call may reach the store.
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+    if back == 0 {
+        // Polled every 20 ms, the breaker's probe interval: the next call may reach the store.
+        let store_again = common::poll_until(
+            Duration::from_millis(20),
+            Duration::from_secs(10),
+            async || {
+                let decision = limiter
+                    .try_acquire_with(&plan, &keys[0], 1.0)
+                    .await
+                    .expect("decision");
+                decision.decided_by == DecidedBy::Store
+            },
+        )
+        .await;
+        back += usize::from(store_again.is_ok());
     }
     limiter.shutdown().await;
     let outage: Vec<&Event> = events

@@ -88,7 +88,7 @@ async fn hammer(
                     } else {
                         denied += 1;
                     }
-                    // A real caller does some work between requests.
+                    // sleep: pacing. A real caller does some work between requests.
                     tokio::time::sleep(Duration::from_micros(200)).await;
                 }
                 (instance, admitted, denied, calls)

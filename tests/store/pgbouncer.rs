@@ -143,15 +143,15 @@ impl PgBouncer {
             .spawn()
             .unwrap_or_else(|e| panic!("start {}: {e}", binary.display()));
         let bouncer = PgBouncer { child, dir, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "PgBouncer did not listen on {port}; its log:\n{}",
-                bouncer.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let listening =
+            common::poll_until_blocking(Duration::from_millis(20), Duration::from_secs(10), || {
+                std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            });
+        assert!(
+            listening.is_ok(),
+            "PgBouncer did not listen on {port}; its log:\n{}",
+            bouncer.log()
+        );
         bouncer
     }
 
@@ -183,12 +183,12 @@ impl Drop for PgBouncer {
                 .args(["-TERM", &pid.to_string()])
                 .status();
         }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let exited =
+            common::poll_until_blocking(Duration::from_millis(20), Duration::from_secs(5), || {
+                matches!(self.child.try_wait(), Ok(Some(_)))
+            });
+        if exited.is_ok() {
+            return;
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -370,6 +370,7 @@ async fn two_instances_through_pgbouncer_hold_the_envelope() {
                         (DecidedBy::Store, false) => denied += 1,
                         _ => other += 1,
                     }
+                    // sleep: pacing, calls 200 µs apart.
                     tokio::time::sleep(Duration::from_micros(200)).await;
                 }
                 (instance, admitted, denied, other)

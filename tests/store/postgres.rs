@@ -453,19 +453,20 @@ async fn the_idle_cleanup_task_deletes_full_rows_in_batches() {
         10,
     );
     let conn = db.client().await.expect("connection");
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        let n: i64 = conn
-            .query_one("SELECT count(*) FROM tokenlease_buckets", &[])
-            .await
-            .expect("count")
-            .get(0);
-        if n == 1 {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "{n} rows left");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    common::eventually(
+        Duration::from_millis(20),
+        Duration::from_secs(5),
+        "one row left (rows left)",
+        async || {
+            let n: i64 = conn
+                .query_one("SELECT count(*) FROM tokenlease_buckets", &[])
+                .await
+                .expect("count")
+                .get(0);
+            if n == 1 { Ok(()) } else { Err(n) }
+        },
+    )
+    .await;
     drop(cleanup);
     assert!(store.inspect("busy").await.expect("inspect").is_some());
 }

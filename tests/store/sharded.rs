@@ -142,6 +142,7 @@ fn drive(
                         store_time: d.store_time,
                         took: started.elapsed(),
                     });
+                    // sleep: pacing, calls 500 µs apart.
                     tokio::time::sleep(Duration::from_micros(500)).await;
                 }
                 events
@@ -386,14 +387,20 @@ async fn h5(leased: bool) {
         .expect("stop task");
     let stopped = origin.elapsed();
     // The stopped shard's breaker opens (polled, with a deadline); the others stay closed.
-    let deadline = Instant::now() + Duration::from_secs(2);
-    let states = loop {
-        let states = circuit_states();
-        if states.get(NAMES[down]).copied() == Some(1.0) || Instant::now() > deadline {
-            break states;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let states = common::poll_until(
+        Duration::from_millis(10),
+        Duration::from_secs(2),
+        async || {
+            let states = circuit_states();
+            if states.get(NAMES[down]).copied() == Some(1.0) {
+                Ok(states)
+            } else {
+                Err(states)
+            }
+        },
+    )
+    .await
+    .unwrap_or_else(|states| states);
     assert_eq!(states.get(NAMES[down]), Some(&1.0), "{states:?}");
     for (i, name) in NAMES.iter().enumerate() {
         if i != down {
