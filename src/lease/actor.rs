@@ -700,6 +700,13 @@ fn finish(
                 metrics::counter!(m::DB_ERRORS, "kind" => "lease").increment(1);
             }
             let until = now + FAILURE_BACKOFF.as_nanos() as u64;
+            // Credit (`Leases::credit`) is given only while refills answer.
+            let at = now.max(1);
+            if short || result.iter().any(Result::is_err) {
+                leases.refill_failed_at.store(at, Ordering::Release);
+            } else {
+                leases.refill_ok_at.store(at, Ordering::Release);
+            }
             let mut answers = result.into_iter();
             for (slot, _, want, hold, target) in &asks {
                 lanes.inflight.remove(&(SlotRef::as_ptr(slot) as usize));
@@ -876,6 +883,17 @@ fn expire(
             book.expires_at.near(now)
         } else if word & PENDING == 0 && idle_at <= horizon {
             drop(book);
+            // Credit still owed (its refill failed, or found the bucket dry) is asked for once
+            // more before the key leaves, if refills answer now; otherwise it goes unpaid.
+            if leases.owed_by(&slot) > 0
+                && leases.refills_answer()
+                && slot.fallback_until.load(Ordering::Acquire) <= now
+                && slot.deny_until.load(Ordering::Acquire) <= now
+                && slot.words().request_refill()
+            {
+                leases.nudge_soon(&slot);
+                continue;
+            }
             evict.push(slot);
             continue;
         } else {
@@ -894,7 +912,7 @@ fn expire(
         for slot in evict {
             // Only the actor removes keys, and the slot is not evicted, so the key is this slot's.
             if let Some(removed) = table.remove(&slot.key) {
-                retire(removed, returns, ids);
+                retire(leases, removed, returns, ids);
             }
         }
         // A view rebuilds at most once, so a large batch of evictions leaves most of its keys as
@@ -929,7 +947,7 @@ fn retire_stale(
     }
     for slot in &gone {
         if let Some(removed) = table.remove(&slot.key) {
-            retire(removed, returns, ids);
+            retire(leases, removed, returns, ids);
         }
     }
     drop(table);
@@ -1068,9 +1086,12 @@ fn queue_return(
 }
 
 /// Takes a slot out of service for good (evicted, or shutting down): it is never topped up
-/// again, its unspent tokens go back, and its waiters wake to find it closed.
-fn retire(slot: &SlotRef, returns: &mut Vec<Return>, ids: &mut Ids) {
+/// again, its unspent tokens go back, and its waiters wake to find it closed. Its key gets no
+/// credit from now on, and credit it still owes counts as unpaid.
+fn retire(leases: &Leases, slot: &SlotRef, returns: &mut Vec<Return>, ids: &mut Ids) {
+    leases.mark_removed(&slot.key);
     slot.evicted().store(true, Ordering::Release);
+    leases.write_off_credit(slot);
     let reclaimed = slot.words().close();
     slot.book.lock().reclaimed.add(reclaimed);
     queue_return(returns, ids, slot, reclaimed, || slot.strict_lease());
@@ -1129,7 +1150,10 @@ fn sample_demand(
 
 /// What one slot asks the store for: (min, want) in nanotokens, with the target lease size
 /// they come from, or `None` when nothing is needed. Samples the slot's demand.
-fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64, u64)> {
+///
+/// Credit the slot owes (`owed`, `Leases::credit`) is asked for on top of both: the grant
+/// pays it first (`apply`).
+fn plan_refill(slot: &Slot, now: u64, landing: u64, owed: u64) -> Option<(u64, u64, u64)> {
     let settings = lease_settings(slot);
     let largest = largest_lease(slot, 0);
     let available = slot.words().available();
@@ -1166,21 +1190,23 @@ fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64, u64)> {
         .saturating_sub(available)
         .max(needed)
         .min(largest.max(needed));
-    if want == 0 {
+    if want == 0 && owed == 0 {
         return None;
     }
     // A top-up nobody waits for is worth a round trip only if it brings a good part of what is
     // wanted; with a caller waiting, whatever pays that caller is (asking it for more would
     // deny a call the bucket could pay). A bucket that ran dry is asked for the whole lease or
     // nothing.
-    let min = if book.dry {
+    let min = if want == 0 {
+        0
+    } else if book.dry {
         want
     } else if needed > 0 {
         needed.clamp(1, want)
     } else {
         (want / 2).clamp(1, want)
     };
-    Some((min, want, target))
+    Some((min.saturating_add(owed), want.saturating_add(owed), target))
 }
 
 /// The most a lease of `slot` holds (nanotokens): `B = max_fraction × capacity`, or the largest
@@ -1258,7 +1284,7 @@ fn plan_chunk(leases: &Leases, part: &[SlotRef], timers: &mut Timers, ids: &mut 
             schedule(timers, slot, now);
             continue;
         }
-        match plan_refill(slot, now, landing) {
+        match plan_refill(slot, now, landing, leases.owed_by(slot)) {
             Some((min, want, target)) => {
                 let hold = hold(leases, slot, ids);
                 asks.push((SlotRef::clone(slot), min, want, hold, target));
@@ -1337,13 +1363,16 @@ fn apply(
         // word while this refill was in flight would otherwise ride on top of the grant, and a
         // lease that callers keep refunding into would grow past the bound round after round.
         // What does not fit goes back to the store.
+        // Credit the slot owes is paid first: those tokens were spent when the credit was
+        // given, so they count as credited and spent at once (as a sparse key's store call).
+        let paid = leases.pay_credit(slot, granted);
         let room =
             largest_lease(slot, book.max_cost.get()).saturating_sub(slot.words().available());
-        let placed = granted.min(room);
+        let placed = (granted - paid).min(room);
         let unplaced = if slot.evicted().load(Ordering::Acquire) {
-            granted
+            granted - paid
         } else {
-            (granted - placed) + slot.words().top_up(placed, split_min)
+            (granted - paid - placed) + slot.words().top_up(placed, split_min)
         };
         // `unplaced` can exceed `granted` by tokens a hot key's words held and could not hold
         // again (see `LeaseWords::top_up`); they were credited before and leave now.
@@ -1380,6 +1409,11 @@ fn apply(
         queue_return(returns, ids, slot, unplaced, || {
             strict.and_then(|_| slot.strict_lease())
         });
+        // Credit given after this refill was planned is still owed: the next refill asks for
+        // it (nobody waits on it).
+        if leases.owed_by(slot) > 0 && slot.words().request_refill() {
+            leases.nudge_soon(slot);
+        }
     }
     slot.notify().notify_waiters();
 }
@@ -1458,7 +1492,7 @@ async fn shut_down(leases: &Leases, returns: &mut Vec<Return>, ids: &mut Ids) {
     {
         let table = leases.table.pin();
         for (_, slot) in table.iter() {
-            retire(slot, returns, ids);
+            retire(leases, slot, returns, ids);
         }
         table.clear();
     }

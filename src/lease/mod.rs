@@ -15,6 +15,7 @@
 //! shutdown gives every lease back. Its work follows what is due (a queue of expiry and idle
 //! checks, at most one entry per key), not the number of keys: an idle table costs nothing. See `DESIGN.md` §8 for the overshoot bound.
 
+use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -33,6 +34,7 @@ use crate::policy::Plan;
 use crate::store::Store;
 
 mod actor;
+mod credit;
 mod slab;
 #[cfg(test)]
 mod slab_tests;
@@ -63,6 +65,15 @@ const NUDGES: usize = 1 << 13;
 
 /// The longest the actor gathers low-water nudges before refilling them together.
 pub(crate) const GATHER: Duration = Duration::from_millis(10);
+
+/// Words of the filter of keys the table has removed (`Leases::removed`): 4,096 × 64 bits,
+/// 32 KiB. A key whose bit is set is never admitted on credit (`Leases::credit`).
+const REMOVED_WORDS: usize = 4096;
+
+/// A call is admitted on credit only if the actor's last refill answered within this long and
+/// no refill failed since (`Leases::credit`): credit stands in for a store that answers slowly,
+/// never for one that fails.
+const CREDIT_FRESH: Duration = Duration::from_secs(1);
 
 /// Lease counters, in tokens, since the limiter started. Exact: every nanotoken leased is spent
 /// by a caller, given back, stranded (a give-back that failed for good), waived (not sent back
@@ -102,6 +113,16 @@ pub struct LeaseStats {
     /// Lease actors started again after the previous one ended early (its tokio runtime was
     /// dropped, or it panicked).
     pub actor_restarts: u64,
+    /// Tokens admitted on credit: calls of a new key that waited out `max_wait` for the key's
+    /// refill and were admitted against it instead of going to the fallback (`DESIGN.md` §8,
+    /// "Credit while a new key's refill is late").
+    pub credit: f64,
+    /// Tokens admitted on credit that no grant has paid yet: the next refill of the key asks
+    /// for them on top of what it wants.
+    pub credit_owed: f64,
+    /// Tokens admitted on credit that were never paid (the key left the table first): admitted
+    /// without the store, within the key's `B` (`outstanding_bound`).
+    pub credit_unpaid: f64,
 }
 
 /// Counters in nanotokens, written by the actor.
@@ -116,6 +137,10 @@ pub(crate) struct Counters {
     /// Actors started again after the previous one ended early.
     pub(crate) actor_restarts: AtomicU64,
     pub(crate) actor_visits: AtomicU64,
+    /// Nanotokens admitted on credit.
+    pub(crate) credit: AtomicU64,
+    /// Nanotokens admitted on credit and never paid.
+    pub(crate) credit_unpaid: AtomicU64,
 }
 
 /// Settings of the lease table and actor that do not belong to one plan.
@@ -180,6 +205,21 @@ pub(crate) struct Leases {
     /// After a policy reload: which slots hold a lease of a plan no longer in force. The
     /// actor's next round retires them; a later reload replaces an earlier one not yet seen.
     reload: Mutex<Option<Stale>>,
+    /// Credit not yet paid (`credit.rs`): what calls admitted on credit ([`Leases::credit`])
+    /// still owe the store, by slot. An entry goes when a grant pays it, or when its slot
+    /// leaves the table (then counted as unpaid). Locked after the slot's book.
+    credit: credit::Credit,
+    /// A hash filter of the keys this table has removed (evicted, retired after a reload): one
+    /// bit per hash, set for good. A key whose bit is set gets no credit, so a key's credit is
+    /// given by its first slot alone, and a lease of an earlier slot of the same key can never
+    /// be spent in the same window as credit (the overshoot bound, `DESIGN.md` §8).
+    removed: Box<[AtomicU64]>,
+    /// Hashes keys for `removed`.
+    hasher: RandomState,
+    /// When a refill statement of the actor last answered, and last failed (local monotonic ns,
+    /// 0 for never): credit is given only while the store answers.
+    pub(crate) refill_ok_at: AtomicU64,
+    pub(crate) refill_failed_at: AtomicU64,
 }
 
 /// `(key, slot's plan, reached through the key's prefix)` → whether the slot's lease must
@@ -271,6 +311,11 @@ impl Leases {
             alive: AtomicBool::new(false),
             carry: Mutex::new(Vec::new()),
             reload: Mutex::new(None),
+            credit: credit::Credit::new(),
+            removed: (0..REMOVED_WORDS).map(|_| AtomicU64::new(0)).collect(),
+            hasher: RandomState::new(),
+            refill_ok_at: AtomicU64::new(0),
+            refill_failed_at: AtomicU64::new(0),
         });
         leases.ensure_actor();
         leases
@@ -618,7 +663,113 @@ impl Leases {
                 break;
             }
         }
+        // The refill is late: admit the call against it instead of sending it to the fallback,
+        // when the rules of `credit` allow.
+        if self.credit(&slot, cost) {
+            record_named(plans, &slot.plan);
+            return Fast::Taken {
+                left: 0,
+                store_remaining: slot.hot().store_remaining.load(Ordering::Relaxed),
+            };
+        }
         Fast::Short(slot)
+    }
+
+    /// Admits `cost` nanotokens of `slot` on credit, for a caller that waited out its
+    /// `max_wait` for the slot's refill: the refill in flight (or the next one) is asked for
+    /// the credit on top of what it wants, and its grant pays it before the lease gets anything
+    /// (`actor.rs::apply`). Only for a relaxed lease, while a refill is asked for, when the
+    /// store answered a refill of this actor in the last [`CREDIT_FRESH`] and failed none since,
+    /// the key is neither denied nor failing, the table never removed the key (`removed`), and
+    /// the key's grants so far, its unpaid credit and `cost` stay within `B` (the slot's
+    /// largest lease): so the tokens of a window that no grant in it paid for (the lease held
+    /// at its start, and credit) are at most `B` per key and instance, as without credit
+    /// (`DESIGN.md` §8, "Credit while a new key's refill is late"). Returns whether it did.
+    pub(crate) fn credit(&self, slot: &SlotRef, cost: u64) -> bool {
+        let Some(settings) = slot.plan.lease() else {
+            return false;
+        };
+        if settings.accounting != crate::policy::Accounting::Relaxed
+            || self.stopping.load(Ordering::Acquire)
+            || slot.evicted().load(Ordering::Acquire)
+            || slot.dry().load(Ordering::Acquire)
+            || slot.words().load() & word::PENDING == 0
+        {
+            return false;
+        }
+        let now = self.now();
+        if !self.refills_answer()
+            || now.saturating_sub(self.refill_ok_at.load(Ordering::Acquire))
+                > CREDIT_FRESH.as_nanos() as u64
+            || slot.deny_until.load(Ordering::Acquire) > now
+            || slot.fallback_until.load(Ordering::Acquire) > now
+            || self.was_removed(&slot.key)
+        {
+            return false;
+        }
+        let bound = actor::largest_lease(slot, 0);
+        let book = slot.book.lock();
+        if !self
+            .credit
+            .give(slot.hot_index(), book.credited.get(), cost, bound)
+        {
+            return false;
+        }
+        drop(book);
+        self.counters.credit.fetch_add(cost, Ordering::AcqRel);
+        // The refill seen above may have been answered since: ask for another, which pays the
+        // credit (nobody waits on it).
+        if slot.words().request_refill() {
+            self.nudge_soon(slot);
+        }
+        true
+    }
+
+    /// Whether a refill statement of the actor has answered, and none failed since.
+    pub(crate) fn refills_answer(&self) -> bool {
+        let ok_at = self.refill_ok_at.load(Ordering::Acquire);
+        ok_at != 0 && self.refill_failed_at.load(Ordering::Acquire) < ok_at
+    }
+
+    /// The bit of `key` in the filter of removed keys: (word, mask).
+    fn removed_bit(&self, key: &str) -> (usize, u64) {
+        let hash = self.hasher.hash_one(key);
+        let bit = (hash as usize) % (REMOVED_WORDS * 64);
+        (bit / 64, 1 << (bit % 64))
+    }
+
+    /// Whether the table may have removed `key` before (a hash filter: it may say so of a key
+    /// it never removed, never the other way).
+    fn was_removed(&self, key: &str) -> bool {
+        let (at, mask) = self.removed_bit(key);
+        self.removed[at].load(Ordering::Acquire) & mask != 0
+    }
+
+    /// Records that the table removed `key` (actor only, before the slot is retired).
+    pub(crate) fn mark_removed(&self, key: &str) {
+        let (at, mask) = self.removed_bit(key);
+        self.removed[at].fetch_or(mask, Ordering::AcqRel);
+    }
+
+    /// The credit `slot` still owes (nanotokens).
+    pub(crate) fn owed_by(&self, slot: &Slot) -> u64 {
+        self.credit.owed(slot.hot_index())
+    }
+
+    /// Pays up to `granted` nanotokens of `slot`'s credit; returns what it paid. The caller holds
+    /// the slot's book.
+    pub(crate) fn pay_credit(&self, slot: &Slot, granted: u64) -> u64 {
+        self.credit.pay(slot.hot_index(), granted)
+    }
+
+    /// Drops `slot`'s unpaid credit as it leaves the table, counting it as unpaid.
+    pub(crate) fn write_off_credit(&self, slot: &Slot) {
+        let unpaid = self.credit.write_off(slot.hot_index());
+        if unpaid > 0 {
+            self.counters
+                .credit_unpaid
+                .fetch_add(unpaid, Ordering::AcqRel);
+        }
     }
 
     /// The policy index recorded for `key`'s plan (`None` when the key is not in the table,
@@ -711,6 +862,9 @@ impl Leases {
             actor_rounds: self.counters.actor_rounds.load(Ordering::Acquire),
             actor_restarts: self.counters.actor_restarts.load(Ordering::Acquire),
             actor_visits: self.counters.actor_visits.load(Ordering::Acquire),
+            credit: tokens(self.counters.credit.load(Ordering::Acquire)),
+            credit_owed: tokens(self.credit.total()),
+            credit_unpaid: tokens(self.counters.credit_unpaid.load(Ordering::Acquire)),
         }
     }
 

@@ -5,12 +5,14 @@
 //! modules depend on each other one way (L1; a fraction of a second), and `clock_reads` that
 //! the library reads time only through its clock (L2).
 //!
-//! `loom_lease_word` and `loom_lease_words` each compile `src/lease/sync.rs` and
-//! `src/lease/word.rs` as modules of their own (hence `clippy::duplicate_mod` allowed there):
-//! each model is self-contained, as when they were separate binaries.
+//! `loom_lease_word`, `loom_lease_words` and `loom_lease_credit` each compile `src/lease/sync.rs`
+//! and `src/lease/word.rs` (`loom_lease_credit` also `src/lease/credit.rs`) as modules of their
+//! own (hence `clippy::duplicate_mod` allowed there): each model is self-contained, as when they
+//! were separate binaries.
 
 mod arrows;
 mod bucket_props;
 mod clock_reads;
+mod loom_lease_credit;
 mod loom_lease_word;
 mod loom_lease_words;
