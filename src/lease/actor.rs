@@ -700,13 +700,9 @@ fn finish(
                 metrics::counter!(m::DB_ERRORS, "kind" => "lease").increment(1);
             }
             let until = now + FAILURE_BACKOFF.as_nanos() as u64;
-            // Credit (`Leases::credit`) is given only while refills answer.
-            let at = now.max(1);
-            if short || result.iter().any(Result::is_err) {
-                leases.refill_failed_at.store(at, Ordering::Release);
-            } else {
-                leases.refill_ok_at.store(at, Ordering::Release);
-            }
+            // Credit (`Leases::credit`) is given only while refills answer; a refill that timed
+            // out while a newer one answered is late, not failed (`late.rs`).
+            let late = leases.refill_outcome(sent, short, &result, now);
             let mut answers = result.into_iter();
             for (slot, _, want, hold, target) in &asks {
                 lanes.inflight.remove(&(SlotRef::as_ptr(slot) as usize));
@@ -716,6 +712,14 @@ fn finish(
                         apply(
                             leases, slot, *want, *target, &answer, now, strict, returns, ids,
                         );
+                    }
+                    // Late: the waiters ask again and go on waiting; credit owed is asked for.
+                    _ if late && hold.is_none() => {
+                        slot.words().clear_pending();
+                        slot.notify().notify_waiters();
+                        if leases.owed_by(slot) > 0 && slot.words().request_refill() {
+                            leases.nudge_soon(slot);
+                        }
                     }
                     _ => {
                         slot.fallback_until.store(until, Ordering::Release);
@@ -1410,8 +1414,11 @@ fn apply(
             strict.and_then(|_| slot.strict_lease())
         });
         // Credit given after this refill was planned is still owed: the next refill asks for
-        // it (nobody waits on it).
-        if leases.owed_by(slot) > 0 && slot.words().request_refill() {
+        // it (nobody waits on it). A grant that paid credit left the lease short of what the
+        // key's demand wants (a cold key's first grant is its first callers' costs, and those
+        // were credited): the next refill tops it up before the key's next call, off that
+        // call's path, as the grant would have for a caller that went to the fallback.
+        if (paid > 0 || leases.owed_by(slot) > 0) && slot.words().request_refill() {
             leases.nudge_soon(slot);
         }
     }

@@ -35,6 +35,7 @@ use crate::store::Store;
 
 mod actor;
 mod credit;
+mod late;
 mod slab;
 #[cfg(test)]
 mod slab_tests;
@@ -220,6 +221,9 @@ pub(crate) struct Leases {
     /// 0 for never): credit is given only while the store answers.
     pub(crate) refill_ok_at: AtomicU64,
     pub(crate) refill_failed_at: AtomicU64,
+    /// When the newest refill statement that answered was sent (local monotonic ns, 0 for
+    /// none): a refill sent no later that timed out is late, not failed (`late.rs`).
+    refill_ok_sent: AtomicU64,
 }
 
 /// `(key, slot's plan, reached through the key's prefix)` → whether the slot's lease must
@@ -316,6 +320,7 @@ impl Leases {
             hasher: RandomState::new(),
             refill_ok_at: AtomicU64::new(0),
             refill_failed_at: AtomicU64::new(0),
+            refill_ok_sent: AtomicU64::new(0),
         });
         leases.ensure_actor();
         leases
