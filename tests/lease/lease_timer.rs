@@ -944,7 +944,6 @@ async fn lease_and_fallback(limiter: &Limiter, plan: &Plan, key: &str, calls: u3
 /// first refill answered or after a refill failed.
 #[tokio::test(start_paused = true)]
 async fn c10_a_late_first_refill_admits_on_credit_within_the_bound() {
-    use std::sync::atomic::Ordering::Relaxed;
     let store = TwoShards::default();
     let limiter = Limiter::builder(store.clone())
         .lease_tick(Duration::from_millis(10))
