@@ -15,6 +15,7 @@
 //! shutdown gives every lease back. Its work follows what is due (a queue of expiry and idle
 //! checks, at most one entry per key), not the number of keys: an idle table costs nothing. See `DESIGN.md` §8 for the overshoot bound.
 
+use std::hash::RandomState;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -33,10 +34,15 @@ use crate::policy::Plan;
 use crate::store::Store;
 
 mod actor;
+mod credit;
+mod credit_rules;
+use credit_rules::REMOVED_WORDS;
+mod late;
 mod slab;
 #[cfg(test)]
 mod slab_tests;
 mod slot;
+mod stats;
 mod sync;
 mod table;
 mod timers;
@@ -102,6 +108,16 @@ pub struct LeaseStats {
     /// Lease actors started again after the previous one ended early (its tokio runtime was
     /// dropped, or it panicked).
     pub actor_restarts: u64,
+    /// Tokens admitted on credit: calls of a new key that waited out `max_wait` for the key's
+    /// refill and were admitted against it instead of going to the fallback (`DESIGN.md` §8,
+    /// "Credit while a new key's refill is late").
+    pub credit: f64,
+    /// Tokens admitted on credit that no grant has paid yet: the next refill of the key asks
+    /// for them on top of what it wants.
+    pub credit_owed: f64,
+    /// Tokens admitted on credit that were never paid (the key left the table first): admitted
+    /// without the store, within the key's `B` (`outstanding_bound`).
+    pub credit_unpaid: f64,
 }
 
 /// Counters in nanotokens, written by the actor.
@@ -116,6 +132,10 @@ pub(crate) struct Counters {
     /// Actors started again after the previous one ended early.
     pub(crate) actor_restarts: AtomicU64,
     pub(crate) actor_visits: AtomicU64,
+    /// Nanotokens admitted on credit.
+    pub(crate) credit: AtomicU64,
+    /// Nanotokens admitted on credit and never paid.
+    pub(crate) credit_unpaid: AtomicU64,
 }
 
 /// Settings of the lease table and actor that do not belong to one plan.
@@ -180,6 +200,24 @@ pub(crate) struct Leases {
     /// After a policy reload: which slots hold a lease of a plan no longer in force. The
     /// actor's next round retires them; a later reload replaces an earlier one not yet seen.
     reload: Mutex<Option<Stale>>,
+    /// Credit not yet paid (`credit.rs`): what calls admitted on credit ([`Leases::credit`])
+    /// still owe the store, by slot. An entry goes when a grant pays it, or when its slot
+    /// leaves the table (then counted as unpaid). Locked after the slot's book.
+    credit: credit::Credit,
+    /// A hash filter of the keys this table has removed (evicted, retired after a reload): one
+    /// bit per hash, set for good. A key whose bit is set gets no credit, so a key's credit is
+    /// given by its first slot alone, and a lease of an earlier slot of the same key can never
+    /// be spent in the same window as credit (the overshoot bound, `DESIGN.md` §8).
+    removed: Box<[AtomicU64]>,
+    /// Hashes keys for `removed`.
+    hasher: RandomState,
+    /// When a refill statement of the actor last answered, and last failed (local monotonic ns,
+    /// 0 for never): credit is given only while the store answers.
+    pub(crate) refill_ok_at: AtomicU64,
+    pub(crate) refill_failed_at: AtomicU64,
+    /// When the newest refill statement that answered was sent (local monotonic ns, 0 for
+    /// none): a refill sent no later that timed out is late, not failed (`late.rs`).
+    refill_ok_sent: AtomicU64,
 }
 
 /// `(key, slot's plan, reached through the key's prefix)` → whether the slot's lease must
@@ -271,6 +309,12 @@ impl Leases {
             alive: AtomicBool::new(false),
             carry: Mutex::new(Vec::new()),
             reload: Mutex::new(None),
+            credit: credit::Credit::new(),
+            removed: (0..REMOVED_WORDS).map(|_| AtomicU64::new(0)).collect(),
+            hasher: RandomState::new(),
+            refill_ok_at: AtomicU64::new(0),
+            refill_failed_at: AtomicU64::new(0),
+            refill_ok_sent: AtomicU64::new(0),
         });
         leases.ensure_actor();
         leases
@@ -618,6 +662,15 @@ impl Leases {
                 break;
             }
         }
+        // The refill is late: admit the call against it instead of sending it to the fallback,
+        // when the rules of `credit` allow.
+        if self.credit(&slot, cost) {
+            record_named(plans, &slot.plan);
+            return Fast::Taken {
+                left: 0,
+                store_remaining: slot.hot().store_remaining.load(Ordering::Relaxed),
+            };
+        }
         Fast::Short(slot)
     }
 
@@ -687,31 +740,6 @@ impl Leases {
         let book = slot.book.lock();
         let bound = actor::largest_lease(slot, book.max_cost.get());
         slot.words_of(hot).refund_within(cost, bound)
-    }
-
-    /// Counters now.
-    pub(crate) fn stats(&self) -> LeaseStats {
-        let table = self.table.pin();
-        let (outstanding, bound) = table.values().fold((0u64, 0u64), |(held, bound), s| {
-            (
-                held + s.words().available(),
-                bound.saturating_add(actor::largest_lease(s, 0)),
-            )
-        });
-        let tokens = |n: u64| n as f64 / 1e9;
-        LeaseStats {
-            leased: tokens(self.counters.leased.load(Ordering::Acquire)),
-            returned: tokens(self.counters.returned.load(Ordering::Acquire)),
-            stranded: tokens(self.counters.stranded.load(Ordering::Acquire)),
-            waived: tokens(self.counters.waived.load(Ordering::Acquire)),
-            outstanding: tokens(outstanding),
-            outstanding_bound: tokens(bound),
-            keys: table.len(),
-            store_calls: self.counters.store_calls.load(Ordering::Acquire),
-            actor_rounds: self.counters.actor_rounds.load(Ordering::Acquire),
-            actor_restarts: self.counters.actor_restarts.load(Ordering::Acquire),
-            actor_visits: self.counters.actor_visits.load(Ordering::Acquire),
-        }
     }
 
     /// Asks the actor to give every lease back and stop, and waits for it.

@@ -920,3 +920,262 @@ async fn callers_waiting_on_shared_notifys_are_each_answered_from_their_lease() 
         "{most} refill statements in flight at most"
     );
 }
+
+/// `calls` calls of `key`, one after another (each waits out `max_wait` while the key's refill
+/// is held): how many the lease decided (on credit) and how many the fallback did.
+async fn lease_and_fallback(limiter: &Limiter, plan: &Plan, key: &str, calls: u32) -> (u32, u32) {
+    use tokenlease::DecidedBy;
+    let mut by = (0, 0);
+    for _ in 0..calls {
+        let d = limiter
+            .try_acquire_with(plan, key, 1.0)
+            .await
+            .expect("decision");
+        match d.decided_by {
+            DecidedBy::Lease => {
+                assert!(d.allowed, "{d:?}");
+                by.0 += 1;
+            }
+            DecidedBy::Fallback(_) => by.1 += 1,
+            _ => panic!("{d:?}"),
+        }
+    }
+    by
+}
+
+/// C10: a new key's calls that wait out `max_wait` for its first refill, late but on its way,
+/// are admitted on credit instead of by the fallback: at most `B` of them (the slot's grants so
+/// far, its unpaid credit and the call's cost within the largest lease, here 10 tokens), and
+/// the refill, when it lands, pays the credit first, so the store's bucket is charged every
+/// admitted token. A strict lease gets no credit, and neither does any call before the actor's
+/// first refill answered or after a refill failed.
+#[tokio::test(start_paused = true)]
+async fn c10_a_late_first_refill_admits_on_credit_within_the_bound() {
+    let store = TwoShards::default();
+    let limiter = Limiter::builder(store.clone())
+        .lease_tick(Duration::from_millis(10))
+        .build();
+    // B = 10 tokens; a bucket refilling a token every 1,000 s, so the row shows every take.
+    let plan = common::plan(100, 0.001).with_lease(
+        LeaseSettings::default()
+            .with_ttl(Duration::from_secs(1))
+            .with_max_wait(Duration::from_millis(50)),
+    );
+    store.hold_refills.set(true);
+    // No refill has answered yet: no credit, the fallback decides.
+    assert_eq!(
+        lease_and_fallback(&limiter, &plan, "held", 1).await,
+        (0, 1),
+        "no credit before the store answered"
+    );
+    // Another key's refill answers at once (its own partition); then `held`'s calls, each
+    // waiting 50 ms for the held refill, are admitted on credit until B is used, then the
+    // fallback decides.
+    assert_eq!(lease_and_fallback(&limiter, &plan, "free", 1).await, (1, 0));
+    assert_eq!(
+        lease_and_fallback(&limiter, &plan, "held", 12).await,
+        (10, 2),
+        "credit within B"
+    );
+    let owing = stats(&limiter);
+    assert_eq!(owing.credit, 10.0, "{owing:?}");
+    assert_eq!(owing.credit_owed, 10.0, "{owing:?}");
+    // The refill lands: it pays the credit before the lease gets anything.
+    store.hold_refills.set(false);
+    until(Duration::from_secs(1), "credit paid", || {
+        stats(&limiter).credit_owed == 0.0
+    })
+    .await;
+    let row = store
+        .inner
+        .inspect("held")
+        .await
+        .expect("inspect")
+        .expect("row");
+    let paid = stats(&limiter);
+    assert!(
+        100.0 - row.tokens_now.as_f64() >= 10.0 - 1e-6,
+        "the bucket was charged the credit: {row:?} {paid:?}"
+    );
+    assert_eq!(paid.credit_unpaid, 0.0, "{paid:?}");
+    limiter.shutdown().await;
+    let end = stats(&limiter);
+    assert_eq!(end.credit_unpaid, 0.0, "{end:?}");
+
+    // Strict accounting: no credit.
+    let store = TwoShards::default();
+    let limiter = Limiter::builder(store.clone())
+        .lease_tick(Duration::from_millis(10))
+        .build();
+    let strict = common::plan(100, 0.001).with_lease(
+        LeaseSettings::default()
+            .with_ttl(Duration::from_secs(1))
+            .with_max_wait(Duration::from_millis(50))
+            .with_accounting(Accounting::Strict),
+    );
+    store.hold_refills.set(true);
+    assert_eq!(
+        lease_and_fallback(&limiter, &strict, "free", 1).await,
+        (1, 0)
+    );
+    assert_eq!(
+        lease_and_fallback(&limiter, &strict, "held", 3).await,
+        (0, 3),
+        "no credit for a strict lease"
+    );
+    assert_eq!(stats(&limiter).credit, 0.0);
+    store.hold_refills.set(false);
+    limiter.shutdown().await;
+}
+
+/// A store whose refill statements fail while `fail` is set, and otherwise answer after
+/// `delay` (tokio's clock).
+#[derive(Debug, Clone, Default)]
+struct Flaky {
+    inner: MemoryStore,
+    fail: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    delay: Duration,
+    /// Refill statements failed and answered so far.
+    failed: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    answered: std::sync::Arc<std::sync::atomic::AtomicU32>,
+}
+
+#[async_trait::async_trait]
+impl Store for Flaky {
+    async fn acquire(
+        &self,
+        request: tokenlease::store::AcquireRequest<'_>,
+    ) -> Result<tokenlease::store::Acquired, tokenlease::store::StoreError> {
+        self.inner.acquire(request).await
+    }
+    async fn acquire_many(
+        &self,
+        requests: &[tokenlease::store::AcquireRequest<'_>],
+    ) -> Result<Vec<tokenlease::store::Acquired>, tokenlease::store::StoreError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        // sleep: the stand-in store's latency (paused clock), after which it fails or answers.
+        tokio::time::sleep(self.delay).await;
+        if self.fail.load(Relaxed) {
+            self.failed.fetch_add(1, Relaxed);
+            return Err(tokenlease::store::StoreError::Timeout {
+                kind: tokenlease::store::TimeoutKind::Call,
+                after: self.delay,
+            });
+        }
+        let answer = self.inner.acquire_many(requests).await;
+        self.answered.fetch_add(1, Relaxed);
+        answer
+    }
+    async fn give_back(
+        &self,
+        returns: &[tokenlease::store::GiveBack<'_>],
+    ) -> Result<u64, tokenlease::store::StoreError> {
+        self.inner.give_back(returns).await
+    }
+    async fn delete_idle(&self, limit: u32) -> Result<u64, tokenlease::store::StoreError> {
+        self.inner.delete_idle(limit).await
+    }
+    async fn inspect(
+        &self,
+        key: &str,
+    ) -> Result<Option<tokenlease::store::BucketRow>, tokenlease::store::StoreError> {
+        self.inner.inspect(key).await
+    }
+}
+
+/// C10: credit stands in for a store that answers late, never for one that fails, nor for a
+/// key the table has removed before. Refills answered 80 ms late against a 50 ms `max_wait`:
+/// once one has answered, new keys' first calls are admitted on credit and paid by their
+/// refills; after a refill failed, the fallback decides them until a refill answers again; the
+/// credit of a key whose refill failed is asked for again before the key leaves the table, and
+/// paid; a key the table removed gets no credit when it comes back.
+#[tokio::test(start_paused = true)]
+async fn c10_credit_stops_when_refills_fail_and_for_keys_the_table_removed() {
+    let started = tokio::time::Instant::now();
+    use std::sync::atomic::Ordering::Relaxed;
+    let store = Flaky {
+        delay: Duration::from_millis(80),
+        ..Flaky::default()
+    };
+    let limiter = Limiter::builder(store.clone())
+        .lease_tick(Duration::from_millis(10))
+        .build();
+    let plan = common::plan(100, 0.001).with_lease(
+        LeaseSettings::default()
+            .with_ttl(Duration::from_secs(1))
+            .with_max_wait(Duration::from_millis(50)),
+    );
+    // The first call waits out max_wait before any refill answered: the fallback.
+    assert_eq!(lease_and_fallback(&limiter, &plan, "k0", 1).await, (0, 1));
+    until(Duration::from_secs(1), "k0 refilled", || {
+        store.answered.load(Relaxed) == 1
+    })
+    .await;
+    // Late refills now: credit, paid when each lands.
+    for i in 1..=5 {
+        let key = format!("k{i}");
+        assert_eq!(
+            lease_and_fallback(&limiter, &plan, &key, 1).await,
+            (1, 0),
+            "{key}"
+        );
+    }
+    until(Duration::from_secs(1), "credit paid", || {
+        stats(&limiter).credit_owed == 0.0
+    })
+    .await;
+    assert_eq!(stats(&limiter).credit, 5.0);
+    // Refills fail: f0's call is admitted on credit before the failure is known, and none after.
+    store.fail.store(true, Relaxed);
+    assert_eq!(lease_and_fallback(&limiter, &plan, "f0", 1).await, (1, 0));
+    until(Duration::from_secs(1), "a refill failed", || {
+        store.failed.load(Relaxed) >= 1
+    })
+    .await;
+    for i in 1..=3 {
+        let key = format!("f{i}");
+        assert_eq!(
+            lease_and_fallback(&limiter, &plan, &key, 1).await,
+            (0, 1),
+            "{key}"
+        );
+    }
+    assert_eq!(stats(&limiter).credit_owed, 1.0, "f0's credit");
+    // Refills answer again (the one in flight for f3 may be the first): credit again once one
+    // has answered.
+    store.fail.store(false, Relaxed);
+    let answered = store.answered.load(Relaxed);
+    let (g1, _) = lease_and_fallback(&limiter, &plan, "g1", 1).await;
+    until(Duration::from_secs(1), "a refill answered", || {
+        store.answered.load(Relaxed) > answered
+    })
+    .await;
+    assert_eq!(lease_and_fallback(&limiter, &plan, "g2", 1).await, (1, 0));
+    let credited = 7.0 + f64::from(g1);
+    // Every key idle: they leave the table, f0 once its credit is paid.
+    until(Duration::from_secs(30), "every key evicted", || {
+        stats(&limiter).keys == 0
+    })
+    .await;
+    let gone = stats(&limiter);
+    assert_eq!(gone.credit, credited, "{gone:?}");
+    assert_eq!(gone.credit_owed, 0.0, "{gone:?}");
+    assert_eq!(gone.credit_unpaid, 0.0, "f0's credit was paid: {gone:?}");
+    let f0 = store
+        .inner
+        .inspect("f0")
+        .await
+        .expect("inspect")
+        .expect("row");
+    // The row as of its last write: the credit taken, plus what the bucket refilled since (a
+    // give-back of a later lease writes it again, seconds later).
+    let refilled = 0.001 * started.elapsed().as_secs_f64();
+    assert!(
+        f0.tokens.as_f64() <= 99.0 + refilled + 1e-6,
+        "f0 charged its credit: {f0:?}"
+    );
+    // k1 comes back: no credit, the fallback decides its first call again.
+    assert_eq!(lease_and_fallback(&limiter, &plan, "k1", 1).await, (0, 1));
+    assert_eq!(stats(&limiter).credit, credited, "no credit for k1");
+    limiter.shutdown().await;
+}

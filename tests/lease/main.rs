@@ -1,5 +1,5 @@
 //! Leased mode: the lease table and its actor against real servers and in memory (C1–C7, C9,
-//! E4, E5), the actor's due-queue on tokio's paused clock, strict accounting, refunds into live
+//! C11, E4, E5), the actor's due-queue on tokio's paused clock, strict accounting, refunds into live
 //! leases, the actor's supervision, and `examples/instances.rs` run as a module. One module per
 //! former test binary; docs/testing.md lists each test.
 //!
@@ -8,6 +8,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod coldstart;
 mod examples;
 mod lease;
 mod lease_timer;

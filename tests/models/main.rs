@@ -7,14 +7,16 @@
 //! of the library is over 800 lines (L3), and `test_sleeps` that every sleep in the tests is
 //! the shared poll helper's or says why it is there (L4).
 //!
-//! `loom_lease_word` and `loom_lease_words` each compile `src/lease/sync.rs` and
-//! `src/lease/word.rs` as modules of their own (hence `clippy::duplicate_mod` allowed there):
-//! each model is self-contained, as when they were separate binaries.
+//! `loom_lease_word`, `loom_lease_words` and `loom_lease_credit` each compile `src/lease/sync.rs`
+//! and `src/lease/word.rs` (`loom_lease_credit` also `src/lease/credit.rs`) as modules of their
+//! own (hence `clippy::duplicate_mod` allowed there): each model is self-contained, as when they
+//! were separate binaries.
 
 mod arrows;
 mod bucket_props;
 mod clock_reads;
 mod file_lengths;
+mod loom_lease_credit;
 mod loom_lease_word;
 mod loom_lease_words;
 mod test_sleeps;

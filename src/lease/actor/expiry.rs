@@ -92,6 +92,17 @@ pub(super) fn expire(
             book.expires_at.near(now)
         } else if word & PENDING == 0 && idle_at <= horizon {
             drop(book);
+            // Credit still owed (its refill failed, or found the bucket dry) is asked for once
+            // more before the key leaves, if refills answer now; otherwise it goes unpaid.
+            if leases.owed_by(&slot) > 0
+                && leases.refills_answer()
+                && slot.fallback_until.load(Ordering::Acquire) <= now
+                && slot.deny_until.load(Ordering::Acquire) <= now
+                && slot.words().request_refill()
+            {
+                leases.nudge_soon(&slot);
+                continue;
+            }
             evict.push(slot);
             continue;
         } else {
@@ -110,7 +121,7 @@ pub(super) fn expire(
         for slot in evict {
             // Only the actor removes keys, and the slot is not evicted, so the key is this slot's.
             if let Some(removed) = table.remove(&slot.key) {
-                retire(removed, returns, ids);
+                retire(leases, removed, returns, ids);
             }
         }
         // A view rebuilds at most once, so a large batch of evictions leaves most of its keys as
@@ -145,7 +156,7 @@ pub(super) fn retire_stale(
     }
     for slot in &gone {
         if let Some(removed) = table.remove(&slot.key) {
-            retire(removed, returns, ids);
+            retire(leases, removed, returns, ids);
         }
     }
     drop(table);

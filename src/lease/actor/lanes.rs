@@ -343,6 +343,9 @@ pub(super) fn finish(
                 metrics::counter!(m::DB_ERRORS, "kind" => "lease").increment(1);
             }
             let until = now + FAILURE_BACKOFF.as_nanos() as u64;
+            // Credit (`Leases::credit`) is given only while refills answer; a refill that timed
+            // out while a newer one answered is late, not failed (`late.rs`).
+            let late = leases.refill_outcome(sent, short, &result, now);
             let mut answers = result.into_iter();
             for (slot, _, want, hold, target) in &asks {
                 lanes.inflight.remove(&(SlotRef::as_ptr(slot) as usize));
@@ -352,6 +355,14 @@ pub(super) fn finish(
                         apply(
                             leases, slot, *want, *target, &answer, now, strict, returns, ids,
                         );
+                    }
+                    // Late: the waiters ask again and go on waiting; credit owed is asked for.
+                    _ if late && hold.is_none() => {
+                        slot.words().clear_pending();
+                        slot.notify().notify_waiters();
+                        if leases.owed_by(slot) > 0 && slot.words().request_refill() {
+                            leases.nudge_soon(slot);
+                        }
                     }
                     _ => {
                         slot.fallback_until.store(until, Ordering::Release);

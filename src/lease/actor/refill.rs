@@ -50,7 +50,10 @@ fn hold(leases: &Leases, slot: &Slot, ids: &mut Ids) -> Option<Hold> {
 
 /// What one slot asks the store for: (min, want) in nanotokens, with the target lease size
 /// they come from, or `None` when nothing is needed. Samples the slot's demand.
-fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64, u64)> {
+///
+/// Credit the slot owes (`owed`, `Leases::credit`) is asked for on top of both: the grant
+/// pays it first (`apply`).
+fn plan_refill(slot: &Slot, now: u64, landing: u64, owed: u64) -> Option<(u64, u64, u64)> {
     let settings = lease_settings(slot);
     let largest = largest_lease(slot, 0);
     let available = slot.words().available();
@@ -87,21 +90,23 @@ fn plan_refill(slot: &Slot, now: u64, landing: u64) -> Option<(u64, u64, u64)> {
         .saturating_sub(available)
         .max(needed)
         .min(largest.max(needed));
-    if want == 0 {
+    if want == 0 && owed == 0 {
         return None;
     }
     // A top-up nobody waits for is worth a round trip only if it brings a good part of what is
     // wanted; with a caller waiting, whatever pays that caller is (asking it for more would
     // deny a call the bucket could pay). A bucket that ran dry is asked for the whole lease or
     // nothing.
-    let min = if book.dry {
+    let min = if want == 0 {
+        0
+    } else if book.dry {
         want
     } else if needed > 0 {
         needed.clamp(1, want)
     } else {
         (want / 2).clamp(1, want)
     };
-    Some((min, want, target))
+    Some((min.saturating_add(owed), want.saturating_add(owed), target))
 }
 
 /// Plans the refill of up to [`CHUNK`](super::CHUNK) slots of one lane: what each asks the
@@ -134,7 +139,7 @@ pub(super) fn plan_chunk(
             schedule(timers, slot, now);
             continue;
         }
-        match plan_refill(slot, now, landing) {
+        match plan_refill(slot, now, landing, leases.owed_by(slot)) {
             Some((min, want, target)) => {
                 let hold = hold(leases, slot, ids);
                 asks.push((SlotRef::clone(slot), min, want, hold, target));
@@ -226,13 +231,16 @@ pub(super) fn apply(
         // word while this refill was in flight would otherwise ride on top of the grant, and a
         // lease that callers keep refunding into would grow past the bound round after round.
         // What does not fit goes back to the store.
+        // Credit the slot owes is paid first: those tokens were spent when the credit was
+        // given, so they count as credited and spent at once (as a sparse key's store call).
+        let paid = leases.pay_credit(slot, granted);
         let room =
             largest_lease(slot, book.max_cost.get()).saturating_sub(slot.words().available());
-        let placed = granted.min(room);
+        let placed = (granted - paid).min(room);
         let unplaced = if slot.evicted().load(Ordering::Acquire) {
-            granted
+            granted - paid
         } else {
-            (granted - placed) + slot.words().top_up(placed, split_min)
+            (granted - paid - placed) + slot.words().top_up(placed, split_min)
         };
         // `unplaced` can exceed `granted` by tokens a hot key's words held and could not hold
         // again (see `LeaseWords::top_up`); they were credited before and leave now.
@@ -269,6 +277,14 @@ pub(super) fn apply(
         queue_return(returns, ids, slot, unplaced, || {
             strict.and_then(|_| slot.strict_lease())
         });
+        // Credit given after this refill was planned is still owed: the next refill asks for
+        // it (nobody waits on it). A grant that paid credit left the lease short of what the
+        // key's demand wants (a cold key's first grant is its first callers' costs, and those
+        // were credited): the next refill tops it up before the key's next call, off that
+        // call's path, as the grant would have for a caller that went to the fallback.
+        if (paid > 0 || leases.owed_by(slot) > 0) && slot.words().request_refill() {
+            leases.nudge_soon(slot);
+        }
     }
     slot.notify().notify_waiters();
 }

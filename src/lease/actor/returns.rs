@@ -122,9 +122,12 @@ pub(super) fn queue_return(
 }
 
 /// Takes a slot out of service for good (evicted, or shutting down): it is never topped up
-/// again, its unspent tokens go back, and its waiters wake to find it closed.
-pub(super) fn retire(slot: &SlotRef, returns: &mut Vec<Return>, ids: &mut Ids) {
+/// again, its unspent tokens go back, and its waiters wake to find it closed. Its key gets no
+/// credit from now on, and credit it still owes counts as unpaid.
+pub(super) fn retire(leases: &Leases, slot: &SlotRef, returns: &mut Vec<Return>, ids: &mut Ids) {
+    leases.mark_removed(&slot.key);
     slot.evicted().store(true, Ordering::Release);
+    leases.write_off_credit(slot);
     let reclaimed = slot.words().close();
     slot.book.lock().reclaimed.add(reclaimed);
     queue_return(returns, ids, slot, reclaimed, || slot.strict_lease());
@@ -214,7 +217,7 @@ pub(super) async fn shut_down(leases: &Leases, returns: &mut Vec<Return>, ids: &
     {
         let table = leases.table.pin();
         for (_, slot) in table.iter() {
-            retire(slot, returns, ids);
+            retire(leases, slot, returns, ids);
         }
         table.clear();
     }
