@@ -4,7 +4,7 @@
 //! A caller that waited out its `max_wait` for its key's refill may be admitted on credit
 //! (`Leases::credit` has the rules); the refill, or the next one, asks the store for the credit on
 //! top of what it wants, and its grant pays the credit before the lease gets anything
-//! (`actor.rs::apply`). This ledger holds what each slot still owes, by the slot's record index,
+//! (`actor/refill.rs`'s `apply`). This ledger holds what each slot still owes, by the slot's record index,
 //! and enforces the bound: a slot's grants so far, its unpaid credit and the new call's cost
 //! stay within the slot's largest lease `B`.
 //!

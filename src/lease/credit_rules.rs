@@ -23,7 +23,7 @@ impl Leases {
     /// Admits `cost` nanotokens of `slot` on credit, for a caller that waited out its
     /// `max_wait` for the slot's refill: the refill in flight (or the next one) is asked for
     /// the credit on top of what it wants, and its grant pays it before the lease gets anything
-    /// (`actor.rs::apply`). Only for a relaxed lease, while a refill is asked for, when the
+    /// (`actor/refill.rs`'s `apply`). Only for a relaxed lease, while a refill is asked for, when the
     /// store answered a refill of this actor in the last [`CREDIT_FRESH`] and failed none since,
     /// the key is neither denied nor failing, the table never removed the key (`removed`), and
     /// the key's grants so far, its unpaid credit and `cost` stay within `B` (the slot's
