@@ -3,9 +3,10 @@
 //! `migrate` takes `DATABASE_URL`, starts a throwaway server without one, and names an
 //! unreachable database.
 
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+use crate::common;
 
 use tokenlease::policy::{MAX_PLANS, MAX_POLICY_BYTES, Policies};
 use tokenlease_testkit::TestDatabase;
@@ -86,23 +87,9 @@ fn check_command_refuses_a_file_over_the_size_limit() {
 /// A8 through the command: a file with more plans than a limiter can hold.
 #[test]
 fn check_command_refuses_more_plans_than_a_limiter_holds() {
-    let n = MAX_PLANS + 1;
-    let mut json = String::from(r#"{ "plans": {"#);
-    for i in 0..n {
-        let comma = if i == 0 { "" } else { "," };
-        let _ = write!(
-            json,
-            r#"{comma}"p{i}":{{"capacity":1,"refill_per_second":1}}"#
-        );
-    }
-    let _ = write!(
-        json,
-        r#"}}, "keys": [ {{ "prefix": "k:", "plan": "p{}" }} ] }}"#,
-        n - 1
-    );
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("many.json");
-    std::fs::write(&path, json).unwrap();
+    std::fs::write(&path, common::many_plans(MAX_PLANS + 1)).unwrap();
     assert_check_refuses_as_the_library(&path);
 }
 

@@ -3,6 +3,7 @@
 
 pub mod traffic;
 
+use std::fmt::Write as _;
 use std::time::{Duration, SystemTime};
 
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
@@ -353,4 +354,22 @@ pub async fn actor_idle(limiter: &tokenlease::Limiter, limit: Duration) {
             limiter.lease_stats()
         );
     }
+}
+
+/// A policy of `n` plans `p0`, `p1`, … and a rule `k{i}:` for the last one.
+pub fn many_plans(n: usize) -> String {
+    let mut json = String::from(r#"{ "plans": {"#);
+    for i in 0..n {
+        let comma = if i == 0 { "" } else { "," };
+        let _ = write!(
+            json,
+            r#"{comma}"p{i}":{{"capacity":1,"refill_per_second":1}}"#
+        );
+    }
+    let _ = write!(
+        json,
+        r#"}}, "keys": [ {{ "prefix": "k:", "plan": "p{}" }} ] }}"#,
+        n - 1
+    );
+    json
 }

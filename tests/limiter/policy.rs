@@ -2,6 +2,8 @@
 //! files are accepted with the values they say, and the parser never panics (A7).
 //! `tokenlease check` reports both through its exit code: cli/tests/commands.rs.
 
+use crate::common;
+
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -1467,35 +1469,17 @@ proptest! {
     }
 }
 
-/// A policy of `n` plans `p0`, `p1`, … and a rule `k{i}:` for the last one.
-fn many_plans(n: usize) -> String {
-    let mut json = String::from(r#"{ "plans": {"#);
-    for i in 0..n {
-        let comma = if i == 0 { "" } else { "," };
-        let _ = write!(
-            json,
-            r#"{comma}"p{i}":{{"capacity":1,"refill_per_second":1}}"#
-        );
-    }
-    let _ = write!(
-        json,
-        r#"}}, "keys": [ {{ "prefix": "k:", "plan": "p{}" }} ] }}"#,
-        n - 1
-    );
-    json
-}
-
 /// A8: a file with more plans than a limiter can hold (65,528, `policy::MAX_PLANS`) is refused
 /// when it is read, naming the count and the bound, and so by `tokenlease check`, instead of
 /// giving a limiter that holds no policies; the bound itself is accepted.
 #[test]
 fn a8_a_file_with_more_plans_than_a_limiter_holds_is_refused() {
-    let ok = Policies::from_json_str(&many_plans(65_528), None).expect("the bound fits");
+    let ok = Policies::from_json_str(&common::many_plans(65_528), None).expect("the bound fits");
     assert_eq!(ok.plans().count(), 65_528);
 
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("many.json");
-    std::fs::write(&path, many_plans(65_529)).unwrap();
+    std::fs::write(&path, common::many_plans(65_529)).unwrap();
     let err = Policies::from_file(&path).unwrap_err();
     assert_eq!(
         err.to_string(),

@@ -12,74 +12,15 @@
 //!
 //! The last test runs the check over a small made-up source, to show it finds what it is for.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use super::clock_reads::{code_only, rust_files};
 
 /// The functions of `tests/common/mod.rs` that may sleep unmarked: the shared poll helpers.
 const HELPERS: [&str; 2] = ["poll_until", "poll_until_blocking"];
 
 /// The marker that gives a kept sleep its reason.
 const MARKER: &str = "// sleep:";
-
-/// `source` with comments and string literals blanked (newlines kept, so line numbers stay).
-/// Character literals and raw strings are rare in tests; a raw string is blanked as a string
-/// would be up to its first quote, which is enough here (no test holds `sleep(` in one).
-fn code_only(source: &str) -> String {
-    let chars: Vec<char> = source.chars().collect();
-    let mut out = String::with_capacity(source.len());
-    let blank = |c: char| if c == '\n' { '\n' } else { ' ' };
-    let mut i = 0;
-    while i < chars.len() {
-        let (c, next) = (chars[i], chars.get(i + 1).copied());
-        if c == '/' && next == Some('/') {
-            while i < chars.len() && chars[i] != '\n' {
-                out.push(' ');
-                i += 1;
-            }
-        } else if c == '/' && next == Some('*') {
-            let mut depth = 0usize;
-            while i < chars.len() {
-                if chars[i] == '/' && chars.get(i + 1) == Some(&'*') {
-                    depth += 1;
-                    out.push_str("  ");
-                    i += 2;
-                } else if chars[i] == '*' && chars.get(i + 1) == Some(&'/') {
-                    depth -= 1;
-                    out.push_str("  ");
-                    i += 2;
-                    if depth == 0 {
-                        break;
-                    }
-                } else {
-                    out.push(blank(chars[i]));
-                    i += 1;
-                }
-            }
-        } else if c == '"' {
-            out.push(' ');
-            i += 1;
-            while i < chars.len() && chars[i] != '"' {
-                if chars[i] == '\\' {
-                    out.push(' ');
-                    i += 1;
-                }
-                if i < chars.len() {
-                    out.push(blank(chars[i]));
-                    i += 1;
-                }
-            }
-            out.push(' ');
-            i += 1;
-        } else if c == '\'' && next.is_some() && chars.get(i + 2) == Some(&'\'') {
-            // A character literal like '"' (a lifetime 'a has no closing quote).
-            out.push_str("   ");
-            i += 3;
-        } else {
-            out.push(c);
-            i += 1;
-        }
-    }
-    out
-}
 
 /// The name of the innermost `fn` whose body holds line `line` (0-based) of `code` (comments
 /// and strings blanked). `None` outside any function.
@@ -178,22 +119,6 @@ fn unexplained(source: &str, helpers_here: bool) -> Vec<usize> {
         }
     }
     found
-}
-
-/// Every `.rs` file under `dir`, sorted.
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|e| e.expect("directory entry").path())
-        .collect();
-    entries.sort();
-    for path in entries {
-        if path.is_dir() {
-            rust_files(&path, out);
-        } else if path.extension().is_some_and(|x| x == "rs") {
-            out.push(path);
-        }
-    }
 }
 
 /// The check over the workspace's tests.
