@@ -14,12 +14,8 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 D="${D:-15}"
-if [[ -n "${TOKENLEASE:-}" ]]; then
-    bin="$TOKENLEASE"
-else
-    cargo build --release --quiet -p tokenlease-cli --bin tokenlease
-    bin="${CARGO_TARGET_DIR:-target}/release/tokenlease"
-fi
+source scripts/lib.sh
+tokenlease_bin
 [[ -d peers/node_modules/rate-limiter-flexible ]] || (cd peers && npm ci --no-audit --no-fund)
 pg="${PG_BIN:-/usr/lib/postgresql/15/bin}"
 tmp="$(mktemp -d)"

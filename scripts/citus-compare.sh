@@ -22,8 +22,8 @@ TASKS="${TASKS:-64}"
 DURATION_S="${DURATION_S:-10}"
 REPEAT="${REPEAT:-2}"
 target="${CARGO_TARGET_DIR:-target}"
-cargo build --release --quiet -p tokenlease-cli --bin tokenlease
-bin="$target/release/tokenlease"
+source scripts/lib.sh
+tokenlease_bin
 OUT="${OUT:-$target/citus-compare/results.jsonl}"
 mkdir -p "$(dirname "$OUT")"
 

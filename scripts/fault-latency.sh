@@ -19,8 +19,8 @@ MODES="${MODES:-direct leased}"
 KEYS="${KEYS:-1 10000}"
 DELAY_MS="${DELAY_MS:-30}"
 BOUND_MS=110
-cargo build --release --quiet -p tokenlease-cli --bin tokenlease
-bin=target/release/tokenlease
+source scripts/lib.sh
+tokenlease_bin
 mkdir -p target/loadtest
 out=target/loadtest/faults.jsonl
 : >"$out"

@@ -31,8 +31,8 @@ leases | bands) ;;
     exit 2
     ;;
 esac
-cargo build --release --quiet -p tokenlease-cli --bin tokenlease
-bin=target/release/tokenlease
+source scripts/lib.sh
+tokenlease_bin
 
 if [[ "$SWEEP" == bands ]]; then
     DURATION="${DURATION:-10}"

@@ -11,29 +11,18 @@
 #   TOKENLEASE=/path/to/tokenlease bash scripts/lone-wal.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-if [[ -n "${TOKENLEASE:-}" ]]; then
-    bin="$TOKENLEASE"
-else
-    cargo build --release --quiet -p tokenlease-cli --bin tokenlease
-    bin="${CARGO_TARGET_DIR:-target}/release/tokenlease"
-fi
+source scripts/lib.sh
+tokenlease_bin
 [[ -d peers/node_modules/rate-limiter-flexible ]] || (cd peers && npm ci --no-audit --no-fund)
 tmp="$(mktemp -d)"
-"$bin" loadtest --serve-db >"$tmp/url" 2>"$tmp/serve.log" &
-serve_pid=$!
+serve_pid=
 cleanup() {
     kill -TERM "$serve_pid" 2>/dev/null || true
     wait "$serve_pid" 2>/dev/null || true
     rm -rf "$tmp"
 }
 trap cleanup EXIT
-for _ in $(seq 1 120); do
-    [[ -s "$tmp/url" ]] && break
-    kill -0 "$serve_pid" 2>/dev/null || { cat "$tmp/serve.log" >&2; exit 1; }
-    sleep 0.5
-done
-url="$(head -n 1 "$tmp/url")"
-[[ -n "$url" ]] || { echo "lone-wal: the throwaway PostgreSQL did not start" >&2; exit 1; }
+serve_db lone-wal
 snap() {
     psql "$url" -X -At -v ON_ERROR_STOP=1 -c "
 SELECT wal_bytes, wal_fpi, wal_records,

@@ -45,12 +45,8 @@ PHASE_S="${PHASE_S:-10}"
 for tool in node npm pgbench python3; do
     command -v "$tool" >/dev/null || { echo "peer-compare: $tool is not on PATH" >&2; exit 1; }
 done
-if [[ -n "${TOKENLEASE:-}" ]]; then
-    bin="$TOKENLEASE" # a prebuilt binary, e.g. another commit's, for a before/after
-else
-    cargo build --release --quiet -p tokenlease-cli --bin tokenlease
-    bin="${CARGO_TARGET_DIR:-target}/release/tokenlease"
-fi
+source scripts/lib.sh
+tokenlease_bin
 if [[ ! -d peers/node_modules/rate-limiter-flexible || ! -d peers/node_modules/pg ]]; then
     echo "peer-compare: installing the Node peer's dependencies (npm ci in peers/)" >&2
     (cd peers && npm ci --no-audit --no-fund)
@@ -62,21 +58,14 @@ mkdir -p "$out_dir"
 tmp="$(mktemp -d)"
 
 # One throwaway server for every phase.
-"$bin" loadtest --serve-db >"$tmp/url" 2>"$tmp/serve.log" &
-serve_pid=$!
+serve_pid=
 cleanup() {
     kill -TERM "$serve_pid" 2>/dev/null || true
     wait "$serve_pid" 2>/dev/null || true
     rm -rf "$tmp"
 }
 trap cleanup EXIT
-for _ in $(seq 1 120); do
-    [[ -s "$tmp/url" ]] && break
-    kill -0 "$serve_pid" 2>/dev/null || { cat "$tmp/serve.log" >&2; exit 1; }
-    sleep 0.5
-done
-url="$(head -n 1 "$tmp/url")"
-[[ -n "$url" ]] || { echo "peer-compare: the throwaway PostgreSQL did not start" >&2; cat "$tmp/serve.log" >&2; exit 1; }
+serve_db peer-compare
 echo "peer-compare: PostgreSQL at $url, $PHASE_S s per phase" >&2
 
 # The server's CPU, as `tokenlease loadtest` reads it (cli/src/server_cpu.rs).

@@ -29,8 +29,8 @@ REPEAT="${REPEAT:-2}"
 counts=("$@")
 [[ ${#counts[@]} -gt 0 ]] || counts=(1 3)
 target="${CARGO_TARGET_DIR:-target}"
-cargo build --release --quiet -p tokenlease-cli --bin tokenlease
-bin="$target/release/tokenlease"
+source scripts/lib.sh
+tokenlease_bin
 OUT="${OUT:-$target/shard-cpu/results.jsonl}"
 mkdir -p "$(dirname "$OUT")"
 

@@ -34,12 +34,8 @@ KEYS="${KEYS:-10000}"
 for tool in pgbench psql python3; do
     command -v "$tool" >/dev/null || { echo "statement-cpu: $tool is not on PATH" >&2; exit 1; }
 done
-if [[ -n "${TOKENLEASE:-}" ]]; then
-    bin="$TOKENLEASE"
-else
-    cargo build --release --quiet -p tokenlease-cli --bin tokenlease
-    bin="${CARGO_TARGET_DIR:-target}/release/tokenlease"
-fi
+source scripts/lib.sh
+tokenlease_bin
 tmp="$(mktemp -d)"
 serve_pid=
 cleanup() {
@@ -53,14 +49,7 @@ trap cleanup EXIT
 if [[ -n "${DATABASE_URL:-}" ]]; then
     url="$DATABASE_URL"
 else
-    "$bin" loadtest --serve-db >"$tmp/url" 2>"$tmp/serve.log" &
-    serve_pid=$!
-    for _ in $(seq 1 120); do
-        [[ -s "$tmp/url" ]] && break
-        kill -0 "$serve_pid" 2>/dev/null || { cat "$tmp/serve.log" >&2; exit 1; }
-        sleep 0.5
-    done
-    url="$(head -n 1 "$tmp/url")"
+    serve_db statement-cpu
 fi
 [[ -n "$url" ]] || { echo "statement-cpu: no server" >&2; exit 1; }
 

@@ -34,12 +34,8 @@ KEYS="${KEYS:-10000}"
 command -v valgrind >/dev/null || { echo "statement-instructions: valgrind is not on PATH" >&2; exit 1; }
 pg_bin="${PG_BIN:-$(dirname "$(command -v initdb 2>/dev/null || echo /usr/lib/postgresql/15/bin/initdb)")}"
 [[ -x "$pg_bin/postgres" ]] || { echo "statement-instructions: no postgres in $pg_bin (set PG_BIN)" >&2; exit 1; }
-if [[ -n "${TOKENLEASE:-}" ]]; then
-    bin="$TOKENLEASE"
-else
-    cargo build --release --quiet -p tokenlease-cli --bin tokenlease
-    bin="${CARGO_TARGET_DIR:-target}/release/tokenlease"
-fi
+source scripts/lib.sh
+tokenlease_bin
 as_server() { # PostgreSQL refuses to run as root.
     if [[ "$(id -u)" == 0 ]]; then runuser -u postgres -- "$@"; else "$@"; fi
 }

@@ -403,8 +403,8 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 
 /// Awaits every future of `futures`, polled together in the calling task, and returns their
 /// outputs in order: a new session's prepares go out back to back and are answered in one
-/// round trip, and a pool's connections are opened side by side.
-#[cfg(any(test, feature = "postgres"))]
+/// round trip, a pool's connections are opened side by side, and a sharded store's calls go to
+/// every shard at once.
 pub(crate) async fn join_all<F: std::future::Future>(
     futures: impl IntoIterator<Item = F>,
 ) -> Vec<F::Output> {

@@ -13,12 +13,11 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use async_trait::async_trait;
 
-use super::{AcquireRequest, Acquired, BucketRow, GiveBack, Store, StoreError};
+use super::{AcquireRequest, Acquired, BucketRow, GiveBack, Store, StoreError, join_all};
 
 /// FNV-1a's 64-bit offset basis.
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
@@ -398,33 +397,6 @@ impl ShardedStore {
             .filter(|(_, p)| !p.is_empty())
             .collect()
     }
-}
-
-/// Waits for every future, polling them together on the caller's task; outputs in order.
-async fn join_all<F: Future + Unpin>(futures: Vec<F>) -> Vec<F::Output> {
-    let mut futures: Vec<Option<F>> = futures.into_iter().map(Some).collect();
-    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx: &mut Context<'_>| {
-        let mut pending = false;
-        for (slot, out) in futures.iter_mut().zip(outputs.iter_mut()) {
-            if let Some(future) = slot {
-                match Pin::new(future).poll(cx) {
-                    Poll::Ready(v) => {
-                        *out = Some(v);
-                        *slot = None;
-                    }
-                    Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            Poll::Pending
-        } else {
-            Poll::Ready(())
-        }
-    })
-    .await;
-    outputs.into_iter().flatten().collect()
 }
 
 type Boxed<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
