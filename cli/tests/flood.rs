@@ -9,10 +9,16 @@
 //! fallback decides, with at most 100,000 local buckets per limiter; once it is up again the
 //! store decides and the buckets live in PostgreSQL.
 //!
-//! `TOKENLEASE_FLOOD_KEYS` sets the number of ids sent while the database is down (150,000 by
-//! default, half again the fallback's bound; `scripts/flood-rss.sh` sends 1,000,000 to a
-//! release build), and as many again once it is up, a tenth of that. Runs in the nextest
-//! `serial` group.
+//! `TOKENLEASE_FLOOD_KEYS` sets the number of ids sent while the database is down (120,000 by
+//! default, a fifth more than the fallback's bound; `scripts/flood-rss.sh` sends 1,000,000 to a
+//! release build), and a tenth of that once it is up. The entity plan refills its 150 tokens
+//! every `TOKENLEASE_FLOOD_PERIOD_S` seconds, 2,250 by default: a flood's local bucket, one
+//! token short of its share of 75, is full again (and may go) 30 s after its call, later than
+//! the flood takes to fill the fallback's 100,000 buckets (about 21 s in a debug build here), so
+//! the flood meets the bound with no full bucket to delete. The test then watches the demo settle
+//! for at least `TOKENLEASE_FLOOD_WATCH_S` seconds (0 by default: until the buckets are gone and
+//! RSS is back). `scripts/flood-rss.sh` sets an hour (one token takes 48 s) and a minute's watch.
+//! Runs in the nextest `serial` group.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -25,12 +31,13 @@ use tokenlease_testkit::{StopMode, TempPostgres};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// The demo's policy for the flood: the global plan lets everything through.
+/// The demo's policy for the flood: the global plan lets everything through. `PERIOD_MS` is
+/// replaced by the entity plan's refill period.
 const POLICY: &str = r#"{
   "plans": {
     "open": { "capacity": 1000000000, "refill_per_second": 1000000000, "lease": {},
               "fallback": { "mode": "allow" } },
-    "booking-read": { "capacity": 150, "refill": { "tokens": 150, "period_ms": 3600000 },
+    "booking-read": { "capacity": 150, "refill": { "tokens": 150, "period_ms": PERIOD_MS },
                       "fallback": { "mode": "local", "instances": 2 } }
   },
   "default_plan": "open",
@@ -240,10 +247,22 @@ async fn a_flood_of_ids_with_the_database_down_then_up_stays_bounded_and_shrinks
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(120_000);
+    let env_secs = |name: &str, default: u64| -> u64 {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let period_s = env_secs("TOKENLEASE_FLOOD_PERIOD_S", 2_250);
+    let watch_s = env_secs("TOKENLEASE_FLOOD_WATCH_S", 0) as f64;
     let pg = TempPostgres::start().expect("throwaway PostgreSQL");
     let dir = tempfile::tempdir().expect("temp dir");
     let policy = dir.path().join("flood.json");
-    std::fs::write(&policy, POLICY).expect("policy file");
+    std::fs::write(
+        &policy,
+        POLICY.replace("PERIOD_MS", &(period_s * 1000).to_string()),
+    )
+    .expect("policy file");
     let demo = Demo::start(&pg.url(), &policy);
     let pid = demo.child.id();
 
@@ -263,22 +282,23 @@ async fn a_flood_of_ids_with_the_database_down_then_up_stays_bounded_and_shrinks
     let up = flood(&demo.addr, pid, 2_000_000_000, keys / 10, &mut peak_up).await;
     let up_s = up_from.elapsed().as_secs_f64();
     // After the flood: a request now and then (each store answer lets the fallback delete the
-    // local buckets that have refilled to full: one token of a share of 75 an hour takes 48 s),
-    // and the demo gives the freed pages back to the system (`malloc_trim` every 5 s): RSS
-    // comes back within `BACK_NEAR_START` of the start. Read a minute after the flood, and
-    // waited for until 90 s after it at most.
+    // local buckets that have refilled to full: one token of a share of 75 takes 30 s with the
+    // default period), and the demo gives the freed pages back to the system (`malloc_trim` every 5 s):
+    // RSS comes back within `BACK_NEAR_START` of the start. Watched for `watch_s` at least, and
+    // waited for until 90 s after the flood at most (150 s when watching a minute or more).
     let settle = Instant::now();
     let fallback_before = fallback_decisions(&demo.addr).await;
     let mut id = 3_000_000_000u64;
     let mut held = local_buckets(&demo.addr).await;
-    let (mut none_held_s, mut back_s, mut at_minute) = (None, None, None);
+    let (mut none_held_s, mut back_s, mut at_watch_end) = (None, None, None);
+    let deadline = Duration::from_secs_f64(90.0 + watch_s);
     let mut after = rss_mib(pid);
     // A settling request that the fallback decided (its store call timed out on a busy
     // machine) made a bucket of its own, which refills only after the wait: those may remain.
     let mut settle_fallbacks = 0;
-    while settle.elapsed() < Duration::from_secs(90)
+    while settle.elapsed() < deadline
         && (back_s.is_none()
-            || at_minute.is_none()
+            || at_watch_end.is_none()
             || held.is_none_or(|held| held > settle_fallbacks))
     {
         let mut ignored = 0.0;
@@ -296,8 +316,8 @@ async fn a_flood_of_ids_with_the_database_down_then_up_stays_bounded_and_shrinks
         if after - start <= BACK_NEAR_START {
             back_s.get_or_insert(elapsed);
         }
-        if elapsed >= 60.0 {
-            at_minute.get_or_insert(after);
+        if elapsed >= watch_s {
+            at_watch_end.get_or_insert(after);
         }
     }
     let settled_s = settle.elapsed().as_secs_f64();
@@ -309,8 +329,8 @@ async fn a_flood_of_ids_with_the_database_down_then_up_stays_bounded_and_shrinks
          {} ids with it up in {up_s:.1} s ({} 200, {} 429, {} other); RSS {start:.1} MiB at the \
          start, peak {peak_down:.1} down, {peak_up:.1} up; the flood's local buckets gone \
          {none_held_s:.1?} s after, RSS within {BACK_NEAR_START} MiB of the start {back_s:.1?} s after, \
-         {at_minute:.1?} MiB 60 s after; {held:?} local buckets and RSS {after:.1} MiB \
-         {settled_s:.1} s after",
+         {at_watch_end:.1?} MiB {watch_s:.0} s after; {held:?} local buckets and RSS {after:.1} MiB \
+         {settled_s:.1} s after (the entity plan refilling every {period_s} s)",
         down.ok.load(Ordering::Relaxed),
         down.limited.load(Ordering::Relaxed),
         down.other.load(Ordering::Relaxed),
