@@ -65,6 +65,8 @@ pub mod store;
 
 #[cfg(all(test, feature = "postgres"))]
 mod assembled_tests;
+#[cfg(all(test, feature = "postgres"))]
+mod pool_tests;
 
 pub use debt::OutageDebt;
 pub use error::Error;
