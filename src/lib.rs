@@ -65,27 +65,13 @@ pub mod store;
 
 #[cfg(all(test, feature = "postgres"))]
 mod assembled_tests;
+#[cfg(all(test, feature = "postgres"))]
+mod pool_tests;
 
 pub use debt::OutageDebt;
 pub use error::Error;
 pub use lease::LeaseStats;
 pub use limiter::{DecidedBy, Decision, Limiter, ReloadError};
-
-/// Not part of the API: no semver promise, may change in any release.
-///
-/// What is left of the crate's test hooks: the store's bb8 pool, for the one fault test (D6 in
-/// `tests/faults/faults.rs`) that holds every pooled connection to exhaust the pool. Every
-/// other former user has a documented API or moved into the crate as a unit test.
-#[cfg(feature = "postgres")]
-#[doc(hidden)]
-pub mod __private {
-    /// The store's connection pool (bb8's type: why it is not in the API).
-    pub fn pool(
-        store: &crate::store::PostgresStore,
-    ) -> &bb8::Pool<impl bb8::ManageConnection + use<>> {
-        store.pool()
-    }
-}
 
 /// The README's Rust blocks, compiled as doc tests (`cargo test --doc --all-features`).
 #[cfg(all(doctest, feature = "postgres", feature = "http"))]

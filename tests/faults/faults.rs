@@ -1,5 +1,6 @@
-//! Fault injection (D1–D7, D9), each test in every fallback mode: deny, allow, and
-//! local (C/N, r/N per instance with N = 2).
+//! Fault injection (D1–D5, D7, D9), each test in every fallback mode: deny, allow, and
+//! local (C/N, r/N per instance with N = 2). D6, the pool exhausted, takes the store's pooled
+//! connections, which are not public API: it is a unit test of the crate, `src/pool_tests.rs`.
 //!
 //! Each test starts its own throwaway cluster. Limiters reach it either directly (to stop the
 //! real server) or through the fault proxy (`tokenlease_testkit::FaultProxy`), with the
@@ -577,8 +578,6 @@ per_mode! {
     d4_connection_resets => d4;
     /// D5: a restart, fast and immediate, keeps the buckets.
     d5_restart_keeps_buckets => d5;
-    /// D6: the pool exhausted by the test holding every connection.
-    d6_pool_exhausted => d6;
     /// D7: a hung database: the proxy black-holes every byte for 2 s.
     d7_hung_database => d7;
     /// D7: a hung database: the postmaster and its backends stopped with SIGSTOP for 2 s.
@@ -1474,94 +1473,6 @@ impl TokensF64 for tokenlease::bucket::Tokens {
     fn to_f64(&self) -> f64 {
         self.to_string().parse().expect("tokens print as a decimal")
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// D6
-
-async fn d6(mode: Mode) {
-    let rig = Rig::start().await;
-    let instance = rig.instance(&rig.direct(), 2).await;
-    let instances = [instance.clone()];
-    let plan = direct_plan(mode, C, R);
-    let origin = Instant::now();
-    let run = drive(&instances, &plan, 4, origin, Duration::from_millis(3_000));
-    tokio::time::sleep_until((origin + Duration::from_millis(500)).into()).await;
-    // Hold both pooled connections for 1.5 s. The callers compete for them, and each `get`
-    // gives up after the pool's 50 ms wait: try again until the test holds both.
-    let pool = tokenlease::__private::pool(&instance.breaker.get_ref().inner).clone();
-    let get = || async {
-        for _ in 0..100 {
-            if let Ok(conn) = pool.get().await {
-                return conn;
-            }
-        }
-        panic!("no pooled connection in 100 tries");
-    };
-    let held = (get().await, get().await);
-    let hold_start = origin.elapsed();
-    instance.log.max_in_flight.store(0, Ordering::SeqCst);
-    tokio::time::sleep_until((origin + Duration::from_millis(2_000)).into()).await;
-    let in_flight = instance.log.max_in_flight.load(Ordering::SeqCst);
-    drop(held);
-    let release = origin.elapsed();
-    let events = run.await.expect("the run");
-
-    let classes = error_classes(&instances, origin, hold_start, release);
-    let (calls, failed, slowest) = calls_in(&instances, origin, hold_start, release);
-    let recovered = recovered_at(&instances, origin, release).expect("recovered");
-    let recovery = recovered.saturating_sub(release);
-    let hold: Vec<Event> = events
-        .iter()
-        .filter(|e| in_window(e, hold_start, release))
-        .copied()
-        .collect();
-    let by_fallback = hold
-        .iter()
-        .filter(|e| matches!(e.by, DecidedBy::Fallback(_)))
-        .count();
-    let (_, p99, max) = waits(&events);
-    eprintln!(
-        "D6 {}: waits p99 {:.3} ms max {:.1} ms; held 1.5 s: {calls} db calls, {failed} failed \
-         {classes:?}, slowest {:.1} ms, at most {in_flight} in flight; {by_fallback} of {} decisions by the \
-         fallback; recovery {:.0} ms after release",
-        mode.label(),
-        ms(p99),
-        ms(max),
-        ms(slowest),
-        hold.len(),
-        ms(recovery),
-    );
-    assert!(max <= DIRECT_WAIT, "a caller waited {max:?}");
-    assert!(
-        slowest <= Duration::from_millis(70),
-        "a pool wait took {slowest:?}"
-    );
-    // The pool wait and the call timeout are both 50 ms: either may fire first.
-    assert!(
-        classes.iter().all(|(c, _)| c.starts_with("timeout")),
-        "{classes:?}"
-    );
-    assert_eq!(failed, calls);
-    // The coalescer sends one statement for the key at a time. With the `allow` and `local`
-    // fallbacks the outage debt's charging task may have one of its own in flight beside it
-    // (one round at a time, each with the call timeout): it starts when a call finds the store
-    // answering, which happens while the test is still taking the connections.
-    let bound = if mode == Mode::Deny { 1 } else { 2 };
-    assert!(
-        in_flight <= bound,
-        "{in_flight} statements in flight on one key (at most {bound})"
-    );
-    assert_eq!(
-        by_fallback,
-        hold.len(),
-        "the fallback decides while the pool is held"
-    );
-    // The breaker may be open for up to its 500 ms cap when the pool comes back.
-    assert!(
-        recovery <= Duration::from_millis(700),
-        "recovery took {recovery:?}"
-    );
 }
 
 // ---------------------------------------------------------------------------------------------

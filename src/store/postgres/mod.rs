@@ -115,6 +115,7 @@ impl std::fmt::Debug for PostgresStore {
 impl PostgresStore {
     /// The connection pool: for the crate's own tests, never in the API (bb8's version would
     /// become part of ours).
+    #[cfg(test)]
     pub(crate) fn pool(&self) -> &Pool<Manager> {
         &self.pool
     }
