@@ -398,9 +398,10 @@ mod tests {
         use std::time::Duration;
 
         use crate::debt::OutageDebt;
-        use crate::debt::tests::{Switch, counters, ledger, local, plan, settings, until, whole};
+        use crate::debt::tests::{LOOK, Switch, counters, ledger, local, plan, settings, whole};
         use crate::fallback::Fallback;
         use crate::policy::{FallbackMode, FallbackSettings, Plan};
+        use crate::tests::eventually;
 
         /// While the limiter's callers keep falling back the task sends no probe (the store is still
         /// failing them); once they stop, it probes on its own, and charges when the store answers.
@@ -418,12 +419,19 @@ mod tests {
                         .await
                         .allowed
                 );
+                // sleep: pacing (paused clock), a fallback decision every 100 ms for 10 s.
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             assert_eq!(store.calls(), 0, "no probe in 10 s of fallback decisions");
             // The callers stop; the store is back, and nobody says so: a probe finds it.
             store.failing.store(false, Ordering::SeqCst);
-            until(Duration::from_secs(6), || fallback.debt().keys == 0).await;
+            eventually(
+                LOOK,
+                Duration::from_secs(6),
+                "the debt charged after a probe",
+                async || fallback.debt().keys == 0,
+            )
+            .await;
             assert_eq!(store.calls(), 1);
             assert_eq!(fallback.debt().charged, whole(100));
         }

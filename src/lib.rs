@@ -67,6 +67,8 @@ pub mod store;
 mod assembled_tests;
 #[cfg(all(test, feature = "postgres"))]
 mod pool_tests;
+#[cfg(test)]
+mod tests;
 
 pub use debt::OutageDebt;
 pub use error::Error;

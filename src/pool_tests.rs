@@ -77,7 +77,7 @@ async fn d6(mode: FallbackMode) {
         .await
         .expect("join")
         .expect("a throwaway PostgreSQL (install the server binaries: apt-get install postgresql)");
-    let store = fault_store(&pg.connection_string("postgres"), 2, clock).await;
+    let store = fault_store(&pg.connection_string("postgres"), 2).await;
     // The store's own pool: a bb8 pool's clones share its connections.
     let pool = store.pool().clone();
     let log = Log::new(clock);
@@ -194,7 +194,7 @@ fn ms(d: Duration) -> f64 {
 /// `pool`, 50 ms call and pool-wait timeouts, a 250 ms connect timeout, 100 ms statement and
 /// lock timeouts. Its first connection must come within the 50 ms pool wait, so building is
 /// retried (50 ms apart, for up to 20 s) on a busy machine.
-async fn fault_store(connection: &str, pool: u32, clock: MonotonicClock) -> PostgresStore {
+async fn fault_store(connection: &str, pool: u32) -> PostgresStore {
     let builder = PostgresStore::builder(connection)
         .expect("connection string")
         .pool_size(pool)
@@ -203,19 +203,22 @@ async fn fault_store(connection: &str, pool: u32, clock: MonotonicClock) -> Post
         .connect_timeout(Duration::from_millis(250))
         .statement_timeout(Duration::from_millis(100))
         .lock_timeout(Duration::from_millis(100));
-    let deadline = clock.instant() + Duration::from_secs(20);
-    for attempt in 1.. {
-        match builder.clone().build().await {
-            Ok(store) => return store,
-            Err(e) if clock.instant() < deadline => {
-                eprintln!("store build attempt {attempt}: {e}");
+    let (mut store, mut attempts) = (None, 0);
+    crate::tests::eventually(
+        Duration::from_millis(50),
+        Duration::from_secs(20),
+        "a fault store built (its first connection within the pool wait)",
+        async || {
+            attempts += 1;
+            match builder.clone().build().await {
+                Ok(built) => store = Some(built),
+                Err(e) => eprintln!("store build attempt {attempts}: {e}"),
             }
-            Err(e) => panic!("a fault store built: not within 20 s; last seen: {e}"),
-        }
-        // sleep: between build attempts, as `tests/common`'s `eventually` looks again.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    unreachable!("the attempts are endless")
+            store.is_some()
+        },
+    )
+    .await;
+    store.expect("a fault store built")
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ use crate::bucket::Rate;
 use crate::clock::default_clock;
 use crate::policy::FallbackSettings;
 use crate::store::{Acquired, BucketRow, GiveBack, MemoryStore, StoreError};
+use crate::tests::eventually;
 
 /// A memory store that fails while `failing` is set, and logs each call's keys.
 #[derive(Debug, Default)]
@@ -94,15 +95,9 @@ async fn tokens(store: &Switch, key: &str) -> Option<f64> {
         .map(|row| row.tokens_now.as_f64())
 }
 
-/// Lets the paused clock run until `done` holds (checked every 10 ms), for at most `limit`.
-pub(crate) async fn until(limit: Duration, mut done: impl FnMut() -> bool) {
-    let clock = default_clock();
-    let end = clock.instant() + limit;
-    while !done() {
-        assert!(clock.instant() < end, "not done within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
+/// How often the tests look at the ledger while they wait for it: every 10 ms of the paused
+/// clock.
+pub(crate) const LOOK: Duration = Duration::from_millis(10);
 
 /// Counters for `plan`, as a limiter's plan registry holds them.
 pub(crate) fn counters(plan: &Plan) -> Arc<PlanCounters> {
@@ -113,9 +108,17 @@ pub(crate) fn whole(n: u64) -> Tokens {
     Tokens::whole(n)
 }
 
-/// Word that the store answers, once the task (started by a record) waits for it.
+/// Word that the store answers, once the task (started by a record) waits for it: word sent
+/// before it waits is not kept.
 async fn recovered(debt: &Debt) {
-    tokio::time::sleep(Duration::from_millis(1)).await;
+    let shared = debt.shared.as_ref().expect("a ledger");
+    eventually(
+        Duration::from_millis(1),
+        Duration::from_secs(1),
+        "the charging task waits for word",
+        async || shared.parked.load(Ordering::Acquire),
+    )
+    .await;
     debt.store_answered();
 }
 
@@ -132,7 +135,13 @@ async fn charges_in_batched_calls_and_ends_when_paid() {
     assert_eq!(debt.stats().outstanding, whole(600));
     assert_eq!(debt.stats().keys, 600);
     recovered(&debt).await;
-    until(Duration::from_secs(2), || debt.stats().keys == 0).await;
+    eventually(
+        LOOK,
+        Duration::from_secs(2),
+        "the ledger empty",
+        async || debt.stats().keys == 0,
+    )
+    .await;
     let stats = debt.stats();
     assert_eq!(stats.charged, whole(600));
     assert_eq!(stats.outstanding, Tokens::ZERO);
@@ -145,14 +154,22 @@ async fn charges_in_batched_calls_and_ends_when_paid() {
         assert!((9.0..9.5).contains(&left), "{key}: {left}");
     }
     // The task ends at its next round, after the pace.
-    tokio::time::sleep(PACE * 2).await;
     let shared = debt.shared.as_ref().unwrap();
-    assert!(!shared.running.load(Ordering::SeqCst), "the task ended");
+    eventually(LOOK, PACE * 2, "the task ended", async || {
+        !shared.running.load(Ordering::SeqCst)
+    })
+    .await;
     // New debt starts it again.
     debt.record_now(&p, &counters(&p), "k0", whole(2));
     assert!(shared.running.load(Ordering::SeqCst));
     recovered(&debt).await;
-    until(Duration::from_secs(1), || debt.stats().keys == 0).await;
+    eventually(
+        LOOK,
+        Duration::from_secs(1),
+        "the ledger empty",
+        async || debt.stats().keys == 0,
+    )
+    .await;
     assert_eq!(debt.stats().charged, whole(602));
 }
 
@@ -198,22 +215,42 @@ async fn unpaid_debt_ages_out() {
     );
     let p = plan("p", 100, 1.0, FallbackMode::Allow);
     debt.record_now(&p, &counters(&p), "old", whole(5));
+    // sleep: paused clock, "old" ages 20 s before "new" is recorded.
     tokio::time::sleep(Duration::from_secs(20)).await;
     debt.record_now(&p, &counters(&p), "new", whole(3));
     // 31 s after the first record: "old" has aged out, "new" (11 s old) has not.
+    // sleep: paused clock, "old" past its 30 s maximum age.
     tokio::time::sleep(Duration::from_secs(11)).await;
-    until(Duration::from_secs(2), || debt.stats().keys == 1).await;
+    eventually(
+        LOOK,
+        Duration::from_secs(2),
+        "one key left in the ledger",
+        async || debt.stats().keys == 1,
+    )
+    .await;
     let stats = debt.stats();
     assert_eq!(stats.dropped, whole(5));
     assert_eq!(stats.outstanding, whole(3));
     // Probes 0.25, 0.5, 1, 2, 4, then every 5 s: about ten calls in 32 s, not one per pace.
     let failed = store.failed.load(Ordering::SeqCst);
     assert!((5..=14).contains(&failed), "{failed} failed rounds");
-    until(Duration::from_secs(40), || debt.stats().keys == 0).await;
+    eventually(
+        LOOK,
+        Duration::from_secs(40),
+        "the ledger empty",
+        async || debt.stats().keys == 0,
+    )
+    .await;
     assert_eq!(debt.stats().dropped, whole(8));
     assert_eq!(debt.stats().charged, Tokens::ZERO);
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    assert!(!debt.shared.as_ref().unwrap().running.load(Ordering::SeqCst));
+    let shared = debt.shared.as_ref().unwrap();
+    eventually(
+        LOOK,
+        Duration::from_secs(10),
+        "the task ended",
+        async || !shared.running.load(Ordering::SeqCst),
+    )
+    .await;
 }
 
 /// What the bucket cannot give stays as debt and is charged on later rounds: the refill pays
@@ -232,10 +269,12 @@ async fn partial_payment_is_carried_over() {
     debt.record_now(&p, &counters(&p), "k", whole(7));
     recovered(&debt).await;
     // The first round takes the 2 there: 5 left, carried.
+    // sleep: paused clock, half a pace: the first round is done, the next not yet due.
     tokio::time::sleep(Duration::from_millis(25)).await;
     let owed = debt.stats().outstanding.as_f64();
     assert!((4.9..=5.0).contains(&owed), "owed {owed}");
     // At 2 tokens a second, 5 more take 2.5 s; each round takes what refilled since the last.
+    // sleep: paused clock, 1 s of the bucket's refill, charged round by round.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let owed = debt.stats().outstanding.as_f64();
     assert!((2.8..=3.1).contains(&owed), "owed {owed} after 1 s");
@@ -244,7 +283,13 @@ async fn partial_payment_is_carried_over() {
         left < 0.11,
         "the bucket is spent while debt remains: {left}"
     );
-    until(Duration::from_secs(3), || debt.stats().keys == 0).await;
+    eventually(
+        LOOK,
+        Duration::from_secs(3),
+        "the ledger empty",
+        async || debt.stats().keys == 0,
+    )
+    .await;
     assert_eq!(debt.stats().charged, whole(7));
     assert_eq!(debt.stats().outstanding, Tokens::ZERO);
 }
@@ -262,6 +307,7 @@ async fn a_plans_debt_goes_to_that_plans_bucket() {
     debt.record_now(&big, &counters(&big), "shared", whole(1));
     debt.record_now(&small, &counters(&small), "shared", whole(1));
     recovered(&debt).await;
+    // sleep: paused clock, half a pace: the first round is done, the next not yet due.
     tokio::time::sleep(Duration::from_millis(25)).await;
     // "a" paid in full from a bucket of 100; "b" took the 20 its plan's bucket holds.
     let a = tokens(&store, "a").await.unwrap();
@@ -272,7 +318,13 @@ async fn a_plans_debt_goes_to_that_plans_bucket() {
     let owed = stats.outstanding.as_f64();
     // 30 of b's left (less a trickle of refill), and one "shared" waits for the next round.
     assert!((30.0..=31.0).contains(&owed), "owed {owed}");
-    until(Duration::from_secs(1), || debt.stats().keys == 1).await;
+    eventually(
+        LOOK,
+        Duration::from_secs(1),
+        "one key left in the ledger",
+        async || debt.stats().keys == 1,
+    )
+    .await;
     let row = store.inspect("b").await.unwrap().unwrap();
     assert_eq!(
         row.capacity,
@@ -295,6 +347,7 @@ async fn charging_waits_for_the_store_to_answer() {
     for _ in 0..10 {
         debt.record_now(&p, &counters(&p), "k", whole(1));
     }
+    // sleep: paused clock, 200 ms, short of the first probe wait (250 ms): no call may go.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
         store.calls(),
@@ -303,6 +356,7 @@ async fn charging_waits_for_the_store_to_answer() {
     );
     store.failing.store(false, Ordering::SeqCst);
     debt.store_answered();
+    // sleep: paused clock, 1 ms: word of recovery charges at once, not a probe wait later.
     tokio::time::sleep(Duration::from_millis(1)).await;
     assert_eq!(store.calls(), 1, "charged on word of recovery");
     assert_eq!(debt.stats().charged, whole(14));
@@ -311,13 +365,16 @@ async fn charging_waits_for_the_store_to_answer() {
     // it waits again.
     store.failing.store(true, Ordering::SeqCst);
     debt.record_now(&p, &counters(&p), "k", whole(1));
+    // sleep: paused clock, past the pace (50 ms) after which the task's next round goes.
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(store.calls(), 2, "one failed round");
     assert_eq!(debt.stats().outstanding, whole(1));
+    // sleep: paused clock, 100 ms more, within the first probe wait (250 ms): no call may go.
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(store.calls(), 2, "then no call within the first probe wait");
     store.failing.store(false, Ordering::SeqCst);
     recovered(&debt).await;
+    // sleep: paused clock, 1 ms: word of recovery charges at once, not a probe wait later.
     tokio::time::sleep(Duration::from_millis(1)).await;
     assert_eq!(debt.stats().keys, 0);
     assert_eq!(debt.stats().charged, whole(15));
@@ -353,6 +410,7 @@ async fn a_call_past_its_deadline_fails_the_round() {
     let p = plan("p", 100, 1.0, FallbackMode::Allow);
     debt.record_now(&p, &counters(&p), "k", whole(3));
     recovered(&debt).await;
+    // sleep: paused clock, past the charging call's 50 ms deadline.
     tokio::time::sleep(Duration::from_millis(60)).await;
     assert_eq!(
         hung.0.load(Ordering::SeqCst),
@@ -366,6 +424,7 @@ async fn a_call_past_its_deadline_fails_the_round() {
     );
     assert_eq!(debt.stats().outstanding, whole(3));
     // Not another call until word of recovery or the probe wait.
+    // sleep: paused clock, 100 ms, within the first probe wait (250 ms): no call may go.
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(hung.0.load(Ordering::SeqCst), 1);
 }
@@ -388,7 +447,13 @@ async fn a_paid_off_flood_gives_the_ledgers_memory_back() {
     let (map, queue) = capacity();
     assert!(map >= MAX_KEYS && queue >= MAX_KEYS, "{map} {queue}");
     recovered(&debt).await;
-    until(Duration::from_secs(30), || debt.stats().keys == 0).await;
+    eventually(
+        LOOK,
+        Duration::from_secs(30),
+        "the ledger empty",
+        async || debt.stats().keys == 0,
+    )
+    .await;
     let (map, queue) = capacity();
     assert!(map <= KEEP_SLOTS && queue <= KEEP_SLOTS, "{map} {queue}");
 }

@@ -234,6 +234,7 @@ mod tests {
                 }
                 // The key's first calls are store calls until the actor has seen its demand,
                 // which takes time to pass (the clock is paused: this advances it).
+                // sleep: pacing (paused clock), calls 1 ms apart build the key's demand.
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
             assert!(leased > 0, "no decision came from a lease");

@@ -199,14 +199,17 @@ async fn d10(debt: bool) {
         &stop,
     );
 
+    // sleep: the fault timeline, 2 s of warm-up before the stop.
     tokio::time::sleep_until((origin + WARM).into()).await;
     let (u_start, k_start, x_start) = debt_of(&instances);
     let from = origin.elapsed();
     server(&pg, |pg| pg.stop(StopMode::Fast).expect("stop")).await;
+    // sleep: the fault timeline, the server down until 3 s after the stop began.
     tokio::time::sleep_until((origin + WARM + OUTAGE).into()).await;
     let starting = origin.elapsed();
     server(&pg, |pg| pg.start_again().expect("start again")).await;
     let up = origin.elapsed();
+    // sleep: the fault timeline, 4 s of load after the server is up again.
     tokio::time::sleep_until((origin + up + AFTER).into()).await;
     // The window ends here: the debt now, then the load stops.
     let (u_end, k_end, x_end) = debt_of(&instances);

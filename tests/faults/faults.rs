@@ -601,11 +601,13 @@ async fn d1(mode: Mode) {
     let origin = Instant::now();
     let run = drive(&instances, &plan, 4, origin, Duration::from_secs(6));
 
+    // sleep: the fault timeline, 2 s of traffic before the stop.
     tokio::time::sleep_until((origin + Duration::from_secs(2)).into()).await;
     let stop_begin = origin.elapsed();
     rig.server(|pg| pg.stop(StopMode::Fast).expect("stop"))
         .await;
     let stop_end = origin.elapsed();
+    // sleep: the fault timeline, the server stopped until 4 s.
     tokio::time::sleep_until((origin + Duration::from_secs(4)).into()).await;
     // The server accepts connections somewhere between `starting` and `up` (pg_ctl -w polls):
     // the outage ends at `starting`, and recovery is timed from it (conservative).
@@ -859,9 +861,11 @@ async fn d2(mode: Mode) {
     let admin = rig.admin().await;
 
     // Phase A: every reply 2 s late, from 0.5 s to 2.5 s.
+    // sleep: the fault timeline, the replies delayed from 0.5 s.
     tokio::time::sleep_until((origin + Duration::from_millis(500)).into()).await;
     rig.proxy.delay(Duration::ZERO, Duration::from_secs(2));
     let a_start = origin.elapsed();
+    // sleep: the fault timeline, every reply 2 s late until 2.5 s.
     tokio::time::sleep_until((origin + Duration::from_millis(2_500)).into()).await;
     rig.proxy.pass();
     let a_end = origin.elapsed();
@@ -869,6 +873,7 @@ async fn d2(mode: Mode) {
     // sleep: the fault timeline, 0.5 s into the 2 s delay of the replies in the pipe.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let stuck_a = old_limiter_statements(&admin).await;
+    // sleep: the fault timeline, phase B at 4.5 s.
     tokio::time::sleep_until((origin + Duration::from_millis(4_500)).into()).await;
     let a_recovered = recovered_at(&instances, origin, a_end);
 
@@ -885,6 +890,7 @@ async fn d2(mode: Mode) {
     // sleep: the fault timeline, the row's lock held 1 s before the count.
     tokio::time::sleep(Duration::from_millis(1_000)).await;
     let stuck_b = old_limiter_statements(&admin).await;
+    // sleep: the fault timeline, the row's lock held until 6.5 s.
     tokio::time::sleep_until((origin + Duration::from_millis(6_500)).into()).await;
     tx.rollback().await.expect("release the row");
     let b_end = origin.elapsed();
@@ -1189,6 +1195,7 @@ async fn d4(mode: Mode) {
     let (settle, judged) = (Duration::from_secs(1), Duration::from_millis(1_500));
 
     // (a) 30% of each proxy's connections reset every 100 ms, from 0.5 s to 3.5 s.
+    // sleep: the fault timeline, the resets start at 0.5 s.
     tokio::time::sleep_until((origin + Duration::from_millis(500)).into()).await;
     let a_start = origin.elapsed();
     while origin.elapsed() < Duration::from_millis(3_500) {
@@ -1485,9 +1492,11 @@ async fn d7(mode: Mode) {
     let plan = direct_plan(mode, C, R);
     let origin = Instant::now();
     let run = drive(&instances, &plan, 4, origin, Duration::from_millis(4_000));
+    // sleep: the fault timeline, the black hole from 0.5 s.
     tokio::time::sleep_until((origin + Duration::from_millis(500)).into()).await;
     rig.proxy.black_hole(true);
     let hole_start = origin.elapsed();
+    // sleep: the fault timeline, every byte black-holed until 2.5 s.
     tokio::time::sleep_until((origin + Duration::from_millis(2_500)).into()).await;
     rig.proxy.black_hole(false);
     let hole_end = origin.elapsed();
@@ -1539,12 +1548,14 @@ async fn d7_sigstop(mode: Mode) {
         Duration::from_millis(4_000),
     );
 
+    // sleep: the fault timeline, the server stopped (SIGSTOP) at 0.5 s.
     tokio::time::sleep_until((origin + Duration::from_millis(500)).into()).await;
     let stopped = rig.pg.suspend().expect("SIGSTOP the server");
     let processes = stopped.processes();
     let stop_at = origin.elapsed();
 
     // New connections while stopped: the fresh instance's callers, and a bare connect.
+    // sleep: the fault timeline, new connections from 0.7 s, while the server is stopped.
     tokio::time::sleep_until((origin + Duration::from_millis(700)).into()).await;
     let fresh_run = drive(
         std::slice::from_ref(&fresh),
@@ -1571,6 +1582,7 @@ async fn d7_sigstop(mode: Mode) {
         (start.elapsed(), outcome)
     });
 
+    // sleep: the fault timeline, the server stopped until 2.5 s.
     tokio::time::sleep_until((origin + Duration::from_millis(2_500)).into()).await;
     stopped.resume();
     let cont_at = origin.elapsed();
@@ -1719,6 +1731,7 @@ fn paced(
     tokio::spawn(async move {
         let mut events = Vec::new();
         for k in 0..D9_CALLS {
+            // sleep: pacing, a call every 20 ms on a fixed schedule from `origin`.
             tokio::time::sleep_until((origin + D9_EVERY * k).into()).await;
             let start = Instant::now();
             let d = limiter
@@ -1807,11 +1820,13 @@ async fn d9(mode: Mode) {
         })
         .collect();
 
+    // sleep: the fault timeline, the wall clocks step at 1 s.
     tokio::time::sleep_until((origin + D9_STEP_AT).into()).await;
     for r in &runs {
         r.clock.step(r.step);
     }
     // Just before the outage: the skew each breaker measured after the step.
+    // sleep: the fault timeline, 0.9 s after the step, in which each breaker measures the skew.
     tokio::time::sleep_until((origin + D9_OUTAGE_AT - Duration::from_millis(100)).into()).await;
     let skews: Vec<Option<f64>> = runs
         .iter()
@@ -1832,6 +1847,7 @@ async fn d9(mode: Mode) {
                 })
         })
         .collect();
+    // sleep: the fault timeline, the store unreachable from 2 s.
     tokio::time::sleep_until((origin + D9_OUTAGE_AT).into()).await;
     rig.proxy.refuse(true);
     rig.proxy.reset_all();

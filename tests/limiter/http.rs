@@ -291,6 +291,7 @@ async fn e1_entity_flood_spends_no_global_tokens_beyond_its_own_successes_postgr
     let tick = tokio::time::Instant::now();
     let mut tasks = Vec::with_capacity(1000);
     for i in 0..1000u64 {
+        // sleep: pacing, the requests arrive 1 ms apart.
         tokio::time::sleep_until(tick + Duration::from_millis(i)).await;
         let app = app.clone();
         tasks.push(tokio::spawn(async move {

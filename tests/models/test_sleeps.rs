@@ -1,16 +1,20 @@
 //! L4: no sleep in the tests stands for synchronisation (docs/testing.md, "Sleeps in tests").
 //!
 //! The check reads every `.rs` file of the tests (`tests/`, `cli/tests`, `testkit/tests`) and
-//! fails, naming each file and line, at a call of a `sleep(` (std's, tokio's, or any other)
-//! that is neither in the shared poll helpers of `tests/common/mod.rs` (`poll_until` and
-//! `poll_until_blocking`: the one place where a test waits for a condition by looking again)
-//! nor marked with its reason: a `// sleep: <reason>` comment on its line or in the comment
-//! lines just above it. A sleep that waits for something to happen is replaced by awaiting
-//! that thing (`common::actor_idle`, `common::eventually`, …); one that stands for time that
-//! must really pass, or for pacing, says so. Comments and string literals are skipped, so a
-//! sleep named in prose or in a made-up source is no call.
+//! the test code of the library's `src/` (a file whose name ends in `tests.rs` or that sits in
+//! a `tests` directory, and in any other file its `mod tests {` block and what follows it), and
+//! fails, naming each file and line, at a call of a `sleep(` or `sleep_until(` (std's,
+//! tokio's, or any other) that is neither in the shared poll helpers of `tests/common/mod.rs`
+//! (`poll_until` and `poll_until_blocking`: the one place where a test waits for a condition by
+//! looking again) nor marked with its reason: a `// sleep: <reason>` comment on its line or in
+//! the comment lines just above it. A sleep that waits for something to happen is replaced by
+//! awaiting that thing (`common::actor_idle`, `common::eventually`, and in the library's tests
+//! `crate::tests::eventually`, …); one that stands for time that must really pass, or for
+//! pacing, says so. Comments and string literals are skipped, so a sleep named in prose or in a
+//! made-up source is no call. A call of any function whose name ends in `sleep` counts (the
+//! check's own functions are named otherwise).
 //!
-//! The last test runs the check over a small made-up source, to show it finds what it is for.
+//! The last tests run the check over small made-up sources, to show it finds what it is for.
 
 use std::path::Path;
 
@@ -102,14 +106,31 @@ fn marked(source: &str, line: usize) -> bool {
         .any(|l| l.starts_with(MARKER))
 }
 
-/// Each sleep of `source` that is neither marked nor (when `helpers_here`) in a poll helper:
-/// its line, 1-based.
-fn unexplained(source: &str, helpers_here: bool) -> Vec<usize> {
+/// Whether a line of code (comments and strings blanked) calls a sleep.
+fn calls_a_sleep_fn(line: &str) -> bool {
+    let squeezed: String = line.chars().filter(|c| !c.is_whitespace()).collect();
+    squeezed.contains("sleep(") || squeezed.contains("sleep_until(")
+}
+
+/// The first line (0-based) of the test code in the library file at `rel` (relative to `src/`,
+/// `/`-separated): 0 for a test file (its name ends in `tests.rs`, or it sits in a `tests`
+/// directory), else the line of its `mod tests {` at the start of a line; `None` without one.
+fn tests_from(rel: &str, code: &str) -> Option<usize> {
+    let mut parts: Vec<&str> = rel.split('/').collect();
+    let name = parts.pop().unwrap_or_default();
+    if name.ends_with("tests.rs") || parts.contains(&"tests") {
+        return Some(0);
+    }
+    code.lines().position(|l| l.starts_with("mod tests {"))
+}
+
+/// Each sleep of `source` from line `from` (0-based) on that is neither marked nor (when
+/// `helpers_here`) in a poll helper: its line, 1-based.
+fn unexplained_from(source: &str, from: usize, helpers_here: bool) -> Vec<usize> {
     let code = code_only(source);
     let mut found = Vec::new();
-    for (n, line) in code.lines().enumerate() {
-        let squeezed: String = line.chars().filter(|c| !c.is_whitespace()).collect();
-        if !squeezed.contains("sleep(") {
+    for (n, line) in code.lines().enumerate().skip(from) {
+        if !calls_a_sleep_fn(line) {
             continue;
         }
         let in_helper = helpers_here
@@ -119,6 +140,12 @@ fn unexplained(source: &str, helpers_here: bool) -> Vec<usize> {
         }
     }
     found
+}
+
+/// Each sleep of `source` that is neither marked nor (when `helpers_here`) in a poll helper:
+/// its line, 1-based.
+fn unexplained(source: &str, helpers_here: bool) -> Vec<usize> {
+    unexplained_from(source, 0, helpers_here)
 }
 
 /// The check over the workspace's tests.
@@ -135,21 +162,52 @@ fn l4_every_sleep_in_the_tests_is_a_poll_or_says_why() {
         let source = std::fs::read_to_string(file).expect("read a source file");
         sleeps += code_only(&source)
             .lines()
-            .filter(|l| l.replace(' ', "").contains("sleep("))
+            .filter(|l| calls_a_sleep_fn(l))
             .count();
         for line in unexplained(&source, *file == helpers) {
             let shown = file.strip_prefix(root).unwrap_or(file).display();
             report.push_str(&format!("{shown}:{line}\n"));
         }
     }
+    // The library's unit tests.
+    let src = root.join("src");
+    let mut library = Vec::new();
+    rust_files(&src, &mut library);
+    let mut library_sleeps = 0;
+    for file in &library {
+        let source = std::fs::read_to_string(file).expect("read a source file");
+        let rel: Vec<String> = file
+            .strip_prefix(&src)
+            .unwrap_or(file)
+            .components()
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
+            .collect();
+        let code = code_only(&source);
+        let Some(from) = tests_from(&rel.join("/"), &code) else {
+            continue;
+        };
+        library_sleeps += code
+            .lines()
+            .skip(from)
+            .filter(|l| calls_a_sleep_fn(l))
+            .count();
+        for line in unexplained_from(&source, from, false) {
+            report.push_str(&format!("src/{}:{line}\n", rel.join("/")));
+        }
+    }
+    assert!(
+        library_sleeps > 5,
+        "only {library_sleeps} sleeps in the library's tests"
+    );
     // The tests are all there (a wrong directory would check nothing), and so are their sleeps.
     assert!(files.len() > 50, "only {} files", files.len());
     assert!(sleeps > 20, "only {sleeps} sleeps found");
     assert!(
         report.is_empty(),
         "a sleep in the tests neither in the shared poll helper nor marked `{MARKER} <reason>` \
-         (await what it waits for: `common::actor_idle`, `common::eventually`; or say why time \
-         must pass, docs/testing.md \"Sleeps in tests\"):\n{report}"
+         (await what it waits for: `common::actor_idle`, `common::eventually`, in the library \
+         `crate::tests::eventually`; or say why time must pass, docs/testing.md \"Sleeps in \
+         tests\"):\n{report}"
     );
 }
 
@@ -181,4 +239,31 @@ fn l4_the_check_finds_unexplained_sleeps() {
     assert_eq!(unexplained(source, false), vec![2, 4, 16, 19, 21]);
     // In the helpers' own file, the poll helper's sleep is the allowed one; the others are not.
     assert_eq!(unexplained(source, true), vec![2, 4, 16, 21]);
+    // `sleep_until` is a sleep too.
+    let until = "async fn e() {\n\
+                 \x20   tokio::time::sleep_until(at).await;\n\
+                 \x20   // sleep: the timeline's next step.\n\
+                 \x20   tokio::time::sleep_until(at).await;\n\
+                 }\n";
+    assert_eq!(unexplained(until, false), vec![2]);
+}
+
+/// In the library, test code is a test file or a file's `mod tests` block and what follows;
+/// a sleep in the library's own code above it is not the check's.
+#[test]
+fn l4_library_test_code_is_found() {
+    let source = "async fn run() {\n\
+                  \x20   tokio::time::sleep(backoff).await;\n\
+                  }\n\
+                  #[cfg(test)]\n\
+                  mod tests {\n\
+                  \x20   async fn t() { tokio::time::sleep(D).await; }\n\
+                  }\n";
+    let code = code_only(source);
+    let from = tests_from("lease/actor/mod.rs", &code).expect("a tests module");
+    assert_eq!(unexplained_from(source, from, false), vec![6]);
+    assert_eq!(tests_from("store/postgres/pool_tests.rs", &code), Some(0));
+    assert_eq!(tests_from("store/breaker/tests.rs", &code), Some(0));
+    assert_eq!(tests_from("policy/load/tests/cases.rs", &code), Some(0));
+    assert_eq!(tests_from("clock.rs", "fn now() {}\n"), None);
 }

@@ -641,6 +641,7 @@ async fn one_worker_out(hang: bool) {
     );
     let origin = Instant::now();
     let run = drive(&limiters, &plan, &keys, 4, origin, Duration::from_secs(5));
+    // sleep: the fault timeline, the worker out at 1.5 s.
     tokio::time::sleep_until((origin + Duration::from_millis(1500)).into()).await;
     let out_from = origin.elapsed();
     let worker = Arc::clone(&citus);
@@ -655,6 +656,7 @@ async fn one_worker_out(hang: bool) {
     })
     .await
     .expect("fault task");
+    // sleep: the fault timeline, the worker out until 3 s.
     tokio::time::sleep_until((origin + Duration::from_millis(3000)).into()).await;
     let back_at = origin.elapsed();
     match suspended {
@@ -827,12 +829,14 @@ async fn with_the_coordinator_down_the_fallback_decides_within_the_timeout() {
         origin,
         Duration::from_secs(4),
     );
+    // sleep: the fault timeline, the coordinator stopped at 1 s.
     tokio::time::sleep_until((origin + Duration::from_millis(1000)).into()).await;
     let c = Arc::clone(&citus);
     tokio::task::spawn_blocking(move || c.coordinator().stop(StopMode::Immediate).expect("stop"))
         .await
         .expect("stop task");
     let down = origin.elapsed();
+    // sleep: the fault timeline, the coordinator down until 2.5 s.
     tokio::time::sleep_until((origin + Duration::from_millis(2500)).into()).await;
     // The coordinator answers as soon as it accepts connections, before `start_again` returns:
     // the outage ends when the restart begins.

@@ -379,6 +379,7 @@ async fn h5(leased: bool) {
     let origin = Instant::now();
     let run = drive(&limiters, &plan, &keys, origin, Duration::from_secs(6));
 
+    // sleep: the fault timeline, the shard stopped at 1.5 s.
     tokio::time::sleep_until((origin + Duration::from_millis(1500)).into()).await;
     let stopping = origin.elapsed();
     let pg = Arc::clone(&clusters[down]);
@@ -407,6 +408,7 @@ async fn h5(leased: bool) {
             assert_eq!(states.get(*name), Some(&0.0), "{name}: {states:?}");
         }
     }
+    // sleep: the fault timeline, the shard down until 3.5 s.
     tokio::time::sleep_until((origin + Duration::from_millis(3500)).into()).await;
     let starting = origin.elapsed();
     let pg = Arc::clone(&clusters[down]);

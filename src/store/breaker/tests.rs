@@ -70,10 +70,6 @@ fn breaker(flaky: &Flaky) -> CircuitBreaker<Flaky> {
         .backoff(Duration::from_millis(100), Duration::from_millis(400))
 }
 
-async fn sleep_ms(ms: u64) {
-    tokio::time::sleep(Duration::from_millis(ms)).await;
-}
-
 fn is_open_error(r: &Result<Acquired, StoreError>) -> bool {
     matches!(r, Err(StoreError::CircuitOpen { .. }))
 }
@@ -101,13 +97,16 @@ async fn opens_after_threshold_probes_and_closes() {
     assert!(err.is_transient());
     assert_eq!(flaky.calls.load(Ordering::SeqCst), calls);
     // After the back-off, one probe: it fails, and the back-off doubles to 200 ms.
-    sleep_ms(110).await;
+    // sleep: the 100 ms back-off passes: the next call probes.
+    tokio::time::sleep(Duration::from_millis(110)).await;
     assert!(is_timeout(&take(&b).await));
     assert_eq!(b.state(), CircuitState::Open);
     assert_eq!(flaky.calls.load(Ordering::SeqCst), calls + 1);
-    sleep_ms(110).await;
+    // sleep: 110 ms into the 200 ms back-off: still open.
+    tokio::time::sleep(Duration::from_millis(110)).await;
     assert!(is_open_error(&take(&b).await), "200 ms back-off");
-    sleep_ms(100).await;
+    // sleep: the rest of the 200 ms back-off passes: the next call probes.
+    tokio::time::sleep(Duration::from_millis(100)).await;
     // The store is back: the probe succeeds and closes the circuit.
     flaky.failing.store(false, Ordering::SeqCst);
     assert!(take(&b).await.is_ok());
@@ -126,12 +125,15 @@ async fn backoff_is_capped_and_reset_on_close() {
     }
     // Probes fail after 100, 200, 400, 400 ms back-offs (cap 400).
     for wait in [100, 200, 400, 400] {
-        sleep_ms(wait / 2).await;
+        // sleep: half the back-off: still open.
+        tokio::time::sleep(Duration::from_millis(wait / 2)).await;
         assert!(is_open_error(&take(&b).await), "back-off {wait} ms");
-        sleep_ms(wait / 2 + 10).await;
+        // sleep: the rest of the back-off passes: the next call probes.
+        tokio::time::sleep(Duration::from_millis(wait / 2 + 10)).await;
         assert!(is_timeout(&take(&b).await), "probe after {wait} ms");
     }
-    sleep_ms(410).await;
+    // sleep: the capped 400 ms back-off passes: the next call probes.
+    tokio::time::sleep(Duration::from_millis(410)).await;
     flaky.failing.store(false, Ordering::SeqCst);
     assert!(take(&b).await.is_ok());
     // Closed again; the next opening starts from the minimum back-off.
@@ -139,7 +141,8 @@ async fn backoff_is_capped_and_reset_on_close() {
     for _ in 0..3 {
         let _ = take(&b).await;
     }
-    sleep_ms(110).await;
+    // sleep: the minimum back-off (100 ms) passes, not the 400 ms of before: the call probes.
+    tokio::time::sleep(Duration::from_millis(110)).await;
     assert!(is_timeout(&take(&b).await));
 }
 
@@ -171,7 +174,8 @@ async fn only_one_probe_at_a_time_and_a_cancelled_probe_reopens() {
     for _ in 0..3 {
         let _ = take(&b).await;
     }
-    sleep_ms(110).await;
+    // sleep: the 100 ms back-off passes: the half-open slot is free.
+    tokio::time::sleep(Duration::from_millis(110)).await;
     // Take the half-open slot by hand, as a probe in flight would.
     let permit = b.admit(b.clock.instant()).expect("probe admitted");
     assert!(permit.probe);
@@ -296,6 +300,7 @@ struct Stalled(Flaky);
 #[async_trait]
 impl Store for Stalled {
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
+        // sleep: the stalled store's latency (paused clock), 50 ms before it times out.
         tokio::time::sleep(Duration::from_millis(50)).await;
         self.0.acquire(request).await
     }

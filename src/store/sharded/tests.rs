@@ -318,6 +318,7 @@ async fn delete_idle_runs_on_every_shard() {
                 .expect("acquire");
         }
     }
+    // sleep: the stores' clock refills the buckets (a token in 1 µs) so their rows are idle.
     tokio::time::sleep(Duration::from_millis(5)).await;
     assert_eq!(store.delete_idle(100).await.expect("delete"), 6);
     shards[0].failing.store(true, Ordering::SeqCst);

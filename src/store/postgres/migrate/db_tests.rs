@@ -264,23 +264,24 @@ async fn build_migrates_under_its_own_timeout_not_the_statement_timeout() {
         .connect_timeout(Duration::from_secs(5));
     let mut build = tokio::spawn(builder.build());
     // Release the lock once the store's session waits for it (or the build has ended).
-    let deadline = now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 = holder
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'tokenlease' \
-                 AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .expect("pg_stat_activity")
-            .get(0);
-        if waiting > 0 || build.is_finished() {
-            break;
-        }
-        assert!(now() < deadline, "the build never waited for the lock");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    crate::tests::eventually(
+        Duration::from_millis(5),
+        Duration::from_secs(10),
+        "the build waited for the lock",
+        async || {
+            let waiting: i64 = holder
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = \
+                     'tokenlease' AND wait_event_type = 'Lock'",
+                    &[],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get(0);
+            waiting > 0 || build.is_finished()
+        },
+    )
+    .await;
     holder
         .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK_ID])
         .await
