@@ -296,8 +296,11 @@ async fn a_flood_of_ids_with_the_database_down_then_up_stays_bounded_and_shrinks
     // A settling request that the fallback decided (its store call timed out on a busy
     // machine) made a bucket of its own, which refills only after the wait: those may remain.
     let mut settle_fallbacks = 0;
+    // Until, at one reading, the buckets are gone and RSS is back (both now: deleting the
+    // buckets allocates, and RSS that was back may rise until the next trim) and the watch is
+    // over.
     while settle.elapsed() < deadline
-        && (back_s.is_none()
+        && (after - start > BACK_NEAR_START
             || at_watch_end.is_none()
             || held.is_none_or(|held| held > settle_fallbacks))
     {
