@@ -51,6 +51,10 @@ pub const OUTSTANDING: &str = "tokenlease_lease_outstanding_tokens";
 pub const OUTSTANDING_BOUND: &str = "tokenlease_lease_outstanding_bound_tokens";
 /// Keys in the lease table now.
 pub const TABLE_KEYS: &str = "tokenlease_lease_table_keys";
+/// Lease refill statements that timed out while the store was answering and were asked for
+/// again instead of failing (`DESIGN.md` §8). Failed ones are in [`DB_ERRORS`] (`kind="lease"`),
+/// which counts these too.
+pub const LATE_REFILLS: &str = "tokenlease_lease_late_refills_total";
 /// Time of one lease refill statement, in seconds.
 pub const REFILL_SECONDS: &str = "tokenlease_lease_refill_seconds";
 /// Time from a call's first poll to its decision, in seconds, by `decided_by` (`store`,
@@ -170,6 +174,11 @@ pub fn describe() {
         "the most the lease table's keys may hold in leases at once"
     );
     describe_gauge!(TABLE_KEYS, Unit::Count, "keys in the lease table");
+    describe_counter!(
+        LATE_REFILLS,
+        Unit::Count,
+        "lease refills that timed out while the store answered, asked for again"
+    );
     describe_gauge!(
         OUTAGE_DEBT,
         Unit::Count,

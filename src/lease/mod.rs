@@ -118,6 +118,14 @@ pub struct LeaseStats {
     /// Tokens admitted on credit that were never paid (the key left the table first): admitted
     /// without the store, within the key's `B` (`outstanding_bound`).
     pub credit_unpaid: f64,
+    /// Refill statements that timed out while the store was answering and were asked for
+    /// again instead of failing (`DESIGN.md` §8, "A refill that times out while the store
+    /// answers"). Many of them mean the call timeout is short for this machine or database.
+    pub late_refills: u64,
+    /// Refill statements that failed: a database error, a refused connection, an open circuit
+    /// breaker, or a timeout that was not late. Each sent its keys' callers to the fallback for
+    /// 100 ms.
+    pub failed_refills: u64,
 }
 
 /// Counters in nanotokens, written by the actor.
@@ -136,6 +144,10 @@ pub(crate) struct Counters {
     pub(crate) credit: AtomicU64,
     /// Nanotokens admitted on credit and never paid.
     pub(crate) credit_unpaid: AtomicU64,
+    /// Refill statements that timed out and were asked for again (`late.rs`).
+    pub(crate) late_refills: AtomicU64,
+    /// Refill statements that failed (their keys' callers went to the fallback).
+    pub(crate) failed_refills: AtomicU64,
 }
 
 /// Settings of the lease table and actor that do not belong to one plan.

@@ -30,6 +30,8 @@ impl Leases {
             credit: tokens(self.counters.credit.load(Ordering::Acquire)),
             credit_owed: tokens(self.credit.total()),
             credit_unpaid: tokens(self.counters.credit_unpaid.load(Ordering::Acquire)),
+            late_refills: self.counters.late_refills.load(Ordering::Relaxed),
+            failed_refills: self.counters.failed_refills.load(Ordering::Relaxed),
         }
     }
 }

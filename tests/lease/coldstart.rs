@@ -1,7 +1,8 @@
 //! C11: a cold start of many new keys against a real PostgreSQL whose refills are late, on a
 //! healthy store: no fallback decision, every admission paid for in the store's buckets, and
 //! no key over the ideal bucket's envelope (`DESIGN.md` §8, "Credit while a new key's refill is
-//! late" and "A refill that times out while newer ones answer").
+//! late" and "A refill that times out while the store answers"). C12: a key's second chance
+//! is given once: refills that time out twice in a row fail, and the actor stops asking.
 //!
 //! Lateness is made, not waited for: a gate in front of the store holds the refill statements
 //! of the cold keys' partition until the test lets them go (or fails them with a timeout), so
@@ -210,8 +211,31 @@ async fn c11_a_cold_start_on_a_healthy_store_has_no_fallback_decision() {
     // Asked for again at once (a failed refill would leave the credit owed until the keys'
     // next calls), and paid.
     common::actor_idle(&limiter, Duration::from_secs(30)).await;
+    gate.verdict.send_replace(Verdict::Wait);
+
+    // 3. 300 more; their held refills time out with no newer refill answered (no probe in
+    // between): no proof the store works, but no refill has failed since the last answer, so
+    // each key gets one second chance: late once, asked for again, answered.
+    let late_before = limiter.lease_stats().expect("leased").late_refills;
+    gate.hold.store(true, Ordering::SeqCst);
+    let third: Vec<String> = (0..300).map(|i| format!("cold-c:{i}")).collect();
+    seen.extend(burst(&limiter, &plan, &third, 2, origin).await);
+    gate.until_held(1).await;
+    gate.hold.store(false, Ordering::SeqCst);
+    gate.verdict.send_replace(Verdict::TimeOut);
+    gate.held
+        .subscribe()
+        .wait_for(|h| *h == 0)
+        .await
+        .expect("gate");
+    common::actor_idle(&limiter, Duration::from_secs(30)).await;
 
     let stats = limiter.lease_stats().expect("leased");
+    assert!(
+        stats.late_refills > late_before,
+        "the third burst's refills were late: {stats:?}"
+    );
+    assert_eq!(stats.failed_refills, 0, "no refill failed: {stats:?}");
     let fallback = seen
         .iter()
         .filter(|s| matches!(s.3, DecidedBy::Fallback(_)))
@@ -232,7 +256,7 @@ async fn c11_a_cold_start_on_a_healthy_store_has_no_fallback_decision() {
             by_key.entry(key).or_default().push((*at, 1.0));
         }
     }
-    assert_eq!(by_key.len(), 600, "every cold key admitted");
+    assert_eq!(by_key.len(), 900, "every cold key admitted");
     for (key, mut admitted) in by_key {
         admitted.sort_by(|a, b| a.0.total_cmp(&b.0));
         let span = admitted.last().map_or(0.0, |a| a.0);
@@ -250,5 +274,52 @@ async fn c11_a_cold_start_on_a_healthy_store_has_no_fallback_decision() {
             admitted.len()
         );
     }
+    limiter.shutdown().await;
+}
+
+/// C12: a second chance is given once. The cold keys' refills time out, and so do the
+/// statements that ask for them again: the first are late (the store had answered a probe and
+/// nothing had failed), the second fail, and the actor stops asking (it goes idle while the
+/// store would still time out every statement of these keys).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c12_refills_that_time_out_twice_in_a_row_fail() {
+    let _serial = common::serial().await;
+    let db = common::database().await;
+    let gate = Gate::new(common::store(&db, 4).await);
+    let limiter = Limiter::builder(gate.clone())
+        .lease_tick(Duration::from_millis(10))
+        .build();
+    let origin = Instant::now();
+    let plan = cold_plan(Duration::from_millis(20));
+    let probe_plan = Plan::new("probe", common::bucket(CAPACITY, RATE)).with_lease(
+        LeaseSettings::default()
+            .with_ttl(Duration::from_secs(5))
+            .with_max_wait(Duration::from_secs(10)),
+    );
+    let d = limiter
+        .try_acquire_with(&probe_plan, "probe-0", 1.0)
+        .await
+        .expect("decision");
+    assert!(d.allowed && d.decided_by == DecidedBy::Lease, "{d:?}");
+
+    // Every refill of a cold key times out from now on: the first statements and the ones
+    // asking again.
+    gate.hold.store(true, Ordering::SeqCst);
+    gate.verdict.send_replace(Verdict::TimeOut);
+    let keys: Vec<String> = (0..50).map(|i| format!("cold-d:{i}")).collect();
+    let seen = burst(&limiter, &plan, &keys, 1, origin).await;
+    common::actor_idle(&limiter, Duration::from_secs(30)).await;
+
+    let stats = limiter.lease_stats().expect("leased");
+    assert!(
+        stats.late_refills >= 1,
+        "the first refills were late: {stats:?}"
+    );
+    assert!(
+        stats.failed_refills >= 1,
+        "the second ones failed: {stats:?}"
+    );
+    assert_eq!(seen.len(), 50, "every call decided");
+    gate.hold.store(false, Ordering::SeqCst);
     limiter.shutdown().await;
 }

@@ -1126,12 +1126,14 @@ async fn c10_credit_stops_when_refills_fail_and_for_keys_the_table_removed() {
     .await;
     assert_eq!(stats(&limiter).credit, 5.0);
     // Refills fail: f0's call is admitted on credit before the failure is known, and none after.
+    // The first timeout of f0's refill is late (the store was answering), the second fails.
     store.fail.store(true, Relaxed);
     assert_eq!(lease_and_fallback(&limiter, &plan, "f0", 1).await, (1, 0));
     until(Duration::from_secs(1), "a refill failed", || {
-        store.failed.load(Relaxed) >= 1
+        stats(&limiter).failed_refills >= 1
     })
     .await;
+    assert!(stats(&limiter).late_refills >= 1, "late once first");
     for i in 1..=3 {
         let key = format!("f{i}");
         assert_eq!(

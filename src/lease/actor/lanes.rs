@@ -18,6 +18,7 @@ use super::{CHUNK, FAILURE_BACKOFF};
 use crate::bucket::Tokens;
 use crate::key::SlotKey;
 use crate::lease::Leases;
+use crate::lease::late::Outcome;
 use crate::lease::slot::SlotRef;
 use crate::lease::timers::Timers;
 use crate::metrics as m;
@@ -101,7 +102,22 @@ pub(super) struct Lanes<'a> {
     pub(super) inflight: HashSet<usize>,
     /// The statements in flight: per lane, one give-back or up to [`REFILLS_IN_FLIGHT`] refills.
     pub(super) jobs: Vec<Job<'a>>,
+    /// Slots whose last refill timed out and was given its one second chance (`late.rs`,
+    /// `Outcome::LateOnce`), by address, with when (local monotonic ns): a statement carrying
+    /// one of them that times out again fails. A mark goes when the slot's next refill is
+    /// applied, or [`LATE_MARK_TTL`] after it was made (a slot that left the table meanwhile);
+    /// at most [`LATE_MARKS`] are kept, and a statement whose keys would not fit gets no second
+    /// chance. A new slot at the address of a marked one only loses its second chance.
+    late: HashMap<usize, u64>,
 }
+
+/// The most slots [`Lanes`] remembers as given a second chance: 65,536 (about 1.5 MiB at most,
+/// in a cold start of that many keys whose refills all timed out at once).
+const LATE_MARKS: usize = 1 << 16;
+
+/// How long a second chance is remembered: far longer than a re-asked refill takes to be sent
+/// and answered or timed out (each within the store's call timeout).
+const LATE_MARK_TTL: Duration = Duration::from_secs(10);
 
 impl<'a> Lanes<'a> {
     /// Whether `lane` has a statement in flight.
@@ -112,7 +128,14 @@ impl<'a> Lanes<'a> {
     /// Gives memory back after a burst of refills (the first calls of a flood of new keys):
     /// the set of slots in flight, and each lane's queue, keep the capacity of their largest
     /// burst otherwise (1 MB for 100,000 new keys, kept while the lane has work).
-    pub(super) fn shrink(&mut self) {
+    pub(super) fn shrink(&mut self, now: u64) {
+        if !self.late.is_empty() {
+            let horizon = now.saturating_sub(LATE_MARK_TTL.as_nanos() as u64);
+            self.late.retain(|_, at| *at >= horizon);
+            if self.late.capacity() > 1024 && self.late.len() < self.late.capacity() / 4 {
+                self.late.shrink_to(self.late.len() * 2);
+            }
+        }
         let capacity = self.inflight.capacity();
         if capacity > 1024 && self.inflight.len() < capacity / 4 {
             self.inflight.shrink_to(self.inflight.len() * 2);
@@ -344,11 +367,20 @@ pub(super) fn finish(
             }
             let until = now + FAILURE_BACKOFF.as_nanos() as u64;
             // Credit (`Leases::credit`) is given only while refills answer; a refill that timed
-            // out while a newer one answered is late, not failed (`late.rs`).
-            let late = leases.refill_outcome(sent, short, &result, now);
+            // out while the store answered is late, not failed (`late.rs`).
+            let mut retried = lanes.late.len() + asks.len() > LATE_MARKS;
+            for (slot, ..) in &asks {
+                retried |= lanes
+                    .late
+                    .remove(&(SlotRef::as_ptr(slot) as usize))
+                    .is_some();
+            }
+            let outcome = leases.refill_outcome(sent, short, &result, now, retried);
+            let late = matches!(outcome, Outcome::Late | Outcome::LateOnce);
             let mut answers = result.into_iter();
             for (slot, _, want, hold, target) in &asks {
-                lanes.inflight.remove(&(SlotRef::as_ptr(slot) as usize));
+                let addr = SlotRef::as_ptr(slot) as usize;
+                lanes.inflight.remove(&addr);
                 match answers.next() {
                     Some(Ok(answer)) if !short => {
                         let strict = hold.map(|h| (sent, h.lease_id));
@@ -358,6 +390,9 @@ pub(super) fn finish(
                     }
                     // Late: the waiters ask again and go on waiting; credit owed is asked for.
                     _ if late && hold.is_none() => {
+                        if outcome == Outcome::LateOnce {
+                            lanes.late.insert(addr, now);
+                        }
                         slot.words().clear_pending();
                         slot.notify().notify_waiters();
                         if leases.owed_by(slot) > 0 && slot.words().request_refill() {

@@ -245,7 +245,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
         // Each idle lane's give-backs first, then its refills: a strict lease closed in this
         // round is settled before the same slot's renewal replaces its entry in the store.
         dispatch(leases, &mut lanes, &mut timers, returns, &mut ids, now);
-        lanes.shrink();
+        lanes.shrink(now);
         after_work(leases, &mut gauges, tick, worked);
     }
     // Statements in flight finish first (each within the store's call timeout): their grants
