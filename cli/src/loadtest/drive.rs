@@ -448,6 +448,9 @@ pub(super) async fn load(
                 returned: sum.returned + s.returned,
                 waived: sum.waived + s.waived,
                 held_at_end: sum.held_at_end + s.outstanding,
+                credit: sum.credit + s.credit,
+                late_refills: sum.late_refills + s.late_refills,
+                failed_refills: sum.failed_refills + s.failed_refills,
             })
         },
     );

@@ -103,13 +103,19 @@ pub(super) struct Report {
     pub(super) lease_tokens: Option<LeaseTokens>,
 }
 
-/// Where the leased tokens went (`Report::lease_tokens`), in tokens.
+/// Where the leased tokens went (`Report::lease_tokens`), in tokens, and how the refills fared.
 #[derive(Debug, Default, Clone, Copy, Serialize)]
 pub(super) struct LeaseTokens {
     pub(super) leased: f64,
     pub(super) returned: f64,
     pub(super) waived: f64,
     pub(super) held_at_end: f64,
+    /// Tokens admitted on credit while a new key's refill was late.
+    pub(super) credit: f64,
+    /// Refill statements that timed out while the store answered and were asked for again.
+    pub(super) late_refills: u64,
+    /// Refill statements that failed (their keys' callers went to the fallback for 100 ms).
+    pub(super) failed_refills: u64,
 }
 
 pub(super) fn print_table(r: &Report) {
@@ -228,6 +234,13 @@ pub(super) fn print_table(r: &Report) {
             format!(
                 "{:.0} leased, {:.0} given back, {:.0} waived, {:.0} held at the end",
                 t.leased, t.returned, t.waived, t.held_at_end
+            ),
+        );
+        row(
+            "lease refills",
+            format!(
+                "{} late (asked again), {} failed; {:.0} tokens admitted on credit",
+                t.late_refills, t.failed_refills, t.credit
             ),
         );
     }
