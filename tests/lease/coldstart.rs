@@ -20,6 +20,7 @@ use tokenlease::store::{
     AcquireRequest, Acquired, BucketRow, GiveBack, PostgresStore, Store, StoreError, TimeoutKind,
 };
 use tokenlease::{DecidedBy, Limiter};
+use tokenlease_testkit::TestDatabase;
 use tokio::sync::watch;
 
 use crate::common;
@@ -122,6 +123,25 @@ fn cold_plan(max_wait: Duration) -> Plan {
     )
 }
 
+/// Probes' plan: they wait for their refills as long as it takes (a busy machine's first
+/// statement).
+fn probe_plan() -> Plan {
+    Plan::new("probe", common::bucket(CAPACITY, RATE)).with_lease(
+        LeaseSettings::default()
+            .with_ttl(Duration::from_secs(5))
+            .with_max_wait(Duration::from_secs(10)),
+    )
+}
+
+/// A store on `db` behind a gate, and a limiter on it whose actor ticks every 10 ms.
+async fn gated_limiter(db: &TestDatabase) -> (Gate, Limiter) {
+    let gate = Gate::new(common::store(db, 4).await);
+    let limiter = Limiter::builder(gate.clone())
+        .lease_tick(Duration::from_millis(10))
+        .build();
+    (gate, limiter)
+}
+
 /// `calls` concurrent calls of each of `keys`, each its own task: (key, when, allowed,
 /// decided by).
 async fn burst(
@@ -152,18 +172,10 @@ async fn burst(
 async fn c11_a_cold_start_on_a_healthy_store_has_no_fallback_decision() {
     let _serial = common::serial().await;
     let db = common::database().await;
-    let gate = Gate::new(common::store(&db, 4).await);
-    let limiter = Limiter::builder(gate.clone())
-        .lease_tick(Duration::from_millis(10))
-        .build();
+    let (gate, limiter) = gated_limiter(&db).await;
     let origin = Instant::now();
     let plan = cold_plan(Duration::from_millis(20));
-    // Probes wait for their refills as long as it takes (a busy machine's first statement).
-    let probe_plan = Plan::new("probe", common::bucket(CAPACITY, RATE)).with_lease(
-        LeaseSettings::default()
-            .with_ttl(Duration::from_secs(5))
-            .with_max_wait(Duration::from_secs(10)),
-    );
+    let probe_plan = probe_plan();
     let probe = |name: &str| {
         let limiter = &limiter;
         let probe_plan = &probe_plan;
@@ -285,17 +297,10 @@ async fn c11_a_cold_start_on_a_healthy_store_has_no_fallback_decision() {
 async fn c12_refills_that_time_out_twice_in_a_row_fail() {
     let _serial = common::serial().await;
     let db = common::database().await;
-    let gate = Gate::new(common::store(&db, 4).await);
-    let limiter = Limiter::builder(gate.clone())
-        .lease_tick(Duration::from_millis(10))
-        .build();
+    let (gate, limiter) = gated_limiter(&db).await;
     let origin = Instant::now();
     let plan = cold_plan(Duration::from_millis(20));
-    let probe_plan = Plan::new("probe", common::bucket(CAPACITY, RATE)).with_lease(
-        LeaseSettings::default()
-            .with_ttl(Duration::from_secs(5))
-            .with_max_wait(Duration::from_secs(10)),
-    );
+    let probe_plan = probe_plan();
     let d = limiter
         .try_acquire_with(&probe_plan, "probe-0", 1.0)
         .await
