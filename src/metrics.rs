@@ -55,6 +55,12 @@ pub const TABLE_KEYS: &str = "tokenlease_lease_table_keys";
 /// again instead of failing (`DESIGN.md` §8). Failed ones are in [`DB_ERRORS`] (`kind="lease"`),
 /// which counts these too.
 pub const LATE_REFILLS: &str = "tokenlease_lease_late_refills_total";
+/// Calls of leased keys that the lease table sent to the fallback, by `cause`: `failing` (the
+/// key's last refill failed within 100 ms), `unanswered` (waited out `max_wait`; no refill
+/// answered lately), `returning` (waited; a key the table had removed gets no credit),
+/// `at_bound` (waited; the key's credit reached its largest lease), `other` (`LeaseStats` has
+/// each). They are among [`FALLBACK_DECISIONS`], which counts every fallback decision.
+pub const LEASE_FALLBACK: &str = "tokenlease_lease_fallback_total";
 /// Time of one lease refill statement, in seconds.
 pub const REFILL_SECONDS: &str = "tokenlease_lease_refill_seconds";
 /// Time from a call's first poll to its decision, in seconds, by `decided_by` (`store`,
@@ -178,6 +184,11 @@ pub fn describe() {
         LATE_REFILLS,
         Unit::Count,
         "lease refills that timed out while the store answered, asked for again"
+    );
+    describe_counter!(
+        LEASE_FALLBACK,
+        Unit::Count,
+        "calls of leased keys sent to the fallback, by cause"
     );
     describe_gauge!(
         OUTAGE_DEBT,

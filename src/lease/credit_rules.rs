@@ -29,10 +29,10 @@ impl Leases {
     /// the key's grants so far, its unpaid credit and `cost` stay within `B` (the slot's
     /// largest lease): so the tokens of a window that no grant in it paid for (the lease held
     /// at its start, and credit) are at most `B` per key and instance, as without credit
-    /// (`DESIGN.md` §8, "Credit while a new key's refill is late"). Returns whether it did.
-    pub(crate) fn credit(&self, slot: &SlotRef, cost: u64) -> bool {
+    /// (`DESIGN.md` §8, "Credit while a new key's refill is late"). Returns why it did not.
+    pub(crate) fn credit(&self, slot: &SlotRef, cost: u64) -> Result<(), FallbackCause> {
         let Some(settings) = slot.plan.lease() else {
-            return false;
+            return Err(FallbackCause::Other);
         };
         if settings.accounting != crate::policy::Accounting::Relaxed
             || self.stopping.load(Ordering::Acquire)
@@ -40,17 +40,25 @@ impl Leases {
             || slot.dry().load(Ordering::Acquire)
             || slot.words().load() & word::PENDING == 0
         {
-            return false;
+            return Err(FallbackCause::Other);
         }
         let now = self.now();
+        // The key's own rules first, then the store's, so a returning key is counted as one
+        // whether or not the store answered lately.
+        if slot.fallback_until.load(Ordering::Acquire) > now {
+            return Err(FallbackCause::Failing);
+        }
+        if slot.deny_until.load(Ordering::Acquire) > now {
+            return Err(FallbackCause::Other);
+        }
+        if self.was_removed(&slot.key) {
+            return Err(FallbackCause::Returning);
+        }
         if !self.refills_answer()
             || now.saturating_sub(self.refill_ok_at.load(Ordering::Acquire))
                 > CREDIT_FRESH.as_nanos() as u64
-            || slot.deny_until.load(Ordering::Acquire) > now
-            || slot.fallback_until.load(Ordering::Acquire) > now
-            || self.was_removed(&slot.key)
         {
-            return false;
+            return Err(FallbackCause::Unanswered);
         }
         let bound = actor::largest_lease(slot, 0);
         let book = slot.book.lock();
@@ -58,7 +66,7 @@ impl Leases {
             .credit
             .give(slot.hot_index(), book.credited.get(), cost, bound)
         {
-            return false;
+            return Err(FallbackCause::AtBound);
         }
         drop(book);
         self.counters.credit.fetch_add(cost, Ordering::AcqRel);
@@ -67,7 +75,13 @@ impl Leases {
         if slot.words().request_refill() {
             self.nudge_soon(slot);
         }
-        true
+        Ok(())
+    }
+
+    /// Counts a call of a leased key that the fallback decides, by its cause.
+    pub(crate) fn count_fallback(&self, cause: FallbackCause) {
+        self.counters.fallback[cause as usize].fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(crate::metrics::LEASE_FALLBACK, "cause" => cause.label()).increment(1);
     }
 
     /// Whether a refill statement of the actor has answered, and none failed since.
@@ -114,6 +128,41 @@ impl Leases {
             self.counters
                 .credit_unpaid
                 .fetch_add(unpaid, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Why the lease table sent a call of a leased key to the fallback (`LeaseStats::fallback_*`,
+/// the metric `tokenlease_lease_fallback_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FallbackCause {
+    /// The key's last refill or store call failed less than `FAILURE_BACKOFF` ago.
+    Failing = 0,
+    /// The call waited out `max_wait`; no credit, since no refill of the actor answered in the
+    /// last [`CREDIT_FRESH`] (the store is slow, or this limiter was quiet for that long) or
+    /// one failed after the last answer.
+    Unanswered = 1,
+    /// The call waited out `max_wait`; no credit, since the table had removed the key before.
+    Returning = 2,
+    /// The call waited out `max_wait`; no credit, since the key's grants and credit reached `B`.
+    AtBound = 3,
+    /// The call waited out `max_wait` (or its plan waits for nothing) and no credit for another
+    /// reason: strict accounting, a key the store called empty, the limiter stopping.
+    Other = 4,
+}
+
+/// How many causes [`FallbackCause`] has.
+pub(crate) const FALLBACK_CAUSES: usize = 5;
+
+impl FallbackCause {
+    /// The metric's `cause` label.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            FallbackCause::Failing => "failing",
+            FallbackCause::Unanswered => "unanswered",
+            FallbackCause::Returning => "returning",
+            FallbackCause::AtBound => "at_bound",
+            FallbackCause::Other => "other",
         }
     }
 }

@@ -36,7 +36,8 @@ use crate::store::Store;
 mod actor;
 mod credit;
 mod credit_rules;
-use credit_rules::REMOVED_WORDS;
+pub(crate) use credit_rules::FallbackCause;
+use credit_rules::{FALLBACK_CAUSES, REMOVED_WORDS};
 mod late;
 mod slab;
 #[cfg(test)]
@@ -126,6 +127,26 @@ pub struct LeaseStats {
     /// breaker, or a timeout that was not late. Each sent its keys' callers to the fallback for
     /// 100 ms.
     pub failed_refills: u64,
+    /// Calls of leased keys that the fallback decided because the key's last refill (or store
+    /// call) failed less than 100 ms before.
+    pub fallback_failing: u64,
+    /// Calls that waited out their plan's `max_wait` for the key's refill and were not admitted
+    /// on credit because no refill had answered in the last second, or one had failed since the
+    /// last answer: the store is slow or failing, or this limiter's refills were quiet for a
+    /// second (credit is given only on a recent answer).
+    pub fallback_unanswered: u64,
+    /// Calls that waited out `max_wait` and were not admitted on credit because the table had
+    /// removed their key before (evicted idle or retired by a reload; a returning key gets no
+    /// second credit, `DESIGN.md` §8), or a key sharing its bit in the filter of removed keys.
+    pub fallback_returning: u64,
+    /// Calls that waited out `max_wait` and were not admitted on credit because the key's
+    /// grants and credit had reached its largest lease `B`.
+    pub fallback_at_bound: u64,
+    /// Calls of leased keys that the fallback decided for another reason: a plan that waits for
+    /// nothing (`max_wait` zero), strict accounting (never on credit), a key the store had just
+    /// called empty, the limiter stopping. Calls sent to the fallback because no lease actor
+    /// could run are counted by the metric `tokenlease_lease_actor_unavailable_total` instead.
+    pub fallback_other: u64,
 }
 
 /// Counters in nanotokens, written by the actor.
@@ -148,6 +169,8 @@ pub(crate) struct Counters {
     pub(crate) late_refills: AtomicU64,
     /// Refill statements that failed (their keys' callers went to the fallback).
     pub(crate) failed_refills: AtomicU64,
+    /// Calls of leased keys sent to the fallback, by `FallbackCause`.
+    pub(crate) fallback: [AtomicU64; FALLBACK_CAUSES],
 }
 
 /// Settings of the lease table and actor that do not belong to one plan.
@@ -619,7 +642,8 @@ impl Leases {
     }
 
     /// Waits for `slot`'s refill and spends `cost` from it, until `deadline`. `plans` holds the
-    /// counters of the slot's plan.
+    /// counters of the slot's plan. A `Failing` or `Short` answer sends the call to the
+    /// fallback, and is counted by its cause here.
     ///
     /// # Cancel safety
     ///
@@ -663,6 +687,7 @@ impl Leases {
                         };
                     }
                     if slot.fallback_until.load(Ordering::Acquire) > now {
+                        self.count_fallback(FallbackCause::Failing);
                         return Fast::Failing;
                     }
                     if !pending {
@@ -676,14 +701,19 @@ impl Leases {
         }
         // The refill is late: admit the call against it instead of sending it to the fallback,
         // when the rules of `credit` allow.
-        if self.credit(&slot, cost) {
-            record_named(plans, &slot.plan);
-            return Fast::Taken {
-                left: 0,
-                store_remaining: slot.hot().store_remaining.load(Ordering::Relaxed),
-            };
+        match self.credit(&slot, cost) {
+            Ok(()) => {
+                record_named(plans, &slot.plan);
+                Fast::Taken {
+                    left: 0,
+                    store_remaining: slot.hot().store_remaining.load(Ordering::Relaxed),
+                }
+            }
+            Err(cause) => {
+                self.count_fallback(cause);
+                Fast::Short(slot)
+            }
         }
-        Fast::Short(slot)
     }
 
     /// The policy index recorded for `key`'s plan (`None` when the key is not in the table,

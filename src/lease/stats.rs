@@ -2,7 +2,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::{LeaseStats, Leases, actor};
+use super::{FallbackCause, LeaseStats, Leases, actor};
 
 impl Leases {
     /// Counters now.
@@ -15,6 +15,8 @@ impl Leases {
             )
         });
         let tokens = |n: u64| n as f64 / 1e9;
+        let fallback =
+            |cause: FallbackCause| self.counters.fallback[cause as usize].load(Ordering::Relaxed);
         LeaseStats {
             leased: tokens(self.counters.leased.load(Ordering::Acquire)),
             returned: tokens(self.counters.returned.load(Ordering::Acquire)),
@@ -32,6 +34,11 @@ impl Leases {
             credit_unpaid: tokens(self.counters.credit_unpaid.load(Ordering::Acquire)),
             late_refills: self.counters.late_refills.load(Ordering::Relaxed),
             failed_refills: self.counters.failed_refills.load(Ordering::Relaxed),
+            fallback_failing: fallback(FallbackCause::Failing),
+            fallback_unanswered: fallback(FallbackCause::Unanswered),
+            fallback_returning: fallback(FallbackCause::Returning),
+            fallback_at_bound: fallback(FallbackCause::AtBound),
+            fallback_other: fallback(FallbackCause::Other),
         }
     }
 }

@@ -16,7 +16,7 @@ use super::decisions::{from_store, lease_allowed, lease_denied, shadowed};
 use super::{DecidedBy, Decision, Limiter};
 use crate::bucket::Tokens;
 use crate::error::{Error, validate_key, validate_stored_key};
-use crate::lease::Fast;
+use crate::lease::{FallbackCause, Fast};
 use crate::policy::Plan;
 use crate::store::{AcquireRequest, GiveBack};
 
@@ -98,10 +98,18 @@ impl Limiter {
             Fast::Dry { retry_after } => {
                 Step::Done(self.recorded(plan, lease_denied(plan, retry_after)))
             }
-            Fast::Failing | Fast::Short(_) => Step::Fallback {
-                plan,
-                cost: cost_tokens,
-            },
+            Fast::Failing | Fast::Short(_) => {
+                // The key's refill failed lately, or its plan waits for nothing.
+                leases.count_fallback(if matches!(fast, Fast::Failing) {
+                    FallbackCause::Failing
+                } else {
+                    FallbackCause::Other
+                });
+                Step::Fallback {
+                    plan,
+                    cost: cost_tokens,
+                }
+            }
             Fast::Sparse(slot) => Step::Sparse {
                 plan,
                 cost: cost_tokens,

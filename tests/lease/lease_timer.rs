@@ -968,6 +968,7 @@ async fn c10_a_late_first_refill_admits_on_credit_within_the_bound() {
         (0, 1),
         "no credit before the store answered"
     );
+    assert_eq!(stats(&limiter).fallback_unanswered, 1, "counted by cause");
     // Another key's refill answers at once (its own partition); then `held`'s calls, each
     // waiting 50 ms for the held refill, are admitted on credit until B is used, then the
     // fallback decides.
@@ -979,6 +980,8 @@ async fn c10_a_late_first_refill_admits_on_credit_within_the_bound() {
     );
     let owing = stats(&limiter);
     assert_eq!(owing.credit, 10.0, "{owing:?}");
+    assert_eq!(owing.fallback_at_bound, 2, "{owing:?}");
+    assert_eq!(owing.fallback_unanswered, 1, "{owing:?}");
     assert_eq!(owing.credit_owed, 10.0, "{owing:?}");
     // The refill lands: it pays the credit before the lease gets anything.
     store.hold_refills.set(false);
@@ -1024,6 +1027,7 @@ async fn c10_a_late_first_refill_admits_on_credit_within_the_bound() {
         "no credit for a strict lease"
     );
     assert_eq!(stats(&limiter).credit, 0.0);
+    assert_eq!(stats(&limiter).fallback_other, 3, "{:?}", stats(&limiter));
     store.hold_refills.set(false);
     limiter.shutdown().await;
 }
@@ -1107,6 +1111,7 @@ async fn c10_credit_stops_when_refills_fail_and_for_keys_the_table_removed() {
     );
     // The first call waits out max_wait before any refill answered: the fallback.
     assert_eq!(lease_and_fallback(&limiter, &plan, "k0", 1).await, (0, 1));
+    assert_eq!(stats(&limiter).fallback_unanswered, 1);
     until(Duration::from_secs(1), "k0 refilled", || {
         store.answered.load(Relaxed) == 1
     })
@@ -1143,6 +1148,21 @@ async fn c10_credit_stops_when_refills_fail_and_for_keys_the_table_removed() {
         );
     }
     assert_eq!(stats(&limiter).credit_owed, 1.0, "f0's credit");
+    assert_eq!(
+        stats(&limiter).fallback_unanswered,
+        4,
+        "{:?}",
+        stats(&limiter)
+    );
+    // f3 again until a call finds its refill failed (within 100 ms of a failure): that call
+    // is counted as failing, the others as unanswered.
+    let mut again = 0u64;
+    while stats(&limiter).fallback_failing == 0 {
+        assert!(again < 20, "f3 never found failing: {:?}", stats(&limiter));
+        assert_eq!(lease_and_fallback(&limiter, &plan, "f3", 1).await, (0, 1));
+        again += 1;
+    }
+    assert_eq!(stats(&limiter).fallback_failing, 1, "{:?}", stats(&limiter));
     // Refills answer again (the one in flight for f3 may be the first): credit again once one
     // has answered.
     store.fail.store(false, Relaxed);
@@ -1178,6 +1198,19 @@ async fn c10_credit_stops_when_refills_fail_and_for_keys_the_table_removed() {
     );
     // k1 comes back: no credit, the fallback decides its first call again.
     assert_eq!(lease_and_fallback(&limiter, &plan, "k1", 1).await, (0, 1));
-    assert_eq!(stats(&limiter).credit, credited, "no credit for k1");
+    let end = stats(&limiter);
+    assert_eq!(end.credit, credited, "no credit for k1");
+    // Every fallback decision counted once, under its cause.
+    assert_eq!(
+        (
+            end.fallback_unanswered,
+            end.fallback_failing,
+            end.fallback_returning,
+            end.fallback_at_bound,
+            end.fallback_other
+        ),
+        (3 + again + u64::from(1 - g1), 1, 1, 0, 0),
+        "{end:?}"
+    );
     limiter.shutdown().await;
 }
