@@ -451,6 +451,13 @@ pub(super) async fn load(
                 credit: sum.credit + s.credit,
                 late_refills: sum.late_refills + s.late_refills,
                 failed_refills: sum.failed_refills + s.failed_refills,
+                fallback: FallbackCauses {
+                    failing: sum.fallback.failing + s.fallback_failing,
+                    unanswered: sum.fallback.unanswered + s.fallback_unanswered,
+                    returning: sum.fallback.returning + s.fallback_returning,
+                    at_bound: sum.fallback.at_bound + s.fallback_at_bound,
+                    other: sum.fallback.other + s.fallback_other,
+                },
             })
         },
     );

@@ -116,6 +116,23 @@ pub(super) struct LeaseTokens {
     pub(super) late_refills: u64,
     /// Refill statements that failed (their keys' callers went to the fallback for 100 ms).
     pub(super) failed_refills: u64,
+    /// The leased keys' calls the fallback decided, by cause (`LeaseStats::fallback_*`).
+    pub(super) fallback: FallbackCauses,
+}
+
+/// Calls of leased keys sent to the fallback, by cause (`LeaseTokens::fallback`).
+#[derive(Debug, Default, Clone, Copy, Serialize)]
+pub(super) struct FallbackCauses {
+    /// The key's last refill failed within 100 ms.
+    pub(super) failing: u64,
+    /// Waited out `max_wait`; no credit: no refill had answered lately, or one had failed.
+    pub(super) unanswered: u64,
+    /// Waited out `max_wait`; no credit: the table had removed the key before.
+    pub(super) returning: u64,
+    /// Waited out `max_wait`; no credit: the key's credit reached its largest lease.
+    pub(super) at_bound: u64,
+    /// Any other cause (a plan that waits for nothing, strict accounting, a dry key).
+    pub(super) other: u64,
 }
 
 pub(super) fn print_table(r: &Report) {
@@ -241,6 +258,15 @@ pub(super) fn print_table(r: &Report) {
             format!(
                 "{} late (asked again), {} failed; {:.0} tokens admitted on credit",
                 t.late_refills, t.failed_refills, t.credit
+            ),
+        );
+        let f = t.fallback;
+        row(
+            "lease fallback causes",
+            format!(
+                "{} failing key, {} store unanswered, {} returning key, {} at the lease bound, \
+                 {} other",
+                f.failing, f.unanswered, f.returning, f.at_bound, f.other
             ),
         );
     }
