@@ -152,7 +152,7 @@ pub(crate) enum FallbackCause {
 }
 
 /// How many causes [`FallbackCause`] has.
-pub(crate) const FALLBACK_CAUSES: usize = 5;
+pub(crate) const FALLBACK_CAUSES: usize = FallbackCause::Other as usize + 1;
 
 impl FallbackCause {
     /// The metric's `cause` label.

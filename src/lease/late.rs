@@ -55,9 +55,7 @@ impl Leases {
                 .iter()
                 .all(|r| matches!(r, Ok(_) | Err(StoreError::Timeout { .. })));
         let proof = self.refill_ok_sent.load(Ordering::Acquire) >= sent.max(1);
-        let ok_at = self.refill_ok_at.load(Ordering::Acquire);
-        let answering = ok_at != 0 && self.refill_failed_at.load(Ordering::Acquire) < ok_at;
-        let outcome = match (timed_out, proof, answering && !retried) {
+        let outcome = match (timed_out, proof, self.refills_answer() && !retried) {
             (true, true, _) => Outcome::Late,
             (true, false, true) => Outcome::LateOnce,
             _ => Outcome::Failed,

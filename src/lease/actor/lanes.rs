@@ -107,7 +107,9 @@ pub(super) struct Lanes<'a> {
     /// one of them that times out again fails. A mark goes when the slot's next refill is
     /// applied, or [`LATE_MARK_TTL`] after it was made (a slot that left the table meanwhile);
     /// at most [`LATE_MARKS`] are kept, and a statement whose keys would not fit gets no second
-    /// chance. A new slot at the address of a marked one only loses its second chance.
+    /// chance. A new slot at the address of a marked one only loses its second chance. Kept
+    /// here, not in the slot: the slot's book has no spare byte, and a mark that stalls alone
+    /// set would cost every key's memory.
     late: HashMap<usize, u64>,
 }
 
@@ -369,11 +371,13 @@ pub(super) fn finish(
             // Credit (`Leases::credit`) is given only while refills answer; a refill that timed
             // out while the store answered is late, not failed (`late.rs`).
             let mut retried = lanes.late.len() + asks.len() > LATE_MARKS;
-            for (slot, ..) in &asks {
-                retried |= lanes
-                    .late
-                    .remove(&(SlotRef::as_ptr(slot) as usize))
-                    .is_some();
+            if !lanes.late.is_empty() {
+                for (slot, ..) in &asks {
+                    retried |= lanes
+                        .late
+                        .remove(&(SlotRef::as_ptr(slot) as usize))
+                        .is_some();
+                }
             }
             let outcome = leases.refill_outcome(sent, short, &result, now, retried);
             let late = matches!(outcome, Outcome::Late | Outcome::LateOnce);
