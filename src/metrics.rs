@@ -103,6 +103,10 @@ pub const STORE_CANCELS: &str = "tokenlease_store_cancels_total";
 /// Times a store that prepares its statements turned that off because the server refused one as
 /// only a transaction pooler makes it (`PostgresStoreBuilder::prepared_statements`).
 pub const STORE_UNPREPARED: &str = "tokenlease_store_unprepared_total";
+/// Store calls the database refused because its schema does not fit this build's statements
+/// (an undefined table, column, function or type: a database not yet migrated, or changed by a
+/// much newer release). The first of a spell is also logged (`tracing`, `ERROR`).
+pub const STORE_SCHEMA_ERRORS: &str = "tokenlease_store_schema_errors_total";
 /// Store connections that ended in an error noticed in the background (a broken socket, a
 /// terminated session, a driver that did not finish).
 pub const STORE_CONNECTION_ERRORS: &str = "tokenlease_store_connection_errors_total";
@@ -250,6 +254,11 @@ pub fn describe() {
         STORE_UNPREPARED,
         Unit::Count,
         "times the store stopped preparing statements after a pooler refused one"
+    );
+    describe_counter!(
+        STORE_SCHEMA_ERRORS,
+        Unit::Count,
+        "store calls refused because the database's schema does not fit this build"
     );
     describe_counter!(
         STORE_CONNECTION_ERRORS,

@@ -14,6 +14,7 @@ mod batch;
 mod bounded;
 mod citus;
 mod concurrency;
+mod deploy;
 mod pgbouncer;
 mod postgres;
 mod sharded;

@@ -192,7 +192,10 @@ impl PostgresStoreBuilder {
             prepare,
             citus: None,
             clock: crate::clock::default_clock(),
+            schema: Arc::default(),
         };
+        // At zero from the start, so that an alert on its increase has a series to watch.
+        metrics::counter!(crate::metrics::STORE_SCHEMA_ERRORS).increment(0);
         // The first connection is made outside the pool, bounded by the connect timeout rather
         // than the (shorter) pool wait, so a busy machine does not fail the build: it proves the
         // database is reachable and applies the migrations.
@@ -212,6 +215,10 @@ impl PostgresStoreBuilder {
                     });
                 }
             }
+        } else {
+            // Not migrating (a deploy step does): a database behind what the statements need
+            // is said at once; the calls then go to the fallback until it is migrated.
+            store.schema.check(&client).await;
         }
         // A Citus coordinator with the tables distributed: route every call (citus.rs), each
         // worker's calls through a pool of their own.

@@ -1,15 +1,26 @@
-//! The store's SQL functions, defined in the files of `functions/` and applied by checksum.
+//! The store's SQL functions, defined in the files of `functions/` and applied by generation
+//! and checksum.
 //!
 //! Migrations change the schema; the functions' current definitions live in one place each,
 //! the files of `functions/` ([`FUNCTIONS`], in the order they are applied: each may call the
 //! ones before it). After the migrations, [`apply`] reads `tokenlease_functions` (migration
-//! 0008: a file's name and the SHA-256 of the SQL last applied for it) and runs every file whose
-//! checksum differs, or that was never applied, then records it: in one transaction, under the
-//! migration lock, so concurrent migrators apply each change once and a failure leaves every
-//! function as it was. A new definition is an edit of its file; a database migrated by an older
-//! build gets it at the next `migrate`. The function definitions in migrations 0001 to 0007 are
-//! their history: on a new database the migrations create them and the files then replace them
-//! with the same definitions (`src/store/postgres/migrate/db_tests.rs` checks that the files define exactly what the
+//! 0008: a file's name and the SHA-256 of the SQL last applied for it; migration 0009: the
+//! file's generation) and runs every file the database lacks, records at an older generation,
+//! or records at the same generation with another checksum (a definition edited by hand is
+//! restored), then records it: in one transaction, under the migration lock, so concurrent
+//! migrators apply each change once and a failure leaves every function as it was. A file
+//! recorded at a newer generation was applied by a newer release and is left alone: during a
+//! rolling deploy an older instance's `migrate` does not put its definitions back over the
+//! newer ones (DESIGN.md, "Deploys").
+//!
+//! A new definition is an edit of its file **and** a higher [`FunctionFile::generation`]; the
+//! unit test `released_files_are_pinned` holds each generation's checksum, so an edit without a
+//! new generation fails it. Only compatible changes may be made in place (the same signature and
+//! result, and what the previous release's statements expect of it); anything else is a new
+//! function beside the old one, which a later release may drop. The function definitions in
+//! migrations 0001 to 0007 are their history: on a new database the migrations create them and
+//! the files then replace them with the same definitions
+//! (`src/store/postgres/migrate/db_tests.rs` checks that the files define exactly what the
 //! migrations leave, and that a changed file is applied again).
 
 use std::fmt;
@@ -27,6 +38,9 @@ pub(crate) struct FunctionFile {
     pub(crate) name: &'static str,
     /// Its contents.
     pub(crate) sql: &'static str,
+    /// Raised by every release that changes the file: a database recording a higher one was
+    /// migrated by a newer release, whose definitions stay.
+    pub(crate) generation: i32,
 }
 
 impl FunctionFile {
@@ -41,42 +55,67 @@ pub(crate) const FUNCTIONS: &[FunctionFile] = &[
     FunctionFile {
         name: "bucket",
         sql: include_str!("../../../functions/bucket.sql"),
+        generation: 1,
     },
     FunctionFile {
         name: "held_leases",
         sql: include_str!("../../../functions/held_leases.sql"),
+        generation: 1,
     },
     FunctionFile {
         name: "acquire_held",
         sql: include_str!("../../../functions/acquire_held.sql"),
+        generation: 1,
     },
 ];
 
 // language=SQL
-const RECORDED: &str = "SELECT file, checksum FROM tokenlease_functions";
+const RECORDED: &str = "SELECT file, checksum, generation FROM tokenlease_functions";
 
 // language=SQL
 const RECORD: &str = "\
-INSERT INTO tokenlease_functions (file, checksum) VALUES ($1, $2)
-ON CONFLICT (file) DO UPDATE SET checksum = excluded.checksum, applied_at = now()";
+INSERT INTO tokenlease_functions (file, checksum, generation) VALUES ($1, $2, $3)
+ON CONFLICT (file) DO UPDATE
+SET checksum = excluded.checksum, generation = excluded.generation, applied_at = now()";
 
-/// The files of `files` whose checksum differs from the one `rows` record for them.
-fn stale<'a>(files: &'a [FunctionFile], recorded: &[(String, String)]) -> Vec<&'a FunctionFile> {
+/// What `tokenlease_functions` records for a file: its name, checksum and generation.
+type Recorded = (String, String, i32);
+
+/// The files of `files` to apply: those `recorded` lacks, records at an older generation, or
+/// records at their own generation with another checksum.
+fn stale<'a>(files: &'a [FunctionFile], recorded: &[Recorded]) -> Vec<&'a FunctionFile> {
     files
         .iter()
-        .filter(|f| {
-            let checksum = f.checksum();
-            !recorded
-                .iter()
-                .any(|(name, applied)| name == f.name && *applied == checksum)
-        })
+        .filter(
+            |f| match recorded.iter().find(|(name, _, _)| name == f.name) {
+                None => true,
+                Some((_, checksum, generation)) => {
+                    *generation < f.generation
+                        || (*generation == f.generation && *checksum != f.checksum())
+                }
+            },
+        )
         .collect()
 }
 
-/// The checksums recorded in `tokenlease_functions`.
+/// The files of `files` that `recorded` holds at a newer generation: a newer release's
+/// definitions, left as they are.
+pub(super) fn newer(files: &[FunctionFile], recorded: &[Recorded]) -> Vec<&'static str> {
+    files
+        .iter()
+        .filter(|f| {
+            recorded
+                .iter()
+                .any(|(name, _, generation)| name == f.name && *generation > f.generation)
+        })
+        .map(|f| f.name)
+        .collect()
+}
+
+/// The files, checksums and generations recorded in `tokenlease_functions`.
 async fn recorded(
     client: &impl tokio_postgres::GenericClient,
-) -> Result<Vec<(String, String)>, MigrateError> {
+) -> Result<Vec<Recorded>, MigrateError> {
     let rows = client
         .query_typed(RECORDED, &[])
         .await
@@ -88,15 +127,19 @@ async fn recorded(
                     .map_err(MigrateError::database("read tokenlease_functions.file"))?,
                 row.try_get(1)
                     .map_err(MigrateError::database("read tokenlease_functions.checksum"))?,
+                row.try_get(2).map_err(MigrateError::database(
+                    "read tokenlease_functions.generation",
+                ))?,
             ))
         })
         .collect()
 }
 
-/// Applies the files of `files` whose checksum the database does not have recorded, in order,
-/// in one transaction under the migration lock (`lock`, the statement that takes it), and records them. Returns the names of the
-/// files it applied: none when every checksum matched (then it only read the table, without the
-/// lock), or when a concurrent migrator applied them first.
+/// Applies the files of `files` that are stale (see [`stale`]: missing, an older generation, or
+/// another checksum at the same one), in order, in one transaction under the migration lock
+/// (`lock`, the statement that takes it), and records them. Returns the names of the files it
+/// applied (none when nothing was stale: then it only read the table, without the lock; or when
+/// a concurrent migrator applied them first) and of those a newer release applied, left alone.
 ///
 /// # Errors
 ///
@@ -106,9 +149,10 @@ pub(crate) async fn apply(
     client: &mut tokio_postgres::Client,
     files: &[FunctionFile],
     lock: &str,
-) -> Result<Vec<&'static str>, MigrateError> {
-    if stale(files, &recorded(&*client).await?).is_empty() {
-        return Ok(Vec::new());
+) -> Result<(Vec<&'static str>, Vec<&'static str>), MigrateError> {
+    let before = recorded(&*client).await?;
+    if stale(files, &before).is_empty() {
+        return Ok((Vec::new(), newer(files, &before)));
     }
     let tx = client.transaction().await.map_err(MigrateError::database(
         "begin the function files' transaction",
@@ -129,7 +173,11 @@ pub(crate) async fn apply(
         let checksum = file.checksum();
         tx.execute_typed(
             RECORD,
-            &[(&file.name, Type::TEXT), (&checksum.as_str(), Type::TEXT)],
+            &[
+                (&file.name, Type::TEXT),
+                (&checksum.as_str(), Type::TEXT),
+                (&file.generation, Type::INT4),
+            ],
         )
         .await
         .map_err(MigrateError::database("record a function file"))?;
@@ -138,7 +186,7 @@ pub(crate) async fn apply(
     tx.commit()
         .await
         .map_err(MigrateError::database("commit the function files"))?;
-    Ok(applied)
+    Ok((applied, newer(files, &recorded)))
 }
 
 /// SHA-256 of `sql`, lower-case hex: the checksum `tokenlease_migrations` and
@@ -182,15 +230,80 @@ mod tests {
         }
     }
 
-    /// A file is stale unless its exact checksum is recorded under its name.
+    /// A file is stale when it is not recorded, recorded at an older generation (0: by a build
+    /// from before generations), or at its own generation with another checksum; a newer
+    /// generation is a newer release's, left alone whatever its checksum.
     #[test]
-    fn stale_files_are_those_without_their_checksum() {
+    fn stale_files_are_missing_older_or_edited_and_newer_ones_stay() {
+        let [bucket, held, acquire] = [&FUNCTIONS[0], &FUNCTIONS[1], &FUNCTIONS[2]];
         let recorded = vec![
-            ("bucket".to_owned(), FUNCTIONS[0].checksum()),
-            ("held_leases".to_owned(), "0".repeat(64)),
+            (bucket.name.to_owned(), bucket.checksum(), bucket.generation),
+            (held.name.to_owned(), "0".repeat(64), held.generation),
         ];
         let names: Vec<&str> = stale(FUNCTIONS, &recorded).iter().map(|f| f.name).collect();
         assert_eq!(names, ["held_leases", "acquire_held"]);
         assert!(stale(&FUNCTIONS[..1], &recorded).is_empty());
+        assert!(newer(FUNCTIONS, &recorded).is_empty());
+
+        // A build from before generations recorded the same checksum: applied again, once.
+        let old = vec![(acquire.name.to_owned(), acquire.checksum(), 0)];
+        assert_eq!(stale(&FUNCTIONS[2..], &old).len(), 1);
+        // A newer release's definition, whatever its checksum: left alone, and reported.
+        let newer_rows = vec![(
+            acquire.name.to_owned(),
+            "f".repeat(64),
+            acquire.generation + 1,
+        )];
+        assert!(stale(&FUNCTIONS[2..], &newer_rows).is_empty());
+        assert_eq!(newer(FUNCTIONS, &newer_rows), ["acquire_held"]);
+    }
+
+    /// Each generation of each file that a release shipped, by checksum: a file whose SQL
+    /// changed must carry a new generation (add its line here), or an older release's `migrate`
+    /// would not know to leave it alone, and this release's would not replace the old one.
+    const RELEASED: &[(&str, i32, &str)] = &[
+        (
+            "bucket",
+            1,
+            "cb3bd6d7c702e94436e84bb84a1cffe6b8b513cd14d4575ed1903614de773183",
+        ),
+        (
+            "held_leases",
+            1,
+            "bb2774bba9c72ac00d1c9689cf991d955158d85b96210ba73b155a8dd16e4836",
+        ),
+        (
+            "acquire_held",
+            1,
+            "6900d5f4011d7c4e10afd98d16b381e67dc706a2692eb1faae51a5d44653acb8",
+        ),
+    ];
+
+    #[test]
+    fn released_files_are_pinned() {
+        for f in FUNCTIONS {
+            let pinned = RELEASED
+                .iter()
+                .find(|(name, generation, _)| *name == f.name && *generation == f.generation);
+            match pinned {
+                Some((_, _, checksum)) => assert_eq!(
+                    *checksum,
+                    f.checksum(),
+                    "functions/{}.sql changed but its generation is still {}: raise `generation` \
+                     in FUNCTIONS and pin the new checksum in RELEASED",
+                    f.name,
+                    f.generation
+                ),
+                None => panic!(
+                    "functions/{}.sql generation {} is not pinned in RELEASED: add \
+                     (\"{}\", {}, \"{}\")",
+                    f.name,
+                    f.generation,
+                    f.name,
+                    f.generation,
+                    f.checksum()
+                ),
+            }
+        }
     }
 }

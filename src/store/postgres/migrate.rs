@@ -22,11 +22,27 @@
 //! why, and add it to [`MIGRATIONS`] (a unit test checks that the list and the directory agree).
 //! A migration changes the schema only (tables, types, domains, constraints, and the `DROP` of a
 //! function no longer used): the store's SQL functions are defined in the files of `functions/`,
-//! which [`migrate`] applies after the migrations whenever a file's checksum differs from the
-//! one the database recorded (`functions.rs`). A new version of a function is an edit of its file.
-//! The whole file runs as one transaction, so statements that refuse to run inside a transaction
-//! (`CREATE INDEX CONCURRENTLY`, `ALTER TYPE … ADD VALUE` on older servers) cannot be used.
-//! Never edit a file that has been released: add a new one.
+//! which [`migrate`] applies after the migrations when the database records an older generation
+//! of a file, or another checksum at the same one (`functions.rs`). A new version of a function
+//! is an edit of its file and a new generation. The whole file runs as one transaction, so
+//! statements that refuse to run inside a transaction (`CREATE INDEX CONCURRENTLY`,
+//! `ALTER TYPE … ADD VALUE` on older servers) cannot be used. Never edit a file that has been
+//! released: add a new one.
+//!
+//! # Rolling deploys
+//!
+//! Instances of the previous release keep running while a new one migrates, and after it, until
+//! they are replaced. So a migration only adds: a new column has a default the previous
+//! release's statements do without, a new function sits beside the one they call, a changed
+//! function keeps its signature and what they expect of it. What the previous release needs and
+//! this one does not (a column, a function) is dropped by a later release, whose CHANGELOG says
+//! which releases must be gone first. And a release's statements work on the schema the
+//! previous release left (`schema.rs`: `OLDEST_SCHEMA` is the oldest
+//! they read), so its instances may start before the `migrate` step has run. `src/store/postgres/migrate/deploy_tests.rs` holds this release to
+//! both rules: the previous release's statements (kept in `tests/fixtures/previous-release/`)
+//! and this release's decide on one key across [`migrate`] within the ideal bucket's envelope.
+//! A schema an instance cannot use is said once in its log and counted
+//! (`tokenlease_store_schema_errors_total`); its calls are decided by the fallback meanwhile.
 
 use std::fmt;
 
@@ -113,6 +129,11 @@ pub const MIGRATIONS: &[Migration] = &[
         description: "functions_table",
         sql: include_str!("../../../migrations/0008_functions_table.sql"),
     },
+    Migration {
+        version: 9,
+        description: "function_generations",
+        sql: include_str!("../../../migrations/0009_function_generations.sql"),
+    },
 ];
 
 /// What [`migrate`] found and did.
@@ -125,14 +146,19 @@ pub struct MigrationReport {
     /// matching checksums.
     pub already_present: Vec<Migration>,
     /// Versions recorded in the database that this library does not know: applied by a newer
-    /// version of it. Not an error, so an older instance keeps working during a rolling deploy.
+    /// version of it. Not an error: a release's migrations keep the previous release's
+    /// statements and functions working, so an older instance keeps deciding during a rolling
+    /// deploy (DESIGN.md, "Deploys"; tested against the previous release's statements).
     pub unknown_versions: Vec<i64>,
     /// The Citus version, when the database is a Citus coordinator: the tables are then
     /// distributed by key and the Citus functions are in place. `None` on plain PostgreSQL.
     pub citus: Option<String>,
     /// The function files (`functions/<name>.sql`) this call applied because the database had
-    /// another checksum recorded for them, or none.
+    /// none recorded for them, an older generation, or another checksum at the same generation.
     pub functions_applied: Vec<&'static str>,
+    /// The function files a newer release applied (the database records a newer generation):
+    /// left as they are, since that release's definitions keep this one's statements working.
+    pub functions_newer: Vec<&'static str>,
 }
 
 impl MigrationReport {
@@ -169,6 +195,13 @@ impl fmt::Display for MigrationReport {
         }
         if let Some(citus) = &self.citus {
             write!(f, "; Citus {citus}: tables distributed by key")?;
+        }
+        if !self.functions_newer.is_empty() {
+            write!(
+                f,
+                "; function file(s) left as a newer release applied them: {}",
+                self.functions_newer.join(", ")
+            )?;
         }
         if !self.unknown_versions.is_empty() {
             write!(
@@ -233,7 +266,7 @@ const RECORD: &str =
 /// `Transaction` guard is rolling back; use a fresh connection after cancelling.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<MigrationReport, MigrateError> {
     let mut report = migrate_with(client, MIGRATIONS).await?;
-    report.functions_applied =
+    (report.functions_applied, report.functions_newer) =
         super::functions::apply(client, super::functions::FUNCTIONS, LOCK).await?;
     // On a Citus coordinator: distribute the tables and create the routed functions
     // (src/store/postgres/citus/). On plain PostgreSQL: one read of pg_extension.

@@ -28,6 +28,7 @@ mod lean;
 mod manager;
 pub(crate) mod migrate;
 mod rows;
+mod schema;
 
 pub use self::builder::PostgresStoreBuilder;
 use self::builder::pool_error;
@@ -101,6 +102,8 @@ pub struct PostgresStore {
     citus: Option<Arc<citus::Citus>>,
     /// The clock that call deadlines count from (DESIGN.md §11, "One clock").
     clock: crate::clock::SharedClock,
+    /// Says once when the database's schema does not fit the statements (`schema.rs`).
+    schema: Arc<schema::SchemaWatch>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -154,7 +157,18 @@ impl PostgresStore {
         match outcome {
             Ok(result) => {
                 in_flight.done();
-                result.map_err(StoreError::from)
+                match result {
+                    Ok(rows) => {
+                        self.schema.answered();
+                        Ok(rows)
+                    }
+                    Err(e) => {
+                        if schema::is_schema_mismatch(&e) {
+                            self.schema.refused(&e);
+                        }
+                        Err(StoreError::from(e))
+                    }
+                }
             }
             // `in_flight` drops with the statement still running: it is abandoned.
             Err(_) => Err(timed_out()),
