@@ -5,10 +5,12 @@
 //! below one (`frac`), rates in nanotokens per second, the database's clock in microseconds. PostgreSQL evaluates an expression as often as it is written and does not
 //! share a common subexpression, and a helper function the planner cannot inline is run by the
 //! SQL-function executor on every call (much slower than the expression). So each statement
-//! spells the refill out, built here from the one definition below, and keeps `now()` in
-//! microseconds in a subquery behind `OFFSET 0`, computed once per row of the request instead
-//! of once per use (a CTE referenced more than once is computed once). DESIGN.md section 5 has
-//! the measurements behind each choice.
+//! spells the refill out, built here from the one definition below, and computes `now()` in
+//! microseconds once for the refill (into `EXCLUDED`, from a parameter-free subquery that runs
+//! once per execution), not once per use. The takes read the table only through their insert's
+//! conflict check, the primary key's index, so no plan can scan it whatever the planner
+//! believes of its size.
+//! DESIGN.md section 5 has the measurements behind each choice.
 //!
 //! The refill of a row `(tokens, frac, updated_us)` at `now_us`, capacity `C`, rate `R`, is the
 //! pure bucket's (`BucketState::refill`) to the femtotoken: with `e = max(0, now_us −
