@@ -11,6 +11,9 @@
 #       (dir/<n>.callgrind, the run of 100 + N executions), for `callgrind_annotate --inclusive=yes`
 #   SETUP=scripts/statements/narrow-table.sql bash scripts/statement-instructions.sh \
 #       scripts/statements/narrow-*.sql   # SETUP: SQL run on the cluster after the migrations
+#   BATCH=16 bash scripts/statement-instructions.sh - A.sql   # many-key candidates (`-`: the
+#       # store's many-key take), BATCH distinct keys an execution, the figure per key
+#   BATCH=16 NEW=1 bash scripts/statement-instructions.sh - A.sql   # every key without a row
 #   UNPREP=1 bash scripts/statement-instructions.sh scripts/statements/peer-upsert.sql
 #       # each execution sent as a plain statement, its parameters written in as typed literals:
 #       # parsed, analysed and planned every time, as an unnamed statement is (what a client
@@ -25,7 +28,10 @@
 # 100 + $N EXECUTEs on random keys (a fixed sequence: capacity 100 tokens, 50 tokens/s, take
 # exactly 1 token, as scripts/peer-compare.sh sends), and the difference over $N is the
 # figure: parse, plan, executor start, the statement, its commit (fsync off) and printing the
-# returned row, which single-user mode does for every candidate alike.
+# returned row, which single-user mode does for every candidate alike. With BATCH=n a candidate
+# takes the many-key take's parameters ($1 text[] keys, $2..$6 bigint[], `--print-statement
+# many`): each execution sends n distinct random keys in key order (with NEW=1 keys that have
+# no row yet, each used once), and the figure is per key.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 N="${N:-500}"
@@ -84,6 +90,31 @@ for _ in range(count):
 PY
         return
     fi
+    if [[ -n "${BATCH:-}" ]]; then
+        {
+            echo "PREPARE s(text[], bigint[], bigint[], bigint[], bigint[], bigint[]) AS $(
+                grep -v '^[[:space:]]*--' "$1" | tr '\n' ' ' | sed 's/;[[:space:]]*$//');"
+            echo
+            python3 - "$2" "$KEYS" "$BATCH" "${NEW:-}" <<'PY'
+import random, sys
+count, keys, batch, new = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+rng = random.Random(7)
+fresh = 0
+for _ in range(count):
+    if new:
+        names = [f"new:{fresh + i}" for i in range(batch)]
+        fresh += batch
+    else:
+        names = [f"pgbench:{i}" for i in rng.sample(range(1, keys + 1), batch)]
+    names.sort()
+    arr = lambda v: "'{" + ",".join([v] * batch) + "}'"
+    print(f"EXECUTE s('{{{','.join(names)}}}', {arr('100000000000')}, {arr('50000000000')}, "
+          f"{arr('1000000000')}, {arr('1000000000')}, {arr('1000000000')});")
+    print()
+PY
+        } >"$3"
+        return
+    fi
     {
         echo "PREPARE s(text, bigint, bigint, bigint, bigint, bigint) AS $(
             grep -v '^[[:space:]]*--' "$1" | tr '\n' ' ' | sed 's/;[[:space:]]*$//');"
@@ -118,9 +149,14 @@ echo "|---|---|"
 for file in "$@"; do
     name="$file"
     if [[ "$file" == - ]]; then
-        "$bin" loadtest --print-statement one >"$tmp/store.sql"
+        if [[ -n "${BATCH:-}" ]]; then
+            "$bin" loadtest --print-statement many >"$tmp/store.sql"
+            name="the store's many-key take (lean.rs), $BATCH keys a call"
+        else
+            "$bin" loadtest --print-statement one >"$tmp/store.sql"
+            name="the store's one-key take (lean.rs)"
+        fi
         file="$tmp/store.sql"
-        name="the store's one-key take (lean.rs)"
     fi
     input "$file" 100 "$tmp/base.in"
     input "$file" $((100 + N)) "$tmp/run.in"
@@ -134,5 +170,5 @@ for file in "$@"; do
     else
         run="$(instructions "$tmp/run.in")"
     fi
-    echo "| $name | $(((run - base) / N)) |"
+    echo "| $name | $(((run - base) / N / ${BATCH:-1})) |"
 done

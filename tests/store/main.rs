@@ -1,7 +1,8 @@
 //! The stores against real servers: SQL correctness (B2–B11), the store contract for
 //! `PostgresStore` and `MemoryStore` and the memory store's bounds, PgBouncer (D8),
 //! keys over several primaries (H3–H6) and Citus (Z1–Z5), direct mode's multi-key statements and
-//! its bounds over several instances (B1, C1–C3, C7, C9). One module per former test binary;
+//! its bounds over several instances (B1, C1–C3, C7, C9), plans that hold at any table size
+//! (K8). One module per former test binary;
 //! docs/testing.md lists each test.
 //!
 //! The `cli` cases of `migrate` (the `tokenlease migrate` command) need the binary, so they are
@@ -16,6 +17,7 @@ mod citus;
 mod concurrency;
 mod deploy;
 mod pgbouncer;
+mod plans;
 mod postgres;
 mod sharded;
 mod store_contract;

@@ -5,10 +5,12 @@
 //! below one (`frac`), rates in nanotokens per second, the database's clock in microseconds. PostgreSQL evaluates an expression as often as it is written and does not
 //! share a common subexpression, and a helper function the planner cannot inline is run by the
 //! SQL-function executor on every call (much slower than the expression). So each statement
-//! spells the refill out, built here from the one definition below, and keeps `now()` in
-//! microseconds in a subquery behind `OFFSET 0`, computed once per row of the request instead
-//! of once per use (a CTE referenced more than once is computed once). DESIGN.md section 5 has
-//! the measurements behind each choice.
+//! spells the refill out, built here from the one definition below, and computes `now()` in
+//! microseconds once for the refill (into `EXCLUDED`, from a parameter-free subquery that runs
+//! once per execution), not once per use. The takes read the table only through their insert's
+//! conflict check, the primary key's index, so no plan can scan it whatever the planner
+//! believes of its size.
+//! DESIGN.md section 5 has the measurements behind each choice.
 //!
 //! The refill of a row `(tokens, frac, updated_us)` at `now_us`, capacity `C`, rate `R`, is the
 //! pure bucket's (`BucketState::refill`) to the femtotoken: with `e = max(0, now_us −
@@ -80,27 +82,48 @@ fn grant(available: &str, min: &str, want: &str, step: &str) -> String {
     )
 }
 
+/// Where a take's `min`, `want` and `step` come from: expressions the statement has at hand
+/// ([`ACQUIRE_ONE`]'s parameters), or the elements at the request's position in the arrays of
+/// [`ACQUIRE_MANY`], the position found once per row.
+enum Amounts<'a> {
+    /// `min`, `want`, `step` as they are.
+    Given(&'a str, &'a str, &'a str),
+    /// `position` (an expression giving the request's index), then the arrays of `min`, `want`
+    /// and `step`.
+    At(&'a str, (&'a str, &'a str, &'a str)),
+}
+
 /// The refill and the take of a row as one `SET` item: `(tokens, frac, refilled) = (SELECT
 /// ...)`, a subquery that computes the capped femtotokens once (behind `OFFSET 0`, so the
 /// planner does not copy the expression into each use), then the available nanotokens and the
 /// new `frac` from it once (likewise), then the tokens left after the grant and the refilled
 /// amount. Written out flat, the refill appeared four times for `tokens` and `refilled` and
 /// twice more for `frac`; the executor initialises and evaluates every copy on each run, and
-/// the subquery's two plan nodes cost less than the copies (DESIGN.md section 5).
+/// the subquery's two plan nodes cost less than the copies (DESIGN.md section 5). With
+/// [`Amounts::At`] the inner level also finds the request's position and the middle one reads
+/// the amounts at it, each once per row.
 fn refill_and_take(
     row: &str,
     (capacity, rate, now): (&str, &str, &str),
-    (min, want, step): (&str, &str, &str),
+    amounts: Amounts<'_>,
 ) -> String {
     let capped = capped_femtotokens(row, capacity, rate, now);
     let available = available_from(row, "f.femto");
     let frac = frac_from("f.femto");
+    let (position, picked, (min, want, step)) = match amounts {
+        Amounts::Given(min, want, step) => (String::new(), String::new(), (min, want, step)),
+        Amounts::At(position, (mins, wants, steps)) => (
+            format!(", {position} AS n"),
+            format!(", ({mins})[f.n] AS min_take, ({wants})[f.n] AS want, ({steps})[f.n] AS step"),
+            ("refill.min_take", "refill.want", "refill.step"),
+        ),
+    };
     let granted = grant("refill.available", min, want, step);
     format!(
         "(tokens, frac, refilled) = ( \
              SELECT refill.available - ({granted}), refill.frac, refill.available \
-             FROM (SELECT {available} AS available, {frac} AS frac \
-                   FROM (SELECT {capped} AS femto OFFSET 0) AS f \
+             FROM (SELECT {available} AS available, {frac} AS frac{picked} \
+                   FROM (SELECT {capped} AS femto{position} OFFSET 0) AS f \
                    OFFSET 0) AS refill)"
     )
 }
@@ -126,7 +149,7 @@ pub(super) static ACQUIRE_ONE: LazyLock<String> = LazyLock::new(|| {
         "excluded.refill_per_second",
         "excluded.updated_us",
     );
-    let take = refill_and_take("b", (capacity, rate, now), ("$4", "$5", "$6"));
+    let take = refill_and_take("b", (capacity, rate, now), Amounts::Given("$4", "$5", "$6"));
     let granted_new = grant("$2", "$4", "$5", "$6");
     format!(
         "-- tokenlease: refill and take, one key (src/store/postgres/lean.rs)\n\
@@ -141,59 +164,61 @@ pub(super) static ACQUIRE_ONE: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// Refill and take for many distinct keys, in one statement: first the keys that have no row
-/// are inserted as full buckets less their grants, in key order (`ON CONFLICT DO NOTHING`);
-/// then the rows that exist and hold no strict lease are locked in key order; then they are
-/// refilled and taken from, joined by key. Inserts come first so that no statement ever waits
-/// for an insert while holding a row lock another waits on: a statement in its locking phase
-/// waits only for statements locking or updating rows, which wait on no insert, and statements
-/// inserting wait on each other in key order. (Locking first and inserting after, each in key
-/// order, deadlocked: a statement whose snapshot predated another's insert of a key K locked K
-/// as an existing row, then waited to insert a smaller key M that the other had inserted before
-/// it waited on K.) A key whose row holds strict leases, or whose row another caller committed
-/// after this statement's snapshot, comes back without a row.
+/// Refill and take for many distinct keys, in one statement: an upsert of every key, in key
+/// order. A key without a row is inserted as a full bucket less its grant; a key whose row
+/// exists and holds no strict lease is refilled and taken from in `ON CONFLICT DO UPDATE`, as in
+/// [`ACQUIRE_ONE`]: capacity, rate and the clock from `EXCLUDED`, and `min`, `want`, `step` from
+/// the parameter arrays at the key's position (`array_position` on the keys, once per row: the
+/// proposed row holds only the table's columns). A key whose row holds strict leases comes back
+/// without a row (locked, not updated), and `tokenlease_acquire_held` decides it.
+///
+/// Every row is reached through the primary key's unique index, by the conflict check of the
+/// insert: the statement reads the table nowhere else, so no plan can scan it, whatever the
+/// planner believes of its size (a generic plan made on an empty table is kept by the session
+/// as the table grows). The clock is an uncorrelated subquery, computed once per execution.
+///
+/// Deadlock-free: the rows are inserted or locked one at a time in key order (the `ORDER BY`
+/// below the insert), and a statement waits only on the key it has reached, holding only
+/// smaller ones, so no two statements wait on each other in a cycle. (An earlier form locked
+/// the existing rows in key order and inserted the new keys after, also in key order, and
+/// deadlocked: a statement whose snapshot predated another's insert of a key K locked K as an
+/// existing row, then waited to insert a smaller key M that the other had inserted before it
+/// waited on K. One pass in one order has no second phase to wait in.) A row another caller
+/// committed after this statement's snapshot is updated as it now stands, as the upsert of
+/// one key is. Keys must be distinct: a key twice in one call fails the statement (PostgreSQL
+/// refuses to update a row twice in one command).
 ///
 /// `$1` text[] keys, `$2`..`$6` bigint[] as [`ACQUIRE_ONE`]'s. Returns key, tokens, frac, the
 /// grant, updated_us and now_us.
 pub(super) static ACQUIRE_MANY: LazyLock<String> = LazyLock::new(|| {
+    let (capacity, rate, now) = (
+        "excluded.capacity",
+        "excluded.refill_per_second",
+        "excluded.updated_us",
+    );
     let take = refill_and_take(
         "b",
-        ("r.capacity", "r.rate", "r.now_us"),
-        ("r.min_take", "r.want", "r.step"),
+        (capacity, rate, now),
+        Amounts::At(
+            "array_position($1::text[], excluded.key)",
+            ("$4::bigint[]", "$5::bigint[]", "$6::bigint[]"),
+        ),
     );
     let granted_new = grant("r.capacity", "r.min_take", "r.want", "r.step");
     format!(
         "-- tokenlease: refill and take, many keys (src/store/postgres/lean.rs)\n\
-         WITH r AS ( \
-             SELECT q.*, {NOW_US} AS now_us \
-             FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], \
-                         $6::bigint[]) AS q(key, capacity, rate, min_take, want, step)), \
-         i AS ( \
-             INSERT INTO tokenlease_buckets AS b \
-                 (key, tokens, frac, capacity, refill_per_second, updated_us, refilled) \
-             SELECT r.key, r.capacity - ({granted_new}), 0, r.capacity, r.rate, r.now_us, \
-                    r.capacity \
-             FROM r \
-             WHERE NOT EXISTS (SELECT FROM tokenlease_buckets AS e WHERE e.key = r.key) \
-             ORDER BY r.key \
-             ON CONFLICT (key) DO NOTHING \
-             RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, \
-                       b.updated_us), \
-         locked AS ( \
-             SELECT l.key FROM tokenlease_buckets AS l \
-             WHERE l.key = ANY ($1::text[]) AND cardinality(l.leases) = 0 \
-               AND l.key NOT IN (SELECT i.key FROM i) \
-             ORDER BY l.key FOR UPDATE), \
-         u AS ( \
-             UPDATE tokenlease_buckets AS b \
-             SET {take}, capacity = r.capacity, refill_per_second = r.rate, \
-                 updated_us = greatest(b.updated_us, r.now_us) \
-             FROM r \
-             WHERE b.key = r.key AND b.key IN (SELECT locked.key FROM locked) \
-               AND cardinality(b.leases) = 0 \
-             RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, \
-                       r.now_us) \
-         SELECT * FROM u UNION ALL SELECT * FROM i"
+         INSERT INTO tokenlease_buckets AS b \
+             (key, tokens, frac, capacity, refill_per_second, updated_us, refilled) \
+         SELECT r.key, r.capacity - ({granted_new}), 0, r.capacity, r.rate, (SELECT {NOW_US}), \
+                r.capacity \
+         FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], \
+                     $6::bigint[]) AS r(key, capacity, rate, min_take, want, step) \
+         ORDER BY r.key \
+         ON CONFLICT (key) DO UPDATE \
+         SET {take}, capacity = {capacity}, refill_per_second = {rate}, \
+             updated_us = greatest(b.updated_us, {now}) \
+         WHERE cardinality(b.leases) = 0 \
+         RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, (SELECT {NOW_US})"
     )
 });
 

@@ -16,7 +16,9 @@ pub(super) fn for_format(s: &str) -> String {
 /// The refill-and-take of many keys on one shard: the plain store's many-key statement
 /// (`lean.rs`'s `ACQUIRE_MANY`, the same text) on the shard's table `%1$s`, for `format()`. `$1`
 /// text[] keys (all of them in this shard), `$2`..`$6` bigint[] capacities, rates, mins, wants,
-/// steps.
+/// steps. Like that statement it reaches the shard's rows only through the conflict check of
+/// its insert (the primary key's index), so no plan of it scans the shard, whatever the size
+/// the planner believes the shard has.
 pub(super) static TAKE_SHARD: LazyLock<String> = LazyLock::new(|| {
     for_format(&super::super::lean::ACQUIRE_MANY).replace("tokenlease_buckets", "%1$s")
 });
@@ -34,7 +36,10 @@ ON CONFLICT (key) DO UPDATE SET tokens = b.tokens WHERE false";
 
 /// Step 2 of `tokenlease_acquire_held` on one shard: refill and take, joined by key, in
 /// tokens. `$1`..`$10` as the function's arguments, `$11` the clock in microseconds, `$12`
-/// positions.
+/// positions. The join is the planner's choice: `tokenlease_citus_take_held` runs it with
+/// `enable_seqscan = off` (a `SET` clause, restored when the function returns), as the plain
+/// store's `tokenlease_acquire_held` does, so a shard analysed while empty is still read by
+/// its primary key.
 pub(super) static HELD_UPDATE_SHARD: LazyLock<String> = LazyLock::new(|| {
     for_format(
         "UPDATE @buckets@ AS b \
@@ -221,6 +226,7 @@ CREATE OR REPLACE FUNCTION tokenlease_citus_take_held(
 RETURNS TABLE (key text, tokens bigint, frac integer, granted bigint, updated_us bigint,
                now_us bigint)
 LANGUAGE plpgsql VOLATILE
+SET enable_seqscan = off
 AS $fn$
 DECLARE
     p record;
@@ -318,7 +324,9 @@ $fn$",
 /// it once (a generic plan) instead of on every call, which is most of what a routed call cost
 /// the worker when every call planned it. Created for every shard by [`distribute`](super::distribute::distribute), on every
 /// node (a worker calls only its own shards'); a shard made later (a split) has none until the
-/// next migrate, and is taken through `EXECUTE` meanwhile.
+/// next migrate, and is taken through `EXECUTE` meanwhile. It needs no `enable_seqscan = off`
+/// (which it once had, to keep a generic plan made on an empty shard from scanning it as it
+/// grew): the statement reads the shard only through its insert's conflict check.
 pub(super) fn shard_take_function(shard: i64, table: &str) -> String {
     let statement = TAKE_SHARD.replace("%1$s", table).replace("%%", "%");
     format!(
@@ -328,7 +336,6 @@ RETURNS TABLE (key text, tokens tokenlease_nanotokens, frac tokenlease_femtotoke
                granted bigint, updated_us bigint, now_us bigint)
 LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan
-SET enable_seqscan = off
 AS $fn$
 #variable_conflict use_column
 BEGIN
