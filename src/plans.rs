@@ -208,6 +208,13 @@ impl PlanRegistry {
         Arc::clone(counters.get_or_insert_with(key, || Arc::new(PlanCounters::of(plan))))
     }
 
+    /// Runs `f` on the counters of every plan counted so far, entries' and named plans' alike.
+    pub(crate) fn each_counters(&self, mut f: impl FnMut(&Arc<PlanCounters>)) {
+        for (_, counters) in &self.counters.pin() {
+            f(counters);
+        }
+    }
+
     /// The entry equal to `plan` (the same `Arc`, or an equal plan), added if there is none:
     /// its index and the shared `Arc`. `None` once the registry holds [`MAX_PLANS`].
     #[cfg(test)]

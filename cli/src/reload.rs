@@ -5,6 +5,9 @@
 //! force stay. Each outcome is one line on stderr and one count in
 //! `tokenlease_policy_reloads_total{result}`. The check and the swap run on tokio's blocking
 //! threads (`spawn_blocking`), so a large file never holds a worker that answers requests.
+//! After a reload it applied, and again a poll later (for the requests that were in flight
+//! under the old routes), the demo's recorder forgets the series of the plans and routes the
+//! reload removed (`series.rs`).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -13,12 +16,14 @@ use tokenlease::http::RateLimitLayer;
 use tokenlease::metrics::POLICY_RELOADS;
 use tokenlease::policy::Policies;
 
+use super::series::Handle;
+
 /// How often the file's size and modification time are compared with the last seen.
 const POLL: Duration = Duration::from_secs(1);
 
 /// Starts watching `path` on the current runtime for the demo's lifetime.
-pub(crate) fn spawn(path: PathBuf, layer: RateLimitLayer) {
-    tokio::spawn(watch(path, layer));
+pub(crate) fn spawn(path: PathBuf, layer: RateLimitLayer, series: Handle) {
+    tokio::spawn(watch(path, layer, series));
 }
 
 /// What identifies a version of the file without reading it.
@@ -27,13 +32,15 @@ fn stamp(path: &Path) -> Option<(u64, SystemTime)> {
     Some((meta.len(), meta.modified().ok()?))
 }
 
-async fn watch(path: PathBuf, layer: RateLimitLayer) {
+async fn watch(path: PathBuf, layer: RateLimitLayer, series: Handle) {
     #[cfg(unix)]
     let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
     let mut seen = stamp(&path);
     // The bytes in force, so that a touch that changes nothing reloads nothing.
     let mut applied = std::fs::read(&path).ok();
     let mut every = tokio::time::interval(POLL);
+    // Whether the next poll forgets unheld series again (a reload was applied since the last).
+    let mut forget_again = false;
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         #[cfg(unix)]
@@ -48,6 +55,9 @@ async fn watch(path: PathBuf, layer: RateLimitLayer) {
         let why = tokio::select! {
             Some(()) = signalled => "SIGHUP",
             _ = every.tick() => {
+                if std::mem::take(&mut forget_again) {
+                    series.forget_unheld();
+                }
                 let now = stamp(&path);
                 if now == seen {
                     continue;
@@ -79,6 +89,8 @@ async fn watch(path: PathBuf, layer: RateLimitLayer) {
         match outcome {
             Ok(summary) => {
                 applied = Some(bytes);
+                series.forget_unheld();
+                forget_again = true;
                 // The summary names the file.
                 eprintln!("tokenlease demo: reloaded the policy ({why}): {summary}");
             }
