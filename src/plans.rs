@@ -195,6 +195,11 @@ impl PlanRegistry {
     /// The counters of `plan`, whether the registry holds it or a caller named it: found by
     /// its labels, and registered with the recorder installed now (at zero) the first time.
     pub(crate) fn counters_of(&self, plan: &Plan) -> Arc<PlanCounters> {
+        self.counters_or(plan, PlanCounters::of)
+    }
+
+    /// The counters of `plan`, made by `make` if there are none.
+    fn counters_or(&self, plan: &Plan, make: fn(&Plan) -> PlanCounters) -> Arc<PlanCounters> {
         let counters = self.counters.pin();
         if let Some(c) = counters.get(&LabelsOf::new(plan)) {
             return Arc::clone(c);
@@ -205,7 +210,7 @@ impl PlanRegistry {
             mode: labels.mode,
             shadow: labels.shadow,
         };
-        Arc::clone(counters.get_or_insert_with(key, || Arc::new(PlanCounters::of(plan))))
+        Arc::clone(counters.get_or_insert_with(key, || Arc::new(make(plan))))
     }
 
     /// Runs `f` on the counters of every plan counted so far, entries' and named plans' alike.
@@ -270,7 +275,8 @@ impl PlanRegistry {
             .get_or_init(|| (0..FIRST << chunk).map(|_| OnceLock::new()).collect());
         let entry = Entry {
             plan: Arc::clone(plan),
-            counters: self.counters_of(plan),
+            // Without handles: `Limiter::reload` takes them for every plan in force.
+            counters: self.counters_or(plan, PlanCounters::unheld),
         };
         let _ = slots[offset].set(entry);
         let index = len as u32;

@@ -5,9 +5,9 @@
 //! force stay. Each outcome is one line on stderr and one count in
 //! `tokenlease_policy_reloads_total{result}`. The check and the swap run on tokio's blocking
 //! threads (`spawn_blocking`), so a large file never holds a worker that answers requests.
-//! After a reload it applied, and again a poll later (for the requests that were in flight
-//! under the old routes), the demo's recorder forgets the series of the plans and routes the
-//! reload removed (`series.rs`).
+//! After a reload it applied, the demo's recorder forgets the series of the plans and routes
+//! the reload removed (`series.rs`); a route's series still held by a request in flight then
+//! goes at the next reload.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -39,8 +39,6 @@ async fn watch(path: PathBuf, layer: RateLimitLayer, series: Handle) {
     // The bytes in force, so that a touch that changes nothing reloads nothing.
     let mut applied = std::fs::read(&path).ok();
     let mut every = tokio::time::interval(POLL);
-    // Whether the next poll forgets unheld series again (a reload was applied since the last).
-    let mut forget_again = false;
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         #[cfg(unix)]
@@ -55,9 +53,6 @@ async fn watch(path: PathBuf, layer: RateLimitLayer, series: Handle) {
         let why = tokio::select! {
             Some(()) = signalled => "SIGHUP",
             _ = every.tick() => {
-                if std::mem::take(&mut forget_again) {
-                    series.forget_unheld();
-                }
                 let now = stamp(&path);
                 if now == seen {
                     continue;
@@ -79,8 +74,15 @@ async fn watch(path: PathBuf, layer: RateLimitLayer, series: Handle) {
         // Reading, checking and interning a large file takes a while: off the runtime's
         // workers, which keep answering requests meanwhile.
         let outcome = {
-            let (path, layer) = (path.clone(), layer.clone());
-            tokio::task::spawn_blocking(move || reload(&path, &layer)).await
+            let (path, layer, series) = (path.clone(), layer.clone(), series.clone());
+            tokio::task::spawn_blocking(move || {
+                let outcome = reload(&path, &layer);
+                if outcome.is_ok() {
+                    series.forget_unheld();
+                }
+                outcome
+            })
+            .await
         };
         let outcome = match outcome {
             Ok(outcome) => outcome,
@@ -89,8 +91,6 @@ async fn watch(path: PathBuf, layer: RateLimitLayer, series: Handle) {
         match outcome {
             Ok(summary) => {
                 applied = Some(bytes);
-                series.forget_unheld();
-                forget_again = true;
                 // The summary names the file.
                 eprintln!("tokenlease demo: reloaded the policy ({why}): {summary}");
             }

@@ -75,8 +75,8 @@ pub(crate) struct PlanCounters {
     /// Whether a limiter's policies (or an HTTP layer's shadow twin of one of their plans)
     /// hold these, so that a reload releases them once their plan is gone.
     policy: AtomicBool,
-    /// The decision handles.
-    decisions: Held<DecisionHandles>,
+    /// The decision handles, boxed so that released counters keep only their few words.
+    decisions: Held<Box<DecisionHandles>>,
     /// The plan's outage debt: the outstanding gauge, and the charged and dropped counters.
     pub(crate) debt: DebtMetrics,
 }
@@ -166,9 +166,16 @@ fn debt_counters(name: &str) -> [Counter; 2] {
 
 impl DebtMetrics {
     fn register(name: &str) -> DebtMetrics {
+        let debt = DebtMetrics::unheld();
+        *debt.outstanding.0.0.write() = Some(debt_gauge(name));
+        *debt.counters.0.write() = Some(debt_counters(name));
+        debt
+    }
+
+    fn unheld() -> DebtMetrics {
         DebtMetrics {
-            outstanding: Outstanding(Held::new(debt_gauge(name))),
-            counters: Held::new(debt_counters(name)),
+            outstanding: Outstanding(Held(RwLock::new(None))),
+            counters: Held(RwLock::new(None)),
             carry: [AtomicU64::new(0), AtomicU64::new(0)],
         }
     }
@@ -228,8 +235,24 @@ impl PlanCounters {
             mode,
             shadow,
             policy: AtomicBool::new(false),
-            decisions: Held::new(DecisionHandles::register(name, mode, shadow)),
+            decisions: Held::new(Box::new(DecisionHandles::register(name, mode, shadow))),
             debt: DebtMetrics::register(name),
+        }
+    }
+
+    /// The counters of `plan` without their handles: registered by [`hold`](Self::hold). For
+    /// the plan registry's entries, which a reload holds in a pass of its own once every new
+    /// plan is interned, so that what a reload allocates for good (the entries) and what goes
+    /// when the plans do (the handles and the recorder's series) lie apart in the heap, and
+    /// the allocator can give the latter's pages back whole.
+    pub(crate) fn unheld(plan: &Plan) -> PlanCounters {
+        PlanCounters {
+            name: plan.name().into(),
+            mode: mode_label(plan.fallback().mode),
+            shadow: plan.shadow(),
+            policy: AtomicBool::new(false),
+            decisions: Held(RwLock::new(None)),
+            debt: DebtMetrics::unheld(),
         }
     }
 
@@ -258,9 +281,11 @@ impl PlanCounters {
         }
         let mut decisions = self.decisions.0.write();
         if decisions.is_none() {
-            *decisions = Some(DecisionHandles::register(
-                &self.name, self.mode, self.shadow,
-            ));
+            *decisions = Some(Box::new(DecisionHandles::register(
+                &self.name,
+                self.mode,
+                self.shadow,
+            )));
             *self.debt.outstanding.0.0.write() = Some(debt_gauge(&self.name));
             *self.debt.counters.0.write() = Some(debt_counters(&self.name));
         }
