@@ -18,8 +18,8 @@ use crate::policy::{FallbackMode, Plan};
 
 mod plan;
 
-pub(crate) use plan::{PlanCounters, record};
 use plan::{DECIDED_BY, by_index};
+pub(crate) use plan::{PlanCounters, record};
 
 /// Decisions, by `plan` (the plan's name), `outcome` (`allowed`, `denied`, and for a shadow
 /// plan `would_deny`: a denial let through) and `decided_by` (`store`, `lease`, `fallback`).

@@ -14,9 +14,9 @@
 //! An entry is found from its plan's [`Identity`] through a hash map, so interning a policy
 //! is linear in its plans, whatever the registry holds.
 //!
-//! Each entry holds its plan's decision counters (`metrics::PlanCounters`), registered with the
-//! recorder installed when the entry was added: a call that knows its plan's index counts on
-//! them without a lookup. The plans a caller names (`Limiter::try_acquire_with`) have no index;
+//! Each entry holds its plan's decision counters (`metrics::PlanCounters`): a call that knows its
+//! plan's index counts on them without a lookup. They hold their metric handles only while the
+//! plan is in force (`Limiter::reload` takes and releases them, `metrics/plan.rs`). The plans a caller names (`Limiter::try_acquire_with`) have no index;
 //! their counters are found by their labels (name, fallback mode, shadow mode) in a map beside
 //! the entries, which the entries' own counters are in too, so that one set of labels has one
 //! set of counters.

@@ -13,8 +13,8 @@
 
 use std::collections::HashMap;
 use std::fmt::Write;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, SharedString, Unit};
 use metrics_exporter_prometheus::formatting::{

@@ -191,7 +191,9 @@ fn k9_reloads_between_65000_plans_and_one_keep_no_series_of_removed_plans() {
         "the demo's memory within 20% of the first round trip's",
         first + first / 5,
     );
-    eprintln!("K9: RSS at start {cold} KiB, after the first round trip {first} KiB, after the third {last} KiB");
+    eprintln!(
+        "K9: RSS at start {cold} KiB, after the first round trip {first} KiB, after the third {last} KiB"
+    );
     assert!(demo.stop().success());
     let _ = std::fs::remove_dir_all(&dir);
 }

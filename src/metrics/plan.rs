@@ -315,7 +315,9 @@ impl PlanCounters {
 /// `tokenlease_decisions_total`, and as the denial it is in
 /// `tokenlease_fallback_decisions_total`.
 pub(crate) fn record(counters: &PlanCounters, decision: &Decision) {
-    counters.decisions.with(|h| record_on(counters, h, decision));
+    counters
+        .decisions
+        .with(|h| record_on(counters, h, decision));
 }
 
 fn record_on(counters: &PlanCounters, h: &DecisionHandles, decision: &Decision) {

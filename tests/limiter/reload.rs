@@ -490,16 +490,38 @@ impl Holding {
 }
 
 impl metrics::Recorder for Holding {
-    fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
-    fn describe_gauge(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
-    fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
     fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
         metrics::Counter::from_arc(self.add(key))
     }
     fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
         metrics::Gauge::from_arc(self.add(key))
     }
-    fn register_histogram(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Histogram {
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
         metrics::Histogram::noop()
     }
 }
@@ -535,11 +557,16 @@ fn k9_a_reload_releases_the_metric_handles_of_the_plans_it_removed() {
 
             limiter.reload(one()).expect("back to one plan");
             let (plans, series) = recorder.held_plans();
-            assert_eq!(plans.into_iter().collect::<Vec<_>>(), ["p0"]);
+            assert_eq!((plans.len(), plans.first()), (1, Some(&"p0".to_owned())));
             assert_eq!(series, 11);
-            assert_eq!(recorder.plans().len(), 65_000, "before the recorder forgets");
+            assert_eq!(
+                recorder.plans().len(),
+                65_000,
+                "before the recorder forgets"
+            );
             recorder.forget_unheld();
-            assert_eq!(recorder.plans().into_iter().collect::<Vec<_>>(), ["p0"]);
+            let plans = recorder.plans();
+            assert_eq!((plans.len(), plans.first()), (1, Some(&"p0".to_owned())));
             // p0 stayed in force throughout: it counts on where it was.
             assert!(limiter.try_acquire("k:b", 1.0).await.unwrap().allowed);
             assert_eq!(recorder.decisions("p0", "allowed", "store"), Some(2));
