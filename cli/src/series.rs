@@ -208,7 +208,7 @@ mod tests {
     #[test]
     fn series_of_plans_nobody_holds_are_forgotten() {
         let (recorder, handle) = recorder();
-        let meta = metrics::metadata!(metrics::Level::INFO);
+        let meta = metrics::Metadata::new("test", metrics::Level::INFO, None);
         recorder.describe_counter("t_total".into(), None, "help \"text\"".into());
         let held = recorder.register_counter(
             &Key::from_parts("t_total", vec![metrics::Label::new("plan", "a\"b")]),

@@ -462,8 +462,8 @@ impl Holding {
     fn plans(&self) -> std::collections::BTreeSet<String> {
         let series = self.series.lock();
         series
-            .iter()
-            .filter_map(|(k, _)| k.labels().find(|l| l.key() == "plan"))
+            .keys()
+            .filter_map(|k| k.labels().find(|l| l.key() == "plan"))
             .map(|l| l.value().to_owned())
             .collect()
     }
