@@ -9,16 +9,17 @@
 //! 255 per thread).
 
 use std::cell::{Cell, RefCell};
-use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
-use metrics::{Counter, Gauge, Unit, describe_counter, describe_gauge, describe_histogram};
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 
-use crate::bucket::Tokens;
-
-use crate::decision::{DecidedBy, Decision};
+use crate::decision::DecidedBy;
 use crate::policy::{FallbackMode, Plan};
+
+mod plan;
+
+use plan::{DECIDED_BY, by_index};
+pub(crate) use plan::{PlanCounters, record};
 
 /// Decisions, by `plan` (the plan's name), `outcome` (`allowed`, `denied`, and for a shadow
 /// plan `would_deny`: a denial let through) and `decided_by` (`store`, `lease`, `fallback`).
@@ -347,177 +348,6 @@ pub(crate) fn register_store_calls() {
     }
 }
 
-/// The `decided_by` values, in the order of [`PlanCounters`]' columns.
-const DECIDED_BY: [&str; 3] = ["store", "lease", "fallback"];
-
-fn by_index(decided_by: DecidedBy) -> usize {
-    match decided_by {
-        DecidedBy::Store => 0,
-        DecidedBy::Lease => 1,
-        DecidedBy::Fallback(_) => 2,
-    }
-}
-
-/// The decision counters of one plan: `tokenlease_decisions_total` for each outcome and
-/// decider and `tokenlease_fallback_decisions_total` for each outcome under the plan's fallback
-/// mode, with the plan's name, `tokenlease_db_calls_saved_total`, and the plan's outage-debt
-/// series. Registered once per plan (at zero, so every series exists from the start), so that
-/// recording a decision is an increment on a handle: no label strings, no lookup in the
-/// recorder's registry. A limiter's plan registry (`plans.rs`) holds them: by the plan's index
-/// for the plans of its policies, by these labels for plans its callers name.
-pub(crate) struct PlanCounters {
-    /// The plan's name, the `plan` label.
-    name: Box<str>,
-    /// `[allowed, denied][store, lease, fallback]`.
-    decisions: [[Counter; 3]; 2],
-    /// `outcome="would_deny"`, `[store, lease, fallback]`: registered (at zero) for a shadow
-    /// plan only.
-    would_deny: Option<[Counter; 3]>,
-    /// The plan's fallback mode, as its label.
-    mode: &'static str,
-    /// `tokenlease_fallback_decisions_total{plan, mode, outcome}`: `[allowed, denied]`.
-    fallback: [Counter; 2],
-    /// Decisions answered from a lease (no label: one series for every plan).
-    saved: Counter,
-    /// The plan's outage debt: the outstanding gauge, and the charged and dropped counters.
-    pub(crate) debt: DebtMetrics,
-}
-
-/// One plan's outage-debt series (`tokenlease_outage_debt_*{plan}`). The counters count whole
-/// tokens; the fractions below one token are carried in nanotokens until they add up to one.
-pub(crate) struct DebtMetrics {
-    /// `tokenlease_outage_debt_tokens{plan}`: changed by increments, so that several limiters
-    /// with the plan add up.
-    pub(crate) outstanding: Gauge,
-    charged: Counter,
-    dropped: Counter,
-    /// Nanotokens charged and dropped that are not yet a whole token on their counters.
-    carry: [AtomicU64; 2],
-}
-
-impl DebtMetrics {
-    fn register(name: &str) -> DebtMetrics {
-        let outstanding = metrics::gauge!(OUTAGE_DEBT, "plan" => name.to_owned());
-        outstanding.increment(0.0);
-        let counter = |metric: &'static str| {
-            let c = metrics::counter!(metric, "plan" => name.to_owned());
-            c.increment(0);
-            c
-        };
-        DebtMetrics {
-            outstanding,
-            charged: counter(OUTAGE_DEBT_CHARGED),
-            dropped: counter(OUTAGE_DEBT_DROPPED),
-            carry: [AtomicU64::new(0), AtomicU64::new(0)],
-        }
-    }
-
-    /// Adds `tokens` charged to the shared bucket.
-    pub(crate) fn charged(&self, tokens: Tokens) {
-        Self::add(&self.charged, &self.carry[0], tokens);
-    }
-
-    /// Adds `tokens` of debt given up.
-    pub(crate) fn dropped(&self, tokens: Tokens) {
-        Self::add(&self.dropped, &self.carry[1], tokens);
-    }
-
-    /// Adds `tokens` to `counter` in whole tokens, carrying the fraction in `carry`.
-    fn add(counter: &Counter, carry: &AtomicU64, tokens: Tokens) {
-        const ONE: u128 = 1_000_000_000;
-        let nanos = tokens.as_nanos();
-        let mut whole = u64::try_from(nanos / ONE).unwrap_or(u64::MAX);
-        let fraction = (nanos % ONE) as u64;
-        let before = carry
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| {
-                Some((c + fraction) % ONE as u64)
-            })
-            .unwrap_or(0);
-        whole = whole.saturating_add((before + fraction) / ONE as u64);
-        if whole > 0 {
-            counter.increment(whole);
-        }
-    }
-}
-
-impl fmt::Debug for PlanCounters {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PlanCounters").finish_non_exhaustive()
-    }
-}
-
-impl PlanCounters {
-    /// Registers the counters of `plan` with the recorder installed now.
-    pub(crate) fn of(plan: &Plan) -> PlanCounters {
-        PlanCounters::register(plan.name(), plan.fallback().mode, plan.shadow())
-    }
-
-    /// Registers the counters of the plan `name`, whose fallback decides with `mode`, with the
-    /// recorder installed now.
-    pub(crate) fn register(name: &str, mode: FallbackMode, shadow: bool) -> PlanCounters {
-        let mode = mode_label(mode);
-        let one = |outcome: &'static str, by: &'static str| {
-            let c = metrics::counter!(DECISIONS, "plan" => name.to_owned(),
-                "outcome" => outcome, "decided_by" => by);
-            c.increment(0);
-            c
-        };
-        let row = |outcome| DECIDED_BY.map(|by| one(outcome, by));
-        let fallback = |outcome: &'static str| {
-            let c = metrics::counter!(FALLBACK_DECISIONS, "plan" => name.to_owned(),
-                "mode" => mode, "outcome" => outcome);
-            c.increment(0);
-            c
-        };
-        let saved = metrics::counter!(DB_CALLS_SAVED);
-        saved.increment(0);
-        // The time in fallback of the plan's mode, at zero (an increment of 0 leaves a total
-        // another plan of the same mode has already published as it is).
-        metrics::gauge!(FALLBACK_ACTIVE_SECONDS, "mode" => mode).increment(0.0);
-        PlanCounters {
-            name: name.into(),
-            decisions: [row("allowed"), row("denied")],
-            would_deny: shadow.then(|| row("would_deny")),
-            mode,
-            fallback: [fallback("allowed"), fallback("denied")],
-            saved,
-            debt: DebtMetrics::register(name),
-        }
-    }
-}
-
-/// Records one decision made off the fast path on a plan's `counters`.
-///
-/// A shadow plan's denial let through ([`Decision::would_deny`]) counts as `would_deny` in
-/// `tokenlease_decisions_total`, and as the denial it is in
-/// `tokenlease_fallback_decisions_total`.
-pub(crate) fn record(counters: &PlanCounters, decision: &Decision) {
-    let row = usize::from(!decision.allowed || decision.would_deny);
-    if let DecidedBy::Fallback(mode) = decision.decided_by {
-        let mode = mode_label(mode);
-        if mode == counters.mode {
-            counters.fallback[row].increment(1);
-        } else {
-            // The plan's fallback decides with the plan's mode; this is only for a decision
-            // that names another one, counted by its own labels rather than misfiled.
-            metrics::counter!(FALLBACK_DECISIONS, "plan" => counters.name.to_string(),
-                "mode" => mode, "outcome" => outcome(row == 0))
-            .increment(1);
-        }
-    }
-    let by = by_index(decision.decided_by);
-    match &counters.would_deny {
-        Some(would_deny) if decision.would_deny => would_deny[by].increment(1),
-        // A would-deny decision on the counters of a plan without shadow mode (not possible:
-        // a plan's counters are registered with its shadow mode; kept total): by the macro.
-        None if decision.would_deny => metrics::counter!(DECISIONS,
-            "plan" => counters.name.to_string(), "outcome" => "would_deny",
-            "decided_by" => DECIDED_BY[by])
-        .increment(1),
-        _ => counters.decisions[row][by].increment(1),
-    }
-}
-
 /// Counts one policy reload by its result (`applied`, `refused`).
 pub(crate) fn record_reload(applied: bool) {
     let result = if applied { "applied" } else { "refused" };
@@ -578,8 +408,7 @@ impl Batch {
         if n > 0
             && let Some(c) = &*self.held.borrow()
         {
-            c.decisions[0][1].increment(n);
-            c.saved.increment(n);
+            c.add_from_lease(n);
         }
     }
 

@@ -14,9 +14,9 @@
 //! An entry is found from its plan's [`Identity`] through a hash map, so interning a policy
 //! is linear in its plans, whatever the registry holds.
 //!
-//! Each entry holds its plan's decision counters (`metrics::PlanCounters`), registered with the
-//! recorder installed when the entry was added: a call that knows its plan's index counts on
-//! them without a lookup. The plans a caller names (`Limiter::try_acquire_with`) have no index;
+//! Each entry holds its plan's decision counters (`metrics::PlanCounters`): a call that knows its
+//! plan's index counts on them without a lookup. They hold their metric handles only while the
+//! plan is in force (`Limiter::reload` takes and releases them, `metrics/plan.rs`). The plans a caller names (`Limiter::try_acquire_with`) have no index;
 //! their counters are found by their labels (name, fallback mode, shadow mode) in a map beside
 //! the entries, which the entries' own counters are in too, so that one set of labels has one
 //! set of counters.
@@ -195,6 +195,11 @@ impl PlanRegistry {
     /// The counters of `plan`, whether the registry holds it or a caller named it: found by
     /// its labels, and registered with the recorder installed now (at zero) the first time.
     pub(crate) fn counters_of(&self, plan: &Plan) -> Arc<PlanCounters> {
+        self.counters_or(plan, PlanCounters::of)
+    }
+
+    /// The counters of `plan`, made by `make` if there are none.
+    fn counters_or(&self, plan: &Plan, make: fn(&Plan) -> PlanCounters) -> Arc<PlanCounters> {
         let counters = self.counters.pin();
         if let Some(c) = counters.get(&LabelsOf::new(plan)) {
             return Arc::clone(c);
@@ -205,7 +210,14 @@ impl PlanRegistry {
             mode: labels.mode,
             shadow: labels.shadow,
         };
-        Arc::clone(counters.get_or_insert_with(key, || Arc::new(PlanCounters::of(plan))))
+        Arc::clone(counters.get_or_insert_with(key, || Arc::new(make(plan))))
+    }
+
+    /// Runs `f` on the counters of every plan counted so far, entries' and named plans' alike.
+    pub(crate) fn each_counters(&self, mut f: impl FnMut(&Arc<PlanCounters>)) {
+        for (_, counters) in &self.counters.pin() {
+            f(counters);
+        }
     }
 
     /// The entry equal to `plan` (the same `Arc`, or an equal plan), added if there is none:
@@ -263,7 +275,8 @@ impl PlanRegistry {
             .get_or_init(|| (0..FIRST << chunk).map(|_| OnceLock::new()).collect());
         let entry = Entry {
             plan: Arc::clone(plan),
-            counters: self.counters_of(plan),
+            // Without handles: `Limiter::reload` takes them for every plan in force.
+            counters: self.counters_or(plan, PlanCounters::unheld),
         };
         let _ = slots[offset].set(entry);
         let index = len as u32;

@@ -28,7 +28,6 @@ use std::time::Duration;
 use axum::extract::Query;
 use axum::http::header;
 use axum::response::IntoResponse;
-use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::time::Instant;
 
 /// The page, built in.
@@ -65,7 +64,7 @@ pub(crate) struct DataQuery {
 /// since `started`; with `after`, no sooner than one [`PERIOD`] after it (and never more than
 /// one period from now).
 pub(crate) async fn data(
-    prometheus: PrometheusHandle,
+    prometheus: super::series::Handle,
     started: Instant,
     Query(query): Query<DataQuery>,
 ) -> impl IntoResponse {

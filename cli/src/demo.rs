@@ -8,7 +8,8 @@
 //!   `booking-automate` per booking;
 //! - `GET /bookings`: global `bookings-list`, and entity `list-per-client` per client address in
 //!   shadow mode (a limit being tried: it counts what it would deny and refuses nothing);
-//! - `GET /metrics`: Prometheus text format, not limited;
+//! - `GET /metrics`: Prometheus text format, not limited; the series of plans and routes a
+//!   reload removed are forgotten (`series.rs`);
 //! - `GET /dashboard`: a live page over those metrics (decision rates per route and layer,
 //!   database statements and those leases saved, lease tokens outstanding, the fallback, the
 //!   outage debt), polling `GET /dashboard/data` (see `dashboard.rs`); neither is limited.
@@ -34,7 +35,6 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::Path as UrlPath;
 use axum::routing::{get, post};
-use metrics_exporter_prometheus::PrometheusBuilder;
 use tokenlease::Limiter;
 use tokenlease::http::RateLimitLayer;
 use tokenlease::policy::Policies;
@@ -82,7 +82,9 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
             Policies::from_json_str(DEMO_POLICY, Some(Path::new("examples/policies/demo.json")))?
         }
     };
-    let prometheus = PrometheusBuilder::new().install_recorder()?;
+    // The exporter's recorder, but for the series of plans and routes, which the demo forgets
+    // once a reload has removed their plan or route (series.rs).
+    let prometheus = super::series::install()?;
     tokenlease::metrics::describe();
 
     // The address first: a port in use is reported at once, before any PostgreSQL starts.
@@ -142,7 +144,7 @@ async fn serve(
     url: &str,
     throwaway: bool,
     timeout: Duration,
-    prometheus: metrics_exporter_prometheus::PrometheusHandle,
+    prometheus: super::series::Handle,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let store = PostgresStore::builder(url)
         .map_err(|e| DatabaseError::new("use", url, &e))?
@@ -161,7 +163,7 @@ async fn serve(
         .build();
     let limits = RateLimitLayer::from_policies(&policies, limiter.clone())?;
     if let Some(path) = policy_file {
-        super::reload::spawn(path, limits.clone());
+        super::reload::spawn(path, limits.clone(), prometheus.clone());
     }
     // Refilled buckets leave the table, as the documented set-up runs it (stopped on drop).
     let cleanup = IdleCleanup::spawn(store, CLEANUP_EVERY, CLEANUP_BATCH);

@@ -18,6 +18,7 @@ mod loadtest;
 mod migrate;
 mod reload;
 mod reshard;
+mod series;
 mod server_cpu;
 mod trim;
 

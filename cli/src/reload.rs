@@ -5,6 +5,9 @@
 //! force stay. Each outcome is one line on stderr and one count in
 //! `tokenlease_policy_reloads_total{result}`. The check and the swap run on tokio's blocking
 //! threads (`spawn_blocking`), so a large file never holds a worker that answers requests.
+//! After a reload it applied, the demo's recorder forgets the series of the plans and routes
+//! the reload removed (`series.rs`); a route's series still held by a request in flight then
+//! goes at the next reload.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -13,12 +16,14 @@ use tokenlease::http::RateLimitLayer;
 use tokenlease::metrics::POLICY_RELOADS;
 use tokenlease::policy::Policies;
 
+use super::series::Handle;
+
 /// How often the file's size and modification time are compared with the last seen.
 const POLL: Duration = Duration::from_secs(1);
 
 /// Starts watching `path` on the current runtime for the demo's lifetime.
-pub(crate) fn spawn(path: PathBuf, layer: RateLimitLayer) {
-    tokio::spawn(watch(path, layer));
+pub(crate) fn spawn(path: PathBuf, layer: RateLimitLayer, series: Handle) {
+    tokio::spawn(watch(path, layer, series));
 }
 
 /// What identifies a version of the file without reading it.
@@ -27,7 +32,7 @@ fn stamp(path: &Path) -> Option<(u64, SystemTime)> {
     Some((meta.len(), meta.modified().ok()?))
 }
 
-async fn watch(path: PathBuf, layer: RateLimitLayer) {
+async fn watch(path: PathBuf, layer: RateLimitLayer, series: Handle) {
     #[cfg(unix)]
     let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
     let mut seen = stamp(&path);
@@ -69,8 +74,15 @@ async fn watch(path: PathBuf, layer: RateLimitLayer) {
         // Reading, checking and interning a large file takes a while: off the runtime's
         // workers, which keep answering requests meanwhile.
         let outcome = {
-            let (path, layer) = (path.clone(), layer.clone());
-            tokio::task::spawn_blocking(move || reload(&path, &layer)).await
+            let (path, layer, series) = (path.clone(), layer.clone(), series.clone());
+            tokio::task::spawn_blocking(move || {
+                let outcome = reload(&path, &layer);
+                if outcome.is_ok() {
+                    series.forget_unheld();
+                }
+                outcome
+            })
+            .await
         };
         let outcome = match outcome {
             Ok(outcome) => outcome,

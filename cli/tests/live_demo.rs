@@ -189,17 +189,27 @@ impl Demo {
 
     /// Waits (20 s at most) for a stderr line containing every one of `parts`, and returns it.
     pub fn expect_stderr(&self, parts: &[&str]) -> String {
+        self.expect_stderr_within(parts, Duration::from_secs(20))
+    }
+
+    /// [`expect_stderr`](Self::expect_stderr), waiting `limit` at most.
+    pub fn expect_stderr_within(&self, parts: &[&str], limit: Duration) -> String {
         let lines = self.stderr.as_ref().expect("started with read_stderr");
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + limit;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let line = lines
                 .recv_timeout(left)
-                .unwrap_or_else(|_| panic!("no stderr line with {parts:?} within 20 s"));
+                .unwrap_or_else(|_| panic!("no stderr line with {parts:?} within {limit:?}"));
             if parts.iter().all(|p| line.contains(p)) {
                 return line;
             }
         }
+    }
+
+    /// The demo's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// Sends the demo a signal (`"HUP"`, `"TERM"`, ...).

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use super::Limiter;
 use crate::error::Error;
+use crate::metrics::mode_label;
 use crate::plans::{self, PlanRegistry};
 use crate::policy::{Plan, Policies};
 
@@ -29,6 +30,9 @@ impl Loaded {
     ) -> Result<Loaded, plans::Full> {
         let given: Vec<Arc<Plan>> = policies.plans().cloned().collect();
         let entries = registry.intern_all(&given)?;
+        for plan in &given {
+            registry.counters_of(plan).hold(true);
+        }
         let index = entries.iter().map(|&(i, _)| i).collect();
         let mut shared = entries.into_iter().map(|(_, plan)| Arc::clone(plan));
         policies.intern_plans(|_| shared.next().expect("an entry for each plan"));
@@ -117,6 +121,7 @@ impl Limiter {
         crate::metrics::record_reload(true);
         let new = Arc::clone(&loaded.policies);
         *self.inner.policies.write() = Some(loaded);
+        self.release_removed_plans();
         if let Some(leases) = self.inner.leases.get() {
             // Plans any policies have held, by name (not a reference to the limiter: the actor
             // holds this until its next round), so that each lease costs a look-up, not a scan.
@@ -152,10 +157,39 @@ impl Limiter {
 
     /// Registers `plan`'s decision counters now (at zero, with the recorder installed now), for
     /// a plan that callers will name ([`try_acquire_with`](Self::try_acquire_with)): the HTTP
-    /// layer's shadow twins, whose series exist from the layer's build.
+    /// layer's shadow twins, whose series exist from the layer's build. The twin of a plan in
+    /// force has its counters released with that plan's by a reload that removes it.
     #[cfg(feature = "http")]
     pub(crate) fn register_plan(&self, plan: &Plan) {
-        self.inner.plans.counters_of(plan);
+        let policy = self.policies().is_some_and(|p| {
+            p.plan(plan.name())
+                .is_some_and(|p| mode_label(p.fallback().mode) == mode_label(plan.fallback().mode))
+        });
+        self.inner.plans.counters_of(plan).hold(policy);
+    }
+
+    /// Lets go of the metric handles of every plan of earlier policies (and of its shadow twin)
+    /// that no plan of the policies in force has the name and fallback mode of, so that a
+    /// recorder which forgets the series nobody holds forgets theirs (docs/metrics.md), and
+    /// holds those of the plans in force. Reloads that race settle on the policies in force
+    /// when the last of them gets here.
+    fn release_removed_plans(&self) {
+        static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+        let _one = ONE_AT_A_TIME.lock();
+        let Some(policies) = self.policies() else {
+            return;
+        };
+        let mut in_force = std::collections::HashSet::new();
+        for plan in policies.plans() {
+            self.inner.plans.counters_of(plan).hold(true);
+            in_force.insert((plan.name(), mode_label(plan.fallback().mode)));
+        }
+        self.inner.plans.each_counters(|counters| {
+            if counters.is_policy() && counters.is_held() && !in_force.contains(&counters.labels())
+            {
+                counters.release();
+            }
+        });
     }
 
     /// How many distinct plans this limiter has held over its life: every plan of every policy

@@ -430,3 +430,153 @@ async fn r9_a_limiter_holds_a_policy_of_the_most_plans() {
     limiter.reload(numbered(65_528, 2)).expect("the same plans");
     assert_eq!(limiter.plans_held(), 65_528);
 }
+
+/// A recorder that keeps each counter's and gauge's value behind a reference count, as a
+/// recorder that forgets unheld series does (the demo's): a series whose count is above one is
+/// held by someone else, here the limiter.
+#[derive(Default)]
+struct Holding {
+    series: parking_lot::Mutex<std::collections::HashMap<metrics::Key, Arc<AtomicU64>>>,
+}
+
+impl Holding {
+    fn add(&self, key: &metrics::Key) -> Arc<AtomicU64> {
+        Arc::clone(self.series.lock().entry(key.clone()).or_default())
+    }
+
+    /// The plans some of whose series the limiter holds, and how many series of a plan it
+    /// holds.
+    fn held_plans(&self) -> (std::collections::BTreeSet<String>, usize) {
+        let series = self.series.lock();
+        let held: Vec<String> = series
+            .iter()
+            .filter(|(_, v)| Arc::strong_count(v) > 1)
+            .filter_map(|(k, _)| k.labels().find(|l| l.key() == "plan"))
+            .map(|l| l.value().to_owned())
+            .collect();
+        let count = held.len();
+        (held.into_iter().collect(), count)
+    }
+
+    /// The plans some of whose series the recorder has.
+    fn plans(&self) -> std::collections::BTreeSet<String> {
+        let series = self.series.lock();
+        series
+            .keys()
+            .filter_map(|k| k.labels().find(|l| l.key() == "plan"))
+            .map(|l| l.value().to_owned())
+            .collect()
+    }
+
+    /// Forgets the series nobody else holds, as the demo's recorder does after a reload.
+    fn forget_unheld(&self) {
+        self.series.lock().retain(|_, v| Arc::strong_count(v) > 1);
+    }
+
+    /// The value of `tokenlease_decisions_total{plan, outcome, decided_by}`.
+    fn decisions(&self, plan: &str, outcome: &str, by: &str) -> Option<u64> {
+        let wanted = [("plan", plan), ("outcome", outcome), ("decided_by", by)];
+        let series = self.series.lock();
+        series
+            .iter()
+            .find(|(k, _)| {
+                k.name() == tokenlease::metrics::DECISIONS
+                    && wanted
+                        .iter()
+                        .all(|(n, v)| k.labels().any(|l| l.key() == *n && l.value() == *v))
+            })
+            .map(|(_, v)| v.load(Ordering::Relaxed))
+    }
+}
+
+impl metrics::Recorder for Holding {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::from_arc(self.add(key))
+    }
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::from_arc(self.add(key))
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+/// K9, the library's part: after a reload from 65,000 plans back to one, the limiter holds the
+/// metric handles of that one plan only (its 11 series: 6 decision counters, 2 fallback
+/// counters, 3 outage-debt series), so a recorder that forgets unheld series keeps no series
+/// of the 64,999 removed plans; the plan that stayed counts on as before. A removed plan that
+/// comes back takes its handles again, from zero once its series were forgotten. The plan
+/// registry itself keeps every distinct plan (bounded, `plans_held`), by design.
+#[test]
+fn k9_a_reload_releases_the_metric_handles_of_the_plans_it_removed() {
+    let recorder = Holding::default();
+    metrics::with_local_recorder(&recorder, || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        runtime.block_on(async {
+            let one = || numbered(1, 1);
+            let limiter = Limiter::builder(tokenlease::store::MemoryStore::new())
+                .policies(one())
+                .build();
+            let (plans, series) = recorder.held_plans();
+            assert_eq!(plans.len(), 1);
+            assert_eq!(series, 11, "{plans:?}");
+            assert!(limiter.try_acquire("k:a", 1.0).await.unwrap().allowed);
+
+            let many = numbered(65_000, 1);
+            limiter.reload(many.clone()).expect("65,000 plans");
+            let (plans, _) = recorder.held_plans();
+            assert_eq!(plans.len(), 65_000);
+
+            limiter.reload(one()).expect("back to one plan");
+            let (plans, series) = recorder.held_plans();
+            assert_eq!((plans.len(), plans.first()), (1, Some(&"p0".to_owned())));
+            assert_eq!(series, 11);
+            assert_eq!(
+                recorder.plans().len(),
+                65_000,
+                "before the recorder forgets"
+            );
+            recorder.forget_unheld();
+            let plans = recorder.plans();
+            assert_eq!((plans.len(), plans.first()), (1, Some(&"p0".to_owned())));
+            // p0 stayed in force throughout: it counts on where it was.
+            assert!(limiter.try_acquire("k:b", 1.0).await.unwrap().allowed);
+            assert_eq!(recorder.decisions("p0", "allowed", "store"), Some(2));
+
+            // The removed plans come back: their series again, at zero.
+            limiter.reload(many).expect("the same 65,000 plans");
+            let (plans, series) = recorder.held_plans();
+            assert_eq!((plans.len(), series), (65_000, 65_000 * 11));
+            assert_eq!(recorder.decisions("p7", "allowed", "store"), Some(0));
+            assert_eq!(limiter.plans_held(), 65_000);
+        });
+    });
+}
