@@ -9,6 +9,7 @@ use std::time::Duration;
 use bb8::{Pool, RunError};
 use tokio_postgres::NoTls;
 
+use super::contain::ServerEncoding;
 use super::{ConnectionManager, Manager, PostgresStore, citus, manager, migrate};
 use crate::store::{StoreError, TimeoutKind};
 
@@ -192,6 +193,7 @@ impl PostgresStoreBuilder {
             prepare,
             citus: None,
             clock: crate::clock::default_clock(),
+            encoding: ServerEncoding::Unicode,
         };
         // The first connection is made outside the pool, bounded by the connect timeout rather
         // than the (shorter) pool wait, so a busy machine does not fail the build: it proves the
@@ -212,6 +214,13 @@ impl PostgresStoreBuilder {
                     });
                 }
             }
+        }
+        // What the database's encoding holds: a key it cannot is refused before it is sent.
+        let encoding = client
+            .query_typed("SELECT current_setting('server_encoding')", &[])
+            .await?;
+        if let Some(row) = encoding.first() {
+            store.encoding = ServerEncoding::from_name(row.try_get(0)?);
         }
         // A Citus coordinator with the tables distributed: route every call (citus.rs), each
         // worker's calls through a pool of their own.
