@@ -416,10 +416,10 @@ impl Store for PostgresStore {
         self.acquire_each(requests).await.into_iter().collect()
     }
 
-    /// One statement for a batch of distinct keys, within the call timeout ([`Self::decide`];
+    /// One statement for a batch of distinct keys, within the call timeout (`decide`;
     /// on Citus one per worker). A request the database cannot store is refused before
     /// sending; a key named again goes in the next round, sent after the first; a data error
-    /// is contained to the requests it belongs to ([`contain`]).
+    /// is contained to the requests it belongs to (`contain.rs`).
     async fn acquire_each(
         &self,
         requests: &[AcquireRequest<'_>],
