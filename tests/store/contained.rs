@@ -357,7 +357,7 @@ async fn k3_the_limiter_gives_the_good_keys_no_fallback() {
         }
     }
     let (batches, mixed) = recording.seen();
-    eprintln!("{batches} statements, {mixed} with the bad key and others");
+    eprintln!("{batches} store calls, {mixed} with the bad key and others");
     assert!(mixed > 0, "the bad key shared a batch with good keys");
     assert_eq!(bad_fallback, 200, "the bad key is the fallback's");
     assert_eq!(good_fallback, 0, "no good key went to the fallback");
@@ -601,6 +601,53 @@ async fn k10_a_data_error_fails_only_its_key() {
     ];
     let sharded = Subject::postgres("sharded", Arc::new(sharded(&conns).await), &conns).await;
     a_data_error_fails_only_its_key(&sharded, "k10s").await;
+}
+
+/// K10's bound: one bad key among 64 costs the halving's failed statements only, one per
+/// level (64, 32, 16, 8, 4, 2, 1: seven), counted as the database's rolled-back transactions
+/// once the store's sessions have ended (a session reports its counts when it ends).
+#[tokio::test]
+async fn k10_containment_sends_one_failed_statement_per_halving() {
+    let db = common::database().await;
+    let admin = db.client().await.expect("connect");
+    admin
+        .batch_execute(
+            "ALTER TABLE tokenlease_buckets ADD CONSTRAINT poisoned CHECK (key <> 'poison')",
+        )
+        .await
+        .expect("constraint");
+    let rollbacks = async || -> i64 {
+        admin
+            .query_one(
+                "SELECT xact_rollback FROM pg_stat_database WHERE datname = current_database()",
+                &[],
+            )
+            .await
+            .expect("pg_stat_database")
+            .get(0)
+    };
+    let store = store(&db.connection_string()).await;
+    let mut keys: Vec<String> = (0..63).map(|i| format!("k10b-{i}")).collect();
+    keys.insert(41, "poison".into());
+    let requests: Vec<AcquireRequest<'_>> = keys
+        .iter()
+        .map(|k| AcquireRequest::take(k, cfg(10), t(1)))
+        .collect();
+    let before = rollbacks().await;
+    let out = store.acquire_each(&requests).await;
+    assert_eq!(out.iter().filter(|a| a.is_ok()).count(), 63);
+    drop(store);
+    let failed = common::eventually(
+        Duration::from_millis(50),
+        Duration::from_secs(10),
+        "the store's sessions report their rolled-back statements",
+        async || {
+            let n = rollbacks().await - before;
+            if n >= 7 { Ok(n) } else { Err(n) }
+        },
+    )
+    .await;
+    assert_eq!(failed, 7, "one failed statement per level of the halving");
 }
 
 /// One step of a K2 sequence. Keys are indices into the case's keys (few, so that calls name
