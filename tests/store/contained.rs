@@ -99,14 +99,16 @@ async fn client(conn: &str) -> tokio_postgres::Client {
     client
 }
 
-/// A new database `name` on `db`'s server (created with `options`), and its connection string.
+/// A new database on `db`'s server, named after `db` and `name` (created with `options`), and
+/// its connection string.
 async fn sibling(db: &TestDatabase, name: &str, options: &str) -> String {
+    let name = format!("{}_{name}", db.name());
     let admin = db.client().await.expect("connect");
     admin
         .batch_execute(&format!("CREATE DATABASE {name} {options}"))
         .await
         .expect("CREATE DATABASE");
-    db.connection_string().replace(db.name(), name)
+    db.connection_string().replace(db.name(), &name)
 }
 
 /// A store on `conn` with generous timeouts, migrating.
