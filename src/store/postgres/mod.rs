@@ -8,6 +8,10 @@
 //! ([`PostgresStoreBuilder::prepared_statements`], on by default), so a call is only bound and
 //! run. Every call is bounded by a client-side timeout, and the server stops abandoned
 //! statements itself with `statement_timeout` and `lock_timeout`, set on every connection.
+//!
+//! One bad request fails alone (`contain.rs`): a request the database cannot store is refused
+//! before sending, a key named twice in one call goes in a second statement after the first,
+//! and a data error of a many-key statement is narrowed down to the requests it belongs to.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
