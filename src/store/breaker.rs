@@ -451,6 +451,24 @@ impl<S> CircuitBreaker<S> {
         result.map(|t| (t, ended))
     }
 
+    /// [`call_at`](Self::call_at) for a call answering per request: it failed when any
+    /// answer is a transient error.
+    async fn each_at<T>(
+        &self,
+        started: Instant,
+        call: impl Future<Output = Vec<Result<T, StoreError>>>,
+    ) -> Result<(Vec<Result<T, StoreError>>, Instant), StoreError> {
+        self.series.call_once(|| self.register_series());
+        let permit = self.admit(started)?;
+        let answers = call.await;
+        let ended = self.clock.instant();
+        let failed = answers
+            .iter()
+            .any(|a| matches!(a, Err(e) if e.is_transient()));
+        self.finish(permit, failed, ended);
+        Ok((answers, ended))
+    }
+
     /// [`call_at`](Self::call_at) now, for a call whose duration nothing needs.
     async fn call<T, F>(&self, call: impl FnOnce() -> F) -> Result<T, StoreError>
     where
@@ -504,6 +522,39 @@ impl<S: Store> Store for CircuitBreaker<S> {
         let rtt = ended.saturating_duration_since(started);
         self.record_skew(sent, rtt, &acquired);
         Ok(acquired)
+    }
+
+    /// Forwarded, so that the inner store's per-request answers reach the caller (a request
+    /// the store refused alone fails alone). The call counts as failed when any request
+    /// failed transiently, as the same batch through `acquire_many` would.
+    async fn acquire_each(
+        &self,
+        requests: &[AcquireRequest<'_>],
+    ) -> Vec<Result<Acquired, StoreError>> {
+        let (sent, started) = (self.wall_now(), self.clock.instant());
+        let (answers, ended) = match self
+            .each_at(started, self.inner.acquire_each(requests))
+            .await
+        {
+            Ok(done) => done,
+            Err(err) => return requests.iter().map(|_| Err(err.clone())).collect(),
+        };
+        let rtt = ended.saturating_duration_since(started);
+        let decided: Vec<Acquired> = answers.iter().filter_map(|a| a.clone().ok()).collect();
+        self.record_skew(sent, rtt, &decided);
+        answers
+    }
+
+    /// Forwarded, as [`acquire_each`](Self::acquire_each).
+    async fn give_back_each(&self, returns: &[GiveBack<'_>]) -> Vec<Result<(), StoreError>> {
+        let started = self.clock.instant();
+        match self
+            .each_at(started, self.inner.give_back_each(returns))
+            .await
+        {
+            Ok((answers, _)) => answers,
+            Err(err) => returns.iter().map(|_| Err(err.clone())).collect(),
+        }
     }
 
     async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {

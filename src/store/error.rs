@@ -88,6 +88,18 @@ pub enum StoreError {
         /// The bound.
         max_keys: usize,
     },
+    /// The store cannot hold this one request's values, so it was not sent: a key with a
+    /// character the database's encoding lacks, or an amount, capacity or rate beyond what
+    /// the table holds. Only this request fails; the others of the same call are decided
+    /// (see "Per-key answers" on [`Store`](crate::store::Store)). Not transient: the same
+    /// request fails the same way again.
+    #[error("key {key:?} cannot be stored: {why}")]
+    Unstorable {
+        /// The request's key.
+        key: String,
+        /// What about it the store cannot hold.
+        why: Unstorable,
+    },
     /// A circuit breaker ([`CircuitBreaker`](crate::store::CircuitBreaker)) is open after
     /// repeated failures: the call was not sent to the store at all.
     #[error("circuit open after repeated store failures; next probe in {retry_in:?}")]
@@ -113,11 +125,28 @@ impl StoreError {
                 let class = code.get(..2).unwrap_or("");
                 matches!(class, "08" | "53" | "57" | "40") || code == "55P03"
             }
-            StoreError::Protocol(_) => false,
+            StoreError::Protocol(_) | StoreError::Unstorable { .. } => false,
             #[cfg(feature = "postgres")]
             StoreError::InvalidConnectionString(_) => false,
             #[cfg(feature = "postgres")]
             StoreError::Migrate(_) => false,
+        }
+    }
+
+    /// Whether the database refused the statement for the values it was sent rather than for
+    /// the connection, the server or the time: SQLSTATE class 22 (data exception), 23
+    /// (integrity constraint violation) and 54 (program limit exceeded). (A type mismatch,
+    /// 42804, is not: the store binds every parameter with its type, so it means the schema
+    /// changed under the statement, which every key meets alike; DESIGN.md §17.) Such an error in a many-key statement belongs to one key or a few, so the
+    /// store sends the keys again in smaller statements until only the bad ones fail (see
+    /// "Per-key answers" on [`Store`](crate::store::Store)); a retry of the same statement
+    /// would fail the same way.
+    pub fn is_data_error(&self) -> bool {
+        match self {
+            StoreError::Database { code, .. } => {
+                matches!(code.get(..2), Some("22" | "23" | "54"))
+            }
+            _ => false,
         }
     }
 
@@ -128,6 +157,53 @@ impl StoreError {
             _ => None,
         }
     }
+}
+
+/// What a store cannot hold of one request ([`StoreError::Unstorable`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Unstorable {
+    /// The key holds a character that the database's encoding has no code for (a key is
+    /// sent as UTF-8 text and the server converts it to its own encoding).
+    #[error("the character {ch:?} at byte {offset} is not in the database's encoding {encoding}")]
+    Character {
+        /// The character.
+        ch: char,
+        /// Its byte offset in the key.
+        offset: usize,
+        /// The database's `server_encoding`.
+        encoding: String,
+    },
+    /// The key holds a NUL byte, which no PostgreSQL text value can hold.
+    #[error("a NUL byte at byte {offset}")]
+    Nul {
+        /// Its byte offset in the key.
+        offset: usize,
+    },
+    /// The bucket's capacity is above what the store holds.
+    #[error("capacity {capacity} is above the {max} tokens the store holds")]
+    Capacity {
+        /// The request's capacity.
+        capacity: crate::bucket::Tokens,
+        /// The store's largest capacity.
+        max: crate::bucket::Tokens,
+    },
+    /// The bucket's refill rate is above what the store holds.
+    #[error("a refill rate of {rate} tokens a second is above the {max} the store holds")]
+    Rate {
+        /// The request's rate, in tokens per second.
+        rate: crate::bucket::Tokens,
+        /// The store's largest rate.
+        max: crate::bucket::Tokens,
+    },
+    /// A return's amount is above what the store holds (no bucket holds more).
+    #[error("a return of {amount} tokens is above the {max} tokens the store holds")]
+    Amount {
+        /// The return's amount.
+        amount: crate::bucket::Tokens,
+        /// The largest amount.
+        max: crate::bucket::Tokens,
+    },
 }
 
 #[cfg(feature = "postgres")]

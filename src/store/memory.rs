@@ -502,7 +502,6 @@ impl Store for MemoryStore {
                 returned.ids.insert(ret.id);
                 returned.order.push_back((now, ret.id));
             }
-            credited += 1;
             let mut shard = self.shard(ret.key).lock();
             let shard = &mut *shard;
             let Some(current) = shard.buckets.get(ret.key).map(|s| Arc::clone(&s.config)) else {
@@ -510,6 +509,9 @@ impl Store for MemoryStore {
             };
             let shape = shard.shape(ret.bucket, Some(&current));
             if let Some(stored) = shard.buckets.get_mut(ret.key) {
+                // Counted as PostgreSQL counts it: a return to a stored bucket (one with no
+                // bucket, a full one, is recorded and credits nothing).
+                credited += 1;
                 stored.config = shape;
                 let mut leases = shard.strict.take(ret.key);
                 let refilled = held::refill(stored.state(), &stored.config, &leases, now);

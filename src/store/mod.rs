@@ -31,7 +31,7 @@ pub use self::cleanup::IdleCleanup;
 pub use self::counted::CountedStore;
 #[cfg(feature = "postgres")]
 pub use self::error::MigrateError;
-pub use self::error::{StoreError, TimeoutKind};
+pub use self::error::{StoreError, TimeoutKind, Unstorable};
 pub use self::memory::{DEFAULT_MAX_KEYS, DEFAULT_MAX_RETURN_IDS, MemoryStore, RETURN_ID_TTL};
 #[cfg(feature = "postgres")]
 pub use self::postgres::migrate::{
@@ -252,6 +252,17 @@ pub struct HeldLease {
 ///   the limiter, not the store, decides what a failure means (the plan's fallback).
 /// - **Timeouts are the store's job.** Every call returns within the store's configured call
 ///   timeout (plus scheduling), with [`StoreError::Timeout`] if it had to give up.
+/// - **A key named twice is two calls.** Requests (or returns) of one multi-key call that name
+///   the same key are decided as consecutive calls on that key, in request order: sixteen
+///   takes of 1 on a bucket of 5 grant five. `PostgresStore` sends the second request of a key
+///   in a second statement after the first (a call whose keys are distinct stays one).
+/// - **One bad request fails alone.** In [`acquire_each`](Store::acquire_each) and
+///   [`give_back_each`](Store::give_back_each), a request the store cannot hold (a key with a
+///   character the database's encoding lacks, an amount beyond the table's bounds) gets its own
+///   error ([`StoreError::Unstorable`], not sent), and a data error the database raises for a
+///   many-key statement ([`StoreError::is_data_error`]) is narrowed down to the requests it
+///   belongs to: every other request gets its real answer. Timeouts and connection failures
+///   still fail the whole statement's requests.
 ///
 /// # A store of your own
 ///
@@ -286,19 +297,14 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// tokens taken in the store without telling anyone (they count as spent).
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError>;
 
-    /// Does [`acquire`](Store::acquire) for several distinct keys at once (one statement in
-    /// PostgreSQL). Results come in request order.
+    /// Does [`acquire`](Store::acquire) for several keys at once (one statement in PostgreSQL
+    /// when the keys are distinct). Results come in request order. Requests naming the same key
+    /// are decided as consecutive calls, in request order (see the trait's contract).
     ///
     /// # Errors
     ///
-    /// As [`acquire`](Store::acquire); on error none or all of the requests took effect in
-    /// PostgreSQL, and the caller cannot know which. (On a [`ShardedStore`], that holds per
-    /// shard: another shard's part may have taken effect; [`acquire_each`](Store::acquire_each)
-    /// tells them apart.)
-    ///
-    /// # Panics
-    ///
-    /// Implementations may panic when two requests name the same key.
+    /// As [`acquire`](Store::acquire): the first failed request's error. The other requests
+    /// may have taken effect; [`acquire_each`](Store::acquire_each) says which.
     async fn acquire_many(
         &self,
         requests: &[AcquireRequest<'_>],
@@ -317,8 +323,9 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     ///
     /// The limiter's multi-key callers (the direct-mode coalescer, the lease actor, the outage
     /// debt) call this method. The default calls `acquire_many` and gives its error to every
-    /// request, which is exactly right for a store whose statement takes effect for all keys or
-    /// for none (`PostgresStore`, [`MemoryStore`]); a store of your own need not override it.
+    /// request, which is right for a store whose calls take effect for all keys or for none
+    /// ([`MemoryStore`]); a store of your own need not override it. `PostgresStore` overrides
+    /// it to answer a request it cannot store, or one a data error belongs to, alone.
     ///
     /// # Cancel safety
     ///
@@ -354,11 +361,13 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 
     /// Credits unused lease tokens back to their buckets (refilled first, capped at capacity).
     /// A return whose id was already credited credits nothing: retrying after a timeout is
-    /// safe. Keys must be distinct within one call. Returns how many returns credited.
+    /// safe. Returns naming the same key credit one after another, in order. Returns how many
+    /// returns credited (a return to a key without a bucket, a full one, credits nothing).
     ///
     /// # Errors
     ///
-    /// [`StoreError`] when the store could not answer; the caller may retry with the same ids.
+    /// [`StoreError`] when the store could not answer, or the first return it refused; the
+    /// caller may retry with the same ids.
     async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError>;
 
     /// Deletes up to `limit` buckets that have refilled to full (an absent bucket is a full

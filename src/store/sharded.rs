@@ -149,7 +149,9 @@ struct Shard {
 ///   concurrently; answers come back in the caller's order. `acquire_each` and
 ///   `give_back_each` answer per request, so a failing shard fails only its own keys: the
 ///   limiter uses them, and a healthy shard's keys keep the store's real decisions while
-///   another shard is down.
+///   another shard is down. A key named more than once goes to its shard in one part, in
+///   request order, and the shard decides its requests as consecutive calls; a request a shard
+///   refuses alone ([`StoreError::Unstorable`], a contained data error) fails alone here too.
 /// - [`delete_idle`](Store::delete_idle) runs on every shard (up to `limit` rows each);
 ///   [`inspect`](Store::inspect) asks the key's shard; [`call_timeout`](Store::call_timeout) is
 ///   the shards' largest and [`max_concurrent_calls`](Store::max_concurrent_calls) their sum.

@@ -205,6 +205,51 @@ async fn many_keys_in_one_call(h: &dyn Harness) {
     assert_eq!(out[2].granted, t(C));
 }
 
+/// K1: requests naming one key in one call are decided as consecutive calls, in request
+/// order; so are returns to one key.
+async fn a_key_named_twice_is_two_calls(h: &dyn Harness) {
+    let requests = vec![AcquireRequest::take("twice", cfg(), t(3)); 4];
+    let out = h
+        .store()
+        .acquire_many(&requests)
+        .await
+        .expect("acquire_many");
+    let seen: Vec<(u64, u64)> = out
+        .iter()
+        .map(|a| (a.granted.floor(), a.remaining.floor()))
+        .collect();
+    assert_eq!(seen, [(3, 7), (3, 4), (3, 1), (0, 1)]);
+    let each = h.store().acquire_each(&requests[..2]).await;
+    assert!(
+        each.iter()
+            .all(|a| a.as_ref().is_ok_and(|a| a.granted.is_zero()))
+    );
+    let give = |id| GiveBack {
+        id,
+        key: "twice",
+        bucket: cfg(),
+        amount: t(4),
+        lease: None,
+    };
+    let credited = h
+        .store()
+        .give_back(&[give(30), give(31), give(30), give(32)])
+        .await
+        .expect("give_back");
+    assert_eq!(credited, 3, "the repeated id credits once");
+    let row = h
+        .store()
+        .inspect("twice")
+        .await
+        .expect("inspect")
+        .expect("row");
+    assert_eq!(
+        row.tokens_now,
+        t(C),
+        "1 + 4 + 4 + 4, capped at the capacity"
+    );
+}
+
 async fn idle_buckets_are_deleted_without_changing_decisions(h: &dyn Harness) {
     take(h, "idle-full", t(1)).await;
     take(h, "idle-busy", t(C)).await;
@@ -452,6 +497,7 @@ contract!(
     grants_come_in_whole_steps,
     fractional_costs_are_exact,
     many_keys_in_one_call,
+    a_key_named_twice_is_two_calls,
     idle_buckets_are_deleted_without_changing_decisions,
     a_new_shape_takes_effect_on_the_next_call,
     returns_are_idempotent_and_capped,

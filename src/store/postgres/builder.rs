@@ -9,6 +9,7 @@ use std::time::Duration;
 use bb8::{Pool, RunError};
 use tokio_postgres::NoTls;
 
+use super::contain::ServerEncoding;
 use super::{ConnectionManager, Manager, PostgresStore, citus, manager, migrate};
 use crate::store::{StoreError, TimeoutKind};
 
@@ -193,6 +194,7 @@ impl PostgresStoreBuilder {
             citus: None,
             clock: crate::clock::default_clock(),
             schema: Arc::default(),
+            encoding: ServerEncoding::Unicode,
         };
         // At zero from the start, so that an alert on its increase has a series to watch.
         metrics::counter!(crate::metrics::STORE_SCHEMA_ERRORS).increment(0);
@@ -219,6 +221,13 @@ impl PostgresStoreBuilder {
             // Not migrating (a deploy step does): a database behind what the statements need
             // is said at once; the calls then go to the fallback until it is migrated.
             store.schema.check(&client).await;
+        }
+        // What the database's encoding holds: a key it cannot is refused before it is sent.
+        let encoding = client
+            .query_typed("SELECT current_setting('server_encoding')", &[])
+            .await?;
+        if let Some(row) = encoding.first() {
+            store.encoding = ServerEncoding::from_name(row.try_get(0)?);
         }
         // A Citus coordinator with the tables distributed: route every call (citus.rs), each
         // worker's calls through a pool of their own.

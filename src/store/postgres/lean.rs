@@ -223,7 +223,7 @@ pub(super) static ACQUIRE_MANY: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// Returns of unused lease tokens, idempotent by return id, for many distinct keys, in one
-/// statement.
+/// statement (a call naming a key twice sends it in rounds: `contain.rs`).
 ///
 /// The ids are recorded first (`ON CONFLICT DO NOTHING`); only returns whose id this statement
 /// recorded credit their bucket, so a retried return credits nothing. The rows are locked in
@@ -264,13 +264,18 @@ pub(super) static GIVE_BACK: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// The `SET` list of a return on row `b` from request `r` (`r.amount`, `r.capacity`, `r.rate`,
-/// `r.now_us`, `r.holder`, `r.lease_id`): the refill and the credit, capped at the capacity,
-/// for a row without strict leases; migration 0003's functions (in tokens) for a row with them,
+/// `r.now_us`, `r.holder`, `r.lease_id`): the refill and the credit, capped at the capacity
+/// (the amount at the room left, so the sum never leaves bigint), for a row without strict
+/// leases; migration 0003's functions (in tokens) for a row with them,
 /// less the tokens still out on its live leases, a strict return settling its lease. One
 /// definition for the plain store's statement and the Citus shards'.
 pub(super) fn credit_set() -> String {
     let avail = available("b", "r.capacity", "r.rate", "r.now_us");
-    let credited_raw = format!("({avail}) + r.amount");
+    // The credit is capped at the room left, `capacity − available` (at least 0: the refill
+    // never leaves more than the capacity), before it is added: the sum is at most the
+    // capacity, so no return overflows bigint, whatever its amount.
+    let full = format!("r.amount >= r.capacity - ({avail})");
+    let credited = format!("({avail}) + least(r.amount, r.capacity - ({avail}))");
     let frac = refilled_frac("b", "r.capacity", "r.rate", "r.now_us");
     // Rows with strict leases, in tokens: the leases after this return, what it credits, and
     // the new amount.
@@ -288,10 +293,10 @@ pub(super) fn credit_set() -> String {
     );
     format!(
         "tokens = CASE WHEN cardinality(b.leases) = 0 \
-                       THEN least(r.capacity, {credited_raw}) \
+                       THEN {credited} \
                        ELSE floor({held} * 1000000000)::bigint END, \
          frac = CASE WHEN cardinality(b.leases) = 0 \
-                     THEN CASE WHEN {credited_raw} >= r.capacity THEN 0 ELSE {frac} END \
+                     THEN CASE WHEN {full} THEN 0 ELSE {frac} END \
                      ELSE (floor({held} * 1000000000000000) % 1000000)::integer END, \
          capacity = r.capacity, refill_per_second = r.rate, \
          updated_us = greatest(b.updated_us, r.now_us), refilled = 0, \

@@ -8,6 +8,10 @@
 //! ([`PostgresStoreBuilder::prepared_statements`], on by default), so a call is only bound and
 //! run. Every call is bounded by a client-side timeout, and the server stops abandoned
 //! statements itself with `statement_timeout` and `lock_timeout`, set on every connection.
+//!
+//! One bad request fails alone (`contain.rs`): a request the database cannot store is refused
+//! before sending, a key named twice in one call goes in a second statement after the first,
+//! and a data error of a many-key statement is narrowed down to the requests it belongs to.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,6 +27,7 @@ use super::{AcquireRequest, Acquired, BucketRow, GiveBack, Store, StoreError, Ti
 mod builder;
 mod call;
 mod citus;
+mod contain;
 mod functions;
 mod lean;
 mod manager;
@@ -33,6 +38,7 @@ mod schema;
 pub use self::builder::PostgresStoreBuilder;
 use self::builder::pool_error;
 use self::call::{InFlight, refused_by_pooler, stale_plan};
+use self::contain::{Path, ServerEncoding, check_return, check_take, no_row, rounds};
 use self::rows::{Holds, Takes, file_rows, held_leases, micros, nanos_down, shape, tokens};
 
 use self::manager::{ConnectionManager, PgConnection};
@@ -104,6 +110,9 @@ pub struct PostgresStore {
     clock: crate::clock::SharedClock,
     /// Says once when the database's schema does not fit the statements (`schema.rs`).
     schema: Arc<schema::SchemaWatch>,
+    /// The database's `server_encoding`, read when the store connects: a key it cannot hold
+    /// is refused before it is sent ([`contain`]).
+    encoding: ServerEncoding,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -291,108 +300,69 @@ impl PostgresStore {
             .await?;
         file_rows(&rows, requests, pending, out)
     }
-}
 
-#[async_trait]
-impl Store for PostgresStore {
-    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
-        let mut out = self.acquire_many(std::slice::from_ref(&request)).await?;
-        out.pop()
-            .ok_or_else(|| StoreError::Protocol("acquire returned no row".into()))
-    }
-
-    /// One statement for a plain batch, within the call timeout: the one-key take or
-    /// the many-key take (`lean.rs`), which update the rows that exist and insert the keys that have
-    /// none. What they leave (strict leases, rows holding strict leases, rows another caller
-    /// inserted meanwhile) goes through `tokenlease_acquire_held`; a batch with a strict lease,
-    /// and every batch when the store does not prepare its statements, goes there directly.
-    async fn acquire_many(
+    /// Decides the takes at `pending` (distinct keys) on plain PostgreSQL: the one-key or
+    /// many-key take (`lean.rs`), which update the rows that exist and insert the keys that
+    /// have none; what they leave (strict leases, rows holding strict leases, rows another
+    /// caller inserted meanwhile) goes through `tokenlease_acquire_held`. A batch with a strict
+    /// lease, and every batch when the store does not prepare its statements, goes there
+    /// directly. Each answer is filed in `out`; `pending` keeps what is not decided, also when
+    /// a statement fails.
+    async fn decide(
         &self,
+        deadline: tokio::time::Instant,
         requests: &[AcquireRequest<'_>],
-    ) -> Result<Vec<Acquired>, StoreError> {
-        if let Some(citus) = &self.citus {
-            return citus.acquire_each(requests).await.into_iter().collect();
-        }
-        let deadline = self.clock.instant() + self.call_timeout;
-        let mut out: Vec<Option<Acquired>> = vec![None; requests.len()];
-        let mut pending: Vec<usize> = (0..requests.len()).collect();
+        pending: &mut Vec<usize>,
+        out: &mut [Option<Acquired>],
+    ) -> Result<(), StoreError> {
         // Sent unnamed, the plain statements would be parsed and planned on every call, and
         // their written-out arithmetic makes that cost more than the function's call (whose
         // statements PL/pgSQL plans once per session): without prepared statements every take
         // goes through the function, which decides plain takes exactly as they do.
         let plain = self.prepare.load(Ordering::Relaxed);
-        if plain && !requests.iter().any(|r| r.hold.is_some()) {
-            self.take_round(deadline, requests, &mut pending, &mut out)
-                .await?;
+        if plain && !pending.iter().any(|&i| requests[i].hold.is_some()) {
+            self.take_round(deadline, requests, pending, out).await?;
         }
         if !pending.is_empty() {
-            self.take_held(deadline, requests, &mut pending, &mut out)
-                .await?;
+            self.take_held(deadline, requests, pending, out).await?;
         }
-        requests
-            .iter()
-            .zip(out)
-            .map(|(request, got)| {
-                got.ok_or_else(|| {
-                    StoreError::Protocol(format!("no row returned for key {:?}", request.key))
-                })
-            })
-            .collect()
+        Ok(())
     }
 
-    /// On Citus each worker's part succeeds or fails alone; elsewhere as the trait's default.
-    async fn acquire_each(
+    /// One statement of returns for the positions `which` of `returns` (distinct keys): the
+    /// keys it credited.
+    async fn give_once(
         &self,
-        requests: &[AcquireRequest<'_>],
-    ) -> Vec<Result<Acquired, StoreError>> {
-        if let Some(citus) = &self.citus {
-            return citus.acquire_each(requests).await;
-        }
-        match self.acquire_many(requests).await {
-            Ok(answers) => answers.into_iter().map(Ok).collect(),
-            Err(err) => requests.iter().map(|_| Err(err.clone())).collect(),
-        }
-    }
-
-    /// On Citus each worker's part succeeds or fails alone; elsewhere as the trait's default.
-    async fn give_back_each(&self, returns: &[GiveBack<'_>]) -> Vec<Result<(), StoreError>> {
-        if let Some(citus) = &self.citus {
-            let answers = citus.give_back_each(returns).await;
-            return answers.into_iter().map(|r| r.map(|_| ())).collect();
-        }
-        match self.give_back(returns).await {
-            Ok(_) => returns.iter().map(|_| Ok(())).collect(),
-            Err(err) => returns.iter().map(|_| Err(err.clone())).collect(),
-        }
-    }
-
-    async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
-        if returns.is_empty() {
-            return Ok(0);
-        }
-        if let Some(citus) = &self.citus {
-            let answers = citus.give_back_each(returns).await;
-            return answers.into_iter().sum();
-        }
-        let ids: Vec<i64> = returns.iter().map(|r| r.id).collect();
-        let keys: Vec<&str> = returns.iter().map(|r| r.key).collect();
+        deadline: tokio::time::Instant,
+        returns: &[GiveBack<'_>],
+        which: &[usize],
+    ) -> Result<std::collections::HashSet<String>, StoreError> {
+        let ids: Vec<i64> = which.iter().map(|&i| returns[i].id).collect();
+        let keys: Vec<&str> = which.iter().map(|&i| returns[i].key).collect();
         // An amount is what a lease did not spend: whole nanotokens; rounded down, a return
         // never credits more than it holds.
-        let amounts: Vec<i64> = returns.iter().map(|r| nanos_down(r.amount)).collect();
-        let mut capacities = Vec::with_capacity(returns.len());
-        let mut rates = Vec::with_capacity(returns.len());
-        for r in returns {
-            let (capacity, rate) = shape(r.key, &r.bucket)?;
+        let amounts: Vec<i64> = which
+            .iter()
+            .map(|&i| nanos_down(returns[i].amount))
+            .collect();
+        let mut capacities = Vec::with_capacity(which.len());
+        let mut rates = Vec::with_capacity(which.len());
+        for &i in which {
+            let (capacity, rate) = shape(returns[i].key, &returns[i].bucket)?;
             capacities.push(capacity);
             rates.push(rate);
         }
-        let holders: Vec<Option<i64>> = returns.iter().map(|r| r.lease.map(|l| l.holder)).collect();
-        let lease_ids: Vec<Option<i64>> = returns
+        let holders: Vec<Option<i64>> = which
             .iter()
-            .map(|r| r.lease.map(|l| l.lease_id))
+            .map(|&i| returns[i].lease.map(|l| l.holder))
+            .collect();
+        let lease_ids: Vec<Option<i64>> = which
+            .iter()
+            .map(|&i| returns[i].lease.map(|l| l.lease_id))
             .collect();
         let rows = self
-            .query(
+            .query_by(
+                deadline,
                 lean::GIVE_BACK.as_str(),
                 &[
                     &ids as &(dyn ToSql + Sync),
@@ -408,7 +378,118 @@ impl Store for PostgresStore {
                 .collect::<Vec<_>>(),
             )
             .await?;
-        Ok(rows.len() as u64)
+        rows.iter()
+            .map(|row| row.try_get::<_, String>(0).map_err(StoreError::from))
+            .collect()
+    }
+
+    /// Every return's outcome, in order: whether it credited, or why it did not reach the
+    /// store. See [`Store::give_back_each`].
+    async fn give_back_counted(&self, returns: &[GiveBack<'_>]) -> Vec<Result<bool, StoreError>> {
+        let deadline = self.clock.instant() + self.call_timeout;
+        let mut out: Vec<Option<Result<bool, StoreError>>> = vec![None; returns.len()];
+        let mut sendable = Vec::with_capacity(returns.len());
+        for (i, ret) in returns.iter().enumerate() {
+            match check_return(ret, &self.encoding) {
+                Ok(()) => sendable.push(i),
+                Err(err) => out[i] = Some(Err(err)),
+            }
+        }
+        for round in rounds(sendable, |i| returns[i].key) {
+            if round.is_empty() {
+                continue;
+            }
+            let answers = match &self.citus {
+                Some(citus) => citus.give_back_each(deadline, returns, &round).await,
+                None => {
+                    self.give_contained(deadline, returns, &round, Path::Plain)
+                        .await
+                }
+            };
+            for (&i, answer) in round.iter().zip(answers) {
+                out[i] = Some(answer);
+            }
+        }
+        out.into_iter()
+            .map(|got| {
+                got.unwrap_or_else(|| Err(StoreError::Protocol("a return unanswered".into())))
+            })
+            .collect()
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
+        let mut out = self.acquire_many(std::slice::from_ref(&request)).await?;
+        out.pop()
+            .ok_or_else(|| StoreError::Protocol("acquire returned no row".into()))
+    }
+
+    /// Every answer, or the first request's error (see [`acquire_each`](Self::acquire_each)).
+    async fn acquire_many(
+        &self,
+        requests: &[AcquireRequest<'_>],
+    ) -> Result<Vec<Acquired>, StoreError> {
+        self.acquire_each(requests).await.into_iter().collect()
+    }
+
+    /// One statement for a batch of distinct keys, within the call timeout (`decide`;
+    /// on Citus one per worker). A request the database cannot store is refused before
+    /// sending; a key named again goes in the next round, sent after the first; a data error
+    /// is contained to the requests it belongs to (`contain.rs`).
+    async fn acquire_each(
+        &self,
+        requests: &[AcquireRequest<'_>],
+    ) -> Vec<Result<Acquired, StoreError>> {
+        let deadline = self.clock.instant() + self.call_timeout;
+        let mut out: Vec<Option<Result<Acquired, StoreError>>> = vec![None; requests.len()];
+        let mut sendable = Vec::with_capacity(requests.len());
+        for (i, request) in requests.iter().enumerate() {
+            match check_take(request, &self.encoding) {
+                Ok(()) => sendable.push(i),
+                Err(err) => out[i] = Some(Err(err)),
+            }
+        }
+        for round in rounds(sendable, |i| requests[i].key) {
+            if round.is_empty() {
+                continue;
+            }
+            let answers = match &self.citus {
+                Some(citus) => citus.acquire_each(deadline, requests, &round).await,
+                None => {
+                    self.take_contained(deadline, requests, &round, Path::Plain)
+                        .await
+                }
+            };
+            for (&i, answer) in round.iter().zip(answers) {
+                out[i] = Some(answer);
+            }
+        }
+        out.into_iter()
+            .zip(requests)
+            .map(|(got, request)| got.unwrap_or_else(|| Err(no_row(request.key))))
+            .collect()
+    }
+
+    /// As [`give_back`](Self::give_back), one outcome per return.
+    async fn give_back_each(&self, returns: &[GiveBack<'_>]) -> Vec<Result<(), StoreError>> {
+        let answers = self.give_back_counted(returns).await;
+        answers.into_iter().map(|r| r.map(|_| ())).collect()
+    }
+
+    /// One statement for returns to distinct keys (on Citus one per worker); a key named again
+    /// goes in the next round. How many credited, or the first return's error: the others
+    /// were sent, and a retry with the same ids credits them nothing more.
+    async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
+        if returns.is_empty() {
+            return Ok(0);
+        }
+        let mut credited = 0u64;
+        for answer in self.give_back_counted(returns).await {
+            credited += u64::from(answer?);
+        }
+        Ok(credited)
     }
 
     async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {

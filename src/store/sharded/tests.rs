@@ -208,6 +208,12 @@ async fn a_failing_shard_fails_only_its_own_keys() {
     }
     // Interleave the shards in the request.
     keys.sort();
+    // Shard 1's keys hold buckets, so that their returns below have a bucket to credit (a
+    // return to a key without one, a full bucket, credits nothing).
+    for k in keys.iter().filter(|k| store.shard_index(k) == 1) {
+        let take = AcquireRequest::take(k, bucket(), Tokens::whole(1));
+        store.acquire(take).await.expect("take");
+    }
     shards[1].failing.store(true, Ordering::SeqCst);
     let requests: Vec<AcquireRequest<'_>> = keys
         .iter()

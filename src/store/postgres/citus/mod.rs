@@ -45,6 +45,7 @@ use tokio_postgres::types::Type;
 
 use tokio_postgres::types::ToSql;
 
+use super::contain::{Path, no_row};
 use super::{Holds, PostgresStore, Takes, file_rows, nanos_down, shape};
 use crate::store::{AcquireRequest, Acquired, GiveBack, StoreError, join_all};
 
@@ -320,69 +321,59 @@ pub(super) struct Citus {
 }
 
 impl Citus {
-    /// [`Store::acquire_each`](crate::store::Store::acquire_each) on Citus: the batch split by
-    /// worker, one call of `tokenlease_citus_take` per worker (then `tokenlease_citus_take_held`
-    /// for what it left: strict leases, rows that hold them), all the workers' calls side by side.
-    /// A worker's error goes to its keys only.
+    /// [`Store::acquire_each`](crate::store::Store::acquire_each) on Citus for the requests at
+    /// `which` (distinct keys): split by worker, one call of `tokenlease_citus_take` per worker
+    /// (then `tokenlease_citus_take_held` for what it left: strict leases, rows that hold them),
+    /// all the workers' calls side by side, each worker's data errors contained to their
+    /// requests. A worker's error goes to its keys only. One answer per position of `which`.
     pub(super) async fn acquire_each(
         &self,
+        deadline: tokio::time::Instant,
         requests: &[AcquireRequest<'_>],
+        which: &[usize],
     ) -> Vec<Result<Acquired, StoreError>> {
-        let groups = by_node(&self.map, requests.iter().map(|r| r.key));
+        let groups = by_node(&self.map, which, |i| requests[i].key);
         let calls = groups.iter().map(|(node, group)| {
-            let lane = &self.lanes[*node];
-            let deadline = lane.clock.instant() + lane.call_timeout;
-            lane.citus_take(deadline, requests, group)
+            self.lanes[*node].take_contained(deadline, requests, group, Path::Citus)
         });
-        let mut out: Vec<Option<Result<Acquired, StoreError>>> = vec![None; requests.len()];
-        for ((_, group), result) in groups.iter().zip(join_all(calls).await) {
-            match result {
-                Ok(answers) => {
-                    for (&i, answer) in group.iter().zip(answers) {
-                        out[i] = Some(Ok(answer));
-                    }
-                }
-                Err(err) => {
-                    for &i in group {
-                        out[i] = Some(Err(err.clone()));
-                    }
-                }
-            }
+        let mut out: HashMap<usize, Result<Acquired, StoreError>> =
+            HashMap::with_capacity(which.len());
+        for ((_, group), answers) in groups.iter().zip(join_all(calls).await) {
+            out.extend(group.iter().copied().zip(answers));
         }
-        out.into_iter()
-            .zip(requests)
-            .map(|(got, request)| {
-                got.unwrap_or_else(|| {
-                    Err(StoreError::Protocol(format!(
-                        "no row returned for key {:?}",
-                        request.key
-                    )))
-                })
+        which
+            .iter()
+            .map(|i| {
+                out.remove(i)
+                    .unwrap_or_else(|| Err(no_row(requests[*i].key)))
             })
             .collect()
     }
 
-    /// [`Store::give_back_each`](crate::store::Store::give_back_each) on Citus: one call of
-    /// `tokenlease_citus_give_back` per worker, each through its worker's pool; how many each
-    /// return credited (0 or 1).
+    /// [`Store::give_back_each`](crate::store::Store::give_back_each) on Citus for the returns
+    /// at `which` (distinct keys): one call of `tokenlease_citus_give_back` per worker, each
+    /// through its worker's pool, data errors contained; whether each return credited.
     pub(super) async fn give_back_each(
         &self,
+        deadline: tokio::time::Instant,
         returns: &[GiveBack<'_>],
-    ) -> Vec<Result<u64, StoreError>> {
-        let groups = by_node(&self.map, returns.iter().map(|r| r.key));
-        let calls = groups
-            .iter()
-            .map(|(node, group)| self.lanes[*node].citus_give_back(returns, group));
-        let mut out: Vec<Result<u64, StoreError>> = (0..returns.len()).map(|_| Ok(0)).collect();
-        for ((_, group), result) in groups.iter().zip(join_all(calls).await) {
-            for &i in group {
-                out[i] = match &result {
-                    Ok(credited) => Ok(u64::from(credited.contains(returns[i].key))),
-                    Err(err) => Err(err.clone()),
-                };
-            }
+        which: &[usize],
+    ) -> Vec<Result<bool, StoreError>> {
+        let groups = by_node(&self.map, which, |i| returns[i].key);
+        let calls = groups.iter().map(|(node, group)| {
+            self.lanes[*node].give_contained(deadline, returns, group, Path::Citus)
+        });
+        let mut out: HashMap<usize, Result<bool, StoreError>> = HashMap::with_capacity(which.len());
+        for ((_, group), answers) in groups.iter().zip(join_all(calls).await) {
+            out.extend(group.iter().copied().zip(answers));
         }
-        out
+        which
+            .iter()
+            .map(|i| {
+                out.remove(i)
+                    .unwrap_or_else(|| Err(StoreError::Protocol("a return unanswered".into())))
+            })
+            .collect()
     }
 
     /// [`Store::delete_idle`](crate::store::Store::delete_idle) on Citus: one call of
@@ -406,46 +397,41 @@ impl Citus {
 }
 
 impl PostgresStore {
-    /// One worker's part of a batch: `group` indexes `requests`, every key on one worker.
-    async fn citus_take(
+    /// One worker's part of a batch: `pending` indexes `requests`, distinct keys on one
+    /// worker. Each answer is filed in `out`; `pending` keeps what is not decided, also when a
+    /// call fails.
+    pub(super) async fn citus_decide(
         &self,
         deadline: tokio::time::Instant,
         requests: &[AcquireRequest<'_>],
-        group: &[usize],
-    ) -> Result<Vec<Acquired>, StoreError> {
-        let mut out: Vec<Option<Acquired>> = vec![None; requests.len()];
-        let mut pending = group.to_vec();
-        if !group.iter().any(|&i| requests[i].hold.is_some()) {
-            let t = Takes::new(requests, &pending)?;
+        pending: &mut Vec<usize>,
+        out: &mut [Option<Acquired>],
+    ) -> Result<(), StoreError> {
+        if !pending.iter().any(|&i| requests[i].hold.is_some()) {
+            let t = Takes::new(requests, pending)?;
             let route = t.keys[0];
             let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&route, Type::TEXT)];
             params.extend(t.params());
             let rows = self.query_by(deadline, TAKE, &params).await?;
-            file_rows(&rows, requests, &mut pending, &mut out)?;
+            file_rows(&rows, requests, pending, out)?;
         }
         if !pending.is_empty() {
-            let t = Takes::new(requests, &pending)?;
+            let t = Takes::new(requests, pending)?;
             let route = t.keys[0];
-            let holds = Holds::new(requests, &pending);
+            let holds = Holds::new(requests, pending);
             let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&route, Type::TEXT)];
             params.extend(t.params());
             params.extend(holds.params());
             let rows = self.query_by(deadline, TAKE_HELD, &params).await?;
-            file_rows(&rows, requests, &mut pending, &mut out)?;
+            file_rows(&rows, requests, pending, out)?;
         }
-        group
-            .iter()
-            .map(|&i| {
-                out[i].take().ok_or_else(|| {
-                    StoreError::Protocol(format!("no row returned for key {:?}", requests[i].key))
-                })
-            })
-            .collect()
+        Ok(())
     }
 
     /// One worker's returns; the keys credited.
-    async fn citus_give_back(
+    pub(super) async fn citus_give_back(
         &self,
+        deadline: tokio::time::Instant,
         returns: &[GiveBack<'_>],
         group: &[usize],
     ) -> Result<std::collections::HashSet<String>, StoreError> {
@@ -483,19 +469,23 @@ impl PostgresStore {
         ];
         let params: Vec<(&(dyn ToSql + Sync), Type)> =
             values.into_iter().zip(GIVE_BACK_TYPES).collect();
-        let rows = self.query(GIVE_BACK, &params).await?;
+        let rows = self.query_by(deadline, GIVE_BACK, &params).await?;
         rows.iter()
             .map(|row| row.try_get::<_, String>(0).map_err(StoreError::from))
             .collect()
     }
 }
 
-/// The indices of `keys` by worker, workers without keys left out.
-fn by_node<'a>(map: &ShardMap, keys: impl Iterator<Item = &'a str>) -> Vec<(usize, Vec<usize>)> {
+/// The positions `which` by the worker of their keys, workers without keys left out.
+fn by_node<'a>(
+    map: &ShardMap,
+    which: &[usize],
+    key: impl Fn(usize) -> &'a str,
+) -> Vec<(usize, Vec<usize>)> {
     let mut groups: Vec<(usize, Vec<usize>)> =
         (0..map.nodes().len()).map(|n| (n, Vec::new())).collect();
-    for (i, key) in keys.enumerate() {
-        groups[map.node_of(key)].1.push(i);
+    for &i in which {
+        groups[map.node_of(key(i))].1.push(i);
     }
     groups.retain(|(_, g)| !g.is_empty());
     groups
