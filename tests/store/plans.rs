@@ -11,7 +11,7 @@ use crate::common;
 use std::time::Duration;
 
 use tokenlease::bucket::Tokens;
-use tokenlease::store::{AcquireRequest, Hold, PostgresStore, Store};
+use tokenlease::store::{AcquireRequest, GiveBack, Hold, LeaseRef, PostgresStore, Store};
 use tokenlease_testkit::TestDatabase;
 
 /// Rows the table is filled to between the two rounds of decisions.
@@ -60,8 +60,10 @@ async fn seq_scans(db: &TestDatabase) -> i64 {
 }
 
 /// One round of decisions on `keys`: a take of one token on each (the many-key statement),
-/// a take on the first alone (the one-key statement) and a strict lease on the last
-/// (`tokenlease_acquire_held`); each must be granted.
+/// a take on the first alone (the one-key statement), a strict lease on the last
+/// (`tokenlease_acquire_held`), each of which must be granted; then the returns: half a token
+/// to each key of the many-key take and the strict lease settled, in one return statement,
+/// each return credited.
 async fn decide(store: &PostgresStore, keys: &[String], round: usize) {
     let config = common::bucket(1_000_000, 1.0);
     let requests: Vec<_> = keys
@@ -94,6 +96,31 @@ async fn decide(store: &PostgresStore, keys: &[String], round: usize) {
         Tokens::whole(1),
         "strict lease, round {round}"
     );
+    let base = i64::try_from(round).expect("round") * 1_000;
+    let half = Tokens::from_nanos(500_000_000);
+    let mut returns: Vec<GiveBack<'_>> = keys[..keys.len() - 1]
+        .iter()
+        .zip(base..)
+        .map(|(key, id)| GiveBack {
+            id,
+            key,
+            bucket: config,
+            amount: half,
+            lease: None,
+        })
+        .collect();
+    returns.push(GiveBack {
+        id: base + 999,
+        key: last,
+        bucket: config,
+        amount: half,
+        lease: Some(LeaseRef {
+            holder: hold.holder,
+            lease_id: hold.lease_id,
+        }),
+    });
+    let credited = store.give_back(&returns).await.expect("returns");
+    assert_eq!(credited, returns.len() as u64, "returns, round {round}");
 }
 
 /// Serves decisions from one prepared session on the table as `before` leaves it, fills the

@@ -226,17 +226,25 @@ pub(super) static ACQUIRE_MANY: LazyLock<String> = LazyLock::new(|| {
 /// statement (a call naming a key twice sends it in rounds: `contain.rs`).
 ///
 /// The ids are recorded first (`ON CONFLICT DO NOTHING`); only returns whose id this statement
-/// recorded credit their bucket, so a retried return credits nothing. The rows are locked in
-/// key order, then refilled and credited, capped at the capacity. A row with strict leases is
-/// refilled and capped by migration 0003's functions (in tokens), less the tokens still out on
-/// its live leases, and a strict return settles its lease: credited at most what the entry
-/// held, nothing once the entry is gone. A key without a row is a full bucket and stays one.
+/// recorded credit their bucket, so a retried return credits nothing. Then every such return's
+/// key is upserted in key order, as the takes are ([`ACQUIRE_MANY`]): the rows are reached only
+/// through the primary key's index, by the insert's conflict check, so no plan can scan the
+/// table whatever the planner believes of its size (a generic plan made on an empty table is
+/// kept by the session as the table grows). An existing row is refilled and credited, capped at
+/// the capacity ([`credit_values`], its amount, holder and lease id read at the key's position
+/// in the arrays, found once per row). A row with strict leases is refilled and capped by
+/// migration 0003's functions (in tokens), less the tokens still out on its live leases, and a
+/// strict return settles its lease: credited at most what the entry held, nothing once the entry
+/// is gone. A key without a row is a full bucket: it is inserted as one (what an absent row
+/// means), credited nothing, and idle cleanup removes it again. A credited row leaves `refilled`
+/// at 0 and an inserted one at its capacity (at least one nanotoken), which tells them apart in
+/// the answer.
 ///
 /// `$1` bigint[] ids, `$2` text[] keys, `$3` bigint[] amounts, `$4` capacities, `$5` rates
 /// (nanotokens), `$6` bigint[] holders (NULL: a relaxed lease), `$7` bigint[] lease ids.
 /// Returns the credited keys.
 pub(super) static GIVE_BACK: LazyLock<String> = LazyLock::new(|| {
-    let credit = credit_set();
+    let values = credit_values().join(", ");
     format!(
         "-- tokenlease: return of unused lease tokens (src/store/postgres/lean.rs)\n\
          WITH fresh AS ( \
@@ -246,30 +254,36 @@ pub(super) static GIVE_BACK: LazyLock<String> = LazyLock::new(|| {
              ORDER BY f.id \
              ON CONFLICT (id) DO NOTHING \
              RETURNING t.id), \
-         locked AS ( \
-             SELECT l.key FROM tokenlease_buckets AS l \
-             WHERE l.key = ANY ($2::text[]) \
-             ORDER BY l.key FOR UPDATE) \
-         UPDATE tokenlease_buckets AS b \
-         SET {credit} \
-         FROM (SELECT r.*, {NOW_US} AS now_us \
-               FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], \
-                           $6::bigint[], $7::bigint[]) \
-                   AS r(id, key, amount, capacity, rate, holder, lease_id) \
-               OFFSET 0) AS r \
-         WHERE b.key = r.key AND b.key IN (SELECT locked.key FROM locked) \
-           AND r.id IN (SELECT fresh.id FROM fresh) \
-         RETURNING b.key"
+         upserted AS ( \
+             INSERT INTO tokenlease_buckets AS b \
+                 (key, tokens, frac, capacity, refill_per_second, updated_us, refilled) \
+             SELECT q.key, q.capacity, 0, q.capacity, q.rate, (SELECT {NOW_US}), q.capacity \
+             FROM unnest($1::bigint[], $2::text[], $4::bigint[], $5::bigint[]) \
+                 AS q(id, key, capacity, rate) \
+             WHERE q.id IN (SELECT fresh.id FROM fresh) \
+             ORDER BY q.key \
+             ON CONFLICT (key) DO UPDATE \
+             SET (tokens, frac, capacity, refill_per_second, updated_us, refilled, leases) = ( \
+                 SELECT {values} \
+                 FROM (SELECT ($3::bigint[])[p.n] AS amount, excluded.capacity AS capacity, \
+                              excluded.refill_per_second AS rate, \
+                              excluded.updated_us AS now_us, ($6::bigint[])[p.n] AS holder, \
+                              ($7::bigint[])[p.n] AS lease_id \
+                       FROM (SELECT array_position($2::text[], excluded.key) AS n OFFSET 0) \
+                           AS p \
+                       OFFSET 0) AS r) \
+             RETURNING b.key, b.refilled) \
+         SELECT upserted.key FROM upserted WHERE upserted.refilled = 0"
     )
 });
 
-/// The `SET` list of a return on row `b` from request `r` (`r.amount`, `r.capacity`, `r.rate`,
-/// `r.now_us`, `r.holder`, `r.lease_id`): the refill and the credit, capped at the capacity
-/// (the amount at the room left, so the sum never leaves bigint), for a row without strict
-/// leases; migration 0003's functions (in tokens) for a row with them,
-/// less the tokens still out on its live leases, a strict return settling its lease. One
-/// definition for the plain store's statement and the Citus shards'.
-pub(super) fn credit_set() -> String {
+/// What a return sets on row `b` from request `r` (`r.amount`, `r.capacity`, `r.rate`,
+/// `r.now_us`, `r.holder`, `r.lease_id`), in the order of [`CREDITED_COLUMNS`]: the refill and
+/// the credit, capped at the capacity (the amount at the room left, so the sum never leaves
+/// bigint), for a row without strict leases; migration 0003's functions (in tokens) for a row
+/// with them, less the tokens still out on its live leases, a strict return settling its lease.
+/// One definition for the plain store's statement and the Citus shards'.
+fn credit_values() -> [String; 7] {
     let avail = available("b", "r.capacity", "r.rate", "r.now_us");
     // The credit is capped at the room left, `capacity − available` (at least 0: the refill
     // never leaves more than the capacity), before it is added: the sum is at most the
@@ -291,17 +305,44 @@ pub(super) fn credit_set() -> String {
                       ELSE tokenlease_release_credit(b.leases, now(), r.holder, r.lease_id, \
                                                      r.amount / 1000000000.0) END)"
     );
-    format!(
-        "tokens = CASE WHEN cardinality(b.leases) = 0 \
-                       THEN {credited} \
-                       ELSE floor({held} * 1000000000)::bigint END, \
-         frac = CASE WHEN cardinality(b.leases) = 0 \
-                     THEN CASE WHEN {full} THEN 0 ELSE {frac} END \
-                     ELSE (floor({held} * 1000000000000000) % 1000000)::integer END, \
-         capacity = r.capacity, refill_per_second = r.rate, \
-         updated_us = greatest(b.updated_us, r.now_us), refilled = 0, \
-         leases = CASE WHEN cardinality(b.leases) = 0 THEN b.leases ELSE {leases} END"
-    )
+    [
+        format!(
+            "CASE WHEN cardinality(b.leases) = 0 THEN {credited} \
+                  ELSE floor({held} * 1000000000)::bigint END"
+        ),
+        format!(
+            "CASE WHEN cardinality(b.leases) = 0 \
+                  THEN CASE WHEN {full} THEN 0 ELSE {frac} END \
+                  ELSE (floor({held} * 1000000000000000) % 1000000)::integer END"
+        ),
+        "r.capacity".to_owned(),
+        "r.rate".to_owned(),
+        "greatest(b.updated_us, r.now_us)".to_owned(),
+        "0".to_owned(),
+        format!("CASE WHEN cardinality(b.leases) = 0 THEN b.leases ELSE {leases} END"),
+    ]
+}
+
+/// The columns a return sets, in the order of [`credit_values`].
+const CREDITED_COLUMNS: [&str; 7] = [
+    "tokens",
+    "frac",
+    "capacity",
+    "refill_per_second",
+    "updated_us",
+    "refilled",
+    "leases",
+];
+
+/// [`credit_values`] as a `SET` list (`tokens = …, frac = …`), for a statement that joins the
+/// request `r` to the row `b` itself (the Citus shards' return).
+pub(super) fn credit_set() -> String {
+    CREDITED_COLUMNS
+        .iter()
+        .zip(credit_values())
+        .map(|(column, value)| format!("{column} = {value}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The first item of a statement's `FROM` that makes its transaction commit durably: it sets
