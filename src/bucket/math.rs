@@ -775,10 +775,6 @@ mod tests {
         let c = BucketConfig::new(BucketConfig::MAX_CAPACITY, rate).unwrap();
         assert_eq!(c.capacity().as_nanos(), 8_000_000_000_000_000_000);
         assert_eq!(BucketConfig::MIN_CAPACITY, nanos(1));
-        assert_eq!(
-            BucketConfig::MAX_CAPACITY_TOKENS,
-            crate::policy::MAX_CAPACITY
-        );
     }
 
     fn max_plus_one() -> Tokens {
