@@ -23,7 +23,8 @@ pub struct LeaseStats {
     /// Tokens held in live leases now: how far this process can exceed its share right now.
     pub outstanding: f64,
     /// The most the keys in the table may hold in leases at once: for each key, its plan's
-    /// largest lease (`max_fraction × capacity`, at least one token). `outstanding` never
+    /// largest lease (`max_fraction × capacity`, at least one token and at most
+    /// `LeaseSettings::MAX_LEASE`). `outstanding` never
     /// exceeds it but for a call whose cost alone is larger (leased its whole cost); it is this
     /// process's term in the overshoot bound (`DESIGN.md` §8).
     pub outstanding_bound: f64,
