@@ -11,7 +11,7 @@ use crate::common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
+use tokenlease::policy::{Accounting, FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::{CountedStore, Store};
 use tokenlease::{DecidedBy, Limiter};
 
@@ -23,36 +23,39 @@ const COST: f64 = 1e8;
 /// waited cannot pass for one that did not, even on a loaded machine.
 const MAX_WAIT: Duration = Duration::from_secs(5);
 
-fn plan(mode: FallbackMode) -> Plan {
+fn plan(mode: FallbackMode, accounting: Accounting) -> Plan {
     // One token a second: over the test's few seconds the refill is a few tokens, far below
     // one call's cost, so the ideal bucket admits exactly CAPACITY / COST = 80 calls.
     common::plan(CAPACITY, 1.0)
         .with_lease(
             LeaseSettings::default()
                 .with_ttl(Duration::from_secs(10))
-                .with_max_wait(MAX_WAIT),
+                .with_max_wait(MAX_WAIT)
+                .with_accounting(accounting),
         )
         .with_fallback(FallbackSettings::new(mode))
 }
 
 /// K5: 100 calls of cost 10⁸ on a full bucket of 8 × 10⁹ tokens, with an `allow` and with a
-/// `deny` fallback: each is decided by the store (none by the fallback), promptly (in under half
+/// `deny` fallback, and with strict accounting: each is decided by the store (none by the fallback), promptly (in under half
 /// of `max_wait`, 5 s), with one statement a call; exactly 80 are admitted, as the ideal bucket
 /// would; the actor leases nothing. `try_acquire_now_with` says such a call needs the store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cost_no_lease_holds_is_decided_by_one_store_call() {
     assert!(COST > LeaseSettings::MAX_LEASE.as_nanos() as f64 / 1e9);
     let db = common::database().await;
-    for (i, mode) in [FallbackMode::Allow, FallbackMode::Deny]
-        .into_iter()
-        .enumerate()
-    {
+    let runs = [
+        (FallbackMode::Allow, Accounting::Relaxed),
+        (FallbackMode::Deny, Accounting::Relaxed),
+        (FallbackMode::Deny, Accounting::Strict),
+    ];
+    for (i, (mode, accounting)) in runs.into_iter().enumerate() {
         let store = Arc::new(CountedStore::new(common::store(&db, 2).await));
         // A call deadline as long as the wait: a slow machine's store call is still the store's.
         let limiter = Limiter::builder_shared(Arc::clone(&store) as Arc<dyn Store>)
             .call_deadline(MAX_WAIT)
             .build();
-        let plan = plan(mode);
+        let plan = plan(mode, accounting);
         let key = format!("huge:{i}");
         assert!(
             limiter
@@ -71,19 +74,29 @@ async fn a_cost_no_lease_holds_is_decided_by_one_store_call() {
             let took = started.elapsed();
             assert!(
                 took < MAX_WAIT / 2,
-                "{mode:?}: call {call} took {took:?}: it waited for a lease that cannot hold it"
+                "{mode:?} {accounting:?}: call {call} took {took:?}: it waited for a lease that cannot hold it"
             );
-            assert_eq!(d.decided_by, DecidedBy::Store, "{mode:?}: call {call}");
+            assert_eq!(
+                d.decided_by,
+                DecidedBy::Store,
+                "{mode:?} {accounting:?}: call {call}"
+            );
             admitted += u32::from(d.allowed);
         }
-        assert_eq!(admitted, 80, "{mode:?}: the ideal bucket admits 80");
+        assert_eq!(
+            admitted, 80,
+            "{mode:?} {accounting:?}: the ideal bucket admits 80"
+        );
         let calls = store.calls();
         assert!(
             calls <= 105,
-            "{mode:?}: {calls} store calls for 100 calls: about one each"
+            "{mode:?} {accounting:?}: {calls} store calls for 100 calls: about one each"
         );
         let stats = limiter.lease_stats().unwrap_or_default();
-        assert_eq!(stats.leased, 0.0, "{mode:?}: nothing leased: {stats:?}");
+        assert_eq!(
+            stats.leased, 0.0,
+            "{mode:?} {accounting:?}: nothing leased: {stats:?}"
+        );
         limiter.shutdown().await;
     }
 }
