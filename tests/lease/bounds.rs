@@ -37,9 +37,10 @@ fn plan(mode: FallbackMode, accounting: Accounting) -> Plan {
 }
 
 /// K5: 100 calls of cost 10⁸ on a full bucket of 8 × 10⁹ tokens, with an `allow` and with a
-/// `deny` fallback, and with strict accounting: each is decided by the store (none by the fallback), promptly (in under half
-/// of `max_wait`, 5 s), with one statement a call; exactly 80 are admitted, as the ideal bucket
-/// would; the actor leases nothing. `try_acquire_now_with` says such a call needs the store.
+/// `deny` fallback, and with strict accounting: each is decided by the store (none by the
+/// fallback), promptly (in under half of `max_wait`, 5 s), with one statement a call; exactly 80
+/// are admitted, as the ideal bucket would; the actor leases nothing. `try_acquire_now_with`
+/// says such a call needs the store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cost_no_lease_holds_is_decided_by_one_store_call() {
     assert!(COST > LeaseSettings::MAX_LEASE.as_nanos() as f64 / 1e9);
