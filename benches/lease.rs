@@ -41,7 +41,8 @@ use tokenlease::store::{CountedStore, MemoryStore, PostgresStore};
 use tokenlease::{DecidedBy, Limiter};
 use tokenlease_testkit::TempPostgres;
 
-const CAPACITY: u64 = 1_000_000_000_000;
+/// The largest capacity a bucket may have (8 × 10⁹ tokens), refilled at a billion a second.
+const CAPACITY: u64 = BucketConfig::MAX_CAPACITY_TOKENS;
 const RATE: u64 = 1_000_000_000;
 const MANY_KEYS: usize = 100_000;
 const PG_KEYS: u64 = 10_000;

@@ -6,6 +6,9 @@
 //! - A plan whose fallback is a local bucket for one instance (`"instances": 1`, or no
 //!   `fallback` at all, which defaults to it): while the database is down or slow, every
 //!   instance admits the plan's whole limit on its own, so a fleet of N admits N times it.
+//! - A leased plan whose capacity is above the most one lease holds (`LeaseSettings::MAX_LEASE`,
+//!   about 7.2 × 10⁷ tokens): its leases are held to that size, and a call costing more is
+//!   decided by a store statement of its own, as in direct mode, not from a lease.
 //! - An entity plan with a larger burst (capacity) or a faster refill than its route's global
 //!   plan. One entity can then spend the whole endpoint's budget before its own limit
 //!   applies, and every other entity is denied by the global layer with it, which is what the
@@ -15,7 +18,7 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use tokenlease::policy::{FallbackMode, Policies};
+use tokenlease::policy::{FallbackMode, LeaseSettings, Policies};
 
 /// Arguments of `tokenlease check`.
 #[derive(Debug, clap::Args)]
@@ -48,7 +51,7 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
 }
 
 /// The plans whose fallback is a local bucket for one instance, one line each in file order,
-/// then the routes whose entity plan allows more than their global plan: a larger burst or a
+/// then the leased plans whose capacity is above what a lease holds, then the routes whose entity plan allows more than their global plan: a larger burst or a
 /// faster refill, one line per route, naming the route, both plans and both figures.
 pub(crate) fn warnings(policies: &Policies) -> Vec<String> {
     let mut out = Vec::new();
@@ -64,6 +67,34 @@ pub(crate) fn warnings(policies: &Policies) -> Vec<String> {
                 plan_path(plan.name()),
             ));
         }
+    }
+    let most = LeaseSettings::MAX_LEASE;
+    for plan in policies.plans() {
+        let Some(lease) = plan.lease() else {
+            continue;
+        };
+        if plan.capacity() <= most {
+            continue;
+        }
+        let largest = plan.capacity().as_nanos() as f64 * lease.max_fraction / 1e9;
+        let held = if largest > most.as_nanos() as f64 / 1e9 {
+            format!(
+                "its leases (max_fraction × capacity = {largest} tokens) are held to that size, \
+                 and "
+            )
+        } else {
+            String::new()
+        };
+        out.push(format!(
+            "{}.lease: the capacity {} is above the most one lease holds, {} tokens: {held}a \
+             call costing more than that is decided by a store statement of its own, as in \
+             direct mode, not from a lease; give such costs a direct-mode plan, or keep the \
+             capacity at most {} tokens",
+            plan_path(plan.name()),
+            plan.capacity().trimmed(),
+            most.trimmed(),
+            most.as_nanos() / 1_000_000_000,
+        ));
     }
     for (i, route) in policies.routes().iter().enumerate() {
         let (Some(global), Some(entity)) = (&route.global, &route.entity) else {

@@ -252,6 +252,48 @@ fn check_warns_about_plans_whose_fallback_is_local_for_one_instance() {
     }
 }
 
+/// K5: a leased plan larger than a lease can hold (8 × 10⁹ tokens, the largest capacity, is
+/// over a hundred times the lease word's 7.2 × 10⁷) is valid, and `check` says what happens to
+/// it: leases held to that size, larger costs decided by a store statement each. A leased plan
+/// within it, and a direct-mode plan of any capacity, are not warned about.
+#[test]
+fn check_warns_about_leased_plans_larger_than_a_lease() {
+    let out = check(
+        r#"{
+          "plans": {
+            "huge": { "capacity": 8000000000, "refill_per_second": 1,
+                      "lease": { "max_fraction": 0.5 }, "fallback": { "mode": "deny" } },
+            "wide": { "capacity": 100000000, "refill_per_second": 1,
+                      "lease": { "max_fraction": 0.1 }, "fallback": { "mode": "deny" } },
+            "fits": { "capacity": 72057594, "refill_per_second": 1,
+                      "lease": { "max_fraction": 1 }, "fallback": { "mode": "deny" } },
+            "direct": { "capacity": 8000000000, "refill_per_second": 1,
+                        "fallback": { "mode": "deny" } }
+          }
+        }"#,
+    );
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "a warning is not a failure: {stderr}");
+    assert!(stdout.contains("4 plans"), "{stdout}");
+    let warnings: Vec<&str> = stderr.lines().filter(|l| l.contains("warning")).collect();
+    assert_eq!(warnings.len(), 2, "{stderr}");
+    assert!(warnings[0].contains("plans.huge.lease"), "{stderr}");
+    assert!(warnings[1].contains("plans.wide.lease"), "{stderr}");
+    for w in &warnings {
+        assert!(
+            w.contains("above the most one lease holds, 72057594.037927935 tokens")
+                && w.contains("decided by a store statement of its own"),
+            "{w}"
+        );
+    }
+    // Only the plan whose largest lease is above it is told its leases are held to it.
+    assert!(
+        warnings[0].contains("4000000000 tokens) are held"),
+        "{stderr}"
+    );
+    assert!(!warnings[1].contains("are held"), "{stderr}");
+}
+
 #[test]
 fn the_shipped_demo_policy_checks_without_warnings() {
     let path = concat!(

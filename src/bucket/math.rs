@@ -48,13 +48,60 @@ pub struct InsufficientCapacity {
     pub capacity: Tokens,
 }
 
+/// Why [`BucketConfig::new`] refused a capacity: it names the bound and the value given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BucketConfigError {
+    /// Below [`BucketConfig::MIN_CAPACITY`] (zero, or less than one nanotoken).
+    #[error(
+        "bucket capacity {} is below the smallest, one nanotoken (0.000000001 token)",
+        capacity.trimmed()
+    )]
+    CapacityTooSmall {
+        /// The capacity given.
+        capacity: Tokens,
+    },
+    /// Above [`BucketConfig::MAX_CAPACITY`].
+    #[error(
+        "bucket capacity {} is above the largest, {} tokens (what the PostgreSQL table holds, \
+         in nanotokens)",
+        capacity.trimmed(),
+        BucketConfig::MAX_CAPACITY_TOKENS
+    )]
+    CapacityTooLarge {
+        /// The capacity given.
+        capacity: Tokens,
+    },
+}
+
 impl BucketConfig {
-    /// A bucket of `capacity` tokens refilling at `rate`; `None` when the capacity is zero.
-    pub const fn new(capacity: Tokens, rate: Rate) -> Option<Self> {
-        if capacity.is_zero() {
-            None
+    /// The largest capacity, in whole tokens: 8 × 10⁹, what PostgreSQL's `bigint` capacity
+    /// column holds in nanotokens (8 × 10¹⁸) with room for a refill's sum (migration 0007).
+    /// Every store, the policy file (`policy::MAX_CAPACITY`) and `tokenlease check` hold to it,
+    /// so a bucket that works over `MemoryStore` works over `PostgresStore` too.
+    pub const MAX_CAPACITY_TOKENS: u64 = 8_000_000_000;
+    /// The largest capacity: [`MAX_CAPACITY_TOKENS`](Self::MAX_CAPACITY_TOKENS) tokens.
+    pub const MAX_CAPACITY: Tokens = Tokens::whole(Self::MAX_CAPACITY_TOKENS);
+    /// The smallest capacity: one nanotoken, the unit every store counts in.
+    pub const MIN_CAPACITY: Tokens = Tokens::from_nanos(1);
+
+    /// A bucket of `capacity` tokens refilling at `rate` ([`Rate`] holds its own bounds: one
+    /// nanotoken a second to [`Rate::MAX`]).
+    ///
+    /// # Errors
+    ///
+    /// [`BucketConfigError`] for a capacity below [`MIN_CAPACITY`](Self::MIN_CAPACITY) (zero)
+    /// or above [`MAX_CAPACITY`](Self::MAX_CAPACITY): a bucket no store holds. Refused here,
+    /// where the value is made, rather than by the store on every call (where a plan of
+    /// capacity `u64::MAX`, a natural way to write "unlimited", failed each of its statements
+    /// and the good keys batched with them).
+    pub const fn new(capacity: Tokens, rate: Rate) -> Result<Self, BucketConfigError> {
+        if capacity.as_atto() < Self::MIN_CAPACITY.as_atto() {
+            Err(BucketConfigError::CapacityTooSmall { capacity })
+        } else if capacity.as_atto() > Self::MAX_CAPACITY.as_atto() {
+            Err(BucketConfigError::CapacityTooLarge { capacity })
         } else {
-            Some(BucketConfig { capacity, rate })
+            Ok(BucketConfig { capacity, rate })
         }
     }
 
@@ -297,7 +344,14 @@ mod tests {
 
     #[test]
     fn zero_capacity_is_refused() {
-        assert_eq!(BucketConfig::new(Tokens::ZERO, Rate::MAX), None);
+        assert_eq!(
+            BucketConfig::new(Tokens::ZERO, Rate::MAX),
+            Err(BucketConfigError::CapacityTooSmall {
+                capacity: Tokens::ZERO
+            })
+        );
+        // Below one nanotoken is below what any store counts.
+        assert!(BucketConfig::new(atto(999_999_999), Rate::MAX).is_err());
         let c = BucketConfig::new(nanos(1), Rate::MAX).unwrap();
         assert_eq!(c.capacity(), nanos(1));
         assert_eq!(c.rate(), Rate::MAX);
@@ -615,7 +669,11 @@ mod tests {
         // last_refill 1 s ahead adds that second.
         assert_eq!(at(t(4), 2 * SEC).time_to_full(&c, Timestamp(SEC)), 4 * SEC);
         // A wait beyond u64 nanoseconds saturates.
-        let slow = BucketConfig::new(Tokens::MAX, Rate::from_nanos_per_second(1).unwrap()).unwrap();
+        let slow = BucketConfig::new(
+            BucketConfig::MAX_CAPACITY,
+            Rate::from_nanos_per_second(1).unwrap(),
+        )
+        .unwrap();
         assert_eq!(
             at(Tokens::ZERO, 0).time_to_full(&slow, Timestamp(0)),
             u64::MAX
@@ -662,8 +720,11 @@ mod tests {
             123_456_789_123_456_789_123,
         ];
         for rate in rates {
-            let c =
-                BucketConfig::new(Tokens::MAX, Rate::from_nanos_per_second(rate).unwrap()).unwrap();
+            let c = BucketConfig::new(
+                BucketConfig::MAX_CAPACITY,
+                Rate::from_nanos_per_second(rate).unwrap(),
+            )
+            .unwrap();
             for d in deficits {
                 let wait = c.time_to_refill(atto(d));
                 if d.div_ceil(u128::from(rate)) > u128::from(u64::MAX) {
@@ -681,15 +742,42 @@ mod tests {
 
     #[test]
     fn extreme_values_do_not_overflow() {
-        let c = BucketConfig::new(Tokens::MAX, Rate::MAX).unwrap();
+        let max = BucketConfig::MAX_CAPACITY;
+        let c = BucketConfig::new(max, Rate::MAX).unwrap();
         let s = at(Tokens::ZERO, 0);
         assert_eq!(c.refill_amount(u64::MAX), Tokens::MAX);
-        assert_eq!(s.refill(&c, Timestamp(u64::MAX)).tokens, Tokens::MAX);
-        let (_, o) = s.take(&c, Timestamp(0), Tokens::MAX).unwrap();
+        assert_eq!(s.refill(&c, Timestamp(u64::MAX)).tokens, max);
+        assert_eq!(s.credit(&c, Timestamp(0), Tokens::MAX).tokens, max);
+        let (_, o) = s.take(&c, Timestamp(0), max).unwrap();
         let (_, retry_after) = denied(o);
-        // (2⁶⁴ − 1) tokens at one token per nanosecond: exactly u64::MAX ns, no saturation.
-        assert_eq!(retry_after, u64::MAX);
-        let (_, o) = s.take(&c, Timestamp(u64::MAX), Tokens::MAX).unwrap();
+        // 8 × 10⁹ tokens at one token per nanosecond.
+        assert_eq!(retry_after, 8 * SEC);
+        let (_, o) = s.take(&c, Timestamp(u64::MAX), max).unwrap();
         assert_eq!(allowed(o), Tokens::ZERO);
+        // (2⁶⁴ − 1) tokens at one token per nanosecond: exactly u64::MAX ns, no overflow.
+        assert_eq!(c.time_to_refill(Tokens::MAX), u64::MAX);
+    }
+
+    /// The bounds a bucket holds are the table's (migration 0007: capacity 1 to 8 × 10¹⁸
+    /// nanotokens) and the policy file's: a capacity above them, `u64::MAX` tokens for
+    /// "unlimited" among them, is refused here with the bound and the value, not by the store
+    /// on every call.
+    #[test]
+    fn capacity_beyond_the_table_is_refused_where_the_bucket_is_made() {
+        let rate = Rate::per_second(1).unwrap();
+        for capacity in [Tokens::whole(u64::MAX), Tokens::MAX, max_plus_one()] {
+            let err = BucketConfig::new(capacity, rate).unwrap_err();
+            assert_eq!(err, BucketConfigError::CapacityTooLarge { capacity });
+            let text = err.to_string();
+            assert!(text.contains("8000000000 tokens"), "{text}");
+            assert!(text.contains(&capacity.trimmed().to_string()), "{text}");
+        }
+        let c = BucketConfig::new(BucketConfig::MAX_CAPACITY, rate).unwrap();
+        assert_eq!(c.capacity().as_nanos(), 8_000_000_000_000_000_000);
+        assert_eq!(BucketConfig::MIN_CAPACITY, nanos(1));
+    }
+
+    fn max_plus_one() -> Tokens {
+        BucketConfig::MAX_CAPACITY.saturating_add(atto(1))
     }
 }

@@ -24,5 +24,7 @@
 mod math;
 mod tokens;
 
-pub use math::{BucketConfig, BucketState, Grant, InsufficientCapacity, Outcome, Timestamp};
+pub use math::{
+    BucketConfig, BucketConfigError, BucketState, Grant, InsufficientCapacity, Outcome, Timestamp,
+};
 pub use tokens::{ParseTokensError, Rate, Tokens, TrimmedTokens};

@@ -69,7 +69,7 @@ impl Leases {
             return Err(FallbackCause::AtBound);
         }
         drop(book);
-        self.counters.credit.fetch_add(cost, Ordering::AcqRel);
+        self.counters.credit.add(cost);
         // The refill seen above may have been answered since: ask for another, which pays the
         // credit (nobody waits on it).
         if slot.words().request_refill() {
@@ -125,9 +125,7 @@ impl Leases {
     pub(crate) fn write_off_credit(&self, slot: &Slot) {
         let unpaid = self.credit.write_off(slot.hot_index());
         if unpaid > 0 {
-            self.counters
-                .credit_unpaid
-                .fetch_add(unpaid, Ordering::AcqRel);
+            self.counters.credit_unpaid.add(unpaid);
         }
     }
 }

@@ -48,6 +48,7 @@ pub use stats::LeaseStats;
 mod sync;
 mod table;
 mod timers;
+mod total;
 pub(crate) mod word;
 mod words;
 #[cfg(test)]
@@ -69,25 +70,34 @@ use word::Take;
 /// (`TOKENLEASE_BENCH_ONLY=memory`).
 const NUDGES: usize = 1 << 13;
 
+/// The most one lease holds, in nanotokens: the lease word's token field, which is
+/// [`LeaseSettings::MAX_LEASE`](crate::policy::LeaseSettings::MAX_LEASE). A call costing more
+/// is never spent from or waited on here (the limiter decides it by a store call).
+pub(crate) const MAX_LEASE_NANOS: u64 = word::TOKENS;
+
+const _: () = assert!(
+    crate::policy::LeaseSettings::MAX_LEASE.as_atto() == MAX_LEASE_NANOS as u128 * 1_000_000_000
+);
+
 /// The longest the actor gathers low-water nudges before refilling them together.
 pub(crate) const GATHER: Duration = Duration::from_millis(10);
 
-/// Counters in nanotokens, written by the actor.
+/// Counters, written by the actor; the amounts in nanotokens, as totals that never wrap.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
-    pub(crate) leased: AtomicU64,
-    pub(crate) returned: AtomicU64,
-    pub(crate) stranded: AtomicU64,
-    pub(crate) waived: AtomicU64,
+    pub(crate) leased: total::Total,
+    pub(crate) returned: total::Total,
+    pub(crate) stranded: total::Total,
+    pub(crate) waived: total::Total,
     pub(crate) store_calls: AtomicU64,
     pub(crate) actor_rounds: AtomicU64,
     /// Actors started again after the previous one ended early.
     pub(crate) actor_restarts: AtomicU64,
     pub(crate) actor_visits: AtomicU64,
     /// Nanotokens admitted on credit.
-    pub(crate) credit: AtomicU64,
+    pub(crate) credit: total::Total,
     /// Nanotokens admitted on credit and never paid.
-    pub(crate) credit_unpaid: AtomicU64,
+    pub(crate) credit_unpaid: total::Total,
     /// Refill statements that timed out and were asked for again (`late.rs`).
     pub(crate) late_refills: AtomicU64,
     /// Refill statements that failed (their keys' callers went to the fallback).

@@ -344,7 +344,12 @@ impl Slot {
         // (`request_refill`'s release, or the nudge queue), and the actor's `swap`s read them;
         // nothing is published through them (DESIGN.md §8, "Memory orderings").
         self.needed.fetch_max(cost, Ordering::Relaxed);
-        self.waiting.fetch_add(cost, Ordering::Relaxed);
+        // Saturating: many waiters of large costs (up to 2⁵⁶ nanotokens each) would wrap a sum.
+        let _ = self
+            .waiting
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+                Some(w.saturating_add(cost))
+            });
     }
 }
 

@@ -23,7 +23,8 @@ pub struct LeaseStats {
     /// Tokens held in live leases now: how far this process can exceed its share right now.
     pub outstanding: f64,
     /// The most the keys in the table may hold in leases at once: for each key, its plan's
-    /// largest lease (`max_fraction × capacity`, at least one token). `outstanding` never
+    /// largest lease (`max_fraction × capacity`, at least one token and at most
+    /// `LeaseSettings::MAX_LEASE`). `outstanding` never
     /// exceeds it but for a call whose cost alone is larger (leased its whole cost); it is this
     /// process's term in the overshoot bound (`DESIGN.md` §8).
     pub outstanding_bound: f64,
@@ -86,20 +87,21 @@ impl Leases {
     /// Counters now.
     pub(crate) fn stats(&self) -> LeaseStats {
         let table = self.table.pin();
-        let (outstanding, bound) = table.values().fold((0u64, 0u64), |(held, bound), s| {
+        // In u128: a table of leases of up to 2⁵⁶ nanotokens each passes u64 at 256 keys.
+        let (outstanding, bound) = table.values().fold((0u128, 0u128), |(held, bound), s| {
             (
-                held + s.words().available(),
-                bound.saturating_add(actor::largest_lease(s, 0)),
+                held + u128::from(s.words().available()),
+                bound + u128::from(actor::largest_lease(s, 0)),
             )
         });
-        let tokens = |n: u64| n as f64 / 1e9;
+        let tokens = |n: u128| n as f64 / 1e9;
         let fallback =
             |cause: FallbackCause| self.counters.fallback[cause as usize].load(Ordering::Relaxed);
         LeaseStats {
-            leased: tokens(self.counters.leased.load(Ordering::Acquire)),
-            returned: tokens(self.counters.returned.load(Ordering::Acquire)),
-            stranded: tokens(self.counters.stranded.load(Ordering::Acquire)),
-            waived: tokens(self.counters.waived.load(Ordering::Acquire)),
+            leased: self.counters.leased.tokens(),
+            returned: self.counters.returned.tokens(),
+            stranded: self.counters.stranded.tokens(),
+            waived: self.counters.waived.tokens(),
             outstanding: tokens(outstanding),
             outstanding_bound: tokens(bound),
             keys: table.len(),
@@ -107,9 +109,9 @@ impl Leases {
             actor_rounds: self.counters.actor_rounds.load(Ordering::Acquire),
             actor_restarts: self.counters.actor_restarts.load(Ordering::Acquire),
             actor_visits: self.counters.actor_visits.load(Ordering::Acquire),
-            credit: tokens(self.counters.credit.load(Ordering::Acquire)),
-            credit_owed: tokens(self.credit.total()),
-            credit_unpaid: tokens(self.counters.credit_unpaid.load(Ordering::Acquire)),
+            credit: self.counters.credit.tokens(),
+            credit_owed: tokens(u128::from(self.credit.total())),
+            credit_unpaid: self.counters.credit_unpaid.tokens(),
             late_refills: self.counters.late_refills.load(Ordering::Relaxed),
             failed_refills: self.counters.failed_refills.load(Ordering::Relaxed),
             fallback_failing: fallback(FallbackCause::Failing),

@@ -16,7 +16,7 @@ use super::decisions::{from_store, lease_allowed, lease_denied, shadowed};
 use super::{DecidedBy, Decision, Limiter};
 use crate::bucket::Tokens;
 use crate::error::{Error, validate_key, validate_stored_key};
-use crate::lease::{FallbackCause, Fast};
+use crate::lease::{FallbackCause, Fast, MAX_LEASE_NANOS};
 use crate::policy::Plan;
 use crate::store::{AcquireRequest, GiveBack};
 
@@ -68,6 +68,12 @@ impl Limiter {
             });
         };
         let nanos = lease_cost(cost_tokens);
+        if nanos > MAX_LEASE_NANOS {
+            // No lease can ever hold this cost (a plan of more than 7.2 × 10⁷ tokens): one
+            // store call decides it, as in direct mode. Waiting for a refill would wait out
+            // `max_wait` while the actor leased and gave back a lease the word cannot hold.
+            return Self::beyond_a_lease(plan, key, cost_tokens);
+        }
         let leases = self.leases();
         let fast = leases.try_take(plan, chosen, key, nanos, &self.inner.plans);
         if let Fast::Taken {
@@ -120,6 +126,18 @@ impl Limiter {
                 cost: cost_tokens,
             },
         })
+    }
+
+    /// A leased plan's call whose cost is above [`LeaseSettings::MAX_LEASE`]: a store call
+    /// decides it ([`Step::Direct`]). Out of line: only plans of more than 7.2 × 10⁷ tokens
+    /// reach it.
+    ///
+    /// [`LeaseSettings::MAX_LEASE`]: crate::policy::LeaseSettings::MAX_LEASE
+    #[cold]
+    #[inline(never)]
+    fn beyond_a_lease<'a>(plan: &'a Plan, key: &str, cost: Tokens) -> Result<Step<'a>, Error> {
+        validate_stored_key(key)?;
+        Ok(Step::Direct { plan, cost })
     }
 
     /// Counts a decision made off the fast path under `plan` (on its counters in the plan
@@ -281,6 +299,11 @@ impl Limiter {
         }
         if plan.shadow() {
             validate_key(key)?;
+        }
+        if lease_cost(cost) > MAX_LEASE_NANOS {
+            // No lease can hold this cost: only a store call decides it.
+            validate_key(key)?;
+            return Ok(None);
         }
         // A shadow plan's bucket (and lease) is under a key of its own.
         let key = &*plan.store_key(key);

@@ -37,10 +37,11 @@ pub(super) const MAX_WAIT_MS: u64 = 60_000;
 /// The most `fallback.instances`.
 pub(super) const MAX_INSTANCES: u32 = 10_000;
 
-/// The largest capacity a plan may have, in whole tokens: what PostgreSQL's bigint columns hold
-/// in nanotokens with room for a refill's sum (migration 0007). Governs every store alike, so a
-/// policy that works over `MemoryStore` works over `PostgresStore` too.
-pub const MAX_CAPACITY: u64 = 8_000_000_000;
+/// The largest capacity a plan may have, in whole tokens: [`BucketConfig::MAX_CAPACITY_TOKENS`],
+/// what PostgreSQL's bigint columns hold in nanotokens with room for a refill's sum (migration
+/// 0007). One constant for the bucket, the policy file and the store, so a policy that works
+/// over `MemoryStore` works over `PostgresStore` too.
+pub const MAX_CAPACITY: u64 = BucketConfig::MAX_CAPACITY_TOKENS;
 
 /// How many defined plans an "unknown plan" message lists.
 pub(super) const LISTED_PLANS: usize = 10;
@@ -323,8 +324,9 @@ impl Checker {
                     })?
             }
         };
+        // The range was checked above, in the file's words; this is the same bound.
         let bucket = BucketConfig::new(capacity, rate)
-            .ok_or_else(|| self.plan_err(name, "capacity", "must be ≥ 1"))?;
+            .map_err(|e| self.plan_err(name, "capacity", e.to_string()))?;
         let mut plan = Plan::new(name, bucket);
         if let Some(Obj(lease)) = raw.lease {
             plan = plan.with_lease(self.lease(name, lease, raw.capacity)?);

@@ -263,6 +263,14 @@ pub enum Accounting {
 }
 
 impl LeaseSettings {
+    /// The most one lease holds: 2⁵⁶ − 1 nanotokens (about 7.2 × 10⁷ tokens), the token field
+    /// of the in-process lease word. A plan's largest lease, `max_fraction × capacity`, is
+    /// clamped to it (only plans of more than 7.2 × 10⁷ tokens reach it), and a call whose cost
+    /// is above it is decided by the store directly, one statement for that call as in direct
+    /// mode, through the same deadline and fallback: no lease could ever hold it.
+    /// `tokenlease check` warns about a leased plan whose capacity is above it.
+    pub const MAX_LEASE: Tokens = Tokens::from_nanos((1 << 56) - 1);
+
     /// With [`ttl`](Self::ttl).
     #[must_use]
     pub const fn with_ttl(mut self, ttl: Duration) -> Self {

@@ -937,7 +937,8 @@ fn a_spread_key_spent_by_one_thread_is_refilled_once_per_lease() {
         .build()
         .expect("runtime");
     let limiter = runtime.block_on(async { Limiter::builder(MemoryStore::new()).build() });
-    let plan = common::plan(1_000_000_000_000, 1e9).with_lease(
+    // The largest capacity a bucket may have, refilling a billion tokens a second: never dry.
+    let plan = common::plan(tokenlease::policy::MAX_CAPACITY, 1e9).with_lease(
         LeaseSettings::default()
             .with_ttl(Duration::from_secs(60))
             .with_max_fraction(1.0)

@@ -19,6 +19,10 @@ const NANOTOKENS: i128 = 1_000_000_000;
 const ATTOTOKENS: i128 = 1_000_000_000_000_000_000;
 /// The largest amount, `u64::MAX` whole tokens, in attotokens (about 1.8e37; i128 holds 1.7e38).
 const MAX_ATTO: i128 = u64::MAX as i128 * ATTOTOKENS;
+/// The largest capacity, `BucketConfig::MAX_CAPACITY` (8 × 10⁹ tokens, what the table holds),
+/// in attotokens; the smallest is one nanotoken.
+const MAX_CAPACITY_ATTO: u128 = BucketConfig::MAX_CAPACITY.as_atto();
+const MIN_CAPACITY_ATTO: u128 = BucketConfig::MIN_CAPACITY.as_atto();
 const SEC: u64 = 1_000_000_000;
 const MS: u64 = 1_000_000;
 const US: u64 = 1_000;
@@ -31,7 +35,7 @@ const US: u64 = 1_000;
 /// not from `src/bucket`, so that a shared mistake is unlikely.
 #[derive(Clone, Debug)]
 struct Model {
-    /// Capacity in attotokens (1 ..= `MAX_ATTO`).
+    /// Capacity in attotokens (one nanotoken ..= `MAX_CAPACITY_ATTO`).
     capacity: i128,
     /// Refill rate in nanotokens per second (1 ..= 10¹⁸).
     rate: i128,
@@ -138,13 +142,13 @@ fn capacity_strategy() -> BoxedStrategy<u128> {
         3 => (1u128..=1_000).prop_map(|n| n * ATTO),
         // Fractional capacities in whole nanotokens, down to one nanotoken.
         1 => (1u128..=1_000 * NANOTOKENS as u128).prop_map(|n| n * NANO_IN_ATTO),
-        // Fractional capacities in attotokens, down to one attotoken.
-        1 => 1u128..=1_000 * ATTO,
+        // Fractional capacities in attotokens, down to the smallest, one nanotoken.
+        1 => MIN_CAPACITY_ATTO..=1_000 * ATTO,
         // Large buckets.
         1 => (1u128..=1_000_000_000).prop_map(|n| n * ATTO),
-        // Up to the largest, u64::MAX whole tokens.
-        1 => ATTO..=MAX_ATTO as u128,
-        1 => Just(MAX_ATTO as u128),
+        // Up to the largest, 8 × 10⁹ whole tokens.
+        1 => ATTO..=MAX_CAPACITY_ATTO,
+        1 => Just(MAX_CAPACITY_ATTO),
     ]
     .boxed()
 }
@@ -271,7 +275,7 @@ fn config_of(capacity: u128, rate: u64) -> BucketConfig {
         Tokens::from_atto(capacity),
         Rate::from_nanos_per_second(rate).expect("rate in range"),
     )
-    .expect("capacity above zero")
+    .expect("capacity within the bounds")
 }
 
 fn atto(t: Tokens) -> i128 {
@@ -548,7 +552,8 @@ proptest! {
     /// both ends: no panic (debug overflow checks are on), and tokens stay within [0, C].
     #[test]
     fn extreme_sequences_never_panic(
-        capacity in extreme_tokens().prop_filter("capacity above zero", |c| *c > 0),
+        // Every capacity `BucketConfig::new` accepts: the extremes clamped into its bounds.
+        capacity in extreme_tokens().prop_map(|c| c.clamp(MIN_CAPACITY_ATTO, MAX_CAPACITY_ATTO)),
         rate in prop_oneof![Just(1u64), Just(Rate::MAX.as_nanos_per_second()),
                             1u64..=Rate::MAX.as_nanos_per_second()],
         start in extreme_tokens(),
@@ -802,15 +807,20 @@ fn a2_year_at_ten_calls_per_second_is_exact() {
 
 /// Every combination of capacity, rate, elapsed time and cost at the extremes: no panic (debug
 /// overflow checks are on in test builds), tokens within [0, C], cost > C refused with
-/// `InsufficientCapacity` before any arithmetic. `Tokens` saturates at `u64::MAX` whole tokens,
-/// so for C = u64::MAX the costs "C + 1" and "C + 1 attotoken" are C itself. Every result is
-/// also checked against the exact answer computed in checked `u128` here: with C up to
-/// u64::MAX × 10¹⁸ attotokens, rate up to 10¹⁸ nanotokens/s and 100 years of nanoseconds the
-/// refill product (≈ 3.2e36) fits, so nothing saturates on the way to the cap.
+/// `InsufficientCapacity` before any arithmetic. The largest capacity is the table's,
+/// `BucketConfig::MAX_CAPACITY` (larger ones, 2⁵³ and `u64::MAX` tokens among them, are refused
+/// by `BucketConfig::new`); the costs go up to `u64::MAX` whole tokens, where `Tokens`
+/// saturates. Every result is also checked against the exact answer computed in checked `u128`
+/// here: with rate up to 10¹⁸ nanotokens/s and 100 years of nanoseconds the refill product
+/// (≈ 3.2e36) fits, so nothing saturates on the way to the cap.
 #[test]
 fn a3_overflow_edge_table() {
     const HUNDRED_YEARS: u64 = 36_525 * 24 * 3600 * SEC; // 3.16e18 ns < u64::MAX
-    let capacities = [1u64, 1 << 53, u64::MAX].map(Tokens::whole);
+    for refused in [1u64 << 53, u64::MAX] {
+        let rate = Rate::per_second(1).unwrap();
+        assert!(BucketConfig::new(Tokens::whole(refused), rate).is_err());
+    }
+    let capacities = [1u64, 1 << 32, BucketConfig::MAX_CAPACITY_TOKENS].map(Tokens::whole);
     let rates = [
         Rate::from_f64(1e-9).unwrap(),
         Rate::per_second(1).unwrap(),

@@ -459,7 +459,8 @@ fn validate(args: &Args) -> Result<(), String> {
 
 fn plan(args: &Args) -> Result<Plan, String> {
     let rate = Rate::from_f64(args.refill).ok_or("--refill is out of range (1e-9 to 1e9)")?;
-    let bucket = BucketConfig::new(Tokens::whole(args.capacity), rate).ok_or("--capacity is 0")?;
+    let bucket = BucketConfig::new(Tokens::whole(args.capacity), rate)
+        .map_err(|e| format!("--capacity: {e}"))?;
     let mode = match args.fallback {
         Fallback::Allow => FallbackMode::Allow,
         Fallback::Deny => FallbackMode::Deny,

@@ -77,10 +77,7 @@ pub(super) fn expire(
             let reclaimed = slot.words().close();
             book.reclaimed.add(reclaimed);
             if waives(&slot, &book, now) {
-                leases
-                    .counters
-                    .waived
-                    .fetch_add(reclaimed, Ordering::AcqRel);
+                leases.counters.waived.add(reclaimed);
             } else {
                 queue_return(returns, ids, &slot, reclaimed, || slot.strict_lease());
             }

@@ -293,7 +293,7 @@ fn retry_due(returns: &[Return], now: u64) -> Option<u64> {
 /// Sets the table-size gauge and the token counters (no pass over the slots).
 fn publish_counters(leases: &Leases) {
     // Whole tokens, rounded as `Leases::stats` rounds them.
-    let whole = |n: &std::sync::atomic::AtomicU64| (n.load(Ordering::Acquire) as f64 / 1e9) as u64;
+    let whole = |n: &crate::lease::total::Total| n.tokens() as u64;
     let c = &leases.counters;
     metrics::gauge!(m::TABLE_KEYS).set(leases.table.len() as f64);
     metrics::counter!(m::TOKENS_LEASED).absolute(whole(&c.leased));

@@ -57,8 +57,10 @@ fn plan_refill(slot: &Slot, now: u64, landing: u64, owed: u64) -> Option<(u64, u
     let settings = lease_settings(slot);
     let largest = largest_lease(slot, 0);
     let available = slot.words().available();
-    let needed = slot.needed.swap(0, Ordering::AcqRel);
-    let waiting = slot.waiting.swap(0, Ordering::AcqRel);
+    // Never more than a lease holds: the limiter sends a call costing more to the store
+    // (`LeaseSettings::MAX_LEASE`), and a grant above it would only go back.
+    let needed = slot.needed.swap(0, Ordering::AcqRel).min(TOKENS);
+    let waiting = slot.waiting.swap(0, Ordering::AcqRel).min(TOKENS);
     let mut book = slot.book.lock();
     let max_cost = book.max_cost.get().max(needed);
     book.max_cost.set(max_cost);
@@ -219,7 +221,7 @@ pub(super) fn apply(
         slot.dry().store(true, Ordering::Release);
         slot.words().clear_pending();
     } else {
-        leases.counters.leased.fetch_add(granted, Ordering::AcqRel);
+        leases.counters.leased.add(granted);
         let mut book = slot.book.lock();
         // Split a top-up over a hot key's words only in parts of a few costs each, so that
         // no word is left holding less than a caller needs while the others hold the rest.

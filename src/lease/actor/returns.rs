@@ -190,10 +190,7 @@ pub(super) fn settle(
             _ => {
                 r.attempts += 1;
                 if r.attempts >= RETURN_ATTEMPTS {
-                    leases
-                        .counters
-                        .stranded
-                        .fetch_add(r.amount, Ordering::AcqRel);
+                    leases.counters.stranded.add(r.amount);
                 } else {
                     if let Some(at) = retry_at {
                         r.not_before = at;
@@ -204,10 +201,7 @@ pub(super) fn settle(
         }
     }
     if credited > 0 {
-        leases
-            .counters
-            .returned
-            .fetch_add(credited, Ordering::AcqRel);
+        leases.counters.returned.add(credited);
     }
 }
 
@@ -228,9 +222,6 @@ pub(super) async fn shut_down(leases: &Leases, returns: &mut Vec<Return>, ids: &
         give_back(leases, returns).await;
     }
     for r in returns.drain(..) {
-        leases
-            .counters
-            .stranded
-            .fetch_add(r.amount, Ordering::AcqRel);
+        leases.counters.stranded.add(r.amount);
     }
 }

@@ -29,8 +29,13 @@ pub(super) fn micros(row: &Row, idx: usize) -> Result<SystemTime, StoreError> {
 /// Nanotokens in one token, and attotokens in one nanotoken.
 pub(super) const NANO: u128 = 1_000_000_000;
 
-/// The largest capacity the table holds: 8 × 10¹⁸ nanotokens (migration 0007).
-pub(super) const MAX_CAPACITY_NANOS: i64 = 8_000_000_000_000_000_000;
+/// The largest capacity the table holds: 8 × 10¹⁸ nanotokens (migration 0007's domain), the
+/// bucket's own bound ([`BucketConfig::MAX_CAPACITY`](crate::bucket::BucketConfig::MAX_CAPACITY)).
+pub(super) const MAX_CAPACITY_NANOS: i64 =
+    crate::bucket::BucketConfig::MAX_CAPACITY.as_nanos() as i64;
+
+// The bucket's bound is the table's domain (`tokenlease_capacity`, at most 8 × 10¹⁸).
+const _: () = assert!(MAX_CAPACITY_NANOS == 8_000_000_000_000_000_000);
 
 /// An amount in whole nanotokens, rounded down (a `want`: never more than asked for).
 pub(super) fn nanos_down(t: Tokens) -> i64 {
