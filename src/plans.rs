@@ -23,8 +23,8 @@
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
@@ -32,28 +32,31 @@ use crate::bucket::BucketConfig;
 use crate::metrics::{PlanCounters, mode_label};
 use crate::policy::Plan;
 
-/// Entries in the first chunk; chunk `k` holds `FIRST << k`.
-const FIRST: usize = 8;
-/// Chunks: `FIRST · (2^CHUNKS − 1)` entries in all.
-const CHUNKS: usize = 13;
-/// The most distinct plans one limiter holds over its life (65,528): as many as a policy may
-/// define, so a limiter built with any policy holds it.
+/// The most distinct plans one limiter holds at once (65,528): as many as a policy may define,
+/// so a limiter built with any policy holds it.
 pub(crate) const MAX_PLANS: usize = crate::policy::MAX_PLANS;
-
-// The chunks hold exactly that many.
-const _: () = assert!(FIRST * ((1 << CHUNKS) - 1) == MAX_PLANS);
 
 // A key's record names its plan by a 16-bit index, `u16::MAX` meaning "named by the caller".
 const _: () = assert!(MAX_PLANS < u16::MAX as usize);
 
-/// One chunk's entries, each set once.
-type Chunk = Box<[OnceLock<Entry>]>;
+/// The registry's entries by index: a lock-free map whose removed values are freed once no
+/// reader that may have found them is pinned (epoch-based reclamation, `seize`).
+type Slots = papaya::HashMap<u32, Entry, foldhash::fast::RandomState>;
+
+/// A reader's view of the entries: what it finds stays valid until it is dropped.
+pub(crate) type Pinned<'r> =
+    papaya::HashMapRef<'r, u32, Entry, foldhash::fast::RandomState, papaya::LocalGuard<'r>>;
 
 /// A plan the registry holds, and its decision counters.
 #[derive(Debug)]
-struct Entry {
-    plan: Arc<Plan>,
-    counters: Arc<PlanCounters>,
+pub(crate) struct Entry {
+    /// The plan.
+    pub(crate) plan: Arc<Plan>,
+    /// Its decision counters.
+    pub(crate) counters: Arc<PlanCounters>,
+    /// The index held another entry before this one: a record that names the index may mean
+    /// that one, and a reader checks (see the module docs).
+    pub(crate) reused: bool,
 }
 
 /// The labels a plan's counters are registered with.
@@ -140,14 +143,28 @@ pub(crate) struct Full {
     pub(crate) adding: usize,
 }
 
-/// Append-only, lock-free to read.
+/// What the writers' lock guards.
+#[derive(Default)]
+struct Book {
+    /// The entries of each identity.
+    by_identity: ByIdentity,
+    /// Slots below this have been used; those above never were.
+    fresh: usize,
+    /// Slots used before and emptied since, reused once no fresh slot is left.
+    free: Vec<u32>,
+}
+
+/// Lock-free to read; entries released through epoch-based reclamation.
 #[derive(Default)]
 pub(crate) struct PlanRegistry {
-    chunks: [OnceLock<Chunk>; CHUNKS],
-    /// Entries published so far.
-    len: AtomicUsize,
-    /// The entries of each identity; its lock serialises appends.
-    push: Mutex<ByIdentity>,
+    /// The entries, by index.
+    slots: Slots,
+    /// Entries held now.
+    live: AtomicUsize,
+    /// Serialises writers (interning, releasing).
+    push: Mutex<Book>,
+    /// Serialises reloads: interning, putting in force and releasing go together.
+    reload: Mutex<()>,
     /// The counters of every plan counted so far, entries' and named plans' alike, by their
     /// labels.
     counters: papaya::HashMap<Labels, Arc<PlanCounters>>,
@@ -159,37 +176,35 @@ pub(crate) struct PlanRegistry {
 impl std::fmt::Debug for PlanRegistry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PlanRegistry")
-            .field("len", &self.len.load(Ordering::Relaxed))
+            .field("live", &self.live.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
 }
 
-/// The chunk and offset of entry `i`.
-#[inline]
-fn locate(i: usize) -> (usize, usize) {
-    let n = i / FIRST + 1;
-    let chunk = (usize::BITS - 1 - n.leading_zeros()) as usize;
-    (chunk, i - FIRST * ((1 << chunk) - 1))
-}
-
 impl PlanRegistry {
-    /// Entry `i`, if it exists.
+    /// A reader's view: entries it finds stay allocated until it is dropped.
     #[inline]
-    fn entry(&self, i: usize) -> Option<&Entry> {
-        let (chunk, offset) = locate(i);
-        self.chunks.get(chunk)?.get()?.get(offset)?.get()
+    pub(crate) fn pin(&self) -> Pinned<'_> {
+        self.slots.pin()
     }
 
-    /// The plan of entry `i`, if it exists.
+    /// Entry `i`, if the registry holds one there, found through `pinned` (from
+    /// [`pin`](Self::pin)).
     #[inline]
-    pub(crate) fn get(&self, i: usize) -> Option<&Arc<Plan>> {
-        self.entry(i).map(|e| &e.plan)
+    pub(crate) fn entry<'g>(&self, i: usize, pinned: &'g Pinned<'_>) -> Option<&'g Entry> {
+        pinned.get(&u32::try_from(i).ok()?)
     }
 
-    /// The plan of entry `i` and its counters, if it exists.
+    /// The entry that holds `plan` (the same `Arc`) at slot `i`, if it still does: what the
+    /// policies chose for a key, checked before its counters are used or its index recorded.
     #[inline]
-    pub(crate) fn get_counted(&self, i: usize) -> Option<(&Arc<Plan>, &Arc<PlanCounters>)> {
-        self.entry(i).map(|e| (&e.plan, &e.counters))
+    pub(crate) fn entry_of<'g>(
+        &self,
+        i: usize,
+        plan: &Arc<Plan>,
+        pinned: &'g Pinned<'_>,
+    ) -> Option<&'g Entry> {
+        self.entry(i, pinned).filter(|e| Arc::ptr_eq(&e.plan, plan))
     }
 
     /// The counters of `plan`, whether the registry holds it or a caller named it: found by
@@ -220,10 +235,30 @@ impl PlanRegistry {
         }
     }
 
+    /// Forgets the counters of plans of earlier policies that hold no handles any more (a
+    /// reload released them): a later call that names such a plan registers them afresh.
+    pub(crate) fn forget_released_counters(&self) {
+        self.counters
+            .pin()
+            .retain(|_, c| !(c.is_policy() && !c.is_held()));
+    }
+
+    /// Locks out other reloads while the caller interns, puts in force and releases.
+    pub(crate) fn reloading(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.reload.lock()
+    }
+
+    /// Runs `f` on the plan of every entry held now.
+    pub(crate) fn each_plan(&self, mut f: impl FnMut(&Arc<Plan>)) {
+        for (_, entry) in &self.pin() {
+            f(&entry.plan);
+        }
+    }
+
     /// The entry equal to `plan` (the same `Arc`, or an equal plan), added if there is none:
     /// its index and the shared `Arc`. `None` once the registry holds [`MAX_PLANS`].
     #[cfg(test)]
-    pub(crate) fn intern(&self, plan: &Arc<Plan>) -> Option<(u32, &Arc<Plan>)> {
+    pub(crate) fn intern(&self, plan: &Arc<Plan>) -> Option<(u32, Arc<Plan>)> {
         self.intern_all(std::slice::from_ref(plan)).ok()?.pop()
     }
 
@@ -233,10 +268,11 @@ impl PlanRegistry {
     ///
     /// Takes time in the number of plans and, for each, in the entries of its [`Identity`],
     /// not in the registry's.
-    pub(crate) fn intern_all(&self, plans: &[Arc<Plan>]) -> Result<Vec<(u32, &Arc<Plan>)>, Full> {
-        let mut by_identity = self.push.lock();
-        let found: Vec<Option<u32>> = plans.iter().map(|p| self.find(&by_identity, p)).collect();
-        let held = self.len.load(Ordering::Acquire);
+    pub(crate) fn intern_all(&self, plans: &[Arc<Plan>]) -> Result<Vec<(u32, Arc<Plan>)>, Full> {
+        let mut book = self.push.lock();
+        let pinned = self.pin();
+        let found: Vec<Option<u32>> = plans.iter().map(|p| self.find(&book, &pinned, p)).collect();
+        let held = self.live.load(Ordering::Acquire);
         // A plan equal to an earlier new one is counted twice here and added once below:
         // never more than the bound.
         let adding = found.iter().filter(|i| i.is_none()).count();
@@ -248,56 +284,98 @@ impl PlanRegistry {
             .zip(found)
             .map(|(plan, found)| {
                 let i = found
-                    .or_else(|| self.find(&by_identity, plan))
-                    .unwrap_or_else(|| self.append(&mut by_identity, plan));
-                (i, self.get(i as usize).expect("published"))
+                    .or_else(|| self.find(&book, &pinned, plan))
+                    .unwrap_or_else(|| self.append(&mut book, &pinned, plan));
+                let entry = pinned.get(&i).expect("held");
+                (i, Arc::clone(&entry.plan))
             })
             .collect())
     }
 
     /// The entry equal to `plan`, if any.
-    fn find(&self, by_identity: &ByIdentity, plan: &Arc<Plan>) -> Option<u32> {
-        let same = by_identity.get(&Identity::of(plan))?;
+    fn find(&self, book: &Book, pinned: &Pinned<'_>, plan: &Arc<Plan>) -> Option<u32> {
+        let same = book.by_identity.get(&Identity::of(plan))?;
         same.iter().copied().find(|&i| {
             #[cfg(test)]
             self.compared.fetch_add(1, Ordering::Relaxed);
-            let entry = self.get(i as usize).expect("published");
-            Arc::ptr_eq(entry, plan) || **entry == **plan
+            let entry = pinned.get(&i).expect("held");
+            Arc::ptr_eq(&entry.plan, plan) || *entry.plan == **plan
         })
     }
 
-    /// Adds `plan`, which no entry equals, to a registry below [`MAX_PLANS`]: its index.
-    fn append(&self, by_identity: &mut ByIdentity, plan: &Arc<Plan>) -> u32 {
-        let len = self.len.load(Ordering::Acquire);
-        assert!(len < MAX_PLANS, "room checked before");
-        let (chunk, offset) = locate(len);
-        let slots = self.chunks[chunk]
-            .get_or_init(|| (0..FIRST << chunk).map(|_| OnceLock::new()).collect());
+    /// Adds `plan`, which no entry equals, to a registry below [`MAX_PLANS`]: its index. A
+    /// slot never used is taken first; once none is left, one emptied by a release.
+    fn append(&self, book: &mut Book, pinned: &Pinned<'_>, plan: &Arc<Plan>) -> u32 {
+        let (index, reused) = if book.fresh < MAX_PLANS {
+            book.fresh += 1;
+            (book.fresh - 1, false)
+        } else {
+            (book.free.pop().expect("room checked before") as usize, true)
+        };
+        let index = u32::try_from(index).expect("below MAX_PLANS");
         let entry = Entry {
             plan: Arc::clone(plan),
             // Without handles: `Limiter::reload` takes them for every plan in force.
             counters: self.counters_or(plan, PlanCounters::unheld),
+            reused,
         };
-        let _ = slots[offset].set(entry);
-        let index = len as u32;
-        by_identity
+        pinned.insert(index, entry);
+        book.by_identity
             .entry(Identity::of(plan))
             .or_default()
             .push(index);
-        self.len.store(len + 1, Ordering::Release);
+        self.live.fetch_add(1, Ordering::AcqRel);
         index
+    }
+
+    /// Releases every entry but those of `keep` (the indices of the plans in force): each
+    /// leaves the registry at once, is freed once no reader that may have found it is pinned,
+    /// and its index is free for another plan (module docs). Returns how many were released.
+    pub(crate) fn release_all_but(&self, keep: &[u32]) -> usize {
+        let mut book = self.push.lock();
+        let pinned = self.pin();
+        let mut kept = vec![false; book.fresh];
+        for &i in keep {
+            if let Some(k) = kept.get_mut(i as usize) {
+                *k = true;
+            }
+        }
+        let gone: Vec<u32> = pinned
+            .iter()
+            .map(|(&i, _)| i)
+            .filter(|&i| !kept.get(i as usize).copied().unwrap_or(false))
+            .collect();
+        for &i in &gone {
+            let Some(entry) = pinned.remove(&i) else {
+                continue;
+            };
+            let identity = Identity::of(&entry.plan);
+            if let Some(same) = book.by_identity.get_mut(&identity) {
+                same.retain(|&j| j != i);
+                if same.is_empty() {
+                    book.by_identity.remove(&identity);
+                }
+            }
+            book.free.push(i);
+            self.live.fetch_sub(1, Ordering::AcqRel);
+        }
+        if book.by_identity.capacity() > 4 * book.by_identity.len().max(64) {
+            book.by_identity.shrink_to_fit();
+        }
+        gone.len()
     }
 
     /// Whether some entry equals `plan`.
     #[cfg(test)]
     pub(crate) fn contains(&self, plan: &Plan) -> bool {
-        let len = self.len.load(Ordering::Acquire);
-        (0..len).any(|i| self.get(i).is_some_and(|p| **p == *plan))
+        let mut found = false;
+        self.each_plan(|p| found |= **p == *plan);
+        found
     }
 
-    /// Entries so far.
+    /// Entries held now.
     pub(crate) fn len(&self) -> usize {
-        self.len.load(Ordering::Acquire)
+        self.live.load(Ordering::Acquire)
     }
 }
 
@@ -314,20 +392,9 @@ mod tests {
     }
 
     #[test]
-    fn chunks_cover_every_index_once() {
-        let mut seen = std::collections::HashSet::new();
-        for i in 0..MAX_PLANS {
-            let (chunk, offset) = locate(i);
-            assert!(chunk < CHUNKS && offset < FIRST << chunk, "{i}");
-            assert!(seen.insert((chunk, offset)));
-        }
-    }
-
-    #[test]
     fn equal_plans_share_an_entry_and_entries_never_move() {
         let r = PlanRegistry::default();
         let (a, first) = r.intern(&plan("a", 10)).unwrap();
-        let first = Arc::clone(first);
         let (a2, _) = r.intern(&plan("a", 10)).unwrap();
         assert_eq!(a, a2);
         let (b, _) = r.intern(&plan("a", 11)).unwrap();
@@ -335,11 +402,15 @@ mod tests {
         for n in 0..100 {
             r.intern(&plan("n", n + 100)).unwrap();
         }
-        assert!(Arc::ptr_eq(r.get(a as usize).unwrap(), &first));
+        let guard = r.pin();
+        assert!(Arc::ptr_eq(
+            &r.entry(a as usize, &guard).unwrap().plan,
+            &first
+        ));
         assert_eq!(r.len(), 102);
         assert!(r.contains(&plan("a", 11)));
         assert!(!r.contains(&plan("a", 12)));
-        assert!(r.get(102).is_none());
+        assert!(r.entry(102, &guard).is_none());
     }
 
     /// One set of labels has one set of counters: an entry's, an equal plan's named by a
@@ -350,7 +421,8 @@ mod tests {
         use crate::policy::{FallbackMode, FallbackSettings};
         let r = PlanRegistry::default();
         let (i, _) = r.intern(&plan("a", 10)).unwrap();
-        let (_, held) = r.get_counted(i as usize).unwrap();
+        let guard = r.pin();
+        let held = &r.entry(i as usize, &guard).unwrap().counters;
         assert!(Arc::ptr_eq(held, &r.counters_of(&plan("a", 10))));
         assert!(Arc::ptr_eq(held, &r.counters_of(&plan("a", 11))));
         let shadow = (*plan("a", 10)).clone().with_shadow(true);

@@ -193,9 +193,9 @@ impl std::fmt::Debug for Stale {
 
 /// What [`Leases::try_take_known`] spent, and under which plan.
 #[derive(Debug)]
-pub(crate) struct Known<'p> {
-    /// The key's plan, as the policies chose it.
-    pub(crate) plan: &'p Arc<Plan>,
+pub(crate) struct Known {
+    /// The capacity of the key's plan, as the policies chose it.
+    pub(crate) capacity: crate::bucket::Tokens,
     /// Tokens left in the lease (nanotokens).
     pub(crate) left: u64,
     /// The store's remaining tokens at the last refill (nanotokens).
@@ -379,9 +379,15 @@ impl Leases {
                 // `try_acquire_now_with`) whose plan is the one the policies choose for it: from
                 // now on `try_acquire` finds that plan through the record, not by matching the
                 // key's prefixes.
+                // Recorded only when the slot holds the registry's own `Arc` of the plan, and
+                // the registry still holds it at that index: a reader checks a reused entry by
+                // that pointer (`plans.rs`).
                 if let Some((shared, index)) = chosen
                     && hot.plan.load(Ordering::Relaxed) == slab::NO_PLAN
-                    && (Arc::ptr_eq(&slot.plan, shared) || *slot.plan == **shared)
+                    && Arc::ptr_eq(&slot.plan, shared)
+                    && plans
+                        .entry_of(index as usize, shared, &plans.pin())
+                        .is_some()
                 {
                     hot.plan.store(slab::record_plan(index), Ordering::Relaxed);
                 }
@@ -399,7 +405,16 @@ impl Leases {
                 }
                 let now = self.now();
                 let (shared, index) = match chosen {
-                    Some((shared, index)) => (Arc::clone(shared), slab::record_plan(index)),
+                    Some((shared, index))
+                        if plans
+                            .entry_of(index as usize, shared, &plans.pin())
+                            .is_some() =>
+                    {
+                        (Arc::clone(shared), slab::record_plan(index))
+                    }
+                    // A reload released the plan since the policies chose it: the slot holds
+                    // it as a caller's plan.
+                    Some((shared, _)) => (Arc::clone(shared), slab::NO_PLAN),
                     None => (self.shared_plan(plan), slab::NO_PLAN),
                 };
                 let Some(slot) = table.get_or_insert_with(key, |hot| {
@@ -430,8 +445,11 @@ impl Leases {
                 if nudge {
                     self.nudge_soon(slot);
                 }
-                match chosen.and_then(|(_, index)| plans.get_counted(index as usize)) {
-                    Some((_, counters)) => crate::metrics::record_lease_allowed(counters),
+                let guard = plans.pin();
+                match chosen
+                    .and_then(|(shared, index)| plans.entry_of(index as usize, shared, &guard))
+                {
+                    Some(entry) => crate::metrics::record_lease_allowed(&entry.counters),
                     None => record_named(plans, plan),
                 }
                 Fast::Taken {
@@ -450,15 +468,23 @@ impl Leases {
     /// was named by a caller, or its lease is short. Then nothing was changed, and the caller
     /// takes the full path.
     #[inline]
-    pub(crate) fn try_take_known<'p, E>(
+    pub(crate) fn try_take_known<E>(
         &self,
         key: &str,
-        plans: &'p PlanRegistry,
+        plans: &PlanRegistry,
         cost: impl FnOnce(&Plan) -> Result<u64, E>,
-    ) -> Option<Result<Known<'p>, E>> {
+    ) -> Option<Result<Known, E>> {
         let table = self.table.pin();
         let (slot, hot) = table.get(key)?;
-        let (plan, counters) = plans.get_counted(hot.plan.load(Ordering::Relaxed) as usize)?;
+        let guard = plans.pin();
+        let entry = plans.entry(hot.plan.load(Ordering::Relaxed) as usize, &guard)?;
+        // A reused entry may not be the plan the record named (a reload released that one and
+        // gave its index to another): it is when the slot holds the very same `Arc`. Only then
+        // is the slot read; an entry never reused is the record's plan.
+        if entry.reused && !Arc::ptr_eq(&entry.plan, &slot.plan) {
+            return None;
+        }
+        let (plan, counters) = (&entry.plan, &entry.counters);
         let nanos = match cost(plan) {
             Ok(nanos) => nanos,
             Err(e) => return Some(Err(e)),
@@ -473,7 +499,7 @@ impl Leases {
                 }
                 crate::metrics::record_lease_allowed(counters);
                 Some(Ok(Known {
-                    plan,
+                    capacity: plan.capacity(),
                     left,
                     store_remaining: hot.store_remaining.load(Ordering::Relaxed),
                 }))
