@@ -213,6 +213,18 @@ impl PlanRegistry {
         self.counters_or(plan, PlanCounters::of)
     }
 
+    /// The counters of `plan`, a plan the policies chose for a call: those of its labels
+    /// while a plan of its labels is in force (a reload registers them before it puts its
+    /// policies in force); once a reload removed it, counters of its own that hold no handle
+    /// and are kept nowhere, so that a call in flight across the reload, or a key's lease
+    /// that outlives it until the actor's next round, registers no series for it again.
+    pub(crate) fn counters_of_given(&self, plan: &Plan) -> Arc<PlanCounters> {
+        match self.counters.pin().get(&LabelsOf::new(plan)) {
+            Some(c) => Arc::clone(c),
+            None => Arc::new(PlanCounters::unheld(plan)),
+        }
+    }
+
     /// The counters of `plan`, made by `make` if there are none.
     fn counters_or(&self, plan: &Plan, make: fn(&Plan) -> PlanCounters) -> Arc<PlanCounters> {
         let counters = self.counters.pin();

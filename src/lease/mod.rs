@@ -379,12 +379,11 @@ impl Leases {
                 // `try_acquire_now_with`) whose plan is the one the policies choose for it: from
                 // now on `try_acquire` finds that plan through the record, not by matching the
                 // key's prefixes.
-                // Recorded only when the slot holds the registry's own `Arc` of the plan, and
-                // the registry still holds it at that index: a reader checks a reused entry by
-                // that pointer (`plans.rs`).
+                // Recorded only while the registry still holds the plan at that index (a reader
+                // checks a reused entry against the slot's plan, `plans.rs`).
                 if let Some((shared, index)) = chosen
                     && hot.plan.load(Ordering::Relaxed) == slab::NO_PLAN
-                    && Arc::ptr_eq(&slot.plan, shared)
+                    && (Arc::ptr_eq(&slot.plan, shared) || *slot.plan == **shared)
                     && plans
                         .entry_of(index as usize, shared, &plans.pin())
                         .is_some()
@@ -450,6 +449,7 @@ impl Leases {
                     .and_then(|(shared, index)| plans.entry_of(index as usize, shared, &guard))
                 {
                     Some(entry) => crate::metrics::record_lease_allowed(&entry.counters),
+                    None if chosen.is_some() => record_given(plans, plan),
                     None => record_named(plans, plan),
                 }
                 Fast::Taken {
@@ -591,7 +591,7 @@ impl Leases {
     }
 
     /// Waits for `slot`'s refill and spends `cost` from it, until `deadline`. `plans` holds the
-    /// counters of the slot's plan. A `Failing` or `Short` answer sends the call to the
+    /// counters of the slot's plan; `given`: the policies chose the call's plan. A `Failing` or `Short` answer sends the call to the
     /// fallback, and is counted by its cause here.
     ///
     /// # Cancel safety
@@ -604,7 +604,15 @@ impl Leases {
         cost: u64,
         deadline: Instant,
         plans: &PlanRegistry,
+        given: bool,
     ) -> Fast {
+        let record = |plan: &Plan| {
+            if given {
+                record_given(plans, plan);
+            } else {
+                record_named(plans, plan);
+            }
+        };
         loop {
             let notified = slot.notify().notified();
             tokio::pin!(notified);
@@ -615,7 +623,7 @@ impl Leases {
                 .try_take(cost, hot.low_water.load(Ordering::Relaxed))
             {
                 Take::Taken { left, nudge } => {
-                    record_named(plans, &slot.plan);
+                    record(&slot.plan);
                     if nudge {
                         self.nudge_soon(&slot);
                     }
@@ -652,7 +660,7 @@ impl Leases {
         // when the rules of `credit` allow.
         match self.credit(&slot, cost) {
             Ok(()) => {
-                record_named(plans, &slot.plan);
+                record(&slot.plan);
                 Fast::Taken {
                     left: 0,
                     store_remaining: slot.hot().store_remaining.load(Ordering::Relaxed),
@@ -767,4 +775,10 @@ impl Leases {
 #[inline]
 fn record_named(plans: &PlanRegistry, plan: &Plan) {
     crate::metrics::record_lease_allowed_named(plan, || plans.counters_of(plan));
+}
+
+/// [`record_named`] for a plan the policies chose: on no counters once a reload removed it.
+#[inline]
+fn record_given(plans: &PlanRegistry, plan: &Plan) {
+    crate::metrics::record_lease_allowed_named(plan, || plans.counters_of_given(plan));
 }

@@ -128,22 +128,31 @@ impl Limiter {
 
     /// Counts a decision made off the fast path under `plan` (on its counters in the plan
     /// registry), after [`shadowed`] let a shadow plan's denial through.
-    fn recorded(&self, plan: &Plan, decision: Decision) -> Decision {
+    fn recorded(&self, plan: &PlanRef<'_>, decision: Decision) -> Decision {
         let decision = shadowed(plan, decision);
-        crate::metrics::record(&self.inner.plans.counters_of(plan), &decision);
+        crate::metrics::record(&self.counters(plan), &decision);
         decision
+    }
+
+    /// The counters `plan`'s decisions count on. A plan the policies chose that a reload has
+    /// removed since counts on none (`PlanRegistry::counters_of_given`): its series are gone.
+    fn counters(&self, plan: &PlanRef<'_>) -> Arc<crate::metrics::PlanCounters> {
+        match plan {
+            PlanRef::Named(plan) => self.inner.plans.counters_of(plan),
+            PlanRef::Chosen(plan) => self.inner.plans.counters_of_given(plan),
+        }
     }
 
     /// The plan's fallback decides `cost` on `key` at `now`: the store failed, timed out, or
     /// cannot be asked.
     async fn decide_by_fallback(
         &self,
-        plan: &Plan,
+        plan: &PlanRef<'_>,
         key: &str,
         cost: Tokens,
         now: Instant,
     ) -> Decision {
-        let counters = self.inner.plans.counters_of(plan);
+        let counters = self.counters(plan);
         self.inner
             .fallback
             .decide(plan, &counters, key, cost, now)
@@ -201,10 +210,16 @@ impl Limiter {
                 slot,
                 max_wait,
             } => {
-                let plan = &*plan;
+                let plan = &plan;
                 let leases = self.leases();
                 let waited = leases
-                    .wait(slot, lease_cost(cost), now + max_wait, &self.inner.plans)
+                    .wait(
+                        slot,
+                        lease_cost(cost),
+                        now + max_wait,
+                        &self.inner.plans,
+                        matches!(plan, PlanRef::Chosen(_)),
+                    )
                     .await;
                 // The call waited: what decides it next reads the clock once more.
                 let now = self.inner.clock.instant();
@@ -237,7 +252,7 @@ impl Limiter {
                 }
             }
             Step::Fallback { plan, cost } => {
-                let plan = &*plan;
+                let plan = &plan;
                 Ok(self.recorded(plan, self.decide_by_fallback(plan, stored, cost, now).await))
             }
             Step::Direct { plan, cost } => self
@@ -245,7 +260,7 @@ impl Limiter {
                 .await
                 .map(|d| self.recorded(&plan, d)),
             Step::Sparse { plan, cost, slot } => {
-                let plan = &*plan;
+                let plan = &plan;
                 let decision = self.direct(plan, stored, cost, now).await?;
                 let by_store = decision.decided_by == DecidedBy::Store;
                 let spent = if decision.allowed && by_store {
@@ -370,7 +385,7 @@ impl Limiter {
     /// the store did not answer in time.
     async fn direct(
         &self,
-        plan: &Plan,
+        plan: &PlanRef<'_>,
         key: &str,
         cost: Tokens,
         now: Instant,
