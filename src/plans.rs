@@ -1,25 +1,45 @@
-//! The plans a limiter has been given, across reloads: an append-only registry whose entries
-//! never move, so a key's record in the lease table can name its plan by index and a call can
-//! read it without a lock or a reference count.
+//! The plans a limiter holds: those of the policies in force, each at an index, so a key's
+//! record in the lease table can name its plan by index and a call can read it without a lock
+//! or a reference count.
 //!
 //! Equal plans share one entry ([`PlanRegistry::intern`]), so reloading the same file again,
 //! or flipping between two versions of it, adds nothing. The registry is bounded
-//! ([`MAX_PLANS`] distinct plans over the limiter's life); a reload that would pass the bound
-//! is refused, and adds nothing ([`PlanRegistry::intern_all`]). Entries are never reused: a
-//! key's record may name a plan no policy holds any more until the lease actor's next round,
-//! and a call reads its entry without a lock or a reference count. So each distinct plan
-//! counts once for the limiter's life, however often it is reloaded: flipping between
-//! versions costs nothing, and a reload that changes `k` plans uses `k` entries.
+//! ([`MAX_PLANS`] distinct plans at once); a reload interns its new plans beside those in
+//! force, all or none ([`PlanRegistry::intern_all`]: one that would pass the bound is refused
+//! and adds nothing), and once its policies are in force releases every entry they do not hold
+//! ([`PlanRegistry::release_all_but`]): the entry leaves at once, is freed once no reader may
+//! hold it, and its index goes to another plan once no fresh index is left.
+//!
+//! # Why a record may name a released index
+//!
+//! A key's record may name a plan no policy holds any more until the lease actor's next round
+//! (and, for a call that chose its plan before the reload and writes the index after that
+//! round, until the key's slot leaves the table). So:
+//!
+//! - Entries sit in a `papaya` map, index → entry: a reader pins it ([`PlanRegistry::pin`]) and
+//!   what it finds stays allocated until it unpins (epoch-based reclamation; no `unsafe`).
+//! - A released index finds no entry: the call takes the full path, as for a changed plan.
+//! - An entry put at an index that held another is marked [`Entry::reused`]. A record naming
+//!   it may mean the earlier plan, so a reader uses a reused entry only when the key's slot
+//!   holds the very same `Arc` of its plan (the slot keeps that plan alive, so no other plan
+//!   can be at that address). An entry never reused is the only plan its index ever named.
+//!   Fresh indices are taken first, so the fast path reads the slot only once 65,528 distinct
+//!   plans were given, and then only on reused indices.
+//! - A call holds the `Arc` of the plan its policies chose, not a reference into the registry;
+//!   before it writes the plan's index into a record, and before it counts on the entry's
+//!   counters, it checks that the registry still holds that very plan at that index
+//!   ([`PlanRegistry::entry_of`]).
 //!
 //! An entry is found from its plan's [`Identity`] through a hash map, so interning a policy
 //! is linear in its plans, whatever the registry holds.
 //!
 //! Each entry holds its plan's decision counters (`metrics::PlanCounters`): a call that knows its
 //! plan's index counts on them without a lookup. They hold their metric handles only while the
-//! plan is in force (`Limiter::reload` takes and releases them, `metrics/plan.rs`). The plans a caller names (`Limiter::try_acquire_with`) have no index;
-//! their counters are found by their labels (name, fallback mode, shadow mode) in a map beside
-//! the entries, which the entries' own counters are in too, so that one set of labels has one
-//! set of counters.
+//! plan is in force (`Limiter::reload` takes and releases them, `metrics/plan.rs`), and the
+//! registry forgets them once released ([`PlanRegistry::forget_released_counters`]). The plans
+//! a caller names (`Limiter::try_acquire_with`) have no index; their counters are found by
+//! their labels (name, fallback mode, shadow mode) in a map beside the entries, which the
+//! entries' own counters are in too, so that one set of labels has one set of counters.
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -404,7 +424,7 @@ mod tests {
     }
 
     #[test]
-    fn equal_plans_share_an_entry_and_entries_never_move() {
+    fn equal_plans_share_an_entry_and_entries_stay_at_their_index() {
         let r = PlanRegistry::default();
         let (a, first) = r.intern(&plan("a", 10)).unwrap();
         let (a2, _) = r.intern(&plan("a", 10)).unwrap();
@@ -445,6 +465,34 @@ mod tests {
         assert!(!Arc::ptr_eq(held, &r.counters_of(&deny)));
         assert!(Arc::ptr_eq(&r.counters_of(&deny), &r.counters_of(&deny)));
         assert!(!Arc::ptr_eq(held, &r.counters_of(&plan("b", 10))));
+    }
+
+    /// A release lets go of every entry but those kept, and frees their indices: a new plan
+    /// takes a fresh index while there is one (its entry not reused), then a released one
+    /// (reused). An equal plan interned again after its release is a new entry.
+    #[test]
+    fn released_entries_go_and_their_indices_are_taken_again_last() {
+        let r = PlanRegistry::default();
+        let (a, _) = r.intern(&plan("a", 1)).unwrap();
+        let (b, b_plan) = r.intern(&plan("b", 1)).unwrap();
+        assert_eq!(r.release_all_but(&[b]), 1);
+        assert_eq!(r.len(), 1);
+        assert!(!r.contains(&plan("a", 1)));
+        let guard = r.pin();
+        assert!(r.entry(a as usize, &guard).is_none());
+        assert!(r.entry_of(b as usize, &b_plan, &guard).is_some());
+        assert!(r.entry_of(b as usize, &plan("b", 1), &guard).is_none(), "another Arc");
+        // Fresh indices first: `a` again is a new entry at a new index.
+        let (a2, _) = r.intern(&plan("a", 1)).unwrap();
+        assert!(a2 > b && !r.entry(a2 as usize, &guard).unwrap().reused);
+        let fill: Vec<_> = (0..MAX_PLANS - 3).map(|n| plan("n", n as u64 + 2)).collect();
+        r.intern_all(&fill).unwrap();
+        assert_eq!(r.len(), MAX_PLANS - 1);
+        assert!(r.intern_all(&[plan("x", 1), plan("y", 1)]).is_err(), "one index left");
+        let (x, _) = r.intern(&plan("x", 1)).unwrap();
+        assert_eq!(x, a);
+        assert!(r.entry(x as usize, &guard).unwrap().reused);
+        assert_eq!(r.len(), MAX_PLANS);
     }
 
     /// Interning is linear: each plan is compared with the entries of its own identity only,
