@@ -203,9 +203,9 @@ impl std::fmt::Debug for Stale {
 
 /// What [`Leases::try_take_known`] spent, and under which plan.
 #[derive(Debug)]
-pub(crate) struct Known<'p> {
-    /// The key's plan, as the policies chose it.
-    pub(crate) plan: &'p Arc<Plan>,
+pub(crate) struct Known {
+    /// The capacity of the key's plan, as the policies chose it.
+    pub(crate) capacity: crate::bucket::Tokens,
     /// Tokens left in the lease (nanotokens).
     pub(crate) left: u64,
     /// The store's remaining tokens at the last refill (nanotokens).
@@ -389,9 +389,14 @@ impl Leases {
                 // `try_acquire_now_with`) whose plan is the one the policies choose for it: from
                 // now on `try_acquire` finds that plan through the record, not by matching the
                 // key's prefixes.
+                // Recorded only while the registry still holds the plan at that index (a reader
+                // checks a reused entry against the slot's plan, `plans.rs`).
                 if let Some((shared, index)) = chosen
                     && hot.plan.load(Ordering::Relaxed) == slab::NO_PLAN
                     && (Arc::ptr_eq(&slot.plan, shared) || *slot.plan == **shared)
+                    && plans
+                        .entry_of(index as usize, shared, &plans.pin())
+                        .is_some()
                 {
                     hot.plan.store(slab::record_plan(index), Ordering::Relaxed);
                 }
@@ -409,7 +414,16 @@ impl Leases {
                 }
                 let now = self.now();
                 let (shared, index) = match chosen {
-                    Some((shared, index)) => (Arc::clone(shared), slab::record_plan(index)),
+                    Some((shared, index))
+                        if plans
+                            .entry_of(index as usize, shared, &plans.pin())
+                            .is_some() =>
+                    {
+                        (Arc::clone(shared), slab::record_plan(index))
+                    }
+                    // A reload released the plan since the policies chose it: the slot holds
+                    // it as a caller's plan.
+                    Some((shared, _)) => (Arc::clone(shared), slab::NO_PLAN),
                     None => (self.shared_plan(plan), slab::NO_PLAN),
                 };
                 let Some(slot) = table.get_or_insert_with(key, |hot| {
@@ -440,8 +454,12 @@ impl Leases {
                 if nudge {
                     self.nudge_soon(slot);
                 }
-                match chosen.and_then(|(_, index)| plans.get_counted(index as usize)) {
-                    Some((_, counters)) => crate::metrics::record_lease_allowed(counters),
+                let guard = plans.pin();
+                match chosen
+                    .and_then(|(shared, index)| plans.entry_of(index as usize, shared, &guard))
+                {
+                    Some(entry) => crate::metrics::record_lease_allowed(&entry.counters),
+                    None if chosen.is_some() => record_given(plans, plan),
                     None => record_named(plans, plan),
                 }
                 Fast::Taken {
@@ -460,15 +478,23 @@ impl Leases {
     /// was named by a caller, or its lease is short. Then nothing was changed, and the caller
     /// takes the full path.
     #[inline]
-    pub(crate) fn try_take_known<'p, E>(
+    pub(crate) fn try_take_known<E>(
         &self,
         key: &str,
-        plans: &'p PlanRegistry,
+        plans: &PlanRegistry,
         cost: impl FnOnce(&Plan) -> Result<u64, E>,
-    ) -> Option<Result<Known<'p>, E>> {
+    ) -> Option<Result<Known, E>> {
         let table = self.table.pin();
         let (slot, hot) = table.get(key)?;
-        let (plan, counters) = plans.get_counted(hot.plan.load(Ordering::Relaxed) as usize)?;
+        let guard = plans.pin();
+        let entry = plans.entry(hot.plan.load(Ordering::Relaxed) as usize, &guard)?;
+        // A reused entry may not be the plan the record named (a reload released that one and
+        // gave its index to another): it is when the slot holds the very same `Arc`. Only then
+        // is the slot read; an entry never reused is the record's plan.
+        if entry.reused && !Arc::ptr_eq(&entry.plan, &slot.plan) {
+            return None;
+        }
+        let (plan, counters) = (&entry.plan, &entry.counters);
         let nanos = match cost(plan) {
             Ok(nanos) => nanos,
             Err(e) => return Some(Err(e)),
@@ -483,7 +509,7 @@ impl Leases {
                 }
                 crate::metrics::record_lease_allowed(counters);
                 Some(Ok(Known {
-                    plan,
+                    capacity: plan.capacity(),
                     left,
                     store_remaining: hot.store_remaining.load(Ordering::Relaxed),
                 }))
@@ -575,7 +601,7 @@ impl Leases {
     }
 
     /// Waits for `slot`'s refill and spends `cost` from it, until `deadline`. `plans` holds the
-    /// counters of the slot's plan. A `Failing` or `Short` answer sends the call to the
+    /// counters of the slot's plan; `given`: the policies chose the call's plan. A `Failing` or `Short` answer sends the call to the
     /// fallback, and is counted by its cause here.
     ///
     /// # Cancel safety
@@ -588,7 +614,15 @@ impl Leases {
         cost: u64,
         deadline: Instant,
         plans: &PlanRegistry,
+        given: bool,
     ) -> Fast {
+        let record = |plan: &Plan| {
+            if given {
+                record_given(plans, plan);
+            } else {
+                record_named(plans, plan);
+            }
+        };
         loop {
             let notified = slot.notify().notified();
             tokio::pin!(notified);
@@ -599,7 +633,7 @@ impl Leases {
                 .try_take(cost, hot.low_water.load(Ordering::Relaxed))
             {
                 Take::Taken { left, nudge } => {
-                    record_named(plans, &slot.plan);
+                    record(&slot.plan);
                     if nudge {
                         self.nudge_soon(&slot);
                     }
@@ -636,7 +670,7 @@ impl Leases {
         // when the rules of `credit` allow.
         match self.credit(&slot, cost) {
             Ok(()) => {
-                record_named(plans, &slot.plan);
+                record(&slot.plan);
                 Fast::Taken {
                     left: 0,
                     store_remaining: slot.hot().store_remaining.load(Ordering::Relaxed),
@@ -751,4 +785,10 @@ impl Leases {
 #[inline]
 fn record_named(plans: &PlanRegistry, plan: &Plan) {
     crate::metrics::record_lease_allowed_named(plan, || plans.counters_of(plan));
+}
+
+/// [`record_named`] for a plan the policies chose: on no counters once a reload removed it.
+#[inline]
+fn record_given(plans: &PlanRegistry, plan: &Plan) {
+    crate::metrics::record_lease_allowed_named(plan, || plans.counters_of_given(plan));
 }

@@ -88,9 +88,11 @@ pub(crate) struct Hot {
     /// The index of the key's plan in the limiter's plan registry, when the policies chose it
     /// ([`NO_PLAN`] when a caller named the plan): `try_acquire` on a key in the table reads its
     /// plan here instead of matching the key's prefixes again. 16 bits: the registry holds at
-    /// most `MAX_PLANS` (65,528) plans over a limiter's life, so every index fits below
-    /// [`NO_PLAN`]. Relaxed both ways: stored once, before the record's bucket is published (the
-    /// bucket's `OnceLock` orders it).
+    /// most `MAX_PLANS` (65,528) plans at once, so every index fits below [`NO_PLAN`]. A reload
+    /// may release the plan and give its index to another; a reader tells them apart
+    /// (`plans.rs`). Relaxed both ways: stored before the record's bucket is published (the
+    /// bucket's `OnceLock` orders it), or once, from [`NO_PLAN`], by a call whose plan the
+    /// policies chose.
     pub(crate) plan: AtomicU16,
 }
 

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::call::Step;
 use super::cost::{lease_cost, validate_cost};
-use super::decisions::lease_allowed;
+use super::decisions::lease_allowed_at;
 use super::{Decision, Limiter};
 use crate::clock::SharedClock;
 use crate::error::Error;
@@ -70,7 +70,7 @@ impl Limiter {
     /// [`start`](Self::start) takes the call. Kept apart from `start` so that `Acquire::poll`
     /// builds this decision in place.
     #[inline(always)]
-    fn known(&self, key: &str, cost: f64) -> Option<Result<crate::lease::Known<'_>, Error>> {
+    fn known(&self, key: &str, cost: f64) -> Option<Result<crate::lease::Known, Error>> {
         let leases = self.inner.leases.get()?;
         // A key in the table passed `validate_key` when it went in: only the cost is checked.
         leases.try_take_known(key, &self.inner.plans, |plan| {
@@ -139,7 +139,7 @@ impl Future for Acquire<'_> {
         {
             self.state = State::Done;
             return Poll::Ready(match known {
-                Ok(k) => Ok(lease_allowed(k.plan, k.left, k.store_remaining)),
+                Ok(k) => Ok(lease_allowed_at(k.capacity, k.left, k.store_remaining)),
                 Err(e) => Err(e),
             });
         }

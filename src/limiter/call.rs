@@ -30,14 +30,14 @@ impl Limiter {
         key: &'a str,
         cost: f64,
     ) -> Result<Step<'a>, Error> {
-        let (plan, chosen) = match plan {
-            Some(plan) => (plan, None),
+        let (plan, index) = match plan {
+            Some(plan) => (PlanRef::Named(plan), None),
             None => {
                 let (plan, index) = self.plan_for_key(key)?;
-                (&**plan, Some((plan, index)))
+                (PlanRef::Chosen(plan), Some(index))
             }
         };
-        let cost_tokens = check_leased_call(plan, key, cost)?;
+        let cost_tokens = check_leased_call(&plan, key, cost)?;
         if plan.shadow() {
             // The rest runs on the shadow plan's own key, made once the caller's is checked.
             validate_key(key)?;
@@ -46,7 +46,7 @@ impl Limiter {
                 cost: cost_tokens,
             });
         }
-        self.start_at(plan, chosen, key, cost_tokens)
+        self.start_at(plan, index, key, cost_tokens)
     }
 
     /// [`start`](Self::start) once the plan is known and the cost checked, on `key`, the key
@@ -55,12 +55,12 @@ impl Limiter {
     #[inline]
     fn start_at<'a>(
         &'a self,
-        plan: &'a Plan,
-        chosen: Option<(&'a Arc<Plan>, u32)>,
+        plan: PlanRef<'a>,
+        index: Option<u32>,
         key: &str,
         cost_tokens: Tokens,
     ) -> Result<Step<'a>, Error> {
-        let Some(settings) = plan.lease() else {
+        let Some(settings) = plan.lease().copied() else {
             validate_stored_key(key)?;
             return Ok(Step::Direct {
                 plan,
@@ -75,13 +75,17 @@ impl Limiter {
             return Self::beyond_a_lease(plan, key, cost_tokens);
         }
         let leases = self.leases();
-        let fast = leases.try_take(plan, chosen, key, nanos, &self.inner.plans);
+        let chosen = match (&plan, index) {
+            (PlanRef::Chosen(shared), Some(index)) => Some((shared, index)),
+            _ => None,
+        };
+        let fast = leases.try_take(&plan, chosen, key, nanos, &self.inner.plans);
         if let Fast::Taken {
             left,
             store_remaining,
         } = fast
         {
-            return Ok(Step::Done(lease_allowed(plan, left, store_remaining)));
+            return Ok(Step::Done(lease_allowed(&plan, left, store_remaining)));
         }
         // Only a key already in the table (checked when it went in) is spent from a lease.
         validate_stored_key(key)?;
@@ -102,7 +106,7 @@ impl Limiter {
                 max_wait: settings.max_wait,
             },
             Fast::Dry { retry_after } => {
-                Step::Done(self.recorded(plan, lease_denied(plan, retry_after)))
+                Step::Done(self.recorded(&plan, lease_denied(&plan, retry_after)))
             }
             Fast::Failing | Fast::Short(_) => {
                 // The key's refill failed lately, or its plan waits for nothing.
@@ -142,22 +146,31 @@ impl Limiter {
 
     /// Counts a decision made off the fast path under `plan` (on its counters in the plan
     /// registry), after [`shadowed`] let a shadow plan's denial through.
-    fn recorded(&self, plan: &Plan, decision: Decision) -> Decision {
+    fn recorded(&self, plan: &PlanRef<'_>, decision: Decision) -> Decision {
         let decision = shadowed(plan, decision);
-        crate::metrics::record(&self.inner.plans.counters_of(plan), &decision);
+        crate::metrics::record(&self.counters(plan), &decision);
         decision
+    }
+
+    /// The counters `plan`'s decisions count on. A plan the policies chose that a reload has
+    /// removed since counts on none (`PlanRegistry::counters_of_given`): its series are gone.
+    fn counters(&self, plan: &PlanRef<'_>) -> Arc<crate::metrics::PlanCounters> {
+        match plan {
+            PlanRef::Named(plan) => self.inner.plans.counters_of(plan),
+            PlanRef::Chosen(plan) => self.inner.plans.counters_of_given(plan),
+        }
     }
 
     /// The plan's fallback decides `cost` on `key` at `now`: the store failed, timed out, or
     /// cannot be asked.
     async fn decide_by_fallback(
         &self,
-        plan: &Plan,
+        plan: &PlanRef<'_>,
         key: &str,
         cost: Tokens,
         now: Instant,
     ) -> Decision {
-        let counters = self.inner.plans.counters_of(plan);
+        let counters = self.counters(plan);
         self.inner
             .fallback
             .decide(plan, &counters, key, cost, now)
@@ -215,9 +228,16 @@ impl Limiter {
                 slot,
                 max_wait,
             } => {
+                let plan = &plan;
                 let leases = self.leases();
                 let waited = leases
-                    .wait(slot, lease_cost(cost), now + max_wait, &self.inner.plans)
+                    .wait(
+                        slot,
+                        lease_cost(cost),
+                        now + max_wait,
+                        &self.inner.plans,
+                        matches!(plan, PlanRef::Chosen(_)),
+                    )
                     .await;
                 // The call waited: what decides it next reads the clock once more.
                 let now = self.inner.clock.instant();
@@ -250,13 +270,15 @@ impl Limiter {
                 }
             }
             Step::Fallback { plan, cost } => {
+                let plan = &plan;
                 Ok(self.recorded(plan, self.decide_by_fallback(plan, stored, cost, now).await))
             }
             Step::Direct { plan, cost } => self
-                .direct(plan, stored, cost, now)
+                .direct(&plan, stored, cost, now)
                 .await
-                .map(|d| self.recorded(plan, d)),
+                .map(|d| self.recorded(&plan, d)),
             Step::Sparse { plan, cost, slot } => {
+                let plan = &plan;
                 let decision = self.direct(plan, stored, cost, now).await?;
                 let by_store = decision.decided_by == DecidedBy::Store;
                 let spent = if decision.allowed && by_store {
@@ -386,7 +408,7 @@ impl Limiter {
     /// the store did not answer in time.
     async fn direct(
         &self,
-        plan: &Plan,
+        plan: &PlanRef<'_>,
         key: &str,
         cost: Tokens,
         now: Instant,
@@ -428,29 +450,50 @@ impl Limiter {
     }
 }
 
+/// A call's plan: the caller's, or the one the policies chose, which the call holds (a reload
+/// may release the plan registry's entry while the call waits).
+#[derive(Debug, Clone)]
+pub(super) enum PlanRef<'a> {
+    /// Named by the caller.
+    Named(&'a Plan),
+    /// Chosen by the policies in force when the call started.
+    Chosen(Arc<Plan>),
+}
+
+impl std::ops::Deref for PlanRef<'_> {
+    type Target = Plan;
+
+    fn deref(&self) -> &Plan {
+        match self {
+            PlanRef::Named(plan) => plan,
+            PlanRef::Chosen(plan) => plan,
+        }
+    }
+}
+
 /// Where [`Limiter::start`] left a call.
 pub(super) enum Step<'a> {
     /// Decided.
     Done(Decision),
     /// A shadow plan's call: the rest runs on the plan's own key ([`Plan::store_key`]), made
     /// in [`Limiter::finish`] (`start` borrows the caller's key and cannot hold a new one).
-    Shadow { plan: &'a Plan, cost: Tokens },
+    Shadow { plan: PlanRef<'a>, cost: Tokens },
     /// Wait for the slot's refill for at most `max_wait` (from the call's reading of the clock,
     /// taken when it leaves [`Limiter::start`]).
     Wait {
-        plan: &'a Plan,
+        plan: PlanRef<'a>,
         cost: Tokens,
         slot: crate::lease::SlotRef,
         max_wait: Duration,
     },
     /// The fallback decides.
-    Fallback { plan: &'a Plan, cost: Tokens },
+    Fallback { plan: PlanRef<'a>, cost: Tokens },
     /// One store call decides (direct mode, or no room in the lease table).
-    Direct { plan: &'a Plan, cost: Tokens },
+    Direct { plan: PlanRef<'a>, cost: Tokens },
     /// One store call decides a sparse key's call (`Fast::Sparse`), and the lease table hears
     /// of it.
     Sparse {
-        plan: &'a Plan,
+        plan: PlanRef<'a>,
         cost: Tokens,
         slot: crate::lease::SlotRef,
     },

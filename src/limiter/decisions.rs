@@ -37,6 +37,11 @@ pub(super) fn from_store(plan: &Plan, acquired: &Acquired) -> Decision {
 }
 
 pub(super) fn lease_allowed(plan: &Plan, left: u64, store_remaining: u64) -> Decision {
+    lease_allowed_at(plan.capacity(), left, store_remaining)
+}
+
+/// [`lease_allowed`] for a plan of this `capacity`.
+pub(super) fn lease_allowed_at(capacity: Tokens, left: u64, store_remaining: u64) -> Decision {
     Decision {
         allowed: true,
         would_deny: false,
@@ -44,9 +49,9 @@ pub(super) fn lease_allowed(plan: &Plan, left: u64, store_remaining: u64) -> Dec
         // they can add up to more than it ever holds.
         remaining: Some(std::cmp::min(
             Tokens::from_nanos(u128::from(left) + u128::from(store_remaining)),
-            plan.capacity(),
+            capacity,
         )),
-        limit: plan.capacity(),
+        limit: capacity,
         retry_after: Duration::ZERO,
         // The lease spends tokens granted earlier: the bucket's fill is not known here.
         reset_after: None,

@@ -1,6 +1,6 @@
 //! The policies a limiter holds: which plan a key gets, [`Limiter::reload`] swapping them
-//! while calls run (and [`ReloadError`] when it refuses), and the plan registry that keeps
-//! every plan the limiter was given.
+//! while calls run (and [`ReloadError`] when it refuses), and the plan registry that holds
+//! the plans in force.
 //!
 //! Apart because it changes at its own pace, by reloads, and what it must keep true (no call
 //! fails or waits because of a reload; a stale lease is retired) is not the call path's.
@@ -34,7 +34,7 @@ impl Loaded {
             registry.counters_of(plan).hold(true);
         }
         let index = entries.iter().map(|&(i, _)| i).collect();
-        let mut shared = entries.into_iter().map(|(_, plan)| Arc::clone(plan));
+        let mut shared = entries.into_iter().map(|(_, plan)| plan);
         policies.intern_plans(|_| shared.next().expect("an entry for each plan"));
         Ok(Loaded {
             policies: Arc::new(policies),
@@ -47,21 +47,21 @@ impl Loaded {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ReloadError {
-    /// The limiter keeps every distinct plan it has been given until it is dropped (so that a
-    /// key's record can name its plan without a lock), each once however often it is
-    /// reloaded, up to `max` ([`policy::MAX_PLANS`](crate::policy::MAX_PLANS), 65,528):
-    /// this reload's new plans do not fit beside those it holds. A refused reload adds none.
-    /// A new limiter (a restart) starts afresh.
+    /// The limiter holds the distinct plans in force, up to `max`
+    /// ([`policy::MAX_PLANS`](crate::policy::MAX_PLANS), 65,528), and a reload takes in its
+    /// new plans before it lets go of those it replaces: this reload's new plans do not fit
+    /// beside those in force. A refused reload adds none. A reload to a policy that keeps
+    /// more of the plans in force (or fewer plans) first, then this one, fits.
     #[error(
         "too many distinct plans: this reload adds {adding} to the {held} the limiter holds, \
-         more than the {max} it can hold over its life (a plan is kept until the process \
-         exits, once however often it is reloaded); restart the process to start afresh"
+         more than the {max} it can hold at once (a reload takes in its new plans before it \
+         lets go of those it replaces); reload a policy that changes fewer plans first"
     )]
     #[non_exhaustive]
     TooManyPlans {
         /// The bound.
         max: usize,
-        /// The distinct plans the limiter holds.
+        /// The distinct plans the limiter holds (those in force).
         held: usize,
         /// The plans of the refused policies that it does not hold.
         adding: usize,
@@ -105,11 +105,12 @@ impl Limiter {
     /// # Errors
     ///
     /// [`ReloadError::TooManyPlans`] when the new policies' plans that the limiter does not
-    /// hold yet would take it past the distinct plans it keeps over its life
-    /// ([`policy::MAX_PLANS`](crate::policy::MAX_PLANS)); nothing changes then. Plans are
-    /// never forgotten while the limiter lives: reloading versions it holds costs nothing, and
-    /// a reload that changes `k` plans uses `k` of the 65,528.
+    /// hold yet, beside those in force, would pass the distinct plans it holds at once
+    /// ([`policy::MAX_PLANS`](crate::policy::MAX_PLANS)); nothing changes then. Once the new
+    /// policies are in force the limiter lets go of every plan they do not hold (its entry,
+    /// its counters, its metric handles), so reloads cost nothing over time.
     pub fn reload(&self, policies: Policies) -> Result<Arc<Policies>, ReloadError> {
+        let _one = self.inner.plans.reloading();
         let loaded = Loaded::new(policies, &self.inner.plans).map_err(|full| {
             crate::metrics::record_reload(false);
             ReloadError::TooManyPlans {
@@ -120,17 +121,26 @@ impl Limiter {
         })?;
         crate::metrics::record_reload(true);
         let new = Arc::clone(&loaded.policies);
-        *self.inner.policies.write() = Some(loaded);
-        self.release_removed_plans();
-        if let Some(leases) = self.inner.leases.get() {
-            // Plans any policies have held, by name (not a reference to the limiter: the actor
-            // holds this until its next round), so that each lease costs a look-up, not a scan.
-            let mut given: std::collections::HashMap<String, Vec<Arc<Plan>>> =
-                std::collections::HashMap::new();
-            for plan in (0..self.inner.plans.len()).filter_map(|i| self.inner.plans.get(i)) {
+        let keep = loaded.index.clone();
+        // Plans the registry held until now, the removed ones with the rest, by name (not a
+        // reference to the limiter: the actor holds this until its next round), so that each
+        // lease costs a look-up, not a scan.
+        let leases = self.inner.leases.get();
+        let mut given: std::collections::HashMap<String, Vec<Arc<Plan>>> =
+            std::collections::HashMap::new();
+        if leases.is_some() {
+            self.inner.plans.each_plan(|plan| {
                 let versions = given.entry(plan.name().to_owned()).or_default();
                 versions.push(Arc::clone(plan));
-            }
+            });
+        }
+        *self.inner.policies.write() = Some(loaded);
+        self.release_removed_plans();
+        // The entries of plans no policy holds now go; a key's record that names one finds
+        // its slot empty, or another plan's entry it can tell apart (`plans.rs`).
+        self.inner.plans.release_all_but(&keep);
+        self.inner.plans.forget_released_counters();
+        if let Some(leases) = leases {
             let policies = Arc::clone(&new);
             leases.reload(crate::lease::Stale(Box::new(
                 move |key: &str, plan: &Plan, by_key: bool| {
@@ -192,31 +202,32 @@ impl Limiter {
         });
     }
 
-    /// How many distinct plans this limiter has held over its life: every plan of every policy
-    /// it was built with or reloaded with, counted once each.
+    /// How many distinct plans this limiter holds: those of the policies in force, each once
+    /// (a reload lets go of the plans it replaced before it returns).
     ///
-    /// A limiter holds at most [`policy::MAX_PLANS`](crate::policy::MAX_PLANS) and
-    /// [`reload`](Limiter::reload) refuses policies that would pass that bound
-    /// ([`ReloadError::TooManyPlans`]): watch this number to
-    /// see how close frequent reloads bring it.
+    /// A limiter holds at most [`policy::MAX_PLANS`](crate::policy::MAX_PLANS), and
+    /// [`reload`](Limiter::reload) refuses policies whose new plans would pass that bound
+    /// beside those in force ([`ReloadError::TooManyPlans`]).
     #[must_use]
     pub fn plans_held(&self) -> usize {
         self.inner.plans.len()
     }
 
-    /// The plan the policies give `key`, and its index among them.
-    pub(super) fn plan_for_key(&self, key: &str) -> Result<(&Arc<Plan>, u32), Error> {
+    /// The plan the policies give `key` (the registry's shared `Arc`, which the call holds:
+    /// a reload may release the registry's entry while the call runs), and its index in the
+    /// registry.
+    pub(super) fn plan_for_key(&self, key: &str) -> Result<(Arc<Plan>, u32), Error> {
         let no_plan = || Error::NoPlanForKey {
             key: key.chars().take(64).collect(),
         };
-        let index = {
-            let loaded = self.inner.policies.read();
-            loaded
-                .as_ref()
-                .and_then(|l| Some(l.index[l.policies.plan_index_for_key(key)?]))
-                .ok_or_else(no_plan)?
-        };
-        let plan = self.inner.plans.get(index as usize).ok_or_else(no_plan)?;
-        Ok((plan, index))
+        let loaded = self.inner.policies.read();
+        loaded
+            .as_ref()
+            .and_then(|l| {
+                let i = l.policies.plan_index_for_key(key)?;
+                let plan = l.policies.plans().nth(i)?;
+                Some((Arc::clone(plan), l.index[i]))
+            })
+            .ok_or_else(no_plan)
     }
 }

@@ -99,7 +99,7 @@ pub use types::{
 /// file costs.
 pub const MAX_POLICY_BYTES: u64 = 16 * 1024 * 1024;
 
-/// The most plans a policy may define: what one limiter can hold (its plan registry gives each
-/// distinct plan a 16-bit index that a key's record keeps). A file with more is refused with
+/// The most plans a policy may define: what one limiter can hold at once (its plan registry
+/// gives each distinct plan in force a 16-bit index that a key's record keeps). A file with more is refused with
 /// [`PolicyErrorKind::TooManyPlans`].
 pub const MAX_PLANS: usize = 65_528;

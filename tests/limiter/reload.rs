@@ -292,7 +292,7 @@ async fn r3_thousands_of_reloads_under_load_keep_the_envelope() {
 }
 
 /// R4: the registry of plans is bounded and shared: reloading the same two versions over and
-/// over adds nothing, so the thousands of reloads of R3 cost no memory.
+/// over leaves it holding the plans in force, so the thousands of reloads of R3 cost no memory.
 #[tokio::test]
 async fn r4_reloading_the_same_versions_adds_no_plans() {
     let limiter = Limiter::builder(tokenlease::store::MemoryStore::new())
@@ -307,8 +307,8 @@ async fn r4_reloading_the_same_versions_adds_no_plans() {
         let r: Result<_, ReloadError> = limiter.reload(v);
         r.expect("reload");
     }
-    // Distinct plans seen: p with capacity 5 and 6, and d.
-    assert_eq!(limiter.plans_held(), 3);
+    // In force: p with capacity 5, and d; the version with capacity 6 was let go.
+    assert_eq!(limiter.plans_held(), 2);
 }
 
 /// R7: a reload that changes a plan closes the leases of its shadow twin too (the plan an HTTP
@@ -378,10 +378,11 @@ fn numbered(n: usize, capacity: u64) -> Policies {
 }
 
 /// R8: a reload refused for too many plans leaves the plan registry as it was: with 30,000
-/// plans in force, 40,000 new ones are refused (30,000 + 40,000 > 65,528), and then 30,000
-/// new ones, which fit beside the 30,000, are put in force. The registry never forgets a plan
-/// (a key's record names its plan by index without a lock), so the next 30,000 are refused,
-/// and the message says what is held, what the reload adds, and what to do.
+/// plans in force, 40,000 new ones are refused (a reload takes its new plans in before it lets
+/// go of the old: 30,000 + 40,000 > 65,528), and then 30,000 new ones, which fit beside the
+/// 30,000, are put in force, and the 30,000 they replaced are let go. So the next 30,000 new
+/// ones fit too, and 40,000 are refused again, with a message that says what is held, what
+/// the reload adds, and what to do.
 #[tokio::test]
 async fn r8_a_refused_reload_leaves_the_registry_as_it_was() {
     let limiter = Limiter::builder(tokenlease::store::MemoryStore::new())
@@ -399,21 +400,26 @@ async fn r8_a_refused_reload_leaves_the_registry_as_it_was() {
     limiter
         .reload(numbered(30_000, 3))
         .expect("30,000 new plans fit beside 30,000");
-    assert_eq!(limiter.plans_held(), 60_000);
+    assert_eq!(limiter.plans_held(), 30_000);
     assert_eq!(limiter.policies().unwrap().plans().count(), 30_000);
     assert!(limiter.try_acquire("k:b", 3.0).await.unwrap().allowed);
 
-    let err = limiter.reload(numbered(30_000, 4)).unwrap_err();
+    limiter
+        .reload(numbered(30_000, 4))
+        .expect("the plans replaced were let go");
+    assert_eq!(limiter.plans_held(), 30_000);
+    let err = limiter.reload(numbered(40_000, 5)).unwrap_err();
     assert_eq!(
         err.to_string(),
-        "too many distinct plans: this reload adds 30000 to the 60000 the limiter holds, \
-         more than the 65528 it can hold over its life (a plan is kept until the process \
-         exits, once however often it is reloaded); restart the process to start afresh"
+        "too many distinct plans: this reload adds 40000 to the 30000 the limiter holds, \
+         more than the 65528 it can hold at once (a reload takes in its new plans before it \
+         lets go of those it replaces); reload a policy that changes fewer plans first"
     );
-    assert_eq!(limiter.plans_held(), 60_000);
-    // Reloading versions already held adds nothing and is not refused.
-    limiter.reload(numbered(30_000, 1)).expect("held already");
-    assert_eq!(limiter.plans_held(), 60_000);
+    assert_eq!(limiter.plans_held(), 30_000);
+    // Reloading the versions in force adds nothing and is not refused.
+    limiter.reload(numbered(30_000, 4)).expect("held already");
+    assert_eq!(limiter.plans_held(), 30_000);
+    assert!(limiter.try_acquire("k:c", 4.0).await.unwrap().allowed);
 }
 
 /// R9: a limiter built from a policy of 65,528 plans (the most a file may hold) holds them
@@ -531,7 +537,7 @@ impl metrics::Recorder for Holding {
 /// counters, 3 outage-debt series), so a recorder that forgets unheld series keeps no series
 /// of the 64,999 removed plans; the plan that stayed counts on as before. A removed plan that
 /// comes back takes its handles again, from zero once its series were forgotten. The plan
-/// registry itself keeps every distinct plan (bounded, `plans_held`), by design.
+/// registry holds the plans in force only (`plans_held`).
 #[test]
 fn k9_a_reload_releases_the_metric_handles_of_the_plans_it_removed() {
     let recorder = Holding::default();
@@ -579,4 +585,89 @@ fn k9_a_reload_releases_the_metric_handles_of_the_plans_it_removed() {
             assert_eq!(limiter.plans_held(), 65_000);
         });
     });
+}
+
+/// K9, the plan registry's part: 20 reloads alternating between 65,000 plans and one leave the
+/// registry holding the plans in force only, after each of them: the entries of the plans a
+/// reload removed are let go (and their indices taken again by the next 65,000), so the bound
+/// of 65,528 is never reached however often the two files alternate.
+#[tokio::test]
+async fn k9_reloads_between_65000_plans_and_one_hold_only_the_plans_in_force() {
+    let many = numbered(65_000, 1);
+    let one = || numbered(1, 1);
+    let limiter = Limiter::builder(tokenlease::store::MemoryStore::new())
+        .policies(one())
+        .build();
+    for round in 0..10 {
+        limiter.reload(many.clone()).expect("65,000 plans");
+        assert_eq!(limiter.plans_held(), 65_000, "round {round}");
+        limiter.reload(one()).expect("back to one plan");
+        assert_eq!(limiter.plans_held(), 1, "round {round}");
+    }
+    // The plan that stayed in force throughout decides as before.
+    assert!(limiter.try_acquire("k:a", 1.0).await.unwrap().allowed);
+    assert!(!limiter.try_acquire("k:a", 1.0).await.unwrap().allowed);
+}
+
+/// K9, an index given to another plan: a key's lease-table record names its plan by index, and
+/// a reload may release that plan and give its index to another. The key's next call must not
+/// read the other plan there: `k:a` leases under `p` (index 0); 65,527 other plans fill every
+/// other index and `p` is removed; then one of them changes, and its new version takes index 0.
+/// Before the actor's next round (which retires `k:a`'s stale lease) the call on `k:a` is
+/// decided under the plan the policies give it now (`q0`, capacity 1,000), not under the plan
+/// now at its record's index (`x`'s new version, capacity 5).
+#[tokio::test(flavor = "current_thread")]
+async fn k9_a_record_never_reads_another_plan_at_its_index() {
+    let lease = r#""lease": { "ttl_ms": 60000, "max_fraction": 0.5, "max_wait_ms": 1000 }"#;
+    let filled = |changed: bool| {
+        let mut json = String::from(r#"{ "plans": {"#);
+        for i in 0..65_526 {
+            json.push_str(&format!(
+                r#""q{i}":{{"capacity":1000,"refill_per_second":1,{lease}}},"#
+            ));
+        }
+        let x = if changed { 5 } else { 1000 };
+        json.push_str(&format!(
+            r#""x":{{"capacity":{x},"refill_per_second":1,{lease}}}"#
+        ));
+        json.push_str(r#"}, "keys": [ { "prefix": "k:", "plan": "q0" } ] }"#);
+        policies(&json)
+    };
+    let first = policies(&format!(
+        r#"{{ "plans": {{ "p": {{ "capacity": 1000, "refill_per_second": 1, {lease} }} }},
+             "keys": [ {{ "prefix": "k:", "plan": "p" }} ] }}"#
+    ));
+    let limiter = Limiter::builder(tokenlease::store::MemoryStore::new())
+        .policies(first)
+        .build();
+    // A live lease for `k:a` under `p`.
+    assert!(limiter.try_acquire("k:a", 1.0).await.unwrap().allowed);
+    limiter.leases_idle().await;
+    let d = limiter.try_acquire("k:a", 1.0).await.unwrap();
+    assert_eq!(
+        (d.decided_by, d.limit),
+        (DecidedBy::Lease, tokenlease::bucket::Tokens::whole(1000))
+    );
+    // A sparse key's lease holds what its callers waited for: tokens given back go into it.
+    let p = Arc::clone(limiter.policies().unwrap().plan("p").expect("p"));
+    assert!(limiter.refund(&p, "k:a", 10.0).await.unwrap());
+    assert!(
+        limiter
+            .try_acquire_now_with(&p, "k:a", 1.0)
+            .unwrap()
+            .is_some(),
+        "k:a's lease holds tokens"
+    );
+
+    // No await from here on: the actor does not run, and `k:a`'s record still names index 0.
+    limiter
+        .reload(filled(false))
+        .expect("65,527 plans beside p");
+    assert_eq!(limiter.plans_held(), 65_527);
+    // `x` changes: its new version takes the only free index, p's.
+    limiter.reload(filled(true)).expect("one new plan");
+    assert_eq!(limiter.plans_held(), 65_527);
+    let d = limiter.try_acquire("k:a", 1.0).await.unwrap();
+    assert_eq!(d.decided_by, DecidedBy::Lease, "{d:?}");
+    assert_eq!(d.limit, tokenlease::bucket::Tokens::whole(1000), "{d:?}");
 }
