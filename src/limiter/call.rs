@@ -139,7 +139,7 @@ impl Limiter {
     /// [`LeaseSettings::MAX_LEASE`]: crate::policy::LeaseSettings::MAX_LEASE
     #[cold]
     #[inline(never)]
-    fn beyond_a_lease<'a>(plan: &'a Plan, key: &str, cost: Tokens) -> Result<Step<'a>, Error> {
+    fn beyond_a_lease<'a>(plan: PlanRef<'a>, key: &str, cost: Tokens) -> Result<Step<'a>, Error> {
         validate_stored_key(key)?;
         Ok(Step::Direct { plan, cost })
     }
