@@ -282,6 +282,29 @@ pub enum MigrateError {
         #[source]
         error: tokio_postgres::Error,
     },
+    /// The role lacks a privilege migrating needs: `CREATE` on the schema, or ownership of the
+    /// tables once they exist (SQLSTATE 42501). A service that runs as a role without them
+    /// leaves migrating to a role that has them (a deploy step, `tokenlease migrate`) and builds
+    /// its stores with
+    /// [`PostgresStoreBuilder::migrate(false)`](crate::store::PostgresStoreBuilder::migrate);
+    /// docs/roles.md has both roles' grants.
+    #[error(
+        "the role {role:?} cannot migrate: it lacks {missing} ({detail}); migrate as the role \
+         that owns the schema (e.g. `tokenlease migrate` with its DATABASE_URL), and build the \
+         stores of a role without that privilege with PostgresStoreBuilder::migrate(false) \
+         (docs/roles.md)"
+    )]
+    Privilege {
+        /// The role that tried (`current_user`).
+        role: String,
+        /// What it lacks, e.g. `CREATE on schema "public"`.
+        missing: String,
+        /// The server's error, with SQLSTATE.
+        detail: String,
+        /// The underlying error; also the error's [`source`](std::error::Error::source).
+        #[source]
+        error: tokio_postgres::Error,
+    },
     /// The migration list itself is malformed (versions not strictly increasing, or ≤ 0).
     #[error("invalid migration list: {0}")]
     InvalidList(String),
@@ -306,6 +329,7 @@ impl MigrateError {
         match self {
             MigrateError::Apply { error, .. }
             | MigrateError::Database { error, .. }
+            | MigrateError::Privilege { error, .. }
             | MigrateError::Function { error, .. } => Some(error),
             _ => None,
         }

@@ -256,7 +256,8 @@ const RECORD: &str =
 /// # Errors
 ///
 /// [`MigrateError::ChecksumMismatch`] naming the version when an applied migration's SQL
-/// changed; [`MigrateError::Apply`] when a migration fails (it is rolled back, the ones before
+/// changed; [`MigrateError::Privilege`] when the role lacks a privilege migrating needs
+/// (`CREATE` on the schema, ownership of the tables: docs/roles.md); [`MigrateError::Apply`] when a migration fails (it is rolled back, the ones before
 /// it stay applied); [`MigrateError::Database`] when the connection or the bookkeeping fails.
 ///
 /// # Cancel safety
@@ -265,6 +266,14 @@ const RECORD: &str =
 /// all (one transaction each), but may leave the client inside a transaction that its
 /// `Transaction` guard is rolling back; use a fresh connection after cancelling.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<MigrationReport, MigrateError> {
+    match migrate_all(client).await {
+        Ok(report) => Ok(report),
+        Err(error) => Err(privilege::explain(client, error).await),
+    }
+}
+
+/// [`migrate`] before a refused privilege is explained.
+async fn migrate_all(client: &mut tokio_postgres::Client) -> Result<MigrationReport, MigrateError> {
     let mut report = migrate_with(client, MIGRATIONS).await?;
     (report.functions_applied, report.functions_newer) =
         super::functions::apply(client, super::functions::FUNCTIONS, LOCK).await?;
@@ -419,6 +428,8 @@ fn validate(migrations: &[Migration]) -> Result<(), MigrateError> {
     }
     Ok(())
 }
+
+mod privilege;
 
 #[cfg(test)]
 mod db_tests;
