@@ -15,7 +15,7 @@
 //!   entity layer is there to prevent.
 
 use std::io::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use tokenlease::policy::{FallbackMode, LeaseSettings, Policies};
@@ -39,7 +39,7 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
             let _ = writeln!(std::io::stdout().lock(), "{}", policies.summary());
             let mut stderr = std::io::stderr().lock();
             for warning in warnings(&policies) {
-                let _ = writeln!(stderr, "{}: warning: {warning}", args.file.display());
+                let _ = writeln!(stderr, "{}", printed(&args.file, &warning));
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -48,6 +48,13 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
             Ok(ExitCode::FAILURE)
         }
     }
+}
+
+/// One warning as `check` and the demo's reload print it: `FILE: warning: TEXT`, wrapped to
+/// [`figures::WIDTH`](super::figures::WIDTH) columns (continuation lines indented by two
+/// spaces).
+pub(crate) fn printed(file: &Path, warning: &str) -> String {
+    super::figures::wrap(&format!("{}: warning: {warning}", file.display()))
 }
 
 /// The plans whose fallback is a local bucket for one instance, one line each in file order,

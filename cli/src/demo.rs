@@ -228,12 +228,15 @@ async fn serve(
     out.flush()?;
     drop(out);
 
-    axum::serve(
+    // Each connection has HEADER_READ_TIMEOUT to send a request's head, new or kept alive
+    // (serve.rs): half-open and idle connections do not hold the demo's sockets.
+    super::serve::serve(
         listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
+        app,
+        super::serve::HEADER_READ_TIMEOUT,
+        shutdown_signal(),
     )
-    .with_graceful_shutdown(shutdown_signal())
-    .await?;
+    .await;
     drop(cleanup);
     // Give every lease back before the database goes away.
     limiter.shutdown().await;

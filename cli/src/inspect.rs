@@ -6,6 +6,7 @@ use std::time::SystemTime;
 use tokenlease::store::{PostgresStore, Store};
 
 use super::db::{DatabaseError, redact};
+use super::figures;
 
 /// Arguments of `tokenlease inspect`.
 #[derive(Debug, clap::Args)]
@@ -44,7 +45,11 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
         .enable_all()
         .build()?;
     runtime.block_on(async {
-        let store = PostgresStore::connect(&url)
+        // Reading never migrates: a service's least-privilege role can inspect (docs/roles.md).
+        let store = PostgresStore::builder(&url)
+            .map_err(|e| DatabaseError::new("use", &url, &e))?
+            .migrate(false)
+            .build()
             .await
             .map_err(|e| DatabaseError::new("connect to", &url, &e))?;
         let Some(row) = store
@@ -70,8 +75,13 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
         let ago = |t: SystemTime| {
             row.store_now
                 .duration_since(t)
-                .map(|d| format!("{:.3} s ago", d.as_secs_f64()))
-                .unwrap_or_else(|e| format!("{:.3} s in the future", e.duration().as_secs_f64()))
+                .map(|d| format!("{} ago", figures::seconds(d.as_secs_f64())))
+                .unwrap_or_else(|e| {
+                    format!(
+                        "{} in the future",
+                        figures::seconds(e.duration().as_secs_f64())
+                    )
+                })
         };
         if args.json {
             let json = serde_json::json!({
@@ -94,14 +104,24 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
             println!("key                {:?}", row.key);
             println!(
                 "tokens now         {} of {}",
-                row.tokens_now.trimmed(),
-                row.capacity.trimmed()
+                figures::tokens(row.tokens_now.as_f64()),
+                figures::tokens(row.capacity.as_f64())
             );
             println!(
                 "tokens stored      {} (as of updated_at)",
-                row.tokens.trimmed()
+                figures::tokens(row.tokens.as_f64())
             );
-            println!("refill per second  {}", row.refill_per_second.trimmed());
+            let nanos = row.refill_per_second.as_nanos();
+            let per_second = row.refill_per_second.as_f64();
+            let rate = figures::rate(nanos);
+            if rate.ends_with("per second") {
+                println!("refill             {rate}");
+            } else {
+                println!(
+                    "refill             {rate} ({} per second)",
+                    figures::tokens(per_second)
+                );
+            }
             println!("updated_at         {}", ago(row.updated_at));
             for l in &row.leases {
                 let left = l
@@ -109,9 +129,10 @@ pub(crate) fn run(args: Args) -> super::CmdResult {
                     .duration_since(row.store_now)
                     .map_or(0.0, |d| d.as_secs_f64());
                 println!(
-                    "strict lease       holder {:x}: {} tokens, counted {left:.3} s more",
+                    "strict lease       holder {:x}: {} tokens, counted {} more",
                     l.holder,
-                    l.amount.trimmed()
+                    figures::tokens(l.amount.as_f64()),
+                    figures::seconds(left)
                 );
             }
         }

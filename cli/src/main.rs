@@ -13,12 +13,14 @@ mod dashboard;
 mod db;
 mod demo;
 mod fault;
+mod figures;
 mod inspect;
 mod loadtest;
 mod migrate;
 mod reload;
 mod reshard;
 mod series;
+mod serve;
 mod server_cpu;
 mod trim;
 

@@ -131,7 +131,7 @@ fn report(path: &Path, why: &str, message: &str) {
 fn reload(path: &Path, layer: &RateLimitLayer) -> Result<String, Refused> {
     let policies = Policies::from_file(path).map_err(|e| Refused::Check(e.to_string()))?;
     for warning in super::check::warnings(&policies) {
-        eprintln!("{}: warning: {warning}", path.display());
+        eprintln!("{}", super::check::printed(path, &warning));
     }
     let summary = policies.summary();
     layer

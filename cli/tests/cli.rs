@@ -160,6 +160,18 @@ async fn inspect_of_a_mistyped_key_says_it_has_no_row() {
     assert!(stdout.contains("mistyped"), "{stdout}");
 }
 
+/// F2: `check`'s warnings as printed are wrapped to 100 columns, continuation lines indented by
+/// two spaces; this joins each warning's lines again (and checks the widths).
+fn unwrapped(stderr: &str) -> String {
+    for line in stderr.lines() {
+        assert!(
+            line.chars().count() <= 100,
+            "a line over 100 columns: {line}"
+        );
+    }
+    stderr.replace("\n  ", " ")
+}
+
 fn check(json: &str) -> Output {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("policy.json");
@@ -195,6 +207,7 @@ fn check_warns_about_entity_limits_above_the_global_limit() {
     );
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "a warning is not a failure: {stderr}");
+    let stderr = unwrapped(&stderr);
     assert!(stdout.contains("4 plans, 3 routes"), "{stdout}");
     let warnings: Vec<&str> = stderr.lines().filter(|l| l.contains("routes[")).collect();
     assert_eq!(warnings.len(), 2, "{stderr}");
@@ -232,6 +245,7 @@ fn check_warns_about_plans_whose_fallback_is_local_for_one_instance() {
     );
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "a warning is not a failure: {stderr}");
+    let stderr = unwrapped(&stderr);
     assert!(stdout.contains("5 plans"), "{stdout}");
     let warnings: Vec<&str> = stderr.lines().filter(|l| l.contains("warning")).collect();
     assert_eq!(warnings.len(), 2, "{stderr}");
@@ -274,6 +288,7 @@ fn check_warns_about_leased_plans_larger_than_a_lease() {
     );
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "a warning is not a failure: {stderr}");
+    let stderr = unwrapped(&stderr);
     assert!(stdout.contains("4 plans"), "{stdout}");
     let warnings: Vec<&str> = stderr.lines().filter(|l| l.contains("warning")).collect();
     assert_eq!(warnings.len(), 2, "{stderr}");
@@ -327,6 +342,7 @@ async fn check_and_inspect_print_amounts_without_trailing_zeros() {
         }"#,
     );
     let (_, stderr) = text(&out);
+    let stderr = unwrapped(&stderr);
     assert!(stderr.contains("(burst 150 > 100)"), "{stderr}");
 
     let db = common::database().await;
@@ -351,8 +367,58 @@ async fn check_and_inspect_print_amounts_without_trailing_zeros() {
         "{stdout}"
     );
     assert!(
-        stdout.contains("refill per second  0.333333333\n"),
+        stdout.contains("refill             20 per minute (0.333 per second)\n"),
         "{stdout}"
     );
     assert!(!stdout.contains("000000000"), "{stdout}");
+}
+
+/// F2: `inspect` prints a bucket's figures as its plan reads: tokens to two decimals, the rate
+/// of a plan written as 5 a minute as "5 per minute" (stored as 0.083333333 a second), the age
+/// of the row in ms or s. It runs without migrating, so a service's own role can use it.
+#[tokio::test]
+async fn f2_inspect_prints_tokens_and_rates_at_a_readable_precision() {
+    let db = common::database().await;
+    let store = common::store(&db, 1).await;
+    let per_minute = tokenlease::bucket::BucketConfig::new(
+        tokenlease::bucket::Tokens::whole(5),
+        tokenlease::bucket::Rate::from_nanos_per_second(5_000_000_000 / 60).expect("rate"),
+    )
+    .expect("bucket");
+    let plan = tokenlease::policy::Plan::new("p", per_minute);
+    let limiter = tokenlease::Limiter::builder(store).build();
+    let d = limiter
+        .try_acquire_with(&plan, "cli:per-minute", 1.4)
+        .await
+        .expect("decision");
+    assert!(d.allowed);
+    let out = tokenlease()
+        .args(["inspect", "cli:per-minute"])
+        .env("DATABASE_URL", db.connection_string())
+        .output()
+        .expect("run inspect");
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("refill             5 per minute (0.0833 per second)\n"),
+        "{stdout}"
+    );
+    let now = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("tokens now         "))
+        .expect("a tokens line");
+    let (amount, capacity) = now.split_once(" of ").expect("N of C");
+    assert_eq!(capacity, "5", "{stdout}");
+    let decimals = amount.split_once('.').map_or(0, |(_, d)| d.len());
+    assert!(decimals <= 2, "{stdout}");
+    let amount: f64 = amount.parse().expect("a number");
+    assert!((3.6..=3.7).contains(&amount), "{stdout}");
+    let updated = stdout
+        .lines()
+        .find(|l| l.starts_with("updated_at"))
+        .expect("an updated_at line");
+    assert!(
+        updated.ends_with(" ms ago") || updated.ends_with(" s ago"),
+        "{stdout}"
+    );
 }

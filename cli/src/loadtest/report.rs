@@ -3,6 +3,7 @@
 use serde::Serialize;
 
 use super::*;
+use crate::figures::latency_us;
 
 /// The result, as printed with `--json`.
 #[derive(Debug, Serialize)]
@@ -241,8 +242,11 @@ pub(super) fn print_table(r: &Report) {
     row(
         "latency",
         format!(
-            "p50 {:.1} µs, p99 {:.1} µs, p99.9 {:.1} µs, max {:.1} µs",
-            r.p50_us, r.p99_us, r.p999_us, r.max_us
+            "p50 {}, p99 {}, p99.9 {}, max {}",
+            latency_us(r.p50_us),
+            latency_us(r.p99_us),
+            latency_us(r.p999_us),
+            latency_us(r.max_us)
         ),
     );
     if let Some(t) = r.lease_tokens {
