@@ -4,8 +4,41 @@
 //! database's own clock, so any number of service instances share one limit. In leased mode each
 //! process reserves batches of tokens with one statement and spends them from memory with one
 //! compare-and-swap, so the database sees about one statement per lease instead of one per
-//! request. See `DESIGN.md` for the algorithm, the SQL, the overshoot bound and the failure
+//! request. [DESIGN.md] has the algorithm, the SQL, the overshoot bound and the failure
 //! behaviour.
+//!
+//! # Example
+//!
+//! A limit of 2 requests at once, refilled at 1 a second, per key. [`store::MemoryStore`] keeps
+//! the buckets in this process; a service shares them across its instances with
+//! `store::PostgresStore` instead (feature `postgres`, on by default), built with
+//! `PostgresStore::connect(url).await?` and given to the same builder.
+//!
+//! ```
+//! use tokenlease::Limiter;
+//! use tokenlease::policy::Policies;
+//! use tokenlease::store::MemoryStore;
+//!
+//! #[tokio::main(flavor = "current_thread")]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let policies = Policies::from_json_str(
+//!         r#"{ "plans": { "api": { "capacity": 2, "refill_per_second": 1 } },
+//!              "default_plan": "api" }"#,
+//!         None,
+//!     )?;
+//!     let limiter = Limiter::builder(MemoryStore::new()).policies(policies).build();
+//!
+//!     assert!(limiter.try_acquire("customer:42", 1.0).await?.allowed);
+//!     assert!(limiter.try_acquire("customer:42", 1.0).await?.allowed);
+//!     let third = limiter.try_acquire("customer:42", 1.0).await?;
+//!     assert!(!third.allowed); // the burst of 2 is spent: answer 429
+//!     println!("retry after {:?}", third.retry_after);
+//!     assert!(limiter.try_acquire("customer:7", 1.0).await?.allowed); // its own bucket
+//!
+//!     limiter.shutdown().await;
+//!     Ok(())
+//! }
+//! ```
 //!
 //! # Parameters
 //!
@@ -16,6 +49,8 @@
 //!   `w` admits at most `capacity + refill × w + N × max_fraction × capacity`.
 //! - **fallback**: who decides while the database is slow or down: allow, deny, or a local
 //!   bucket holding `1 / instances` of the limit.
+//!
+//! The policy file's every field, default and refusal: [docs/policy.md].
 //!
 //! # Features
 //!
@@ -29,10 +64,17 @@
 //! not needed to use this one: `tokenlease-testkit` (throwaway PostgreSQL and Citus clusters and
 //! a fault proxy, for tests) and `tokenlease-cli` (the `tokenlease` command).
 //!
+//! # Database roles
+//!
+//! A store built with migration on (the default) needs `CREATE` on the schema. A service that
+//! runs as a role with only the grants it needs to decide builds its store with
+//! `PostgresStoreBuilder::migrate(false)` and leaves migrating to the owner: [docs/roles.md]
+//! has both roles' SQL.
+//!
 //! # Layout
 //!
-//! `docs/api.md` in the repository (and the package) maps every public item to what it is for
-//! and the feature that brings it, in one page. The modules:
+//! [docs/api.md] maps every public item to what it is for and the feature that brings it, in
+//! one page. The modules:
 //!
 //! - [`bucket`]: the pure token bucket (no I/O, no clock, no async).
 //! - [`policy`]: the JSON policy file, validated into [`policy::Policies`].
@@ -43,6 +85,13 @@
 //! - `http` (feature `http`): the tower layer with a global and an entity limit per route.
 //! - [`metrics`]: metric names and `describe()`.
 //! - [`clock`]: the clocks local state reads.
+//!
+//! The pages named here are in the package, and docs.rs shows them with its source:
+//!
+//! [DESIGN.md]: https://docs.rs/crate/tokenlease/latest/source/DESIGN.md
+//! [docs/policy.md]: https://docs.rs/crate/tokenlease/latest/source/docs/policy.md
+//! [docs/roles.md]: https://docs.rs/crate/tokenlease/latest/source/docs/roles.md
+//! [docs/api.md]: https://docs.rs/crate/tokenlease/latest/source/docs/api.md
 
 #![forbid(unsafe_code)]
 
@@ -75,7 +124,13 @@ pub use error::Error;
 pub use lease::LeaseStats;
 pub use limiter::{DecidedBy, Decision, Limiter, ReloadError};
 
-/// The README's Rust blocks, compiled as doc tests (`cargo test --doc --all-features`).
+/// The README's Rust blocks, compiled as doc tests (`cargo test --doc --all-features`) from the
+/// very text a reader sees: they hide no lines, so each one compiles when pasted.
 #[cfg(all(doctest, feature = "postgres", feature = "http"))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
+
+/// docs/roles.md's Rust block, compiled as a doc test like the README's.
+#[cfg(all(doctest, feature = "postgres"))]
+#[doc = include_str!("../docs/roles.md")]
+struct RolesDoctests;

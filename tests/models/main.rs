@@ -5,7 +5,8 @@
 //! modules depend on each other one way (L1; a fraction of a second), `clock_reads` that
 //! the library reads time only through its clock (L2), `file_lengths` that no source file
 //! of the library is over 800 lines (L3), and `test_sleeps` that every sleep in the tests is
-//! the shared poll helper's or says why it is there (L4).
+//! the shared poll helper's or says why it is there (L4); `readme` that the README's and the
+//! docs' Rust blocks hide no lines and that the README opens with a whole program.
 //!
 //! `loom_lease_word`, `loom_lease_words` and `loom_lease_credit` each compile `src/lease/sync.rs`
 //! and `src/lease/word.rs` (`loom_lease_credit` also `src/lease/credit.rs`) as modules of their
@@ -19,4 +20,5 @@ mod file_lengths;
 mod loom_lease_credit;
 mod loom_lease_word;
 mod loom_lease_words;
+mod readme;
 mod test_sleeps;
