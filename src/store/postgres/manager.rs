@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::task::AbortHandle;
+use tokio_postgres::types::Type;
 use tokio_postgres::{Client, NoTls, Statement};
 
 use crate::store::{StoreError, TimeoutKind};
@@ -25,15 +26,28 @@ pub(crate) struct ConnectionManager {
     /// The store's switch for prepared statements: while on, a new session prepares the
     /// statements of every decision before it joins the pool.
     prepare: Arc<AtomicBool>,
-    /// Whether the store found a Citus coordinator: a new session then prepares the Citus
-    /// calls instead of the plain statements.
+    /// Whether the store found a Citus coordinator: a session on it then prepares nothing (no
+    /// decision goes through the coordinator).
     citus: Arc<AtomicBool>,
+    /// On a Citus node's pool: the statements a new session prepares instead of the plain ones
+    /// (that node's takes, which change with the shard map).
+    node: Option<NodeStatements>,
 }
+
+/// The statements a new session on a Citus node prepares, shared with the store, which
+/// replaces them when the shard map changes.
+pub(super) type NodeStatements = Arc<parking_lot::RwLock<Vec<(&'static str, &'static [Type])>>>;
 
 impl ConnectionManager {
     /// Shares the store's Citus switch (set once the store has read the shard map).
     pub(super) fn citus(mut self, on: Arc<AtomicBool>) -> Self {
         self.citus = on;
+        self
+    }
+
+    /// A manager for a Citus node's pool: a new session prepares `statements`.
+    pub(super) fn node(mut self, statements: NodeStatements) -> Self {
+        self.node = Some(statements);
         self
     }
 
@@ -47,6 +61,7 @@ impl ConnectionManager {
             connect_timeout,
             prepare,
             citus: Arc::new(AtomicBool::new(false)),
+            node: None,
         }
     }
 }
@@ -175,12 +190,11 @@ impl bb8::ManageConnection for ConnectionManager {
             // statements go out together: one round trip in all. A failure here is no failure
             // of the connection: a call prepares (or sends unprepared) what is missing.
             let bound = self.connect_timeout;
-            let statements: Vec<(&'static str, &'static [tokio_postgres::types::Type])> =
-                if self.citus.load(Ordering::Relaxed) {
-                    super::citus::warm_statements().to_vec()
-                } else {
-                    super::lean::warm_statements().to_vec()
-                };
+            let statements: Vec<(&'static str, &'static [Type])> = match &self.node {
+                Some(node) => node.read().clone(),
+                None if self.citus.load(Ordering::Relaxed) => Vec::new(),
+                None => super::lean::warm_statements().to_vec(),
+            };
             let prepares = statements
                 .iter()
                 .map(|(sql, types)| conn.client.prepare_typed(sql, types));

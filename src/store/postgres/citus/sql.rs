@@ -135,6 +135,47 @@ pub(super) fn literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
 }
 
+/// The guard of every write on a shard table that bypasses Citus's executor: `shard`'s
+/// distribution metadata lock in share mode, the lock Citus's own executor takes on a shard it
+/// modifies (`AcquireMetadataLocks`: `LockShardDistributionMetadata(shard, ShareLock)`), and
+/// that a shard move or split blocking writes takes in exclusive mode on every node
+/// (`BlockWritesToShardList`, through `lock_shard_metadata(7, ...)` on the workers) before it
+/// copies the shard, holding it until it commits the new placement. Then the placement is
+/// checked in a snapshot taken after the lock (each statement of a volatile PL/pgSQL function
+/// gets its own): a write waits while a move copies, and once the move has committed it fails
+/// here (SQLSTATE 55000) instead of landing on the copy Citus no longer reads. The placement is
+/// checked before the lock too, so a shard a split has removed fails the same way. Returns
+/// `keys`, so a statement can take its keys through it: the keys' `unnest` then runs it before
+/// any row is written. `SECURITY DEFINER`, owned by the migrating role (the tables' owner):
+/// `lock_shard_metadata` is for the shard's owner, and the store's role need not be; every name
+/// in it is schema-qualified.
+pub(super) const HOLD: &str = "\
+CREATE OR REPLACE FUNCTION tokenlease_citus_hold(shard bigint, keys text[])
+RETURNS text[]
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+AS $fn$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_placement AS p
+                   WHERE p.shardid = shard
+                     AND p.groupid = (SELECT l.groupid FROM pg_catalog.pg_dist_local_group AS l))
+    THEN
+        RAISE EXCEPTION 'tokenlease: shard % has no placement on this node', shard
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'the shard map changed (a move, a split, a rebalance): the store reads it again';
+    END IF;
+    PERFORM pg_catalog.lock_shard_metadata(5, ARRAY[shard]);
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_placement AS p
+                   WHERE p.shardid = shard
+                     AND p.groupid = (SELECT l.groupid FROM pg_catalog.pg_dist_local_group AS l))
+    THEN
+        RAISE EXCEPTION 'tokenlease: shard % has no placement on this node', shard
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'the shard moved while this write waited: the store reads the map again';
+    END IF;
+    RETURN keys;
+END
+$fn$";
+
 /// The functions of the Citus path, in the order they are created; each is then made a
 /// distributed function on its first argument (except the helper, which runs where its caller
 /// runs).
@@ -142,7 +183,7 @@ pub(super) fn functions() -> Vec<(&'static str, String)> {
     let parts = "\
 CREATE OR REPLACE FUNCTION tokenlease_citus_parts(keys text[])
 RETURNS TABLE (shard bigint, buckets text, returns text, members integer[])
-LANGUAGE plpgsql STABLE
+LANGUAGE plpgsql VOLATILE
 AS $fn$
 DECLARE
     g record;
@@ -155,13 +196,9 @@ BEGIN
         GROUP BY s.shard
         ORDER BY s.shard
     LOOP
-        IF NOT EXISTS (SELECT FROM pg_dist_placement AS p
-                       WHERE p.shardid = g.shard
-                         AND p.groupid = (SELECT l.groupid FROM pg_dist_local_group AS l)) THEN
-            RAISE EXCEPTION 'tokenlease: shard % (key %) has no placement on this node', g.shard,
-                g.probe USING ERRCODE = 'object_not_in_prerequisite_state',
-                HINT = 'the shard map changed (a rebalance?): the store reads it again';
-        END IF;
+        -- The shard's metadata lock (as Citus's executor takes it for a write), then its
+        -- placement checked in a snapshot taken after it (tokenlease_citus_hold).
+        PERFORM tokenlease_citus_hold(g.shard, NULL);
         shard := g.shard;
         buckets := shard_name('tokenlease_buckets'::regclass, g.shard);
         returns := shard_name('tokenlease_returns'::regclass,
@@ -300,6 +337,7 @@ $fn$",
         literal(&DELETE_IDLE_SHARD)
     );
     vec![
+        ("tokenlease_citus_hold(bigint, text[])", HOLD.to_string()),
         ("tokenlease_citus_parts(text[])", parts),
         (
             "tokenlease_citus_take(text, text[], bigint[], bigint[], bigint[], bigint[], bigint[])",
@@ -365,23 +403,98 @@ pub(super) fn fingerprint(shards: &[(i64, String)]) -> String {
         .collect()
 }
 
-/// The calls the store sends on Citus: each a distributed function whose first argument routes
-/// it to one worker.
-pub(in crate::store::postgres) const TAKE: &str = "\
--- tokenlease: refill and take on one Citus worker (src/store/postgres/citus/sql.rs)
-SELECT key, tokens, frac, granted, updated_us, now_us
-FROM tokenlease_citus_take($1, $2, $3, $4, $5, $6, $7)";
+/// `sql` with every parameter `$n` renumbered `$(n + offset)`.
+fn renumber(sql: &str, offset: usize) -> String {
+    let mut out = String::with_capacity(sql.len() + 16);
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let tail = &rest[at + 1..];
+        let digits = tail.bytes().take_while(u8::is_ascii_digit).count();
+        match tail[..digits].parse::<usize>() {
+            Ok(n) => out.push_str(&format!("${}", n + offset)),
+            Err(_) => out.push('$'),
+        }
+        rest = &tail[digits..];
+    }
+    out.push_str(rest);
+    out
+}
 
-/// The types of [`TAKE`]'s parameters.
-pub(super) const TAKE_TYPES: [Type; 7] = [
-    Type::TEXT,
-    Type::TEXT_ARRAY,
-    Type::INT8_ARRAY,
-    Type::INT8_ARRAY,
-    Type::INT8_ARRAY,
-    Type::INT8_ARRAY,
-    Type::INT8_ARRAY,
-];
+/// The take of the keys of several shards of one node, as ONE statement run on that node: for
+/// each shard (`(shard id, its table)`, in shard order) the plain store's many-key statement
+/// (`lean.rs`'s `ACQUIRE_MANY`, [`TAKE_SHARD`]) on the shard's table, its keys taken through
+/// [`HOLD`] (the shard's metadata lock and placement check, before any row is written), its
+/// parameters `$(6i+1)`..`$(6i+6)` as `ACQUIRE_MANY`'s `$1`..`$6`. Several shards are
+/// data-modifying `WITH` items read one after the other by a `UNION ALL`: each shard's rows are
+/// locked in key order, and the shards in shard order, so two such statements never wait on
+/// each other in a cycle. Plain SQL on the node's own tables: no Citus planning, no
+/// coordinator, no distributed transaction.
+pub(super) fn node_take(shards: &[(i64, &str)]) -> String {
+    let one = |i: usize, (id, table): (i64, &str)| -> String {
+        let body = TAKE_SHARD.replace("%1$s", table).replace("%%", "%");
+        let body = body
+            .split_once('\n')
+            .map_or(body.as_str(), |(_comment, rest)| rest)
+            .replacen(
+                "unnest($1::text[]",
+                &format!("unnest(tokenlease_citus_hold({id}::bigint, $1::text[])"),
+                1,
+            );
+        renumber(&body, 6 * i)
+    };
+    let head = "-- tokenlease: refill and take on one Citus node (src/store/postgres/citus/sql.rs)\n";
+    if let [only] = shards {
+        return format!("{head}{}", one(0, *only));
+    }
+    let items: Vec<String> = shards
+        .iter()
+        .enumerate()
+        .map(|(i, s)| format!("s{i} AS ({})", one(i, *s)))
+        .collect();
+    let reads: Vec<String> = (0..shards.len())
+        .map(|i| format!("SELECT * FROM s{i}"))
+        .collect();
+    format!("{head}WITH {} {}", items.join(", "), reads.join(" UNION ALL "))
+}
+
+/// The statements [`node_take`] made, by their shards: each made once and kept for the life of
+/// the process, so that a session prepares it once (the store's prepared statements are keyed
+/// by their `&'static str`). At most [`NODE_TAKES_KEPT`] sets of shards; past that a node's
+/// part of a batch goes as one statement per shard, which are always kept (one per shard).
+static NODE_TAKES: LazyLock<parking_lot::Mutex<NodeTakes>> = LazyLock::new(Default::default);
+
+/// How many sets of several shards [`NODE_TAKES`] keeps.
+const NODE_TAKES_KEPT: usize = 512;
+
+#[derive(Default)]
+struct NodeTakes {
+    made: std::collections::HashMap<Vec<i64>, (&'static str, &'static [Type])>,
+    sets: usize,
+}
+
+/// The statement and parameter types of [`node_take`] for `shards`, made once; `None` for a set
+/// of several shards once [`NODE_TAKES_KEPT`] sets are kept.
+pub(super) fn node_take_statement(shards: &[(i64, &str)]) -> Option<(&'static str, &'static [Type])> {
+    let ids: Vec<i64> = shards.iter().map(|s| s.0).collect();
+    let mut takes = NODE_TAKES.lock();
+    if let Some(made) = takes.made.get(&ids) {
+        return Some(*made);
+    }
+    if ids.len() > 1 {
+        if takes.sets >= NODE_TAKES_KEPT {
+            return None;
+        }
+        takes.sets += 1;
+    }
+    let sql: &'static str = Box::leak(node_take(shards).into_boxed_str());
+    let types: Vec<Type> = (0..shards.len())
+        .flat_map(|_| super::super::lean::MANY_TYPES)
+        .collect();
+    let types: &'static [Type] = Box::leak(types.into_boxed_slice());
+    takes.made.insert(ids, (sql, types));
+    Some((sql, types))
+}
 
 /// Strict leases on one Citus worker (committed durably: `tokenlease_citus_take_held` sets
 /// `synchronous_commit` itself, as the plain store's strict take does).
@@ -412,7 +525,17 @@ pub(super) const DELETE_IDLE: &str = "\
 -- tokenlease: idle cleanup on one Citus worker (src/store/postgres/citus/sql.rs)
 SELECT tokenlease_citus_delete_idle($1, $2)";
 
-/// The statements a new session on a Citus coordinator prepares.
-pub(in crate::store::postgres) fn warm_statements() -> [(&'static str, &'static [Type]); 2] {
-    [(TAKE, &TAKE_TYPES), (GIVE_BACK, &GIVE_BACK_TYPES)]
-}
+/// The types of [`TAKE_HELD`]'s parameters.
+pub(super) const TAKE_HELD_TYPES: [Type; 11] = [
+    Type::TEXT,
+    Type::TEXT_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+];
