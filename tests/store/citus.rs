@@ -158,11 +158,12 @@ fn req<'a>(key: &'a str, cost: u64) -> AcquireRequest<'a> {
 }
 
 /// Z1: `migrate` on a Citus coordinator distributes both tables by key, co-located, with the
-/// returns' key `(key, id)`, and makes the routed functions distributed functions; a second
-/// migrate changes nothing; every shard has a take function of its own, and a shard without one
-/// is still taken (through `EXECUTE`). Every shard has a placement on a worker. (That the
-/// client's hash of a key is Citus's `worker_hash` for 5,000 keys of every shape is a unit test
-/// of `src/store/postgres/citus/tests.rs`, where the hash is reachable.)
+/// returns' key `(key, id)`, over a shard count it chooses itself (two per worker, said in its
+/// report) when `citus.shard_count` is left at Citus's default, and makes the routed functions
+/// distributed functions and the shard guard a function on every node; a second migrate
+/// changes nothing. Every shard has a placement on a worker. (That the client's hash of a key
+/// is Citus's `worker_hash` for 5,000 keys of every shape is a unit test of
+/// `src/store/postgres/citus/tests.rs`, where the hash is reachable.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_distributes_the_tables_and_the_client_hashes_as_citus() {
     let citus = cluster(2).await;
@@ -222,7 +223,25 @@ async fn migrate_distributes_the_tables_and_the_client_hashes_as_citus() {
         .await
         .expect("distributed functions")
         .get(0);
-    assert_eq!(functions, 4, "take, take_held, give_back, delete_idle");
+    assert_eq!(functions, 3, "take_held, give_back, delete_idle");
+    assert_eq!(report.citus_shards, Some(4), "{report}");
+    assert!(report.citus_shard_count_chosen, "{report}");
+    assert!(report.to_string().contains("4 shards (chosen by migrate"), "{report}");
+    assert_eq!(again.citus_shards, Some(4));
+    assert!(!again.citus_shard_count_chosen);
+    // The guard exists on every worker (a plain function, called where the statement runs).
+    for w in citus.workers() {
+        let on_worker: Option<String> = client(&w.connection_string("postgres"))
+            .await
+            .query_one(
+                "SELECT to_regprocedure('tokenlease_citus_hold(bigint[], text[])')::text",
+                &[],
+            )
+            .await
+            .expect("the guard")
+            .get(0);
+        assert!(on_worker.is_some(), "no guard on worker {}", w.port());
+    }
 
     let unplaced: i64 = c
         .query_one(
@@ -238,44 +257,28 @@ async fn migrate_distributes_the_tables_and_the_client_hashes_as_citus() {
         .get(0);
     assert_eq!(unplaced, 0);
 
-    // Every shard has a take function of its own; a shard without one (made after the last
-    // migrate, as by a split) is taken through `EXECUTE`, with the same answers.
-    let per_shard: i64 = c
-        .query_one(
-            "SELECT count(*) FROM pg_proc WHERE proname ~ '^tokenlease_citus_take_[0-9]+$'",
-            &[],
-        )
-        .await
-        .expect("shard functions")
-        .get(0);
-    assert_eq!(per_shard, 32, "one take function per shard");
     let store = store(&citus, 2).await;
-    let key = "dynamic-path";
-    let shard: i64 = c
-        .query_one(
-            "SELECT get_shard_id_for_distribution_column('tokenlease_buckets', $1::text)",
-            &[&key],
-        )
-        .await
-        .expect("shard of a key")
-        .get(0);
-    let first = store
-        .acquire(req(key, 4))
-        .await
-        .expect("through the shard's function");
-    c.batch_execute(&format!(
-        "DROP FUNCTION tokenlease_citus_take_{shard}(text[], bigint[], bigint[], bigint[], \
-         bigint[], bigint[])"
-    ))
-    .await
-    .expect("drop the shard's function");
-    let second = store.acquire(req(key, 4)).await.expect("through EXECUTE");
+    let first = store.acquire(req("a-key", 4)).await.expect("a take");
     assert_eq!(first.granted, tokenlease::bucket::Tokens::whole(4));
-    assert_eq!(second.granted, tokenlease::bucket::Tokens::whole(4));
-    assert!(
-        second.remaining < first.remaining,
-        "{first:?} then {second:?}"
-    );
+}
+
+/// Z1: `citus.shard_count` set by the user (here in the server's configuration) is the shard
+/// count `migrate` uses, and its report says it did not choose.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_keeps_a_shard_count_the_user_set() {
+    let started = tokio::task::spawn_blocking(|| {
+        TempCitus::builder()
+            .workers(2)
+            .setting("citus.shard_count", "6")
+            .start()
+    })
+    .await
+    .expect("start task")
+    .expect("a Citus cluster");
+    let mut c = client(&started.connection_string("postgres")).await;
+    let report = tokenlease::store::migrate(&mut c).await.expect("migrate");
+    assert_eq!(report.citus_shards, Some(6), "{report}");
+    assert!(!report.citus_shard_count_chosen, "{report}");
 }
 
 /// Z2: every kind of call works through the cluster and runs on one worker, with no
@@ -1022,4 +1025,67 @@ async fn leased_mode_holds_the_envelope_on_every_shard() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strict_leases_hold_the_bucket_envelope_exactly_on_every_shard() {
     envelope(Some(Accounting::Strict)).await;
+}
+
+/// Probe (temporary): where a node statement's time goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn probe_node_statement_costs() {
+    let started = tokio::task::spawn_blocking(move || {
+        TempCitus::builder()
+            .workers(2)
+            .setting("shared_preload_libraries", "citus,pg_stat_statements")
+            .setting("pg_stat_statements.track", "all")
+            .setting("pg_stat_statements.track_planning", "on")
+            .start()
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    client(&started.connection_string("postgres"))
+        .await
+        .batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .await
+        .unwrap();
+    let citus = Arc::new(started);
+    let store = store(&citus, 4).await;
+    let keys: Vec<String> = (0..64).map(|i| format!("probe-{i}")).collect();
+    for w in citus.workers() {
+        client(&w.connection_string("postgres"))
+            .await
+            .batch_execute("SELECT pg_stat_statements_reset()")
+            .await
+            .unwrap();
+    }
+    for round in 0..400 {
+        let batch: Vec<AcquireRequest<'_>> = (0..4)
+            .map(|j| req(&keys[(round * 4 + j) % keys.len()], 1))
+            .collect();
+        store.acquire_many(&batch).await.expect("batch");
+    }
+    for w in citus.workers() {
+        let c = client(&w.connection_string("postgres")).await;
+        let rows = c
+            .query(
+                "SELECT calls, round(mean_exec_time * 1000)::float8 AS exec_us, \
+                        round(mean_plan_time * 1000)::float8 AS plan_us, plans, toplevel, \
+                        left(regexp_replace(query, '\\s+', ' ', 'g'), 90) \
+                 FROM pg_stat_statements WHERE calls > 50 ORDER BY total_exec_time DESC LIMIT 12",
+                &[],
+            )
+            .await
+            .unwrap();
+        for r in rows {
+            eprintln!(
+                "{}: calls {} exec {}us plan {}us plans {} top {} {}",
+                w.port(),
+                r.get::<_, i64>(0),
+                r.get::<_, f64>(1),
+                r.get::<_, f64>(2),
+                r.get::<_, i64>(3),
+                r.get::<_, bool>(4),
+                r.get::<_, String>(5)
+            );
+        }
+    }
 }

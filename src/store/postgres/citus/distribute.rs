@@ -2,7 +2,7 @@
 //! functions created again when this build's differ.
 
 use super::SUPPORTED_CITUS;
-use super::sql::{fingerprint, functions, literal, shard_take_function};
+use super::sql::{fingerprint, functions, literal};
 use crate::store::MigrateError;
 
 /// The Citus version of `extversion` (`13.2-1`) as (major, minor).
@@ -129,7 +129,7 @@ pub(in crate::store::postgres) async fn distribute(
     let row = &state[0];
     let (buckets, returns, comment): (bool, bool, String) = (row.get(0), row.get(1), row.get(2));
     let step = |s: &'static str| MigrateError::database(s);
-    let current = format!("tokenlease citus {}", fingerprint(&shards(&tx).await?));
+    let current = format!("tokenlease citus {}", fingerprint());
     if buckets && returns && comment == current {
         let shards = u32::try_from(shards(&tx).await?.len()).unwrap_or(u32::MAX);
         return Ok(Some(Distributed {
@@ -151,7 +151,7 @@ pub(in crate::store::postgres) async fn distribute(
             .map_err(step("distribute tokenlease_buckets"))?;
     }
     let shards = shards(&tx).await?;
-    let stamp = format!("tokenlease citus {}", fingerprint(&shards));
+    let stamp = format!("tokenlease citus {}", fingerprint());
     if !returns {
         tx.batch_execute(
             "ALTER TABLE tokenlease_returns DROP CONSTRAINT IF EXISTS tokenlease_returns_pkey; \
@@ -185,11 +185,6 @@ pub(in crate::store::postgres) async fn distribute(
         ))
         .await
         .map_err(step("distribute a Citus function"))?;
-    }
-    for (shard, table) in &shards {
-        tx.batch_execute(&shard_take_function(*shard, table))
-            .await
-            .map_err(step("create a shard's take function"))?;
     }
     tx.batch_execute(&format!(
         "COMMENT ON FUNCTION tokenlease_citus_delete_idle(text, bigint) IS {}",

@@ -390,12 +390,13 @@ impl std::fmt::Debug for Citus {
 }
 
 /// Whether `err` says the map the store routed by is stale: a node refused a shard it no
-/// longer holds ([`sql::HOLD`], SQLSTATE 55000), or a shard's table or function is gone (a
-/// split removed it: 42P01, 42883).
+/// longer holds ([`sql::HOLD`], SQLSTATE 55000), or a shard is gone (a split removed it: Citus
+/// has no entry for it, or its table or function is missing: 42P01, 42883).
 fn stale(err: &StoreError) -> bool {
     match err {
         StoreError::Database { code, message } => {
             (code == "55000" && message.contains("tokenlease: shard"))
+                || (code == "XX000" && message.contains("could not find valid entry for shard"))
                 || code == "42P01"
                 || code == "42883"
         }
