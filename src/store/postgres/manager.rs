@@ -205,6 +205,29 @@ impl bb8::ManageConnection for ConnectionManager {
                     }
                 }
             }
+            if self.node.is_some() {
+                // A Citus node's takes run once with no keys: the session plans each (its
+                // generic plan, the only one it makes), compiles the shard guard and loads
+                // Citus's metadata for the shards, before a call waits on any of it.
+                let runs = statements
+                    .iter()
+                    .filter(|(sql, _)| super::citus::is_node_take(sql))
+                    .filter_map(|(sql, _)| conn.prepared(sql));
+                let no_text: Vec<&str> = Vec::new();
+                let no_int: Vec<i64> = Vec::new();
+                let runs = runs.map(|statement| {
+                    let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = statement
+                        .params()
+                        .iter()
+                        .map(|t| -> &(dyn tokio_postgres::types::ToSql + Sync) {
+                            if *t == Type::TEXT_ARRAY { &no_text } else { &no_int }
+                        })
+                        .collect();
+                    let client = &conn.client;
+                    async move { client.query(&statement, &params).await }
+                });
+                let _ = tokio::time::timeout(bound, join_all(runs)).await;
+            }
         }
         Ok(conn)
     }

@@ -654,6 +654,12 @@ impl Citus {
     }
 }
 
+/// Whether `sql` is a node's take ([`sql::node_take`]), which a new session runs once with no
+/// keys.
+pub(super) fn is_node_take(sql: &str) -> bool {
+    sql.starts_with(sql::NODE_TAKE_HEAD)
+}
+
 /// The statements a new session on node `node` prepares: its takes for every set of its
 /// shards when it holds at most three (seven statements), else for each shard alone and for
 /// all of them; and the strict take and the return.

@@ -337,6 +337,10 @@ fn renumber(sql: &str, offset: usize) -> String {
     out
 }
 
+/// The first line of every [`node_take`].
+pub(super) const NODE_TAKE_HEAD: &str =
+    "-- tokenlease: refill and take on one Citus node (src/store/postgres/citus/sql.rs)\n";
+
 /// The take of the keys of several shards of one node, as ONE statement run on that node: for
 /// each shard (`(shard id, its table)`, in shard order) the plain store's many-key statement
 /// (`lean.rs`'s `ACQUIRE_MANY`, [`TAKE_SHARD`]) on the shard's table, its parameters
@@ -368,7 +372,7 @@ pub(super) fn node_take(shards: &[(i64, &str)]) -> String {
         };
         renumber(&body, 6 * i)
     };
-    let head = "-- tokenlease: refill and take on one Citus node (src/store/postgres/citus/sql.rs)\n";
+    let head = NODE_TAKE_HEAD;
     if let [(_, table)] = shards {
         return format!("{head}{}", one(0, table));
     }
