@@ -227,7 +227,10 @@ async fn migrate_distributes_the_tables_and_the_client_hashes_as_citus() {
     assert_eq!(functions, 3, "take_held, give_back, delete_idle");
     assert_eq!(report.citus_shards, Some(4), "{report}");
     assert!(report.citus_shard_count_chosen, "{report}");
-    assert!(report.to_string().contains("4 shards (chosen by migrate"), "{report}");
+    assert!(
+        report.to_string().contains("4 shards (chosen by migrate"),
+        "{report}"
+    );
     assert_eq!(again.citus_shards, Some(4));
     assert!(!again.citus_shard_count_chosen);
     // The guard exists on every worker (a plain function, called where the statement runs).
@@ -1048,7 +1051,8 @@ where
     }
     let keys = Arc::new(all);
     let limiter = Limiter::builder(fault_store(citus).await).build();
-    let plan = Arc::new(common::plan(100, R).with_fallback(FallbackSettings::new(FallbackMode::Deny)));
+    let plan =
+        Arc::new(common::plan(100, R).with_fallback(FallbackSettings::new(FallbackMode::Deny)));
     let origin = Instant::now();
     let end = Arc::new(AtomicU64::new(600_000));
     let run = drive_until(
@@ -1064,7 +1068,10 @@ where
     let began = origin.elapsed();
     let watched = change(Arc::clone(citus), keys.to_vec()).await;
     let returned = origin.elapsed();
-    end.store((returned + Duration::from_secs(3)).as_millis() as u64, Ordering::Relaxed);
+    end.store(
+        (returned + Duration::from_secs(3)).as_millis() as u64,
+        Ordering::Relaxed,
+    );
     let events = run.await.expect("run");
     limiter.shutdown().await;
     let settled = returned + Duration::from_secs(2);
@@ -1092,7 +1099,10 @@ where
         watched.len()
     );
     assert!(!watched.is_empty(), "{label}: the change moved no key");
-    assert!(watched_late > 0, "{label}: no decision on a moved key after the change");
+    assert!(
+        watched_late > 0,
+        "{label}: no decision on a moved key after the change"
+    );
     assert!(
         late_fallback.is_empty(),
         "{label}: {} decisions not by the store from 2 s after the change, the first (ms, key): \
@@ -1118,7 +1128,12 @@ async fn placement_of(c: &tokio_postgres::Client, key: &str) -> (i64, String, i3
 }
 
 /// The keys of `keys` whose shard is `shard` or is on the node `port`.
-async fn keys_where(c: &tokio_postgres::Client, keys: &[String], port: Option<i32>, shard: Option<i64>) -> Vec<String> {
+async fn keys_where(
+    c: &tokio_postgres::Client,
+    keys: &[String],
+    port: Option<i32>,
+    shard: Option<i64>,
+) -> Vec<String> {
     let rows = c
         .query(
             "SELECT u.k FROM unnest($1::text[]) AS u(k) \
@@ -1150,7 +1165,13 @@ async fn a_moved_shard_is_followed_without_a_restart() {
         c.execute(
             "SELECT citus_move_shard_placement($1, $2, $3, $4, $5, \
                                                shard_transfer_mode := 'block_writes')",
-            &[&shard, &host, &port, &other.host(), &i32::from(other.port())],
+            &[
+                &shard,
+                &host,
+                &port,
+                &other.host(),
+                &i32::from(other.port()),
+            ],
         )
         .await
         .expect("move");
@@ -1294,7 +1315,11 @@ async fn a_cold_store_decides_from_its_first_call() {
         .filter(|e| e.by != DecidedBy::Store)
         .map(|e| (e.at.as_millis(), e.by))
         .collect();
-    eprintln!("Z11: {} decisions, {} not by the store", events.len(), not_store.len());
+    eprintln!(
+        "Z11: {} decisions, {} not by the store",
+        events.len(),
+        not_store.len()
+    );
     assert!(events.len() > 100, "{} decisions", events.len());
     assert!(
         not_store.is_empty(),

@@ -262,7 +262,9 @@ impl PostgresStoreBuilder {
                 let (host, port) = addresses
                     .iter()
                     .find(|(name, _, _)| *name == node.name())
-                    .map_or((node.host.as_str(), node.port), |(_, h, p)| (h.as_str(), *p));
+                    .map_or((node.host.as_str(), node.port), |(_, h, p)| {
+                        (h.as_str(), *p)
+                    });
                 let statements = manager::NodeStatements::default();
                 let manager = ConnectionManager::new(
                     node_config(&template, host, port),
@@ -277,9 +279,14 @@ impl PostgresStoreBuilder {
                 };
                 (lane, statements)
             });
-            let citus =
-                citus::Citus::new(map, open, store.clone(), self.pool_size, self.connect_timeout)
-                    .await;
+            let citus = citus::Citus::new(
+                map,
+                open,
+                store.clone(),
+                self.pool_size,
+                self.connect_timeout,
+            )
+            .await;
             store.citus = Some(Arc::new(citus));
         }
         drop(client);

@@ -220,7 +220,11 @@ impl bb8::ManageConnection for ConnectionManager {
                         .params()
                         .iter()
                         .map(|t| -> &(dyn tokio_postgres::types::ToSql + Sync) {
-                            if *t == Type::TEXT_ARRAY { &no_text } else { &no_int }
+                            if *t == Type::TEXT_ARRAY {
+                                &no_text
+                            } else {
+                                &no_int
+                            }
                         })
                         .collect();
                     let client = &conn.client;

@@ -543,9 +543,7 @@ impl Store for PostgresStore {
     /// reloads of the map): a stalled node then delays only its own keys' callers. `0` on
     /// plain PostgreSQL.
     fn partition(&self, key: &str) -> usize {
-        self.citus
-            .as_ref()
-            .map_or(0, |citus| citus.partition(key))
+        self.citus.as_ref().map_or(0, |citus| citus.partition(key))
     }
 }
 

@@ -66,7 +66,9 @@ async fn shard_count(tx: &tokio_postgres::Transaction<'_>) -> Result<Option<u32>
             &[],
         )
         .await
-        .map_err(MigrateError::database("read citus.shard_count and the nodes"))?;
+        .map_err(MigrateError::database(
+            "read citus.shard_count and the nodes",
+        ))?;
     let source: Option<String> = row.get(0);
     if source.as_deref() != Some("default") {
         return Ok(None);

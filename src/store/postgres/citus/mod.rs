@@ -1,43 +1,38 @@
-//! The store on a Citus cluster: the tables distributed by key, and every call routed to one
-//! worker.
+//! The store on a Citus cluster: the tables distributed by key, and every call sent straight to
+//! the node holding its keys, with the coordinator off the path (DESIGN.md §16).
 //!
 //! # Distribution
 //!
-//! [`distribute`](distribute::distribute) runs after the file migrations when the database has the `citus` extension
-//! (a coordinator): it makes `tokenlease_buckets` a hash-distributed table on `key` and
+//! [`distribute`](distribute::distribute) runs after the file migrations when the database has
+//! the `citus` extension (a coordinator): it makes `tokenlease_buckets` a hash-distributed table
+//! on `key` over [`SHARDS_PER_NODE`] shards per node unless `citus.shard_count` was set, and
 //! `tokenlease_returns` one co-located with it (its primary key becomes `(key, id)`: Citus
 //! requires the distribution column in every unique constraint; a return id is unique per key,
-//! which is all a retried return needs), then creates the functions below and marks each a
-//! *distributed function* whose first argument is the distribution argument, co-located with
-//! `tokenlease_buckets`. A Citus version outside [`SUPPORTED_CITUS`] is refused with
-//! [`MigrateError::UnsupportedCitus`](crate::store::MigrateError::UnsupportedCitus). On plain PostgreSQL nothing here runs.
+//! which is all a retried return needs), then creates the functions of [`sql`]: the shard
+//! guard on every node, and the strict take, the return and idle cleanup as *distributed
+//! functions* on their first argument. A Citus version outside [`SUPPORTED_CITUS`] is refused
+//! with [`MigrateError::UnsupportedCitus`](crate::store::MigrateError::UnsupportedCitus). On
+//! plain PostgreSQL nothing here runs.
 //!
 //! # Routing
 //!
-//! The store reads the shard map (`pg_dist_shard` and `pg_dist_placement`) when it connects,
-//! and hashes each key as Citus does ([`hashtext`]: PostgreSQL's `hashtext`, Bob Jenkins's
-//! lookup3, which `worker_hash(text)` returns) to find its shard and the worker holding it. A
-//! batch is split by worker, and each worker's part is one call of a distributed function
-//! whose first argument (the *route*) is one of that part's keys: the coordinator sees the
-//! distribution argument, and pushes the whole call down to the worker that holds the route's
-//! shard, where it runs as one local transaction. No call opens a distributed transaction, so
-//! no two-phase commit (`pg_dist_transaction` stays empty).
+//! The store reads the shard map (`pg_dist_shard`, `pg_dist_placement`, `pg_dist_node`) when it
+//! connects, hashes each key as Citus does ([`hashtext`]: PostgreSQL's `hashtext`, Bob
+//! Jenkins's lookup3, which `worker_hash(text)` returns) to find its shard and the node holding
+//! it, and opens a pool per node ([`Citus`]). A batch is split by node, and each node's part is
+//! ONE statement on that node ([`sql::node_take`]): the plain store's many-key take on each of
+//! its shards' tables, in shard order, after the shard guard ([`sql::HOLD`]: the shards'
+//! distribution metadata locks in share mode, as Citus's executor takes them for a write, then
+//! their placements checked). No coordinator, no delegation, no distributed transaction.
+//! Strict leases, returns and idle cleanup are calls of the distributed functions sent to the
+//! node holding their route key, which Citus then runs locally.
 //!
-//! On the worker, the function groups its keys by shard (`get_shard_id_for_distribution_column`),
-//! checks that each shard has its placement on this node (a stale map, say after a rebalance,
-//! fails the call instead of writing to a copy Citus no longer reads), and runs, shard by shard
-//! in shard order, the same refill-and-take as the plain store's statements on the shard's own
-//! table (`tokenlease_buckets_<shardid>`): plain PostgreSQL with no Citus planning in the way
-//! (Citus cannot plan the many-key statement on the distributed table as a one-shard query: it
-//! splits its CTEs into sub-plans and broadcasts intermediate results). A take goes through the
-//! shard's own function (`tokenlease_citus_take_<shardid>`, [`sql::shard_take_function`]), whose
-//! statement the worker session plans once; strict leases, returns and a shard without its
-//! function (made after the last migrate) go through `EXECUTE`, planned on every call. The
-//! rows of each shard are locked in key order, and shards are taken in shard order, so two
-//! calls never wait on each other in a cycle. Each worker's calls go through a pool of their
-//! own ([`Citus`]), so a worker that stalls holds only its own connections.
+//! # Topology changes
 //!
-//! Idle cleanup runs the same way, one call per worker, on that worker's shards.
+//! A node that refuses a shard (it moved, or a split removed it) makes the store read the map
+//! again, from any node, open pools to new nodes, and send the refused keys once more
+//! ([`Citus::acquire_each`]). Each node's pool is warmed in `build`: its sessions prepare the
+//! node's statements and run each take once with no keys.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -478,7 +473,11 @@ impl Citus {
             return Ok(current);
         }
         let mut last = None;
-        for lane in current.lanes.iter().chain(std::iter::once(&self.coordinator)) {
+        for lane in current
+            .lanes
+            .iter()
+            .chain(std::iter::once(&self.coordinator))
+        {
             match lane.read_map().await {
                 Ok(Some(map)) => {
                     let next = Arc::new(self.topology_for(map, seen + 1).await);
@@ -762,7 +761,9 @@ impl PostgresStore {
                     // Too many sets of shards kept: one statement per shard.
                     for ((_, group), shard) in by_shard.iter().zip(&shards) {
                         let (statement, _) = sql::node_take_statement(std::slice::from_ref(shard))
-                            .ok_or_else(|| StoreError::Protocol("no statement for a shard".into()))?;
+                            .ok_or_else(|| {
+                                StoreError::Protocol("no statement for a shard".into())
+                            })?;
                         let t = Takes::new(requests, group)?;
                         let rows = self.query_by(deadline, statement, &t.params()).await?;
                         file_rows(&rows, requests, pending, out)?;

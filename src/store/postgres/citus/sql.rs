@@ -384,7 +384,11 @@ pub(super) fn node_take(shards: &[(i64, &str)]) -> String {
     let reads: Vec<String> = (0..shards.len())
         .map(|i| format!("SELECT * FROM s{i}"))
         .collect();
-    format!("{head}WITH {} {}", items.join(", "), reads.join(" UNION ALL "))
+    format!(
+        "{head}WITH {} {}",
+        items.join(", "),
+        reads.join(" UNION ALL ")
+    )
 }
 
 /// The statements [`node_take`] made, by their shards: each made once and kept for the life of
@@ -404,7 +408,9 @@ struct NodeTakes {
 
 /// The statement and parameter types of [`node_take`] for `shards`, made once; `None` for a set
 /// of several shards once [`NODE_TAKES_KEPT`] sets are kept.
-pub(super) fn node_take_statement(shards: &[(i64, &str)]) -> Option<(&'static str, &'static [Type])> {
+pub(super) fn node_take_statement(
+    shards: &[(i64, &str)],
+) -> Option<(&'static str, &'static [Type])> {
     let ids: Vec<i64> = shards.iter().map(|s| s.0).collect();
     let mut takes = NODE_TAKES.lock();
     if let Some(made) = takes.made.get(&ids) {

@@ -119,14 +119,26 @@ fn a_map_finds_every_key_a_shard() {
 #[test]
 fn a_node_statement_guards_each_shard_and_numbers_its_parameters() {
     let one = node_take(&[(102_008, "tokenlease_buckets_102008")]);
-    assert!(one.contains("tokenlease_citus_hold(ARRAY[102008]::bigint[], $1::text[])"), "{one}");
+    assert!(
+        one.contains("tokenlease_citus_hold(ARRAY[102008]::bigint[], $1::text[])"),
+        "{one}"
+    );
     assert!(one.contains("$6::bigint[]") && !one.contains("$7"), "{one}");
     let two = node_take(&[(7, "tokenlease_buckets_7"), (9, "tokenlease_buckets_9")]);
-    assert!(two.contains("tokenlease_citus_hold(ARRAY[7, 9]::bigint[], $1::text[])"), "{two}");
+    assert!(
+        two.contains("tokenlease_citus_hold(ARRAY[7, 9]::bigint[], $1::text[])"),
+        "{two}"
+    );
     assert_eq!(two.matches("tokenlease_citus_hold").count(), 1, "{two}");
     assert!(two.contains("unnest($7::text[]"), "{two}");
-    assert!(two.contains("$12::bigint[]") && !two.contains("$13"), "{two}");
-    assert!(two.contains("INSERT INTO tokenlease_buckets_9 AS b"), "{two}");
+    assert!(
+        two.contains("$12::bigint[]") && !two.contains("$13"),
+        "{two}"
+    );
+    assert!(
+        two.contains("INSERT INTO tokenlease_buckets_9 AS b"),
+        "{two}"
+    );
     assert!(two.find("FROM s0").unwrap() < two.find("FROM s1").unwrap());
     for sql in [&one, &two] {
         assert!(!sql.contains("tokenlease_buckets AS"), "{sql}");
