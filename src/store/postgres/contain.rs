@@ -149,11 +149,18 @@ pub(super) fn no_row(key: &str) -> StoreError {
     StoreError::Protocol(format!("no row returned for key {key:?}"))
 }
 
-/// Where a lane's statements go: plain PostgreSQL, or a Citus node (its shards by the map).
+/// Where a lane's statements go: plain PostgreSQL, or a Citus node (its keys' shards by the
+/// shard map).
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Path<'a> {
     Plain,
-    Citus(&'a super::citus::ShardMap),
+    Citus(&'a dyn ShardOf),
+}
+
+/// Where a key's shard is, for a lane on a Citus node (the Citus store's shard map).
+pub(super) trait ShardOf: Sync + std::fmt::Debug {
+    /// The shard holding `key`: its id and its table.
+    fn shard_of(&self, key: &str) -> (i64, &str);
 }
 
 impl PostgresStore {

@@ -34,9 +34,11 @@ pub(crate) struct ConnectionManager {
     node: Option<NodeStatements>,
 }
 
-/// The statements a new session on a Citus node prepares, shared with the store, which
-/// replaces them when the shard map changes.
-pub(super) type NodeStatements = Arc<parking_lot::RwLock<Vec<(&'static str, &'static [Type])>>>;
+/// The statements a new session on a Citus node prepares, and whether it runs each once with
+/// empty arrays (its takes), shared with the store, which replaces them when the shard map
+/// changes.
+pub(super) type NodeStatements =
+    Arc<parking_lot::RwLock<Vec<(&'static str, &'static [Type], bool)>>>;
 
 impl ConnectionManager {
     /// Shares the store's Citus switch (set once the store has read the shard map).
@@ -190,11 +192,18 @@ impl bb8::ManageConnection for ConnectionManager {
             // statements go out together: one round trip in all. A failure here is no failure
             // of the connection: a call prepares (or sends unprepared) what is missing.
             let bound = self.connect_timeout;
-            let statements: Vec<(&'static str, &'static [Type])> = match &self.node {
-                Some(node) => node.read().clone(),
-                None if self.citus.load(Ordering::Relaxed) => Vec::new(),
-                None => super::lean::warm_statements().to_vec(),
-            };
+            let (statements, runs): (Vec<(&'static str, &'static [Type])>, Vec<&'static str>) =
+                match &self.node {
+                    Some(node) => {
+                        let node = node.read();
+                        (
+                            node.iter().map(|(sql, types, _)| (*sql, *types)).collect(),
+                            node.iter().filter(|s| s.2).map(|s| s.0).collect(),
+                        )
+                    }
+                    None if self.citus.load(Ordering::Relaxed) => (Vec::new(), Vec::new()),
+                    None => (super::lean::warm_statements().to_vec(), Vec::new()),
+                };
             let prepares = statements
                 .iter()
                 .map(|(sql, types)| conn.client.prepare_typed(sql, types));
@@ -205,14 +214,11 @@ impl bb8::ManageConnection for ConnectionManager {
                     }
                 }
             }
-            if self.node.is_some() {
+            if !runs.is_empty() {
                 // A Citus node's takes run once with no keys: the session plans each (its
                 // generic plan, the only one it makes), compiles the shard guard and loads
                 // Citus's metadata for the shards, before a call waits on any of it.
-                let runs = statements
-                    .iter()
-                    .filter(|(sql, _)| super::citus::is_node_take(sql))
-                    .filter_map(|(sql, _)| conn.prepared(sql));
+                let runs = runs.iter().filter_map(|sql| conn.prepared(sql));
                 let no_text: Vec<&str> = Vec::new();
                 let no_int: Vec<i64> = Vec::new();
                 let runs = runs.map(|statement| {

@@ -1,6 +1,7 @@
 //! Unit tests of the Citus path: the hash, the shard map, the version check.
 
 use super::distribute::{check_version, parse_version};
+use super::map::{Shard, hashtext};
 use super::sql::*;
 use super::*;
 use crate::store::MigrateError;
