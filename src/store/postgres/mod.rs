@@ -505,14 +505,15 @@ impl Store for PostgresStore {
     }
 
     async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
-        // On Citus, on the node holding the key (every node has the metadata and plans the
-        // one-shard read itself), not through the coordinator.
-        let lane = self.citus.as_ref().map(|citus| citus.lane_of(key));
-        let rows = lane
-            .as_ref()
-            .unwrap_or(self)
-            .query(sql::INSPECT, &[(&key, Type::TEXT)])
-            .await?;
+        // On Citus, on the node holding the key, from its shard's table, not through the
+        // coordinator.
+        let rows = match &self.citus {
+            Some(citus) => {
+                let (lane, statement) = citus.inspect_route(key);
+                lane.query(statement, &[(&key, Type::TEXT)]).await?
+            }
+            None => self.query(sql::INSPECT, &[(&key, Type::TEXT)]).await?,
+        };
         rows.first()
             .map(|row| {
                 Ok(BucketRow {

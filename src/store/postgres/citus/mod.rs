@@ -339,11 +339,15 @@ impl Citus {
         Ok(deleted)
     }
 
-    /// The store of the node holding `key`'s shard (inspection goes there, not through the
-    /// coordinator).
-    pub(super) fn lane_of(&self, key: &str) -> PostgresStore {
+    /// The store of the node holding `key`'s shard and the inspection statement on the shard's
+    /// table: inspection goes there, not through the coordinator.
+    pub(super) fn inspect_route(&self, key: &str) -> (PostgresStore, &'static str) {
         let topology = self.current();
-        topology.lanes[topology.map.node_of(key)].clone()
+        let shard = topology.map.shard_of(key);
+        (
+            topology.lanes[shard.node].clone(),
+            sql::inspect_shard(&shard.table),
+        )
     }
 
     /// The pools' total size.

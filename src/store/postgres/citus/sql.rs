@@ -460,6 +460,23 @@ pub(super) const DELETE_IDLE: &str = "\
 -- tokenlease: idle cleanup on one Citus worker (src/store/postgres/citus/sql.rs)
 SELECT tokenlease_citus_delete_idle($1, $2)";
 
+/// The inspection of one key (`sql/inspect.sql`) on its shard's table `table`, made once per
+/// table and kept: read on the node holding the shard, without Citus's planner (which cannot
+/// route the generic plan a node's sessions make of a statement on the distributed table).
+pub(super) fn inspect_shard(table: &str) -> &'static str {
+    static MADE: LazyLock<parking_lot::Mutex<std::collections::HashMap<String, &'static str>>> =
+        LazyLock::new(Default::default);
+    let mut made = MADE.lock();
+    if let Some(sql) = made.get(table) {
+        return sql;
+    }
+    let sql =
+        super::super::sql::INSPECT.replace("FROM tokenlease_buckets\n", &format!("FROM {table}\n"));
+    let sql: &'static str = Box::leak(sql.into_boxed_str());
+    made.insert(table.to_string(), sql);
+    sql
+}
+
 /// The types of [`TAKE_HELD`]'s parameters.
 pub(super) const TAKE_HELD_TYPES: [Type; 11] = [
     Type::TEXT,

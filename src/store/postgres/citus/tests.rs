@@ -150,3 +150,12 @@ fn a_node_statement_guards_each_shard_and_numbers_its_parameters() {
     assert!(std::ptr::eq(a, b), "made once");
     assert_eq!(types.len(), 6);
 }
+
+/// Inspection on a node reads the key's shard table, not the distributed table.
+#[test]
+fn inspection_reads_the_shard_table() {
+    let sql = inspect_shard("tokenlease_buckets_7");
+    assert!(sql.contains("FROM tokenlease_buckets_7\n"), "{sql}");
+    assert!(!sql.contains("FROM tokenlease_buckets\n"), "{sql}");
+    assert!(std::ptr::eq(sql, inspect_shard("tokenlease_buckets_7")));
+}
