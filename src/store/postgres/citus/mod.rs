@@ -350,7 +350,7 @@ impl Citus {
         )
     }
 
-    /// The pools' total size.
+    /// How many nodes hold shards (each has a pool).
     pub(super) fn nodes(&self) -> usize {
         self.current().lanes.len()
     }
