@@ -113,6 +113,7 @@ impl TempCitusBuilder {
         let cluster = TempCitus {
             coordinator,
             workers: nodes,
+            node,
         };
         cluster.setup()?;
         Ok(cluster)
@@ -181,6 +182,8 @@ fn missing_extension(bin_dir: &std::path::Path) -> Option<String> {
 pub struct TempCitus {
     coordinator: TempPostgres,
     workers: Vec<TempPostgres>,
+    /// How every node was started: [`start_node`](TempCitus::start_node) starts another alike.
+    node: TempPostgresBuilder,
 }
 
 impl TempCitus {
@@ -223,6 +226,51 @@ impl TempCitus {
     /// The worker listening on `port`, if any (the shard map names nodes by host and port).
     pub fn worker_on_port(&self, port: u16) -> Option<&TempPostgres> {
         self.workers.iter().find(|w| w.port() == port)
+    }
+
+    /// Starts one more node with the cluster's settings and the extension created in its
+    /// `postgres` database, NOT registered: the caller adds it (`citus_add_node` on the
+    /// coordinator, with its [`host`](TempPostgres::host) and [`port`](TempPostgres::port)),
+    /// as an operator adding a worker to a running cluster does, and keeps it (dropping it stops
+    /// and removes it; the cluster does not own it). Blocking; async code calls it through
+    /// [`tokio::task::spawn_blocking`].
+    ///
+    /// # Errors
+    ///
+    /// As [`TempPostgres::start`] for a node that does not start, and
+    /// [`EmbeddedErrorKind::Database`] when the extension cannot be created.
+    pub fn start_node(&self) -> Result<TempPostgres, EmbeddedError> {
+        let node = self.node.clone().start()?;
+        let conn = node.connection_string("postgres");
+        let handle = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|err| EmbeddedError::io("could not start a tokio runtime", &err))?;
+            rt.block_on(async move {
+                let create = async {
+                    connect(&conn)
+                        .await?
+                        .batch_execute("CREATE EXTENSION IF NOT EXISTS citus")
+                        .await
+                        .map_err(|err| EmbeddedError::database("CREATE EXTENSION citus", &err))
+                };
+                match tokio::time::timeout(SETUP_TIMEOUT, create).await {
+                    Ok(result) => result,
+                    Err(_) => Err(EmbeddedError::new(
+                        EmbeddedErrorKind::Timeout,
+                        "creating the Citus extension on a new node took too long",
+                    )),
+                }
+            })
+        });
+        handle.join().unwrap_or_else(|_| {
+            Err(EmbeddedError::new(
+                EmbeddedErrorKind::Io,
+                "the thread setting up a Citus node panicked",
+            ))
+        })?;
+        Ok(node)
     }
 
     /// Creates the extension on every node and registers the workers, on a thread with its own

@@ -29,6 +29,9 @@ pub struct PostgresStoreBuilder {
     prepared_statements: bool,
     migrate: bool,
     migrate_timeout: Duration,
+    /// Citus nodes reached at another address than `pg_dist_node` names: `(host:port as
+    /// named, host, port)`.
+    node_addresses: Vec<(String, String, u16)>,
 }
 
 impl PostgresStoreBuilder {
@@ -135,6 +138,24 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// On Citus: reach the node `pg_dist_node` names `node` (`host:port`, as in its `nodename`
+    /// and `nodeport`) at `host` and `port` instead, for a client that reaches the nodes
+    /// differently from the way they reach each other (another network, a proxy, a port
+    /// forward). Every other setting of a node's connections is the coordinator's: user,
+    /// password, database, TLS mode, timeouts. A node not named here is reached at its own
+    /// name. Set once per node; a later call for the same node replaces the earlier one.
+    pub fn citus_node_address(
+        mut self,
+        node: impl Into<String>,
+        host: impl Into<String>,
+        port: u16,
+    ) -> Self {
+        let node = node.into();
+        self.node_addresses.retain(|(n, _, _)| *n != node);
+        self.node_addresses.push((node, host.into(), port));
+        self
+    }
+
     /// Opens the pool (one connection up front, to fail early) and applies migrations.
     ///
     /// The first connection is bounded by the [connect timeout](Self::connect_timeout); the
@@ -180,8 +201,6 @@ impl PostgresStoreBuilder {
         let prepare = Arc::new(AtomicBool::new(self.prepared_statements));
         let on_citus = Arc::new(AtomicBool::new(false));
         let manager = ConnectionManager::new(config.clone(), self.connect_timeout, prepare.clone())
-            .citus(on_citus.clone());
-        let warmer = ConnectionManager::new(config.clone(), self.connect_timeout, prepare.clone())
             .citus(on_citus.clone());
         let pool = new_pool(manager, self.pool_size, self.pool_wait_timeout);
         let mut store = PostgresStore {
@@ -229,27 +248,46 @@ impl PostgresStoreBuilder {
         if let Some(row) = encoding.first() {
             store.encoding = ServerEncoding::from_name(row.try_get(0)?);
         }
-        // A Citus coordinator with the tables distributed: route every call (citus.rs), each
-        // worker's calls through a pool of their own.
-        if let Some(map) = citus::shard_map(&client).await? {
+        // A Citus coordinator with the tables distributed: every call goes straight to the
+        // node holding its keys (citus/), through a pool of that node's own, opened and warmed
+        // here before the first call.
+        if let Some(map) = citus::shard_map(&client, true).await? {
             on_citus.store(true, Ordering::Relaxed);
-            let lanes = (0..map.nodes().len())
-                .map(|_| PostgresStore {
-                    pool: new_pool(
-                        ConnectionManager::new(
-                            config.clone(),
-                            self.connect_timeout,
-                            store.prepare.clone(),
-                        )
-                        .citus(on_citus.clone()),
-                        self.pool_size,
-                        self.pool_wait_timeout,
-                    ),
+            let template = config.clone();
+            let addresses = self.node_addresses.clone();
+            let (size, wait, connect_timeout) =
+                (self.pool_size, self.pool_wait_timeout, self.connect_timeout);
+            let base = store.clone();
+            let open: citus::OpenNode = Box::new(move |node: &citus::Node| {
+                let (host, port) = addresses
+                    .iter()
+                    .find(|(name, _, _)| *name == node.name())
+                    .map_or((node.host.as_str(), node.port), |(_, h, p)| {
+                        (h.as_str(), *p)
+                    });
+                let statements = manager::NodeStatements::default();
+                let manager = ConnectionManager::new(
+                    node_config(&template, host, port),
+                    connect_timeout,
+                    base.prepare.clone(),
+                )
+                .node(statements.clone());
+                let lane = PostgresStore {
+                    pool: new_pool(manager, size, wait),
                     citus: None,
-                    ..store.clone()
-                })
-                .collect();
-            store.citus = Some(Arc::new(citus::Citus { map, lanes }));
+                    ..base.clone()
+                };
+                (lane, statements)
+            });
+            let citus = citus::Citus::new(
+                map,
+                open,
+                store.clone(),
+                self.pool_size,
+                self.connect_timeout,
+            )
+            .await;
+            store.citus = Some(Arc::new(citus));
         }
         drop(client);
         // The session ends with the client: wait (bounded) for its driver to say goodbye, and
@@ -262,21 +300,58 @@ impl PostgresStoreBuilder {
         // every decision) and hand them to the pool before the first call, so that no early
         // call waits for a login or a prepare. Each is bounded by the connect timeout, not by
         // the pool's wait (40 ms by default, less than a password login can take); a connection
-        // that does not come is opened by the first call that needs it, as before.
-        use bb8::ManageConnection as _;
-        let pools: Vec<&Pool<Manager>> = match &store.citus {
-            Some(citus) => citus.lanes.iter().map(|lane| &lane.pool).collect(),
-            None => vec![&store.pool],
-        };
-        for pool in pools {
-            let warm = (0..self.pool_size).map(|_| warmer.connect());
-            for conn in manager::join_all(warm).await.into_iter().flatten() {
-                // Refused only when the pool is full already: the connection is dropped.
-                let _ = pool.add(conn);
-            }
+        // that does not come is opened by the first call that needs it, as before. (On Citus
+        // the nodes' pools were warmed above; the coordinator's serves no decision.)
+        if store.citus.is_none() {
+            store.warm(self.pool_size).await;
         }
         Ok(store)
     }
+}
+
+/// The connection settings of a Citus node at `host`:`port`: the coordinator's (`template`)
+/// but for the address.
+fn node_config(template: &tokio_postgres::Config, host: &str, port: u16) -> tokio_postgres::Config {
+    let mut c = tokio_postgres::Config::new();
+    if let Some(user) = template.get_user() {
+        c.user(user);
+    }
+    if let Some(password) = template.get_password() {
+        c.password(password);
+    }
+    if let Some(dbname) = template.get_dbname() {
+        c.dbname(dbname);
+    }
+    // One plan per session for every statement (its generic plan, made when the session warms
+    // up), not five custom plans first: the node's takes read the shards only through their
+    // inserts' conflict checks, so the plan does not depend on the keys.
+    c.options(format!(
+        "{} -c plan_cache_mode=force_generic_plan",
+        template.get_options().unwrap_or_default()
+    ));
+    if let Some(name) = template.get_application_name() {
+        c.application_name(name);
+    }
+    if let Some(t) = template.get_connect_timeout() {
+        c.connect_timeout(*t);
+    }
+    if let Some(t) = template.get_tcp_user_timeout() {
+        c.tcp_user_timeout(*t);
+    }
+    if let Some(t) = template.get_keepalives_interval() {
+        c.keepalives_interval(t);
+    }
+    if let Some(n) = template.get_keepalives_retries() {
+        c.keepalives_retries(n);
+    }
+    c.ssl_mode(template.get_ssl_mode())
+        .ssl_negotiation(template.get_ssl_negotiation())
+        .channel_binding(template.get_channel_binding())
+        .keepalives(template.get_keepalives())
+        .keepalives_idle(template.get_keepalives_idle())
+        .host(host)
+        .port(port);
+    c
 }
 
 /// A pool of `size` connections made by `manager`, handing one out within `wait`.
@@ -328,6 +403,7 @@ impl PostgresStore {
             prepared_statements: true,
             migrate: true,
             migrate_timeout: Duration::from_secs(30),
+            node_addresses: Vec::new(),
         })
     }
 

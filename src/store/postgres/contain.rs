@@ -149,11 +149,18 @@ pub(super) fn no_row(key: &str) -> StoreError {
     StoreError::Protocol(format!("no row returned for key {key:?}"))
 }
 
-/// Where a lane's statements go: plain PostgreSQL, or a Citus worker through its functions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Path {
+/// Where a lane's statements go: plain PostgreSQL, or a Citus node (its keys' shards by the
+/// shard map).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Path<'a> {
     Plain,
-    Citus,
+    Citus(&'a dyn ShardOf),
+}
+
+/// Where a key's shard is, for a lane on a Citus node (the Citus store's shard map).
+pub(super) trait ShardOf: Sync + std::fmt::Debug {
+    /// The shard holding `key`: its id and its table.
+    fn shard_of(&self, key: &str) -> (i64, &str);
 }
 
 impl PostgresStore {
@@ -164,7 +171,7 @@ impl PostgresStore {
         deadline: tokio::time::Instant,
         requests: &[AcquireRequest<'_>],
         which: &[usize],
-        path: Path,
+        path: Path<'_>,
     ) -> Vec<Result<Acquired, StoreError>> {
         let mut decided: Vec<Option<Acquired>> = vec![None; requests.len()];
         let mut failed: Vec<Option<StoreError>> = vec![None; requests.len()];
@@ -175,8 +182,8 @@ impl PostgresStore {
                     self.decide(deadline, requests, &mut pending, &mut decided)
                         .await
                 }
-                Path::Citus => {
-                    self.citus_decide(deadline, requests, &mut pending, &mut decided)
+                Path::Citus(map) => {
+                    self.citus_decide(map, deadline, requests, &mut pending, &mut decided)
                         .await
                 }
             };
@@ -204,7 +211,7 @@ impl PostgresStore {
         deadline: tokio::time::Instant,
         returns: &[GiveBack<'_>],
         which: &[usize],
-        path: Path,
+        path: Path<'_>,
     ) -> Vec<Result<bool, StoreError>> {
         let mut credited: HashSet<String> = HashSet::new();
         let mut failed: Vec<Option<StoreError>> = vec![None; returns.len()];
@@ -212,7 +219,7 @@ impl PostgresStore {
         while let Some(pending) = parts.pop() {
             let sent = match path {
                 Path::Plain => self.give_once(deadline, returns, &pending).await,
-                Path::Citus => self.citus_give_back(deadline, returns, &pending).await,
+                Path::Citus(_) => self.citus_give_back(deadline, returns, &pending).await,
             };
             match sent {
                 Ok(keys) => credited.extend(keys),

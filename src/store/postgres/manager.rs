@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::task::AbortHandle;
+use tokio_postgres::types::Type;
 use tokio_postgres::{Client, NoTls, Statement};
 
 use crate::store::{StoreError, TimeoutKind};
@@ -25,15 +26,30 @@ pub(crate) struct ConnectionManager {
     /// The store's switch for prepared statements: while on, a new session prepares the
     /// statements of every decision before it joins the pool.
     prepare: Arc<AtomicBool>,
-    /// Whether the store found a Citus coordinator: a new session then prepares the Citus
-    /// calls instead of the plain statements.
+    /// Whether the store found a Citus coordinator: a session on it then prepares nothing (no
+    /// decision goes through the coordinator).
     citus: Arc<AtomicBool>,
+    /// On a Citus node's pool: the statements a new session prepares instead of the plain ones
+    /// (that node's takes, which change with the shard map).
+    node: Option<NodeStatements>,
 }
+
+/// The statements a new session on a Citus node prepares, and whether it runs each once with
+/// empty arrays (its takes), shared with the store, which replaces them when the shard map
+/// changes.
+pub(super) type NodeStatements =
+    Arc<parking_lot::RwLock<Vec<(&'static str, &'static [Type], bool)>>>;
 
 impl ConnectionManager {
     /// Shares the store's Citus switch (set once the store has read the shard map).
     pub(super) fn citus(mut self, on: Arc<AtomicBool>) -> Self {
         self.citus = on;
+        self
+    }
+
+    /// A manager for a Citus node's pool: a new session prepares `statements`.
+    pub(super) fn node(mut self, statements: NodeStatements) -> Self {
+        self.node = Some(statements);
         self
     }
 
@@ -47,6 +63,7 @@ impl ConnectionManager {
             connect_timeout,
             prepare,
             citus: Arc::new(AtomicBool::new(false)),
+            node: None,
         }
     }
 }
@@ -175,11 +192,17 @@ impl bb8::ManageConnection for ConnectionManager {
             // statements go out together: one round trip in all. A failure here is no failure
             // of the connection: a call prepares (or sends unprepared) what is missing.
             let bound = self.connect_timeout;
-            let statements: Vec<(&'static str, &'static [tokio_postgres::types::Type])> =
-                if self.citus.load(Ordering::Relaxed) {
-                    super::citus::warm_statements().to_vec()
-                } else {
-                    super::lean::warm_statements().to_vec()
+            let (statements, runs): (Vec<(&'static str, &'static [Type])>, Vec<&'static str>) =
+                match &self.node {
+                    Some(node) => {
+                        let node = node.read();
+                        (
+                            node.iter().map(|(sql, types, _)| (*sql, *types)).collect(),
+                            node.iter().filter(|s| s.2).map(|s| s.0).collect(),
+                        )
+                    }
+                    None if self.citus.load(Ordering::Relaxed) => (Vec::new(), Vec::new()),
+                    None => (super::lean::warm_statements().to_vec(), Vec::new()),
                 };
             let prepares = statements
                 .iter()
@@ -190,6 +213,30 @@ impl bb8::ManageConnection for ConnectionManager {
                         conn.remember(sql, statement);
                     }
                 }
+            }
+            if !runs.is_empty() {
+                // A Citus node's takes run once with no keys: the session plans each (its
+                // generic plan, the only one it makes), compiles the shard guard and loads
+                // Citus's metadata for the shards, before a call waits on any of it.
+                let runs = runs.iter().filter_map(|sql| conn.prepared(sql));
+                let no_text: Vec<&str> = Vec::new();
+                let no_int: Vec<i64> = Vec::new();
+                let runs = runs.map(|statement| {
+                    let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = statement
+                        .params()
+                        .iter()
+                        .map(|t| -> &(dyn tokio_postgres::types::ToSql + Sync) {
+                            if *t == Type::TEXT_ARRAY {
+                                &no_text
+                            } else {
+                                &no_int
+                            }
+                        })
+                        .collect();
+                    let client = &conn.client;
+                    async move { client.query(&statement, &params).await }
+                });
+                let _ = tokio::time::timeout(bound, join_all(runs)).await;
             }
         }
         Ok(conn)

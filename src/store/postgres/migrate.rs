@@ -153,6 +153,15 @@ pub struct MigrationReport {
     /// The Citus version, when the database is a Citus coordinator: the tables are then
     /// distributed by key and the Citus functions are in place. `None` on plain PostgreSQL.
     pub citus: Option<String>,
+    /// On Citus: how many shards `tokenlease_buckets` has (and `tokenlease_returns`, co-located
+    /// with it). `None` on plain PostgreSQL.
+    pub citus_shards: Option<u32>,
+    /// On Citus: whether this call distributed the tables with a shard count it chose itself
+    /// (two per node that holds shards), as
+    /// it does when `citus.shard_count` is left at Citus's default; `false` when the setting was
+    /// set (in the server's configuration, for the database or role, or in the migrating
+    /// session), which is then used as it is, or when the tables were distributed before.
+    pub citus_shard_count_chosen: bool,
     /// The function files (`functions/<name>.sql`) this call applied because the database had
     /// none recorded for them, an older generation, or another checksum at the same generation.
     pub functions_applied: Vec<&'static str>,
@@ -195,6 +204,17 @@ impl fmt::Display for MigrationReport {
         }
         if let Some(citus) = &self.citus {
             write!(f, "; Citus {citus}: tables distributed by key")?;
+            if let Some(n) = self.citus_shards {
+                write!(f, ", {n} shards")?;
+            }
+            if self.citus_shard_count_chosen {
+                write!(
+                    f,
+                    " (chosen by migrate: {} per node holding shards; set citus.shard_count to \
+                     choose another count)",
+                    super::citus::SHARDS_PER_NODE
+                )?;
+            }
         }
         if !self.functions_newer.is_empty() {
             write!(
@@ -279,7 +299,11 @@ async fn migrate_all(client: &mut tokio_postgres::Client) -> Result<MigrationRep
         super::functions::apply(client, super::functions::FUNCTIONS, LOCK).await?;
     // On a Citus coordinator: distribute the tables and create the routed functions
     // (src/store/postgres/citus/). On plain PostgreSQL: one read of pg_extension.
-    report.citus = super::citus::distribute(client, LOCK).await?;
+    if let Some(citus) = super::citus::distribute(client, LOCK).await? {
+        report.citus = Some(citus.version);
+        report.citus_shards = Some(citus.shards);
+        report.citus_shard_count_chosen = citus.chosen;
+    }
     Ok(report)
 }
 

@@ -103,8 +103,9 @@ pub struct PostgresStore {
     /// ([`PostgresStoreBuilder::prepared_statements`]); cleared for good when the server
     /// refuses a prepared statement as only a transaction pooler makes it do.
     prepare: Arc<AtomicBool>,
-    /// The shard map and a pool per worker when the database is a Citus coordinator with the
-    /// tables distributed: every call then goes through the routed functions of [`citus`].
+    /// The shard map and a pool per node when the database is a Citus coordinator with the
+    /// tables distributed: every call then goes straight to the node holding its keys
+    /// ([`citus`]).
     citus: Option<Arc<citus::Citus>>,
     /// The clock that call deadlines count from (DESIGN.md §11, "One clock").
     clock: crate::clock::SharedClock,
@@ -504,7 +505,15 @@ impl Store for PostgresStore {
     }
 
     async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
-        let rows = self.query(sql::INSPECT, &[(&key, Type::TEXT)]).await?;
+        // On Citus, on the node holding the key, from its shard's table, not through the
+        // coordinator.
+        let rows = match &self.citus {
+            Some(citus) => {
+                let (lane, statement) = citus.inspect_route(key);
+                lane.query(statement, &[(&key, Type::TEXT)]).await?
+            }
+            None => self.query(sql::INSPECT, &[(&key, Type::TEXT)]).await?,
+        };
         rows.first()
             .map(|row| {
                 Ok(BucketRow {
@@ -525,18 +534,17 @@ impl Store for PostgresStore {
         Some(self.call_timeout)
     }
 
-    /// The pool's size; on Citus, the sum of the workers' pools.
+    /// The pool's size; on Citus, the sum of the nodes' pools.
     fn max_concurrent_calls(&self) -> Option<usize> {
-        let lanes = self.citus.as_ref().map_or(1, |citus| citus.lanes.len());
+        let lanes = self.citus.as_ref().map_or(1, |citus| citus.nodes());
         Some(self.pool_size as usize * lanes)
     }
 
-    /// On Citus, the worker holding the key's shard: a stalled worker then delays only its
-    /// own keys' callers. `0` on plain PostgreSQL.
+    /// On Citus, the node holding the key's shard (its `pg_dist_node` id, stable across
+    /// reloads of the map): a stalled node then delays only its own keys' callers. `0` on
+    /// plain PostgreSQL.
     fn partition(&self, key: &str) -> usize {
-        self.citus
-            .as_ref()
-            .map_or(0, |citus| citus.map.node_of(key))
+        self.citus.as_ref().map_or(0, |citus| citus.partition(key))
     }
 }
 

@@ -2,7 +2,7 @@
 //! functions created again when this build's differ.
 
 use super::SUPPORTED_CITUS;
-use super::sql::{fingerprint, functions, literal, shard_take_function};
+use super::sql::{fingerprint, functions, literal};
 use crate::store::MigrateError;
 
 /// The Citus version of `extversion` (`13.2-1`) as (major, minor).
@@ -45,6 +45,39 @@ pub(super) fn check_version(version: String) -> Result<String, MigrateError> {
     })
 }
 
+/// What the Citus step did: the extension's version, the shards of `tokenlease_buckets`, and
+/// whether this call chose their count.
+#[derive(Debug)]
+pub(in crate::store::postgres) struct Distributed {
+    pub(in crate::store::postgres) version: String,
+    pub(in crate::store::postgres) shards: u32,
+    pub(in crate::store::postgres) chosen: bool,
+}
+
+/// The shard count for the tables when `citus.shard_count` is at Citus's default:
+/// [`SHARDS_PER_NODE`](super::SHARDS_PER_NODE) per primary node that holds shards, at least two;
+/// `None` when the setting was set (it is then used).
+async fn shard_count(tx: &tokio_postgres::Transaction<'_>) -> Result<Option<u32>, MigrateError> {
+    let row = tx
+        .query_one(
+            "SELECT (SELECT source FROM pg_settings WHERE name = 'citus.shard_count'), \
+                    (SELECT count(*) FROM pg_dist_node \
+                     WHERE noderole = 'primary' AND isactive AND shouldhaveshards)",
+            &[],
+        )
+        .await
+        .map_err(MigrateError::database(
+            "read citus.shard_count and the nodes",
+        ))?;
+    let source: Option<String> = row.get(0);
+    if source.as_deref() != Some("default") {
+        return Ok(None);
+    }
+    let nodes: i64 = row.get(1);
+    let nodes = u32::try_from(nodes).unwrap_or(1).max(1);
+    Ok(Some((nodes * super::SHARDS_PER_NODE).max(2)))
+}
+
 /// The Citus step of [`migrate`](super::super::migrate::migrate): on a database with the `citus`
 /// extension, distributes the tables by key (once) and creates the Citus functions (again when
 /// this build's differ). Returns the extension's version, or `None` on plain PostgreSQL (where
@@ -55,7 +88,7 @@ pub(super) fn check_version(version: String) -> Result<String, MigrateError> {
 pub(in crate::store::postgres) async fn distribute(
     client: &mut tokio_postgres::Client,
     lock: &str,
-) -> Result<Option<String>, MigrateError> {
+) -> Result<Option<Distributed>, MigrateError> {
     let rows = client
         .query_typed(
             "SELECT extversion FROM pg_extension WHERE extname = 'citus'",
@@ -98,17 +131,29 @@ pub(in crate::store::postgres) async fn distribute(
     let row = &state[0];
     let (buckets, returns, comment): (bool, bool, String) = (row.get(0), row.get(1), row.get(2));
     let step = |s: &'static str| MigrateError::database(s);
-    let current = format!("tokenlease citus {}", fingerprint(&shards(&tx).await?));
+    let current = format!("tokenlease citus {}", fingerprint());
     if buckets && returns && comment == current {
-        return Ok(Some(version));
+        let shards = u32::try_from(shards(&tx).await?.len()).unwrap_or(u32::MAX);
+        return Ok(Some(Distributed {
+            version,
+            shards,
+            chosen: false,
+        }));
     }
+    let mut chosen = false;
     if !buckets {
+        if let Some(count) = shard_count(&tx).await? {
+            tx.batch_execute(&format!("SET LOCAL citus.shard_count = {count}"))
+                .await
+                .map_err(step("set citus.shard_count"))?;
+            chosen = true;
+        }
         tx.batch_execute("SELECT create_distributed_table('tokenlease_buckets', 'key', 'hash')")
             .await
             .map_err(step("distribute tokenlease_buckets"))?;
     }
     let shards = shards(&tx).await?;
-    let stamp = format!("tokenlease citus {}", fingerprint(&shards));
+    let stamp = format!("tokenlease citus {}", fingerprint());
     if !returns {
         tx.batch_execute(
             "ALTER TABLE tokenlease_returns DROP CONSTRAINT IF EXISTS tokenlease_returns_pkey; \
@@ -124,7 +169,16 @@ pub(in crate::store::postgres) async fn distribute(
         tx.batch_execute(&body)
             .await
             .map_err(step("create a Citus function"))?;
-        if signature.starts_with("tokenlease_citus_parts") {
+        if signature.starts_with("tokenlease_citus_parts")
+            || signature.starts_with("tokenlease_citus_hold")
+        {
+            // Helpers, run where their caller runs: on every node, no distribution argument.
+            tx.batch_execute(&format!(
+                "SELECT create_distributed_function({})",
+                literal(signature)
+            ))
+            .await
+            .map_err(step("create a Citus helper on every node"))?;
             continue;
         }
         tx.batch_execute(&format!(
@@ -133,11 +187,6 @@ pub(in crate::store::postgres) async fn distribute(
         ))
         .await
         .map_err(step("distribute a Citus function"))?;
-    }
-    for (shard, table) in &shards {
-        tx.batch_execute(&shard_take_function(*shard, table))
-            .await
-            .map_err(step("create a shard's take function"))?;
     }
     tx.batch_execute(&format!(
         "COMMENT ON FUNCTION tokenlease_citus_delete_idle(text, bigint) IS {}",
@@ -148,5 +197,9 @@ pub(in crate::store::postgres) async fn distribute(
     tx.commit()
         .await
         .map_err(step("commit the Citus distribution"))?;
-    Ok(Some(version))
+    Ok(Some(Distributed {
+        version,
+        shards: u32::try_from(shards.len()).unwrap_or(u32::MAX),
+        chosen,
+    }))
 }

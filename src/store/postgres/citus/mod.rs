@@ -1,340 +1,251 @@
-//! The store on a Citus cluster: the tables distributed by key, and every call routed to one
-//! worker.
+//! The store on a Citus cluster: the tables distributed by key, and every call sent straight to
+//! the node holding its keys, with the coordinator off the path (DESIGN.md §16).
 //!
 //! # Distribution
 //!
-//! [`distribute`](distribute::distribute) runs after the file migrations when the database has the `citus` extension
-//! (a coordinator): it makes `tokenlease_buckets` a hash-distributed table on `key` and
+//! [`distribute`](distribute::distribute) runs after the file migrations when the database has
+//! the `citus` extension (a coordinator): it makes `tokenlease_buckets` a hash-distributed table
+//! on `key` over [`SHARDS_PER_NODE`] shards per node unless `citus.shard_count` was set, and
 //! `tokenlease_returns` one co-located with it (its primary key becomes `(key, id)`: Citus
 //! requires the distribution column in every unique constraint; a return id is unique per key,
-//! which is all a retried return needs), then creates the functions below and marks each a
-//! *distributed function* whose first argument is the distribution argument, co-located with
-//! `tokenlease_buckets`. A Citus version outside [`SUPPORTED_CITUS`] is refused with
-//! [`MigrateError::UnsupportedCitus`](crate::store::MigrateError::UnsupportedCitus). On plain PostgreSQL nothing here runs.
+//! which is all a retried return needs), then creates the functions of [`sql`]: the shard
+//! guard on every node, and the strict take, the return and idle cleanup as *distributed
+//! functions* on their first argument. A Citus version outside [`SUPPORTED_CITUS`] is refused
+//! with [`MigrateError::UnsupportedCitus`](crate::store::MigrateError::UnsupportedCitus). On
+//! plain PostgreSQL nothing here runs.
 //!
 //! # Routing
 //!
-//! The store reads the shard map (`pg_dist_shard` and `pg_dist_placement`) when it connects,
-//! and hashes each key as Citus does ([`hashtext`]: PostgreSQL's `hashtext`, Bob Jenkins's
-//! lookup3, which `worker_hash(text)` returns) to find its shard and the worker holding it. A
-//! batch is split by worker, and each worker's part is one call of a distributed function
-//! whose first argument (the *route*) is one of that part's keys: the coordinator sees the
-//! distribution argument, and pushes the whole call down to the worker that holds the route's
-//! shard, where it runs as one local transaction. No call opens a distributed transaction, so
-//! no two-phase commit (`pg_dist_transaction` stays empty).
+//! The store reads the shard map (`pg_dist_shard`, `pg_dist_placement`, `pg_dist_node`) when it
+//! connects, hashes each key as Citus does ([`hashtext`]: PostgreSQL's `hashtext`, Bob
+//! Jenkins's lookup3, which `worker_hash(text)` returns) to find its shard and the node holding
+//! it, and opens a pool per node ([`Citus`]). A batch is split by node, and each node's part is
+//! ONE statement on that node ([`sql::node_take`]): the plain store's many-key take on each of
+//! its shards' tables, in shard order, after the shard guard ([`sql::HOLD`]: the shards'
+//! distribution metadata locks in share mode, as Citus's executor takes them for a write, then
+//! their placements checked). No coordinator, no delegation, no distributed transaction.
+//! Strict leases, returns and idle cleanup are calls of the distributed functions sent to the
+//! node holding their route key, which Citus then runs locally.
 //!
-//! On the worker, the function groups its keys by shard (`get_shard_id_for_distribution_column`),
-//! checks that each shard has its placement on this node (a stale map, say after a rebalance,
-//! fails the call instead of writing to a copy Citus no longer reads), and runs, shard by shard
-//! in shard order, the same refill-and-take as the plain store's statements on the shard's own
-//! table (`tokenlease_buckets_<shardid>`): plain PostgreSQL with no Citus planning in the way
-//! (Citus cannot plan the many-key statement on the distributed table as a one-shard query: it
-//! splits its CTEs into sub-plans and broadcasts intermediate results). A take goes through the
-//! shard's own function (`tokenlease_citus_take_<shardid>`, [`sql::shard_take_function`]), whose
-//! statement the worker session plans once; strict leases, returns and a shard without its
-//! function (made after the last migrate) go through `EXECUTE`, planned on every call. The
-//! rows of each shard are locked in key order, and shards are taken in shard order, so two
-//! calls never wait on each other in a cycle. Each worker's calls go through a pool of their
-//! own ([`Citus`]), so a worker that stalls holds only its own connections.
+//! # Topology changes
 //!
-//! Idle cleanup runs the same way, one call per worker, on that worker's shards.
+//! A node that refuses a shard (it moved, or a split removed it) makes the store read the map
+//! again, from any node, open pools to new nodes, and send the refused keys once more
+//! ([`Citus::acquire_each`]). Each node's pool is warmed in `build`: its sessions prepare the
+//! node's statements and run each take once with no keys.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 
-use tokio_postgres::types::ToSql;
-
-use super::contain::{Path, no_row};
+use super::contain::{Path, ShardOf, no_row};
+use super::manager::NodeStatements;
 use super::{Holds, PostgresStore, Takes, file_rows, nanos_down, shape};
 use crate::store::{AcquireRequest, Acquired, GiveBack, StoreError, join_all};
 
 /// The Citus versions the store runs on: from 12.0 up to (not including) 14.0. Tested on 13.2.
 pub(crate) const SUPPORTED_CITUS: ((u32, u32), (u32, u32)) = ((12, 0), (14, 0));
 
-/// PostgreSQL's `hashtext` for a deterministic collation: `hash_bytes` (Bob Jenkins's lookup3,
-/// `hashfn.c`) over the key's UTF-8 bytes, as a signed 32-bit value. Citus hashes a text
-/// distribution column with it (`worker_hash(text)`), and a shard holds the keys whose hash is
-/// within its `[shardminvalue, shardmaxvalue]`.
-pub(crate) fn hashtext(key: &[u8]) -> i32 {
-    #[inline]
-    fn mix(a: &mut u32, b: &mut u32, c: &mut u32) {
-        *a = a.wrapping_sub(*c);
-        *a ^= c.rotate_left(4);
-        *c = c.wrapping_add(*b);
-        *b = b.wrapping_sub(*a);
-        *b ^= a.rotate_left(6);
-        *a = a.wrapping_add(*c);
-        *c = c.wrapping_sub(*b);
-        *c ^= b.rotate_left(8);
-        *b = b.wrapping_add(*a);
-        *a = a.wrapping_sub(*c);
-        *a ^= c.rotate_left(16);
-        *c = c.wrapping_add(*b);
-        *b = b.wrapping_sub(*a);
-        *b ^= a.rotate_left(19);
-        *a = a.wrapping_add(*c);
-        *c = c.wrapping_sub(*b);
-        *c ^= b.rotate_left(4);
-        *b = b.wrapping_add(*a);
-    }
-    #[inline]
-    fn finish(a: &mut u32, b: &mut u32, c: &mut u32) {
-        *c ^= *b;
-        *c = c.wrapping_sub(b.rotate_left(14));
-        *a ^= *c;
-        *a = a.wrapping_sub(c.rotate_left(11));
-        *b ^= *a;
-        *b = b.wrapping_sub(a.rotate_left(25));
-        *c ^= *b;
-        *c = c.wrapping_sub(b.rotate_left(16));
-        *a ^= *c;
-        *a = a.wrapping_sub(c.rotate_left(4));
-        *b ^= *a;
-        *b = b.wrapping_sub(a.rotate_left(14));
-        *c ^= *b;
-        *c = c.wrapping_sub(b.rotate_left(24));
-    }
-    let word = |bytes: &[u8]| -> u32 {
-        // Little-endian, as PostgreSQL reads the words on the platforms it runs on here; the
-        // result is the same for the aligned and unaligned paths of hashfn.c.
-        let mut w = 0u32;
-        for (i, &b) in bytes.iter().enumerate() {
-            w |= u32::from(b) << (8 * i);
-        }
-        w
-    };
-    let len = u32::try_from(key.len()).unwrap_or(u32::MAX);
-    let init = 0x9e37_79b9u32.wrapping_add(len).wrapping_add(3_923_095);
-    let (mut a, mut b, mut c) = (init, init, init);
-    let mut rest = key;
-    while rest.len() >= 12 {
-        a = a.wrapping_add(word(&rest[0..4]));
-        b = b.wrapping_add(word(&rest[4..8]));
-        c = c.wrapping_add(word(&rest[8..12]));
-        mix(&mut a, &mut b, &mut c);
-        rest = &rest[12..];
-    }
-    // The last 0..11 bytes: a takes bytes 0-3, b 4-7, c 8-10 shifted up by a byte (its lowest
-    // byte is reserved for the length in lookup3).
-    let n = rest.len();
-    a = a.wrapping_add(word(&rest[..n.min(4)]));
-    if n > 4 {
-        b = b.wrapping_add(word(&rest[4..n.min(8)]));
-    }
-    if n > 8 {
-        c = c.wrapping_add(word(&rest[8..n]) << 8);
-    }
-    finish(&mut a, &mut b, &mut c);
-    c as i32
-}
+/// The shards per node holding shards that `migrate` gives the tables when `citus.shard_count`
+/// is left at Citus's default (DESIGN.md §16 has the measurements): a node's part of a batch is
+/// one statement with a part per shard, and fewer shards make fuller parts; two rather than one
+/// leave room to move half a node's keys to a new node without a split.
+pub(crate) const SHARDS_PER_NODE: u32 = 2;
 
-/// One shard of `tokenlease_buckets`: its hash range and the worker (index into
-/// [`ShardMap::nodes`]) holding its placement.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Shard {
-    pub(crate) id: i64,
-    pub(crate) min: i32,
-    pub(crate) max: i32,
-    pub(crate) node: usize,
-}
-
-/// Where each key of a distributed `tokenlease_buckets` lives, read when the store connects.
-#[derive(Clone, Debug)]
-pub(crate) struct ShardMap {
-    /// By `min`, covering the whole 32-bit hash range.
-    shards: Vec<Shard>,
-    /// The workers holding shards, as `host:port`, in Citus's group order.
-    nodes: Vec<String>,
-    /// For each node, a key whose shard lives there: the route of calls that name no key
-    /// (idle cleanup).
-    probes: Vec<String>,
-}
-
-impl ShardMap {
-    /// The shard holding `key`.
-    pub(crate) fn shard_of(&self, key: &str) -> &Shard {
-        let h = hashtext(key.as_bytes());
-        let i = self.shards.partition_point(|s| s.min <= h);
-        &self.shards[i.saturating_sub(1)]
-    }
-
-    /// The worker (index into the node list) holding `key`'s shard.
-    pub(crate) fn node_of(&self, key: &str) -> usize {
-        self.shard_of(key).node
-    }
-
-    /// The workers, as `host:port`.
-    pub(crate) fn nodes(&self) -> &[String] {
-        &self.nodes
-    }
-
-    /// A key whose shard is on `node`.
-    pub(crate) fn probe(&self, node: usize) -> &str {
-        &self.probes[node]
-    }
-
-    fn new(shards: Vec<Shard>, nodes: Vec<String>) -> Result<Self, String> {
-        if shards.is_empty() {
-            return Err("tokenlease_buckets has no shards".into());
-        }
-        if shards[0].min != i32::MIN || shards.last().map(|s| s.max) != Some(i32::MAX) {
-            return Err("the shards of tokenlease_buckets do not cover the hash range".into());
-        }
-        for pair in shards.windows(2) {
-            if i64::from(pair[0].max) + 1 != i64::from(pair[1].min) {
-                return Err(format!(
-                    "the shards of tokenlease_buckets leave a gap or overlap after shard {}",
-                    pair[0].id
-                ));
-            }
-        }
-        let mut map = ShardMap {
-            shards,
-            nodes,
-            probes: Vec::new(),
-        };
-        let mut probes: Vec<Option<String>> = vec![None; map.nodes.len()];
-        for i in 0..1_000_000u32 {
-            if probes.iter().all(Option::is_some) {
-                break;
-            }
-            let key = format!("tokenlease-probe-{i}");
-            let node = map.node_of(&key);
-            if probes[node].is_none() {
-                probes[node] = Some(key);
-            }
-        }
-        map.probes = probes
-            .into_iter()
-            .enumerate()
-            .map(|(node, p)| p.unwrap_or_else(|| format!("tokenlease-no-probe-{node}")))
-            .collect();
-        Ok(map)
-    }
-}
-
-/// Whether `client`'s database is a Citus coordinator with `tokenlease_buckets` distributed,
-/// and if so its shard map. Checks [`hashtext`] against the server's `worker_hash` first: a
-/// key hashed differently (a non-deterministic collation, say) would be sent to the wrong
-/// worker, so a mismatch is an error.
-pub(super) async fn shard_map(
-    client: &tokio_postgres::Client,
-) -> Result<Option<ShardMap>, StoreError> {
-    let distributed = client
-        .query_typed(
-            "SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus') \
-               AND to_regclass('pg_dist_partition') IS NOT NULL",
-            &[],
-        )
-        .await?;
-    if !distributed.first().is_some_and(|r| r.get::<_, bool>(0)) {
-        return Ok(None);
-    }
-    let rows = client
-        .query_typed(
-            "SELECT EXISTS (SELECT FROM pg_dist_partition \
-                            WHERE logicalrelid = to_regclass('tokenlease_buckets'))",
-            &[],
-        )
-        .await?;
-    if !rows.first().is_some_and(|r| r.get::<_, bool>(0)) {
-        return Ok(None);
-    }
-    let rows = client
-        .query_typed(
-            "SELECT s.shardid, s.shardminvalue::integer, s.shardmaxvalue::integer, \
-                    n.groupid, n.nodename || ':' || n.nodeport \
-             FROM pg_dist_shard AS s \
-             JOIN pg_dist_placement AS p ON p.shardid = s.shardid \
-             JOIN pg_dist_node AS n ON n.groupid = p.groupid AND n.noderole = 'primary' \
-             WHERE s.logicalrelid = 'tokenlease_buckets'::regclass \
-             ORDER BY s.shardminvalue::integer",
-            &[],
-        )
-        .await?;
-    let mut groups: Vec<i32> = Vec::new();
-    let mut nodes: Vec<String> = Vec::new();
-    let mut shards = Vec::with_capacity(rows.len());
-    let mut by_group: HashMap<i32, usize> = HashMap::new();
-    let mut group_rows: Vec<(i64, i32, i32, i32, String)> = Vec::with_capacity(rows.len());
-    for row in &rows {
-        group_rows.push((
-            row.try_get(0)?,
-            row.try_get(1)?,
-            row.try_get(2)?,
-            row.try_get(3)?,
-            row.try_get(4)?,
-        ));
-    }
-    let mut sorted_groups: Vec<(i32, String)> = group_rows
-        .iter()
-        .map(|(_, _, _, g, name)| (*g, name.clone()))
-        .collect();
-    sorted_groups.sort();
-    sorted_groups.dedup();
-    for (group, name) in sorted_groups {
-        by_group.insert(group, nodes.len());
-        groups.push(group);
-        nodes.push(name);
-    }
-    for (id, min, max, group, _) in group_rows {
-        shards.push(Shard {
-            id,
-            min,
-            max,
-            node: by_group[&group],
-        });
-    }
-    let map = ShardMap::new(shards, nodes).map_err(StoreError::Protocol)?;
-    // The client's hash must be the server's.
-    let probes: Vec<String> = (0..64)
-        .map(|i| format!("tokenlease-hash-check-{i}"))
-        .collect();
-    let rows = client
-        .query_typed(
-            "SELECT k, worker_hash(k) FROM unnest($1::text[]) AS k",
-            &[(&probes, Type::TEXT_ARRAY)],
-        )
-        .await?;
-    for row in rows {
-        let key: String = row.try_get(0)?;
-        let server: i32 = row.try_get(1)?;
-        if hashtext(key.as_bytes()) != server {
-            return Err(StoreError::Protocol(format!(
-                "Citus hashes key {key:?} to {server}, this client to {}: the key column's \
-                 collation or hash function is not PostgreSQL's default one",
-                hashtext(key.as_bytes())
-            )));
-        }
-    }
-    Ok(Some(map))
-}
-
-/// The store's Citus state: the shard map, and for each worker a store of its own (a pool of
-/// its own to the coordinator) that sends that worker's calls, so that a worker that stalls
-/// holds only its own pool's connections.
+/// The map in use and a store (a pool of its own) for each of its nodes, by the map's node
+/// index.
 #[derive(Debug)]
-pub(super) struct Citus {
+pub(super) struct Topology {
     pub(super) map: ShardMap,
     pub(super) lanes: Vec<PostgresStore>,
+    /// Counts the maps read: a caller that saw a stale map reloads only if no one else has
+    /// since.
+    generation: u64,
+}
+
+/// How the store opens a pool to a node: a function of the node's address.
+pub(super) type OpenNode = Box<dyn Fn(&Node) -> (PostgresStore, NodeStatements) + Send + Sync>;
+
+/// The store's Citus state: the current [`Topology`], the pools by node (kept across
+/// reloads), and how to open one for a node the store has not seen.
+pub(super) struct Citus {
+    topology: parking_lot::RwLock<Arc<Topology>>,
+    pools: parking_lot::Mutex<HashMap<Node, (PostgresStore, NodeStatements)>>,
+    open: OpenNode,
+    /// The coordinator's pool, for reading the map when no node answers.
+    coordinator: PostgresStore,
+    /// One reload at a time.
+    reloading: tokio::sync::Mutex<()>,
+    /// Connections each node's pool holds, opened before a node's first call.
+    pool_size: u32,
+    connect_timeout: std::time::Duration,
+}
+
+impl std::fmt::Debug for Citus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Citus")
+            .field("topology", &self.topology.read())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether `err` says the map the store routed by is stale: a node refused a shard it no
+/// longer holds ([`sql::HOLD`], SQLSTATE 55000), or a shard is gone (a split removed it: Citus
+/// has no entry for it, or its table or function is missing: 42P01, 42883).
+fn stale(err: &StoreError) -> bool {
+    match err {
+        StoreError::Database { code, message } => {
+            (code == "55000" && message.contains("tokenlease: shard"))
+                || (code == "XX000" && message.contains("could not find valid entry for shard"))
+                || code == "42P01"
+                || code == "42883"
+        }
+        _ => false,
+    }
 }
 
 impl Citus {
+    /// The Citus state for `map`: a pool per node (`open`), each filled with `pool_size`
+    /// sessions that have prepared that node's statements, before the first call.
+    pub(super) async fn new(
+        map: ShardMap,
+        open: OpenNode,
+        coordinator: PostgresStore,
+        pool_size: u32,
+        connect_timeout: std::time::Duration,
+    ) -> Citus {
+        let citus = Citus {
+            topology: parking_lot::RwLock::new(Arc::new(Topology {
+                map: map.clone(),
+                lanes: Vec::new(),
+                generation: 0,
+            })),
+            pools: parking_lot::Mutex::new(HashMap::new()),
+            open,
+            coordinator,
+            reloading: tokio::sync::Mutex::new(()),
+            pool_size,
+            connect_timeout,
+        };
+        let topology = citus.topology_for(map, 0).await;
+        *citus.topology.write() = Arc::new(topology);
+        citus
+    }
+
+    /// The topology in use.
+    pub(super) fn current(&self) -> Arc<Topology> {
+        Arc::clone(&self.topology.read())
+    }
+
+    /// A [`Topology`] for `map`: the pools of nodes seen before, new ones opened and warmed
+    /// (each node's statements prepared on every session, bounded by the connect timeout), and
+    /// every node's statements made for its shards.
+    async fn topology_for(&self, map: ShardMap, generation: u64) -> Topology {
+        let mut fresh = Vec::new();
+        let lanes: Vec<PostgresStore> = {
+            let mut pools = self.pools.lock();
+            pools.retain(|node, _| map.nodes().contains(node));
+            map.nodes()
+                .iter()
+                .enumerate()
+                .map(|(i, node)| {
+                    let (lane, statements) = pools.entry(node.clone()).or_insert_with(|| {
+                        let opened = (self.open)(node);
+                        fresh.push(opened.0.clone());
+                        opened
+                    });
+                    *statements.write() = node_statements(&map, i);
+                    lane.clone()
+                })
+                .collect()
+        };
+        let warm = fresh.iter().map(|lane| lane.warm(self.pool_size));
+        let _ = tokio::time::timeout(self.connect_timeout * 2, join_all(warm)).await;
+        Topology {
+            map,
+            lanes,
+            generation,
+        }
+    }
+
+    /// Reads the map again, unless another caller has since `seen` was current: from the nodes
+    /// first (every node has the metadata, and the coordinator may be down), then the
+    /// coordinator.
+    async fn reload(&self, seen: u64) -> Result<Arc<Topology>, StoreError> {
+        let _one = self.reloading.lock().await;
+        let current = self.current();
+        if current.generation != seen {
+            return Ok(current);
+        }
+        let mut last = None;
+        for lane in current
+            .lanes
+            .iter()
+            .chain(std::iter::once(&self.coordinator))
+        {
+            match lane.read_map().await {
+                Ok(Some(map)) => {
+                    let next = Arc::new(self.topology_for(map, seen + 1).await);
+                    *self.topology.write() = Arc::clone(&next);
+                    return Ok(next);
+                }
+                Ok(None) => {
+                    last = Some(StoreError::Protocol(
+                        "tokenlease_buckets is no longer distributed".into(),
+                    ));
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| StoreError::Protocol("no node to read the map from".into())))
+    }
+
     /// [`Store::acquire_each`](crate::store::Store::acquire_each) on Citus for the requests at
-    /// `which` (distinct keys): split by worker, one call of `tokenlease_citus_take` per worker
-    /// (then `tokenlease_citus_take_held` for what it left: strict leases, rows that hold them),
-    /// all the workers' calls side by side, each worker's data errors contained to their
-    /// requests. A worker's error goes to its keys only. One answer per position of `which`.
+    /// `which` (distinct keys): split by node, one statement per node on that node, all the
+    /// nodes' statements side by side, each node's data errors contained to their requests. A
+    /// node that says the map is stale makes the store read it again and send those keys once
+    /// more, each to the node now holding it. One answer per position of `which`.
     pub(super) async fn acquire_each(
         &self,
         deadline: tokio::time::Instant,
         requests: &[AcquireRequest<'_>],
         which: &[usize],
     ) -> Vec<Result<Acquired, StoreError>> {
-        let groups = by_node(&self.map, which, |i| requests[i].key);
+        let topology = self.current();
+        let mut answers = Self::take_on(&topology, deadline, requests, which).await;
+        let again: Vec<usize> = (0..which.len())
+            .filter(|&n| answers[n].as_ref().is_err_and(stale))
+            .collect();
+        if again.is_empty() {
+            return answers;
+        }
+        let next = match self.reload(topology.generation).await {
+            Ok(next) => next,
+            Err(_) => return answers,
+        };
+        let resend: Vec<usize> = again.iter().map(|&n| which[n]).collect();
+        let retried = Self::take_on(&next, deadline, requests, &resend).await;
+        for (n, answer) in again.into_iter().zip(retried) {
+            answers[n] = answer;
+        }
+        answers
+    }
+
+    async fn take_on(
+        topology: &Topology,
+        deadline: tokio::time::Instant,
+        requests: &[AcquireRequest<'_>],
+        which: &[usize],
+    ) -> Vec<Result<Acquired, StoreError>> {
+        let groups = by_node(&topology.map, which, |i| requests[i].key);
         let calls = groups.iter().map(|(node, group)| {
-            self.lanes[*node].take_contained(deadline, requests, group, Path::Citus)
+            topology.lanes[*node].take_contained(
+                deadline,
+                requests,
+                group,
+                Path::Citus(&topology.map),
+            )
         });
         let mut out: HashMap<usize, Result<Acquired, StoreError>> =
             HashMap::with_capacity(which.len());
@@ -351,17 +262,48 @@ impl Citus {
     }
 
     /// [`Store::give_back_each`](crate::store::Store::give_back_each) on Citus for the returns
-    /// at `which` (distinct keys): one call of `tokenlease_citus_give_back` per worker, each
-    /// through its worker's pool, data errors contained; whether each return credited.
+    /// at `which` (distinct keys): one call of `tokenlease_citus_give_back` per node, on that
+    /// node, data errors contained; a stale map read again and those returns sent once more;
+    /// whether each return credited.
     pub(super) async fn give_back_each(
         &self,
         deadline: tokio::time::Instant,
         returns: &[GiveBack<'_>],
         which: &[usize],
     ) -> Vec<Result<bool, StoreError>> {
-        let groups = by_node(&self.map, which, |i| returns[i].key);
+        let topology = self.current();
+        let mut answers = Self::give_on(&topology, deadline, returns, which).await;
+        let again: Vec<usize> = (0..which.len())
+            .filter(|&n| answers[n].as_ref().is_err_and(stale))
+            .collect();
+        if again.is_empty() {
+            return answers;
+        }
+        let Ok(next) = self.reload(topology.generation).await else {
+            return answers;
+        };
+        let resend: Vec<usize> = again.iter().map(|&n| which[n]).collect();
+        let retried = Self::give_on(&next, deadline, returns, &resend).await;
+        for (n, answer) in again.into_iter().zip(retried) {
+            answers[n] = answer;
+        }
+        answers
+    }
+
+    async fn give_on(
+        topology: &Topology,
+        deadline: tokio::time::Instant,
+        returns: &[GiveBack<'_>],
+        which: &[usize],
+    ) -> Vec<Result<bool, StoreError>> {
+        let groups = by_node(&topology.map, which, |i| returns[i].key);
         let calls = groups.iter().map(|(node, group)| {
-            self.lanes[*node].give_contained(deadline, returns, group, Path::Citus)
+            topology.lanes[*node].give_contained(
+                deadline,
+                returns,
+                group,
+                Path::Citus(&topology.map),
+            )
         });
         let mut out: HashMap<usize, Result<bool, StoreError>> = HashMap::with_capacity(which.len());
         for ((_, group), answers) in groups.iter().zip(join_all(calls).await) {
@@ -377,15 +319,17 @@ impl Citus {
     }
 
     /// [`Store::delete_idle`](crate::store::Store::delete_idle) on Citus: one call of
-    /// `tokenlease_citus_delete_idle` per worker, in turn, until `limit` rows are gone.
+    /// `tokenlease_citus_delete_idle` per node, on that node, in turn, until `limit` rows are
+    /// gone.
     pub(super) async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
+        let topology = self.current();
         let mut deleted = 0u64;
-        for (node, lane) in self.lanes.iter().enumerate() {
+        for (node, lane) in topology.lanes.iter().enumerate() {
             let left = i64::from(limit) - i64::try_from(deleted).unwrap_or(i64::MAX);
             if left <= 0 {
                 break;
             }
-            let route = self.map.probe(node);
+            let route = topology.map.probe(node);
             let rows = lane
                 .query(DELETE_IDLE, &[(&route, Type::TEXT), (&left, Type::INT8)])
                 .await?;
@@ -394,26 +338,147 @@ impl Citus {
         }
         Ok(deleted)
     }
+
+    /// The store of the node holding `key`'s shard and the inspection statement on the shard's
+    /// table: inspection goes there, not through the coordinator.
+    pub(super) fn inspect_route(&self, key: &str) -> (PostgresStore, &'static str) {
+        let topology = self.current();
+        let shard = topology.map.shard_of(key);
+        (
+            topology.lanes[shard.node].clone(),
+            sql::inspect_shard(&shard.table),
+        )
+    }
+
+    /// How many nodes hold shards (each has a pool).
+    pub(super) fn nodes(&self) -> usize {
+        self.current().lanes.len()
+    }
+
+    /// The node holding `key`'s shard, by its stable id: the store's partition of `key`.
+    pub(super) fn partition(&self, key: &str) -> usize {
+        let topology = self.topology.read();
+        let node = topology.map.node_of(key);
+        usize::try_from(topology.map.nodes()[node].id).unwrap_or(node)
+    }
+}
+
+impl ShardOf for ShardMap {
+    fn shard_of(&self, key: &str) -> (i64, &str) {
+        let shard = ShardMap::shard_of(self, key);
+        (shard.id, shard.table.as_str())
+    }
+}
+
+/// The statements a new session on node `node` prepares: its takes for every set of its
+/// shards when it holds at most three (seven statements), else for each shard alone and for
+/// all of them, each also run once with no keys (`true`); and the strict take and the return.
+fn node_statements(map: &ShardMap, node: usize) -> Vec<(&'static str, &'static [Type], bool)> {
+    let shards: Vec<(i64, &str)> = map
+        .shards_on(node)
+        .into_iter()
+        .map(|s| (s.id, s.table.as_str()))
+        .collect();
+    let mut sets: Vec<Vec<(i64, &str)>> = Vec::new();
+    if shards.len() <= 3 {
+        for mask in 1u32..(1 << shards.len()) {
+            sets.push(
+                (0..shards.len())
+                    .filter(|b| mask & (1 << b) != 0)
+                    .map(|b| shards[b])
+                    .collect(),
+            );
+        }
+    } else {
+        sets.extend(shards.iter().map(|s| vec![*s]));
+        sets.push(shards.clone());
+    }
+    let mut out: Vec<(&'static str, &'static [Type], bool)> = sets
+        .iter()
+        .filter_map(|set| sql::node_take_statement(set))
+        .map(|(statement, types)| (statement, types, true))
+        .collect();
+    out.push((TAKE_HELD, &sql::TAKE_HELD_TYPES, false));
+    out.push((GIVE_BACK, &GIVE_BACK_TYPES, false));
+    out
 }
 
 impl PostgresStore {
-    /// One worker's part of a batch: `pending` indexes `requests`, distinct keys on one
-    /// worker. Each answer is filed in `out`; `pending` keeps what is not decided, also when a
-    /// call fails.
+    /// Opens `size` sessions side by side (each preparing its statements) and hands them to
+    /// the pool, so that no early call waits for a login or a prepare. A session that does
+    /// not come is opened by the first call that needs it.
+    pub(super) async fn warm(&self, size: u32) {
+        let opens = (0..size).map(|_| self.pool.dedicated_connection());
+        for conn in join_all(opens).await.into_iter().flatten() {
+            // Refused only when the pool is full already: the connection is dropped.
+            let _ = self.pool.add(conn);
+        }
+    }
+
+    /// The shard map as this store's database says (no hash check: done when the store
+    /// connected).
+    async fn read_map(&self) -> Result<Option<ShardMap>, StoreError> {
+        let deadline = self.clock.instant() + self.call_timeout.max(self.cancel_timeout);
+        let timed_out = || StoreError::Timeout {
+            kind: crate::store::TimeoutKind::Call,
+            after: self.call_timeout,
+        };
+        let conn = self.checkout(deadline, timed_out).await?;
+        match tokio::time::timeout_at(deadline, shard_map(&conn, false)).await {
+            Ok(map) => map,
+            Err(_) => Err(timed_out()),
+        }
+    }
+
+    /// One node's part of a batch: `pending` indexes `requests`, distinct keys on one node.
+    /// The plain takes go as one statement on the node's shard tables ([`sql::node_take`]);
+    /// what it leaves (strict leases, rows holding them) through `tokenlease_citus_take_held`
+    /// on the node. Each answer is filed in `out`; `pending` keeps what is not decided, also
+    /// when a statement fails.
     pub(super) async fn citus_decide(
         &self,
+        map: &dyn ShardOf,
         deadline: tokio::time::Instant,
         requests: &[AcquireRequest<'_>],
         pending: &mut Vec<usize>,
         out: &mut [Option<Acquired>],
     ) -> Result<(), StoreError> {
         if !pending.iter().any(|&i| requests[i].hold.is_some()) {
-            let t = Takes::new(requests, pending)?;
-            let route = t.keys[0];
-            let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&route, Type::TEXT)];
-            params.extend(t.params());
-            let rows = self.query_by(deadline, TAKE, &params).await?;
-            file_rows(&rows, requests, pending, out)?;
+            // By shard, in shard order.
+            let mut by_shard: Vec<((i64, &str), Vec<usize>)> = Vec::new();
+            for &i in pending.iter() {
+                let shard = map.shard_of(requests[i].key);
+                match by_shard.iter_mut().find(|(s, _)| s.0 == shard.0) {
+                    Some((_, group)) => group.push(i),
+                    None => by_shard.push((shard, vec![i])),
+                }
+            }
+            by_shard.sort_by_key(|(s, _)| s.0);
+            let shards: Vec<(i64, &str)> = by_shard.iter().map(|(s, _)| *s).collect();
+            match sql::node_take_statement(&shards) {
+                Some((statement, _)) => {
+                    let takes = by_shard
+                        .iter()
+                        .map(|(_, group)| Takes::new(requests, group))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let params: Vec<(&(dyn ToSql + Sync), Type)> =
+                        takes.iter().flat_map(Takes::params).collect();
+                    let rows = self.query_by(deadline, statement, &params).await?;
+                    file_rows(&rows, requests, pending, out)?;
+                }
+                None => {
+                    // Too many sets of shards kept: one statement per shard.
+                    for ((_, group), shard) in by_shard.iter().zip(&shards) {
+                        let (statement, _) = sql::node_take_statement(std::slice::from_ref(shard))
+                            .ok_or_else(|| {
+                                StoreError::Protocol("no statement for a shard".into())
+                            })?;
+                        let t = Takes::new(requests, group)?;
+                        let rows = self.query_by(deadline, statement, &t.params()).await?;
+                        file_rows(&rows, requests, pending, out)?;
+                    }
+                }
+            }
         }
         if !pending.is_empty() {
             let t = Takes::new(requests, pending)?;
@@ -427,8 +492,7 @@ impl PostgresStore {
         }
         Ok(())
     }
-
-    /// One worker's returns; the keys credited.
+    /// One node's returns; the keys credited.
     pub(super) async fn citus_give_back(
         &self,
         deadline: tokio::time::Instant,
@@ -476,7 +540,7 @@ impl PostgresStore {
     }
 }
 
-/// The positions `which` by the worker of their keys, workers without keys left out.
+/// The positions `which` by the node of their keys, nodes without keys left out.
 fn by_node<'a>(
     map: &ShardMap,
     which: &[usize],
@@ -492,11 +556,13 @@ fn by_node<'a>(
 }
 
 mod distribute;
+mod map;
 mod sql;
 
 pub(super) use self::distribute::distribute;
-pub(super) use self::sql::warm_statements;
-use self::sql::{DELETE_IDLE, GIVE_BACK, GIVE_BACK_TYPES, TAKE, TAKE_HELD};
+pub(super) use self::map::shard_map;
+pub(crate) use self::map::{Node, ShardMap};
+use self::sql::{DELETE_IDLE, GIVE_BACK, GIVE_BACK_TYPES, TAKE_HELD};
 
 #[cfg(test)]
 mod tests;

@@ -135,6 +135,43 @@ pub(super) fn literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
 }
 
+/// The guard of every write on a shard table that bypasses Citus's executor: each of `shards`'
+/// distribution metadata lock in share mode, the lock Citus's own executor takes on a shard it
+/// modifies (`AcquireMetadataLocks`: `LockShardDistributionMetadata(shard, ShareLock)`), and
+/// that a shard move or split blocking writes takes in exclusive mode on every node
+/// (`BlockWritesToShardList`, through `lock_shard_metadata(7, ...)` on the workers) before it
+/// copies the shard, holding it until it commits the new placement. Then the placements are
+/// checked in a snapshot taken after the locks (each statement of a volatile PL/pgSQL function
+/// gets its own): a write waits while a move copies, and once the move has committed it fails
+/// here (SQLSTATE 55000) instead of landing on the copy Citus no longer reads. A shard a split
+/// has removed fails in `lock_shard_metadata` ("could not find valid entry for shard").
+/// `shards` in shard order (the locks are taken in it). Returns `keys`, so that a statement can
+/// take its keys through it: the keys' `unnest` then runs it before any row is written. One
+/// call per statement, for all its shards: its cost is per statement, not per shard or key.
+/// `SECURITY DEFINER`, owned by the migrating role (the tables' owner): `lock_shard_metadata`
+/// is for the shard's owner, and the store's role need not be; every name in it is
+/// schema-qualified.
+pub(super) const HOLD: &str = "\
+CREATE OR REPLACE FUNCTION tokenlease_citus_hold(shards bigint[], keys text[])
+RETURNS text[]
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+AS $fn$
+BEGIN
+    PERFORM pg_catalog.lock_shard_metadata(5, shards);
+    IF (SELECT pg_catalog.count(*) FROM pg_catalog.pg_dist_placement AS p
+        WHERE p.shardid OPERATOR(pg_catalog.=) ANY (shards)
+          AND p.groupid OPERATOR(pg_catalog.=)
+              (SELECT l.groupid FROM pg_catalog.pg_dist_local_group AS l))
+       OPERATOR(pg_catalog.<) pg_catalog.cardinality(shards)
+    THEN
+        RAISE EXCEPTION 'tokenlease: shard of % has no placement on this node', shards
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'the shard map changed (a move, a split, a rebalance): the store reads it again';
+    END IF;
+    RETURN keys;
+END
+$fn$";
+
 /// The functions of the Citus path, in the order they are created; each is then made a
 /// distributed function on its first argument (except the helper, which runs where its caller
 /// runs).
@@ -142,7 +179,7 @@ pub(super) fn functions() -> Vec<(&'static str, String)> {
     let parts = "\
 CREATE OR REPLACE FUNCTION tokenlease_citus_parts(keys text[])
 RETURNS TABLE (shard bigint, buckets text, returns text, members integer[])
-LANGUAGE plpgsql STABLE
+LANGUAGE plpgsql VOLATILE
 AS $fn$
 DECLARE
     g record;
@@ -155,13 +192,9 @@ BEGIN
         GROUP BY s.shard
         ORDER BY s.shard
     LOOP
-        IF NOT EXISTS (SELECT FROM pg_dist_placement AS p
-                       WHERE p.shardid = g.shard
-                         AND p.groupid = (SELECT l.groupid FROM pg_dist_local_group AS l)) THEN
-            RAISE EXCEPTION 'tokenlease: shard % (key %) has no placement on this node', g.shard,
-                g.probe USING ERRCODE = 'object_not_in_prerequisite_state',
-                HINT = 'the shard map changed (a rebalance?): the store reads it again';
-        END IF;
+        -- The shard's metadata lock (as Citus's executor takes it for a write), then its
+        -- placement checked in a snapshot taken after it (tokenlease_citus_hold).
+        PERFORM tokenlease_citus_hold(ARRAY[g.shard], NULL);
         shard := g.shard;
         buckets := shard_name('tokenlease_buckets'::regclass, g.shard);
         returns := shard_name('tokenlease_returns'::regclass,
@@ -172,52 +205,6 @@ BEGIN
 END
 $fn$"
         .to_string();
-    let take = format!(
-        "\
-CREATE OR REPLACE FUNCTION tokenlease_citus_take(
-    route text, keys text[], capacities bigint[], rates bigint[], mins bigint[], wants bigint[],
-    steps bigint[])
-RETURNS TABLE (key text, tokens tokenlease_nanotokens, frac tokenlease_femtotokens,
-               granted bigint, updated_us bigint, now_us bigint)
-LANGUAGE plpgsql VOLATILE
-AS $fn$
-DECLARE
-    p record;
-    k text[];
-    c bigint[];
-    r bigint[];
-    lo bigint[];
-    hi bigint[];
-    st bigint[];
-BEGIN
-    FOR p IN SELECT * FROM tokenlease_citus_parts(keys) LOOP
-        -- This shard's keys and their takes.
-        IF cardinality(p.members) = cardinality(keys) THEN
-            k := keys; c := capacities; r := rates; lo := mins; hi := wants; st := steps;
-        ELSE
-            k := ARRAY(SELECT keys[i] FROM unnest(p.members) AS i);
-            c := ARRAY(SELECT capacities[i] FROM unnest(p.members) AS i);
-            r := ARRAY(SELECT rates[i] FROM unnest(p.members) AS i);
-            lo := ARRAY(SELECT mins[i] FROM unnest(p.members) AS i);
-            hi := ARRAY(SELECT wants[i] FROM unnest(p.members) AS i);
-            st := ARRAY(SELECT steps[i] FROM unnest(p.members) AS i);
-        END IF;
-        IF to_regprocedure(format('tokenlease_citus_take_%s(text[], bigint[], bigint[], '
-                                  'bigint[], bigint[], bigint[])', p.shard))
-           IS NOT NULL THEN
-            -- The shard's own function: its statement planned once per session.
-            RETURN QUERY EXECUTE format('SELECT * FROM tokenlease_citus_take_%s($1, $2, $3, '
-                                        '$4, $5, $6)', p.shard)
-                USING k, c, r, lo, hi, st;
-        ELSE
-            -- A shard newer than the last migrate (a split): planned on every call.
-            RETURN QUERY EXECUTE format({}, p.buckets) USING k, c, r, lo, hi, st;
-        END IF;
-    END LOOP;
-END
-$fn$",
-        literal(&TAKE_SHARD)
-    );
     let held = format!(
         "\
 CREATE OR REPLACE FUNCTION tokenlease_citus_take_held(
@@ -300,11 +287,8 @@ $fn$",
         literal(&DELETE_IDLE_SHARD)
     );
     vec![
+        ("tokenlease_citus_hold(bigint[], text[])", HOLD.to_string()),
         ("tokenlease_citus_parts(text[])", parts),
-        (
-            "tokenlease_citus_take(text, text[], bigint[], bigint[], bigint[], bigint[], bigint[])",
-            take,
-        ),
         (
             "tokenlease_citus_take_held(text, text[], bigint[], bigint[], bigint[], bigint[], \
              bigint[], bigint[], bigint[], bigint[], bigint[])",
@@ -319,43 +303,13 @@ $fn$",
     ]
 }
 
-/// The take of one shard as a function of its own, `tokenlease_citus_take_<shardid>`: the same
-/// statement as [`TAKE_SHARD`] on that shard's table, but static, so each worker session plans
-/// it once (a generic plan) instead of on every call, which is most of what a routed call cost
-/// the worker when every call planned it. Created for every shard by [`distribute`](super::distribute::distribute), on every
-/// node (a worker calls only its own shards'); a shard made later (a split) has none until the
-/// next migrate, and is taken through `EXECUTE` meanwhile. It needs no `enable_seqscan = off`
-/// (which it once had, to keep a generic plan made on an empty shard from scanning it as it
-/// grew): the statement reads the shard only through its insert's conflict check.
-pub(super) fn shard_take_function(shard: i64, table: &str) -> String {
-    let statement = TAKE_SHARD.replace("%1$s", table).replace("%%", "%");
-    format!(
-        "CREATE OR REPLACE FUNCTION tokenlease_citus_take_{shard}(
-    text[], bigint[], bigint[], bigint[], bigint[], bigint[])
-RETURNS TABLE (key text, tokens tokenlease_nanotokens, frac tokenlease_femtotokens,
-               granted bigint, updated_us bigint, now_us bigint)
-LANGUAGE plpgsql VOLATILE
-SET plan_cache_mode = force_generic_plan
-AS $fn$
-#variable_conflict use_column
-BEGIN
-    RETURN QUERY {statement};
-END
-$fn$"
-    )
-}
-
-/// A fingerprint of the Citus step's SQL and the shards it made functions for: the functions
-/// are created again when it changes.
-pub(super) fn fingerprint(shards: &[(i64, String)]) -> String {
+/// A fingerprint of the Citus step's SQL: the functions are created again when it changes.
+pub(super) fn fingerprint() -> String {
     use sha2::{Digest, Sha256};
     let mut hasher = Sha256::new();
     for (signature, body) in functions() {
         hasher.update(signature.as_bytes());
         hasher.update(body.as_bytes());
-    }
-    for (shard, table) in shards {
-        hasher.update(shard_take_function(*shard, table).as_bytes());
     }
     hasher
         .finalize()
@@ -365,23 +319,117 @@ pub(super) fn fingerprint(shards: &[(i64, String)]) -> String {
         .collect()
 }
 
-/// The calls the store sends on Citus: each a distributed function whose first argument routes
-/// it to one worker.
-pub(in crate::store::postgres) const TAKE: &str = "\
--- tokenlease: refill and take on one Citus worker (src/store/postgres/citus/sql.rs)
-SELECT key, tokens, frac, granted, updated_us, now_us
-FROM tokenlease_citus_take($1, $2, $3, $4, $5, $6, $7)";
+/// `sql` with every parameter `$n` renumbered `$(n + offset)`.
+fn renumber(sql: &str, offset: usize) -> String {
+    let mut out = String::with_capacity(sql.len() + 16);
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let tail = &rest[at + 1..];
+        let digits = tail.bytes().take_while(u8::is_ascii_digit).count();
+        match tail[..digits].parse::<usize>() {
+            Ok(n) => out.push_str(&format!("${}", n + offset)),
+            Err(_) => out.push('$'),
+        }
+        rest = &tail[digits..];
+    }
+    out.push_str(rest);
+    out
+}
 
-/// The types of [`TAKE`]'s parameters.
-pub(super) const TAKE_TYPES: [Type; 7] = [
-    Type::TEXT,
-    Type::TEXT_ARRAY,
-    Type::INT8_ARRAY,
-    Type::INT8_ARRAY,
-    Type::INT8_ARRAY,
-    Type::INT8_ARRAY,
-    Type::INT8_ARRAY,
-];
+/// The first line of every [`node_take`].
+pub(super) const NODE_TAKE_HEAD: &str =
+    "-- tokenlease: refill and take on one Citus node (src/store/postgres/citus/sql.rs)\n";
+
+/// The take of the keys of several shards of one node, as ONE statement run on that node: for
+/// each shard (`(shard id, its table)`, in shard order) the plain store's many-key statement
+/// (`lean.rs`'s `ACQUIRE_MANY`, [`TAKE_SHARD`]) on the shard's table, its parameters
+/// `$(6i+1)`..`$(6i+6)` as `ACQUIRE_MANY`'s `$1`..`$6`; the first part's keys go through
+/// [`HOLD`] for all the statement's shards (their metadata locks and placement check), before
+/// any row is written. Several shards are
+/// data-modifying `WITH` items read one after the other by a `UNION ALL`: each shard's rows are
+/// locked in key order, and the shards in shard order, so two such statements never wait on
+/// each other in a cycle. Plain SQL on the node's own tables: no Citus planning, no
+/// coordinator, no distributed transaction.
+pub(super) fn node_take(shards: &[(i64, &str)]) -> String {
+    let ids: Vec<String> = shards.iter().map(|(id, _)| id.to_string()).collect();
+    let hold = format!(
+        "unnest(tokenlease_citus_hold(ARRAY[{}]::bigint[], $1::text[])",
+        ids.join(", ")
+    );
+    let one = |i: usize, table: &str| -> String {
+        let body = TAKE_SHARD.replace("%1$s", table).replace("%%", "%");
+        let body = body
+            .split_once('\n')
+            .map_or(body.as_str(), |(_comment, rest)| rest)
+            .to_string();
+        // The first part takes its keys through the guard of every shard of the statement:
+        // the parts run in order, so no row is written before it.
+        let body = if i == 0 {
+            body.replacen("unnest($1::text[]", &hold, 1)
+        } else {
+            body
+        };
+        renumber(&body, 6 * i)
+    };
+    let head = NODE_TAKE_HEAD;
+    if let [(_, table)] = shards {
+        return format!("{head}{}", one(0, table));
+    }
+    let items: Vec<String> = shards
+        .iter()
+        .enumerate()
+        .map(|(i, (_, table))| format!("s{i} AS ({})", one(i, table)))
+        .collect();
+    let reads: Vec<String> = (0..shards.len())
+        .map(|i| format!("SELECT * FROM s{i}"))
+        .collect();
+    format!(
+        "{head}WITH {} {}",
+        items.join(", "),
+        reads.join(" UNION ALL ")
+    )
+}
+
+/// The statements [`node_take`] made, by their shards: each made once and kept for the life of
+/// the process, so that a session prepares it once (the store's prepared statements are keyed
+/// by their `&'static str`). At most [`NODE_TAKES_KEPT`] sets of shards; past that a node's
+/// part of a batch goes as one statement per shard, which are always kept (one per shard).
+static NODE_TAKES: LazyLock<parking_lot::Mutex<NodeTakes>> = LazyLock::new(Default::default);
+
+/// How many sets of several shards [`NODE_TAKES`] keeps.
+const NODE_TAKES_KEPT: usize = 512;
+
+#[derive(Default)]
+struct NodeTakes {
+    made: std::collections::HashMap<Vec<i64>, (&'static str, &'static [Type])>,
+    sets: usize,
+}
+
+/// The statement and parameter types of [`node_take`] for `shards`, made once; `None` for a set
+/// of several shards once [`NODE_TAKES_KEPT`] sets are kept.
+pub(super) fn node_take_statement(
+    shards: &[(i64, &str)],
+) -> Option<(&'static str, &'static [Type])> {
+    let ids: Vec<i64> = shards.iter().map(|s| s.0).collect();
+    let mut takes = NODE_TAKES.lock();
+    if let Some(made) = takes.made.get(&ids) {
+        return Some(*made);
+    }
+    if ids.len() > 1 {
+        if takes.sets >= NODE_TAKES_KEPT {
+            return None;
+        }
+        takes.sets += 1;
+    }
+    let sql: &'static str = Box::leak(node_take(shards).into_boxed_str());
+    let types: Vec<Type> = (0..shards.len())
+        .flat_map(|_| super::super::lean::MANY_TYPES)
+        .collect();
+    let types: &'static [Type] = Box::leak(types.into_boxed_slice());
+    takes.made.insert(ids, (sql, types));
+    Some((sql, types))
+}
 
 /// Strict leases on one Citus worker (committed durably: `tokenlease_citus_take_held` sets
 /// `synchronous_commit` itself, as the plain store's strict take does).
@@ -412,7 +460,34 @@ pub(super) const DELETE_IDLE: &str = "\
 -- tokenlease: idle cleanup on one Citus worker (src/store/postgres/citus/sql.rs)
 SELECT tokenlease_citus_delete_idle($1, $2)";
 
-/// The statements a new session on a Citus coordinator prepares.
-pub(in crate::store::postgres) fn warm_statements() -> [(&'static str, &'static [Type]); 2] {
-    [(TAKE, &TAKE_TYPES), (GIVE_BACK, &GIVE_BACK_TYPES)]
+/// The inspection of one key (`sql/inspect.sql`) on its shard's table `table`, made once per
+/// table and kept: read on the node holding the shard, without Citus's planner (which cannot
+/// route the generic plan a node's sessions make of a statement on the distributed table).
+pub(super) fn inspect_shard(table: &str) -> &'static str {
+    static MADE: LazyLock<parking_lot::Mutex<std::collections::HashMap<String, &'static str>>> =
+        LazyLock::new(Default::default);
+    let mut made = MADE.lock();
+    if let Some(sql) = made.get(table) {
+        return sql;
+    }
+    let sql =
+        super::super::sql::INSPECT.replace("FROM tokenlease_buckets\n", &format!("FROM {table}\n"));
+    let sql: &'static str = Box::leak(sql.into_boxed_str());
+    made.insert(table.to_string(), sql);
+    sql
 }
+
+/// The types of [`TAKE_HELD`]'s parameters.
+pub(super) const TAKE_HELD_TYPES: [Type; 11] = [
+    Type::TEXT,
+    Type::TEXT_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+];

@@ -1,6 +1,7 @@
 //! Unit tests of the Citus path: the hash, the shard map, the version check.
 
 use super::distribute::{check_version, parse_version};
+use super::map::{Shard, hashtext};
 use super::sql::*;
 use super::*;
 use crate::store::MigrateError;
@@ -95,9 +96,15 @@ fn a_map_finds_every_key_a_shard() {
             min: (i64::from(i32::MIN) + i * step) as i32,
             max: (i64::from(i32::MIN) + (i + 1) * step - 1) as i32,
             node: usize::try_from(i % 2).unwrap(),
+            table: format!("tokenlease_buckets_{}", 100 + i),
         })
         .collect();
-    let map = ShardMap::new(shards, vec!["a".into(), "b".into()]).expect("valid map");
+    let node = |id: i32| Node {
+        id,
+        host: "h".into(),
+        port: 5432,
+    };
+    let map = ShardMap::new(shards, vec![node(1), node(2)]).expect("valid map");
     for k in ["a", "b", "tokenlease", ""] {
         let h = hashtext(k.as_bytes());
         let s = map.shard_of(k);
@@ -105,4 +112,50 @@ fn a_map_finds_every_key_a_shard() {
     }
     assert_eq!(map.node_of(map.probe(0)), 0);
     assert_eq!(map.node_of(map.probe(1)), 1);
+}
+
+/// A node's statement takes each shard's keys through the shard's guard (its metadata lock and
+/// placement check) on that shard's table, with each shard's parameters numbered after the
+/// previous shard's, and names no distributed table.
+#[test]
+fn a_node_statement_guards_each_shard_and_numbers_its_parameters() {
+    let one = node_take(&[(102_008, "tokenlease_buckets_102008")]);
+    assert!(
+        one.contains("tokenlease_citus_hold(ARRAY[102008]::bigint[], $1::text[])"),
+        "{one}"
+    );
+    assert!(one.contains("$6::bigint[]") && !one.contains("$7"), "{one}");
+    let two = node_take(&[(7, "tokenlease_buckets_7"), (9, "tokenlease_buckets_9")]);
+    assert!(
+        two.contains("tokenlease_citus_hold(ARRAY[7, 9]::bigint[], $1::text[])"),
+        "{two}"
+    );
+    assert_eq!(two.matches("tokenlease_citus_hold").count(), 1, "{two}");
+    assert!(two.contains("unnest($7::text[]"), "{two}");
+    assert!(
+        two.contains("$12::bigint[]") && !two.contains("$13"),
+        "{two}"
+    );
+    assert!(
+        two.contains("INSERT INTO tokenlease_buckets_9 AS b"),
+        "{two}"
+    );
+    assert!(two.find("FROM s0").unwrap() < two.find("FROM s1").unwrap());
+    for sql in [&one, &two] {
+        assert!(!sql.contains("tokenlease_buckets AS"), "{sql}");
+        assert!(!sql.contains("%"), "{sql}");
+    }
+    let (a, types) = node_take_statement(&[(7, "tokenlease_buckets_7")]).expect("kept");
+    let (b, _) = node_take_statement(&[(7, "tokenlease_buckets_7")]).expect("kept");
+    assert!(std::ptr::eq(a, b), "made once");
+    assert_eq!(types.len(), 6);
+}
+
+/// Inspection on a node reads the key's shard table, not the distributed table.
+#[test]
+fn inspection_reads_the_shard_table() {
+    let sql = inspect_shard("tokenlease_buckets_7");
+    assert!(sql.contains("FROM tokenlease_buckets_7\n"), "{sql}");
+    assert!(!sql.contains("FROM tokenlease_buckets\n"), "{sql}");
+    assert!(std::ptr::eq(sql, inspect_shard("tokenlease_buckets_7")));
 }
