@@ -92,6 +92,14 @@ impl EntityKey {
         }
     }
 
+    /// The path parameter's name, for a key read from one.
+    pub(crate) fn path_param_name(&self) -> Option<&str> {
+        match &self.source {
+            Source::PathParam(name) => Some(name),
+            _ => None,
+        }
+    }
+
     /// Whether [`extract`](Self::extract) reads path parameters.
     pub(crate) fn needs_path_params(&self) -> bool {
         matches!(self.source, Source::PathParam(_))

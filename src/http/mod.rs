@@ -112,10 +112,12 @@
 //! - `headers.rs`: the header fields and the problem body.
 //! - `refund.rs`: giving the global token back.
 
+mod check;
 mod headers;
 mod key;
 mod layer;
 mod refund;
+mod refused;
 mod route;
 mod service;
 
