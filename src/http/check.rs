@@ -6,7 +6,6 @@
 //! plan resolved when the layer was built). A limit that needs the store (a direct-mode plan,
 //! a lease to refill) hands the rest to [`finish`], which awaits.
 
-use std::borrow::Cow;
 use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
@@ -27,6 +26,7 @@ use super::route::{Config, Limit, RouteLimits, Routes, Scope};
 use crate::error::validate_key;
 use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_WOULD_DENY};
 use crate::policy::{FallbackMode, route_shape};
+use crate::bucket::Tokens;
 use crate::{DecidedBy, Decision};
 
 /// Per limit of a route, inline up to this many.
@@ -44,20 +44,39 @@ pub(crate) enum KeyOf {
 }
 
 /// What the checks found so far: the route, each limit's key, the tokens taken and the reports.
+///
+/// Kept small (it moves with the response's future): a code-built route's strings are boxed,
+/// and what a give-back needs of each take is one flag.
 #[derive(Debug)]
 pub(crate) struct Progress {
     pub(crate) limits: Arc<RouteLimits>,
-    /// `METHOD:pattern`.
-    endpoint: Cow<'static, str>,
-    /// The method and pattern of a code-built layer's metric labels (a file route's handles
-    /// are registered).
-    labels: Option<(&'static str, String)>,
+    /// A code-built layer's endpoint, method and pattern (a file route's are its own).
+    code: Option<Box<CodeRoute>>,
     keys: SmallVec<[KeyOf; INLINE]>,
-    /// The limits that took a token, and their decisions.
-    taken: SmallVec<[(usize, Decision); INLINE]>,
+    /// The limits that took a token, and whether it may go back (not a fallback's grant).
+    taken: SmallVec<[(u16, bool); INLINE]>,
     pub(crate) reports: SmallVec<[Report; INLINE]>,
     /// The next limit to check.
     next: usize,
+}
+
+/// A code-built layer's route for one request.
+#[derive(Debug)]
+struct CodeRoute {
+    /// `METHOD:pattern`.
+    endpoint: String,
+    /// The method of the metric labels.
+    method: &'static str,
+    /// The route pattern.
+    pattern: String,
+}
+
+/// Whether the token `decision` took may go back: not one a fallback granted (the store did
+/// not hand it out, and while it is failing a give-back would only wait for its timeout).
+fn givable(decision: &Decision) -> bool {
+    decision.allowed
+        && !decision.would_deny
+        && !matches!(decision.decided_by, DecidedBy::Fallback(_))
 }
 
 impl Progress {
@@ -74,41 +93,34 @@ impl Progress {
     /// whose token is back in its lease with it. Waits for the store's give-backs.
     pub(crate) async fn give_back_all(&mut self, config: &Config) {
         let taken = std::mem::take(&mut self.taken);
-        for (i, decision) in &taken {
-            let limit = &self.limits.limits[*i];
-            let Some(key) = self.key(*i) else { continue };
-            let back =
-                give_back(&config.limiter, &config.give_backs, &limit.plan, key, decision).await;
-            self.given_back(back, *i, decision);
+        for &(i, givable) in &taken {
+            let i = usize::from(i);
+            let limit = &self.limits.limits[i];
+            let Some(key) = self.key(i) else { continue };
+            let back = give_back(&config.limiter, &config.give_backs, &limit.plan, key, givable).await;
+            self.given_back(back, i);
         }
     }
 
     /// [`give_back_all`](Self::give_back_all) without waiting (an inner layer refused).
     pub(crate) fn give_back_all_detached(&mut self, config: &Config) {
         let taken = std::mem::take(&mut self.taken);
-        for (i, decision) in &taken {
-            let limit = &self.limits.limits[*i];
-            let Some(key) = self.key(*i) else { continue };
+        for &(i, givable) in &taken {
+            let i = usize::from(i);
+            let limit = &self.limits.limits[i];
+            let Some(key) = self.key(i) else { continue };
             let back =
-                give_back_detached(&config.limiter, &config.give_backs, &limit.plan, key, decision);
-            self.given_back(back, *i, decision);
+                give_back_detached(&config.limiter, &config.give_backs, &limit.plan, key, givable);
+            self.given_back(back, i);
         }
     }
 
     /// Reports limit `i`'s token back in its lease when `back`.
-    fn given_back(&mut self, back: bool, i: usize, decision: &Decision) {
-        let limit = &self.limits.limits[i];
-        {
-            if back && let Some(report) = self.reports.iter_mut().find(|r| r.limit == i)
-            {
-                let back = decision.remaining.map(|r| {
-                    std::cmp::min(
-                        r.saturating_add(crate::bucket::Tokens::whole(1)),
-                        limit.plan.capacity(),
-                    )
-                });
-                *report = Report::allowed(i, &limit.plan, back);
-            }
+    fn given_back(&mut self, back: bool, i: usize) {
+        let plan = &self.limits.limits[i].plan;
+        if back && let Some(report) = self.reports.iter_mut().find(|r| r.limit == i) {
+            let more = report.remaining.map(|r| Tokens::whole(r.saturating_add(1)));
+            *report = Report::allowed(i, plan, more);
         }
     }
 }
@@ -201,22 +213,23 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
     if limits.is_empty() {
         return Outcome::Pass;
     }
-    let (endpoint, labels): (Cow<'static, str>, _) = match (&limits.file, code_pattern) {
+    let code = match (&limits.file, code_pattern) {
         (Some(file), _) => {
             file.checked.increment(1);
-            // Borrowed from `limits`, which the progress holds: kept as an index-free copy
-            // would cost a string per request, so the file's endpoint is read through it.
-            (Cow::Borrowed(""), None)
+            None
         }
         (None, Some(pattern)) => {
             let method = key_method(&parts.method);
-            (Cow::Owned(format!("{method}:{pattern}")), Some((method, pattern)))
+            Some(Box::new(CodeRoute {
+                endpoint: format!("{method}:{pattern}"),
+                method,
+                pattern,
+            }))
         }
         (None, None) => return Outcome::Pass,
     };
     let mut progress = Progress {
-        endpoint,
-        labels,
+        code,
         keys: SmallVec::with_capacity(limits.limits.len()),
         taken: SmallVec::new(),
         reports: SmallVec::new(),
@@ -283,7 +296,7 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
         match config.limiter.take_now(&limit.plan, limit.index, key) {
             Ok(Some(d)) => {
                 progress.reports.push(Report::allowed(i, &limit.plan, d.remaining));
-                progress.taken.push((i, d));
+                progress.taken.push((i as u16, givable(&d)));
                 progress.next += 1;
             }
             Ok(None) => return Outcome::Slow(progress),
@@ -307,7 +320,7 @@ pub(crate) async fn finish(config: &Config, mut progress: Progress) -> Outcome {
         match config.limiter.try_acquire_with(&limit.plan, key, 1.0).await {
             Ok(d) if d.allowed && !d.would_deny => {
                 progress.reports.push(Report::allowed(i, &limit.plan, d.remaining));
-                progress.taken.push((i, d));
+                progress.taken.push((i as u16, givable(&d)));
             }
             // A shadow limit or plan: the denial is reported and counted, and the request goes
             // on (no token was taken, so none is given back later).
@@ -338,16 +351,17 @@ pub(crate) async fn finish(config: &Config, mut progress: Progress) -> Outcome {
 impl Progress {
     /// `METHOD:pattern` of the route.
     fn endpoint(&self) -> &str {
-        match &self.limits.file {
-            Some(file) => &file.endpoint,
-            None => &self.endpoint,
+        match (&self.limits.file, &self.code) {
+            (Some(file), _) => &file.endpoint,
+            (None, Some(code)) => &code.endpoint,
+            (None, None) => "",
         }
     }
 
     /// The pattern the router matched, or the file's (for path parameters without axum).
     fn router_pattern(&self) -> &str {
-        match (&self.labels, &self.limits.file) {
-            (Some((_, pattern)), _) => pattern,
+        match (&self.code, &self.limits.file) {
+            (Some(code), _) => &code.pattern,
             (None, Some(file)) => &file.path,
             (None, None) => "",
         }
@@ -478,20 +492,21 @@ enum Event {
 /// file's route, by the macro (its first event creates the series) for a layer built in code.
 fn count(progress: &Progress, i: usize, event: Event) {
     let limit = &progress.limits.limits[i];
-    match (&limit.counters, &progress.labels) {
+    match (&limit.counters, &progress.code) {
         (Some(c), _) => match event {
             Event::Denied => c.denied.increment(1),
             Event::WouldDeny => c.would_deny.increment(1),
             Event::Error => c.errors.increment(1),
         },
-        (None, Some((method, pattern))) => {
+        (None, Some(code)) => {
+            let (method, pattern) = (code.method, &code.pattern);
             let name = match event {
                 Event::Denied => HTTP_DENIED,
                 Event::WouldDeny => HTTP_WOULD_DENY,
                 Event::Error => HTTP_ERRORS,
             };
             metrics::counter!(name, "layer" => limit.name.to_string(),
-                "method" => *method, "route" => pattern.clone())
+                "method" => method, "route" => pattern.clone())
             .increment(1);
         }
         (None, None) => {}

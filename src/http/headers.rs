@@ -7,7 +7,6 @@
 //! - `X-RateLimit-{Name}-Remaining`: whole tokens left, per limit.
 //! - `Retry-After`: whole seconds, rounded up, at least 1 (denials only): the refusing limit's.
 
-use std::fmt::Write as _;
 use std::time::Duration;
 
 use axum::http::header::{HeaderName, HeaderValue};
@@ -75,7 +74,8 @@ pub(crate) fn policy_item(name: &str, plan: &Plan) -> String {
 pub(crate) struct Report {
     /// The limit's position in its route's [`RouteLimits::limits`].
     pub(crate) limit: usize,
-    pub(crate) remaining: Option<Tokens>,
+    /// Whole tokens left, at most the capacity.
+    pub(crate) remaining: Option<u64>,
     /// Seconds for the `t` parameter.
     pub(crate) t: u64,
 }
@@ -92,7 +92,7 @@ impl Report {
         });
         Report {
             limit,
-            remaining,
+            remaining: remaining.map(Tokens::floor),
             t,
         }
     }
@@ -107,7 +107,7 @@ impl Report {
     ) -> Report {
         Report {
             limit,
-            remaining: remaining.map(|r| std::cmp::min(r, plan.capacity())),
+            remaining: remaining.map(|r| std::cmp::min(r, plan.capacity()).floor()),
             t: retry_after_secs(retry_after),
         }
     }
@@ -118,7 +118,9 @@ impl Report {
 /// layers add their limits, never overwrite each other's.
 pub(crate) fn write(headers: &mut HeaderMap, limits: &RouteLimits, reports: &[Report]) {
     append(headers, RATELIMIT_POLICY, &limits.policy);
-    let mut items = String::new();
+    // Written into a buffer on the stack (a route's items rarely need more), one allocation
+    // for the value.
+    let mut items = Buf::default();
     for r in reports {
         let Some(remaining) = r.remaining else {
             continue;
@@ -126,17 +128,99 @@ pub(crate) fn write(headers: &mut HeaderMap, limits: &RouteLimits, reports: &[Re
         let Some(limit) = limits.limits.get(r.limit) else {
             continue;
         };
-        if !items.is_empty() {
-            items.push_str(", ");
+        if items.len > 0 {
+            items.push(b", ");
         }
-        let _ = write!(items, "\"{}\";r={};t={}", limit.name, remaining.floor(), r.t);
-        headers.insert(limit.remaining.clone(), HeaderValue::from(remaining.floor()));
+        items.push(b"\"");
+        items.push(limit.name.as_bytes());
+        items.push(b"\";r=");
+        items.number(remaining);
+        items.push(b";t=");
+        items.number(r.t);
+        headers.insert(limit.remaining.clone(), number_value(remaining));
     }
-    if let Ok(v) = HeaderValue::try_from(items)
-        && !v.is_empty()
+    if items.len > 0
+        && let Some(bytes) = items.bytes()
+        && let Ok(v) = HeaderValue::from_bytes(bytes)
     {
         append(headers, RATELIMIT, &v);
     }
+}
+
+/// A header value's bytes, on the stack up to 256 bytes, then on the heap.
+#[derive(Default)]
+struct Buf {
+    stack: Option<[u8; 256]>,
+    len: usize,
+    heap: Vec<u8>,
+}
+
+impl Buf {
+    fn push(&mut self, bytes: &[u8]) {
+        let stack = self.stack.get_or_insert([0; 256]);
+        if self.heap.is_empty() && self.len + bytes.len() <= stack.len() {
+            stack[self.len..self.len + bytes.len()].copy_from_slice(bytes);
+        } else {
+            if self.heap.is_empty() {
+                self.heap.extend_from_slice(&stack[..self.len]);
+            }
+            self.heap.extend_from_slice(bytes);
+        }
+        self.len += bytes.len();
+    }
+
+    fn number(&mut self, mut n: u64) {
+        let mut digits = [0u8; 20];
+        let mut at = digits.len();
+        loop {
+            at -= 1;
+            digits[at] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        self.push(&digits[at..]);
+    }
+
+    fn bytes(&self) -> Option<&[u8]> {
+        if !self.heap.is_empty() {
+            Some(&self.heap)
+        } else {
+            self.stack.as_ref().map(|s| &s[..self.len])
+        }
+    }
+}
+
+/// The values of small numbers, made once: a remaining count below this is a clone of a
+/// static value, not an allocation.
+const SMALL_NUMBERS: u64 = 4096;
+
+/// `n` as a header value.
+fn number_value(n: u64) -> HeaderValue {
+    static SMALL: std::sync::OnceLock<Vec<HeaderValue>> = std::sync::OnceLock::new();
+    if n >= SMALL_NUMBERS {
+        return HeaderValue::from(n);
+    }
+    let small = SMALL.get_or_init(|| {
+        // One string of every number, kept for the life of the process (about 16 KiB).
+        let all: &'static str = Box::leak(
+            (0..SMALL_NUMBERS)
+                .map(|i| i.to_string())
+                .collect::<String>()
+                .into_boxed_str(),
+        );
+        let mut at = 0;
+        (0..SMALL_NUMBERS)
+            .map(|i| {
+                let len = i.to_string().len();
+                let v = HeaderValue::from_static(&all[at..at + len]);
+                at += len;
+                v
+            })
+            .collect()
+    });
+    small[n as usize].clone()
 }
 
 /// Sets `name` to `value`, or to its value, `, ` and `value` when it has one.

@@ -14,7 +14,7 @@ use crate::bucket::{BucketConfig, Tokens};
 use crate::metrics::HTTP_REFUNDS;
 use crate::policy::Plan;
 use crate::store::{GiveBack, Store};
-use crate::{DecidedBy, Decision, Limiter};
+use crate::Limiter;
 
 /// Registers `tokenlease_http_refunds_total` of every `result` at zero.
 pub(crate) fn register_at_zero() {
@@ -164,29 +164,25 @@ fn give_back_id(key: &str) -> i64 {
     (std::hash::RandomState::new().hash_one(key) >> 1) as i64
 }
 
-/// Whether the token `decision` took goes back at all: not one granted by a fallback (the
-/// store did not hand it out, and while it is failing a give-back would only wait for its
-/// timeout), nor a shadow limit's (it took none).
-fn takes_back(decision: &Decision) -> bool {
-    let back = decision.allowed
-        && !decision.would_deny
-        && !matches!(decision.decided_by, DecidedBy::Fallback(_));
-    if !back {
+/// Counts a give-back skipped: the token came from a fallback (`givable` false).
+fn skipped(givable: bool) -> bool {
+    if !givable {
         metrics::counter!(HTTP_REFUNDS, "result" => "skipped").increment(1);
     }
-    back
+    !givable
 }
 
-/// Gives back the token that `decision` took from `key` under `plan`: into the lease when it
-/// can, else to the store in a batch, waited for. Whether it was credited.
+/// Gives back the token taken from `key` under `plan` (when `givable`: not a fallback's
+/// grant): into the lease when it can, else to the store in a batch, waited for. Whether it
+/// was credited.
 pub(crate) async fn give_back(
     limiter: &Limiter,
     give_backs: &Arc<GiveBacks>,
     plan: &Plan,
     key: &str,
-    decision: &Decision,
+    givable: bool,
 ) -> bool {
-    if !takes_back(decision) {
+    if skipped(givable) {
         return false;
     }
     if limiter.refund_now(plan, key) {
@@ -196,15 +192,16 @@ pub(crate) async fn give_back(
     give_backs.give_back(limiter.store(), plan, key).await
 }
 
-/// [`give_back`] without waiting: a task sends what the lease cannot take.
+/// [`give_back`] without waiting: a task sends what the lease cannot take. Whether it is back
+/// in the lease.
 pub(crate) fn give_back_detached(
     limiter: &Limiter,
     give_backs: &Arc<GiveBacks>,
     plan: &Plan,
     key: &str,
-    decision: &Decision,
+    givable: bool,
 ) -> bool {
-    if !takes_back(decision) {
+    if skipped(givable) {
         return false;
     }
     if limiter.refund_now(plan, key) {
