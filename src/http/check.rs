@@ -20,7 +20,7 @@ use sha2::{Digest, Sha256};
 use smallvec::SmallVec;
 
 use super::headers::{self, Report, malformed_problem, problem, retry_after_secs};
-use super::key::{MalformedId, ParamValue, match_pattern};
+use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
 use super::refund::{give_back, give_back_detached};
 use super::route::{Config, Limit, RouteLimits, Routes, Scope};
 use crate::error::validate_key;
@@ -238,7 +238,7 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
     };
 
     // The entity ids first: a malformed one is refused before any token is taken.
-    let params = if progress.limits.needs_params {
+    let mut params = if progress.limits.needs_params {
         Some(Params::of(parts, progress.router_pattern()))
     } else {
         None
@@ -250,9 +250,20 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
                 Some(_) => KeyOf::Fixed,
                 None => KeyOf::Owned(dynamic_key(limit, progress.endpoint(), None)),
             },
-            Scope::Entity { key, param } => {
-                let id = match (key.path_param_name(), &params) {
-                    (Some(name), Some(params)) => params.get(*param, name).transpose(),
+            Scope::Entity {
+                key,
+                param,
+                segment,
+            } => {
+                let id = match (key.path_param_name(), segment, &params) {
+                    (Some(name), Some(at), _) => segment_id(parts, *at, name),
+                    (Some(name), None, _) => {
+                        // A file route's parameter that is not a whole segment: read once.
+                        let params = params.get_or_insert_with(|| {
+                            Params::of(parts, progress.router_pattern())
+                        });
+                        params.get(*param, name).transpose()
+                    }
                     _ => key.extract(parts, &[], &config.trusted),
                 };
                 match id {
@@ -393,6 +404,27 @@ fn dynamic_key(limit: &Limit, endpoint: &str, id: Option<&str>) -> String {
         None => prefix,
         Some(id) => hashed_key(&format!("{prefix}:"), id),
     }
+}
+
+/// The id in segment `at` of the request's path (the whole path as the client sent it, which
+/// the router matched against the route's full pattern), percent-decoded; `None` when the
+/// path has no such segment.
+fn segment_id(parts: &Parts, at: usize, name: &str) -> Result<Option<String>, MalformedId> {
+    let path = match parts.extensions.get::<OriginalUri>() {
+        Some(OriginalUri(uri)) => uri.path(),
+        None => parts.uri.path(),
+    };
+    let Some(raw) = path.trim_start_matches('/').split('/').nth(at) else {
+        return Ok(None);
+    };
+    if !raw.contains('%') {
+        return Ok(Some(raw.to_owned()));
+    }
+    percent_decode(raw)
+        .map(Some)
+        .ok_or_else(|| MalformedId::PathNotUtf8 {
+            name: Some(name.to_owned()),
+        })
 }
 
 /// A request's path parameters, read once for all its limits.

@@ -173,6 +173,10 @@ pub(crate) enum Scope {
     Entity {
         key: EntityKey,
         param: Option<usize>,
+        /// For a file route whose parameter is a whole segment of its pattern (`/{id}/`), the
+        /// segment's position in the path: the id is read from the request's path there,
+        /// without collecting the request's parameters.
+        segment: Option<usize>,
     },
 }
 
@@ -273,7 +277,8 @@ impl RouteLimits {
                     .and_then(|p| file.params.iter().position(|n| n == p)),
                 _ => None,
             };
-            needs_params |= spec.entity.as_ref().is_some_and(EntityKey::needs_path_params);
+            needs_params |= spec.entity.as_ref().is_some_and(EntityKey::needs_path_params)
+                && file.is_none();
             let (key, dynamic) = match (&spec.budget, &spec.entity, &file) {
                 (Some(budget), _, _) => (Some(format!("ratelimit:budget:{budget}:")), ("entity", None)),
                 (None, None, _) => {
@@ -303,9 +308,23 @@ impl RouteLimits {
             });
             let remaining = HeaderName::try_from(format!("x-ratelimit-{}-remaining", name.to_ascii_lowercase()))
                 .unwrap_or(HeaderName::from_static("x-ratelimit-remaining"));
+            let segment = match (&spec.entity, &file) {
+                (Some(key), Some(file)) => key.path_param_name().and_then(|name| {
+                    let whole = format!("{{{name}}}");
+                    file.path
+                        .trim_start_matches('/')
+                        .split('/')
+                        .position(|seg| seg == whole)
+                }),
+                _ => None,
+            };
             let scope = match spec.entity {
                 None => Scope::Route,
-                Some(key) => Scope::Entity { key, param },
+                Some(key) => Scope::Entity {
+                    key,
+                    param,
+                    segment,
+                },
             };
             limits.push(Limit {
                 name,
