@@ -106,7 +106,11 @@ fn bench(c: &mut Criterion) {
         .build()
         .expect("a runtime");
     let (ours, _limiter) = runtime.block_on(async { tokenlease() });
-    let apps = [("bare", route()), ("governor_1_limit", governor()), ("tokenlease_2_limits", ours)];
+    let apps = [
+        ("bare", route()),
+        ("governor_1_limit", governor()),
+        ("tokenlease_2_limits", ours),
+    ];
     let mut group = c.benchmark_group("http");
     group
         .sample_size(20)
@@ -150,7 +154,10 @@ fn interleaved(runtime: &tokio::runtime::Runtime, apps: &[(&str, Router)]) {
     const ROUNDS: usize = 31;
     const PER_ROUND: usize = 20_000;
     println!("\ninterleaved, median of {ROUNDS} rounds of {PER_ROUND} requests (ns per request):");
-    println!("| ids | {} |", apps.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(" | "));
+    println!(
+        "| ids | {} |",
+        apps.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(" | ")
+    );
     for ids in [1usize, 10_000] {
         let paths: Vec<String> = (0..ids).map(|i| format!("/bookings/{i}")).collect();
         let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); apps.len()];
@@ -196,7 +203,9 @@ fn main() {
         runtime.block_on(async {
             for (_, app) in &apps {
                 for i in 0..10_000 {
-                    let req = Request::get(format!("/bookings/{i}")).body(Body::empty()).unwrap();
+                    let req = Request::get(format!("/bookings/{i}"))
+                        .body(Body::empty())
+                        .unwrap();
                     black_box(app.clone().oneshot(req).await.unwrap().status());
                 }
             }

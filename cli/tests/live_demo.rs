@@ -87,7 +87,10 @@ pub fn exchange_with(
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .ok()?;
-    let fields: String = fields.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
+    let fields: String = fields
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     write!(
         stream,
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{fields}Content-Length: 0\r\n\r\n"

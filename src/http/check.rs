@@ -23,10 +23,10 @@ use super::headers::{self, Report, malformed_problem, problem, retry_after_secs}
 use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
 use super::refund::{give_back, give_back_detached};
 use super::route::{Config, Limit, RouteLimits, Routes, Scope};
+use crate::bucket::Tokens;
 use crate::error::validate_key;
 use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_WOULD_DENY};
 use crate::policy::{FallbackMode, route_shape};
-use crate::bucket::Tokens;
 use crate::{DecidedBy, Decision};
 
 /// Per limit of a route, inline up to this many.
@@ -81,7 +81,7 @@ fn givable(decision: &Decision) -> bool {
 
 impl Progress {
     /// Limit `i`'s key for this request.
-    fn key<'a>(&'a self, i: usize) -> Option<&'a str> {
+    fn key(&self, i: usize) -> Option<&str> {
         match &self.keys[i] {
             KeyOf::Skip => None,
             KeyOf::Fixed => self.limits.limits[i].key.as_deref(),
@@ -97,7 +97,14 @@ impl Progress {
             let i = usize::from(i);
             let limit = &self.limits.limits[i];
             let Some(key) = self.key(i) else { continue };
-            let back = give_back(&config.limiter, &config.give_backs, &limit.plan, key, givable).await;
+            let back = give_back(
+                &config.limiter,
+                &config.give_backs,
+                &limit.plan,
+                key,
+                givable,
+            )
+            .await;
             self.given_back(back, i);
         }
     }
@@ -109,8 +116,13 @@ impl Progress {
             let i = usize::from(i);
             let limit = &self.limits.limits[i];
             let Some(key) = self.key(i) else { continue };
-            let back =
-                give_back_detached(&config.limiter, &config.give_backs, &limit.plan, key, givable);
+            let back = give_back_detached(
+                &config.limiter,
+                &config.give_backs,
+                &limit.plan,
+                key,
+                givable,
+            );
             self.given_back(back, i);
         }
     }
@@ -168,7 +180,10 @@ fn key_method(method: &Method) -> &'static str {
 /// The route of a request, found in `config`, with the router's pattern (for path
 /// parameters), or `None` when no limit applies.
 fn route_of(config: &Config, parts: &Parts) -> Option<(Arc<RouteLimits>, Option<String>)> {
-    let matched = parts.extensions.get::<MatchedPath>().map(MatchedPath::as_str);
+    let matched = parts
+        .extensions
+        .get::<MatchedPath>()
+        .map(MatchedPath::as_str);
     match &config.routes {
         Routes::One(limits) => {
             let pattern = limits.pattern.as_deref().or(matched)?;
@@ -259,9 +274,8 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
                     (Some(name), Some(at), _) => segment_id(parts, *at, name),
                     (Some(name), None, _) => {
                         // A file route's parameter that is not a whole segment: read once.
-                        let params = params.get_or_insert_with(|| {
-                            Params::of(parts, progress.router_pattern())
-                        });
+                        let params = params
+                            .get_or_insert_with(|| Params::of(parts, progress.router_pattern()));
                         params.get(*param, name).transpose()
                     }
                     _ => key.extract(parts, &[], &config.trusted),
@@ -290,7 +304,9 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
         let now = || *clock.get_or_insert_with(|| config.limiter.instant());
         if let Some(wait) = limit.refused.until(key, now) {
             let decision = refused(limit, wait);
-            progress.reports.push(Report::denied(i, &limit.plan, decision.remaining, wait));
+            progress
+                .reports
+                .push(Report::denied(i, &limit.plan, decision.remaining, wait));
             count(&progress, i, Event::Denied);
             return Outcome::Deny(deny(i, &decision, &progress));
         }
@@ -306,7 +322,9 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
         let limit = &progress.limits.limits[i];
         match config.limiter.take_now(&limit.plan, limit.index, key) {
             Ok(Some(d)) => {
-                progress.reports.push(Report::allowed(i, &limit.plan, d.remaining));
+                progress
+                    .reports
+                    .push(Report::allowed(i, &limit.plan, d.remaining));
                 progress.taken.push((i as u16, givable(&d)));
                 progress.next += 1;
             }
@@ -330,7 +348,9 @@ pub(crate) async fn finish(config: &Config, mut progress: Progress) -> Outcome {
         let limit = &limits.limits[i];
         match config.limiter.try_acquire_with(&limit.plan, key, 1.0).await {
             Ok(d) if d.allowed && !d.would_deny => {
-                progress.reports.push(Report::allowed(i, &limit.plan, d.remaining));
+                progress
+                    .reports
+                    .push(Report::allowed(i, &limit.plan, d.remaining));
                 progress.taken.push((i as u16, givable(&d)));
             }
             // A shadow limit or plan: the denial is reported and counted, and the request goes
@@ -472,11 +492,17 @@ impl Params {
         match self {
             Params::Raw(params) => match position {
                 Some(p) => params.iter().nth(p).map(|(_, v)| Ok(v.to_owned())),
-                None => params.iter().find(|(n, _)| *n == name).map(|(_, v)| Ok(v.to_owned())),
+                None => params
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| Ok(v.to_owned())),
             },
             Params::Matched(params) => match position {
                 Some(p) => params.get(p).map(|(_, v)| v.clone()),
-                None => params.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()),
+                None => params
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, v)| v.clone()),
             },
             Params::Malformed => Some(Err(MalformedId::PathNotUtf8 { name: None })),
         }
@@ -551,7 +577,10 @@ fn malformed(why: &MalformedId, name: &str, progress: &Progress) -> Response<Str
     let mut response = Response::new(body);
     *response.status_mut() = StatusCode::BAD_REQUEST;
     let h = response.headers_mut();
-    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    h.insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
     headers::write(h, &progress.limits, &[]);
     response
 }
@@ -571,7 +600,10 @@ fn deny(i: usize, decision: &Decision, progress: &Progress) -> Response<String> 
     *response.status_mut() = status;
     response.extensions_mut().insert(RefusedByLimit);
     let h = response.headers_mut();
-    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    h.insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
     h.insert(RETRY_AFTER, HeaderValue::from(retry));
     headers::write(h, &progress.limits, &progress.reports);
     response

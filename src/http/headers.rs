@@ -333,22 +333,13 @@ mod tests {
 
     #[test]
     fn policy_items_use_capacity_and_refill_window() {
-        assert_eq!(
-            policy_item("api", &plan(100, 50.0)),
-            "\"api\";q=100;w=2"
-        );
+        assert_eq!(policy_item("api", &plan(100, 50.0)), "\"api\";q=100;w=2");
         assert_eq!(
             policy_item("entity", &plan(150, 2.5)),
             "\"entity\";q=150;w=60"
         );
-        assert_eq!(
-            policy_item("api", &plan(1, 1000.0)),
-            "\"api\";q=1;w=1"
-        );
-        assert_eq!(
-            policy_item("api", &plan(5, 5.0 / 60.0)),
-            "\"api\";q=5;w=60"
-        );
+        assert_eq!(policy_item("api", &plan(1, 1000.0)), "\"api\";q=1;w=1");
+        assert_eq!(policy_item("api", &plan(5, 5.0 / 60.0)), "\"api\";q=5;w=60");
     }
 
     /// A lease's estimate (its own tokens plus the bucket's count at its last refill) can
@@ -363,7 +354,10 @@ mod tests {
             Report::denied(1, &p, Some(Tokens::whole(201)), Duration::from_millis(1500)),
         ];
         write(&mut h, &limits, &reports);
-        assert_eq!(h[RATELIMIT_POLICY], "\"api\";q=200;w=2, \"entity\";q=200;w=2");
+        assert_eq!(
+            h[RATELIMIT_POLICY],
+            "\"api\";q=200;w=2, \"entity\";q=200;w=2"
+        );
         assert_eq!(h[RATELIMIT], "\"api\";r=200;t=0, \"entity\";r=200;t=2");
         assert_eq!(h[X_RATELIMIT_API_REMAINING], "200");
         assert_eq!(h[X_RATELIMIT_ENTITY_REMAINING], "200");
@@ -375,9 +369,16 @@ mod tests {
         let p = std::sync::Arc::new(plan(200, 100.0));
         let limits = two_limits(&p);
         let mut h = HeaderMap::new();
-        h.insert(RATELIMIT_POLICY, HeaderValue::from_static("\"customer\";q=30;w=60"));
+        h.insert(
+            RATELIMIT_POLICY,
+            HeaderValue::from_static("\"customer\";q=30;w=60"),
+        );
         h.insert(RATELIMIT, HeaderValue::from_static("\"customer\";r=0;t=2"));
-        write(&mut h, &limits, &[Report::allowed(0, &p, Some(Tokens::whole(5)))]);
+        write(
+            &mut h,
+            &limits,
+            &[Report::allowed(0, &p, Some(Tokens::whole(5)))],
+        );
         assert_eq!(
             h[RATELIMIT_POLICY],
             "\"customer\";q=30;w=60, \"api\";q=200;w=2, \"entity\";q=200;w=2"
@@ -407,17 +408,8 @@ mod tests {
     #[test]
     fn allowed_report_counts_seconds_to_full() {
         let p = plan(100, 50.0);
-        assert_eq!(
-            Report::allowed(0, &p, Some(Tokens::whole(100))).t,
-            0
-        );
-        assert_eq!(
-            Report::allowed(0, &p, Some(Tokens::whole(99))).t,
-            1
-        );
-        assert_eq!(
-            Report::allowed(0, &p, Some(Tokens::whole(0))).t,
-            2
-        );
+        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(100))).t, 0);
+        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(99))).t, 1);
+        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(0))).t, 2);
     }
 }

@@ -13,9 +13,9 @@ use crate::policy::{EntitySource, Plan, Policies, RouteShadow, route_pattern_err
 use crate::{Limiter, ReloadError};
 use parking_lot::RwLock;
 
-/// A tower [`Layer`] that rate-limits requests with two independent buckets per route: one
-/// global bucket per endpoint and one bucket per entity per endpoint, for every route of a
-/// policy file.
+/// A tower [`Layer`] that rate-limits every route of a policy file with the limits the route
+/// lists, checked in order: buckets for the whole endpoint, per entity of the endpoint, and
+/// per entity across the routes sharing a budget.
 ///
 /// Build it from the `routes` of a policy file with [`from_policies`](Self::from_policies) and
 /// apply it once with axum's `Router::route_layer`. For one route's limits set in code, use
@@ -124,13 +124,12 @@ fn route_table(policies: &Policies, limiter: &Limiter) -> Result<RouteTable, Rou
         let endpoint = route.endpoint();
         let mut specs = Vec::with_capacity(route.limits.len());
         for limit in &route.limits {
-            let plan = policies
-                .plan(&limit.plan)
-                .cloned()
-                .ok_or_else(|| RouteConfigError::UnknownPlan {
+            let plan = policies.plan(&limit.plan).cloned().ok_or_else(|| {
+                RouteConfigError::UnknownPlan {
                     endpoint: endpoint.clone(),
                     plan: limit.plan.clone(),
-                })?;
+                }
+            })?;
             let entity = match &limit.source {
                 None => None,
                 Some(EntitySource::PathParam(name)) => Some(EntityKey::path_param(name.clone())),

@@ -10,11 +10,11 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use crate::Limiter;
 use crate::bucket::{BucketConfig, Tokens};
 use crate::metrics::HTTP_REFUNDS;
 use crate::policy::Plan;
 use crate::store::{GiveBack, Store};
-use crate::Limiter;
 
 /// Registers `tokenlease_http_refunds_total` of every `result` at zero.
 pub(crate) fn register_at_zero() {

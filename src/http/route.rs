@@ -78,7 +78,10 @@ fn method_slot(method: &Method) -> Option<usize> {
 }
 
 impl RouteTable {
-    pub(crate) fn new(by_shape: HashMap<String, Arc<RouteLimits>>, all: Vec<Arc<RouteLimits>>) -> Self {
+    pub(crate) fn new(
+        by_shape: HashMap<String, Arc<RouteLimits>>,
+        all: Vec<Arc<RouteLimits>>,
+    ) -> Self {
         RouteTable {
             by_shape,
             all,
@@ -157,7 +160,10 @@ impl FileRoute {
             endpoint: format!("{method}:{path}"),
             params: route_params(path).unwrap_or_default(),
             checked: zero(metrics::counter!(HTTP_CHECKED, labels(method, path, None))),
-            unmatched: zero(metrics::counter!(HTTP_UNMATCHED, labels(method, path, None))),
+            unmatched: zero(metrics::counter!(
+                HTTP_UNMATCHED,
+                labels(method, path, None)
+            )),
             warned: AtomicBool::new(false),
         }
     }
@@ -277,10 +283,16 @@ impl RouteLimits {
                     .and_then(|p| file.params.iter().position(|n| n == p)),
                 _ => None,
             };
-            needs_params |= spec.entity.as_ref().is_some_and(EntityKey::needs_path_params)
+            needs_params |= spec
+                .entity
+                .as_ref()
+                .is_some_and(EntityKey::needs_path_params)
                 && file.is_none();
             let (key, dynamic) = match (&spec.budget, &spec.entity, &file) {
-                (Some(budget), _, _) => (Some(format!("ratelimit:budget:{budget}:")), ("entity", None)),
+                (Some(budget), _, _) => (
+                    Some(format!("ratelimit:budget:{budget}:")),
+                    ("entity", None),
+                ),
                 (None, None, _) => {
                     let part = (spec.name != "api").then(|| Arc::clone(&name));
                     let key = file.as_ref().map(|f| match &part {
@@ -299,15 +311,24 @@ impl RouteLimits {
                 }
             };
             let counters = file.as_ref().map(|f| LimitCounters {
-                denied: zero(metrics::counter!(HTTP_DENIED, labels(&f.method, &f.path, Some(&name)))),
-                errors: zero(metrics::counter!(HTTP_ERRORS, labels(&f.method, &f.path, Some(&name)))),
+                denied: zero(metrics::counter!(
+                    HTTP_DENIED,
+                    labels(&f.method, &f.path, Some(&name))
+                )),
+                errors: zero(metrics::counter!(
+                    HTTP_ERRORS,
+                    labels(&f.method, &f.path, Some(&name))
+                )),
                 would_deny: zero(metrics::counter!(
                     HTTP_WOULD_DENY,
                     labels(&f.method, &f.path, Some(&name))
                 )),
             });
-            let remaining = HeaderName::try_from(format!("x-ratelimit-{}-remaining", name.to_ascii_lowercase()))
-                .unwrap_or(HeaderName::from_static("x-ratelimit-remaining"));
+            let remaining = HeaderName::try_from(format!(
+                "x-ratelimit-{}-remaining",
+                name.to_ascii_lowercase()
+            ))
+            .unwrap_or(HeaderName::from_static("x-ratelimit-remaining"));
             let segment = match (&spec.entity, &file) {
                 (Some(key), Some(file)) => key.path_param_name().and_then(|name| {
                     let whole = format!("{{{name}}}");
@@ -339,8 +360,8 @@ impl RouteLimits {
                 refused: Arc::new(Refused::default()),
             });
         }
-        let policy =
-            HeaderValue::try_from(items.join(", ")).unwrap_or_else(|_| HeaderValue::from_static(""));
+        let policy = HeaderValue::try_from(items.join(", "))
+            .unwrap_or_else(|_| HeaderValue::from_static(""));
         RouteLimits {
             limits,
             pattern,

@@ -127,9 +127,9 @@ where
                 }
                 Poll::Ready(Ok(response))
             }
-            StateProj::Ready { response } => {
-                Poll::Ready(Ok(response.take().expect("`ResponseFuture` polled after it completed")))
-            }
+            StateProj::Ready { response } => Poll::Ready(Ok(response
+                .take()
+                .expect("`ResponseFuture` polled after it completed"))),
             StateProj::Slow { future } => future.as_mut().poll(cx),
         }
     }
@@ -251,4 +251,3 @@ pub(crate) fn unmatched(all: &[Arc<RouteLimits>], parts: &Parts, matched: Option
         );
     }
 }
-

@@ -25,7 +25,10 @@ impl Loaded {
     /// The policies' plan equal to `plan` (by name, then in full) and its registry index.
     #[cfg(feature = "http")]
     pub(super) fn find(&self, plan: &Plan) -> Option<(&Arc<Plan>, u32)> {
-        let i = self.policies.plans().position(|p| p.name() == plan.name())?;
+        let i = self
+            .policies
+            .plans()
+            .position(|p| p.name() == plan.name())?;
         let shared = self.policies.plans().nth(i)?;
         (**shared == *plan).then(|| (shared, self.index[i]))
     }

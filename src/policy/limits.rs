@@ -40,7 +40,10 @@ impl Checker {
             field
         };
         if let Some(name) = raw.duplicates.first() {
-            return Err(self.err(at(name), "duplicate budget name: each budget may be defined once"));
+            return Err(self.err(
+                at(name),
+                "duplicate budget name: each budget may be defined once",
+            ));
         }
         let mut budgets = Budgets::with_capacity(raw.entries.len());
         for (name, entity) in raw.entries {
@@ -85,7 +88,11 @@ impl Checker {
                 None => self.own_limit(&at, limit, path, params, lookup)?,
             };
             if let Some(first) = limits.iter().position(|l| l.name == limit.name) {
-                let which = if limit.budget.is_some() { "budget" } else { "name" };
+                let which = if limit.budget.is_some() {
+                    "budget"
+                } else {
+                    "name"
+                };
                 return Err(self.err(
                     format!("{at}.{which}"),
                     format!(
@@ -191,7 +198,8 @@ impl Checker {
         let Some(plan) = raw.plan else {
             return Err(self.err(at, "missing plan: give the plan of the limit's buckets"));
         };
-        let has_source = raw.path_param.is_some() || raw.header.is_some() || raw.client_ip.is_some();
+        let has_source =
+            raw.path_param.is_some() || raw.header.is_some() || raw.client_ip.is_some();
         if !has_source {
             if raw.entity_type.is_some() {
                 return Err(self.err(

@@ -80,9 +80,9 @@
 
 mod check;
 pub(crate) mod error;
+mod limits;
 mod load;
 mod raw;
-mod limits;
 mod routes;
 mod types;
 

@@ -6,8 +6,8 @@ use super::raw::{Obj, RawEntity, RawRoute};
 use super::types::{EntityRule, EntitySource, Route, RouteLimit, RouteShadow};
 
 use super::check::Checker;
-use super::limits::Budgets;
 use super::check::{MAX_ENTITY_TYPE, METHODS};
+use super::limits::Budgets;
 
 impl Checker {
     /// A checked route and its shape for duplicate detection (method, path with parameter

@@ -64,9 +64,14 @@ async fn e10_stacked_layers_add_their_fields_and_give_back_on_an_inner_refusal()
         .build();
     let per_booking = RouteLimitLayer::new(limiter.clone())
         .global(plan("route", 100, 50.0))
-        .entity(EntityKey::path_param("bookingId"), plan("booking", 2, 1.0 / 30.0));
+        .entity(
+            EntityKey::path_param("bookingId"),
+            plan("booking", 2, 1.0 / 30.0),
+        );
     let customer_plan = Arc::new(
-        (*plan("customer", 5, 0.001)).clone().with_lease(LeaseSettings::default()),
+        (*plan("customer", 5, 0.001))
+            .clone()
+            .with_lease(LeaseSettings::default()),
     );
     let per_customer = RouteLimitLayer::new(limiter.clone())
         .entity_budget(
@@ -76,7 +81,10 @@ async fn e10_stacked_layers_add_their_fields_and_give_back_on_an_inner_refusal()
         )
         .unwrap();
     let app = Router::new()
-        .route(BOOKING, get(|| async { "booking" }).route_layer(per_booking))
+        .route(
+            BOOKING,
+            get(|| async { "booking" }).route_layer(per_booking),
+        )
         .route_layer(per_customer);
 
     let policy = "\"api\";q=100;w=2, \"entity\";q=2;w=60, \"customer\";q=5;w=5000";
@@ -105,7 +113,10 @@ async fn e10_stacked_layers_add_their_fields_and_give_back_on_an_inner_refusal()
     }
     let r = send(&app, call("/bookings/20", "B")).await;
     assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
-    assert_eq!(header(&r, "ratelimit-policy"), Some("\"customer\";q=5;w=5000"));
+    assert_eq!(
+        header(&r, "ratelimit-policy"),
+        Some("\"customer\";q=5;w=5000")
+    );
     assert_eq!(body_json(r).await["limit"], "customer");
 }
 
@@ -154,7 +165,11 @@ impl<S: Store> Store for Calls<S> {
 /// The demo's booking route: the route (leased), the booking (20 a minute, leased or direct),
 /// the customer's budget (30 a minute).
 fn booking_policy(booking_lease: bool) -> Policies {
-    let lease = if booking_lease { r#", "lease": {}"# } else { "" };
+    let lease = if booking_lease {
+        r#", "lease": {}"#
+    } else {
+        ""
+    };
     Policies::from_json_str(
         &format!(
             r#"{{

@@ -1106,7 +1106,10 @@ fn example_policies_are_valid() {
         customer.source,
         Some(EntitySource::Header("x-customer-id".into()))
     );
-    assert_eq!(demo.plan(&customer.plan).unwrap().capacity(), Tokens::whole(30));
+    assert_eq!(
+        demo.plan(&customer.plan).unwrap().capacity(),
+        Tokens::whole(30)
+    );
     // 20 a minute per booking, below the endpoint's 100 burst and 50/s: one booking meets its
     // own limit long before it could drain the endpoint.
     let booking = demo.plan(&entity.plan).unwrap();
