@@ -19,7 +19,8 @@ use axum::http::{HeaderValue, Method, Response, StatusCode};
 use sha2::{Digest, Sha256};
 use smallvec::SmallVec;
 
-use super::headers::{self, Report, malformed_problem, problem, retry_after_secs};
+use super::fields;
+use super::headers::{Report, malformed_problem, problem, retry_after_secs};
 use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
 use super::refund::{give_back, give_back_detached};
 use super::route::{Config, Limit, RouteLimits, Routes, Scope};
@@ -212,7 +213,7 @@ fn route_of(config: &Config, parts: &Parts) -> Option<(Arc<RouteLimits>, Option<
             match found {
                 Some(limits) => Some((limits, None)),
                 None => {
-                    super::service::unmatched(&table.all, parts, matched);
+                    super::unmatched::unmatched(&table.all, parts, matched);
                     None
                 }
             }
@@ -581,7 +582,7 @@ fn malformed(why: &MalformedId, name: &str, progress: &Progress) -> Response<Str
         CONTENT_TYPE,
         HeaderValue::from_static("application/problem+json"),
     );
-    headers::write(h, &progress.limits, &[]);
+    fields::write(h, &progress.limits, &[]);
     response
 }
 
@@ -605,7 +606,7 @@ fn deny(i: usize, decision: &Decision, progress: &Progress) -> Response<String> 
         HeaderValue::from_static("application/problem+json"),
     );
     h.insert(RETRY_AFTER, HeaderValue::from(retry));
-    headers::write(h, &progress.limits, &progress.reports);
+    fields::write(h, &progress.limits, &progress.reports);
     response
 }
 

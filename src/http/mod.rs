@@ -118,10 +118,13 @@
 //! - `service.rs`: [`RateLimit`], [`ResponseFuture`]; `check.rs`: the checks, in order.
 //! - `refused.rs`: the keys a limit refused, answered from memory until their `retry_after`.
 //! - `key.rs`: [`EntityKey`], [`TrustedProxies`], [`client_ip`].
-//! - `headers.rs`: the header fields and the problem body.
+//! - `headers.rs`: the header fields' names and values, and the problem body; `fields.rs`:
+//!   writing them on a response.
+//! - `unmatched.rs`: counting (and logging once) requests that fit a route but missed it.
 //! - `refund.rs`: giving back what earlier limits took, into the lease or in batches.
 
 mod check;
+mod fields;
 mod headers;
 mod key;
 mod layer;
@@ -129,6 +132,7 @@ mod refund;
 mod refused;
 mod route;
 mod service;
+mod unmatched;
 
 pub use crate::policy::error::RouteConfigError;
 pub use headers::{
