@@ -104,11 +104,39 @@ pub(crate) fn warnings(policies: &Policies) -> Vec<String> {
         ));
     }
     for (i, route) in policies.routes().iter().enumerate() {
-        let (Some(global), Some(entity)) = (&route.global, &route.entity) else {
-            continue;
-        };
-        let (Some(g), Some(e)) = (policies.plan(global), policies.plan(&entity.plan)) else {
-            continue;
+        // Each limit per entity of the route (not a budget shared with other routes) against
+        // each limit on the whole route.
+        let whole = route.limits.iter().filter(|l| l.source.is_none());
+        let pairs: Vec<(&str, &str)> = whole
+            .flat_map(|g| {
+                route
+                    .limits
+                    .iter()
+                    .filter(|e| e.source.is_some() && e.budget.is_none())
+                    .map(move |e| (g.plan.as_str(), e.plan.as_str()))
+            })
+            .collect();
+        for (global, entity) in pairs {
+            if let Some(warning) = entity_above_route(policies, i, route, global, entity) {
+                out.push(warning);
+            }
+        }
+    }
+    out
+}
+
+/// The warning for an entity limit of `route` (routes[`i`]) under plan `entity` that allows
+/// more than its whole-route limit under plan `global`, if it does.
+fn entity_above_route(
+    policies: &Policies,
+    i: usize,
+    route: &tokenlease::policy::Route,
+    global: &str,
+    entity: &str,
+) -> Option<String> {
+    {
+        let (Some(g), Some(e)) = (policies.plan(global), policies.plan(entity)) else {
+            return None;
         };
         let mut above = Vec::new();
         if e.capacity() > g.capacity() {
@@ -126,9 +154,9 @@ pub(crate) fn warnings(policies: &Policies) -> Vec<String> {
             ));
         }
         if above.is_empty() {
-            continue;
+            return None;
         }
-        out.push(format!(
+        Some(format!(
             "routes[{i}] ({} {}): the entity plan {:?} allows more than the global plan {:?} \
              ({}): one entity can spend the whole endpoint's budget before its own limit \
              applies, and every other entity is then denied by the global layer; make the \
@@ -138,9 +166,8 @@ pub(crate) fn warnings(policies: &Policies) -> Vec<String> {
             short(e.name()),
             short(g.name()),
             above.join(", "),
-        ));
+        ))
     }
-    out
 }
 
 /// `plans.NAME` for a plain name, as the policy errors write it, else `plans["NAME"]` (cut).

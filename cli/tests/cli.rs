@@ -321,7 +321,7 @@ fn the_shipped_demo_policy_checks_without_warnings() {
         .expect("run check");
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
-    assert!(stdout.contains("6 plans, 3 routes"), "{stdout}");
+    assert!(stdout.contains("7 plans, 3 routes"), "{stdout}");
     assert!(!stderr.contains("warning"), "{stderr}");
 }
 

@@ -40,7 +40,7 @@ fn check_command_accepts_a_valid_file() {
     assert!(out.status.success(), "{out:?}");
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
-        format!("{}: 6 plans, 3 routes, 2 key rules\n", path.display())
+        format!("{}: 7 plans, 3 routes, 2 key rules\n", path.display())
     );
     assert!(out.stderr.is_empty(), "{out:?}");
 }

@@ -24,7 +24,7 @@ fn demo_serves_both_layers_over_real_http_and_stops_on_sigterm() {
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(
         r.header("ratelimit-policy"),
-        Some("\"api\";q=100;w=2, \"entity\";q=20;w=60")
+        Some("\"api\";q=100;w=2, \"entity\";q=20;w=60, \"customer\";q=30;w=60")
     );
     assert_eq!(r.number("x-ratelimit-entity-remaining"), 19);
     assert!(r.number("x-ratelimit-api-remaining") <= 100);

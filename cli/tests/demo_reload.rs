@@ -138,7 +138,7 @@ fn plan_series(addr: &str) -> (usize, usize, usize) {
 
 /// K9: reloads of the demo alternating 65,000 plans and one (through its policy file and
 /// SIGHUP), three round trips (six reloads: each of the debug build's 65,000-plan reloads takes
-/// about 10 s), from the shipped demo policy (its 6 plans and 3 routes). After each return to
+/// about 10 s), from the shipped demo policy (its 7 plans and 3 routes). After each return to
 /// one plan, `/metrics` has no series of the removed plans (they had 11 each while in force) nor
 /// of the removed routes, and the 11 of the plan in force; and the demo's resident memory is
 /// back within 20% of what it was at start: the limiter lets go of the removed plans' entries,

@@ -73,13 +73,27 @@ impl Reply {
 /// One HTTP/1.1 request on its own connection, or `None` when the demo did not answer (within
 /// 10 s) with a well-formed response.
 pub fn exchange(addr: &str, method: &str, path: &str) -> Option<Reply> {
+    exchange_with(addr, method, path, &[])
+}
+
+/// [`exchange`] with more header fields (`name`, `value`).
+pub fn exchange_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    fields: &[(&str, &str)],
+) -> Option<Reply> {
     let mut stream = TcpStream::connect(addr).ok()?;
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .ok()?;
+    let fields: String = fields
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     write!(
         stream,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{fields}Content-Length: 0\r\n\r\n"
     )
     .ok()?;
     let mut raw = Vec::new();

@@ -16,6 +16,7 @@ mod cli;
 mod commands;
 mod dashboard;
 mod demo;
+mod demo_limits;
 mod demo_reload;
 mod flood;
 mod loadtest;

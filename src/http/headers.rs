@@ -1,14 +1,16 @@
 //! The response header fields and the problem body.
 //!
 //! - `RateLimit-Policy` and `RateLimit`: draft-ietf-httpapi-ratelimit-headers (-09/-10) syntax,
-//!   a structured-field list with one item per layer, named `"api"` and `"entity"`.
-//! - `X-RateLimit-Api-Remaining` / `X-RateLimit-Entity-Remaining`: whole tokens left, per layer.
-//! - `Retry-After`: whole seconds, rounded up, at least 1 (denials only).
+//!   a structured-field list with one item per limit, named as the limit (`"api"`, `"entity"`,
+//!   or the name the policy file gives it). A layer appends its items to those an inner layer
+//!   wrote, so stacked layers report every limit.
+//! - `X-RateLimit-{Name}-Remaining`: whole tokens left, per limit.
+//! - `Retry-After`: whole seconds, rounded up, at least 1 (denials only): the refusing limit's.
 
 use std::time::Duration;
 
-use axum::http::header::{HeaderName, HeaderValue};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
+use axum::http::header::HeaderName;
 
 use crate::bucket::Tokens;
 use crate::policy::Plan;
@@ -25,25 +27,6 @@ pub const X_RATELIMIT_API_REMAINING: HeaderName =
 /// `X-RateLimit-Entity-Remaining`: whole tokens left in the entity's bucket.
 pub const X_RATELIMIT_ENTITY_REMAINING: HeaderName =
     HeaderName::from_static("x-ratelimit-entity-remaining");
-
-/// Which of the two limits a header item or a denial belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum LayerKind {
-    /// The endpoint's global bucket (`ratelimit:api:...`), policy name `"api"`.
-    Api,
-    /// The entity's bucket (`ratelimit:entity:...`), policy name `"entity"`.
-    Entity,
-}
-
-impl LayerKind {
-    /// The policy name in the header fields and the problem body: `api` or `entity`.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            LayerKind::Api => "api",
-            LayerKind::Entity => "entity",
-        }
-    }
-}
 
 /// What [`retry_after_secs`] drops before rounding up: rates are stored to 10⁻⁹ token/s, so
 /// "5 per minute" is 0.083333333/s and its next token is 12.000000005 s away, not 12.
@@ -75,10 +58,9 @@ fn window_secs(plan: &Plan) -> u64 {
 }
 
 /// One `RateLimit-Policy` item, e.g. `"api";q=100;w=2`.
-pub(crate) fn policy_item(layer: LayerKind, plan: &Plan) -> String {
+pub(crate) fn policy_item(name: &str, plan: &Plan) -> String {
     format!(
-        "\"{}\";q={};w={}",
-        layer.name(),
+        "\"{name}\";q={};w={}",
         plan.capacity().floor(),
         window_secs(plan)
     )
@@ -89,8 +71,10 @@ pub(crate) fn policy_item(layer: LayerKind, plan: &Plan) -> String {
 /// `X-RateLimit-*-Remaining` field rather than reported with a made-up count.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Report {
-    pub(crate) layer: LayerKind,
-    pub(crate) remaining: Option<Tokens>,
+    /// The limit's position in its route's [`RouteLimits::limits`].
+    pub(crate) limit: usize,
+    /// Whole tokens left, at most the capacity.
+    pub(crate) remaining: Option<u64>,
     /// Seconds for the `t` parameter.
     pub(crate) t: u64,
 }
@@ -99,15 +83,15 @@ impl Report {
     /// The report of an allowed (or refunded) take: `t` is the time to refill to full.
     /// `remaining` is reported at most at the plan's capacity (a lease's estimate can add up
     /// to more).
-    pub(crate) fn allowed(layer: LayerKind, plan: &Plan, remaining: Option<Tokens>) -> Report {
+    pub(crate) fn allowed(limit: usize, plan: &Plan, remaining: Option<Tokens>) -> Report {
         let remaining = remaining.map(|r| std::cmp::min(r, plan.capacity()));
         let t = remaining.map_or(0, |remaining| {
             let missing = plan.capacity().saturating_sub(remaining);
             seconds_up(missing.as_f64() / plan.rate().as_f64())
         });
         Report {
-            layer,
-            remaining,
+            limit,
+            remaining: remaining.map(Tokens::floor),
             t,
         }
     }
@@ -115,42 +99,16 @@ impl Report {
     /// The report of a denial: `t` is the `Retry-After` value; `remaining` at most the plan's
     /// capacity, as in [`allowed`](Self::allowed).
     pub(crate) fn denied(
-        layer: LayerKind,
+        limit: usize,
         plan: &Plan,
         remaining: Option<Tokens>,
         retry_after: Duration,
     ) -> Report {
         Report {
-            layer,
-            remaining: remaining.map(|r| std::cmp::min(r, plan.capacity())),
+            limit,
+            remaining: remaining.map(|r| std::cmp::min(r, plan.capacity()).floor()),
             t: retry_after_secs(retry_after),
         }
-    }
-}
-
-/// Writes `RateLimit-Policy`, `RateLimit` and the `X-RateLimit-*-Remaining` fields.
-pub(crate) fn write(headers: &mut HeaderMap, policy: &HeaderValue, reports: &[Report]) {
-    headers.insert(RATELIMIT_POLICY, policy.clone());
-    let known: Vec<(LayerKind, Tokens, u64)> = reports
-        .iter()
-        .filter_map(|r| r.remaining.map(|remaining| (r.layer, remaining, r.t)))
-        .collect();
-    if known.is_empty() {
-        return;
-    }
-    let items: Vec<String> = known
-        .iter()
-        .map(|(layer, remaining, t)| format!("\"{}\";r={};t={t}", layer.name(), remaining.floor()))
-        .collect();
-    if let Ok(v) = HeaderValue::try_from(items.join(", ")) {
-        headers.insert(RATELIMIT, v);
-    }
-    for (layer, remaining, _) in known {
-        let name = match layer {
-            LayerKind::Api => X_RATELIMIT_API_REMAINING,
-            LayerKind::Entity => X_RATELIMIT_ENTITY_REMAINING,
-        };
-        headers.insert(name, HeaderValue::from(remaining.floor()));
     }
 }
 
@@ -159,13 +117,16 @@ pub(crate) fn write(headers: &mut HeaderMap, policy: &HeaderValue, reports: &[Re
 /// ```json
 /// {"type":"about:blank","title":"Too Many Requests","status":429,
 ///  "detail":"rate limit of the entity layer exceeded for GET:/bookings/{bookingId}",
-///  "layer":"entity","endpoint":"GET:/bookings/{bookingId}","retry_after":12}
+///  "layer":"entity","limit":"entity","endpoint":"GET:/bookings/{bookingId}","retry_after":12}
 /// ```
+///
+/// `limit` names the refusing limit; `layer` is the same name, kept for clients written
+/// before routes had named limits.
 ///
 /// A denial by the `deny` fallback (the store could not decide) is `503 Service Unavailable`
 /// with the same fields: the client did nothing wrong, the limiter could not answer.
 pub(crate) fn problem(
-    layer: LayerKind,
+    name: &str,
     endpoint: &str,
     retry_after: u64,
     unavailable: bool,
@@ -174,17 +135,14 @@ pub(crate) fn problem(
         (
             StatusCode::SERVICE_UNAVAILABLE,
             format!(
-                "the rate limiter could not decide for the {} layer of {endpoint} and its fallback denies",
-                layer.name()
+                "the rate limiter could not decide for the {name} layer of {endpoint} and its \
+                 fallback denies"
             ),
         )
     } else {
         (
             StatusCode::TOO_MANY_REQUESTS,
-            format!(
-                "rate limit of the {} layer exceeded for {endpoint}",
-                layer.name()
-            ),
+            format!("rate limit of the {name} layer exceeded for {endpoint}"),
         )
     };
     let body = serde_json::json!({
@@ -192,7 +150,8 @@ pub(crate) fn problem(
         "title": status.canonical_reason().unwrap_or("Too Many Requests"),
         "status": status.as_u16(),
         "detail": detail,
-        "layer": layer.name(),
+        "layer": name,
+        "limit": name,
         "endpoint": endpoint,
         "retry_after": retry_after,
     });
@@ -201,13 +160,18 @@ pub(crate) fn problem(
 
 /// The `application/problem+json` body of a request refused for a malformed entity id
 /// (`400 Bad Request`): `reason` says what is wrong, no bucket was touched.
-pub(crate) fn malformed_problem(reason: &dyn std::fmt::Display, endpoint: &str) -> String {
+pub(crate) fn malformed_problem(
+    reason: &dyn std::fmt::Display,
+    name: &str,
+    endpoint: &str,
+) -> String {
     serde_json::json!({
         "type": "about:blank",
         "title": "Bad Request",
         "status": 400,
         "detail": format!("malformed entity id for {endpoint}: {reason}"),
-        "layer": LayerKind::Entity.name(),
+        "layer": name,
+        "limit": name,
         "endpoint": endpoint,
     })
     .to_string()
@@ -238,60 +202,20 @@ mod tests {
 
     #[test]
     fn policy_items_use_capacity_and_refill_window() {
+        assert_eq!(policy_item("api", &plan(100, 50.0)), "\"api\";q=100;w=2");
         assert_eq!(
-            policy_item(LayerKind::Api, &plan(100, 50.0)),
-            "\"api\";q=100;w=2"
-        );
-        assert_eq!(
-            policy_item(LayerKind::Entity, &plan(150, 2.5)),
+            policy_item("entity", &plan(150, 2.5)),
             "\"entity\";q=150;w=60"
         );
-        assert_eq!(
-            policy_item(LayerKind::Api, &plan(1, 1000.0)),
-            "\"api\";q=1;w=1"
-        );
-        assert_eq!(
-            policy_item(LayerKind::Api, &plan(5, 5.0 / 60.0)),
-            "\"api\";q=5;w=60"
-        );
-    }
-
-    /// A lease's estimate (its own tokens plus the bucket's count at its last refill) can
-    /// exceed the capacity: the fields never report more than the limit.
-    #[test]
-    fn remaining_is_never_reported_above_the_limit() {
-        let p = plan(200, 100.0);
-        let mut h = HeaderMap::new();
-        let policy = HeaderValue::from_static("\"api\";q=200;w=2");
-        let reports = [
-            Report::allowed(LayerKind::Api, &p, Some(Tokens::whole(208))),
-            Report::denied(
-                LayerKind::Entity,
-                &p,
-                Some(Tokens::whole(201)),
-                Duration::from_millis(1500),
-            ),
-        ];
-        write(&mut h, &policy, &reports);
-        assert_eq!(h[RATELIMIT], "\"api\";r=200;t=0, \"entity\";r=200;t=2");
-        assert_eq!(h[X_RATELIMIT_API_REMAINING], "200");
-        assert_eq!(h[X_RATELIMIT_ENTITY_REMAINING], "200");
+        assert_eq!(policy_item("api", &plan(1, 1000.0)), "\"api\";q=1;w=1");
+        assert_eq!(policy_item("api", &plan(5, 5.0 / 60.0)), "\"api\";q=5;w=60");
     }
 
     #[test]
     fn allowed_report_counts_seconds_to_full() {
         let p = plan(100, 50.0);
-        assert_eq!(
-            Report::allowed(LayerKind::Api, &p, Some(Tokens::whole(100))).t,
-            0
-        );
-        assert_eq!(
-            Report::allowed(LayerKind::Api, &p, Some(Tokens::whole(99))).t,
-            1
-        );
-        assert_eq!(
-            Report::allowed(LayerKind::Api, &p, Some(Tokens::whole(0))).t,
-            2
-        );
+        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(100))).t, 0);
+        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(99))).t, 1);
+        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(0))).t, 2);
     }
 }

@@ -92,6 +92,14 @@ impl EntityKey {
         }
     }
 
+    /// The path parameter's name, for a key read from one.
+    pub(crate) fn path_param_name(&self) -> Option<&str> {
+        match &self.source {
+            Source::PathParam(name) => Some(name),
+            _ => None,
+        }
+    }
+
     /// Whether [`extract`](Self::extract) reads path parameters.
     pub(crate) fn needs_path_params(&self) -> bool {
         matches!(self.source, Source::PathParam(_))
@@ -403,7 +411,7 @@ pub(crate) fn match_pattern(pattern: &str, path: &str) -> Option<Vec<(String, Pa
 
 /// Decodes `%XX` escapes; invalid escapes stay as written. `None` when the result is not
 /// UTF-8: decoding it lossily would give different ids the same U+FFFD.
-fn percent_decode(s: &str) -> Option<String> {
+pub(crate) fn percent_decode(s: &str) -> Option<String> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;

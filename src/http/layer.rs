@@ -6,16 +6,16 @@ use std::sync::Arc;
 use tower::Layer;
 
 use super::key::{EntityKey, TrustedProxies};
-use super::route::{Config, FileRoute, RouteLimits, RouteTable, Routes};
+use super::route::{Config, FileRoute, LimitSpec, RouteLimits, RouteTable, Routes};
 use super::service::RateLimit;
 use crate::policy::error::RouteConfigError;
 use crate::policy::{EntitySource, Plan, Policies, RouteShadow, route_pattern_error, route_shape};
 use crate::{Limiter, ReloadError};
 use parking_lot::RwLock;
 
-/// A tower [`Layer`] that rate-limits requests with two independent buckets per route: one
-/// global bucket per endpoint and one bucket per entity per endpoint, for every route of a
-/// policy file.
+/// A tower [`Layer`] that rate-limits every route of a policy file with the limits the route
+/// lists, checked in order: buckets for the whole endpoint, per entity of the endpoint, and
+/// per entity across the routes sharing a budget.
 ///
 /// Build it from the `routes` of a policy file with [`from_policies`](Self::from_policies) and
 /// apply it once with axum's `Router::route_layer`. For one route's limits set in code, use
@@ -80,6 +80,7 @@ impl RateLimitLayer {
                 limiter,
                 routes: Routes::Table(Arc::new(RwLock::new(Arc::new(table)))),
                 trusted: TrustedProxies::none(),
+                give_backs: Arc::default(),
             }),
         })
     }
@@ -118,59 +119,55 @@ impl RateLimitLayer {
 fn route_table(policies: &Policies, limiter: &Limiter) -> Result<RouteTable, RouteConfigError> {
     let mut by_shape = HashMap::new();
     let mut all = Vec::new();
+    let mut gives_back = false;
     for route in policies.routes() {
         let endpoint = route.endpoint();
-        let plan = |name: &str| {
-            policies
-                .plan(name)
-                .cloned()
-                .ok_or_else(|| RouteConfigError::UnknownPlan {
+        let mut specs = Vec::with_capacity(route.limits.len());
+        for limit in &route.limits {
+            let plan = policies.plan(&limit.plan).cloned().ok_or_else(|| {
+                RouteConfigError::UnknownPlan {
                     endpoint: endpoint.clone(),
-                    plan: name.to_owned(),
-                })
-        };
-        let global = route.global.as_deref().map(plan).transpose()?;
-        let entity = match &route.entity {
-            None => None,
-            Some(rule) => {
-                let key = match &rule.source {
-                    EntitySource::PathParam(name) => EntityKey::path_param(name.clone()),
-                    EntitySource::Header(name) => {
-                        match axum::http::HeaderName::try_from(name.as_str()) {
-                            Ok(header) => EntityKey::header(header),
-                            Err(_) => {
-                                return Err(RouteConfigError::InvalidHeader {
-                                    endpoint,
-                                    header: name.clone(),
-                                });
-                            }
+                    plan: limit.plan.clone(),
+                }
+            })?;
+            let entity = match &limit.source {
+                None => None,
+                Some(EntitySource::PathParam(name)) => Some(EntityKey::path_param(name.clone())),
+                Some(EntitySource::Header(name)) => {
+                    match axum::http::HeaderName::try_from(name.as_str()) {
+                        Ok(header) => Some(EntityKey::header(header)),
+                        Err(_) => {
+                            return Err(RouteConfigError::InvalidHeader {
+                                endpoint,
+                                header: name.clone(),
+                            });
                         }
                     }
-                    EntitySource::ClientIp => EntityKey::client_ip(),
-                };
-                Some((key, plan(&rule.plan)?))
-            }
-        };
-        let (api, per_entity) = (global.is_some(), entity.is_some());
-        let mut limits = RouteLimits::new(global, entity, None, route.shadow, limiter);
-        limits.file = Some(Arc::new(FileRoute::new(
-            &route.method,
-            &route.path,
-            api,
-            per_entity,
-        )));
-        let limits = Arc::new(limits);
+                }
+                Some(EntitySource::ClientIp) => Some(EntityKey::client_ip()),
+            };
+            specs.push(LimitSpec {
+                name: limit.name.clone(),
+                plan,
+                entity,
+                budget: limit.budget.clone(),
+                shadow: limit.shadow,
+            });
+        }
+        gives_back |= specs.len() > 1;
+        let file = Arc::new(FileRoute::new(&route.method, &route.path));
+        let limits = Arc::new(RouteLimits::new(specs, None, Some(file), limiter));
         // The file refuses two routes of one method and shape, and patterns it cannot parse.
         let shape = route_shape(&route.path).unwrap_or_else(|| route.path.clone());
         by_shape.insert(format!("{}:{shape}", route.method), Arc::clone(&limits));
         all.push(limits);
     }
-    // A route with both layers gives global tokens back on entity denial: each result's
-    // series at zero from the start, with the recorder installed now.
-    if all.iter().any(|l| l.global.is_some() && l.entity.is_some()) {
+    // A route with more than one limit gives tokens back on a later limit's refusal: each
+    // result's series at zero from the start, with the recorder installed now.
+    if gives_back {
         super::refund::register_at_zero();
     }
-    Ok(RouteTable { by_shape, all })
+    Ok(RouteTable::new(by_shape, all))
 }
 
 impl RateLimitLayer {
@@ -191,12 +188,13 @@ impl RouteLimitLayer {
     /// A layer for one route with no limits yet: add them with [`global`](Self::global) and
     /// [`entity`](Self::entity).
     pub fn new(limiter: Limiter) -> Self {
-        let limits = RouteLimits::new(None, None, None, RouteShadow::default(), &limiter);
+        let limits = RouteLimits::new(Vec::new(), None, None, &limiter);
         RouteLimitLayer {
             config: Arc::new(Config {
                 limiter,
                 routes: Routes::One(Arc::new(limits)),
                 trusted: TrustedProxies::none(),
+                give_backs: Arc::default(),
             }),
             given: Given::default(),
         }
@@ -321,14 +319,29 @@ impl RouteLimitLayer {
     fn edit_route(mut self, f: impl FnOnce(&mut Given)) -> Self {
         f(&mut self.given);
         let g = &self.given;
-        let mut limits = RouteLimits::new(
-            g.global.clone(),
-            g.entity.clone(),
-            g.pattern.clone(),
-            g.shadow,
-            &self.config.limiter,
-        );
-        limits.budget = g.budget.clone();
+        let mut specs = Vec::with_capacity(2);
+        if let Some(plan) = &g.global {
+            specs.push(LimitSpec {
+                name: "api".to_owned(),
+                plan: Arc::clone(plan),
+                entity: None,
+                budget: None,
+                shadow: g.shadow.api,
+            });
+        }
+        if let Some((key, plan)) = &g.entity {
+            specs.push(LimitSpec {
+                name: g.budget.as_deref().unwrap_or("entity").to_owned(),
+                plan: Arc::clone(plan),
+                entity: Some(key.clone()),
+                budget: g.budget.as_deref().map(str::to_owned),
+                shadow: g.shadow.entity,
+            });
+        }
+        if specs.len() > 1 {
+            super::refund::register_at_zero();
+        }
+        let limits = RouteLimits::new(specs, g.pattern.clone(), None, &self.config.limiter);
         // Only `new` makes a `RouteLimitLayer`, always with one route.
         if let Routes::One(route) = &mut Arc::make_mut(&mut self.config).routes {
             *route = Arc::new(limits);

@@ -1,5 +1,9 @@
-//! The HTTP layer: two independent rate limits per route, as a tower [`Layer`](tower::Layer)
-//! for axum, tonic and hyper services.
+//! The HTTP layer: every limit a route needs, checked in order, as a tower
+//! [`Layer`](tower::Layer) for axum, tonic and hyper services.
+//!
+//! A policy file's route lists its limits (`limits`: the whole route, per entity, budgets
+//! shared by several routes, each named; `docs/policy.md`); the two classic ones, which a
+//! route written with `global` and `entity` has, are:
 //!
 //! - **Global**: one bucket per endpoint, keyed `ratelimit:api:{METHOD}:{route pattern}` with
 //!   the matched route pattern (axum's `MatchedPath`), so `/bookings/1` and `/bookings/2`
@@ -9,12 +13,15 @@
 //!   header, the client IP or a closure ([`EntityKey`]). An id the store would refuse (over
 //!   1 KiB, NUL) is replaced by `sha256:` and its digest.
 //!
-//! The entity id is read first: a malformed one (a path parameter that is not UTF-8 once
+//! The entity ids are read first: a malformed one (a path parameter that is not UTF-8 once
 //! percent-decoded; a header value that is not UTF-8, has surrounding whitespace or is sent
 //! twice) is refused with `400 Bad Request` before any bucket is touched, never decoded
-//! lossily or trimmed into another id. Then the global bucket is checked and a global denial
-//! stops there. A request without an entity id skips the entity check. When the entity layer denies, the global token already
-//! taken is given back, so one abusive entity cannot drain the endpoint for everyone.
+//! lossily or trimmed into another id. A key a limit remembers as refused (until its
+//! `Retry-After`) is refused then, before any token is taken. Then each limit takes a token in
+//! order, and the first refusal stops there: the limits before it get their tokens back (into
+//! the lease in memory, else to the store in batches), so one abusive entity cannot drain the
+//! endpoint, nor a refused booking its customer's budget. A request without an entity's id
+//! skips that limit.
 //!
 //! # Example
 //!
@@ -69,7 +76,8 @@
 //!
 //! # Responses
 //!
-//! Every response of a limited route carries, per layer that was checked:
+//! Every response of a limited route carries, per limit that was checked (named as the limit;
+//! a layer appends its items to an inner layer's):
 //!
 //! ```text
 //! RateLimit-Policy: "api";q=100;w=2, "entity";q=20;w=60
@@ -107,17 +115,24 @@
 //! - `layer.rs`: [`RateLimitLayer`] (a policy file's routes), [`RouteLimitLayer`] (one route in
 //!   code).
 //! - `route.rs`: the configuration they build and the service reads: each route's limits.
-//! - `service.rs`: [`RateLimit`], [`ResponseFuture`], the checks.
+//! - `service.rs`: [`RateLimit`], [`ResponseFuture`]; `check.rs`: the checks, in order.
+//! - `refused.rs`: the keys a limit refused, answered from memory until their `retry_after`.
 //! - `key.rs`: [`EntityKey`], [`TrustedProxies`], [`client_ip`].
-//! - `headers.rs`: the header fields and the problem body.
-//! - `refund.rs`: giving the global token back.
+//! - `headers.rs`: the header fields' names and values, and the problem body; `fields.rs`:
+//!   writing them on a response.
+//! - `unmatched.rs`: counting (and logging once) requests that fit a route but missed it.
+//! - `refund.rs`: giving back what earlier limits took, into the lease or in batches.
 
+mod check;
+mod fields;
 mod headers;
 mod key;
 mod layer;
 mod refund;
+mod refused;
 mod route;
 mod service;
+mod unmatched;
 
 pub use crate::policy::error::RouteConfigError;
 pub use headers::{

@@ -34,6 +34,8 @@ mod call;
 mod coalesce;
 mod cost;
 mod decisions;
+#[cfg(feature = "http")]
+mod now;
 mod policies;
 
 pub use acquire::Acquire;

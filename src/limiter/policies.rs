@@ -22,6 +22,17 @@ pub(super) struct Loaded {
 }
 
 impl Loaded {
+    /// The policies' plan equal to `plan` (by name, then in full) and its registry index.
+    #[cfg(feature = "http")]
+    pub(super) fn find(&self, plan: &Plan) -> Option<(&Arc<Plan>, u32)> {
+        let i = self
+            .policies
+            .plans()
+            .position(|p| p.name() == plan.name())?;
+        let shared = self.policies.plans().nth(i)?;
+        (**shared == *plan).then(|| (shared, self.index[i]))
+    }
+
     /// Interns `policies`' plans into `registry`, all or none: [`plans::Full`] when they would
     /// take it past its bound, and then the registry is as it was.
     pub(super) fn new(

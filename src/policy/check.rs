@@ -79,10 +79,10 @@ impl Checker {
     }
 
     pub(super) fn check(self, raw: RawPolicies) -> Result<Policies, PolicyError> {
-        if raw.plans.plans.is_empty() {
+        if raw.plans.entries.is_empty() {
             return Err(self.err("plans", "no plans: define at least one"));
         }
-        let count = raw.plans.plans.len();
+        let count = raw.plans.entries.len();
         if count > MAX_PLANS {
             return Err(self
                 .err(
@@ -100,9 +100,9 @@ impl Checker {
                 "duplicate plan name: each plan may be defined once",
             ));
         }
-        let mut plans = Vec::with_capacity(raw.plans.plans.len());
-        let mut by_name = HashMap::with_capacity(raw.plans.plans.len());
-        for (name, raw_plan) in raw.plans.plans {
+        let mut plans = Vec::with_capacity(raw.plans.entries.len());
+        let mut by_name = HashMap::with_capacity(raw.plans.entries.len());
+        for (name, raw_plan) in raw.plans.entries {
             let plan = self.plan(&name, raw_plan)?;
             by_name.insert(name, plans.len());
             plans.push(Arc::new(plan));
@@ -181,12 +181,13 @@ impl Checker {
         keys.sort_by_key(|(rule, _)| std::cmp::Reverse(rule.prefix.len()));
         let (keys, key_plans) = keys.into_iter().unzip();
 
+        let budgets = self.budgets(raw.budgets, &lookup)?;
         let mut routes: Vec<Route> = Vec::with_capacity(raw.routes.len());
         // Shape (method, path without parameter names) → index of its route.
         let mut shapes: HashMap<(String, String), usize> = HashMap::with_capacity(raw.routes.len());
         for (i, Obj(raw_route)) in raw.routes.into_iter().enumerate() {
             let field = format!("routes[{i}]");
-            let (route, shape) = self.route(&field, raw_route, &lookup)?;
+            let (route, shape) = self.route(&field, raw_route, &lookup, &budgets)?;
             match shapes.entry(shape) {
                 Entry::Occupied(first) => {
                     let first = *first.get();

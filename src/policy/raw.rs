@@ -61,6 +61,7 @@ object! {
     RawKeyRule => "a key rule object",
     RawRoute => "a route object",
     RawEntity => "an entity object",
+    RawLimit => "a limit object",
 }
 
 /// The whole file.
@@ -74,48 +75,77 @@ pub(super) struct RawPolicies {
     pub(super) keys: Vec<Obj<RawKeyRule>>,
     #[serde(default)]
     pub(super) routes: Vec<Obj<RawRoute>>,
+    /// Limits shared by several routes, by name: each an entity source and a plan.
+    #[serde(default)]
+    pub(super) budgets: RawMap<RawEntity>,
 }
 
-/// The `plans` object, in document order, remembering names that appear more than once
-/// (serde_json would otherwise keep the last one silently).
-#[derive(Debug, Default)]
-pub(super) struct RawPlans {
-    pub(super) plans: Vec<(String, RawPlan)>,
+/// A raw type kept in a [`RawMap`] by name.
+pub(super) trait Many {
+    /// What the map holds, as in "expected an object of {MANY} by name".
+    const MANY: &'static str;
+}
+
+impl Many for RawPlan {
+    const MANY: &'static str = "plans";
+}
+
+impl Many for RawEntity {
+    const MANY: &'static str = "budgets";
+}
+
+/// The `plans` object: plans by name.
+pub(super) type RawPlans = RawMap<RawPlan>;
+
+/// An object of named objects (`plans`, `budgets`), in document order, remembering names that
+/// appear more than once (serde_json would otherwise keep the last one silently).
+#[derive(Debug)]
+pub(super) struct RawMap<T> {
+    pub(super) entries: Vec<(String, T)>,
     pub(super) duplicates: Vec<String>,
 }
 
-impl<'de> Deserialize<'de> for RawPlans {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct PlansVisitor;
+impl<T> Default for RawMap<T> {
+    fn default() -> Self {
+        RawMap {
+            entries: Vec::new(),
+            duplicates: Vec::new(),
+        }
+    }
+}
 
-        impl<'de> Visitor<'de> for PlansVisitor {
-            type Value = RawPlans;
+impl<'de, T: Deserialize<'de> + Object + Many> Deserialize<'de> for RawMap<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct MapVisitor<T>(PhantomData<T>);
+
+        impl<'de, T: Deserialize<'de> + Object + Many> Visitor<'de> for MapVisitor<T> {
+            type Value = RawMap<T>;
 
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("an object of plans by name")
+                write!(f, "an object of {} by name", T::MANY)
             }
 
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawPlans, A::Error> {
-                let mut out = RawPlans::default();
-                // Names seen so far, so each check is constant time, not a scan of the plans.
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawMap<T>, A::Error> {
+                let mut out = RawMap::default();
+                // Names seen so far, so each check is constant time, not a scan of the entries.
                 let mut seen: HashSet<String> = HashSet::new();
                 let mut repeated: HashSet<String> = HashSet::new();
                 while let Some(name) = map.next_key::<String>()? {
-                    let Obj(plan) = map.next_value::<Obj<RawPlan>>()?;
+                    let Obj(value) = map.next_value::<Obj<T>>()?;
                     if seen.contains(&name) {
                         if repeated.insert(name.clone()) {
                             out.duplicates.push(name);
                         }
                     } else {
                         seen.insert(name.clone());
-                        out.plans.push((name, plan));
+                        out.entries.push((name, value));
                     }
                 }
                 Ok(out)
             }
         }
 
-        deserializer.deserialize_map(PlansVisitor)
+        deserializer.deserialize_map(MapVisitor(PhantomData))
     }
 }
 
@@ -238,6 +268,32 @@ pub(super) struct RawRoute {
     /// `true`, `false`, `"api"` or `"entity"`: checked by `load`, which names the field.
     #[serde(default)]
     pub(super) shadow: Option<serde_json::Value>,
+    /// The route's limits in the order they are checked (instead of `global` and `entity`).
+    #[serde(default)]
+    pub(super) limits: Option<Vec<Obj<RawLimit>>>,
+}
+
+/// `routes[i].limits[j]`: a limit of its own (`name`, `plan`, and an entity source or none
+/// for the whole route) or a shared budget (`budget`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLimit {
+    #[serde(default)]
+    pub(super) name: Option<String>,
+    #[serde(default)]
+    pub(super) plan: Option<String>,
+    #[serde(default)]
+    pub(super) path_param: Option<String>,
+    #[serde(default)]
+    pub(super) header: Option<String>,
+    #[serde(default)]
+    pub(super) client_ip: Option<bool>,
+    #[serde(default, rename = "type")]
+    pub(super) entity_type: Option<String>,
+    #[serde(default)]
+    pub(super) budget: Option<String>,
+    #[serde(default)]
+    pub(super) shadow: Option<bool>,
 }
 
 /// `routes[i].entity`.

@@ -3,10 +3,11 @@
 
 use super::error::{PolicyError, quote, shorten};
 use super::raw::{Obj, RawEntity, RawRoute};
-use super::types::{EntityRule, EntitySource, Route, RouteShadow};
+use super::types::{EntityRule, EntitySource, Route, RouteLimit, RouteShadow};
 
 use super::check::Checker;
 use super::check::{MAX_ENTITY_TYPE, METHODS};
+use super::limits::Budgets;
 
 impl Checker {
     /// A checked route and its shape for duplicate detection (method, path with parameter
@@ -16,6 +17,7 @@ impl Checker {
         field: &str,
         raw: RawRoute,
         lookup: &dyn Fn(&str, &str) -> Result<usize, PolicyError>,
+        budgets: &Budgets,
     ) -> Result<(Route, (String, String)), PolicyError> {
         if !METHODS.contains(&raw.method.as_str()) {
             let upper = raw.method.to_ascii_uppercase();
@@ -49,13 +51,49 @@ impl Checker {
                 format!("invalid route pattern {}: {reason}", quote(&raw.path)),
             )
         })?;
+        if let Some(raw_limits) = raw.limits {
+            let older = [
+                raw.global.as_ref().map(|_| "global"),
+                raw.entity.as_ref().map(|_| "entity"),
+                raw.shadow.as_ref().map(|_| "shadow"),
+            ];
+            if let Some(older) = older.into_iter().flatten().next() {
+                return Err(self.err(
+                    format!("{field}.{older}"),
+                    "give the route's limits either in limits or with global and entity, not \
+                     both: write this one as an item of limits",
+                ));
+            }
+            let limits = self.limits(
+                field,
+                raw_limits,
+                &raw.path,
+                &pattern.params,
+                lookup,
+                budgets,
+            )?;
+            let route = Route {
+                method: raw.method,
+                path: raw.path,
+                global: None,
+                entity: None,
+                shadow: RouteShadow::all(false),
+                limits,
+            };
+            let shape = (route.method.clone(), pattern.shape);
+            return Ok((route, shape));
+        }
         if let Some(global) = &raw.global {
             lookup(&format!("{field}.global"), global)?;
         }
         let entity = match raw.entity {
-            Some(Obj(entity)) => {
-                Some(self.entity(field, entity, &raw.path, &pattern.params, lookup)?)
-            }
+            Some(Obj(entity)) => Some(self.entity(
+                &format!("{field}.entity"),
+                entity,
+                &raw.path,
+                &pattern.params,
+                lookup,
+            )?),
             None => None,
         };
         if raw.global.is_none() && entity.is_none() {
@@ -91,26 +129,51 @@ impl Checker {
                 "puts the entity layer in shadow mode, but the route has no entity",
             ));
         }
+        let mut limits = Vec::with_capacity(2);
+        if let Some(plan) = &raw.global {
+            limits.push(RouteLimit {
+                name: "api".to_owned(),
+                plan: plan.clone(),
+                source: None,
+                entity_type: None,
+                budget: None,
+                shadow: shadow.api,
+            });
+        }
+        if let Some(rule) = &entity {
+            limits.push(RouteLimit {
+                name: "entity".to_owned(),
+                plan: rule.plan.clone(),
+                source: Some(rule.source.clone()),
+                entity_type: rule.entity_type.clone(),
+                budget: None,
+                shadow: shadow.entity,
+            });
+        }
         let route = Route {
             method: raw.method,
             path: raw.path,
             global: raw.global,
             entity,
             shadow,
+            limits,
         };
         let shape = (route.method.clone(), pattern.shape);
         Ok((route, shape))
     }
 
+    /// The entity rule written at `field` (a route's `entity`, a budget, or a limit with an
+    /// entity source) on a route with pattern `path` and parameters `params` (a budget has
+    /// no route: `path` empty and any `path_param` allowed, checked on each route naming it).
     pub(super) fn entity(
         &self,
-        route_field: &str,
+        field: &str,
         raw: RawEntity,
         path: &str,
         params: &[String],
         lookup: &dyn Fn(&str, &str) -> Result<usize, PolicyError>,
     ) -> Result<EntityRule, PolicyError> {
-        let field = format!("{route_field}.entity");
+        let field = field.to_owned();
         let client_ip = raw.client_ip == Some(true);
         let given: Vec<&str> = [
             raw.path_param.as_ref().map(|_| "path_param"),
@@ -129,7 +192,7 @@ impl Checker {
             }
             [_] => {
                 if let Some(param) = raw.path_param {
-                    if !params.contains(&param) {
+                    if !path.is_empty() && !params.contains(&param) {
                         let known = if params.is_empty() {
                             "it has none".to_owned()
                         } else {

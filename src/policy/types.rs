@@ -414,6 +414,37 @@ pub struct Route {
     /// Which of the route's layers run in shadow mode: they decide and count as usual, and a
     /// denial lets the request through with the rate-limit fields it would have carried.
     pub shadow: RouteShadow,
+    /// Every limit of the route, in the order the HTTP layer checks them: the file's `limits`
+    /// as written, or, for a route written with `global` and `entity`, the limit `api` (its
+    /// `global`) and then the limit `entity`.
+    pub limits: Vec<RouteLimit>,
+}
+
+/// One limit of a [`Route`]: a bucket for the whole route, one per entity of the route, or
+/// one per entity shared by every route that names the same budget.
+///
+/// | `source` | `budget` | one bucket per | key |
+/// |---|---|---|---|
+/// | `None` | `None` | route | `ratelimit:api:{endpoint}` (`ratelimit:api:{name}:{endpoint}` unless named `api`) |
+/// | `Some` | `None` | entity per route | `ratelimit:entity:{endpoint}:{id}` (`ratelimit:entity:{name}:{endpoint}:{id}` unless named `entity`) |
+/// | `Some` | `Some` | entity across routes | `ratelimit:budget:{budget}:{id}` |
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RouteLimit {
+    /// The limit's name, unique within its route: the item's name in `RateLimit-Policy` and
+    /// `RateLimit`, the `layer` of the problem body and of the HTTP metrics. A budget's limit is
+    /// named by the budget.
+    pub name: String,
+    /// The plan of its buckets.
+    pub plan: String,
+    /// Where the entity id comes from; `None` for a limit on the whole route.
+    pub source: Option<EntitySource>,
+    /// What kind of entity this is, for metrics and logs (`"booking"`); free text.
+    pub entity_type: Option<String>,
+    /// The budget it belongs to (file field `budgets`), shared with every route naming it.
+    pub budget: Option<String>,
+    /// Shadow mode: it decides and counts as usual, and a denial lets the request through.
+    pub shadow: bool,
 }
 
 /// The layers of a [`Route`] in shadow mode (file field `shadow`: `true` for both, `"api"`

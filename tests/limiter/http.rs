@@ -123,23 +123,25 @@ impl<S: Store> Store for Counting<S> {
     }
 
     async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
-        assert!(
-            returns.len() == 1,
-            "the HTTP layer gives back one key at a time"
-        );
+        // The layer sends what queued up while its last statement ran as one: a batch is
+        // counted returned only when every one of it was credited.
         let n = match self.inner.give_back(returns).await {
             Ok(n) => n,
             Err(e) => {
                 let mut r = self.tally.refused.lock();
-                let t = r.entry(returns[0].key.to_owned()).or_insert(Tokens::ZERO);
-                *t = t.saturating_add(returns[0].amount);
+                for give in returns {
+                    let t = r.entry(give.key.to_owned()).or_insert(Tokens::ZERO);
+                    *t = t.saturating_add(give.amount);
+                }
                 return Err(e);
             }
         };
-        if n == 1 {
+        if n == returns.len() as u64 {
             let mut r = self.tally.returned.lock();
-            let e = r.entry(returns[0].key.to_owned()).or_insert(Tokens::ZERO);
-            *e = e.saturating_add(returns[0].amount);
+            for give in returns {
+                let e = r.entry(give.key.to_owned()).or_insert(Tokens::ZERO);
+                *e = e.saturating_add(give.amount);
+            }
         }
         Ok(n)
     }
@@ -345,7 +347,9 @@ async fn e1_entity_flood_spends_no_global_tokens_beyond_its_own_successes_postgr
 #[tokio::test]
 async fn e2_denial_has_retry_after_rounded_up_and_a_stable_body() {
     let (clock, store) = manual();
-    let limiter = Limiter::builder(store).build();
+    // The limiter reads the store's clock: a refused key is answered from memory until its
+    // `retry_after`, counted on the limiter's clock.
+    let limiter = Limiter::builder(store).clock(clock.clone()).build();
     // Entity: 2 tokens, one back every 30 s.
     let app = booking_app(&limiter, plan("g", 100, 50.0), plan("e", 2, 1.0 / 30.0));
     for _ in 0..2 {
@@ -376,6 +380,7 @@ async fn e2_denial_has_retry_after_rounded_up_and_a_stable_body() {
             "status": 429,
             "detail": "rate limit of the entity layer exceeded for GET:/bookings/{bookingId}",
             "layer": "entity",
+            "limit": "entity",
             "endpoint": "GET:/bookings/{bookingId}",
             "retry_after": 30,
         })
@@ -1100,9 +1105,18 @@ async fn s5_a_shadow_entity_layer_never_answers_429_and_carries_the_denials_fiel
     let (enforcing_clock, enforcing_store) = manual();
     let (shadow_clock, shadow_store) = manual();
     let (shadow_store, tally) = counting(shadow_store);
-    let enforcing = shadow_app(&Limiter::builder(enforcing_store).build(), "");
+    // The limiters read the stores' clocks too: the enforcing route answers a refused key from
+    // memory until its `retry_after`, counted on the limiter's clock.
+    let enforcing = shadow_app(
+        &Limiter::builder(enforcing_store)
+            .clock(enforcing_clock.clone())
+            .build(),
+        "",
+    );
     let shadow = shadow_app(
-        &Limiter::builder(shadow_store).build(),
+        &Limiter::builder(shadow_store)
+            .clock(shadow_clock.clone())
+            .build(),
         r#", "shadow": "entity""#,
     );
     let (mut ok, mut would_deny) = (0, 0);
@@ -1312,7 +1326,8 @@ async fn e6_method_rotation_on_an_any_route_shares_one_bucket() {
 
 /// E7: one budget per customer across all endpoints (`RouteLimitLayer::entity_budget`): five
 /// requests of customer A spread over three routes and two methods spend one bucket of 5, the
-/// sixth is refused on whichever route it comes, with the entity layer's fields; customer B
+/// sixth is refused on whichever route it comes, with the budget's fields, named by the budget
+/// (`customer`); customer B
 /// still has its own 5; the store sees one key per customer, without method or route. A bad
 /// budget name is a typed error.
 #[tokio::test]
@@ -1351,7 +1366,7 @@ async fn e7_one_budget_per_customer_across_all_endpoints() {
         let r = send(&app, call(method, path, "A")).await;
         assert_eq!(r.status(), StatusCode::OK, "{method} {path}");
         assert_eq!(
-            header(r.headers(), "x-ratelimit-entity-remaining"),
+            header(r.headers(), "x-ratelimit-customer-remaining"),
             Some((4 - i).to_string().as_str()),
             "{method} {path}"
         );
@@ -1362,12 +1377,13 @@ async fn e7_one_budget_per_customer_across_all_endpoints() {
         let h = r.headers().clone();
         assert_eq!(
             header(&h, "ratelimit-policy"),
-            Some("\"entity\";q=5;w=5000")
+            Some("\"customer\";q=5;w=5000")
         );
-        assert_eq!(header(&h, "x-ratelimit-entity-remaining"), Some("0"));
+        assert_eq!(header(&h, "x-ratelimit-customer-remaining"), Some("0"));
         assert!(header(&h, "retry-after").is_some());
         let body = body_json(r).await;
-        assert_eq!(body["layer"], "entity");
+        assert_eq!(body["limit"], "customer");
+        assert_eq!(body["layer"], "customer");
     }
     for _ in 0..5 {
         let r = send(&app, call("GET", "/invoices", "B")).await;

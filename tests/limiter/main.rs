@@ -10,6 +10,7 @@
 mod common;
 
 mod http;
+mod http_limits;
 mod http_routes;
 mod metrics;
 mod policy;

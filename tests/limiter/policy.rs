@@ -469,6 +469,48 @@ const INVALID: &[Case] = &[
         message: r#"route_missing_path.json:6:45: routes[0]: missing field `path`"#,
     },
     Case {
+        file: "route_limits_and_global.json",
+        plan: None,
+        field: Some("routes[0].global"),
+        message: r#"route_limits_and_global.json: routes[0].global: give the route's limits either in limits or with global and entity, not both: write this one as an item of limits"#,
+    },
+    Case {
+        file: "route_limit_budget_unknown.json",
+        plan: None,
+        field: Some("routes[0].limits[0].budget"),
+        message: r#"route_limit_budget_unknown.json: routes[0].limits[0].budget: unknown budget "tenant"; defined budgets: customer"#,
+    },
+    Case {
+        file: "route_limit_name_duplicate.json",
+        plan: None,
+        field: Some("routes[0].limits[1].name"),
+        message: r#"route_limit_name_duplicate.json: routes[0].limits[1].name: duplicate limit name "booking": already routes[0].limits[0]; each limit of a route has a name of its own"#,
+    },
+    Case {
+        file: "route_limit_name_missing.json",
+        plan: None,
+        field: Some("routes[0].limits[0]"),
+        message: r#"route_limit_name_missing.json: routes[0].limits[0]: missing name: every limit has one (or give budget to use a shared budget)"#,
+    },
+    Case {
+        file: "route_limit_budget_with_plan.json",
+        plan: None,
+        field: Some("routes[0].limits[0].plan"),
+        message: r#"route_limit_budget_with_plan.json: routes[0].limits[0].plan: a budget's limit takes its name, source, type and plan from budgets.customer; give only budget (and shadow)"#,
+    },
+    Case {
+        file: "budget_name_invalid.json",
+        plan: None,
+        field: Some("budgets[\"per customer\"]"),
+        message: r#"budget_name_invalid.json: budgets["per customer"]: invalid budget name "per customer": use 1 to 64 of A-Z a-z 0-9 _ . -"#,
+    },
+    Case {
+        file: "budget_path_param_missing.json",
+        plan: None,
+        field: Some("routes[0].limits[0].budget"),
+        message: r#"budget_path_param_missing.json: routes[0].limits[0].budget: budget "tenant" reads the path parameter "tenantId", which "/bookings/{bookingId}" does not have"#,
+    },
+    Case {
         file: "route_path_no_slash.json",
         plan: None,
         field: Some("routes[0].path"),
@@ -502,7 +544,7 @@ const INVALID: &[Case] = &[
         file: "unknown_field_control_character.json",
         plan: None,
         field: Some(r#"["rou\ntes"]"#),
-        message: r#"unknown_field_control_character.json:3:12: ["rou\ntes"]: unknown field `rou\ntes`, expected one of `plans`, `default_plan`, `keys`, `routes`"#,
+        message: r#"unknown_field_control_character.json:3:12: ["rou\ntes"]: unknown field `rou\ntes`, expected one of `plans`, `default_plan`, `keys`, `routes`, `budgets`"#,
     },
     Case {
         file: "unknown_method.json",
@@ -514,7 +556,7 @@ const INVALID: &[Case] = &[
         file: "unknown_top_level_field.json",
         plan: None,
         field: Some("default"),
-        message: r#"unknown_top_level_field.json:5:11: default: unknown field `default`, expected one of `plans`, `default_plan`, `keys`, `routes`"#,
+        message: r#"unknown_top_level_field.json:5:11: default: unknown field `default`, expected one of `plans`, `default_plan`, `keys`, `routes`, `budgets`"#,
     },
 ];
 
@@ -1045,19 +1087,35 @@ fn example_policies_are_valid() {
     let demo = Policies::from_file(examples().join("demo.json")).unwrap();
     assert!(
         demo.summary()
-            .ends_with("demo.json: 6 plans, 3 routes, 2 key rules")
+            .ends_with("demo.json: 7 plans, 3 routes, 2 key rules")
     );
     let get = &demo.routes()[0];
     assert_eq!(get.endpoint(), "GET:/bookings/{bookingId}");
-    let entity = get.entity.as_ref().unwrap();
-    assert_eq!(entity.source, EntitySource::PathParam("bookingId".into()));
+    // Its limits in the order they are checked: the route, the booking, the customer's budget.
+    let names: Vec<&str> = get.limits.iter().map(|l| l.name.as_str()).collect();
+    assert_eq!(names, ["api", "entity", "customer"]);
+    let entity = &get.limits[1];
+    assert_eq!(
+        entity.source,
+        Some(EntitySource::PathParam("bookingId".into()))
+    );
     assert_eq!(entity.entity_type.as_deref(), Some("booking"));
+    let customer = &get.limits[2];
+    assert_eq!(customer.budget.as_deref(), Some("customer"));
+    assert_eq!(
+        customer.source,
+        Some(EntitySource::Header("x-customer-id".into()))
+    );
+    assert_eq!(
+        demo.plan(&customer.plan).unwrap().capacity(),
+        Tokens::whole(30)
+    );
     // 20 a minute per booking, below the endpoint's 100 burst and 50/s: one booking meets its
     // own limit long before it could drain the endpoint.
     let booking = demo.plan(&entity.plan).unwrap();
     assert_eq!(booking.capacity(), Tokens::whole(20));
     assert_eq!(booking.rate().as_nanos_per_second(), 333_333_333);
-    let endpoint = demo.plan(get.global.as_deref().unwrap()).unwrap();
+    let endpoint = demo.plan(&get.limits[0].plan).unwrap();
     assert!(booking.capacity() < endpoint.capacity());
     assert!(booking.rate() < endpoint.rate());
     assert_eq!(
@@ -1068,11 +1126,8 @@ fn example_policies_are_valid() {
     );
     // The list's per-client limit is being tried: its entity layer is in shadow mode.
     let list = &demo.routes()[2];
-    assert_eq!(
-        list.entity.as_ref().map(|e| e.source.clone()),
-        Some(EntitySource::ClientIp)
-    );
-    assert!(list.shadow.entity && !list.shadow.api);
+    assert_eq!(list.limits[1].source, Some(EntitySource::ClientIp));
+    assert!(list.limits[1].shadow && !list.limits[0].shadow);
 
     let minimal = Policies::from_file(examples().join("minimal.json")).unwrap();
     assert!(

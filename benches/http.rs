@@ -1,0 +1,219 @@
+//! The HTTP layer per request, beside `tower_governor`: an axum 0.8 route driven in process
+//! (`Router::oneshot` on a current-thread runtime), with
+//!
+//! - `bare`: the route alone;
+//! - `governor_1_limit`: `tower_governor`'s `GovernorLayer`, one limit keyed by the booking id
+//!   (the path's last segment), on a quota too large to deny;
+//! - `governor_1_limit_headers` (the interleaved table only): the same with its header fields
+//!   (`use_headers`), as ours always writes its own;
+//! - `tokenlease_2_limits`: `RateLimitLayer` from a policy file, two limits (the route, the
+//!   booking by path parameter), leased plans with the default lease settings, over a
+//!   `MemoryStore`, on buckets too large to deny;
+//!
+//! each at 1 booking id and at 10,000 ids round-robin. What a layer costs is its figure less
+//! `bare`'s, at the same id count, from the same run.
+//!
+//! `cargo bench --bench http` (about a minute once built). With
+//! `TOKENLEASE_BENCH_INTERLEAVED=1` it prints instead a table of the three set-ups measured in
+//! turn, round after round (the figures `benches/README.md` quotes): on a shared machine whose
+//! load drifts, set-ups measured side by side compare better than criterion's, minutes apart.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::routing::get;
+use criterion::Criterion;
+use tokenlease::Limiter;
+use tokenlease::http::RateLimitLayer;
+use tokenlease::policy::Policies;
+use tokenlease::store::MemoryStore;
+use tower::ServiceExt;
+use tower_governor::GovernorLayer;
+use tower_governor::errors::GovernorError;
+use tower_governor::governor::GovernorConfigBuilder;
+use tower_governor::key_extractor::KeyExtractor;
+
+/// Two leased limits with the default lease settings, on buckets that never run dry here:
+/// the route's (`api`) and the booking's (`entity`), written as `global` and `entity`, which
+/// every version of the layer reads (so the same bench measures an older one).
+const POLICY: &str = r#"{
+  "plans": {
+    "route": { "capacity": 8000000000, "refill_per_second": 1000000000, "lease": {} },
+    "booking": { "capacity": 8000000000, "refill_per_second": 1000000000, "lease": {} }
+  },
+  "routes": [ { "method": "GET", "path": "/bookings/{bookingId}", "global": "route",
+    "entity": { "path_param": "bookingId", "plan": "booking" } } ]
+}"#;
+
+/// `tower_governor`'s key: the booking id, the path's last segment.
+#[derive(Clone, Copy, Debug)]
+struct BookingId;
+
+impl KeyExtractor for BookingId {
+    type Key = String;
+
+    fn extract<T>(&self, req: &Request<T>) -> Result<String, GovernorError> {
+        req.uri()
+            .path()
+            .rsplit('/')
+            .next()
+            .map(str::to_owned)
+            .ok_or(GovernorError::UnableToExtractKey)
+    }
+}
+
+fn route() -> Router {
+    Router::new().route("/bookings/{bookingId}", get(|| async { "booking" }))
+}
+
+fn governor() -> Router {
+    let config = GovernorConfigBuilder::default()
+        .per_nanosecond(1)
+        .burst_size(u32::MAX)
+        .key_extractor(BookingId)
+        .finish()
+        .expect("a governor config");
+    route().route_layer(GovernorLayer::new(config))
+}
+
+/// [`governor`] with its header fields (`x-ratelimit-limit`, `x-ratelimit-remaining`).
+fn governor_with_headers() -> Router {
+    let config = GovernorConfigBuilder::default()
+        .per_nanosecond(1)
+        .burst_size(u32::MAX)
+        .key_extractor(BookingId)
+        .use_headers()
+        .finish()
+        .expect("a governor config");
+    route().route_layer(GovernorLayer::new(config))
+}
+
+fn tokenlease() -> (Router, Limiter) {
+    let policies = Policies::from_json_str(POLICY, None).expect("the bench policy");
+    let limiter = Limiter::builder(MemoryStore::new())
+        .policies(policies.clone())
+        .build();
+    let layer = RateLimitLayer::from_policies(&policies, limiter.clone()).expect("the layer");
+    (route().route_layer(layer), limiter)
+}
+
+fn bench(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let (ours, _limiter) = runtime.block_on(async { tokenlease() });
+    let apps = [
+        ("bare", route()),
+        ("governor_1_limit", governor()),
+        ("tokenlease_2_limits", ours),
+    ];
+    let mut group = c.benchmark_group("http");
+    group
+        .sample_size(20)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3));
+    for ids in [1usize, 10_000] {
+        let paths: Vec<String> = (0..ids).map(|i| format!("/bookings/{i}")).collect();
+        for (name, app) in &apps {
+            // Every id once before timing: the keys exist, their leases are live.
+            runtime.block_on(async {
+                for _ in 0..3 {
+                    for p in &paths {
+                        let r = app
+                            .clone()
+                            .oneshot(Request::get(p.as_str()).body(Body::empty()).unwrap())
+                            .await
+                            .unwrap();
+                        assert_eq!(r.status(), StatusCode::OK, "{name} {p}");
+                    }
+                }
+            });
+            let mut i = 0usize;
+            group.bench_function(format!("{name}/{ids}_ids"), |b| {
+                b.iter(|| {
+                    i = (i + 1) % ids;
+                    let req = Request::get(paths[i].as_str()).body(Body::empty()).unwrap();
+                    let r = runtime.block_on(app.clone().oneshot(req)).unwrap();
+                    black_box(r.status())
+                });
+            });
+        }
+    }
+    group.finish();
+}
+
+/// The same three set-ups interleaved: `ROUNDS` rounds, each timing `PER_ROUND` requests of
+/// every set-up in turn, and each set-up's median round. On a shared machine whose load drifts
+/// over a criterion run, set-ups measured side by side compare better than set-ups measured
+/// minutes apart.
+fn interleaved(runtime: &tokio::runtime::Runtime, apps: &[(&str, Router)]) {
+    const ROUNDS: usize = 31;
+    const PER_ROUND: usize = 20_000;
+    println!("\ninterleaved, median of {ROUNDS} rounds of {PER_ROUND} requests (ns per request):");
+    println!(
+        "| ids | {} |",
+        apps.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(" | ")
+    );
+    for ids in [1usize, 10_000] {
+        let paths: Vec<String> = (0..ids).map(|i| format!("/bookings/{i}")).collect();
+        let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); apps.len()];
+        for _ in 0..ROUNDS {
+            for (k, (_, app)) in apps.iter().enumerate() {
+                let start = std::time::Instant::now();
+                runtime.block_on(async {
+                    for i in 0..PER_ROUND {
+                        let req = Request::get(paths[i % ids].as_str())
+                            .body(Body::empty())
+                            .unwrap();
+                        black_box(app.clone().oneshot(req).await.unwrap().status());
+                    }
+                });
+                rounds[k].push(start.elapsed().as_nanos() as f64 / PER_ROUND as f64);
+            }
+        }
+        let medians: Vec<String> = rounds
+            .iter_mut()
+            .map(|r| {
+                r.sort_by(f64::total_cmp);
+                format!("{:.0}", r[r.len() / 2])
+            })
+            .collect();
+        println!("| {ids} | {} |", medians.join(" | "));
+    }
+}
+
+fn main() {
+    if std::env::var_os("TOKENLEASE_BENCH_INTERLEAVED").is_some() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let (ours, _limiter) = runtime.block_on(async { tokenlease() });
+        let apps = [
+            ("bare", route()),
+            ("governor_1_limit", governor()),
+            ("governor_1_limit_headers", governor_with_headers()),
+            ("tokenlease_2_limits", ours),
+        ];
+        // Every id of both counts once before timing.
+        runtime.block_on(async {
+            for (_, app) in &apps {
+                for i in 0..10_000 {
+                    let req = Request::get(format!("/bookings/{i}"))
+                        .body(Body::empty())
+                        .unwrap();
+                    black_box(app.clone().oneshot(req).await.unwrap().status());
+                }
+            }
+        });
+        interleaved(&runtime, &apps);
+        return;
+    }
+    let mut c = Criterion::default().configure_from_args();
+    bench(&mut c);
+    c.final_summary();
+}

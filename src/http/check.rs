@@ -1,0 +1,642 @@
+//! The checks a request goes through before the inner service runs: its route's limits, in
+//! order, each taking one token; a refusal gives back what the limits before it took.
+//!
+//! [`now`] does all it can without awaiting: the route lookup, the entity ids, each limit's
+//! memory of refused keys, and takes from live leases (the lease table's fast path, under a
+//! plan resolved when the layer was built). A limit that needs the store (a direct-mode plan,
+//! a lease to refill) hands the rest to [`finish`], which awaits.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use axum::extract::rejection::RawPathParamsRejection;
+use axum::extract::{FromRequestParts, MatchedPath, OriginalUri, RawPathParams};
+use axum::http::header::{CONTENT_TYPE, RETRY_AFTER};
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, Method, Response, StatusCode};
+use sha2::{Digest, Sha256};
+use smallvec::SmallVec;
+
+use super::fields;
+use super::headers::{Report, malformed_problem, problem, retry_after_secs};
+use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
+use super::refund::{give_back, give_back_detached};
+use super::route::{Config, Limit, RouteLimits, Routes, Scope};
+use crate::bucket::Tokens;
+use crate::error::validate_key;
+use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_WOULD_DENY};
+use crate::policy::{FallbackMode, route_shape};
+use crate::{DecidedBy, Decision};
+
+/// Per limit of a route, inline up to this many.
+const INLINE: usize = 4;
+
+/// A limit's bucket key for one request.
+#[derive(Debug)]
+pub(crate) enum KeyOf {
+    /// The request has no id for this limit: it is skipped.
+    Skip,
+    /// The limit's own key ([`Limit::key`]): a whole-route limit of a file route.
+    Fixed,
+    /// Made for this request.
+    Owned(String),
+}
+
+/// What the checks found so far: the route, each limit's key, the tokens taken and the reports.
+///
+/// Kept small (it moves with the response's future): a code-built route's strings are boxed,
+/// and what a give-back needs of each take is one flag.
+#[derive(Debug)]
+pub(crate) struct Progress {
+    pub(crate) limits: Arc<RouteLimits>,
+    /// A code-built layer's endpoint, method and pattern (a file route's are its own).
+    code: Option<Box<CodeRoute>>,
+    keys: SmallVec<[KeyOf; INLINE]>,
+    /// The limits that took a token, and whether it may go back (not a fallback's grant).
+    taken: SmallVec<[(u16, bool); INLINE]>,
+    pub(crate) reports: SmallVec<[Report; INLINE]>,
+    /// The next limit to check.
+    next: usize,
+}
+
+/// A code-built layer's route for one request.
+#[derive(Debug)]
+struct CodeRoute {
+    /// `METHOD:pattern`.
+    endpoint: String,
+    /// The method of the metric labels.
+    method: &'static str,
+    /// The route pattern.
+    pattern: String,
+}
+
+/// Whether the token `decision` took may go back: not one a fallback granted (the store did
+/// not hand it out, and while it is failing a give-back would only wait for its timeout).
+fn givable(decision: &Decision) -> bool {
+    decision.allowed
+        && !decision.would_deny
+        && !matches!(decision.decided_by, DecidedBy::Fallback(_))
+}
+
+impl Progress {
+    /// Limit `i`'s key for this request.
+    fn key(&self, i: usize) -> Option<&str> {
+        match &self.keys[i] {
+            KeyOf::Skip => None,
+            KeyOf::Fixed => self.limits.limits[i].key.as_deref(),
+            KeyOf::Owned(key) => Some(key),
+        }
+    }
+
+    /// Gives back every token taken so far (a later limit refused), and reports each limit
+    /// whose token is back in its lease with it. Waits for the store's give-backs.
+    pub(crate) async fn give_back_all(&mut self, config: &Config) {
+        let taken = std::mem::take(&mut self.taken);
+        for &(i, givable) in &taken {
+            let i = usize::from(i);
+            let limit = &self.limits.limits[i];
+            let Some(key) = self.key(i) else { continue };
+            let back = give_back(
+                &config.limiter,
+                &config.give_backs,
+                &limit.plan,
+                key,
+                givable,
+            )
+            .await;
+            self.given_back(back, i);
+        }
+    }
+
+    /// [`give_back_all`](Self::give_back_all) without waiting (an inner layer refused).
+    pub(crate) fn give_back_all_detached(&mut self, config: &Config) {
+        let taken = std::mem::take(&mut self.taken);
+        for &(i, givable) in &taken {
+            let i = usize::from(i);
+            let limit = &self.limits.limits[i];
+            let Some(key) = self.key(i) else { continue };
+            let back = give_back_detached(
+                &config.limiter,
+                &config.give_backs,
+                &limit.plan,
+                key,
+                givable,
+            );
+            self.given_back(back, i);
+        }
+    }
+
+    /// Reports limit `i`'s token back in its lease when `back`.
+    fn given_back(&mut self, back: bool, i: usize) {
+        let plan = &self.limits.limits[i].plan;
+        if back && let Some(report) = self.reports.iter_mut().find(|r| r.limit == i) {
+            let more = report.remaining.map(|r| Tokens::whole(r.saturating_add(1)));
+            *report = Report::allowed(i, plan, more);
+        }
+    }
+}
+
+/// What the checks decided.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    /// No limit applies to the request.
+    Pass,
+    /// Every limit allowed it.
+    Allow(Progress),
+    /// A limit refused it (or its id is malformed): the whole response.
+    Deny(Response<String>),
+    /// A limit needs the store: [`finish`] goes on.
+    Slow(Progress),
+}
+
+/// The method whose limits a request is counted under: its own, but `HEAD` as `GET`, since a
+/// router answers `HEAD` with the `GET` handler (axum does) and the two must share one limit.
+fn limited_method(method: &Method) -> &str {
+    if *method == Method::HEAD {
+        Method::GET.as_str()
+    } else {
+        method.as_str()
+    }
+}
+
+/// The method part of a code-built layer's keys and metric labels: one of a fixed set, since
+/// the client chooses the method and must not choose its bucket (or a new metric series) by
+/// inventing one. Any other method string (`X0`, `get`, `PURGE`) is `OTHER`.
+fn key_method(method: &Method) -> &'static str {
+    match *method {
+        Method::GET | Method::HEAD => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::PATCH => "PATCH",
+        Method::OPTIONS => "OPTIONS",
+        Method::TRACE => "TRACE",
+        Method::CONNECT => "CONNECT",
+        _ => "OTHER",
+    }
+}
+
+/// The route of a request, found in `config`, with the router's pattern (for path
+/// parameters), or `None` when no limit applies.
+fn route_of(config: &Config, parts: &Parts) -> Option<(Arc<RouteLimits>, Option<String>)> {
+    let matched = parts
+        .extensions
+        .get::<MatchedPath>()
+        .map(MatchedPath::as_str);
+    match &config.routes {
+        Routes::One(limits) => {
+            let pattern = limits.pattern.as_deref().or(matched)?;
+            Some((Arc::clone(limits), Some(pattern.to_owned())))
+        }
+        Routes::Table(cell) => {
+            let table = cell.read();
+            let found = matched.and_then(|matched| {
+                table.lookup(&parts.method, matched, |table| {
+                    let shape = route_shape(matched)?;
+                    // A route listed for the method itself first (a file may list HEAD on
+                    // its own), then, for HEAD, the GET route whose handler answers it.
+                    let own = parts.method.as_str();
+                    let counted = limited_method(&parts.method);
+                    table
+                        .by_shape
+                        .get(&format!("{own}:{shape}"))
+                        .or_else(|| {
+                            (counted != own)
+                                .then(|| table.by_shape.get(&format!("{counted}:{shape}")))
+                                .flatten()
+                        })
+                        .cloned()
+                })
+            });
+            match found {
+                Some(limits) => Some((limits, None)),
+                None => {
+                    super::unmatched::unmatched(&table.all, parts, matched);
+                    None
+                }
+            }
+        }
+    }
+}
+
+/// The checks that need no waiting; see the [module docs](self).
+pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
+    let Some((limits, code_pattern)) = route_of(config, parts) else {
+        return Outcome::Pass;
+    };
+    if limits.is_empty() {
+        return Outcome::Pass;
+    }
+    let code = match (&limits.file, code_pattern) {
+        (Some(file), _) => {
+            file.checked.increment(1);
+            None
+        }
+        (None, Some(pattern)) => {
+            let method = key_method(&parts.method);
+            Some(Box::new(CodeRoute {
+                endpoint: format!("{method}:{pattern}"),
+                method,
+                pattern,
+            }))
+        }
+        (None, None) => return Outcome::Pass,
+    };
+    let mut progress = Progress {
+        code,
+        keys: SmallVec::with_capacity(limits.limits.len()),
+        taken: SmallVec::new(),
+        reports: SmallVec::new(),
+        next: 0,
+        limits,
+    };
+
+    // The entity ids first: a malformed one is refused before any token is taken.
+    let mut params = if progress.limits.needs_params {
+        Some(Params::of(parts, progress.router_pattern()))
+    } else {
+        None
+    };
+    for i in 0..progress.limits.limits.len() {
+        let limit = &progress.limits.limits[i];
+        let key = match &limit.scope {
+            Scope::Route => match &limit.key {
+                Some(_) => KeyOf::Fixed,
+                None => KeyOf::Owned(dynamic_key(limit, progress.endpoint(), None)),
+            },
+            Scope::Entity {
+                key,
+                param,
+                segment,
+            } => {
+                let id = match (key.path_param_name(), segment, &params) {
+                    (Some(name), Some(at), _) => segment_id(parts, *at, name),
+                    (Some(name), None, _) => {
+                        // A file route's parameter that is not a whole segment: read once.
+                        let params = params
+                            .get_or_insert_with(|| Params::of(parts, progress.router_pattern()));
+                        params.get(*param, name).transpose()
+                    }
+                    _ => key.extract(parts, &[], &config.trusted),
+                };
+                match id {
+                    Ok(Some(id)) if !id.is_empty() => KeyOf::Owned(match &limit.key {
+                        Some(prefix) => hashed_key(prefix, &id),
+                        None => dynamic_key(limit, progress.endpoint(), Some(&id)),
+                    }),
+                    Ok(_) => KeyOf::Skip,
+                    Err(why) => return Outcome::Deny(malformed(&why, &limit.name, &progress)),
+                }
+            }
+        };
+        progress.keys.push(key);
+    }
+
+    // A key remembered as refused is refused now, before any token is taken.
+    let mut clock = None;
+    for i in 0..progress.limits.limits.len() {
+        let limit = &progress.limits.limits[i];
+        if limit.shadow || limit.refused.is_empty() {
+            continue;
+        }
+        let Some(key) = progress.key(i) else { continue };
+        let now = || *clock.get_or_insert_with(|| config.limiter.instant());
+        if let Some(wait) = limit.refused.until(key, now) {
+            let decision = refused(limit, wait);
+            progress
+                .reports
+                .push(Report::denied(i, &limit.plan, decision.remaining, wait));
+            count(&progress, i, Event::Denied);
+            return Outcome::Deny(deny(i, &decision, &progress));
+        }
+    }
+
+    // Then each limit in order, from its lease while one answers.
+    while progress.next < progress.limits.limits.len() {
+        let i = progress.next;
+        let Some(key) = progress.key(i) else {
+            progress.next += 1;
+            continue;
+        };
+        let limit = &progress.limits.limits[i];
+        match config.limiter.take_now(&limit.plan, limit.index, key) {
+            Ok(Some(d)) => {
+                progress
+                    .reports
+                    .push(Report::allowed(i, &limit.plan, d.remaining));
+                progress.taken.push((i as u16, givable(&d)));
+                progress.next += 1;
+            }
+            Ok(None) => return Outcome::Slow(progress),
+            Err(_) => {
+                count(&progress, i, Event::Error);
+                progress.next += 1;
+            }
+        }
+    }
+    Outcome::Allow(progress)
+}
+
+/// The rest of the checks, from the first limit [`now`] could not decide.
+pub(crate) async fn finish(config: &Config, mut progress: Progress) -> Outcome {
+    while progress.next < progress.limits.limits.len() {
+        let i = progress.next;
+        progress.next += 1;
+        let Some(key) = progress.key(i) else { continue };
+        let limits = Arc::clone(&progress.limits);
+        let limit = &limits.limits[i];
+        match config.limiter.try_acquire_with(&limit.plan, key, 1.0).await {
+            Ok(d) if d.allowed && !d.would_deny => {
+                progress
+                    .reports
+                    .push(Report::allowed(i, &limit.plan, d.remaining));
+                progress.taken.push((i as u16, givable(&d)));
+            }
+            // A shadow limit or plan: the denial is reported and counted, and the request goes
+            // on (no token was taken, so none is given back later).
+            Ok(d) if d.would_deny || limit.shadow => {
+                progress
+                    .reports
+                    .push(Report::denied(i, &limit.plan, d.remaining, d.retry_after));
+                count(&progress, i, Event::WouldDeny);
+            }
+            Ok(d) => {
+                if d.decided_by == DecidedBy::Store && !d.retry_after.is_zero() {
+                    let now = config.limiter.instant();
+                    limit.refused.remember(key, now + d.retry_after, now);
+                }
+                progress.give_back_all(config).await;
+                progress
+                    .reports
+                    .push(Report::denied(i, &limit.plan, d.remaining, d.retry_after));
+                count(&progress, i, Event::Denied);
+                return Outcome::Deny(deny(i, &d, &progress));
+            }
+            Err(_) => count(&progress, i, Event::Error),
+        }
+    }
+    Outcome::Allow(progress)
+}
+
+impl Progress {
+    /// `METHOD:pattern` of the route.
+    fn endpoint(&self) -> &str {
+        match (&self.limits.file, &self.code) {
+            (Some(file), _) => &file.endpoint,
+            (None, Some(code)) => &code.endpoint,
+            (None, None) => "",
+        }
+    }
+
+    /// The pattern the router matched, or the file's (for path parameters without axum).
+    fn router_pattern(&self) -> &str {
+        match (&self.code, &self.limits.file) {
+            (Some(code), _) => &code.pattern,
+            (None, Some(file)) => &file.path,
+            (None, None) => "",
+        }
+    }
+}
+
+/// A decision answered from a limit's memory of refused keys.
+fn refused(limit: &Limit, wait: Duration) -> Decision {
+    Decision {
+        allowed: false,
+        would_deny: false,
+        remaining: Some(crate::bucket::Tokens::ZERO),
+        limit: limit.plan.capacity(),
+        retry_after: wait,
+        reset_after: None,
+        decided_by: DecidedBy::Store,
+        store_time: None,
+    }
+}
+
+/// The key of a limit of a code-built layer, made from the request's endpoint.
+fn dynamic_key(limit: &Limit, endpoint: &str, id: Option<&str>) -> String {
+    let (kind, name) = &limit.dynamic;
+    let prefix = match name {
+        None => format!("ratelimit:{kind}:{endpoint}"),
+        Some(name) => format!("ratelimit:{kind}:{name}:{endpoint}"),
+    };
+    match id {
+        None => prefix,
+        Some(id) => hashed_key(&format!("{prefix}:"), id),
+    }
+}
+
+/// The id in segment `at` of the request's path (the whole path as the client sent it, which
+/// the router matched against the route's full pattern), percent-decoded; `None` when the
+/// path has no such segment.
+fn segment_id(parts: &Parts, at: usize, name: &str) -> Result<Option<String>, MalformedId> {
+    let path = match parts.extensions.get::<OriginalUri>() {
+        Some(OriginalUri(uri)) => uri.path(),
+        None => parts.uri.path(),
+    };
+    let Some(raw) = path.trim_start_matches('/').split('/').nth(at) else {
+        return Ok(None);
+    };
+    if !raw.contains('%') {
+        return Ok(Some(raw.to_owned()));
+    }
+    percent_decode(raw)
+        .map(Some)
+        .ok_or_else(|| MalformedId::PathNotUtf8 {
+            name: Some(name.to_owned()),
+        })
+}
+
+/// A request's path parameters, read once for all its limits.
+enum Params {
+    /// axum's, percent-decoded.
+    Raw(RawPathParams),
+    /// The pattern matched against the path, when axum gives none.
+    Matched(Vec<(String, ParamValue)>),
+    /// axum refused them all and the path does not match the pattern either.
+    Malformed,
+}
+
+impl Params {
+    /// The parameters of a request that the router matched (or `pattern`, without axum).
+    fn of(parts: &mut Parts, pattern: &str) -> Params {
+        // `RawPathParams` reads the request's extensions and never waits.
+        let raw = {
+            let mut fut = std::pin::pin!(RawPathParams::from_request_parts(parts, &()));
+            match fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+                Poll::Ready(r) => Some(r),
+                Poll::Pending => None,
+            }
+        };
+        match raw {
+            Some(Ok(params)) => Params::Raw(params),
+            Some(Err(RawPathParamsRejection::MissingPathParams(_))) | None => {
+                Params::Matched(match_pattern(pattern, parts.uri.path()).unwrap_or_default())
+            }
+            Some(Err(_)) => {
+                let path = match parts.extensions.get::<OriginalUri>() {
+                    Some(OriginalUri(uri)) => uri.path(),
+                    None => parts.uri.path(),
+                };
+                match match_pattern(pattern, path) {
+                    Some(p) => Params::Matched(p),
+                    None => Params::Malformed,
+                }
+            }
+        }
+    }
+
+    /// The parameter at `position` among the route's (a file route's, whose router pattern
+    /// may name it otherwise), or called `name`.
+    fn get(&self, position: Option<usize>, name: &str) -> Option<ParamValue> {
+        match self {
+            Params::Raw(params) => match position {
+                Some(p) => params.iter().nth(p).map(|(_, v)| Ok(v.to_owned())),
+                None => params
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| Ok(v.to_owned())),
+            },
+            Params::Matched(params) => match position {
+                Some(p) => params.get(p).map(|(_, v)| v.clone()),
+                None => params
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, v)| v.clone()),
+            },
+            Params::Malformed => Some(Err(MalformedId::PathNotUtf8 { name: None })),
+        }
+    }
+}
+
+/// `ratelimit:entity:{endpoint}:{id}`; an id that would make the key unusable (too long, NUL)
+/// is replaced by `sha256:` and its hex digest, so every id still gets its own bucket. An id
+/// that itself starts with `sha256:` is hashed too, so it can never pose as another id's digest.
+#[cfg(test)]
+pub(crate) fn entity_bucket_key(endpoint: &str, id: &str) -> String {
+    hashed_key(&format!("ratelimit:entity:{endpoint}:"), id)
+}
+
+/// `{prefix}{id}` (`prefix` ends in `:`), the id hashed when it would make the key unusable.
+fn hashed_key(prefix: &str, id: &str) -> String {
+    let mut key = String::with_capacity(prefix.len() + id.len());
+    key.push_str(prefix);
+    key.push_str(id);
+    if !id.starts_with(HASHED) && validate_key(&key).is_ok() {
+        return key;
+    }
+    let digest = Sha256::digest(id.as_bytes());
+    key.truncate(prefix.len());
+    key.push_str(HASHED);
+    for b in digest.iter() {
+        use std::fmt::Write as _;
+        let _ = write!(key, "{b:02x}");
+    }
+    key
+}
+
+/// What marks a hashed id in an entity key.
+const HASHED: &str = "sha256:";
+
+/// What a limit's metrics count.
+#[derive(Clone, Copy)]
+enum Event {
+    Denied,
+    WouldDeny,
+    Error,
+}
+
+/// Counts an event of limit `i`: through the handle registered at build time for a policy
+/// file's route, by the macro (its first event creates the series) for a layer built in code.
+fn count(progress: &Progress, i: usize, event: Event) {
+    let limit = &progress.limits.limits[i];
+    match (&limit.counters, &progress.code) {
+        (Some(c), _) => match event {
+            Event::Denied => c.denied.increment(1),
+            Event::WouldDeny => c.would_deny.increment(1),
+            Event::Error => c.errors.increment(1),
+        },
+        (None, Some(code)) => {
+            let (method, pattern) = (code.method, &code.pattern);
+            let name = match event {
+                Event::Denied => HTTP_DENIED,
+                Event::WouldDeny => HTTP_WOULD_DENY,
+                Event::Error => HTTP_ERRORS,
+            };
+            metrics::counter!(name, "layer" => limit.name.to_string(),
+                "method" => method, "route" => pattern.clone())
+            .increment(1);
+        }
+        (None, None) => {}
+    }
+}
+
+/// The `400 Bad Request` for a malformed entity id of limit `name`: no bucket was touched.
+fn malformed(why: &MalformedId, name: &str, progress: &Progress) -> Response<String> {
+    let body = malformed_problem(why, name, progress.endpoint());
+    let mut response = Response::new(body);
+    *response.status_mut() = StatusCode::BAD_REQUEST;
+    let h = response.headers_mut();
+    h.insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    fields::write(h, &progress.limits, &[]);
+    response
+}
+
+/// Marks a response refused by a limit, so that a layer around this one gives back what its
+/// own limits took.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RefusedByLimit;
+
+/// The denial of limit `i`: status, problem body and every header field.
+fn deny(i: usize, decision: &Decision, progress: &Progress) -> Response<String> {
+    let retry = retry_after_secs(decision.retry_after);
+    let unavailable = decision.decided_by == DecidedBy::Fallback(FallbackMode::Deny);
+    let name = &progress.limits.limits[i].name;
+    let (status, body) = problem(name, progress.endpoint(), retry, unavailable);
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    response.extensions_mut().insert(RefusedByLimit);
+    let h = response.headers_mut();
+    h.insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    h.insert(RETRY_AFTER, HeaderValue::from(retry));
+    fields::write(h, &progress.limits, &progress.reports);
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entity_keys_hash_ids_the_store_would_refuse() {
+        let e = "GET:/bookings/{bookingId}";
+        assert_eq!(
+            entity_bucket_key(e, "123"),
+            "ratelimit:entity:GET:/bookings/{bookingId}:123"
+        );
+        let long = "x".repeat(5000);
+        let k = entity_bucket_key(e, &long);
+        assert!(k.starts_with("ratelimit:entity:GET:/bookings/{bookingId}:sha256:"));
+        assert_eq!(
+            k.len(),
+            "ratelimit:entity:GET:/bookings/{bookingId}:sha256:".len() + 64
+        );
+        assert_ne!(k, entity_bucket_key(e, &"y".repeat(5000)));
+        assert!(validate_key(&entity_bucket_key(e, "a\0b")).is_ok());
+        // An id written as another id's digest is hashed again: it cannot share its bucket.
+        let posing = k.rsplit_once(':').map(|(_, hex)| format!("sha256:{hex}"));
+        let posing = posing.unwrap();
+        assert_ne!(entity_bucket_key(e, &posing), k);
+        assert!(
+            entity_bucket_key(e, &posing)
+                .starts_with("ratelimit:entity:GET:/bookings/{bookingId}:sha256:")
+        );
+    }
+}

@@ -1,0 +1,219 @@
+//! Writing the header fields of a route's limits on a response: `RateLimit-Policy`,
+//! `RateLimit` and `X-RateLimit-{Name}-Remaining`, after those an inner layer wrote.
+
+use axum::http::HeaderMap;
+use axum::http::header::{HeaderName, HeaderValue};
+
+use super::headers::{RATELIMIT, RATELIMIT_POLICY, Report};
+use super::route::RouteLimits;
+
+/// Writes `RateLimit-Policy`, `RateLimit` and the `X-RateLimit-*-Remaining` fields of
+/// `limits` and `reports`. The two lists go after those an inner layer already wrote: stacked
+/// layers add their limits, never overwrite each other's.
+pub(crate) fn write(headers: &mut HeaderMap, limits: &RouteLimits, reports: &[Report]) {
+    // Room for every field at once, rather than growing the map field by field.
+    headers.reserve(2 + reports.len());
+    append(headers, RATELIMIT_POLICY, &limits.policy);
+    // Written into a buffer on the stack (a route's items rarely need more), one allocation
+    // for the value.
+    let mut items = Buf::default();
+    for r in reports {
+        let Some(remaining) = r.remaining else {
+            continue;
+        };
+        let Some(limit) = limits.limits.get(r.limit) else {
+            continue;
+        };
+        if items.len > 0 {
+            items.push(b", ");
+        }
+        items.push(b"\"");
+        items.push(limit.name.as_bytes());
+        items.push(b"\";r=");
+        items.number(remaining);
+        items.push(b";t=");
+        items.number(r.t);
+        headers.insert(limit.remaining.clone(), number_value(remaining));
+    }
+    if items.len > 0
+        && let Some(bytes) = items.bytes()
+        && let Ok(v) = HeaderValue::from_bytes(bytes)
+    {
+        append(headers, RATELIMIT, &v);
+    }
+}
+
+/// A header value's bytes, on the stack up to 256 bytes, then on the heap.
+#[derive(Default)]
+struct Buf {
+    stack: Option<[u8; 256]>,
+    len: usize,
+    heap: Vec<u8>,
+}
+
+impl Buf {
+    fn push(&mut self, bytes: &[u8]) {
+        let stack = self.stack.get_or_insert([0; 256]);
+        if self.heap.is_empty() && self.len + bytes.len() <= stack.len() {
+            stack[self.len..self.len + bytes.len()].copy_from_slice(bytes);
+        } else {
+            if self.heap.is_empty() {
+                self.heap.extend_from_slice(&stack[..self.len]);
+            }
+            self.heap.extend_from_slice(bytes);
+        }
+        self.len += bytes.len();
+    }
+
+    fn number(&mut self, mut n: u64) {
+        let mut digits = [0u8; 20];
+        let mut at = digits.len();
+        loop {
+            at -= 1;
+            digits[at] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        self.push(&digits[at..]);
+    }
+
+    fn bytes(&self) -> Option<&[u8]> {
+        if !self.heap.is_empty() {
+            Some(&self.heap)
+        } else {
+            self.stack.as_ref().map(|s| &s[..self.len])
+        }
+    }
+}
+
+/// The values of small numbers, made once: a remaining count below this is a clone of a
+/// static value, not an allocation.
+const SMALL_NUMBERS: u64 = 4096;
+
+/// `n` as a header value.
+fn number_value(n: u64) -> HeaderValue {
+    static SMALL: std::sync::OnceLock<Vec<HeaderValue>> = std::sync::OnceLock::new();
+    if n >= SMALL_NUMBERS {
+        return HeaderValue::from(n);
+    }
+    let small = SMALL.get_or_init(|| {
+        // One string of every number, kept for the life of the process (about 16 KiB).
+        let all: &'static str = Box::leak(
+            (0..SMALL_NUMBERS)
+                .map(|i| i.to_string())
+                .collect::<String>()
+                .into_boxed_str(),
+        );
+        let mut at = 0;
+        (0..SMALL_NUMBERS)
+            .map(|i| {
+                let len = i.to_string().len();
+                let v = HeaderValue::from_static(&all[at..at + len]);
+                at += len;
+                v
+            })
+            .collect()
+    });
+    small[n as usize].clone()
+}
+
+/// Sets `name` to `value`, or to its value, `, ` and `value` when it has one.
+fn append(headers: &mut HeaderMap, name: HeaderName, value: &HeaderValue) {
+    match headers.get(&name) {
+        Some(old) if !old.is_empty() => {
+            let mut joined = Vec::with_capacity(old.len() + 2 + value.len());
+            joined.extend_from_slice(old.as_bytes());
+            joined.extend_from_slice(b", ");
+            joined.extend_from_slice(value.as_bytes());
+            if let Ok(v) = HeaderValue::from_bytes(&joined) {
+                headers.insert(name, v);
+            }
+        }
+        _ => {
+            headers.insert(name, value.clone());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::bucket::{BucketConfig, Rate, Tokens};
+    use crate::http::{X_RATELIMIT_API_REMAINING, X_RATELIMIT_ENTITY_REMAINING};
+    use crate::policy::Plan;
+
+    fn plan(capacity: u64, per_second: f64) -> Plan {
+        Plan::new(
+            "p",
+            BucketConfig::new(Tokens::whole(capacity), Rate::from_f64(per_second).unwrap())
+                .unwrap(),
+        )
+    }
+
+    /// A lease's estimate (its own tokens plus the bucket's count at its last refill) can
+    /// exceed the capacity: the fields never report more than the limit.
+    #[test]
+    fn remaining_is_never_reported_above_the_limit() {
+        let p = std::sync::Arc::new(plan(200, 100.0));
+        let limits = two_limits(&p);
+        let mut h = HeaderMap::new();
+        let reports = [
+            Report::allowed(0, &p, Some(Tokens::whole(208))),
+            Report::denied(1, &p, Some(Tokens::whole(201)), Duration::from_millis(1500)),
+        ];
+        write(&mut h, &limits, &reports);
+        assert_eq!(
+            h[RATELIMIT_POLICY],
+            "\"api\";q=200;w=2, \"entity\";q=200;w=2"
+        );
+        assert_eq!(h[RATELIMIT], "\"api\";r=200;t=0, \"entity\";r=200;t=2");
+        assert_eq!(h[X_RATELIMIT_API_REMAINING], "200");
+        assert_eq!(h[X_RATELIMIT_ENTITY_REMAINING], "200");
+    }
+
+    /// A second layer's fields go after the first's: neither overwrites the other.
+    #[test]
+    fn a_second_layer_appends_its_items() {
+        let p = std::sync::Arc::new(plan(200, 100.0));
+        let limits = two_limits(&p);
+        let mut h = HeaderMap::new();
+        h.insert(
+            RATELIMIT_POLICY,
+            HeaderValue::from_static("\"customer\";q=30;w=60"),
+        );
+        h.insert(RATELIMIT, HeaderValue::from_static("\"customer\";r=0;t=2"));
+        write(
+            &mut h,
+            &limits,
+            &[Report::allowed(0, &p, Some(Tokens::whole(5)))],
+        );
+        assert_eq!(
+            h[RATELIMIT_POLICY],
+            "\"customer\";q=30;w=60, \"api\";q=200;w=2, \"entity\";q=200;w=2"
+        );
+        assert_eq!(h[RATELIMIT], "\"customer\";r=0;t=2, \"api\";r=5;t=2");
+    }
+
+    /// A route with the limits `api` (whole route) and `entity`, both under `p`.
+    fn two_limits(p: &std::sync::Arc<Plan>) -> RouteLimits {
+        use super::super::route::LimitSpec;
+        let limiter = crate::Limiter::builder(crate::store::MemoryStore::new()).build();
+        let spec = |name: &str, entity: bool| LimitSpec {
+            name: name.to_owned(),
+            plan: std::sync::Arc::clone(p),
+            entity: entity.then(|| super::super::EntityKey::path_param("id")),
+            budget: None,
+            shadow: false,
+        };
+        RouteLimits::new(
+            vec![spec("api", false), spec("entity", true)],
+            Some("/x/{id}".to_owned()),
+            None,
+            &limiter,
+        )
+    }
+}

@@ -1,0 +1,91 @@
+//! What the HTTP layer asks of the limiter without awaiting: a take from a live lease under a
+//! plan resolved once (its registry index, so the lease table records it and counts on its
+//! counters without a lookup by name), a give-back into the lease, and the limiter's clock.
+//!
+//! Apart from `call.rs` because these never reach the store: each answers from memory or says
+//! that it cannot, and the caller takes the full path then.
+
+use std::sync::Arc;
+
+use tokio::time::Instant;
+
+use super::Limiter;
+use super::cost::{check_leased_call, lease_cost};
+use super::decisions::lease_allowed;
+use crate::Decision;
+use crate::error::Error;
+use crate::lease::{Fast, MAX_LEASE_NANOS};
+use crate::policy::Plan;
+
+impl Limiter {
+    /// The limiter's own `Arc` of `plan` and its index in the plan registry, when the policies
+    /// in force hold a plan equal to it: a caller that keeps them takes the lease table's
+    /// fast path ([`take_now`](Self::take_now)). `None` for a plan the policies do not hold.
+    pub(crate) fn resolve_plan(&self, plan: &Plan) -> Option<(Arc<Plan>, u32)> {
+        let loaded = self.inner.policies.read();
+        let loaded = loaded.as_ref()?;
+        let (shared, index) = loaded.find(plan)?;
+        Some((Arc::clone(shared), index))
+    }
+
+    /// Takes one token of `key` under `plan` from its live lease, never waiting: `Ok(None)`
+    /// when that needs the store, the actor or the fallback (no live lease holding a token, a
+    /// direct-mode or shadow plan), and nothing was taken. `index` is the plan's registry
+    /// index from [`resolve_plan`](Self::resolve_plan), with the `Arc` it gave.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_acquire_with`](Self::try_acquire_with), for an invalid key.
+    #[inline]
+    pub(crate) fn take_now(
+        &self,
+        plan: &Arc<Plan>,
+        index: Option<u32>,
+        key: &str,
+    ) -> Result<Option<Decision>, Error> {
+        if plan.lease().is_none() || plan.shadow() {
+            return Ok(None);
+        }
+        let cost = check_leased_call(plan, key, 1.0)?;
+        let nanos = lease_cost(cost);
+        if nanos > MAX_LEASE_NANOS {
+            return Ok(None);
+        }
+        let chosen = index.map(|i| (plan, i));
+        match self
+            .leases()
+            .try_take(plan, chosen, key, nanos, &self.inner.plans)
+        {
+            Fast::Taken {
+                left,
+                store_remaining,
+            } => Ok(Some(lease_allowed(plan, left, store_remaining))),
+            _ => Ok(None),
+        }
+    }
+
+    /// Gives one token of `key` back into this process's live lease under `plan` (a relaxed
+    /// lease only, as [`refund`](Self::refund) does first), never waiting: whether it went in.
+    /// When it did not, the token goes to the store ([`refund`](Self::refund)) or is counted
+    /// as spent.
+    pub(crate) fn refund_now(&self, plan: &Plan, key: &str) -> bool {
+        let relaxed = plan
+            .lease()
+            .is_some_and(|l| l.accounting == crate::policy::Accounting::Relaxed);
+        if !relaxed || plan.shadow() {
+            return false;
+        }
+        let Ok(cost) = check_leased_call(plan, key, 1.0) else {
+            return false;
+        };
+        self.inner
+            .leases
+            .get()
+            .is_some_and(|leases| leases.refund(key, lease_cost(cost)))
+    }
+
+    /// The limiter's clock now (the one every deadline here counts on).
+    pub(crate) fn instant(&self) -> Instant {
+        self.inner.clock.instant()
+    }
+}

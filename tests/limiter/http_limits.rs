@@ -1,0 +1,256 @@
+//! A route's limits in one layer, and what they cost (E10, E11): two stacked layers add their
+//! header fields to each other's and the outer one gives back what it took when the inner one
+//! refuses; a refused key hammered for 5 s on the real PostgreSQL costs the database next to
+//! nothing and admits no more than its bucket.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use axum::Router;
+use axum::body::Body;
+use axum::http::{HeaderName, Request, Response, StatusCode};
+use axum::routing::get;
+use tower::ServiceExt;
+
+use tokenlease::Limiter;
+use tokenlease::bucket::{BucketConfig, Rate, Timestamp, Tokens};
+use tokenlease::clock::ManualClock;
+use tokenlease::http::{EntityKey, RateLimitLayer, RouteLimitLayer};
+use tokenlease::policy::{LeaseSettings, Plan, Policies};
+use tokenlease::store::{
+    AcquireRequest, Acquired, BucketRow, GiveBack, MemoryStore, Store, StoreError,
+};
+
+const BOOKING: &str = "/bookings/{bookingId}";
+
+fn plan(name: &str, capacity: u64, per_second: f64) -> Arc<Plan> {
+    Arc::new(Plan::new(
+        name,
+        BucketConfig::new(Tokens::whole(capacity), Rate::from_f64(per_second).unwrap()).unwrap(),
+    ))
+}
+
+fn call(path: &str, customer: &str) -> Request<Body> {
+    Request::get(path)
+        .header("x-customer-id", customer)
+        .body(Body::empty())
+        .unwrap()
+}
+
+async fn send(app: &Router, req: Request<Body>) -> Response<Body> {
+    app.clone().oneshot(req).await.expect("infallible")
+}
+
+fn header<'a>(r: &'a Response<Body>, name: &str) -> Option<&'a str> {
+    r.headers().get(name).map(|v| v.to_str().unwrap())
+}
+
+async fn body_json(r: Response<Body>) -> serde_json::Value {
+    let bytes = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+/// E10: a layer per booking (route 100, booking 2) inside a layer per customer (a budget of
+/// 5, leased): every answer carries the three limits in `RateLimit-Policy` (the inner layer's
+/// first), the inner layer's refusal keeps its `Retry-After` and names the booking limit, and
+/// the customer's token taken for it goes back, so the customer still gets exactly 3 more.
+#[tokio::test]
+async fn e10_stacked_layers_add_their_fields_and_give_back_on_an_inner_refusal() {
+    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000_000));
+    let limiter = Limiter::builder(MemoryStore::with_clock(clock.clone()))
+        .clock(clock.clone())
+        .build();
+    let per_booking = RouteLimitLayer::new(limiter.clone())
+        .global(plan("route", 100, 50.0))
+        .entity(
+            EntityKey::path_param("bookingId"),
+            plan("booking", 2, 1.0 / 30.0),
+        );
+    let customer_plan = Arc::new(
+        (*plan("customer", 5, 0.001))
+            .clone()
+            .with_lease(LeaseSettings::default()),
+    );
+    let per_customer = RouteLimitLayer::new(limiter.clone())
+        .entity_budget(
+            "customer",
+            EntityKey::header(HeaderName::from_static("x-customer-id")),
+            customer_plan,
+        )
+        .unwrap();
+    let app = Router::new()
+        .route(
+            BOOKING,
+            get(|| async { "booking" }).route_layer(per_booking),
+        )
+        .route_layer(per_customer);
+
+    let policy = "\"api\";q=100;w=2, \"entity\";q=2;w=60, \"customer\";q=5;w=5000";
+    for i in 0..2 {
+        let r = send(&app, call("/bookings/7", "B")).await;
+        assert_eq!(r.status(), StatusCode::OK, "request {i}");
+        assert_eq!(header(&r, "ratelimit-policy"), Some(policy));
+        let ratelimit = header(&r, "ratelimit").unwrap();
+        for name in ["api", "entity", "customer"] {
+            assert!(ratelimit.contains(&format!("\"{name}\";r=")), "{ratelimit}");
+        }
+    }
+    // Booking 7 is spent: the inner layer refuses, with its own Retry-After and fields.
+    let r = send(&app, call("/bookings/7", "B")).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&r, "retry-after"), Some("30"));
+    assert_eq!(header(&r, "ratelimit-policy"), Some(policy));
+    let ratelimit = header(&r, "ratelimit").unwrap().to_owned();
+    assert!(ratelimit.contains("\"entity\";r=0;t=30"), "{ratelimit}");
+    assert!(ratelimit.contains("\"customer\";r="), "{ratelimit}");
+    assert_eq!(body_json(r).await["limit"], "entity");
+    // The customer's token for the refused request went back: 3 more, then the budget refuses.
+    for i in 0..3 {
+        let r = send(&app, call(&format!("/bookings/{}", 10 + i), "B")).await;
+        assert_eq!(r.status(), StatusCode::OK, "booking {}", 10 + i);
+    }
+    let r = send(&app, call("/bookings/20", "B")).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        header(&r, "ratelimit-policy"),
+        Some("\"customer\";q=5;w=5000")
+    );
+    assert_eq!(body_json(r).await["limit"], "customer");
+}
+
+/// Counts every call to the store (each is one statement).
+#[derive(Debug)]
+struct Calls<S> {
+    inner: S,
+    calls: Arc<AtomicU64>,
+}
+
+#[async_trait]
+impl<S: Store> Store for Calls<S> {
+    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.acquire(request).await
+    }
+    async fn acquire_many(
+        &self,
+        requests: &[AcquireRequest<'_>],
+    ) -> Result<Vec<Acquired>, StoreError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.acquire_many(requests).await
+    }
+    async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.give_back(returns).await
+    }
+    async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.delete_idle(limit).await
+    }
+    async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
+        self.inner.inspect(key).await
+    }
+    fn call_timeout(&self) -> Option<Duration> {
+        self.inner.call_timeout()
+    }
+    fn partition(&self, key: &str) -> usize {
+        self.inner.partition(key)
+    }
+    fn max_concurrent_calls(&self) -> Option<usize> {
+        self.inner.max_concurrent_calls()
+    }
+}
+
+/// The demo's booking route: the route (leased), the booking (20 a minute, leased or direct),
+/// the customer's budget (30 a minute).
+fn booking_policy(booking_lease: bool) -> Policies {
+    let lease = if booking_lease {
+        r#", "lease": {}"#
+    } else {
+        ""
+    };
+    Policies::from_json_str(
+        &format!(
+            r#"{{
+  "plans": {{
+    "bookings-read": {{ "capacity": 100, "refill_per_second": 50, "lease": {{}} }},
+    "booking-read": {{ "capacity": 20, "refill": {{ "tokens": 20, "period_ms": 60000 }}{lease} }},
+    "per-customer": {{ "capacity": 30, "refill": {{ "tokens": 30, "period_ms": 60000 }} }}
+  }},
+  "budgets": {{ "customer": {{ "header": "X-Customer-Id", "plan": "per-customer" }} }},
+  "routes": [ {{ "method": "GET", "path": "/bookings/{{bookingId}}", "limits": [
+    {{ "name": "api", "plan": "bookings-read" }},
+    {{ "name": "entity", "path_param": "bookingId", "plan": "booking-read" }},
+    {{ "budget": "customer" }} ] }} ]
+}}"#
+        ),
+        None,
+    )
+    .unwrap()
+}
+
+/// E11: one booking refused, then hammered for 5 s through the layer on the real PostgreSQL:
+/// at most 0.01 statements per refused request (the refused key is answered from memory until
+/// its `retry_after`, the route's token goes back into its lease), and the booking admits no
+/// more than its bucket's envelope. Direct-mode and leased booking plans alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e11_a_refused_key_hammered_for_five_seconds_costs_the_database_nothing() {
+    let db = crate::common::database().await;
+    for booking_lease in [false, true] {
+        let calls = Arc::new(AtomicU64::new(0));
+        let store = Calls {
+            inner: crate::common::store(&db, 4).await,
+            calls: Arc::clone(&calls),
+        };
+        let policies = booking_policy(booking_lease);
+        let limiter = Limiter::builder(store).policies(policies.clone()).build();
+        let app = Router::new()
+            .route(BOOKING, get(|| async { "booking" }))
+            .route_layer(RateLimitLayer::from_policies(&policies, limiter.clone()).unwrap());
+        let booking = format!("/bookings/hammered-{booking_lease}");
+        let start = Instant::now();
+        // Spend the booking's burst until it refuses (a lease may refuse a little early: its
+        // refill is not waited for past its `max_wait`).
+        let mut admitted = 0u64;
+        loop {
+            let r = send(&app, call(&booking, "C")).await;
+            match r.status() {
+                StatusCode::OK => admitted += 1,
+                StatusCode::TOO_MANY_REQUESTS => break,
+                other => panic!("unexpected {other}"),
+            }
+            assert!(admitted <= 21, "the booking admitted {admitted} at once");
+        }
+        assert!(admitted >= 10, "the booking refused after {admitted}");
+        let before = calls.load(Ordering::Relaxed);
+        let hammer = Instant::now();
+        let (mut refused, mut ok) = (0u64, 0u64);
+        while hammer.elapsed() < Duration::from_secs(5) {
+            match send(&app, call(&booking, "C")).await.status() {
+                StatusCode::OK => ok += 1,
+                StatusCode::TOO_MANY_REQUESTS => refused += 1,
+                other => panic!("unexpected {other}"),
+            }
+        }
+        let statements = calls.load(Ordering::Relaxed) - before;
+        let elapsed = start.elapsed().as_secs_f64();
+        let per_refused = statements as f64 / refused as f64;
+        eprintln!(
+            "booking lease {booking_lease}: {refused} refused, {ok} admitted in 5 s, \
+             {statements} statements ({per_refused:.5} per refused request)"
+        );
+        assert!(
+            per_refused <= 0.01,
+            "{statements} statements for {refused} refused requests"
+        );
+        // The envelope: 20 at once, then 20 a minute, over the whole run.
+        let envelope = 20.0 + 20.0 / 60.0 * elapsed;
+        assert!(
+            (admitted + ok) as f64 <= envelope + 1e-9,
+            "booking admitted {} in {elapsed:.2} s, envelope {envelope:.2}",
+            admitted + ok
+        );
+        limiter.shutdown().await;
+    }
+}
