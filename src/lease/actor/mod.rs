@@ -147,6 +147,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
             timers.next(leases.now()),
             gauges.due(tick, leases.table.len()),
             retry_due(returns, leases.now()),
+            lanes.held_until,
         ]
         .into_iter()
         .flatten()

@@ -531,6 +531,11 @@ impl Store for PostgresStore {
         Some(self.pool_size as usize * lanes)
     }
 
+    /// The pool's size: on Citus, one worker's pool.
+    fn partition_calls(&self, _part: usize) -> Option<usize> {
+        Some(self.pool_size as usize)
+    }
+
     /// On Citus, the worker holding the key's shard: a stalled worker then delays only its
     /// own keys' callers. `0` on plain PostgreSQL.
     fn partition(&self, key: &str) -> usize {
