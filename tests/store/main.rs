@@ -21,4 +21,5 @@ mod pgbouncer;
 mod plans;
 mod postgres;
 mod sharded;
+mod spread;
 mod store_contract;
