@@ -3,7 +3,8 @@
 //!
 //! Apart from the loop because this is where the actor meets the store: which statement a
 //! partition may start, what it carries, and what its answer changes. The loop only says
-//! when; a slow or failing shard delays only its own lane.
+//! when; a slow or failing shard delays only its own lane (beyond another lane's turn,
+//! [`Lanes::held`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
