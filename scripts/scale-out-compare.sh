@@ -34,7 +34,7 @@ read -r -d '' ROW <<'PY' || true
 import json, os
 r = json.loads(os.environ["JSON"])
 cpu = r.get("server_cpu_us_per_decision")
-decisions = max(r["requests"] - r["unsent"] - r["in_flight_at_end"], 1)
+decisions = max(r["throughput_per_s"] * r["duration_s"], 1)
 fallback = r["fallback_decisions"]
 print("%-7s %-7s %-10s %11.0f %10.1f %9.2f %11.1f %8.1f %8d (%.3f%%)" % (
     os.environ["WHO"], os.environ["MODE"], os.environ["SETUP"], r["throughput_per_s"],

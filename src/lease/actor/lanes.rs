@@ -30,6 +30,11 @@ use crate::store::{AcquireRequest, Acquired, StoreError};
 /// that fell behind uses every connection instead of one.
 const REFILLS_IN_FLIGHT: usize = 4;
 
+/// The longest a lane that keeps up waits for another lane's refill ([`Lanes::held`]), in
+/// ns: where refills take longer (a slow store), waiting callers would wait out their
+/// `max_wait`, and the lanes no longer take turns.
+const MAX_TURN: u64 = 4_000_000;
+
 /// A store statement of the actor in flight: it owns what it sends, and answers with a
 /// [`Done`].
 pub(super) type Job<'a> = Pin<Box<dyn Future<Output = Done> + Send + 'a>>;
@@ -143,8 +148,8 @@ impl<'a> Lanes<'a> {
     /// turns, as one store's lane sends one statement after another, and each statement
     /// carries what its lane gathered over the others' statement too: about as many slots as
     /// one lane's would, whatever the number of lanes. A slow or failing lane holds the
-    /// others back no longer than that, a lane that fell behind is never held back, and a
-    /// lane not yet measured is not held. `until` gets when the hold ends at the latest.
+    /// others back no longer than that (and [`MAX_TURN`]), a lane that fell behind is never
+    /// held back, and a lane not yet measured is not held. `until` gets when the hold ends at the latest.
     fn held(&self, lane: usize, now: u64, until: &mut Option<u64>) -> bool {
         let Some(l) = self.lanes.get(&lane) else {
             return false;
@@ -152,7 +157,10 @@ impl<'a> Lanes<'a> {
         if l.refills > 0 || l.due.len() >= CHUNK {
             return false;
         }
-        let hold = self.took.get(&lane).map_or(0, |t| t.saturating_mul(2));
+        let hold = self
+            .took
+            .get(&lane)
+            .map_or(0, |t| t.saturating_mul(2).min(MAX_TURN));
         let end = self
             .lanes
             .iter()
