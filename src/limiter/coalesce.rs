@@ -555,8 +555,7 @@ impl Coalescer {
                 if self.settings.adaptive {
                     Self::adapt(p, took, now);
                     let limits: usize = state.parts.values().map(|p| p.limit).sum();
-                    metrics::gauge!(crate::metrics::STATEMENTS_IN_FLIGHT_LIMIT)
-                        .set(limits as f64);
+                    metrics::gauge!(crate::metrics::STATEMENTS_IN_FLIGHT_LIMIT).set(limits as f64);
                 }
             }
             for ((key, bucket), outcome) in keys.into_iter().zip(outcomes) {

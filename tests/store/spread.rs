@@ -78,7 +78,13 @@ impl Counts {
 
 /// [`TASKS`] tasks, each with `in_flight` calls at a time, for [`RUN`] on keys `prefix:i`
 /// picked at random: the decisions, and the statements that reached the store meanwhile.
-async fn run(store: impl Store, plan: &Plan, prefix: &str, keys: usize, in_flight: usize) -> Counts {
+async fn run(
+    store: impl Store,
+    plan: &Plan,
+    prefix: &str,
+    keys: usize,
+    in_flight: usize,
+) -> Counts {
     let calls = Arc::new(AtomicU64::new(0));
     let limiter = Limiter::builder(CountedStore::with_counter(store, Arc::clone(&calls))).build();
     let keys: Arc<Vec<String>> = Arc::new((0..keys).map(|i| format!("{prefix}:{i}")).collect());
@@ -130,11 +136,25 @@ async fn compare(label: &str, plan: Plan, keys: usize, in_flight: usize) {
     let (mut one, mut two) = (Counts::default(), Counts::default());
     for round in 0..ROUNDS {
         let store = one_cluster(&clusters[0]).await;
-        let counts = run(store, &plan, &format!("{label}:one:{round}"), keys, in_flight).await;
+        let counts = run(
+            store,
+            &plan,
+            &format!("{label}:one:{round}"),
+            keys,
+            in_flight,
+        )
+        .await;
         eprintln!("{label} one cluster, round {round}: {counts:?}");
         one += counts;
         let store = two_shards(&clusters[0], &clusters[1]).await;
-        let counts = run(store, &plan, &format!("{label}:two:{round}"), keys, in_flight).await;
+        let counts = run(
+            store,
+            &plan,
+            &format!("{label}:two:{round}"),
+            keys,
+            in_flight,
+        )
+        .await;
         eprintln!("{label} two shards, round {round}: {counts:?}");
         two += counts;
     }
