@@ -3,8 +3,11 @@
 # instance of 16 tasks, over one throwaway primary, over two (`--shards 2`, ShardedStore) and
 # over a throwaway Citus cluster of two workers (`--citus 2`), back to back in one run:
 #
-#   direct: --mode direct --keys 10000 (the default pace, 20,000 requests/s)
-#   leased: --mode leased --keys 100000 --rate 100000 (most calls a key's first: refills)
+#   direct:  --mode direct --keys 10000 (the default pace, 20,000 requests/s)
+#   direct4: the same with 4 calls in flight per task (--in-flight 4 --rate 40000): 64 callers,
+#            enough to fill each shard's statements (16 callers fill one primary's, but only
+#            half of each of two shards')
+#   leased:  --mode leased --keys 100000 --rate 100000 (most calls a key's first: refills)
 #
 # each for $DURATION_S seconds (10 by default) with the server's CPU read after $WARMUP_S (3):
 # the first calls of many keys each write a row, which a long run writes once. Prints one row
@@ -50,12 +53,12 @@ echo "cores: $(nproc); load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 printf '%-7s %-7s %-10s %11s %10s %9s %11s %8s %s\n' build mode set-up decisions/s \
     "stmts/1k" "dec/stmt" "CPU µs/dec" "p99 ms" fallback
 for ((round = 0; round < REPEAT; round++)); do
-    for mode in direct leased; do
-        if [[ "$mode" == direct ]]; then
-            load=(--mode direct --keys 10000)
-        else
-            load=(--mode leased --keys 100000 --rate 100000)
-        fi
+    for mode in direct direct4 leased; do
+        case "$mode" in
+            direct) load=(--mode direct --keys 10000) ;;
+            direct4) load=(--mode direct --keys 10000 --in-flight 4 --rate 40000) ;;
+            leased) load=(--mode leased --keys 100000 --rate 100000) ;;
+        esac
         for setup in "--shards 1" "--shards 2" "--citus 2"; do
             for build in "${builds[@]}"; do
                 # shellcheck disable=SC2086
