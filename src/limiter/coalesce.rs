@@ -11,6 +11,13 @@
 //!   callers that arrive while every slot is busy wait, and the next statement to leave carries
 //!   all of their keys (up to `max_batch`, distinct and sorted) in one `acquire_many`.
 //!
+//! A store of several parts ([`Store::partition`]: a sharded store's shards, a Citus cluster's
+//! workers) gets all of this per part: a statement carries keys of one part, and each part
+//! has its own statements in flight, capped by its own connections
+//! ([`Store::partition_calls`]), its own load, adaptive limit and gather window ([`Part`]). So
+//! a part's statements carry as many keys as one store's would at that part's load, and a
+//! slow or failing part holds up no other part's statements.
+//!
 //! Every caller has a deadline. A caller whose deadline passes before its answer, or that finds
 //! `max_queued` callers already waiting, is not answered here ([`Unanswered`]): the limiter's
 //! fallback decides it at once.
@@ -21,16 +28,20 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::bucket::{BucketConfig, BucketState, Outcome, Tokens};
-use crate::clock::{SharedClock, timestamp_from_system_time};
-use crate::store::{AcquireRequest, Acquired, Store, StoreError, nanos};
+use crate::bucket::{BucketConfig, Tokens};
+use crate::clock::SharedClock;
+use crate::store::{AcquireRequest, Acquired, Store, StoreError};
+
+mod answer;
+
+use answer::{deny_from, share_out};
 
 /// Why a caller got no answer from the store; the plan's fallback decides it.
 #[derive(Debug)]
@@ -46,18 +57,19 @@ pub(crate) enum Unanswered {
 /// How many statements, keys and waiting callers the coalescer allows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Settings {
-    /// Statements in flight at once (about the store's pool size).
+    /// Statements in flight at once, over every part (about the store's pool size).
     pub(crate) max_in_flight: usize,
     /// Statements in flight at once once the lease actor runs on the same pool
     /// ([`Coalescer::share_with_leases`]): `max_in_flight`, or one fewer when the coalescer
-    /// also carries sparse keys' calls, so that the actor's refills find a connection.
+    /// also carries sparse keys' calls, so that the actor's refills find a connection (one
+    /// fewer per part, too).
     pub(crate) leased_in_flight: usize,
     /// Keys in one statement.
     pub(crate) max_batch: usize,
     /// Callers waiting for a statement; beyond this a caller goes straight to the fallback.
     pub(crate) max_queued: usize,
-    /// Choose the statements in flight from what the coalescer measures (at most the cap
-    /// above): the user did not set `LimiterBuilder::statements_in_flight`.
+    /// Choose each part's statements in flight from what the coalescer measures (at most its
+    /// connections): the user did not set `LimiterBuilder::statements_in_flight`.
     pub(crate) adaptive: bool,
 }
 
@@ -90,11 +102,47 @@ struct KeyQueue {
     waiters: VecDeque<Waiter>,
     /// A statement in flight carries this key.
     busy: bool,
-    /// Listed in [`State::ready`].
+    /// Listed in its part's [`Part::ready`].
     ready: bool,
     /// The part of the store holding the key ([`Store::partition`]): a statement carries keys
     /// of one part only.
     part: usize,
+}
+
+/// One part of the store ([`Store::partition`]): its keys ready to leave, its statements in
+/// flight and what its adaptive limit is chosen from. A part is made when its first key is
+/// seen and kept (a store has a few parts).
+struct Part {
+    /// Keys of this part with waiters and no statement in flight, in the order they became
+    /// ready.
+    ready: VecDeque<String>,
+    /// This part's statements in flight.
+    in_flight: usize,
+    /// This part's connections ([`Store::partition_calls`]), or the user's number of
+    /// statements in flight: its statements in flight never exceed it.
+    calls: usize,
+    /// This part's callers that ever arrived (wrapping), for its arrival rate.
+    arrivals: u64,
+    /// What its adaptive limit is chosen from (with [`Settings::adaptive`]).
+    load: Load,
+    /// The adaptive limit on its statements in flight (with [`Settings::adaptive`]).
+    limit: usize,
+    /// A statement of this part is held back for the gather window: a timer sends it.
+    gathering: bool,
+}
+
+impl Part {
+    fn new(calls: usize) -> Self {
+        Part {
+            ready: VecDeque::new(),
+            in_flight: 0,
+            calls,
+            arrivals: 0,
+            load: Load::default(),
+            limit: calls,
+            gathering: false,
+        }
+    }
 }
 
 /// Everything behind the coalescer's lock. The lock is held for map and queue operations only,
@@ -102,25 +150,19 @@ struct KeyQueue {
 #[derive(Default)]
 struct State {
     keys: HashMap<String, KeyQueue>,
-    /// Keys with waiters and no statement in flight, in the order they became ready.
-    ready: VecDeque<String>,
-    /// Statements in flight.
+    /// The store's parts seen so far.
+    parts: HashMap<usize, Part>,
+    /// Statements in flight, over every part.
     in_flight: usize,
     /// Callers in some key's `waiters`.
     queued: usize,
-    /// Callers that ever arrived (wrapping), for the arrival rate.
-    arrivals: u64,
-    /// What the adaptive limit measures (with [`Settings::adaptive`]).
-    load: Load,
-    /// A statement is held back for the gather window: a timer sends it.
-    gathering: bool,
 }
 
-/// The load the adaptive limit is chosen from: moving averages (about 8 samples) of the callers'
-/// arrival rate and of a statement's time, both measured as statements finish.
+/// The load a part's adaptive limit is chosen from: moving averages (about 8 samples) of its
+/// callers' arrival rate and of its statements' time, both measured as its statements finish.
 #[derive(Default)]
 struct Load {
-    /// When the last statement finished, and `arrivals` then.
+    /// When the part's last statement finished, and its `arrivals` then.
     last: Option<(Instant, u64)>,
     /// Callers per second.
     rate: f64,
@@ -135,10 +177,16 @@ impl Load {
     }
 }
 
-/// What a free slot does now.
+/// A statement: keys of one part.
+struct Batch {
+    part: usize,
+    items: Vec<Item>,
+}
+
+/// What a part's free slot does now.
 enum Next {
     /// Send this statement.
-    Send(Vec<Item>),
+    Send(Batch),
     /// Wait this long for more callers; a timer then sends what is ready.
     Gather(Duration),
     /// Nothing to send, or no slot free.
@@ -177,11 +225,6 @@ pub(crate) struct Coalescer {
     settings: Settings,
     /// The lease actor runs: at most [`Settings::leased_in_flight`] statements in flight.
     leases_run: AtomicBool,
-    /// The adaptive limit on statements in flight (with [`Settings::adaptive`]).
-    limit: AtomicUsize,
-    /// A key of a part other than 0 was seen (a sharded store): statements to different parts
-    /// must not wait for each other, so the limit stays at the cap.
-    parts: AtomicBool,
     /// The limiter's clock.
     clock: SharedClock,
 }
@@ -208,8 +251,6 @@ impl Coalescer {
                 adaptive: settings.adaptive,
             },
             leases_run: AtomicBool::new(false),
-            limit: AtomicUsize::new(settings.max_in_flight.max(1)),
-            parts: AtomicBool::new(false),
             clock,
         })
     }
@@ -220,33 +261,52 @@ impl Coalescer {
         self.leases_run.store(true, Ordering::Relaxed);
     }
 
-    /// Statements allowed in flight now.
-    fn cap(&self) -> usize {
-        let cap = if self.leases_run.load(Ordering::Relaxed) {
-            self.settings.leased_in_flight
+    /// The connections the lease actor is left, on the whole store and on each part.
+    fn left_to_leases(&self) -> usize {
+        if self.leases_run.load(Ordering::Relaxed) {
+            self.settings.max_in_flight - self.settings.leased_in_flight
         } else {
-            self.settings.max_in_flight
-        };
-        if self.settings.adaptive && !self.parts.load(Ordering::Relaxed) {
-            cap.min(self.limit.load(Ordering::Relaxed)).max(1)
+            0
+        }
+    }
+
+    /// Statements allowed in flight now, over every part.
+    fn total_cap(&self) -> usize {
+        self.settings.max_in_flight - self.left_to_leases()
+    }
+
+    /// `part`'s statements allowed in flight now: its connections (less the lease actor's),
+    /// within its adaptive limit.
+    fn cap(&self, part: &Part) -> usize {
+        let cap = part.calls.saturating_sub(self.left_to_leases()).max(1);
+        if self.settings.adaptive {
+            cap.min(part.limit).max(1)
         } else {
             cap
         }
     }
 
-    /// Whether adaptation applies: the user left the number open and the store is one part.
-    fn adaptive(&self) -> bool {
-        self.settings.adaptive && !self.parts.load(Ordering::Relaxed)
+    /// The part's connections: what the store says, within the statements in flight allowed
+    /// in all; the user's number when they chose one.
+    fn part_calls(&self, store: &dyn Store, part: usize) -> usize {
+        let max = self.settings.max_in_flight;
+        if self.settings.adaptive {
+            store.partition_calls(part).unwrap_or(max).clamp(1, max)
+        } else {
+            max
+        }
     }
 
-    /// The adaptive limit after a statement that took `took` finished at `now`.
+    /// The part's adaptive limit after a statement that took `took` finished at `now`.
     ///
     /// Callers arriving at rate λ while each statement takes S leave λ·S callers for the next
     /// statements; with L statements in flight each carries about λ·S / L of them. So
     /// L = λ·S / [`TARGET_BATCH`] (at least 1) makes every statement carry about
     /// [`TARGET_BATCH`] keys when that many callers wait, which is where the server's cost per
     /// decision levels off; a lone caller finds a slot free and its statement leaves at once.
-    fn adapt(&self, load: &mut Load, arrivals: u64, took: Duration, now: Instant) {
+    /// Measured per part: a part sees only its own keys' callers, and the limit of a store of
+    /// two parts taken as a whole would give each part half the keys a statement should carry.
+    fn adapt(part: &mut Part, took: Duration, now: Instant) {
         let smooth = |old: f64, sample: f64| {
             if old == 0.0 {
                 sample
@@ -254,71 +314,83 @@ impl Coalescer {
                 old + (sample - old) / 8.0
             }
         };
+        let load = &mut part.load;
         load.statement = smooth(load.statement, took.as_secs_f64());
         if let Some((at, before)) = load.last {
             let dt = now.saturating_duration_since(at).as_secs_f64();
             if dt > 0.0 {
-                let arrived = arrivals.wrapping_sub(before) as f64;
+                let arrived = part.arrivals.wrapping_sub(before) as f64;
                 load.rate = smooth(load.rate, arrived / dt);
             }
         }
-        load.last = Some((now, arrivals));
+        load.last = Some((now, part.arrivals));
         let limit = (load.per_statement() / TARGET_BATCH).round() as usize;
-        let limit = limit.clamp(1, self.settings.max_in_flight);
-        self.limit.store(limit, Ordering::Relaxed);
-        metrics::gauge!(crate::metrics::STATEMENTS_IN_FLIGHT_LIMIT).set(limit as f64);
+        part.limit = limit.clamp(1, part.calls);
     }
 
-    /// How long a free slot waits for more callers before it sends what is ready, if it should:
-    /// while fewer than [`TARGET_BATCH`] keys are ready and another caller is expected within
-    /// the window, a quarter of a statement's time (within [`MIN_GATHER`] and [`MAX_GATHER`]). Without the wait, the callers of a statement that just finished come
-    /// back one by one, the first finds the slot free and leaves alone, and statements
+    /// How long a part's free slot waits for more callers before it sends what is ready, if it
+    /// should: while fewer than [`TARGET_BATCH`] of its keys are ready and another caller is
+    /// expected within the window, a quarter of its statements' time (within [`MIN_GATHER`]
+    /// and [`MAX_GATHER`]). Without the wait, the callers of a statement that just finished
+    /// come back one by one, the first finds the slot free and leaves alone, and statements
     /// alternate between one key and all the others.
-    fn gather_window(&self, state: &State) -> Option<Duration> {
-        if !self.adaptive() || (state.ready.len() as f64) >= TARGET_BATCH {
+    fn gather_window(&self, part: &Part) -> Option<Duration> {
+        if !self.settings.adaptive || (part.ready.len() as f64) >= TARGET_BATCH {
             return None;
         }
         let window =
-            Duration::from_secs_f64(state.load.statement / 4.0).clamp(MIN_GATHER, MAX_GATHER);
+            Duration::from_secs_f64(part.load.statement / 4.0).clamp(MIN_GATHER, MAX_GATHER);
         // Worth waiting only when another caller is expected within the window.
-        if state.load.rate * window.as_secs_f64() < 1.0 {
+        if part.load.rate * window.as_secs_f64() < 1.0 {
             return None;
         }
         Some(window)
     }
 
-    /// The next statement to send now, or the gather window to wait first (`gathering` is set
-    /// and the caller must start the timer, [`Coalescer::gather`]).
-    fn next(&self, state: &mut State, now: Instant) -> Next {
-        if state.gathering && (state.ready.len() as f64) < TARGET_BATCH {
+    /// The next statement of `part` to send now, or the gather window to wait first
+    /// (`gathering` is set and the caller must start the timer, [`Coalescer::gather`]).
+    fn next(&self, state: &mut State, part: usize, now: Instant) -> Next {
+        let total = self.total_cap();
+        let Some(p) = state.parts.get_mut(&part) else {
+            return Next::Nothing;
+        };
+        if p.gathering && (p.ready.len() as f64) < TARGET_BATCH {
             // The timer sends it.
             return Next::Nothing;
         }
-        let cap = self.cap();
-        if state.in_flight >= cap {
+        if p.in_flight >= self.cap(p) || state.in_flight >= total {
             return Next::Nothing;
         }
-        if !state.ready.is_empty()
-            && let Some(window) = self.gather_window(state)
+        if !p.ready.is_empty()
+            && let Some(window) = self.gather_window(p)
         {
-            state.gathering = true;
+            p.gathering = true;
             return Next::Gather(window);
         }
-        match state.next_batch(&self.settings, cap, now) {
+        match state.next_batch(&self.settings, part, now) {
             Some(batch) => Next::Send(batch),
             None => Next::Nothing,
         }
     }
 
-    /// Waits out a gather window, then sends what is ready.
-    fn gather(self: &Arc<Self>, store: &Arc<dyn Store>, window: Duration) {
+    /// Waits out `part`'s gather window, then sends what is ready.
+    fn gather(self: &Arc<Self>, store: &Arc<dyn Store>, part: usize, window: Duration) {
         let (this, store) = (Arc::clone(self), Arc::clone(store));
         tokio::spawn(async move {
             tokio::time::sleep(window).await;
             let batch = {
                 let mut state = this.state.lock();
-                state.gathering = false;
-                state.next_batch(&this.settings, this.cap(), this.clock.instant())
+                let total = this.total_cap();
+                let free = state.in_flight < total
+                    && state.parts.get_mut(&part).is_some_and(|p| {
+                        p.gathering = false;
+                        p.in_flight < this.cap(p)
+                    });
+                if free {
+                    state.next_batch(&this.settings, part, this.clock.instant())
+                } else {
+                    None
+                }
             };
             if let Some(batch) = batch {
                 this.spawn(&store, batch);
@@ -351,11 +423,11 @@ impl Coalescer {
                 return Err(Unanswered::Overloaded);
             }
             state.queued += 1;
-            state.arrivals = state.arrivals.wrapping_add(1);
-            if part != 0 {
-                self.parts.store(true, Ordering::Relaxed);
-            }
-            let State { keys, ready, .. } = &mut *state;
+            let State { keys, parts, .. } = &mut *state;
+            let p = parts
+                .entry(part)
+                .or_insert_with(|| Part::new(self.part_calls(store.as_ref(), part)));
+            p.arrivals = p.arrivals.wrapping_add(1);
             if !keys.contains_key(key) {
                 keys.insert(
                     key.to_owned(),
@@ -374,13 +446,13 @@ impl Coalescer {
             });
             if !entry.busy && !entry.ready {
                 entry.ready = true;
-                ready.push_back(key.to_owned());
+                p.ready.push_back(key.to_owned());
             }
-            self.next(&mut state, now)
+            self.next(&mut state, part, now)
         };
         match batch {
             Next::Send(batch) => self.spawn(store, batch),
-            Next::Gather(window) => self.gather(store, window),
+            Next::Gather(window) => self.gather(store, part, window),
             Next::Nothing => {}
         }
         match tokio::time::timeout_at(deadline, rx).await {
@@ -390,22 +462,24 @@ impl Coalescer {
         }
     }
 
-    fn spawn(self: &Arc<Self>, store: &Arc<dyn Store>, batch: Vec<Item>) {
+    fn spawn(self: &Arc<Self>, store: &Arc<dyn Store>, batch: Batch) {
         tokio::spawn(Arc::clone(self).run(Arc::clone(store), batch));
     }
 
     /// Sends `batch` as one statement and answers its callers; then, while callers are waiting
     /// and a slot is free, sends the next statement from the same task.
-    async fn run(self: Arc<Self>, store: Arc<dyn Store>, mut batch: Vec<Item>) {
+    async fn run(self: Arc<Self>, store: Arc<dyn Store>, mut batch: Batch) {
         loop {
             let mut flight = Flight {
                 coalescer: &self,
-                keys: batch.iter().map(|item| item.key.clone()).collect(),
+                part: batch.part,
+                keys: batch.items.iter().map(|item| item.key.clone()).collect(),
                 armed: true,
             };
             let sent = self.clock.instant();
             let result = {
-                let requests: Vec<AcquireRequest<'_>> = batch.iter().map(Item::request).collect();
+                let requests: Vec<AcquireRequest<'_>> =
+                    batch.items.iter().map(Item::request).collect();
                 metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
                 // One answer per key: a sharded store fails only the keys of a failing shard.
                 let mut answers = store.acquire_each(&requests).await;
@@ -423,10 +497,10 @@ impl Coalescer {
                 metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
             }
             flight.armed = false;
-            let (mut next, window) = self.finish(batch, result, sent);
+            let (mut next, windows) = self.finish(batch, result, sent);
             drop(flight);
-            if let Some(window) = window {
-                self.gather(&store, window);
+            for (part, window) in windows {
+                self.gather(&store, part, window);
             }
             batch = match next.pop() {
                 Some(batch) => batch,
@@ -439,23 +513,25 @@ impl Coalescer {
     }
 
     /// Answers a finished statement's callers and those queued behind it that its answer
-    /// decides, frees its keys and its slot, and returns the statements to send next. `sent`:
-    /// when the statement was sent.
+    /// decides, frees its keys and its slot, and returns the statements to send next, and the
+    /// parts whose gather window starts. `sent`: when the statement was sent.
     fn finish(
         &self,
-        batch: Vec<Item>,
+        batch: Batch,
         result: Vec<Result<Acquired, StoreError>>,
         sent: Instant,
-    ) -> (Vec<Vec<Item>>, Option<Duration>) {
+    ) -> (Vec<Batch>, Vec<(usize, Duration)>) {
         let now = self.clock.instant();
         let took = now.saturating_duration_since(sent);
+        let part = batch.part;
         let mut answers: Vec<(Reply, Result<Acquired, Unanswered>)> = Vec::new();
         let keys: Vec<(String, BucketConfig)> = batch
+            .items
             .iter()
             .map(|item| (item.key.clone(), item.bucket))
             .collect();
         let mut outcomes: Vec<Option<Acquired>> = Vec::with_capacity(keys.len());
-        for (item, result) in batch.into_iter().zip(result) {
+        for (item, result) in batch.items.into_iter().zip(result) {
             match result {
                 Ok(acquired) => {
                     share_out(item, &acquired, &mut answers);
@@ -471,15 +547,21 @@ impl Coalescer {
         }
         let next = {
             let mut state = self.state.lock();
+            // Every part's statements waited for this slot when all of them were taken.
+            let all_taken = state.in_flight >= self.total_cap();
             state.in_flight -= 1;
-            if self.adaptive() {
-                let arrivals = state.arrivals;
-                self.adapt(&mut state.load, arrivals, took, now);
+            if let Some(p) = state.parts.get_mut(&part) {
+                p.in_flight -= 1;
+                if self.settings.adaptive {
+                    Self::adapt(p, took, now);
+                    let limits: usize = state.parts.values().map(|p| p.limit).sum();
+                    metrics::gauge!(crate::metrics::STATEMENTS_IN_FLIGHT_LIMIT).set(limits as f64);
+                }
             }
             for ((key, bucket), outcome) in keys.into_iter().zip(outcomes) {
                 let State {
                     keys: table,
-                    ready,
+                    parts,
                     queued,
                     ..
                 } = &mut *state;
@@ -505,22 +587,38 @@ impl Coalescer {
                     table.remove(&key);
                 } else if !entry.ready {
                     entry.ready = true;
-                    ready.push_back(key);
+                    if let Some(p) = parts.get_mut(&entry.part) {
+                        p.ready.push_back(key);
+                    }
                 }
+            }
+            // This statement's part first; then, if the slot freed was the last, every other
+            // part with keys ready.
+            let mut order = vec![part];
+            if all_taken {
+                order.extend(
+                    state
+                        .parts
+                        .iter()
+                        .filter(|(p, q)| **p != part && !q.ready.is_empty())
+                        .map(|(&p, _)| p),
+                );
             }
             let mut next = Vec::new();
-            let mut window = None;
-            loop {
-                match self.next(&mut state, now) {
-                    Next::Send(batch) => next.push(batch),
-                    Next::Gather(w) => {
-                        window = Some(w);
-                        break;
+            let mut windows = Vec::new();
+            for p in order {
+                loop {
+                    match self.next(&mut state, p, now) {
+                        Next::Send(batch) => next.push(batch),
+                        Next::Gather(w) => {
+                            windows.push((p, w));
+                            break;
+                        }
+                        Next::Nothing => break,
                     }
-                    Next::Nothing => break,
                 }
             }
-            (next, window)
+            (next, windows)
         };
         for (reply, answer) in answers {
             // A caller that went away has its share counted as spent.
@@ -531,12 +629,16 @@ impl Coalescer {
 
     /// Frees the slot and the keys of a statement whose task was dropped before it finished
     /// (the runtime shut down): its callers see their reply channel closed.
-    fn abandon(&self, keys: &[String]) {
+    fn abandon(&self, part: usize, keys: &[String]) {
         let mut state = self.state.lock();
         state.in_flight -= 1;
         let State {
-            keys: table, ready, ..
+            keys: table, parts, ..
         } = &mut *state;
+        let Some(p) = parts.get_mut(&part) else {
+            return;
+        };
+        p.in_flight -= 1;
         for key in keys {
             let Some(entry) = table.get_mut(key) else {
                 continue;
@@ -546,7 +648,7 @@ impl Coalescer {
                 table.remove(key);
             } else if !entry.ready {
                 entry.ready = true;
-                ready.push_back(key.clone());
+                p.ready.push_back(key.clone());
             }
         }
     }
@@ -555,6 +657,7 @@ impl Coalescer {
 /// Gives a statement's slot and keys back if its task is dropped mid-flight.
 struct Flight<'a> {
     coalescer: &'a Coalescer,
+    part: usize,
     keys: Vec<String>,
     armed: bool,
 }
@@ -562,41 +665,31 @@ struct Flight<'a> {
 impl Drop for Flight<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.coalescer.abandon(&self.keys);
+            self.coalescer.abandon(self.part, &self.keys);
         }
     }
 }
 
 impl State {
-    /// The next statement, if a slot is free and callers are waiting: up to `max_batch` ready
-    /// keys, each with the callers of its first caller's cost, sorted by key. Callers that gave
-    /// up or whose deadline passed leave the queue here.
-    fn next_batch(&mut self, settings: &Settings, cap: usize, now: Instant) -> Option<Vec<Item>> {
-        if self.in_flight >= cap {
-            return None;
-        }
+    /// `part`'s next statement, if its callers are waiting (the caller checked that a slot is
+    /// free): up to `max_batch` of its ready keys, each with the callers of its first caller's
+    /// cost, sorted by key. Callers that gave up or whose deadline passed leave the queue here.
+    fn next_batch(&mut self, settings: &Settings, part: usize, now: Instant) -> Option<Batch> {
+        let State {
+            keys,
+            parts,
+            queued,
+            in_flight,
+        } = self;
+        let p = parts.get_mut(&part)?;
         let mut items = Vec::new();
-        // One statement holds keys of one part of the store (one shard): the first key's.
-        // Keys of other parts keep their place at the front of the queue, for the next
-        // statement; the scan past them is bounded.
-        let mut part: Option<usize> = None;
-        let mut skipped: Vec<String> = Vec::new();
         while items.len() < settings.max_batch {
-            let Some(key) = self.ready.pop_front() else {
+            let Some(key) = p.ready.pop_front() else {
                 break;
             };
-            let Some(entry) = self.keys.get_mut(&key) else {
+            let Some(entry) = keys.get_mut(&key) else {
                 continue;
             };
-            if part.is_some_and(|p| p != entry.part) {
-                if skipped.len() < 4 * settings.max_batch {
-                    skipped.push(key);
-                    continue;
-                }
-                self.ready.push_front(key);
-                break;
-            }
-            let entry_part = entry.part;
             entry.ready = false;
             let before = entry.waiters.len();
             let mut group = Vec::new();
@@ -618,13 +711,12 @@ impl State {
                 }
             }
             entry.waiters = rest;
-            self.queued -= before - entry.waiters.len();
+            *queued -= before - entry.waiters.len();
             let Some((cost, bucket)) = first else {
-                self.keys.remove(&key);
+                keys.remove(&key);
                 continue;
             };
             entry.busy = true;
-            part = Some(entry_part);
             items.push(Item {
                 key,
                 bucket,
@@ -632,120 +724,12 @@ impl State {
                 waiters: group,
             });
         }
-        for key in skipped.into_iter().rev() {
-            self.ready.push_front(key);
-        }
         if items.is_empty() {
             return None;
         }
-        self.in_flight += 1;
+        p.in_flight += 1;
+        *in_flight += 1;
         items.sort_unstable_by(|a, b| a.key.cmp(&b.key));
-        Some(items)
+        Some(Batch { part, items })
     }
-}
-
-/// The bucket as a statement left it: `remaining` tokens, refilled up to the store's time plus
-/// however far the row's refill time was ahead of it (another writer's clock). The `ahead` part
-/// is recovered exactly from `reset_after = ahead + time_to_refill(capacity − remaining)`.
-fn state_after(acquired: &Acquired, bucket: &BucketConfig) -> BucketState {
-    let now = timestamp_from_system_time(acquired.store_now);
-    let to_full = bucket.time_to_refill(bucket.capacity().saturating_sub(acquired.remaining));
-    let reset = u64::try_from(acquired.reset_after.as_nanos()).unwrap_or(u64::MAX);
-    BucketState {
-        tokens: acquired.remaining,
-        last_refill: now.saturating_add(reset.saturating_sub(to_full)),
-    }
-}
-
-/// The pure bucket's denial of `cost` from `state` at `acquired`'s store time, or `None` when
-/// it would allow it.
-fn denial(
-    state: BucketState,
-    acquired: &Acquired,
-    bucket: &BucketConfig,
-    cost: Tokens,
-) -> Option<Acquired> {
-    let now = timestamp_from_system_time(acquired.store_now);
-    match state.take(bucket, now, cost) {
-        Ok((
-            _,
-            Outcome::Denied {
-                remaining,
-                retry_after,
-            },
-        )) => Some(Acquired {
-            granted: Tokens::ZERO,
-            remaining,
-            retry_after: nanos(retry_after),
-            ..*acquired
-        }),
-        _ => None,
-    }
-}
-
-/// Hands a grant of `k × cost` to the item's first `k` callers, each with what it would have
-/// seen had the takes after it not happened yet; the rest are denied as the pure bucket denies
-/// them at the statement's store time.
-fn share_out(
-    item: Item,
-    acquired: &Acquired,
-    answers: &mut Vec<(Reply, Result<Acquired, Unanswered>)>,
-) {
-    let cost = item.cost.as_atto().max(1);
-    let admitted = (acquired.granted.as_atto() / cost) as usize;
-    let state = state_after(acquired, &item.bucket);
-    let ahead = state
-        .last_refill
-        .saturating_since(timestamp_from_system_time(acquired.store_now));
-    let denied = denial(state, acquired, &item.bucket, item.cost).unwrap_or(Acquired {
-        granted: Tokens::ZERO,
-        ..*acquired
-    });
-    for (i, waiter) in item.waiters.into_iter().enumerate() {
-        let answer = if i < admitted {
-            let later = (admitted - 1 - i) as u128 * cost;
-            let remaining = acquired.remaining.saturating_add(Tokens::from_atto(later));
-            let to_full = item
-                .bucket
-                .time_to_refill(item.bucket.capacity().saturating_sub(remaining));
-            Acquired {
-                granted: waiter.cost,
-                remaining,
-                retry_after: std::time::Duration::ZERO,
-                reset_after: nanos(ahead.saturating_add(to_full)),
-                store_now: acquired.store_now,
-            }
-        } else {
-            denied
-        };
-        answers.push((waiter.reply, Ok(answer)));
-    }
-}
-
-/// Denies, from a statement's answer for their key, the callers queued behind it that ask for
-/// more than the bucket had left: the pure bucket at the statement's store time denies them,
-/// and a denial changes nothing in the bucket, so no other decision moves. They queued while
-/// the statement was in flight, so that store time falls within their wait or just before it.
-/// Callers whose cost the bucket still holds, or under another bucket shape, stay queued.
-fn deny_from(
-    acquired: &Acquired,
-    bucket: &BucketConfig,
-    waiters: &mut VecDeque<Waiter>,
-    answers: &mut Vec<(Reply, Result<Acquired, Unanswered>)>,
-) {
-    if waiters.iter().all(|w| w.cost <= acquired.remaining) {
-        return;
-    }
-    let state = state_after(acquired, bucket);
-    let mut rest = VecDeque::with_capacity(waiters.len());
-    for waiter in waiters.drain(..) {
-        let denied = (waiter.bucket == *bucket && waiter.cost > acquired.remaining)
-            .then(|| denial(state, acquired, bucket, waiter.cost))
-            .flatten();
-        match denied {
-            Some(answer) => answers.push((waiter.reply, Ok(answer))),
-            None => rest.push_back(waiter),
-        }
-    }
-    *waiters = rest;
 }

@@ -577,6 +577,10 @@ impl<S: Store> Store for CircuitBreaker<S> {
         self.inner.max_concurrent_calls()
     }
 
+    fn partition_calls(&self, part: usize) -> Option<usize> {
+        self.inner.partition_calls(part)
+    }
+
     fn partition(&self, key: &str) -> usize {
         self.inner.partition(key)
     }

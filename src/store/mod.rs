@@ -408,6 +408,17 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     fn max_concurrent_calls(&self) -> Option<usize> {
         None
     }
+
+    /// How many calls the part `part` of the store ([`partition`](Store::partition)) runs at
+    /// once, if that is bounded: the direct-mode limiter keeps at most this many statements to
+    /// that part in flight by default, and chooses how many within it from that part's own
+    /// load. The default, [`max_concurrent_calls`](Store::max_concurrent_calls), suits a store
+    /// of one part; a store of several parts with a pool each (a [`ShardedStore`]) says each
+    /// part's; wrappers forward it.
+    fn partition_calls(&self, part: usize) -> Option<usize> {
+        let _ = part;
+        self.max_concurrent_calls()
+    }
 }
 
 /// Awaits every future of `futures`, polled together in the calling task, and returns their

@@ -154,7 +154,8 @@ struct Shard {
 ///   refuses alone ([`StoreError::Unstorable`], a contained data error) fails alone here too.
 /// - [`delete_idle`](Store::delete_idle) runs on every shard (up to `limit` rows each);
 ///   [`inspect`](Store::inspect) asks the key's shard; [`call_timeout`](Store::call_timeout) is
-///   the shards' largest and [`max_concurrent_calls`](Store::max_concurrent_calls) their sum.
+///   the shards' largest, [`max_concurrent_calls`](Store::max_concurrent_calls) their sum and
+///   [`partition_calls`](Store::partition_calls) the key's shard's.
 ///
 /// Give each shard its own [`CircuitBreaker`](crate::store::CircuitBreaker) (as
 /// [`connect`](ShardedStore::connect) does), not one around the whole `ShardedStore`: one
@@ -566,6 +567,12 @@ impl Store for ShardedStore {
             total = total.saturating_add(shard.store.max_concurrent_calls()?);
         }
         Some(total)
+    }
+
+    /// The shard's own pool: the direct-mode limiter fills each shard's statements as it would
+    /// a single store's.
+    fn partition_calls(&self, part: usize) -> Option<usize> {
+        self.shards.get(part)?.store.max_concurrent_calls()
     }
 }
 

@@ -3,7 +3,8 @@
 //!
 //! Apart from the loop because this is where the actor meets the store: which statement a
 //! partition may start, what it carries, and what its answer changes. The loop only says
-//! when; a slow or failing shard delays only its own lane.
+//! when; a slow or failing shard delays only its own lane (beyond another lane's turn,
+//! [`Lanes::held`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
@@ -28,6 +29,11 @@ use crate::store::{AcquireRequest, Acquired, StoreError};
 /// queued in its lane once, and is in at most one statement): the pool's default size, so a lane
 /// that fell behind uses every connection instead of one.
 const REFILLS_IN_FLIGHT: usize = 4;
+
+/// The longest a lane that keeps up waits for another lane's refill ([`Lanes::held`]), in
+/// ns: where refills take longer (a slow store), waiting callers would wait out their
+/// `max_wait`, and the lanes no longer take turns.
+const MAX_TURN: u64 = 4_000_000;
 
 /// A store statement of the actor in flight: it owns what it sends, and answers with a
 /// [`Done`].
@@ -69,6 +75,8 @@ struct Lane {
     /// Slots waiting for a refill, in the order they asked; each once (its record's
     /// `queued` flag says it is here).
     due: VecDeque<SlotRef>,
+    /// When this lane's last refill statement started (local monotonic ns).
+    started: u64,
 }
 
 impl Lane {
@@ -111,6 +119,13 @@ pub(super) struct Lanes<'a> {
     /// here, not in the slot: the slot's book has no spare byte, and a mark that stalls alone
     /// set would cost every key's memory.
     late: HashMap<usize, u64>,
+    /// Each partition's refill statement time (ns), a moving average: how long its lane waits
+    /// for another lane's statement before it sends its own ([`Lanes::held`]). Kept while the
+    /// lane comes and goes (a store has a few partitions).
+    took: HashMap<usize, u64>,
+    /// When a lane held back for another lane's statement may go at the latest: the actor
+    /// wakes then, if no answer came first.
+    pub(super) held_until: Option<u64>,
 }
 
 /// The most slots [`Lanes`] remembers as given a second chance: 65,536 (about 1.5 MiB at most,
@@ -125,6 +140,38 @@ impl<'a> Lanes<'a> {
     /// Whether `lane` has a statement in flight.
     fn busy(&self, lane: usize) -> bool {
         self.lanes.get(&lane).is_some_and(Lane::busy)
+    }
+
+    /// Whether `lane`, with nothing in flight and fewer than a [`CHUNK`] of slots waiting,
+    /// holds its refill back at `now` for another lane's: while another lane's refill started
+    /// less than two of this lane's statement times ago is in flight. Then the lanes take
+    /// turns, as one store's lane sends one statement after another, and each statement
+    /// carries what its lane gathered over the others' statement too: about as many slots as
+    /// one lane's would, whatever the number of lanes. A slow or failing lane holds the
+    /// others back no longer than that (and [`MAX_TURN`]), a lane that fell behind is never
+    /// held back, and a lane not yet measured is not held. `until` gets when the hold ends at the latest.
+    fn held(&self, lane: usize, now: u64, until: &mut Option<u64>) -> bool {
+        let Some(l) = self.lanes.get(&lane) else {
+            return false;
+        };
+        if l.refills > 0 || l.due.len() >= CHUNK {
+            return false;
+        }
+        let hold = self
+            .took
+            .get(&lane)
+            .map_or(0, |t| t.saturating_mul(2).min(MAX_TURN));
+        let end = self
+            .lanes
+            .iter()
+            .filter(|(other, o)| **other != lane && o.refills > 0)
+            .map(|(_, o)| o.started.saturating_add(hold))
+            .filter(|&end| end > now)
+            .max();
+        if let Some(end) = end {
+            *until = Some(until.map_or(end, |u| u.min(end)));
+        }
+        end.is_some()
     }
 
     /// Gives memory back after a burst of refills (the first calls of a flood of new keys):
@@ -238,13 +285,20 @@ pub(super) fn dispatch<'a>(
             lanes.start(leases, lane, true, give_back_job(leases, lane, batch));
         }
     }
-    let ready: Vec<usize> = lanes
+    // The lane whose last statement started longest ago first: lanes held back for another's
+    // statement take their turns.
+    let mut ready: Vec<(u64, usize)> = lanes
         .lanes
         .iter()
         .filter(|(_, l)| l.may_refill())
-        .map(|(&lane, _)| lane)
+        .map(|(&lane, l)| (l.started, lane))
         .collect();
-    for lane in ready {
+    ready.sort_unstable();
+    let mut held_until = None;
+    for (_, lane) in ready {
+        if lanes.held(lane, now, &mut held_until) {
+            continue;
+        }
         // Slots whose refill is still in flight in another statement of the lane: queued
         // again after this round, so that a key has one refill in flight at a time.
         let mut later = Vec::new();
@@ -272,11 +326,15 @@ pub(super) fn dispatch<'a>(
             leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
             metrics::counter!(m::DB_CALLS, "kind" => "lease").increment(1);
             lanes.start(leases, lane, false, refill_job(leases, lane, asks));
+            if let Some(l) = lanes.lanes.get_mut(&lane) {
+                l.started = now;
+            }
         }
         for slot in later {
             lanes.queue(lane, slot);
         }
     }
+    lanes.held_until = held_until;
     lanes.tidy(leases);
 }
 
@@ -345,7 +403,12 @@ pub(super) fn finish(
 ) {
     if let Some(l) = lanes.lanes.get_mut(&done.lane) {
         match done.work {
-            Answered::Refill { .. } => l.refills = l.refills.saturating_sub(1),
+            Answered::Refill { took, .. } => {
+                l.refills = l.refills.saturating_sub(1);
+                let took = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+                let avg = lanes.took.entry(done.lane).or_insert(took);
+                *avg = *avg - *avg / 4 + took / 4;
+            }
             Answered::Return { .. } => l.returning = false,
         }
     }

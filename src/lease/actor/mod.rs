@@ -11,9 +11,11 @@
 //!    give-backs first, one statement per 256 keys, alone in the lane, retrying failures with
 //!    the same return ids (so a retry never credits twice), then refills, one `acquire_each`
 //!    statement per 256 keys, a second to fourth one in flight only while a whole 256 more
-//!    wait (a lane that fell behind),
+//!    wait (a lane that fell behind); lanes that keep up take turns, so that each statement
+//!    carries about what one store's lane's would,
 //! 4. applies each statement's answers as soon as that statement answers, whatever the other
-//!    lanes are doing: a slow or failing shard delays only its own keys.
+//!    lanes are doing: a slow or failing shard delays only its own keys (and another lane's
+//!    turn by at most two of that lane's statement times).
 //!
 //! Its work follows what is due, not the number of keys: a slot is looked at when its lease
 //! expires and when its idle check comes, and an idle table with nothing due costs no wake-up.
@@ -147,6 +149,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
             timers.next(leases.now()),
             gauges.due(tick, leases.table.len()),
             retry_due(returns, leases.now()),
+            lanes.held_until,
         ]
         .into_iter()
         .flatten()

@@ -540,6 +540,11 @@ impl Store for PostgresStore {
         Some(self.pool_size as usize * lanes)
     }
 
+    /// The pool's size: on Citus, one worker's pool.
+    fn partition_calls(&self, _part: usize) -> Option<usize> {
+        Some(self.pool_size as usize)
+    }
+
     /// On Citus, the node holding the key's shard (its `pg_dist_node` id, stable across
     /// reloads of the map): a stalled node then delays only its own keys' callers. `0` on
     /// plain PostgreSQL.
