@@ -133,8 +133,8 @@ pub(crate) struct Args {
     /// with `DATABASE_URL`, `--shards`, `--shard-url` or `--fault`.
     #[arg(long, value_name = "N", default_value_t = 0)]
     citus: usize,
-    /// With `--citus`: how many shards the tables are distributed over (`citus.shard_count`;
-    /// Citus's default is 32).
+    /// With `--citus`: how many shards the tables are distributed over (`citus.shard_count`);
+    /// without it `migrate` chooses two per worker.
     #[arg(long, value_name = "N")]
     citus_shards: Option<u32>,
     /// A shard of your own, as NAME=URL (URL or key=value connection string); repeat for each
