@@ -602,7 +602,8 @@ impl Leases {
 
     /// Waits for `slot`'s refill and spends `cost` from it, until `deadline`. `plans` holds the
     /// counters of the slot's plan; `given`: the policies chose the call's plan. A `Failing` or `Short` answer sends the call to the
-    /// fallback, and is counted by its cause here.
+    /// fallback, and is counted by its cause here; `Sparse`, a call that waited out its
+    /// deadline and got no credit while the store answers, is decided by one store call.
     ///
     /// # Cancel safety
     ///
@@ -659,6 +660,10 @@ impl Leases {
                     }
                     if !pending {
                         self.ask_refill(&slot, cost);
+                    } else {
+                        // Pending may be a low-water nudge that the actor gathers for up to
+                        // `GATHER`: a caller waits now, so the refill goes at once.
+                        self.hurry();
                     }
                 }
             }
@@ -675,6 +680,13 @@ impl Leases {
                     left: 0,
                     store_remaining: slot.hot().store_remaining.load(Ordering::Relaxed),
                 }
+            }
+            // No credit for this key, but the store answers: one store call decides the call
+            // (exactly, as in direct mode) rather than the fallback. A hot key's callers outrun
+            // leases of at most `B` while its bucket is full (a cold start), and the one that
+            // lost every race for the refills landing meanwhile ends here.
+            Err(FallbackCause::AtBound | FallbackCause::Returning) if self.store_answers() => {
+                Fast::Sparse(slot)
             }
             Err(cause) => {
                 self.count_fallback(cause);
@@ -703,6 +715,15 @@ impl Leases {
                 plans.insert(plan.name().to_owned(), Arc::clone(&shared));
                 shared
             }
+        }
+    }
+
+    /// Ends the actor's gathering of low-water nudges at once: a caller waits for a refill
+    /// that a nudge already asked for. Wakes the actor only if no caller did since its last
+    /// round.
+    fn hurry(&self) {
+        if !self.urgent.swap(true, Ordering::AcqRel) {
+            self.wake.notify_one();
         }
     }
 
