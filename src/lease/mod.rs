@@ -34,7 +34,9 @@ use crate::policy::Plan;
 use crate::store::Store;
 
 mod actor;
+mod counted;
 mod credit;
+use counted::{record_given, record_named};
 mod credit_rules;
 pub(crate) use credit_rules::FallbackCause;
 use credit_rules::{FALLBACK_CAUSES, REMOVED_WORDS};
@@ -124,6 +126,10 @@ pub(crate) struct TableSettings {
 pub(crate) struct Leases {
     /// Key → slot (`table.rs`): lock-free lookups, the key inline next to its slot.
     table: Table,
+    /// Lease decisions were counted since the actor's last flush of the threads' counts
+    /// (`metrics::flush_all`): set by the first caller after a flush (which wakes the actor),
+    /// cleared by the flush. Read by every lease decision, written twice per flush period.
+    counts_due: AtomicBool,
     /// One shared copy of each plan the slots use, by name.
     plans: papaya::HashMap<String, Arc<Plan>>,
     settings: TableSettings,
@@ -257,6 +263,7 @@ impl Leases {
             table: Table::new(Slab::new(
                 settings.max_entries.saturating_mul(2).saturating_add(4096),
             )),
+            counts_due: AtomicBool::new(false),
             plans: papaya::HashMap::new(),
             settings,
             nudges: ArrayQueue::new(NUDGES),
@@ -462,6 +469,7 @@ impl Leases {
                     None if chosen.is_some() => record_given(plans, plan),
                     None => record_named(plans, plan),
                 }
+                self.counted();
                 Fast::Taken {
                     left,
                     store_remaining: hot.store_remaining.load(Ordering::Relaxed),
@@ -508,6 +516,7 @@ impl Leases {
                     self.nudge_soon(slot);
                 }
                 crate::metrics::record_lease_allowed(counters);
+                self.counted();
                 Some(Ok(Known {
                     capacity: plan.capacity(),
                     left,
@@ -603,7 +612,8 @@ impl Leases {
     /// Waits for `slot`'s refill and spends `cost` from it, until `deadline`. `plans` holds the
     /// counters of the slot's plan; `given`: the policies chose the call's plan. A `Failing` or `Short` answer sends the call to the
     /// fallback, and is counted by its cause here; `Sparse`, a call that waited out its
-    /// deadline and got no credit while the store answers, is decided by one store call.
+    /// deadline while refills of the key landed, got no credit, and the store answers, is
+    /// decided by one store call.
     ///
     /// # Cancel safety
     ///
@@ -623,7 +633,11 @@ impl Leases {
             } else {
                 record_named(plans, plan);
             }
+            self.counted();
         };
+        // The actor answered for the slot while the call waited (a refill landed, and others
+        // took it), as opposed to a refill of the key that is stuck.
+        let mut landed = false;
         loop {
             let notified = slot.notify().notified();
             tokio::pin!(notified);
@@ -661,8 +675,7 @@ impl Leases {
                     if !pending {
                         self.ask_refill(&slot, cost);
                     } else {
-                        // Pending may be a low-water nudge that the actor gathers for up to
-                        // `GATHER`: a caller waits now, so the refill goes at once.
+                        // Maybe a low-water nudge, gathered for up to `GATHER`: a caller waits.
                         self.hurry();
                     }
                 }
@@ -670,6 +683,7 @@ impl Leases {
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 break;
             }
+            landed = true;
         }
         // The refill is late: admit the call against it instead of sending it to the fallback,
         // when the rules of `credit` allow.
@@ -681,11 +695,11 @@ impl Leases {
                     store_remaining: slot.hot().store_remaining.load(Ordering::Relaxed),
                 }
             }
-            // No credit for this key, but the store answers: one store call decides the call
-            // (exactly, as in direct mode) rather than the fallback. A hot key's callers outrun
-            // leases of at most `B` while its bucket is full (a cold start), and the one that
-            // lost every race for the refills landing meanwhile ends here.
-            Err(FallbackCause::AtBound | FallbackCause::Returning) if self.store_answers() => {
+            // No credit, but refills of the key landed (others took them) and the store
+            // answers: one store call decides, exactly, not the fallback.
+            Err(FallbackCause::AtBound | FallbackCause::Returning)
+                if landed && self.store_answers() =>
+            {
                 Fast::Sparse(slot)
             }
             Err(cause) => {
@@ -715,43 +729,6 @@ impl Leases {
                 plans.insert(plan.name().to_owned(), Arc::clone(&shared));
                 shared
             }
-        }
-    }
-
-    /// Ends the actor's gathering of low-water nudges at once: a caller waits for a refill
-    /// that a nudge already asked for. Wakes the actor only if no caller did since its last
-    /// round.
-    fn hurry(&self) {
-        if !self.urgent.swap(true, Ordering::AcqRel) {
-            self.wake.notify_one();
-        }
-    }
-
-    /// Tells the actor that `slot` wants a refill. Never blocks.
-    fn nudge(&self, slot: &SlotRef) {
-        self.queue(slot);
-        self.urgent.store(true, Ordering::Release);
-        self.wake.notify_one();
-    }
-
-    /// Asks for a refill of a lease that crossed its low-water mark and still pays its callers:
-    /// nobody waits, so the actor gathers these for up to [`GATHER`] and refills them together.
-    /// Only the first such nudge of a gathering wakes the actor (a wake-up of a parked thread is
-    /// a system call), and one that finds the queue half full, so that it is drained before it
-    /// overflows. The lease's low-water share is sized to last a refill plus a tick
-    /// (`actor/sizing.rs::target_size`), which covers the gathering.
-    #[inline]
-    fn nudge_soon(&self, slot: &SlotRef) {
-        self.queue(slot);
-        if !self.soon.swap(true, Ordering::AcqRel) || self.nudges.len() >= NUDGES / 2 {
-            self.wake.notify_one();
-        }
-    }
-
-    fn queue(&self, slot: &SlotRef) {
-        // A full queue drops the nudge; the actor's next round then scans for PENDING slots.
-        if self.nudges.push(SlotRef::clone(slot)).is_err() {
-            self.overflowed.store(true, Ordering::Release);
         }
     }
 
@@ -799,17 +776,4 @@ impl Leases {
         self.stopping.store(true, Ordering::Release);
         self.wake.notify_one();
     }
-}
-
-/// Counts a decision allowed from a lease under `plan`, a plan without a registry index (named
-/// by its caller, or a slot's shared copy): on the counters `plans` holds for its labels.
-#[inline]
-fn record_named(plans: &PlanRegistry, plan: &Plan) {
-    crate::metrics::record_lease_allowed_named(plan, || plans.counters_of(plan));
-}
-
-/// [`record_named`] for a plan the policies chose: on no counters once a reload removed it.
-#[inline]
-fn record_given(plans: &PlanRegistry, plan: &Plan) {
-    crate::metrics::record_lease_allowed_named(plan, || plans.counters_of_given(plan));
 }
