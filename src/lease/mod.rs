@@ -480,11 +480,16 @@ impl Leases {
     }
 
     /// `try_acquire`'s fast path: spends from the lease of a key already in the table whose plan
-    /// the policies chose, reading that plan from the key's record (`plans[index]`) instead of
-    /// matching the key's prefixes. `cost` converts the caller's cost under that plan (it
-    /// may refuse it). `None` when this path cannot answer: the key is not in the table, its plan
-    /// was named by a caller, or its lease is short. Then nothing was changed, and the caller
-    /// takes the full path.
+    /// the policies chose, under the plan its slot holds, which the key's record names by its
+    /// index in the registry, instead of matching the key's prefixes. `cost` converts the
+    /// caller's cost under that plan (it may refuse it). `None` when this path cannot answer:
+    /// the key is not in the table, its plan was named by a caller or has left the registry
+    /// (a reload removed it: the slot's lease is not spent under it here), or its lease is
+    /// short. Then nothing was changed, and the caller takes the full path.
+    ///
+    /// The registry is not pinned: one load of the index's state says whether the index still
+    /// holds the record's plan ([`PlanRegistry::state`]); only an index given to another plan
+    /// after a release (once 65,528 distinct plans were given) is checked against its entry.
     #[inline]
     pub(crate) fn try_take_known<E>(
         &self,
@@ -494,15 +499,13 @@ impl Leases {
     ) -> Option<Result<Known, E>> {
         let table = self.table.pin();
         let (slot, hot) = table.get(key)?;
-        let guard = plans.pin();
-        let entry = plans.entry(hot.plan.load(Ordering::Relaxed) as usize, &guard)?;
-        // A reused entry may not be the plan the record named (a reload released that one and
-        // gave its index to another): it is when the slot holds the very same `Arc`. Only then
-        // is the slot read; an entry never reused is the record's plan.
-        if entry.reused && !Arc::ptr_eq(&entry.plan, &slot.plan) {
-            return None;
+        let index = hot.plan.load(Ordering::Relaxed) as usize;
+        match plans.state(index) {
+            crate::plans::LIVE => {}
+            crate::plans::REUSED if plans.entry_of(index, &slot.plan, &plans.pin()).is_some() => {}
+            _ => return None,
         }
-        let (plan, counters) = (&entry.plan, &entry.counters);
+        let plan: &Plan = &slot.plan;
         let nanos = match cost(plan) {
             Ok(nanos) => nanos,
             Err(e) => return Some(Err(e)),
@@ -515,7 +518,7 @@ impl Leases {
                 if nudge {
                     self.nudge_soon(slot);
                 }
-                crate::metrics::record_lease_allowed(counters);
+                record_given(plans, plan);
                 self.counted();
                 Some(Ok(Known {
                     capacity: plan.capacity(),
