@@ -396,9 +396,10 @@ struct Counts {
 /// Where one slot's decisions go.
 #[derive(Default)]
 struct Target {
-    /// The counters; held, so that their address (the slot's tag) cannot be reused meanwhile.
+    /// The counters.
     held: Option<Arc<PlanCounters>>,
-    /// The name of the plan `held` counts for when its caller named it: held for the same reason.
+    /// The name of the plan `held` counts for, whose address is the slot's tag: held, so that
+    /// no other name takes that address meanwhile.
     _name: Option<Arc<str>>,
     /// Of the slot's `made`, those added to `held`.
     added: u64,
@@ -426,9 +427,8 @@ impl Counts {
 /// The counts of every thread that made a lease decision and has not ended.
 static THREADS: Mutex<Vec<Arc<Counts>>> = Mutex::new(Vec::new());
 
-/// A thread's side: what each slot counts for (`tag`: 0 for nothing, the address of the
-/// counters, or, with the low bit set, the address of the name of a plan its caller named),
-/// read by the thread alone, and its [`Counts`].
+/// A thread's side: what each slot counts for (`tag`: 0 for nothing, or the address of a plan's
+/// name with the low bit set), read by the thread alone, and its [`Counts`].
 struct Local {
     tags: [Cell<usize>; BATCH_SLOTS],
     counts: Arc<Counts>,
@@ -451,10 +451,10 @@ impl Local {
         made.store(made.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
     }
 
-    /// Adds what slot `i` holds and gives it to `counters` (of the plan called `name`, when its
-    /// caller named it), with one decision made.
+    /// Adds what slot `i` holds and gives it to `counters` (of the plan called `name`), with
+    /// one decision made.
     #[cold]
-    fn switch(&self, i: usize, counters: Arc<PlanCounters>, name: Option<Arc<str>>, tag: usize) {
+    fn switch(&self, i: usize, counters: Arc<PlanCounters>, name: Arc<str>, tag: usize) {
         let mut book = self.counts.book.lock();
         let target = &mut book[i];
         let made = self.counts.made[i].load(Ordering::Relaxed);
@@ -465,7 +465,7 @@ impl Local {
         }
         *target = Target {
             held: Some(counters),
-            _name: name,
+            _name: Some(name),
             added: 0,
         };
         self.counts.made[i].store(1, Ordering::Relaxed);
@@ -486,27 +486,12 @@ thread_local! {
     static FROM_LEASE: Local = Local::new();
 }
 
-/// Counts one decision allowed from a lease (a store call saved) on a plan's `counters` (held
-/// by the limiter's plan registry, at the plan's index): an increment of the thread's own
-/// count, which the lease actor adds to the plan's counters within [`FLUSH_EVERY`]
-/// ([`flush_all`]); the caller tells the actor that counts wait (`Leases::counted`).
-#[inline]
-pub(crate) fn record_lease_allowed(counters: &Arc<PlanCounters>) {
-    let tag = Arc::as_ptr(counters) as usize;
-    let _ = FROM_LEASE.try_with(|local| {
-        let i = slot_of(tag);
-        if local.tags[i].get() == tag {
-            local.add_one(i);
-        } else {
-            local.switch(i, Arc::clone(counters), None, tag);
-        }
-    });
-}
-
-/// [`record_lease_allowed`] for a plan its caller named (not one of the policies' plans, which
-/// the registry holds by index): counted by the address of the plan's name, which the slot
-/// holds a clone of, so that no other name takes that address meanwhile; `counters` gives the
-/// plan's counters when the slot changes to it.
+/// Counts one decision allowed from a lease (a store call saved) under `plan`: an increment of
+/// the thread's own count, which the lease actor adds to the plan's counters within
+/// [`FLUSH_EVERY`] ([`flush_all`]); the caller tells the actor that counts wait
+/// (`Leases::counted`). Counted by the address of the plan's name, which the slot holds a clone
+/// of, so that no other name takes that address meanwhile; `counters` gives the plan's counters
+/// when the slot changes to it (a lookup by the plan's labels, off the fast path).
 ///
 /// Clones of a plan share its name (`Plan::shared_name`), whatever else of them differs: enough,
 /// since the two series a lease decision adds to,
@@ -518,14 +503,14 @@ pub(crate) fn record_lease_allowed_named(
     counters: impl FnOnce() -> Arc<PlanCounters>,
 ) {
     let name = plan.shared_name();
-    // Shared data is aligned to 8 bytes: the low bit tells a name's address from a counters'.
+    // With the low bit set, a tag is never 0 (nothing).
     let tag = Arc::as_ptr(name).cast::<u8>() as usize | 1;
     let _ = FROM_LEASE.try_with(|local| {
         let i = slot_of(tag);
         if local.tags[i].get() == tag {
             local.add_one(i);
         } else {
-            local.switch(i, counters(), Some(Arc::clone(name)), tag);
+            local.switch(i, counters(), Arc::clone(name), tag);
         }
     });
 }

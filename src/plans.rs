@@ -40,13 +40,13 @@
 //! An entry is found from its plan's [`Identity`] through a hash map, so interning a policy
 //! is linear in its plans, whatever the registry holds.
 //!
-//! Each entry holds its plan's decision counters (`metrics::PlanCounters`): a call that knows its
-//! plan's index counts on them without a lookup. They hold their metric handles only while the
+//! Each plan's decision counters (`metrics::PlanCounters`) are in a map beside the entries, by
+//! their labels (name, fallback mode, shadow mode), for the entries' plans and the plans a
+//! caller names (`Limiter::try_acquire_with`) alike, so that one set of labels has one set of
+//! counters; a lease decision, counted per thread by the plan's name, looks them up only when a
+//! thread's count changes plan (`metrics.rs`). They hold their metric handles only while the
 //! plan is in force (`Limiter::reload` takes and releases them, `metrics/plan.rs`), and the
-//! registry forgets them once released ([`PlanRegistry::forget_released_counters`]). The plans
-//! a caller names (`Limiter::try_acquire_with`) have no index; their counters are found by
-//! their labels (name, fallback mode, shadow mode) in a map beside the entries, which the
-//! entries' own counters are in too, so that one set of labels has one set of counters.
+//! registry forgets them once released ([`PlanRegistry::forget_released_counters`]).
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -132,13 +132,11 @@ type CountersMap = papaya::HashMap<Labels, Arc<PlanCounters>>;
 pub(crate) type Pinned<'r> =
     papaya::HashMapRef<'r, u8, Slots, foldhash::fast::RandomState, papaya::LocalGuard<'r>>;
 
-/// A plan the registry holds, and its decision counters.
+/// A plan the registry holds (its decision counters are in the map of counters, by its labels).
 #[derive(Debug)]
 pub(crate) struct Entry {
     /// The plan.
     pub(crate) plan: Arc<Plan>,
-    /// Its decision counters.
-    pub(crate) counters: Arc<PlanCounters>,
 }
 
 /// The labels a plan's counters are registered with.
@@ -526,10 +524,11 @@ impl PlanRegistry {
         } else {
             (book.free.pop().expect("room checked before") as usize, true)
         };
+        // The plan's counters, by its labels, without handles: `Limiter::reload` takes them for
+        // every plan in force.
+        self.counters_or(plan, PlanCounters::unheld);
         let entry = Entry {
             plan: Arc::clone(plan),
-            // Without handles: `Limiter::reload` takes them for every plan in force.
-            counters: self.counters_or(plan, PlanCounters::unheld),
         };
         if slots.len() <= index {
             slots.resize(index + 1, None);
@@ -683,9 +682,9 @@ mod tests {
     fn counters_are_found_by_their_labels() {
         use crate::policy::{FallbackMode, FallbackSettings};
         let r = PlanRegistry::default();
-        let (i, _) = r.intern(&plan("a", 10)).unwrap();
-        let guard = r.pin();
-        let held = &r.entry(i as usize, &guard).unwrap().counters;
+        let (i, shared) = r.intern(&plan("a", 10)).unwrap();
+        assert!(r.entry(i as usize, &r.pin()).is_some());
+        let held = &r.counters_of_given(&shared);
         assert!(Arc::ptr_eq(held, &r.counters_of(&plan("a", 10))));
         assert!(Arc::ptr_eq(held, &r.counters_of(&plan("a", 11))));
         let shadow = (*plan("a", 10)).clone().with_shadow(true);

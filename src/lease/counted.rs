@@ -38,7 +38,7 @@ impl Leases {
         }
     }
 
-    /// After a lease decision was counted (`metrics::record_lease_allowed`): the first since
+    /// After a lease decision was counted (`metrics::record_lease_allowed_named`): the first since
     /// the actor's last flush of the counts wakes it, so that the decision reaches the recorder
     /// within [`FLUSH_EVERY`](crate::metrics::FLUSH_EVERY) however quiet the service is. One
     /// relaxed load otherwise.

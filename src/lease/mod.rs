@@ -461,13 +461,13 @@ impl Leases {
                 if nudge {
                     self.nudge_soon(slot);
                 }
-                let guard = plans.pin();
-                match chosen
-                    .and_then(|(shared, index)| plans.entry_of(index as usize, shared, &guard))
-                {
-                    Some(entry) => crate::metrics::record_lease_allowed(&entry.counters),
-                    None if chosen.is_some() => record_given(plans, plan),
-                    None => record_named(plans, plan),
+                // Counted by the plan's name, without pinning the registry: the counters of a
+                // plan the policies chose are those of its labels while it is in force, none
+                // once a reload removed it (`PlanRegistry::counters_of_given`).
+                if chosen.is_some() {
+                    record_given(plans, plan);
+                } else {
+                    record_named(plans, plan);
                 }
                 self.counted();
                 Fast::Taken {
