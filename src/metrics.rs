@@ -4,12 +4,16 @@
 //! once to attach units and help texts. Every name starts with `tokenlease_`. `docs/metrics.md`
 //! says what each one means for an operator.
 //!
-//! The fast path records nothing shared: decisions answered from a lease are counted in a
-//! thread-local batch and added to the counters every 256 (so the counters may lag by up to
-//! 255 per thread).
+//! The fast path records nothing shared: a decision answered from a lease is counted in its
+//! thread's own count of its plan, which the lease actor adds to the counters at most every
+//! 250 ms while decisions come (so they reach the recorder within a quarter of a second, on a
+//! quiet service as on a busy one).
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
 
 use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 
@@ -367,106 +371,127 @@ pub(crate) fn record_latency(decided_by: DecidedBy, took: std::time::Duration) {
     metrics::histogram!(DECISION_SECONDS, "decided_by" => by).record(took);
 }
 
-/// Lease decisions not yet added to the counters, per thread: a few slots, each batching the
-/// decisions of one plan (chosen by an address: of the plan's counters, or of a plan its caller
-/// named), so that a thread that serves several plans does not flush at every change of plan.
-struct Batches([Batch; BATCH_SLOTS]);
+/// How often, at most, the lease actor adds the lease decisions the threads counted to the
+/// counters, while decisions keep coming (and once more after the last).
+pub(crate) const FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
-/// The batches a thread keeps at once.
+/// The plans a thread counts lease decisions for at once.
 const BATCH_SLOTS: usize = 4;
 
-/// Decisions batched before they are added to the counters.
-const BATCH: u64 = 256;
-
-/// One plan's pending lease decisions on this thread.
-struct Batch {
-    /// What the slot batches (0: nothing): the address of `held`, or, with the low bit set, the
-    /// address of `name`, the name of a plan its caller named, whose counters `held` is.
-    tag: Cell<usize>,
-    /// Decisions not yet added.
-    pending: Cell<u64>,
-    /// The counters they go to; held, so their address cannot be reused while tagged.
-    held: RefCell<Option<Arc<PlanCounters>>>,
-    /// The name of the plan `held` counts for, when its caller named it; held for the same
-    /// reason.
-    name: RefCell<Option<Arc<str>>>,
+/// One thread's lease decisions, per slot (a plan each), where any thread can add them to the
+/// counters: the thread itself when a slot changes plan or the thread ends, and the lease actor
+/// every [`FLUSH_EVERY`] while decisions come ([`flush_all`]).
+#[derive(Default)]
+struct Counts {
+    /// Decisions since each slot took its plan. Written by the owning thread alone, with a load
+    /// and a store (no read-modify-write, so no locked instruction on the fast path); read by
+    /// whoever flushes. Relaxed: a count that only grows, and the flusher adds the difference
+    /// from what it added before, so a stale read only leaves some for the next flush.
+    made: [AtomicU64; BATCH_SLOTS],
+    /// Where each slot's decisions go and how many were added. Locked by the owner only to
+    /// change a slot's plan, and by a flush.
+    book: Mutex<[Target; BATCH_SLOTS]>,
 }
 
-impl Batch {
-    const fn new() -> Batch {
-        Batch {
-            tag: Cell::new(0),
-            pending: Cell::new(0),
-            held: RefCell::new(None),
-            name: RefCell::new(None),
+/// Where one slot's decisions go.
+#[derive(Default)]
+struct Target {
+    /// The counters.
+    held: Option<Arc<PlanCounters>>,
+    /// The name of the plan `held` counts for, whose address is the slot's tag: held, so that
+    /// no other name takes that address meanwhile.
+    _name: Option<Arc<str>>,
+    /// Of the slot's `made`, those added to `held`.
+    added: u64,
+}
+
+impl Counts {
+    /// Adds what the slots made since the last flush to their counters; whether there was any.
+    fn flush(&self) -> bool {
+        let mut book = self.book.lock();
+        let mut any = false;
+        for (made, target) in self.made.iter().zip(book.iter_mut()) {
+            let made = made.load(Ordering::Relaxed);
+            if made > target.added {
+                if let Some(c) = &target.held {
+                    c.add_from_lease(made - target.added);
+                }
+                target.added = made;
+                any = true;
+            }
+        }
+        any
+    }
+}
+
+/// The counts of every thread that made a lease decision and has not ended.
+static THREADS: Mutex<Vec<Arc<Counts>>> = Mutex::new(Vec::new());
+
+/// A thread's side: what each slot counts for (`tag`: 0 for nothing, or the address of a plan's
+/// name with the low bit set), read by the thread alone, and its [`Counts`].
+struct Local {
+    tags: [Cell<usize>; BATCH_SLOTS],
+    counts: Arc<Counts>,
+}
+
+impl Local {
+    fn new() -> Local {
+        let counts = Arc::new(Counts::default());
+        THREADS.lock().push(Arc::clone(&counts));
+        Local {
+            tags: std::array::from_fn(|_| Cell::new(0)),
+            counts,
         }
     }
 
-    #[cold]
-    fn flush(&self) {
-        let n = self.pending.replace(0);
-        if n > 0
-            && let Some(c) = &*self.held.borrow()
-        {
-            c.add_from_lease(n);
-        }
-    }
-
-    /// One more decision pending; flushed at [`BATCH`].
+    /// One more decision on slot `i`.
     #[inline]
-    fn add_one(&self) {
-        let n = self.pending.get() + 1;
-        self.pending.set(n);
-        if n >= BATCH {
-            self.flush();
-        }
+    fn add_one(&self, i: usize) {
+        let made = &self.counts.made[i];
+        made.store(made.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
     }
 
-    /// Flushes what this slot holds and gives it to `counters` (of the plan called `name`, when
-    /// its caller named it), with one decision pending.
+    /// Adds what slot `i` holds and gives it to `counters` (of the plan called `name`), with
+    /// one decision made.
     #[cold]
-    fn switch(&self, counters: Arc<PlanCounters>, name: Option<Arc<str>>, tag: usize) {
-        self.flush();
-        *self.held.borrow_mut() = Some(counters);
-        *self.name.borrow_mut() = name;
-        self.tag.set(tag);
-        self.pending.set(1);
+    fn switch(&self, i: usize, counters: Arc<PlanCounters>, name: Arc<str>, tag: usize) {
+        let mut book = self.counts.book.lock();
+        let target = &mut book[i];
+        let made = self.counts.made[i].load(Ordering::Relaxed);
+        if made > target.added
+            && let Some(c) = &target.held
+        {
+            c.add_from_lease(made - target.added);
+        }
+        *target = Target {
+            held: Some(counters),
+            _name: Some(name),
+            added: 0,
+        };
+        self.counts.made[i].store(1, Ordering::Relaxed);
+        drop(book);
+        self.tags[i].set(tag);
     }
 }
 
-impl Drop for Batches {
+impl Drop for Local {
     fn drop(&mut self) {
-        // A thread that ends adds what it batched.
-        for b in &self.0 {
-            b.flush();
-        }
+        // A thread that ends adds what it counted, and leaves the list.
+        self.counts.flush();
+        THREADS.lock().retain(|c| !Arc::ptr_eq(c, &self.counts));
     }
 }
 
 thread_local! {
-    static FROM_LEASE: Batches = const { Batches([const { Batch::new() }; BATCH_SLOTS]) };
+    static FROM_LEASE: Local = Local::new();
 }
 
-/// Counts one decision allowed from a lease (a store call saved) on a plan's `counters` (held
-/// by the limiter's plan registry, at the plan's index), batched per thread: an increment of a
-/// thread-local count, and every 256 an increment of the plan's counters.
-#[inline]
-pub(crate) fn record_lease_allowed(counters: &Arc<PlanCounters>) {
-    let tag = Arc::as_ptr(counters) as usize;
-    let _ = FROM_LEASE.try_with(|batches| {
-        let b = &batches.0[slot_of(tag)];
-        if b.tag.get() == tag {
-            b.add_one();
-        } else {
-            b.switch(Arc::clone(counters), None, tag);
-        }
-    });
-}
-
-/// [`record_lease_allowed`] for a plan its caller named (not one of the policies' plans, which
-/// the registry holds by index): batched by the address of the plan's name, which the batch
-/// holds a clone of, so that no other name takes that address meanwhile; `counters` gives the
-/// plan's counters when the slot changes to it.
+/// Counts one decision allowed from a lease (a store call saved) under `plan`: an increment of
+/// the thread's own count, which the lease actor adds to the plan's counters within
+/// [`FLUSH_EVERY`] ([`flush_all`]); the caller tells the actor that counts wait
+/// (`Leases::counted`). Counted by the address of the plan's name, which the slot holds a clone
+/// of, so that no other name takes that address meanwhile; `counters` gives the plan's counters
+/// when the slot changes to it (a lookup by the plan's labels, off the fast path).
 ///
 /// Clones of a plan share its name (`Plan::shared_name`), whatever else of them differs: enough,
 /// since the two series a lease decision adds to,
@@ -478,31 +503,37 @@ pub(crate) fn record_lease_allowed_named(
     counters: impl FnOnce() -> Arc<PlanCounters>,
 ) {
     let name = plan.shared_name();
-    // Shared data is aligned to 8 bytes: the low bit tells a name's address from a counters'.
+    // With the low bit set, a tag is never 0 (nothing).
     let tag = Arc::as_ptr(name).cast::<u8>() as usize | 1;
-    let _ = FROM_LEASE.try_with(|batches| {
-        let b = &batches.0[slot_of(tag)];
-        if b.tag.get() == tag {
-            b.add_one();
+    let _ = FROM_LEASE.try_with(|local| {
+        let i = slot_of(tag);
+        if local.tags[i].get() == tag {
+            local.add_one(i);
         } else {
-            b.switch(counters(), Some(Arc::clone(name)), tag);
+            local.switch(i, counters(), Arc::clone(name), tag);
         }
     });
 }
 
-/// The batch slot of `tag`: a multiplicative hash of the address.
+/// The slot of `tag`: a multiplicative hash of the address.
 #[inline]
 fn slot_of(tag: usize) -> usize {
     (tag.wrapping_mul(0x9e37_79b9_7f4a_7c15_u64 as usize) >> (usize::BITS - 2)) % BATCH_SLOTS
 }
 
-/// Adds this thread's pending lease decisions to the counters now (tests and shutdown).
+/// Adds the lease decisions every thread counted to the counters now; whether there were any.
+/// The lease actor's flush (every [`FLUSH_EVERY`] while decisions come, and at shutdown).
+pub(crate) fn flush_all() -> bool {
+    THREADS
+        .lock()
+        .iter()
+        .fold(false, |any, counts| counts.flush() | any)
+}
+
+/// Adds this thread's lease decisions to the counters now, without waiting for the lease
+/// actor's next flush (tests).
 pub fn flush_thread() {
-    let _ = FROM_LEASE.try_with(|batches| {
-        for b in &batches.0 {
-            b.flush();
-        }
-    });
+    let _ = FROM_LEASE.try_with(|local| local.counts.flush());
 }
 
 #[cfg(test)]

@@ -21,13 +21,17 @@
 //!   it ([`PlanRegistry::pin`]) and the array it finds, with its entries, stays allocated until
 //!   it unpins (epoch-based reclamation; no `unsafe`). A `papaya` map of the entries themselves
 //!   never shrank: 65,000 plans and back to one left 4.7 MB of empty tables.
-//! - A released index finds no entry: the call takes the full path, as for a changed plan.
-//! - An entry put at an index that held another is marked [`Entry::reused`]. A record naming
-//!   it may mean the earlier plan, so a reader uses a reused entry only when the key's slot
-//!   holds the very same `Arc` of its plan (the slot keeps that plan alive, so no other plan
-//!   can be at that address). An entry never reused is the only plan its index ever named.
-//!   Fresh indices are taken first, so the fast path reads the slot only once 65,528 distinct
-//!   plans were given, and then only on reused indices.
+//! - Each index also has a state ([`PlanRegistry::state`]: [`LIVE`], [`REUSED`], or none), in
+//!   chunks kept for the registry's life, which `try_acquire`'s fast path reads with one load
+//!   instead of pinning the array: a released index is none, and the call takes the full path,
+//!   as for a changed plan.
+//! - An index given to another plan after a release is [`REUSED`]. A record naming it may mean
+//!   the earlier plan, so a reader uses it only when the key's slot holds the very same `Arc`
+//!   of the entry's plan (the slot keeps that plan alive, so no other plan can be at that
+//!   address). A [`LIVE`] index names the only plan it ever held, which is the plan the slot of
+//!   every record naming it holds: the fast path decides under the slot's plan. Fresh indices
+//!   are taken first, so the fast path pins the registry only once 65,528 distinct plans were
+//!   given, and then only on reused indices.
 //! - A call holds the `Arc` of the plan its policies chose, not a reference into the registry;
 //!   before it writes the plan's index into a record, and before it counts on the entry's
 //!   counters, it checks that the registry still holds that very plan at that index
@@ -36,18 +40,18 @@
 //! An entry is found from its plan's [`Identity`] through a hash map, so interning a policy
 //! is linear in its plans, whatever the registry holds.
 //!
-//! Each entry holds its plan's decision counters (`metrics::PlanCounters`): a call that knows its
-//! plan's index counts on them without a lookup. They hold their metric handles only while the
+//! Each plan's decision counters (`metrics::PlanCounters`) are in a map beside the entries, by
+//! their labels (name, fallback mode, shadow mode), for the entries' plans and the plans a
+//! caller names (`Limiter::try_acquire_with`) alike, so that one set of labels has one set of
+//! counters; a lease decision, counted per thread by the plan's name, looks them up only when a
+//! thread's count changes plan (`metrics.rs`). They hold their metric handles only while the
 //! plan is in force (`Limiter::reload` takes and releases them, `metrics/plan.rs`), and the
-//! registry forgets them once released ([`PlanRegistry::forget_released_counters`]). The plans
-//! a caller names (`Limiter::try_acquire_with`) have no index; their counters are found by
-//! their labels (name, fallback mode, shadow mode) in a map beside the entries, which the
-//! entries' own counters are in too, so that one set of labels has one set of counters.
+//! registry forgets them once released ([`PlanRegistry::forget_released_counters`]).
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
@@ -61,6 +65,29 @@ pub(crate) const MAX_PLANS: usize = crate::policy::MAX_PLANS;
 
 // A key's record names its plan by a 16-bit index, `u16::MAX` meaning "named by the caller".
 const _: () = assert!(MAX_PLANS < u16::MAX as usize);
+
+/// Indices in the first chunk of [`PlanRegistry::states`]; chunk `k` holds `FIRST << k`.
+const FIRST: usize = 8;
+/// Chunks of states: `FIRST · (2^CHUNKS − 1)` indices in all.
+const CHUNKS: usize = 13;
+
+// The chunks cover exactly the indices.
+const _: () = assert!(FIRST * ((1 << CHUNKS) - 1) == MAX_PLANS);
+
+/// [`PlanRegistry::state`] of an index that holds an entry never held by another plan: the
+/// only plan a record naming it can mean.
+pub(crate) const LIVE: u8 = 1;
+/// [`PlanRegistry::state`] of an index that holds an entry put where another was released: a
+/// record naming it may mean the earlier plan.
+pub(crate) const REUSED: u8 = 2;
+
+/// The chunk of states index `i` is in, and its place there.
+#[inline]
+fn locate(i: usize) -> (usize, usize) {
+    let n = i / FIRST + 1;
+    let chunk = (usize::BITS - 1 - n.leading_zeros()) as usize;
+    (chunk, i - FIRST * ((1 << chunk) - 1))
+}
 
 /// The registry's entries by index (`None` where there is none), as one array replaced whole
 /// by each reload that changes it.
@@ -105,16 +132,11 @@ type CountersMap = papaya::HashMap<Labels, Arc<PlanCounters>>;
 pub(crate) type Pinned<'r> =
     papaya::HashMapRef<'r, u8, Slots, foldhash::fast::RandomState, papaya::LocalGuard<'r>>;
 
-/// A plan the registry holds, and its decision counters.
+/// A plan the registry holds (its decision counters are in the map of counters, by its labels).
 #[derive(Debug)]
 pub(crate) struct Entry {
     /// The plan.
     pub(crate) plan: Arc<Plan>,
-    /// Its decision counters.
-    pub(crate) counters: Arc<PlanCounters>,
-    /// The index held another entry before this one: a record that names the index may mean
-    /// that one, and a reader checks (see the module docs).
-    pub(crate) reused: bool,
 }
 
 /// The labels a plan's counters are registered with.
@@ -216,6 +238,10 @@ struct Book {
 pub(crate) struct PlanRegistry {
     /// The entries, by index: one array, replaced by each reload that changes it.
     slots: Cell<Slots>,
+    /// Each index's state ([`LIVE`], [`REUSED`], 0 for none), in chunks made as the indices are
+    /// first used and kept for the registry's life (at most 64 KiB, 8 bytes for a policy of up
+    /// to 8 plans): what `try_acquire`'s fast path reads instead of pinning the entries.
+    states: [OnceLock<Box<[AtomicU8]>>; CHUNKS],
     /// Entries held now.
     live: AtomicUsize,
     /// Serialises writers (interning, releasing).
@@ -236,6 +262,7 @@ impl Default for PlanRegistry {
     fn default() -> PlanRegistry {
         PlanRegistry {
             slots: cell(),
+            states: std::array::from_fn(|_| OnceLock::new()),
             live: AtomicUsize::new(0),
             push: Mutex::default(),
             reload: Mutex::default(),
@@ -260,6 +287,30 @@ impl PlanRegistry {
     #[inline]
     pub(crate) fn pin(&self) -> Pinned<'_> {
         self.slots.pin()
+    }
+
+    /// The state of index `i`: [`LIVE`] when it holds an entry that no other plan held before
+    /// (a record naming `i` means that entry's plan, the one its slot holds), [`REUSED`] when
+    /// it holds one put where another was released (check the entry against the slot's plan),
+    /// 0 when it holds none. Two loads, no pin: set before the entries are published, cleared
+    /// before a release publishes the array without them. A reader that finds it stale by a
+    /// reload decides as a call that came just before the reload.
+    #[inline]
+    pub(crate) fn state(&self, i: usize) -> u8 {
+        let (chunk, offset) = locate(i);
+        self.states
+            .get(chunk)
+            .and_then(OnceLock::get)
+            .and_then(|states| states.get(offset))
+            .map_or(0, |s| s.load(Ordering::Acquire))
+    }
+
+    /// Sets the state of index `i` (below [`MAX_PLANS`]).
+    fn set_state(&self, i: usize, state: u8) {
+        let (chunk, offset) = locate(i);
+        let states = self.states[chunk]
+            .get_or_init(|| (0..FIRST << chunk).map(|_| AtomicU8::new(0)).collect());
+        states[offset].store(state, Ordering::Release);
     }
 
     /// Entry `i`, if the registry holds one there, found through `pinned` (from
@@ -473,16 +524,17 @@ impl PlanRegistry {
         } else {
             (book.free.pop().expect("room checked before") as usize, true)
         };
+        // The plan's counters, by its labels, without handles: `Limiter::reload` takes them for
+        // every plan in force.
+        self.counters_or(plan, PlanCounters::unheld);
         let entry = Entry {
             plan: Arc::clone(plan),
-            // Without handles: `Limiter::reload` takes them for every plan in force.
-            counters: self.counters_or(plan, PlanCounters::unheld),
-            reused,
         };
         if slots.len() <= index {
             slots.resize(index + 1, None);
         }
         slots[index] = Some(Arc::new(entry));
+        self.set_state(index, if reused { REUSED } else { LIVE });
         let index = u32::try_from(index).expect("below MAX_PLANS");
         book.by_identity
             .entry(Identity::of(plan))
@@ -522,6 +574,7 @@ impl PlanRegistry {
                 }
             }
             book.free.push(u32::try_from(i).expect("below MAX_PLANS"));
+            self.set_state(i, 0);
             released += 1;
         }
         if released == 0 {
@@ -591,6 +644,37 @@ mod tests {
         assert!(r.entry(102, &guard).is_none());
     }
 
+    #[test]
+    fn state_chunks_cover_every_index_once() {
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..MAX_PLANS {
+            let (chunk, offset) = locate(i);
+            assert!(chunk < CHUNKS && offset < FIRST << chunk, "{i}");
+            assert!(seen.insert((chunk, offset)));
+        }
+        assert_eq!(PlanRegistry::default().state(u16::MAX as usize), 0);
+    }
+
+    /// An index's state follows its entry: live when interned, none once released, reused
+    /// when another plan takes it.
+    #[test]
+    fn an_index_state_follows_its_entry() {
+        let r = PlanRegistry::default();
+        let (a, _) = r.intern(&plan("a", 1)).unwrap();
+        let (b, _) = r.intern(&plan("b", 1)).unwrap();
+        assert_eq!((r.state(a as usize), r.state(b as usize)), (LIVE, LIVE));
+        assert_eq!(r.state(b as usize + 1), 0, "no entry there");
+        r.release_all_but(&[b]);
+        assert_eq!((r.state(a as usize), r.state(b as usize)), (0, LIVE));
+        let fill: Vec<_> = (0..MAX_PLANS - 2)
+            .map(|n| plan("n", n as u64 + 2))
+            .collect();
+        r.intern_all(&fill).unwrap();
+        let (x, _) = r.intern(&plan("x", 1)).unwrap();
+        assert_eq!(x, a);
+        assert_eq!(r.state(x as usize), REUSED);
+    }
+
     /// One set of labels has one set of counters: an entry's, an equal plan's named by a
     /// caller, and those of another version of the plan with the same labels; a change of
     /// fallback mode or of shadow mode has its own.
@@ -598,9 +682,9 @@ mod tests {
     fn counters_are_found_by_their_labels() {
         use crate::policy::{FallbackMode, FallbackSettings};
         let r = PlanRegistry::default();
-        let (i, _) = r.intern(&plan("a", 10)).unwrap();
-        let guard = r.pin();
-        let held = &r.entry(i as usize, &guard).unwrap().counters;
+        let (i, shared) = r.intern(&plan("a", 10)).unwrap();
+        assert!(r.entry(i as usize, &r.pin()).is_some());
+        let held = &r.counters_of_given(&shared);
         assert!(Arc::ptr_eq(held, &r.counters_of(&plan("a", 10))));
         assert!(Arc::ptr_eq(held, &r.counters_of(&plan("a", 11))));
         let shadow = (*plan("a", 10)).clone().with_shadow(true);
@@ -633,7 +717,7 @@ mod tests {
         );
         // Fresh indices first: `a` again is a new entry at a new index.
         let (a2, _) = r.intern(&plan("a", 1)).unwrap();
-        assert!(a2 > b && !r.entry(a2 as usize, &guard).unwrap().reused);
+        assert!(a2 > b && r.state(a2 as usize) == LIVE);
         let fill: Vec<_> = (0..MAX_PLANS - 3)
             .map(|n| plan("n", n as u64 + 2))
             .collect();
@@ -645,7 +729,7 @@ mod tests {
         );
         let (x, _) = r.intern(&plan("x", 1)).unwrap();
         assert_eq!(x, a);
-        assert!(r.entry(x as usize, &guard).unwrap().reused);
+        assert_eq!(r.state(x as usize), REUSED);
         assert_eq!(r.len(), MAX_PLANS);
     }
 

@@ -54,10 +54,7 @@ impl Leases {
         if self.was_removed(&slot.key) {
             return Err(FallbackCause::Returning);
         }
-        if !self.refills_answer()
-            || now.saturating_sub(self.refill_ok_at.load(Ordering::Acquire))
-                > CREDIT_FRESH.as_nanos() as u64
-        {
+        if !self.store_answers() {
             return Err(FallbackCause::Unanswered);
         }
         let bound = actor::largest_lease(slot, 0);
@@ -82,6 +79,16 @@ impl Leases {
     pub(crate) fn count_fallback(&self, cause: FallbackCause) {
         self.counters.fallback[cause as usize].fetch_add(1, Ordering::Relaxed);
         metrics::counter!(crate::metrics::LEASE_FALLBACK, "cause" => cause.label()).increment(1);
+    }
+
+    /// Whether the store answers: a refill statement of the actor answered in the last
+    /// [`CREDIT_FRESH`], and none failed since.
+    pub(crate) fn store_answers(&self) -> bool {
+        self.refills_answer()
+            && self
+                .now()
+                .saturating_sub(self.refill_ok_at.load(Ordering::Acquire))
+                <= CREDIT_FRESH.as_nanos() as u64
     }
 
     /// Whether a refill statement of the actor has answered, and none failed since.

@@ -34,7 +34,9 @@ use crate::policy::Plan;
 use crate::store::Store;
 
 mod actor;
+mod counted;
 mod credit;
+use counted::{record_given, record_named};
 mod credit_rules;
 pub(crate) use credit_rules::FallbackCause;
 use credit_rules::{FALLBACK_CAUSES, REMOVED_WORDS};
@@ -124,6 +126,10 @@ pub(crate) struct TableSettings {
 pub(crate) struct Leases {
     /// Key → slot (`table.rs`): lock-free lookups, the key inline next to its slot.
     table: Table,
+    /// Lease decisions were counted since the actor's last flush of the threads' counts
+    /// (`metrics::flush_all`): set by the first caller after a flush (which wakes the actor),
+    /// cleared by the flush. Read by every lease decision, written twice per flush period.
+    counts_due: AtomicBool,
     /// One shared copy of each plan the slots use, by name.
     plans: papaya::HashMap<String, Arc<Plan>>,
     settings: TableSettings,
@@ -257,6 +263,7 @@ impl Leases {
             table: Table::new(Slab::new(
                 settings.max_entries.saturating_mul(2).saturating_add(4096),
             )),
+            counts_due: AtomicBool::new(false),
             plans: papaya::HashMap::new(),
             settings,
             nudges: ArrayQueue::new(NUDGES),
@@ -454,14 +461,15 @@ impl Leases {
                 if nudge {
                     self.nudge_soon(slot);
                 }
-                let guard = plans.pin();
-                match chosen
-                    .and_then(|(shared, index)| plans.entry_of(index as usize, shared, &guard))
-                {
-                    Some(entry) => crate::metrics::record_lease_allowed(&entry.counters),
-                    None if chosen.is_some() => record_given(plans, plan),
-                    None => record_named(plans, plan),
+                // Counted by the plan's name, without pinning the registry: the counters of a
+                // plan the policies chose are those of its labels while it is in force, none
+                // once a reload removed it (`PlanRegistry::counters_of_given`).
+                if chosen.is_some() {
+                    record_given(plans, plan);
+                } else {
+                    record_named(plans, plan);
                 }
+                self.counted();
                 Fast::Taken {
                     left,
                     store_remaining: hot.store_remaining.load(Ordering::Relaxed),
@@ -472,11 +480,16 @@ impl Leases {
     }
 
     /// `try_acquire`'s fast path: spends from the lease of a key already in the table whose plan
-    /// the policies chose, reading that plan from the key's record (`plans[index]`) instead of
-    /// matching the key's prefixes. `cost` converts the caller's cost under that plan (it
-    /// may refuse it). `None` when this path cannot answer: the key is not in the table, its plan
-    /// was named by a caller, or its lease is short. Then nothing was changed, and the caller
-    /// takes the full path.
+    /// the policies chose, under the plan its slot holds, which the key's record names by its
+    /// index in the registry, instead of matching the key's prefixes. `cost` converts the
+    /// caller's cost under that plan (it may refuse it). `None` when this path cannot answer:
+    /// the key is not in the table, its plan was named by a caller or has left the registry
+    /// (a reload removed it: the slot's lease is not spent under it here), or its lease is
+    /// short. Then nothing was changed, and the caller takes the full path.
+    ///
+    /// The registry is not pinned: one load of the index's state says whether the index still
+    /// holds the record's plan ([`PlanRegistry::state`]); only an index given to another plan
+    /// after a release (once 65,528 distinct plans were given) is checked against its entry.
     #[inline]
     pub(crate) fn try_take_known<E>(
         &self,
@@ -486,15 +499,13 @@ impl Leases {
     ) -> Option<Result<Known, E>> {
         let table = self.table.pin();
         let (slot, hot) = table.get(key)?;
-        let guard = plans.pin();
-        let entry = plans.entry(hot.plan.load(Ordering::Relaxed) as usize, &guard)?;
-        // A reused entry may not be the plan the record named (a reload released that one and
-        // gave its index to another): it is when the slot holds the very same `Arc`. Only then
-        // is the slot read; an entry never reused is the record's plan.
-        if entry.reused && !Arc::ptr_eq(&entry.plan, &slot.plan) {
-            return None;
+        let index = hot.plan.load(Ordering::Relaxed) as usize;
+        match plans.state(index) {
+            crate::plans::LIVE => {}
+            crate::plans::REUSED if plans.entry_of(index, &slot.plan, &plans.pin()).is_some() => {}
+            _ => return None,
         }
-        let (plan, counters) = (&entry.plan, &entry.counters);
+        let plan: &Plan = &slot.plan;
         let nanos = match cost(plan) {
             Ok(nanos) => nanos,
             Err(e) => return Some(Err(e)),
@@ -507,7 +518,8 @@ impl Leases {
                 if nudge {
                     self.nudge_soon(slot);
                 }
-                crate::metrics::record_lease_allowed(counters);
+                record_given(plans, plan);
+                self.counted();
                 Some(Ok(Known {
                     capacity: plan.capacity(),
                     left,
@@ -602,7 +614,9 @@ impl Leases {
 
     /// Waits for `slot`'s refill and spends `cost` from it, until `deadline`. `plans` holds the
     /// counters of the slot's plan; `given`: the policies chose the call's plan. A `Failing` or `Short` answer sends the call to the
-    /// fallback, and is counted by its cause here.
+    /// fallback, and is counted by its cause here; `Sparse`, a call that waited out its
+    /// deadline while refills of the key landed, got no credit, and the store answers, is
+    /// decided by one store call.
     ///
     /// # Cancel safety
     ///
@@ -622,7 +636,11 @@ impl Leases {
             } else {
                 record_named(plans, plan);
             }
+            self.counted();
         };
+        // The actor answered for the slot while the call waited (a refill landed, and others
+        // took it), as opposed to a refill of the key that is stuck.
+        let mut landed = false;
         loop {
             let notified = slot.notify().notified();
             tokio::pin!(notified);
@@ -659,12 +677,16 @@ impl Leases {
                     }
                     if !pending {
                         self.ask_refill(&slot, cost);
+                    } else {
+                        // Maybe a low-water nudge, gathered for up to `GATHER`: a caller waits.
+                        self.hurry();
                     }
                 }
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 break;
             }
+            landed = true;
         }
         // The refill is late: admit the call against it instead of sending it to the fallback,
         // when the rules of `credit` allow.
@@ -675,6 +697,13 @@ impl Leases {
                     left: 0,
                     store_remaining: slot.hot().store_remaining.load(Ordering::Relaxed),
                 }
+            }
+            // No credit, but refills of the key landed (others took them) and the store
+            // answers: one store call decides, exactly, not the fallback.
+            Err(FallbackCause::AtBound | FallbackCause::Returning)
+                if landed && self.store_answers() =>
+            {
+                Fast::Sparse(slot)
             }
             Err(cause) => {
                 self.count_fallback(cause);
@@ -703,34 +732,6 @@ impl Leases {
                 plans.insert(plan.name().to_owned(), Arc::clone(&shared));
                 shared
             }
-        }
-    }
-
-    /// Tells the actor that `slot` wants a refill. Never blocks.
-    fn nudge(&self, slot: &SlotRef) {
-        self.queue(slot);
-        self.urgent.store(true, Ordering::Release);
-        self.wake.notify_one();
-    }
-
-    /// Asks for a refill of a lease that crossed its low-water mark and still pays its callers:
-    /// nobody waits, so the actor gathers these for up to [`GATHER`] and refills them together.
-    /// Only the first such nudge of a gathering wakes the actor (a wake-up of a parked thread is
-    /// a system call), and one that finds the queue half full, so that it is drained before it
-    /// overflows. The lease's low-water share is sized to last a refill plus a tick
-    /// (`actor/sizing.rs::target_size`), which covers the gathering.
-    #[inline]
-    fn nudge_soon(&self, slot: &SlotRef) {
-        self.queue(slot);
-        if !self.soon.swap(true, Ordering::AcqRel) || self.nudges.len() >= NUDGES / 2 {
-            self.wake.notify_one();
-        }
-    }
-
-    fn queue(&self, slot: &SlotRef) {
-        // A full queue drops the nudge; the actor's next round then scans for PENDING slots.
-        if self.nudges.push(SlotRef::clone(slot)).is_err() {
-            self.overflowed.store(true, Ordering::Release);
         }
     }
 
@@ -778,17 +779,4 @@ impl Leases {
         self.stopping.store(true, Ordering::Release);
         self.wake.notify_one();
     }
-}
-
-/// Counts a decision allowed from a lease under `plan`, a plan without a registry index (named
-/// by its caller, or a slot's shared copy): on the counters `plans` holds for its labels.
-#[inline]
-fn record_named(plans: &PlanRegistry, plan: &Plan) {
-    crate::metrics::record_lease_allowed_named(plan, || plans.counters_of(plan));
-}
-
-/// [`record_named`] for a plan the policies chose: on no counters once a reload removed it.
-#[inline]
-fn record_given(plans: &PlanRegistry, plan: &Plan) {
-    crate::metrics::record_lease_allowed_named(plan, || plans.counters_of_given(plan));
 }

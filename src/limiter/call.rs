@@ -263,7 +263,10 @@ impl Limiter {
                         let step = self.start(named, key, asked)?;
                         Box::pin(self.finish(step, now, named, key, asked, false)).await
                     }
-                    Fast::NoRoom | Fast::Sparse(..) | Fast::Gone => self
+                    // Waited out `max_wait` with no credit while the store answers: one store
+                    // call decides, and the lease table hears of it, as for a sparse key.
+                    Fast::Sparse(slot) => self.sparse(plan, stored, cost, now, &slot).await,
+                    Fast::NoRoom | Fast::Gone => self
                         .direct(plan, stored, cost, now)
                         .await
                         .map(|d| self.recorded(plan, d)),
@@ -277,23 +280,32 @@ impl Limiter {
                 .direct(&plan, stored, cost, now)
                 .await
                 .map(|d| self.recorded(&plan, d)),
-            Step::Sparse { plan, cost, slot } => {
-                let plan = &plan;
-                let decision = self.direct(plan, stored, cost, now).await?;
-                let by_store = decision.decided_by == DecidedBy::Store;
-                let spent = if decision.allowed && by_store {
-                    lease_cost(cost)
-                } else {
-                    0
-                };
-                let denied_for = (!decision.allowed && by_store)
-                    .then(|| u64::try_from(decision.retry_after.as_nanos()).unwrap_or(u64::MAX));
-                let failed = matches!(decision.decided_by, DecidedBy::Fallback(_));
-                self.leases()
-                    .record_direct(&slot, spent, denied_for, failed);
-                Ok(self.recorded(plan, decision))
-            }
+            Step::Sparse { plan, cost, slot } => self.sparse(&plan, stored, cost, now, &slot).await,
         }
+    }
+
+    /// One store call decides a leased key's call ([`Step::Sparse`], or a wait that ended
+    /// without credit while the store answers), and the lease table hears of it.
+    async fn sparse(
+        &self,
+        plan: &PlanRef<'_>,
+        stored: &str,
+        cost: Tokens,
+        now: Instant,
+        slot: &crate::lease::SlotRef,
+    ) -> Result<Decision, Error> {
+        let decision = self.direct(plan, stored, cost, now).await?;
+        let by_store = decision.decided_by == DecidedBy::Store;
+        let spent = if decision.allowed && by_store {
+            lease_cost(cost)
+        } else {
+            0
+        };
+        let denied_for = (!decision.allowed && by_store)
+            .then(|| u64::try_from(decision.retry_after.as_nanos()).unwrap_or(u64::MAX));
+        let failed = matches!(decision.decided_by, DecidedBy::Fallback(_));
+        self.leases().record_direct(slot, spent, denied_for, failed);
+        Ok(self.recorded(plan, decision))
     }
 
     /// Decides from the lease alone, never waiting: `Ok(None)` when that would need the store

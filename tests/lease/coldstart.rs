@@ -328,3 +328,98 @@ async fn c12_refills_that_time_out_twice_in_a_row_fail() {
     gate.hold.store(false, Ordering::SeqCst);
     limiter.shutdown().await;
 }
+
+/// One instance of E12's shape: a limiter as `tokenlease loadtest` builds one (its own pool of
+/// 4, a 50 ms call timeout, a 40 ms pool wait, server timeouts of 100 ms, a circuit breaker in
+/// front), with the library's default limiter settings.
+async fn loadtest_instance(db: &TestDatabase) -> Limiter {
+    let store = PostgresStore::builder(&db.connection_string())
+        .expect("store")
+        .pool_size(4)
+        .call_timeout(Duration::from_millis(50))
+        .pool_wait_timeout(Duration::from_millis(40))
+        .statement_timeout(Duration::from_millis(100))
+        .lock_timeout(Duration::from_millis(100))
+        .build()
+        .await
+        .expect("store");
+    Limiter::builder(tokenlease::store::CircuitBreaker::new(store)).build()
+}
+
+/// E12: the default leased load test's shape at cold start on a healthy PostgreSQL. Two
+/// instances of 16 tasks each, every task a closed loop paced at 625 calls a second (20,000 a
+/// second in all) on one hot key new to both, under the load test's plan (capacity 100, 50 a
+/// second, the default lease settings: `B` = 10 tokens, `max_wait` 50 ms; the `deny`
+/// fallback). For its first two seconds: no call is decided by the fallback, and every window
+/// admits at most `C + r·(w + 0.02) + N·B`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e12_the_default_leased_load_test_has_no_fallback_at_cold_start() {
+    use tokenlease::policy::{FallbackMode, FallbackSettings};
+    const INSTANCES: usize = 2;
+    const TASKS: usize = 16;
+    const CAPACITY: f64 = 100.0;
+    const RATE: f64 = 50.0;
+    const RUN: Duration = Duration::from_secs(2);
+    let _serial = common::serial().await;
+    let db = common::database().await;
+    let mut limiters = Vec::new();
+    for _ in 0..INSTANCES {
+        limiters.push(loadtest_instance(&db).await);
+    }
+    let plan = Plan::new("loadtest", common::bucket(CAPACITY as u64, RATE))
+        .with_fallback(FallbackSettings::new(FallbackMode::Deny))
+        .with_lease(LeaseSettings::default());
+    let origin = tokio::time::Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for limiter in &limiters {
+        for task in 0..TASKS {
+            let (limiter, plan) = (limiter.clone(), plan.clone());
+            tasks.spawn(async move {
+                // Each task's slots 1.6 ms apart, the tasks spread over one period, as the
+                // load test paces them; a late answer delays the next call (a closed loop).
+                let period = Duration::from_micros(1_600);
+                let start = origin + period * task as u32 / TASKS as u32;
+                let mut pace = tokio::time::interval_at(start, period);
+                pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let mut seen = Vec::new();
+                while origin.elapsed() < RUN {
+                    pace.tick().await;
+                    let d = limiter
+                        .try_acquire_with(&plan, "loadtest:0", 1.0)
+                        .await
+                        .expect("decision");
+                    seen.push((origin.elapsed().as_secs_f64(), d.allowed, d.decided_by));
+                }
+                seen
+            });
+        }
+    }
+    let seen: Vec<(f64, bool, DecidedBy)> = tasks.join_all().await.concat();
+    let stats: Vec<_> = limiters.iter().map(|l| l.lease_stats()).collect();
+    let fallback = seen
+        .iter()
+        .filter(|s| matches!(s.2, DecidedBy::Fallback(_)))
+        .count();
+    assert_eq!(
+        fallback,
+        0,
+        "fallback decisions out of {} calls: {stats:#?}",
+        seen.len()
+    );
+    let mut admitted: Vec<(f64, f64)> = seen.iter().filter(|s| s.1).map(|s| (s.0, 1.0)).collect();
+    admitted.sort_by(|a, b| a.0.total_cmp(&b.0));
+    assert!(
+        admitted.len() as f64 >= CAPACITY,
+        "{} admitted",
+        admitted.len()
+    );
+    // N·B: each instance's largest lease, a tenth of the capacity.
+    let bound = CAPACITY + INSTANCES as f64 * CAPACITY * 0.1;
+    for w in [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0] {
+        let (excess, sum) = common::worst_window(&admitted, w, bound, RATE, 0.02);
+        assert!(excess <= 1e-9, "window {w} s: {sum} admitted");
+    }
+    for limiter in limiters {
+        limiter.shutdown().await;
+    }
+}

@@ -139,6 +139,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
         adopt(leases, &mut timers);
     }
     let mut gauges = Gauges::default();
+    let mut counts = CountsFlush::default();
     let carried = std::mem::take(&mut *leases.carry.lock());
     let mut returns = Carried::new(leases, carried);
     let returns = &mut returns.items;
@@ -150,6 +151,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
             gauges.due(tick, leases.table.len()),
             retry_due(returns, leases.now()),
             lanes.held_until,
+            counts.due(leases),
         ]
         .into_iter()
         .flatten()
@@ -175,6 +177,7 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
             },
         }
         leases.set_idle(false);
+        counts.flush_if_due(leases);
         if let Some(done) = answered.take() {
             // An answer alone: apply it and give its lane its next statement. Nudges that came
             // meanwhile have left the wake-up's permit, so the next round follows at once.
@@ -260,6 +263,38 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
     shut_down(leases, returns, &mut ids).await;
     publish_counters(leases);
     publish_outstanding(leases);
+    m::flush_all();
+}
+
+/// When the actor adds the lease decisions the threads counted to the counters
+/// (`metrics::flush_all`): at most every [`FLUSH_EVERY`](m::FLUSH_EVERY) while decisions come
+/// (a caller that counts the first since a flush wakes the actor, `Leases::counted`), and once
+/// more a period after the last, for a decision whose count was not yet visible to the flush
+/// before (its caller saw the mark of the earlier period still set). A quiet limiter makes no
+/// flush and no wake-up.
+#[derive(Default)]
+struct CountsFlush {
+    /// When the last flush was made (local ns).
+    flushed_at: u64,
+    /// A flush follows one that found counts, a period later.
+    trailing: bool,
+}
+
+impl CountsFlush {
+    fn due(&self, leases: &Leases) -> Option<u64> {
+        let period = m::FLUSH_EVERY.as_nanos() as u64;
+        (self.trailing || leases.counts_due()).then(|| self.flushed_at.saturating_add(period))
+    }
+
+    fn flush_if_due(&mut self, leases: &Leases) {
+        let now = leases.now();
+        if self.due(leases).is_some_and(|at| at <= now) {
+            let marked = leases.take_counts_due();
+            let found = m::flush_all();
+            self.flushed_at = now;
+            self.trailing = marked || found;
+        }
+    }
 }
 
 /// After a round or an answer: publishes the counters if the actor `worked`, and the gauges
@@ -354,4 +389,5 @@ pub(super) async fn shut_down_here(leases: &Leases) {
     shut_down(leases, &mut returns.items, &mut ids).await;
     publish_counters(leases);
     publish_outstanding(leases);
+    m::flush_all();
 }
