@@ -81,7 +81,7 @@ async fn two_instances_share_one_key_through_leases() {
     );
 }
 
-/// C1 with strict accounting (issue #8): the same run, but every sliding window holds the ideal
+/// C1 with strict accounting: the same run, but every sliding window holds the ideal
 /// bucket's envelope `C + r·(w + ε)` with no lease term; admissions still reach 0.8 of the ideal
 /// and leases still batch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

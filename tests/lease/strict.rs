@@ -1,4 +1,4 @@
-//! Strict lease accounting (issue #8): the store counts every live lease against the bucket's
+//! Strict lease accounting: the store counts every live lease against the bucket's
 //! capacity, so leased mode admits no more in any window than one ideal bucket, with no lease
 //! term in the bound. Here: C5 in strict mode, the lull-then-burst case strict
 //! accounting exists for (relaxed as its negative control), and refunds. C1 strict sits beside

@@ -1,4 +1,4 @@
-//! The store on a real Citus cluster (issue #30, Z1–Z5 in docs/testing.md): a coordinator and
+//! The store on a real Citus cluster (Z1–Z11 in docs/testing.md): a coordinator and
 //! two workers started by each test ([`TempCitus`]), the tables distributed by `migrate`, every
 //! call routed to one worker, faults per worker, and the C1 envelope through the cluster.
 //!
