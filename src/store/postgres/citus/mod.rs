@@ -212,53 +212,20 @@ impl Citus {
         requests: &[AcquireRequest<'_>],
         which: &[usize],
     ) -> Vec<Result<Acquired, StoreError>> {
-        let topology = self.current();
-        let mut answers = Self::take_on(&topology, deadline, requests, which).await;
-        let again: Vec<usize> = (0..which.len())
-            .filter(|&n| answers[n].as_ref().is_err_and(stale))
-            .collect();
-        if again.is_empty() {
-            return answers;
-        }
-        let next = match self.reload(topology.generation).await {
-            Ok(next) => next,
-            Err(_) => return answers,
-        };
-        let resend: Vec<usize> = again.iter().map(|&n| which[n]).collect();
-        let retried = Self::take_on(&next, deadline, requests, &resend).await;
-        for (n, answer) in again.into_iter().zip(retried) {
-            answers[n] = answer;
-        }
-        answers
-    }
-
-    async fn take_on(
-        topology: &Topology,
-        deadline: tokio::time::Instant,
-        requests: &[AcquireRequest<'_>],
-        which: &[usize],
-    ) -> Vec<Result<Acquired, StoreError>> {
-        let groups = by_node(&topology.map, which, |i| requests[i].key);
-        let calls = groups.iter().map(|(node, group)| {
-            topology.lanes[*node].take_contained(
-                deadline,
-                requests,
-                group,
-                Path::Citus(&topology.map),
+        self.with_reload(which, |topology, which| async move {
+            per_node(
+                &topology,
+                &which,
+                |i| requests[i].key,
+                |lane, group, map| async move {
+                    lane.take_contained(deadline, requests, &group, Path::Citus(map))
+                        .await
+                },
+                |i| no_row(requests[i].key),
             )
-        });
-        let mut out: HashMap<usize, Result<Acquired, StoreError>> =
-            HashMap::with_capacity(which.len());
-        for ((_, group), answers) in groups.iter().zip(join_all(calls).await) {
-            out.extend(group.iter().copied().zip(answers));
-        }
-        which
-            .iter()
-            .map(|i| {
-                out.remove(i)
-                    .unwrap_or_else(|| Err(no_row(requests[*i].key)))
-            })
-            .collect()
+            .await
+        })
+        .await
     }
 
     /// [`Store::give_back_each`](crate::store::Store::give_back_each) on Citus for the returns
@@ -271,51 +238,47 @@ impl Citus {
         returns: &[GiveBack<'_>],
         which: &[usize],
     ) -> Vec<Result<bool, StoreError>> {
+        self.with_reload(which, |topology, which| async move {
+            per_node(
+                &topology,
+                &which,
+                |i| returns[i].key,
+                |lane, group, map| async move {
+                    lane.give_contained(deadline, returns, &group, Path::Citus(map))
+                        .await
+                },
+                |_| StoreError::Protocol("a return unanswered".into()),
+            )
+            .await
+        })
+        .await
+    }
+
+    /// `run` on the positions `which` with the map in force; the positions a node refused as
+    /// [`stale`] run once more with the map read again. One answer per position of `which`.
+    async fn with_reload<T, F, Fut>(&self, which: &[usize], run: F) -> Vec<Result<T, StoreError>>
+    where
+        F: Fn(Arc<Topology>, Vec<usize>) -> Fut,
+        Fut: std::future::Future<Output = Vec<Result<T, StoreError>>>,
+    {
         let topology = self.current();
-        let mut answers = Self::give_on(&topology, deadline, returns, which).await;
+        let generation = topology.generation;
+        let mut answers = run(topology, which.to_vec()).await;
         let again: Vec<usize> = (0..which.len())
             .filter(|&n| answers[n].as_ref().is_err_and(stale))
             .collect();
         if again.is_empty() {
             return answers;
         }
-        let Ok(next) = self.reload(topology.generation).await else {
+        let Ok(next) = self.reload(generation).await else {
             return answers;
         };
         let resend: Vec<usize> = again.iter().map(|&n| which[n]).collect();
-        let retried = Self::give_on(&next, deadline, returns, &resend).await;
+        let retried = run(next, resend).await;
         for (n, answer) in again.into_iter().zip(retried) {
             answers[n] = answer;
         }
         answers
-    }
-
-    async fn give_on(
-        topology: &Topology,
-        deadline: tokio::time::Instant,
-        returns: &[GiveBack<'_>],
-        which: &[usize],
-    ) -> Vec<Result<bool, StoreError>> {
-        let groups = by_node(&topology.map, which, |i| returns[i].key);
-        let calls = groups.iter().map(|(node, group)| {
-            topology.lanes[*node].give_contained(
-                deadline,
-                returns,
-                group,
-                Path::Citus(&topology.map),
-            )
-        });
-        let mut out: HashMap<usize, Result<bool, StoreError>> = HashMap::with_capacity(which.len());
-        for ((_, group), answers) in groups.iter().zip(join_all(calls).await) {
-            out.extend(group.iter().copied().zip(answers));
-        }
-        which
-            .iter()
-            .map(|i| {
-                out.remove(i)
-                    .unwrap_or_else(|| Err(StoreError::Protocol("a return unanswered".into())))
-            })
-            .collect()
     }
 
     /// [`Store::delete_idle`](crate::store::Store::delete_idle) on Citus: one call of
@@ -553,6 +516,34 @@ fn by_node<'a>(
     }
     groups.retain(|(_, g)| !g.is_empty());
     groups
+}
+
+/// `call` on each node's part of the positions `which` (grouped by the node of `key(i)`), every
+/// node side by side, each through its own pool; one answer per position of `which`, and
+/// `missing(i)` for a position its node's call did not answer.
+async fn per_node<'a, T, F, Fut>(
+    topology: &'a Topology,
+    which: &[usize],
+    key: impl Fn(usize) -> &'a str,
+    call: F,
+    missing: impl Fn(usize) -> StoreError,
+) -> Vec<Result<T, StoreError>>
+where
+    F: Fn(&'a PostgresStore, Vec<usize>, &'a ShardMap) -> Fut,
+    Fut: std::future::Future<Output = Vec<Result<T, StoreError>>>,
+{
+    let groups = by_node(&topology.map, which, key);
+    let calls = groups
+        .iter()
+        .map(|(node, group)| call(&topology.lanes[*node], group.clone(), &topology.map));
+    let mut out: HashMap<usize, Result<T, StoreError>> = HashMap::with_capacity(which.len());
+    for ((_, group), answers) in groups.iter().zip(join_all(calls).await) {
+        out.extend(group.iter().copied().zip(answers));
+    }
+    which
+        .iter()
+        .map(|i| out.remove(i).unwrap_or_else(|| Err(missing(*i))))
+        .collect()
 }
 
 mod distribute;
