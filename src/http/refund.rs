@@ -182,12 +182,8 @@ pub(crate) async fn give_back(
     key: &str,
     givable: bool,
 ) -> bool {
-    if skipped(givable) {
-        return false;
-    }
-    if limiter.refund_now(plan, key) {
-        metrics::counter!(HTTP_REFUNDS, "result" => "credited").increment(1);
-        return true;
+    if let Some(credited) = settled_here(limiter, plan, key, givable) {
+        return credited;
     }
     give_backs.give_back(limiter.store(), plan, key).await
 }
@@ -201,13 +197,22 @@ pub(crate) fn give_back_detached(
     key: &str,
     givable: bool,
 ) -> bool {
-    if skipped(givable) {
-        return false;
-    }
-    if limiter.refund_now(plan, key) {
-        metrics::counter!(HTTP_REFUNDS, "result" => "credited").increment(1);
-        return true;
+    if let Some(credited) = settled_here(limiter, plan, key, givable) {
+        return credited;
     }
     give_backs.give_back_with(limiter.store(), plan, key, None);
     false
+}
+
+/// What both give-backs settle without the store: `Some(false)` for a token not to be given
+/// back, `Some(true)` once it is back in the lease; `None` when it must go to the store.
+fn settled_here(limiter: &Limiter, plan: &Plan, key: &str, givable: bool) -> Option<bool> {
+    if skipped(givable) {
+        return Some(false);
+    }
+    if limiter.refund_now(plan, key) {
+        metrics::counter!(HTTP_REFUNDS, "result" => "credited").increment(1);
+        return Some(true);
+    }
+    None
 }
