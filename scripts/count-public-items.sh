@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Counts the public items reachable from the `tokenlease` crate's root, from rustdoc's HTML, and
-# fails when there are more than the limit ($1, default 150). Run after
+# fails when there are more than the limit ($1, default 160). Run after
 # `cargo doc --no-deps --all-features` (stable rustdoc; .ci/run runs it after its doc step).
 #
 # What is counted: every named item a user can write a path to, as rustdoc lists it in
@@ -12,7 +12,7 @@
 # not counted. An item re-exported at several paths has one page and counts once.
 set -euo pipefail
 
-limit="${1:-150}"
+limit="${1:-160}"
 root="${CARGO_TARGET_DIR:-target}/doc/tokenlease"
 if [[ ! -f "$root/all.html" ]]; then
     echo "no $root/all.html: run cargo doc --no-deps --all-features first" >&2
