@@ -329,7 +329,8 @@ async fn guard_bodies(citus: &TempCitus) -> Vec<String> {
 }
 
 /// Z12: a cluster migrated by an older build (its guard body and its fingerprint stamp) gets
-/// this build's guard on every node at the next `migrate`, and the store decides through it.
+/// this build's guard on every node at the next `migrate`, which passes each worker's own
+/// shards and refuses the others, and the store decides through it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_replaces_an_older_builds_guard_on_every_node() {
     let citus = migrated(2).await;
@@ -357,6 +358,41 @@ async fn migrate_replaces_an_older_builds_guard_on_every_node() {
         .expect("the stamp")
         .get(0);
     assert_ne!(stamp, "tokenlease citus 000000000000000000000000");
+    // On each worker the guard passes the shards placed there and refuses any other
+    // (SQLSTATE 55000, which the store reads as a stale map).
+    let shards = c
+        .query(
+            "SELECT s.shardid, n.nodeport::integer FROM pg_dist_shard AS s \
+             JOIN pg_dist_placement AS p ON p.shardid = s.shardid \
+             JOIN pg_dist_node AS n ON n.groupid = p.groupid \
+             WHERE s.logicalrelid = 'tokenlease_buckets'::regclass ORDER BY s.shardid",
+            &[],
+        )
+        .await
+        .expect("placements");
+    for w in citus.workers() {
+        let on = client(&w.connection_string("postgres")).await;
+        for row in &shards {
+            let (shard, port): (i64, i32) = (row.get(0), row.get(1));
+            let called = on
+                .query_one(
+                    "SELECT tokenlease_citus_hold(ARRAY[$1::bigint], ARRAY['k'])",
+                    &[&shard],
+                )
+                .await;
+            if port == i32::from(w.port()) {
+                let keys: Vec<String> = called.expect("its own shard passes").get(0);
+                assert_eq!(keys, ["k"]);
+            } else {
+                let err = called.expect_err("a shard placed elsewhere is refused");
+                assert_eq!(
+                    err.code(),
+                    Some(&tokio_postgres::error::SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE),
+                    "{err}"
+                );
+            }
+        }
+    }
     let store = store(&citus, 2).await;
     let keys = keys_of_every_shard(&citus, "z12").await;
     let requests: Vec<AcquireRequest<'_>> = keys.iter().map(|(k, _)| req(k, 3)).collect();
