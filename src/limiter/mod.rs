@@ -11,8 +11,9 @@
 //! future, [`Acquire`], whose first poll is the lease's fast path; `call.rs`, the rest of a
 //! call (the lease's slow path, direct mode, the fallback) and the other ways to take or give
 //! back tokens; `decisions.rs` and `cost.rs`, how a decision is built and how a cost is
-//! checked; and `coalesce.rs`, the direct-mode coalescer. Each names only files listed after
-//! it here and this one (the layering of DESIGN.md §11).
+//! checked; `coalesce.rs`, the direct-mode coalescer; and `wait.rs`,
+//! [`Limiter::acquire_until`], a call that waits in line for its tokens. Each names only files
+//! listed after it here and this one (the layering of DESIGN.md §11).
 
 use std::sync::Arc;
 use std::sync::OnceLock;
@@ -37,12 +38,14 @@ mod decisions;
 #[cfg(feature = "http")]
 mod now;
 mod policies;
+mod wait;
 
 pub use acquire::Acquire;
 pub use builder::LimiterBuilder;
 use coalesce::Coalescer;
 use policies::Loaded;
 pub use policies::ReloadError;
+pub use wait::WaitError;
 
 /// A rate limiter over a [`Store`]. Cheap to clone: clones share everything.
 ///
@@ -83,6 +86,8 @@ struct Inner {
     table: TableSettings,
     /// The one clock everything here reads (DESIGN.md §11, "One clock").
     clock: SharedClock,
+    /// Each key's line of calls waiting in [`Limiter::acquire_until`].
+    waiters: wait::Waiters,
 }
 
 impl Drop for Inner {
