@@ -148,20 +148,22 @@ async fn w2_the_deadline_ends_the_wait_and_takes_nothing() {
 }
 
 /// A store in front of a `MemoryStore` whose takes wait while `hold` is set (until `go` is
-/// notified), or never answer at all once `stuck` is set; `held` counts the takes held now.
+/// notified); `held` counts the takes held now. Each take is answered `delay` late (on tokio's
+/// clock).
 #[derive(Debug, Clone, Default)]
 struct Gate {
     inner: MemoryStore,
     hold: Arc<AtomicBool>,
-    stuck: Arc<AtomicBool>,
     go: Arc<Notify>,
     held: Arc<AtomicU64>,
+    delay: Duration,
 }
 
 impl Gate {
     async fn pass(&self) {
-        if self.stuck.load(Ordering::SeqCst) {
-            std::future::pending::<()>().await;
+        if !self.delay.is_zero() {
+            // sleep: a store's round trip (paused clock).
+            tokio::time::sleep(self.delay).await;
         }
         if self.hold.load(Ordering::SeqCst) {
             self.held.fetch_add(1, Ordering::SeqCst);
@@ -344,16 +346,21 @@ async fn w4_bounds_fail_at_once() {
 }
 
 /// W5: in leased mode the first call in line is woken by its key's lease getting tokens, not
-/// only by its retry time. (a) A refill: with the bucket emptied in the store, the key's lease
-/// is refused until the store's retry time (100 ms, one token at 10 a second), and then, its
-/// bucket called empty, for a tick (500 ms here) while a refill is on its way; the refill
-/// lands at once and the call is served then, at 100 ms, not at 600. (b) A refund into the
-/// key's live lease while the call waits out a refusal of 100 s: served at the refund, 1 s in.
+/// only by its retry time. (a) A refill: with the bucket emptied in the store (which answers
+/// 20 ms late), the key's lease is refused until the store's retry time (100 ms in, one token
+/// at 10 a second), and then, its bucket called empty, for a tick (500 ms here) while a refill
+/// is on its way; the refill lands 20 ms later and the call is served then, at 120 ms, not at
+/// 600. (b) A refund into the key's live lease while the call waits out a refusal of 100 s:
+/// served at the refund, 1 s in.
 #[tokio::test(start_paused = true)]
 async fn w5_a_refill_or_a_refund_wakes_the_waiting_call() {
     // (a)
     let plan = r#"{"capacity": 10, "refill_per_second": 10, "lease": {"ttl_ms": 60000}}"#;
-    let limiter = Limiter::builder(MemoryStore::new())
+    let gate = Gate {
+        delay: Duration::from_millis(20),
+        ..Gate::default()
+    };
+    let limiter = Limiter::builder(gate)
         .policies(policies(plan))
         .lease_tick(Duration::from_millis(500))
         .build();
@@ -365,6 +372,7 @@ async fn w5_a_refill_or_a_refund_wakes_the_waiting_call() {
         .expect("served");
     assert!(d.allowed && d.decided_by == DecidedBy::Lease, "{d:?}");
     let took = ms_since(start);
+    println!("W5 (a): served {took} ms in");
     assert!((100..300).contains(&took), "served {took} ms in");
 
     // (b)
