@@ -147,10 +147,10 @@ impl Waiters {
         }
     }
 
-    /// How many calls wait on `key` now. For tests.
+    /// How many calls wait on `key` now; `None` when the key has no line. For tests.
     #[cfg(test)]
-    pub(super) fn waiting(&self, key: &str) -> usize {
-        self.lines.lock().by_key.get(key).map_or(0, VecDeque::len)
+    fn waiting(&self, key: &str) -> Option<usize> {
+        self.lines.lock().by_key.get(key).map(VecDeque::len)
     }
 }
 
@@ -274,7 +274,7 @@ impl Limiter {
     }
 
     /// `cost` from `key`'s live lease, in place (no await): `None` when the lease cannot pay it.
-    fn from_lease(&self, key: &str, cost: f64) -> Option<Result<Decision, Error>> {
+    fn take_from_lease(&self, key: &str, cost: f64) -> Option<Result<Decision, Error>> {
         self.known(key, cost)
             .map(|k| k.map(|k| lease_allowed_at(k.capacity, k.left, k.store_remaining)))
     }
@@ -338,7 +338,7 @@ impl Place {
             if let Some(notified) = refilled.as_mut().as_pin_mut() {
                 notified.enable();
             }
-            if let Some(taken) = limiter.from_lease(&place.key, cost) {
+            if let Some(taken) = limiter.take_from_lease(&place.key, cost) {
                 return taken.map_err(WaitError::from);
             }
             tokio::select! {
@@ -363,7 +363,7 @@ impl Place {
         runtime: &tokio::runtime::Handle,
         cost: f64,
     ) -> Option<Result<Decision, Error>> {
-        if let Some(taken) = self.limiter.from_lease(&self.key, cost) {
+        if let Some(taken) = self.limiter.take_from_lease(&self.key, cost) {
             return Some(taken);
         }
         let (tx, rx) = oneshot::channel();
@@ -421,5 +421,42 @@ impl Drop for Answer {
             let (place, cost) = (Arc::clone(&self.place), self.cost);
             runtime.spawn(async move { place.give_back(cost, &decision).await });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Policies;
+    use crate::store::MemoryStore;
+
+    /// A key's line goes with its last call, however its calls leave (dropped behind the front,
+    /// dropped at the front, served), so a key once waited on costs nothing afterwards; a call
+    /// leaving the front wakes the next, which is then served. The calls are never polled
+    /// before they are dropped: the place is taken when the call is made.
+    #[tokio::test(start_paused = true)]
+    async fn a_keys_line_goes_with_its_last_call() {
+        let policies = Policies::from_json_str(
+            r#"{"plans": {"p": {"capacity": 1, "refill_per_second": 1}}, "default_plan": "p"}"#,
+            None,
+        )
+        .expect("policy");
+        let limiter = Limiter::builder(MemoryStore::new())
+            .policies(policies)
+            .build();
+        assert!(limiter.try_acquire("k", 1.0).await.expect("valid").allowed);
+        let waiters = &limiter.inner.waiters;
+        let deadline = limiter.inner.clock.instant() + Duration::from_secs(10);
+        let a = limiter.acquire_until("k", 1.0, deadline);
+        let b = limiter.acquire_until("k", 1.0, deadline);
+        let c = limiter.acquire_until("k", 1.0, deadline);
+        assert_eq!(waiters.waiting("k"), Some(3));
+        drop(b);
+        assert_eq!(waiters.waiting("k"), Some(2));
+        drop(a);
+        assert_eq!(waiters.waiting("k"), Some(1));
+        let d = c.await.expect("served");
+        assert!(d.allowed, "{d:?}");
+        assert_eq!(waiters.waiting("k"), None);
     }
 }
