@@ -429,7 +429,8 @@ impl Store for Down {
 
 /// W6: with the store down the plan's fallback decides each try. `allow`: served at once by the
 /// fallback. `deny`: refused with its 1 s hint, tried again each second (three takes in 2.5 s,
-/// no polling) and ended at the deadline with the fallback's refusal. A store that never
+/// no polling) and ended at the deadline with the fallback's refusal; in leased mode likewise,
+/// with at most six refills asked of the store in the 2.5 s. A store that never
 /// answers, with a call deadline of a minute: the call ends at its own deadline, 300 ms.
 #[tokio::test(start_paused = true)]
 async fn w6_with_the_store_down_the_fallback_decides_within_the_deadline() {
@@ -464,6 +465,32 @@ async fn w6_with_the_store_down_the_fallback_decides_within_the_deadline() {
     }
     assert_eq!(ms_since(start), 2_500);
     assert_eq!(takes.load(Ordering::SeqCst), 3, "a try at 0, 1 and 2 s");
+
+    // Leased: the key's refills fail, and the fallback decides as in direct mode.
+    let takes = Arc::new(AtomicU64::new(0));
+    let down = Down {
+        takes: Arc::clone(&takes),
+        stuck: false,
+    };
+    let leased = r#"{"capacity": 5, "refill_per_second": 1, "lease": {"max_fraction": 0.2},
+                     "fallback": {"mode": "deny"}}"#;
+    let start = Instant::now();
+    let deny = limiter_over(down, leased)
+        .acquire_until("k", 1.0, start + Duration::from_millis(2_500))
+        .await;
+    match deny {
+        Err(WaitError::DeadlinePassed { last: Some(d) }) => {
+            assert_eq!(
+                d.decided_by,
+                DecidedBy::Fallback(FallbackMode::Deny),
+                "{d:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(ms_since(start), 2_500);
+    let takes = takes.load(Ordering::SeqCst);
+    assert!((1..=6).contains(&takes), "{takes} refills in 2.5 s");
 
     let stuck = Down {
         takes: Arc::default(),
