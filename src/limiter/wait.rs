@@ -68,8 +68,9 @@ pub enum WaitError {
     DeadlinePassed {
         /// The last refusal this call got, which says when to try again
         /// ([`Decision::retry_after`]) and who refused ([`Decision::decided_by`]: the plan's
-        /// fallback, when the store is down); `None` when the deadline passed while earlier
-        /// calls of the key were still ahead of this one.
+        /// fallback, when the store is down); `None` when no try of the call had answered:
+        /// earlier calls of the key were still ahead of it, its first try was still in flight,
+        /// or the deadline had passed when it reached the front.
         last: Option<Decision>,
     },
 }
@@ -81,7 +82,7 @@ fn refused(last: &Option<Decision>) -> String {
             " (last refused by {:?}, retry after {:?})",
             d.decided_by, d.retry_after
         ),
-        None => " (earlier calls of the key were still waiting)".to_owned(),
+        None => " (no try of this call had answered)".to_owned(),
     }
 }
 
@@ -283,6 +284,14 @@ impl Limiter {
 impl Place {
     /// The call's wait: for its turn, then for its tokens, until `deadline`.
     async fn wait(self, cost: f64, deadline: Instant) -> Result<Decision, WaitError> {
+        // First in line at once, and the lease pays: served in place, before any timer is made
+        // (the common case costs a line's entry and nothing more).
+        if self.limiter.inner.waiters.at_front(&self.key, self.id)
+            && self.limiter.inner.clock.instant() < deadline
+            && let Some(taken) = self.limiter.take_from_lease(&self.key, cost)
+        {
+            return taken.map_err(WaitError::from);
+        }
         let place = Arc::new(self);
         let limiter = &place.limiter;
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
