@@ -6,13 +6,14 @@
 //!
 //! The limiter's files, one role each. This one holds the [`Limiter`] itself, the state its
 //! clones share, and what reads or ends that state as a whole (stats, shutdown). Beside it:
-//! `builder.rs`, the [`LimiterBuilder`] and its defaults; `policies.rs`, the policies in
-//! force, their reload and the plan registry; `acquire.rs`, [`Limiter::try_acquire`] and its
-//! future, [`Acquire`], whose first poll is the lease's fast path; `call.rs`, the rest of a
-//! call (the lease's slow path, direct mode, the fallback) and the other ways to take or give
-//! back tokens; `wait.rs`, [`Limiter::acquire_until`], a call that waits in line for its
-//! tokens; `decisions.rs` and `cost.rs`, how a decision is built and how a cost is checked;
-//! and `coalesce.rs`, the direct-mode coalescer. Each names only files listed after it here
+//! `builder.rs`, the [`LimiterBuilder`] and its defaults; `wait.rs`,
+//! [`Limiter::acquire_until`], a call that waits in line for its tokens (a loop around the
+//! calls of the files below); `policies.rs`, the policies in force, their reload and the plan
+//! registry; `acquire.rs`, [`Limiter::try_acquire`] and its future, [`Acquire`], whose first
+//! poll is the lease's fast path; `call.rs`, the rest of a call (the lease's slow path, direct
+//! mode, the fallback) and the other ways to take or give back tokens; `decisions.rs` and
+//! `cost.rs`, how a decision is built and how a cost is checked; and `coalesce.rs`, the
+//! direct-mode coalescer. Each names only files listed after it here
 //! and this one (the layering of DESIGN.md §11).
 
 use std::sync::Arc;
