@@ -13,8 +13,8 @@
 //! poll is the lease's fast path; `call.rs`, the rest of a call (the lease's slow path, direct
 //! mode, the fallback) and the other ways to take or give back tokens; `decisions.rs` and
 //! `cost.rs`, how a decision is built and how a cost is checked; and `coalesce.rs`, the
-//! direct-mode coalescer. Each names only files listed after it here
-//! and this one (the layering of DESIGN.md §11).
+//! direct-mode coalescer. Each names only files listed after it here and this one (the
+//! layering of DESIGN.md §11).
 
 use std::sync::Arc;
 use std::sync::OnceLock;
