@@ -31,11 +31,21 @@ impl Timestamp {
     }
 }
 
-/// A bucket's shape: how many tokens it holds at most and how fast it refills.
+/// A bucket's shape: how many tokens it holds at most and how fast it refills; or several
+/// such limits on one key, taken from together ([`with_limit`](Self::with_limit), like
+/// "10 a second and 10,000 a day").
+///
+/// [`capacity`](Self::capacity) and [`rate`](Self::rate) are the first limit's, the one of the
+/// smallest capacity (limits are kept in order of capacity, then rate); [`limits`](Self::limits)
+/// lists them all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BucketConfig {
-    capacity: Tokens,
-    rate: Rate,
+    pub(super) capacity: Tokens,
+    pub(super) rate: Rate,
+    /// The other limits, in order (`more[..n_more]`; the rest hold [`super::limits::UNUSED`]).
+    pub(super) more: [super::limits::Limit; super::limits::MAX_MORE],
+    /// How many of `more` are limits.
+    pub(super) n_more: u8,
 }
 
 /// The request can never be satisfied: it asks for more than the bucket's capacity.
@@ -52,6 +62,27 @@ pub struct InsufficientCapacity {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum BucketConfigError {
+    /// More limits than [`BucketConfig::MAX_LIMITS`] on one bucket.
+    #[error("a bucket holds at most {} limits, got {count}", BucketConfig::MAX_LIMITS)]
+    TooManyLimits {
+        /// How many limits were given.
+        count: usize,
+    },
+    /// A rate given as `tokens` per `period` that is zero, or faster than [`Rate::MAX`], or
+    /// slower than one nanotoken a second ([`PlanBuilder`](crate::policy::PlanBuilder)).
+    #[error(
+        "rate {tokens} tokens per {period:?} is out of range (one nanotoken a second to 10^9 \
+         tokens a second)"
+    )]
+    RateOutOfRange {
+        /// The tokens given.
+        tokens: u64,
+        /// The period given.
+        period: std::time::Duration,
+    },
+    /// A plan built with no limit at all ([`PlanBuilder`](crate::policy::PlanBuilder)).
+    #[error("no limit given: add one with per_second, per_minute, per_hour, per_day or per")]
+    NoLimit,
     /// Below [`BucketConfig::MIN_CAPACITY`] (zero, or less than one nanotoken).
     #[error(
         "bucket capacity {} is below the smallest, one nanotoken (0.000000001 token)",
@@ -101,7 +132,12 @@ impl BucketConfig {
         } else if capacity.as_atto() > Self::MAX_CAPACITY.as_atto() {
             Err(BucketConfigError::CapacityTooLarge { capacity })
         } else {
-            Ok(BucketConfig { capacity, rate })
+            Ok(BucketConfig {
+                capacity,
+                rate,
+                more: [super::limits::UNUSED; super::limits::MAX_MORE],
+                n_more: 0,
+            })
         }
     }
 

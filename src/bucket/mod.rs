@@ -21,10 +21,14 @@
 //! bucket is called. The only rounding is of the rate itself to whole nanotokens per second
 //! (2/3 token/s becomes 0.666666667), which is under 10⁻⁹ token per second.
 
+mod limits;
 mod math;
 mod tokens;
 
 pub use math::{
     BucketConfig, BucketConfigError, BucketState, Grant, InsufficientCapacity, Outcome, Timestamp,
 };
+pub(crate) use limits::LimitsState;
+#[cfg(test)]
+pub(crate) use limits::grant_all;
 pub use tokens::{ParseTokensError, Rate, Tokens, TrimmedTokens};

@@ -91,6 +91,7 @@ pub use error::{PolicyError, PolicyErrorKind};
 #[cfg(feature = "http")]
 pub(crate) use routes::{route_params, route_pattern_error, route_shape};
 pub use types::{
+    PlanBuilder,
     Accounting, EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings,
     Plan, Policies, Route, RouteLimit, RouteShadow,
 };
