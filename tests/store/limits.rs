@@ -1,0 +1,437 @@
+//! Buckets of several limits on one key (L1–L3 in docs/testing.md): one statement takes from
+//! every limit or from none, as a pure model of several buckets does; a table migrated with
+//! rows in it takes correctly after migration 0010.
+//!
+//! Time is moved as in `contained.rs`: the memory store reads a `ManualClock`; for PostgreSQL
+//! every stored refill time is shifted back. The rates are low (a token per 100 s and per
+//! 500 s) and every amount a whole token, so the real time that passes between statements
+//! (well under 20 s) never changes a whole-token outcome.
+
+use crate::common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use proptest::strategy::ValueTree;
+use tokenlease::bucket::{BucketConfig, BucketState, Rate, Timestamp, Tokens};
+use tokenlease::clock::ManualClock;
+use tokenlease::store::{AcquireRequest, GiveBack, MemoryStore, ShardedStore, Store};
+use tokenlease_testkit::TestDatabase;
+
+/// The limits' rates, in tokens a second: one whole token per 100 s and per 500 s of moved
+/// time.
+const RATES: [f64; 2] = [0.01, 0.002];
+
+/// Moved time per step of a case: 100 s.
+const TICK: Duration = Duration::from_secs(100);
+
+fn t(n: u64) -> Tokens {
+    Tokens::whole(n)
+}
+
+/// A bucket of two limits: `a` tokens at 0.01/s and `b` at 0.002/s (in order of capacity).
+fn two(a: u64, b: u64) -> BucketConfig {
+    BucketConfig::new(t(a), Rate::from_f64(RATES[0]).expect("rate"))
+        .expect("bucket")
+        .with_limit(t(b), Rate::from_f64(RATES[1]).expect("rate"))
+        .expect("two limits")
+}
+
+/// A store under test and how to move its time.
+struct Subject {
+    name: &'static str,
+    store: Arc<dyn Store>,
+    clock: Option<ManualClock>,
+    tables: Vec<tokio_postgres::Client>,
+}
+
+impl Subject {
+    fn memory() -> Subject {
+        let clock = ManualClock::new(Timestamp::from_nanos(1_700_000_000_000_000_000));
+        Subject {
+            name: "memory",
+            store: Arc::new(MemoryStore::with_clock(clock.clone())),
+            clock: Some(clock),
+            tables: Vec::new(),
+        }
+    }
+
+    async fn postgres(name: &'static str, store: Arc<dyn Store>, conns: &[String]) -> Subject {
+        let mut tables = Vec::new();
+        for conn in conns {
+            tables.push(client(conn).await);
+        }
+        Subject {
+            name,
+            store,
+            clock: None,
+            tables,
+        }
+    }
+
+    async fn advance(&self, by: Duration) {
+        if let Some(clock) = &self.clock {
+            clock.advance(by.as_nanos() as u64);
+        }
+        for c in &self.tables {
+            c.batch_execute(&format!(
+                "UPDATE tokenlease_buckets SET updated_us = updated_us - {}",
+                by.as_micros()
+            ))
+            .await
+            .expect("shift updated_us");
+        }
+    }
+}
+
+async fn client(conn: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(conn, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    client
+}
+
+async fn sibling(db: &TestDatabase, name: &str) -> String {
+    let name = format!("{}_{name}", db.name());
+    let admin = db.client().await.expect("connect");
+    admin
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .expect("CREATE DATABASE");
+    db.connection_string().replace(db.name(), &name)
+}
+
+/// The pure model of several buckets: per key, each limit a [`BucketState`], all refilled to
+/// the same instant; a take grants its amount only when every limit holds it.
+#[derive(Default)]
+struct Model {
+    now: u64,
+    keys: HashMap<usize, Vec<BucketState>>,
+}
+
+impl Model {
+    fn states(&mut self, key: usize, config: &BucketConfig) -> Vec<BucketState> {
+        let now = Timestamp::from_nanos(self.now);
+        let states = self
+            .keys
+            .remove(&key)
+            .unwrap_or_else(|| config.limits().map(|l| BucketState::full(&l, now)).collect());
+        states
+            .into_iter()
+            .zip(config.limits())
+            .map(|(s, l)| s.refill(&l, now))
+            .collect()
+    }
+
+    /// Grants `want` whole tokens down to `min` (whole-token steps) if every limit holds `min`.
+    fn take(&mut self, key: usize, config: &BucketConfig, min: u64, want: u64) -> (u64, u64) {
+        let mut states = self.states(key, config);
+        let least = states.iter().map(|s| s.tokens.floor()).min().unwrap_or(0);
+        let granted = if least >= min { want.min(least) } else { 0 };
+        for s in &mut states {
+            s.tokens = s.tokens.saturating_sub(t(granted));
+        }
+        let remaining = states.iter().map(|s| s.tokens.floor()).min().unwrap_or(0);
+        self.keys.insert(key, states);
+        (granted, remaining)
+    }
+
+    /// Credits `amount` to every limit of a stored key, each capped at its capacity.
+    fn give(&mut self, key: usize, config: &BucketConfig, amount: u64) {
+        if !self.keys.contains_key(&key) {
+            return;
+        }
+        let now = Timestamp::from_nanos(self.now);
+        let states = self.keys.remove(&key).unwrap_or_default();
+        let states = states
+            .into_iter()
+            .zip(config.limits())
+            .map(|(s, l)| s.credit(&l, now, t(amount)))
+            .collect();
+        self.keys.insert(key, states);
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    /// One `acquire_each` of (key, min, want).
+    Take(Vec<(usize, u64, u64)>),
+    /// One `give_back_each` of (key, amount), each a fresh return.
+    Give(Vec<(usize, u64)>),
+    /// Time moves by this many ticks.
+    Advance(u64),
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    /// Each key's two capacities.
+    shapes: Vec<(u64, u64)>,
+    steps: Vec<Step>,
+}
+
+const KEYS: usize = 4;
+
+fn case() -> impl Strategy<Value = Case> {
+    let shape = (1u64..6, 0u64..8).prop_map(|(a, more)| (a, a + more));
+    prop::collection::vec(shape, KEYS).prop_flat_map(|shapes| {
+        let caps = shapes.clone();
+        let take = (0usize..KEYS).prop_flat_map(move |k| {
+            let c = caps[k].0;
+            (Just(k), 1u64..=c, 1u64..=c).prop_map(|(k, a, b)| (k, a.min(b), a.max(b)))
+        });
+        let give = (0usize..KEYS, 1u64..4);
+        let step = prop_oneof![
+            5 => prop::collection::vec(take, 1..8).prop_map(Step::Take),
+            1 => prop::collection::vec(give, 1..3).prop_map(Step::Give),
+            2 => (1u64..6).prop_map(Step::Advance),
+        ];
+        (Just(shapes), prop::collection::vec(step, 1..12))
+            .prop_map(|(shapes, steps)| Case { shapes, steps })
+    })
+}
+
+/// Runs `case` (number `n`) on `s` and on the model, and checks every answer against it.
+async fn run(s: &Subject, n: usize, case: &Case) {
+    let keys: Vec<String> = (0..KEYS).map(|k| format!("l2-{n}-{k}")).collect();
+    let configs: Vec<BucketConfig> = case.shapes.iter().map(|&(a, b)| two(a, b)).collect();
+    let mut model = Model::default();
+    let mut id = 1_000_000 * (n as i64 + 1);
+    for (i, step) in case.steps.iter().enumerate() {
+        match step {
+            Step::Take(takes) => {
+                let requests: Vec<AcquireRequest<'_>> = takes
+                    .iter()
+                    .map(|&(k, min, want)| AcquireRequest {
+                        key: &keys[k],
+                        bucket: configs[k],
+                        min: t(min),
+                        want: t(want),
+                        step: t(1),
+                        hold: None,
+                    })
+                    .collect();
+                let out = s.store.acquire_each(&requests).await;
+                for (&(k, min, want), got) in takes.iter().zip(out) {
+                    let got = got.unwrap_or_else(|e| panic!("{}: {e}", s.name));
+                    let expected = model.take(k, &configs[k], min, want);
+                    assert_eq!(
+                        (got.granted.floor(), got.remaining.floor()),
+                        expected,
+                        "{} case {n} step {i}: key {k} ({min}..{want}) {case:?}",
+                        s.name
+                    );
+                    if got.granted.is_zero() {
+                        assert!(!got.retry_after.is_zero(), "{}: a denial waits", s.name);
+                    }
+                }
+            }
+            Step::Give(gives) => {
+                let returns: Vec<GiveBack<'_>> = gives
+                    .iter()
+                    .map(|&(k, amount)| {
+                        id += 1;
+                        GiveBack {
+                            id,
+                            key: &keys[k],
+                            bucket: configs[k],
+                            amount: t(amount),
+                            lease: None,
+                        }
+                    })
+                    .collect();
+                for answer in s.store.give_back_each(&returns).await {
+                    answer.unwrap_or_else(|e| panic!("{}: {e}", s.name));
+                }
+                for &(k, amount) in gives {
+                    model.give(k, &configs[k], amount);
+                }
+            }
+            Step::Advance(ticks) => {
+                s.advance(TICK * *ticks as u32).await;
+                model.now += TICK.as_nanos() as u64 * ticks;
+            }
+        }
+    }
+}
+
+async fn agree(subjects: &[Subject], cases: usize) {
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let strategy = case();
+    for n in 0..cases {
+        let case = strategy.new_tree(&mut runner).expect("case").current();
+        for s in subjects {
+            run(s, n, &case).await;
+        }
+    }
+}
+
+/// L1: on every store (memory, PostgreSQL, a `ShardedStore` over two databases), one call of
+/// several keys of two limits each (keys repeated in the call, mixed costs, keys without a row,
+/// returns, time moving) answers each request as the pure model of several buckets does: a
+/// grant only when every limit holds it, taken from each; `remaining` the least limit's.
+#[tokio::test]
+async fn l1_several_limits_decide_as_the_model_of_several_buckets() {
+    let db = common::database().await;
+    let pg = Subject::postgres(
+        "postgres",
+        Arc::new(common::store_at(&db.connection_string(), 2, true).await),
+        &[db.connection_string()],
+    )
+    .await;
+    let conns = [sibling(&db, "l1_a").await, sibling(&db, "l1_b").await];
+    let mut builder = ShardedStore::builder();
+    for (i, conn) in conns.iter().enumerate() {
+        builder = builder.shard(format!("s{i}"), common::store_at(conn, 2, true).await);
+    }
+    let sharded = Subject::postgres(
+        "sharded",
+        Arc::new(builder.build().expect("sharded")),
+        &conns,
+    )
+    .await;
+    agree(&[Subject::memory(), pg, sharded], 40).await;
+}
+
+/// L2: the retry of a denial is the longest wait of the limits, and the answer's `remaining` the
+/// binding limit's: 5 a second (burst 5) and 20 an hour, after 20 takes the hour binds.
+#[tokio::test]
+async fn l2_retry_after_is_the_binding_limits() {
+    let db = common::database().await;
+    let store = common::store(&db, 1).await;
+    let config = BucketConfig::new(t(5), Rate::per_second(5).expect("rate"))
+        .expect("bucket")
+        .with_limit(t(20), Rate::per_hour(20).expect("rate"))
+        .expect("two limits");
+    let mut granted = 0;
+    for _ in 0..5 {
+        granted += store
+            .acquire(AcquireRequest::take("l2", config, t(1)))
+            .await
+            .expect("acquire")
+            .granted
+            .floor();
+    }
+    assert_eq!(granted, 5);
+    let denied = store
+        .acquire(AcquireRequest::take("l2", config, t(1)))
+        .await
+        .expect("acquire");
+    assert!(denied.granted.is_zero());
+    assert!(denied.retry_after <= Duration::from_millis(200), "{denied:?}");
+    // Three more seconds, one at a time, of the first limit: 15 more, then the hour's 20
+    // are gone.
+    let admin = db.client().await.expect("connect");
+    let mut more = 0;
+    for _ in 0..3 {
+        admin
+            .batch_execute("UPDATE tokenlease_buckets SET updated_us = updated_us - 1000000")
+            .await
+            .expect("shift");
+        for _ in 0..6 {
+            more += store
+                .acquire(AcquireRequest::take("l2", config, t(1)))
+                .await
+                .expect("acquire")
+                .granted
+                .floor();
+        }
+    }
+    assert_eq!(more, 15, "the second limit holds 15 of its 20");
+    let denied = store
+        .acquire(AcquireRequest::take("l2", config, t(1)))
+        .await
+        .expect("acquire");
+    assert!(denied.granted.is_zero());
+    assert_eq!(denied.remaining.floor(), 0);
+    // One token of 20 an hour takes 180 s (less the few seconds moved).
+    assert!(denied.retry_after >= Duration::from_secs(170), "{denied:?}");
+    assert!(denied.retry_after <= Duration::from_secs(180), "{denied:?}");
+}
+
+/// L3: migration 0010 on a populated table. Rows written by the statements of migration 0009's
+/// schema (one limit) take as buckets of one limit afterwards, and as the first limit of a
+/// plan of several when their plan gains a second limit (the second starting full).
+#[tokio::test]
+async fn l3_migration_0010_keeps_the_rows_of_a_populated_table() {
+    let db = common::database().await;
+    let admin = db.client().await.expect("connect");
+    // Back to the schema of 0009 (what the previous release ran), with its rows in it.
+    admin
+        .batch_execute(
+            "ALTER TABLE tokenlease_buckets DROP COLUMN more_tokens, DROP COLUMN more_frac, \
+                 DROP COLUMN more_capacity, DROP COLUMN more_rate; \
+             DELETE FROM tokenlease_migrations WHERE version = 10;",
+        )
+        .await
+        .expect("back to 0009");
+    let one = BucketConfig::new(t(10), Rate::from_f64(RATES[0]).expect("rate")).expect("bucket");
+    // The previous release's statement, as it ran before this migration (the one-key take is
+    // unchanged), fills the table.
+    let old = common::store_at(&db.connection_string(), 2, false).await;
+    let keys: Vec<String> = (0..2_000).map(|i| format!("old-{i}")).collect();
+    for chunk in keys.chunks(500) {
+        let requests: Vec<AcquireRequest<'_>> = chunk
+            .iter()
+            .map(|k| AcquireRequest::take(k, one, t(4)))
+            .collect();
+        for a in old.acquire_many(&requests).await.expect("fill") {
+            assert_eq!(a.granted.floor(), 4);
+        }
+    }
+    drop(old);
+    let report = tokenlease::store::migrate(&mut admin_client(&db).await)
+        .await
+        .expect("migrate");
+    assert!(!report.is_noop(), "migration 0010 applied: {report:?}");
+    let store = common::store_at(&db.connection_string(), 2, false).await;
+    // As one limit: 6 left of 10.
+    let a = store
+        .acquire(AcquireRequest::take("old-1", one, t(6)))
+        .await
+        .expect("take");
+    assert_eq!((a.granted.floor(), a.remaining.floor()), (6, 0));
+    // As the first of two limits: the first holds 6, the new second is full (30).
+    let both = BucketConfig::new(t(10), Rate::from_f64(RATES[0]).expect("rate"))
+        .expect("bucket")
+        .with_limit(t(30), Rate::from_f64(RATES[1]).expect("rate"))
+        .expect("two");
+    let requests: Vec<AcquireRequest<'_>> = (2..6)
+        .map(|i| AcquireRequest::take(&keys[i], both, t(6)))
+        .chain(std::iter::once(AcquireRequest::take(&keys[6], both, t(7))))
+        .collect();
+    let out = store.acquire_many(&requests).await.expect("take two limits");
+    for a in &out[..4] {
+        assert_eq!((a.granted.floor(), a.remaining.floor()), (6, 0));
+    }
+    assert!(out[4].granted.is_zero(), "7 is more than the first limit's 6");
+    assert_eq!(out[4].remaining.floor(), 6);
+    let conn = db.client().await.expect("connect");
+    let row = conn
+        .query_one(
+            "SELECT more_tokens::bigint[], more_capacity::bigint[] FROM tokenlease_buckets \
+             WHERE key = $1",
+            &[&keys[2]],
+        )
+        .await
+        .expect("row");
+    let more: Vec<i64> = row.get(0);
+    assert_eq!(more.len(), 1);
+    assert_eq!(more[0] / 1_000_000_000, 24, "the second limit: 30 less 6");
+    let untouched = conn
+        .query_one(
+            "SELECT count(*) FROM tokenlease_buckets WHERE more_tokens IS NULL",
+            &[],
+        )
+        .await
+        .expect("count");
+    assert_eq!(untouched.get::<_, i64>(0), 2_000 - 5, "only the rows taken as two limits");
+}
+
+async fn admin_client(db: &TestDatabase) -> tokio_postgres::Client {
+    client(&db.connection_string()).await
+}
