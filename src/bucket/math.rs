@@ -80,6 +80,10 @@ pub enum BucketConfigError {
         /// The period given.
         period: std::time::Duration,
     },
+    /// Strict lease accounting asked of a plan of several limits, which holds only relaxed
+    /// leases ([`PlanBuilder`](crate::policy::PlanBuilder)).
+    #[error("strict lease accounting is not available on a plan of several limits")]
+    StrictOnSeveralLimits,
     /// A plan built with no limit at all ([`PlanBuilder`](crate::policy::PlanBuilder)).
     #[error("no limit given: add one with per_second, per_minute, per_hour, per_day or per")]
     NoLimit,

@@ -231,6 +231,13 @@ impl PlanBuilder {
             });
         }
         let bucket = bucket.ok_or(BucketConfigError::NoLimit)?;
+        if bucket.is_multi()
+            && self
+                .lease
+                .is_some_and(|l| l.accounting == Accounting::Strict)
+        {
+            return Err(BucketConfigError::StrictOnSeveralLimits);
+        }
         let mut plan = Plan::new(self.name, bucket).with_fallback(self.fallback);
         plan.lease = self.lease;
         Ok(plan)
