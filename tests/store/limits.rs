@@ -297,6 +297,43 @@ async fn l1_several_limits_decide_as_the_model_of_several_buckets() {
     agree(&[Subject::memory(), pg, sharded], 40).await;
 }
 
+/// L1 on a Citus cluster (a coordinator and two workers): the node function runs the same
+/// statement on each shard's table, and answers as the model does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l1_on_citus() {
+    let citus = tokio::task::spawn_blocking(|| tokenlease_testkit::TempCitus::start(2))
+        .await
+        .expect("start task")
+        .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
+    let conn = citus.connection_string("postgres");
+    let store = common::store_at(&conn, 2, true).await;
+    let s = Subject::postgres("citus", Arc::new(store), &[conn]).await;
+    agree(&[Subject::memory(), s], 12).await;
+    // The table is distributed, so the store took the Citus path, through the node function.
+    let admin = &Subject::postgres("admin", Arc::new(MemoryStore::new()), &[citus.connection_string("postgres")])
+        .await
+        .tables[0];
+    let distributed: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_dist_partition \
+             WHERE logicalrelid = 'tokenlease_buckets'::regclass",
+            &[],
+        )
+        .await
+        .expect("pg_dist_partition")
+        .get(0);
+    assert_eq!(distributed, 1);
+    let on_shards: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM tokenlease_buckets WHERE more_tokens IS NOT NULL",
+            &[],
+        )
+        .await
+        .expect("rows")
+        .get(0);
+    assert!(on_shards > 0, "rows of two limits on the shards");
+}
+
 /// L2: the retry of a denial is the longest wait of the limits, and the answer's `remaining` the
 /// binding limit's: 5 a second (burst 5) and 20 an hour, after 20 takes the hour binds.
 #[tokio::test]

@@ -58,7 +58,12 @@ fn sliced(flat: &str) -> String {
 /// capacities and `$8` their rates, every request's after the other's, `$9` integer[] where
 /// each request's start in `$7` (1-based) and `$10` how many it has. Returns key, tokens, frac,
 /// the grant, updated_us, now_us (as the plain take), then the other limits' tokens and fracs.
-pub(super) static ACQUIRE_LIMITS: LazyLock<String> = LazyLock::new(|| {
+pub(super) static ACQUIRE_LIMITS: LazyLock<String> = LazyLock::new(|| acquire_limits(false));
+
+/// [`ACQUIRE_LIMITS`]'s text; with `shard`, on one Citus shard's table `%1$s` (for
+/// `format()`), for the positions `$11` (integer[]) of the arrays only, its columns cast to
+/// their base types for a function's `RETURN QUERY`.
+pub(super) fn acquire_limits(shard: bool) -> String {
     let (capacity, rate, now) = (
         "excluded.capacity",
         "excluded.refill_per_second",
@@ -70,9 +75,14 @@ pub(super) static ACQUIRE_LIMITS: LazyLock<String> = LazyLock::new(|| {
     let more = more_refilled("b", "excluded.more_capacity", "excluded.more_rate", now);
     let granted = lean::grant("least(e.avail0, e.least_more)", "q.min_take", "q.want", "q.step");
     let granted_new = lean::grant("least(r.capacity, lm.least_more)", "r.min_take", "r.want", "r.step");
+    let (table, ordinality, members) = if shard {
+        ("%1$s", " WITH ORDINALITY", ", n) WHERE u.n = ANY ($11::integer[])")
+    } else {
+        ("tokenlease_buckets", "", ")")
+    };
     format!(
         "-- tokenlease: refill and take, several limits (src/store/postgres/limits.rs)\n\
-         INSERT INTO tokenlease_buckets AS b \
+         INSERT INTO {table} AS b \
              (key, tokens, frac, capacity, refill_per_second, updated_us, refilled, \
               more_tokens, more_frac, more_capacity, more_rate) \
          SELECT r.key, r.capacity - n.g, 0, r.capacity, r.rate, (SELECT {NOW_US}), r.capacity, \
@@ -82,8 +92,8 @@ pub(super) static ACQUIRE_LIMITS: LazyLock<String> = LazyLock::new(|| {
          FROM (SELECT u.key, u.capacity, u.rate, u.min_take, u.want, u.step, u.count, \
                       {caps} AS caps, {rates} AS rates \
                FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], \
-                           $6::bigint[], $9::integer[], $10::integer[]) \
-                   AS u(key, capacity, rate, min_take, want, step, first, count)) AS r \
+                           $6::bigint[], $9::integer[], $10::integer[]){ordinality} \
+                   AS u(key, capacity, rate, min_take, want, step, first, count{members}) AS r \
          CROSS JOIN LATERAL (SELECT {granted_new} AS g \
                              FROM (SELECT (SELECT min(c) FROM unnest(r.caps) AS c) AS least_more \
                                    OFFSET 0) AS lm) AS n \
@@ -111,12 +121,13 @@ pub(super) static ACQUIRE_LIMITS: LazyLock<String> = LazyLock::new(|| {
              more_capacity = excluded.more_capacity, more_rate = excluded.more_rate, \
              updated_us = greatest(b.updated_us, {now}) \
          WHERE cardinality(b.leases) = 0 \
-         RETURNING b.key, b.tokens, b.frac, b.refilled - b.tokens, b.updated_us, (SELECT {NOW_US}), \
-                   b.more_tokens::bigint[], b.more_frac::integer[]",
+         RETURNING b.key, b.tokens::bigint, b.frac::integer, (b.refilled - b.tokens)::bigint, \
+                   b.updated_us::bigint, (SELECT {NOW_US}), b.more_tokens::bigint[], \
+                   b.more_frac::integer[]",
         caps = sliced("$7::bigint[]"),
         rates = sliced("$8::bigint[]"),
     )
-});
+}
 
 /// Returns of unused lease tokens to buckets of several limits, idempotent by return id, for
 /// many distinct keys in one statement: as [`lean::GIVE_BACK`] without strict leases (a plan
@@ -126,28 +137,61 @@ pub(super) static ACQUIRE_LIMITS: LazyLock<String> = LazyLock::new(|| {
 /// `$1` bigint[] ids, `$2` text[] keys, `$3` bigint[] amounts, `$4` first capacities, `$5`
 /// first rates, `$6` the other capacities and `$7` rates (flat, as [`ACQUIRE_LIMITS`]'s `$7`
 /// and `$8`), `$8` integer[] starts and `$9` counts. Returns the credited keys.
-pub(super) static GIVE_BACK_LIMITS: LazyLock<String> = LazyLock::new(|| {
+pub(super) static GIVE_BACK_LIMITS: LazyLock<String> = LazyLock::new(|| give_back_limits(false));
+
+/// [`GIVE_BACK_LIMITS`]'s text; with `shard`, on one Citus shard's tables (`%1$s` buckets,
+/// `%2$s` returns, keyed by `(key, id)`), for `format()`, for the positions `$10` (integer[])
+/// of the arrays only.
+pub(super) fn give_back_limits(shard: bool) -> String {
     let avail0 = lean::available("b", "excluded.capacity", "excluded.refill_per_second", "r.now_us");
     let frac0 = lean::refilled_frac("b", "excluded.capacity", "excluded.refill_per_second", "r.now_us");
     let more = more_refilled("b", "excluded.more_capacity", "excluded.more_rate", "r.now_us");
+    let (buckets, returns, ordinality, f_n, u_n, only, conflict, fresh, is_fresh) = if shard {
+        (
+            "%1$s",
+            "%2$s",
+            " WITH ORDINALITY",
+            ", n) WHERE f.n = ANY ($10::integer[])",
+            ", n",
+            "u.n = ANY ($10::integer[]) AND ",
+            "(key, id)",
+            "t.key, t.id",
+            "(u.key, u.id) IN (SELECT fresh.key, fresh.id FROM fresh)",
+        )
+    } else {
+        (
+            "tokenlease_buckets",
+            "tokenlease_returns",
+            "",
+            ")",
+            "",
+            "",
+            "(id)",
+            "t.id",
+            "u.id IN (SELECT fresh.id FROM fresh)",
+        )
+    };
+    let order = if shard { "f.key, f.id" } else { "f.id" };
     format!(
         "-- tokenlease: return of unused lease tokens, several limits (src/store/postgres/limits.rs)\n\
          WITH fresh AS ( \
-             INSERT INTO tokenlease_returns AS t (id, key, amount) \
+             INSERT INTO {returns} AS t (id, key, amount) \
              SELECT f.id, f.key, f.amount \
-             FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS f(id, key, amount) \
-             ORDER BY f.id \
-             ON CONFLICT (id) DO NOTHING \
-             RETURNING t.id), \
+             FROM unnest($1::bigint[], $2::text[], $3::bigint[]){ordinality} \
+                 AS f(id, key, amount{f_n} \
+             ORDER BY {order} \
+             ON CONFLICT {conflict} DO NOTHING \
+             RETURNING {fresh}), \
          upserted AS ( \
-             INSERT INTO tokenlease_buckets AS b \
+             INSERT INTO {buckets} AS b \
                  (key, tokens, frac, capacity, refill_per_second, updated_us, refilled, \
                   more_tokens, more_frac, more_capacity, more_rate) \
              SELECT u.key, u.capacity, 0, u.capacity, u.rate, (SELECT {NOW_US}), u.capacity, \
                     {caps}, array_fill(0, ARRAY[u.count]), {caps}, {rates} \
              FROM unnest($1::bigint[], $2::text[], $4::bigint[], $5::bigint[], $8::integer[], \
-                         $9::integer[]) AS u(id, key, capacity, rate, first, count) \
-             WHERE u.id IN (SELECT fresh.id FROM fresh) \
+                         $9::integer[]){ordinality} \
+                 AS u(id, key, capacity, rate, first, count{u_n}) \
+             WHERE {only}{is_fresh} \
              ORDER BY u.key \
              ON CONFLICT (key) DO UPDATE \
              SET (tokens, frac, refilled, more_tokens, more_frac) = ( \
@@ -172,7 +216,24 @@ pub(super) static GIVE_BACK_LIMITS: LazyLock<String> = LazyLock::new(|| {
         caps = sliced("$6::bigint[]"),
         rates = sliced("$7::bigint[]"),
     )
-});
+}
+
+/// The call of a Citus node's `tokenlease_citus_take_limits` (created by `citus/sql.rs`):
+/// `$1` the route (a key of the node), then [`ACQUIRE_LIMITS`]'s parameters; its rows as
+/// that statement's.
+pub(super) const CITUS_TAKE_LIMITS: &str = "\
+-- tokenlease: refill and take, several limits, on one Citus node (src/store/postgres/limits.rs)
+SELECT * FROM tokenlease_citus_take_limits($1::text, $2::text[], $3::bigint[], $4::bigint[], \
+    $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[], $9::bigint[], $10::integer[], \
+    $11::integer[])";
+
+/// The call of a Citus node's `tokenlease_citus_give_back_limits`: `$1` the route, then
+/// [`GIVE_BACK_LIMITS`]'s parameters; the keys credited.
+pub(super) const CITUS_GIVE_BACK_LIMITS: &str = "\
+-- tokenlease: returns, several limits, on one Citus node (src/store/postgres/limits.rs)
+SELECT * FROM tokenlease_citus_give_back_limits($1::text, $2::bigint[], $3::text[], \
+    $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[], $9::integer[], \
+    $10::integer[])";
 
 /// The parameter types of [`ACQUIRE_LIMITS`].
 pub(super) const LIMITS_TYPES: [Type; 10] = [
@@ -300,6 +361,81 @@ impl<'a> LimitReturns<'a> {
         ];
         values.into_iter().zip(GIVE_BACK_LIMITS_TYPES).collect()
     }
+}
+
+impl super::PostgresStore {
+    /// The takes of several limits among `pending` (keys of one Citus node): one call of the
+    /// node's `tokenlease_citus_take_limits`, which runs [`acquire_limits`] on each of the
+    /// node's shards the keys are in. What it decides leaves `pending`; a strict lease among
+    /// them, or a row holding strict leases, is an error, as on plain PostgreSQL.
+    pub(super) async fn citus_take_limits(
+        &self,
+        deadline: tokio::time::Instant,
+        requests: &[AcquireRequest<'_>],
+        pending: &mut Vec<usize>,
+        out: &mut [Option<Acquired>],
+    ) -> Result<(), StoreError> {
+        let (mut multi, single): (Vec<usize>, Vec<usize>) =
+            pending.iter().partition(|&&i| requests[i].bucket.is_multi());
+        *pending = single;
+        let Some(&first) = multi.first() else {
+            return Ok(());
+        };
+        if let Some(&i) = multi.iter().find(|&&i| requests[i].hold.is_some()) {
+            return Err(strict_refused(requests[i].key));
+        }
+        let route = requests[first].key;
+        let t = LimitTakes::new(requests, &multi)?;
+        let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&route, Type::TEXT)];
+        params.extend(t.params());
+        let rows = self.query_by(deadline, CITUS_TAKE_LIMITS, &params).await?;
+        file_rows(&rows, requests, &mut multi, out)?;
+        match multi.first() {
+            Some(&i) => Err(strict_row(requests[i].key)),
+            None => Ok(()),
+        }
+    }
+
+    /// The returns of several limits among `group` (keys of one Citus node), through the
+    /// node's `tokenlease_citus_give_back_limits`; `group` keeps the others. The keys
+    /// credited.
+    pub(super) async fn citus_give_back_limits(
+        &self,
+        deadline: tokio::time::Instant,
+        returns: &[GiveBack<'_>],
+        group: &mut Vec<usize>,
+    ) -> Result<std::collections::HashSet<String>, StoreError> {
+        let (multi, single): (Vec<usize>, Vec<usize>) =
+            group.iter().partition(|&&i| returns[i].bucket.is_multi());
+        *group = single;
+        let mut credited = std::collections::HashSet::new();
+        let Some(&first) = multi.first() else {
+            return Ok(credited);
+        };
+        let route = returns[first].key;
+        let r = LimitReturns::new(returns, &multi)?;
+        let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&route, Type::TEXT)];
+        params.extend(r.params());
+        for row in self.query_by(deadline, CITUS_GIVE_BACK_LIMITS, &params).await? {
+            credited.insert(row.try_get::<_, String>(0).map_err(StoreError::from)?);
+        }
+        Ok(credited)
+    }
+}
+
+/// The error of a strict lease asked of a bucket of several limits.
+pub(super) fn strict_refused(key: &str) -> StoreError {
+    StoreError::Protocol(format!(
+        "key {key:?}: strict leases on a bucket of several limits are not supported"
+    ))
+}
+
+/// The error of a take of several limits on a row that holds strict leases (written by a plan
+/// of one limit): not decided.
+pub(super) fn strict_row(key: &str) -> StoreError {
+    StoreError::Protocol(format!(
+        "key {key:?}: its row holds strict leases, which a bucket of several limits does not keep"
+    ))
 }
 
 /// What the store did with `request` (a bucket of several limits), from a row of

@@ -317,10 +317,7 @@ impl PostgresStore {
             pending.iter().partition(|&&i| requests[i].bucket.is_multi());
         *pending = single;
         if let Some(&i) = multi.iter().find(|&&i| requests[i].hold.is_some()) {
-            return Err(StoreError::Protocol(format!(
-                "key {:?}: strict leases on a bucket of several limits are not supported",
-                requests[i].key
-            )));
+            return Err(limits::strict_refused(requests[i].key));
         }
         let t = limits::LimitTakes::new(requests, &multi)?;
         let rows = self
@@ -328,14 +325,10 @@ impl PostgresStore {
             .await?;
         limits::file_rows(&rows, requests, &mut multi, out)?;
         // What is left holds strict leases (written by a plan of one limit): not decided here.
-        if let Some(&i) = multi.first() {
-            return Err(StoreError::Protocol(format!(
-                "key {:?}: its row holds strict leases, which a bucket of several limits does \
-                 not keep",
-                requests[i].key
-            )));
+        match multi.first() {
+            Some(&i) => Err(limits::strict_row(requests[i].key)),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Decides the takes at `pending` (distinct keys) on plain PostgreSQL: the one-key or
