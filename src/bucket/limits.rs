@@ -41,7 +41,11 @@ impl BucketConfig {
     ///
     /// [`BucketConfigError`] for a capacity out of bounds (as [`BucketConfig::new`]) or a
     /// fifth limit ([`BucketConfigError::TooManyLimits`]).
-    pub fn with_limit(self, capacity: Tokens, rate: Rate) -> Result<BucketConfig, BucketConfigError> {
+    pub fn with_limit(
+        self,
+        capacity: Tokens,
+        rate: Rate,
+    ) -> Result<BucketConfig, BucketConfigError> {
         let added = BucketConfig::new(capacity, rate)?;
         let count = self.limit_count() + 1;
         if count > Self::MAX_LIMITS {
@@ -187,12 +191,20 @@ impl LimitsState {
     ) -> (LimitsState, MultiGrant) {
         let n = config.limit_count();
         let mut state = self.refill(config, now);
-        let least = state.tokens[..n].iter().copied().min().unwrap_or(Tokens::ZERO);
+        let least = state.tokens[..n]
+            .iter()
+            .copied()
+            .min()
+            .unwrap_or(Tokens::ZERO);
         let granted = grantable(least);
         for t in &mut state.tokens[..n] {
             *t = t.saturating_sub(granted);
         }
-        let remaining = state.tokens[..n].iter().copied().min().unwrap_or(Tokens::ZERO);
+        let remaining = state.tokens[..n]
+            .iter()
+            .copied()
+            .min()
+            .unwrap_or(Tokens::ZERO);
         let ahead = state.last_refill.saturating_since(now);
         let retry_after = if granted.is_zero() && !min.is_zero() {
             ahead.saturating_add(config.time_until_all(&state.tokens[..n], min))
@@ -239,7 +251,9 @@ pub(crate) fn grant_all(
     now: Timestamp,
     cost: Tokens,
 ) -> (LimitsState, MultiGrant) {
-    state.grant(config, now, cost, |least| if least >= cost { cost } else { Tokens::ZERO })
+    state.grant(config, now, cost, |least| {
+        if least >= cost { cost } else { Tokens::ZERO }
+    })
 }
 
 #[cfg(test)]
@@ -275,7 +289,33 @@ mod tests {
             c.with_limit(Tokens::whole(5), rate(5)),
             Err(BucketConfigError::TooManyLimits { count: 5 })
         );
-        assert!(!BucketConfig::new(Tokens::whole(1), rate(1)).unwrap().is_multi());
+        assert!(
+            !BucketConfig::new(Tokens::whole(1), rate(1))
+                .unwrap()
+                .is_multi()
+        );
+    }
+
+    #[test]
+    fn rates_per_minute_hour_day_and_period() {
+        use std::time::Duration;
+        assert_eq!(Rate::per_minute(60), Rate::per_second(1));
+        assert_eq!(Rate::per_hour(3_600), Rate::per_second(1));
+        assert_eq!(Rate::per_day(86_400), Rate::per_second(1));
+        // 10,000 a day: 0.115740741 tokens a second, rounded to the nanotoken.
+        assert_eq!(
+            Rate::per_day(10_000).map(Rate::as_nanos_per_second),
+            Some(115_740_741)
+        );
+        assert_eq!(
+            Rate::per(3, Duration::from_millis(250)),
+            Rate::per_second(12)
+        );
+        assert_eq!(Rate::per(1, Duration::ZERO), None);
+        assert_eq!(Rate::per_minute(0), None);
+        assert_eq!(Rate::per(u64::MAX, Duration::from_nanos(1)), None);
+        // Below one nanotoken a second rounds to zero: refused.
+        assert_eq!(Rate::per(1, Duration::from_secs(3_000_000_000)), None);
     }
 
     #[test]
@@ -289,7 +329,12 @@ mod tests {
         let mut s = LimitsState::full(&config, Timestamp::from_nanos(0));
         let mut admitted = 0;
         for ms in (0..8_000).step_by(10) {
-            let (next, g) = grant_all(s, &config, Timestamp::from_nanos(ms * 1_000_000), Tokens::whole(1));
+            let (next, g) = grant_all(
+                s,
+                &config,
+                Timestamp::from_nanos(ms * 1_000_000),
+                Tokens::whole(1),
+            );
             s = next;
             if !g.granted.is_zero() {
                 admitted += 1;
@@ -301,6 +346,6 @@ mod tests {
         let (_, g) = grant_all(s, &config, Timestamp::from_nanos(8 * SEC), Tokens::whole(1));
         assert!(g.granted.is_zero());
         assert!(g.retry_after >= 60 * SEC, "{}", g.retry_after);
-        assert_eq!(g.remaining, Tokens::ZERO);
+        assert!(g.remaining < Tokens::whole(1), "the hour binds: {:?}", g.remaining);
     }
 }

@@ -63,7 +63,10 @@ pub struct InsufficientCapacity {
 #[non_exhaustive]
 pub enum BucketConfigError {
     /// More limits than [`BucketConfig::MAX_LIMITS`] on one bucket.
-    #[error("a bucket holds at most {} limits, got {count}", BucketConfig::MAX_LIMITS)]
+    #[error(
+        "a bucket holds at most {} limits, got {count}",
+        BucketConfig::MAX_LIMITS
+    )]
     TooManyLimits {
         /// How many limits were given.
         count: usize,

@@ -25,10 +25,8 @@ mod limits;
 mod math;
 mod tokens;
 
+pub(crate) use limits::LimitsState;
 pub use math::{
     BucketConfig, BucketConfigError, BucketState, Grant, InsufficientCapacity, Outcome, Timestamp,
 };
-pub(crate) use limits::LimitsState;
-#[cfg(test)]
-pub(crate) use limits::grant_all;
 pub use tokens::{ParseTokensError, Rate, Tokens, TrimmedTokens};

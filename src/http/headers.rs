@@ -68,7 +68,11 @@ pub(crate) fn policy_item(name: &str, plan: &Plan) -> String {
         } else {
             out.push_str(&format!("\"{name}\""));
         }
-        out.push_str(&format!(";q={};w={}", limit.capacity().floor(), window_secs(&limit)));
+        out.push_str(&format!(
+            ";q={};w={}",
+            limit.capacity().floor(),
+            window_secs(&limit)
+        ));
     }
     out
 }

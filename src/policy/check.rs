@@ -268,7 +268,6 @@ impl Checker {
         Ok(plan)
     }
 
-
     /// The bucket of plan `name`: its `capacity` and rate, or its `limits`.
     fn bucket(&self, name: &str, raw: &RawPlan) -> Result<BucketConfig, PolicyError> {
         let Some(limits) = &raw.limits else {
@@ -280,8 +279,13 @@ impl Checker {
                      limits (a list of such limits)",
                 ));
             };
-            let (capacity, rate) =
-                self.limit(name, "", capacity, raw.refill_per_second, raw.refill.as_ref())?;
+            let (capacity, rate) = self.limit(
+                name,
+                "",
+                capacity,
+                raw.refill_per_second,
+                raw.refill.as_ref(),
+            )?;
             // The range was checked above, in the file's words; this is the same bound.
             return BucketConfig::new(capacity, rate)
                 .map_err(|e| self.plan_err(name, "capacity", e.to_string()));
@@ -320,7 +324,9 @@ impl Checker {
                 None => BucketConfig::new(capacity, rate),
                 Some(b) => b.with_limit(capacity, rate),
             };
-            bucket = Some(next.map_err(|e| self.plan_err(name, &format!("{at}capacity"), e.to_string()))?);
+            bucket = Some(
+                next.map_err(|e| self.plan_err(name, &format!("{at}capacity"), e.to_string()))?,
+            );
         }
         bucket.ok_or_else(|| self.plan_err(name, "limits", "no limit"))
     }
@@ -370,7 +376,11 @@ impl Checker {
             (Some(per_second), None) => self.rate_per_second(name, at, per_second)?,
             (None, Some(Obj(refill))) => {
                 if refill.tokens == 0 {
-                    return Err(self.plan_err(name, &format!("{at}refill.tokens"), "must be ≥ 1, got 0"));
+                    return Err(self.plan_err(
+                        name,
+                        &format!("{at}refill.tokens"),
+                        "must be ≥ 1, got 0",
+                    ));
                 }
                 if refill.period_ms == 0 {
                     return Err(self.plan_err(

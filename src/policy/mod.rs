@@ -91,9 +91,8 @@ pub use error::{PolicyError, PolicyErrorKind};
 #[cfg(feature = "http")]
 pub(crate) use routes::{route_params, route_pattern_error, route_shape};
 pub use types::{
-    PlanBuilder,
     Accounting, EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings,
-    Plan, Policies, Route, RouteLimit, RouteShadow,
+    Plan, PlanBuilder, Policies, Route, RouteLimit, RouteShadow,
 };
 
 /// The largest policy file (or text) read: 16 MiB. A larger one is refused before it is read

@@ -222,8 +222,8 @@ impl PlanBuilder {
             });
         }
         for &(burst, tokens, period) in &self.limits {
-            let rate =
-                Rate::per(tokens, period).ok_or(BucketConfigError::RateOutOfRange { tokens, period })?;
+            let rate = Rate::per(tokens, period)
+                .ok_or(BucketConfigError::RateOutOfRange { tokens, period })?;
             let capacity = Tokens::whole(burst);
             bucket = Some(match bucket {
                 None => BucketConfig::new(capacity, rate)?,
@@ -706,5 +706,58 @@ mod tests {
             crate::error::validate_stored_key(&shadow(&"n".repeat(64), &longest)),
             Ok(())
         );
+    }
+}
+
+#[cfg(test)]
+mod builder_tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::bucket::BucketConfigError;
+
+    #[test]
+    fn the_builder_reports_what_is_wrong() {
+        assert_eq!(
+            Plan::builder("p").build().unwrap_err(),
+            BucketConfigError::NoLimit
+        );
+        assert_eq!(
+            Plan::builder("p").per_second(0).build().unwrap_err(),
+            BucketConfigError::RateOutOfRange {
+                tokens: 0,
+                period: Duration::from_secs(1)
+            }
+        );
+        assert!(matches!(
+            Plan::builder("p").per_second(1).burst(0).build(),
+            Err(BucketConfigError::CapacityTooSmall { .. })
+        ));
+        let five = (0..5).fold(Plan::builder("p"), |b, i| b.per_minute(10 + i));
+        assert_eq!(
+            five.build().unwrap_err(),
+            BucketConfigError::TooManyLimits { count: 5 }
+        );
+        let strict = Plan::builder("p")
+            .per_second(1)
+            .per_hour(100)
+            .lease(LeaseSettings::default().with_accounting(Accounting::Strict))
+            .build();
+        assert_eq!(
+            strict.unwrap_err(),
+            BucketConfigError::StrictOnSeveralLimits
+        );
+        // One limit in the builder is Plan::new's plan.
+        let one = Plan::builder("p")
+            .per_second(1)
+            .burst(8)
+            .build()
+            .expect("plan");
+        let new = Plan::new(
+            "p",
+            BucketConfig::new(Tokens::whole(8), Rate::per_second(1).expect("rate"))
+                .expect("bucket"),
+        );
+        assert_eq!(one, new);
     }
 }

@@ -501,7 +501,8 @@ impl MemoryStore {
             None => LimitsState::full(&config, now),
             Some(_) => limits_state(state, shard.more.get(request.key)),
         };
-        let (state, grant) = start.grant(&config, now, request.min, |least| request.grantable(least));
+        let (state, grant) =
+            start.grant(&config, now, request.min, |least| request.grantable(least));
         let shape = shard.shape(config, current.as_ref());
         let stored = Stored {
             config: shape,
@@ -627,8 +628,11 @@ impl Store for MemoryStore {
                 if let Some(stored) = shard.buckets.get_mut(ret.key) {
                     credited += 1;
                     stored.config = shape;
-                    let state = limits_state(stored.state(), shard.more.get(ret.key))
-                        .credit(&ret.bucket, now, ret.amount);
+                    let state = limits_state(stored.state(), shard.more.get(ret.key)).credit(
+                        &ret.bucket,
+                        now,
+                        ret.amount,
+                    );
                     stored.set_state(BucketState {
                         tokens: state.tokens[0],
                         last_refill: state.last_refill,

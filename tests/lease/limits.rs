@@ -71,7 +71,10 @@ async fn five_a_second_and_twenty_an_hour(leased: bool) -> Run {
 
 fn check(run: &Run) {
     assert!(run.first_second <= 10, "{run:?}: burst 5 and 5 a second");
-    assert!((18..=20).contains(&run.admitted), "{run:?}: 20 an hour binds");
+    assert!(
+        (18..=20).contains(&run.admitted),
+        "{run:?}: 20 an hour binds"
+    );
     let retry = run.last_refusal.expect("refused");
     assert!(retry >= Duration::from_secs(60), "{run:?}: the hour's wait");
 }
@@ -91,7 +94,8 @@ async fn l4_the_binding_limit_decides_in_leased_mode() {
 
 /// One L5 case: two limits (capacity, tokens a second), the tighter burst first.
 fn shapes() -> impl Strategy<Value = [(u64, u64); 2]> {
-    (20u64..60, 100u64..300, 2u64..5, 1u64..4).prop_map(|(c, r, k, s)| [(c, r), (c * k, r / (s + 1))])
+    (20u64..60, 100u64..300, 2u64..5, 1u64..4)
+        .prop_map(|(c, r, k, s)| [(c, r), (c * k, r / (s + 1))])
 }
 
 /// L5: three instances (their own pools and actors) on one key of a plan of two limits, for
@@ -133,7 +137,11 @@ async fn l5_several_instances_keep_every_limits_envelope() {
         for (i, (limiter, s)) in limiters.iter().zip(&seen).enumerate() {
             limiter.shutdown().await;
             let stats = limiter.lease_stats().expect("leased");
-            common::assert_conserved(&format!("case {case} instance {i}"), s.by_lease as f64, &stats);
+            common::assert_conserved(
+                &format!("case {case} instance {i}"),
+                s.by_lease as f64,
+                &stats,
+            );
             all.extend(s.admitted.iter().copied());
         }
         all.sort();

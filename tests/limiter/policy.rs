@@ -1623,10 +1623,23 @@ fn a_plan_of_several_limits_is_read_from_limits() {
     let limits: Vec<_> = plan.bucket().limits().collect();
     assert_eq!(limits.len(), 2);
     assert_eq!(limits[0].capacity(), tokenlease::bucket::Tokens::whole(10));
-    assert_eq!(limits[0].rate(), tokenlease::bucket::Rate::per_second(10).unwrap());
-    assert_eq!(limits[1].capacity(), tokenlease::bucket::Tokens::whole(10_000));
-    assert_eq!(limits[1].rate(), tokenlease::bucket::Rate::per_day(10_000).unwrap());
-    assert_eq!(plan.capacity(), tokenlease::bucket::Tokens::whole(10), "the largest cost");
+    assert_eq!(
+        limits[0].rate(),
+        tokenlease::bucket::Rate::per_second(10).unwrap()
+    );
+    assert_eq!(
+        limits[1].capacity(),
+        tokenlease::bucket::Tokens::whole(10_000)
+    );
+    assert_eq!(
+        limits[1].rate(),
+        tokenlease::bucket::Rate::per_day(10_000).unwrap()
+    );
+    assert_eq!(
+        plan.capacity(),
+        tokenlease::bucket::Tokens::whole(10),
+        "the largest cost"
+    );
     let built = tokenlease::policy::Plan::builder("api")
         .per_day(10_000)
         .per_second(10)

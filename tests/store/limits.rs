@@ -117,10 +117,12 @@ struct Model {
 impl Model {
     fn states(&mut self, key: usize, config: &BucketConfig) -> Vec<BucketState> {
         let now = Timestamp::from_nanos(self.now);
-        let states = self
-            .keys
-            .remove(&key)
-            .unwrap_or_else(|| config.limits().map(|l| BucketState::full(&l, now)).collect());
+        let states = self.keys.remove(&key).unwrap_or_else(|| {
+            config
+                .limits()
+                .map(|l| BucketState::full(&l, now))
+                .collect()
+        });
         states
             .into_iter()
             .zip(config.limits())
@@ -310,9 +312,13 @@ async fn l1_on_citus() {
     let s = Subject::postgres("citus", Arc::new(store), &[conn]).await;
     agree(&[Subject::memory(), s], 12).await;
     // The table is distributed, so the store took the Citus path, through the node function.
-    let admin = &Subject::postgres("admin", Arc::new(MemoryStore::new()), &[citus.connection_string("postgres")])
-        .await
-        .tables[0];
+    let admin = &Subject::postgres(
+        "admin",
+        Arc::new(MemoryStore::new()),
+        &[citus.connection_string("postgres")],
+    )
+    .await
+    .tables[0];
     let distributed: i64 = admin
         .query_one(
             "SELECT count(*) FROM pg_dist_partition \
@@ -359,7 +365,10 @@ async fn l2_retry_after_is_the_binding_limits() {
         .await
         .expect("acquire");
     assert!(denied.granted.is_zero());
-    assert!(denied.retry_after <= Duration::from_millis(200), "{denied:?}");
+    assert!(
+        denied.retry_after <= Duration::from_millis(200),
+        "{denied:?}"
+    );
     // Three more seconds, one at a time, of the first limit: 15 more, then the hour's 20
     // are gone.
     let admin = db.client().await.expect("connect");
@@ -441,11 +450,17 @@ async fn l3_migration_0010_keeps_the_rows_of_a_populated_table() {
         .map(|i| AcquireRequest::take(&keys[i], both, t(6)))
         .chain(std::iter::once(AcquireRequest::take(&keys[6], both, t(7))))
         .collect();
-    let out = store.acquire_many(&requests).await.expect("take two limits");
+    let out = store
+        .acquire_many(&requests)
+        .await
+        .expect("take two limits");
     for a in &out[..4] {
         assert_eq!((a.granted.floor(), a.remaining.floor()), (6, 0));
     }
-    assert!(out[4].granted.is_zero(), "7 is more than the first limit's 6");
+    assert!(
+        out[4].granted.is_zero(),
+        "7 is more than the first limit's 6"
+    );
     assert_eq!(out[4].remaining.floor(), 6);
     let conn = db.client().await.expect("connect");
     let row = conn
@@ -466,7 +481,11 @@ async fn l3_migration_0010_keeps_the_rows_of_a_populated_table() {
         )
         .await
         .expect("count");
-    assert_eq!(untouched.get::<_, i64>(0), 2_000 - 5, "only the rows taken as two limits");
+    assert_eq!(
+        untouched.get::<_, i64>(0),
+        2_000 - 5,
+        "only the rows taken as two limits"
+    );
 }
 
 async fn admin_client(db: &TestDatabase) -> tokio_postgres::Client {

@@ -73,10 +73,24 @@ pub(super) fn acquire_limits(shard: bool) -> String {
     let avail0 = lean::available_from("b", &capped);
     let frac0 = lean::frac_from(&capped);
     let more = more_refilled("b", "excluded.more_capacity", "excluded.more_rate", now);
-    let granted = lean::grant("least(e.avail0, e.least_more)", "q.min_take", "q.want", "q.step");
-    let granted_new = lean::grant("least(r.capacity, lm.least_more)", "r.min_take", "r.want", "r.step");
+    let granted = lean::grant(
+        "least(e.avail0, e.least_more)",
+        "q.min_take",
+        "q.want",
+        "q.step",
+    );
+    let granted_new = lean::grant(
+        "least(r.capacity, lm.least_more)",
+        "r.min_take",
+        "r.want",
+        "r.step",
+    );
     let (table, ordinality, members) = if shard {
-        ("%1$s", " WITH ORDINALITY", ", n) WHERE u.n = ANY ($11::integer[])")
+        (
+            "%1$s",
+            " WITH ORDINALITY",
+            ", n) WHERE u.n = ANY ($11::integer[])",
+        )
     } else {
         ("tokenlease_buckets", "", ")")
     };
@@ -143,9 +157,24 @@ pub(super) static GIVE_BACK_LIMITS: LazyLock<String> = LazyLock::new(|| give_bac
 /// `%2$s` returns, keyed by `(key, id)`), for `format()`, for the positions `$10` (integer[])
 /// of the arrays only.
 pub(super) fn give_back_limits(shard: bool) -> String {
-    let avail0 = lean::available("b", "excluded.capacity", "excluded.refill_per_second", "r.now_us");
-    let frac0 = lean::refilled_frac("b", "excluded.capacity", "excluded.refill_per_second", "r.now_us");
-    let more = more_refilled("b", "excluded.more_capacity", "excluded.more_rate", "r.now_us");
+    let avail0 = lean::available(
+        "b",
+        "excluded.capacity",
+        "excluded.refill_per_second",
+        "r.now_us",
+    );
+    let frac0 = lean::refilled_frac(
+        "b",
+        "excluded.capacity",
+        "excluded.refill_per_second",
+        "r.now_us",
+    );
+    let more = more_refilled(
+        "b",
+        "excluded.more_capacity",
+        "excluded.more_rate",
+        "r.now_us",
+    );
     let (buckets, returns, ordinality, f_n, u_n, only, conflict, fresh, is_fresh) = if shard {
         (
             "%1$s",
@@ -275,7 +304,8 @@ pub(super) struct MoreLimits {
 impl MoreLimits {
     /// Adds `bucket`'s limits beyond the first.
     fn push(&mut self, key: &str, bucket: &crate::bucket::BucketConfig) -> Result<(), StoreError> {
-        self.first.push(i32::try_from(self.caps.len() + 1).unwrap_or(i32::MAX));
+        self.first
+            .push(i32::try_from(self.caps.len() + 1).unwrap_or(i32::MAX));
         let mut n = 0;
         for limit in bucket.limits().skip(1) {
             let (capacity, rate) = shape(key, &limit)?;
@@ -295,7 +325,10 @@ pub(super) struct LimitTakes<'a> {
 }
 
 impl<'a> LimitTakes<'a> {
-    pub(super) fn new(requests: &[AcquireRequest<'a>], which: &[usize]) -> Result<Self, StoreError> {
+    pub(super) fn new(
+        requests: &[AcquireRequest<'a>],
+        which: &[usize],
+    ) -> Result<Self, StoreError> {
         let takes = super::rows::Takes::new(requests, which)?;
         let mut more = MoreLimits::default();
         for &i in which {
@@ -306,8 +339,12 @@ impl<'a> LimitTakes<'a> {
 
     pub(super) fn params(&self) -> Vec<(&(dyn ToSql + Sync), Type)> {
         let mut params = self.takes.params();
-        let values: [&(dyn ToSql + Sync); 4] =
-            [&self.more.caps, &self.more.rates, &self.more.first, &self.more.count];
+        let values: [&(dyn ToSql + Sync); 4] = [
+            &self.more.caps,
+            &self.more.rates,
+            &self.more.first,
+            &self.more.count,
+        ];
         params.extend(values.into_iter().zip(LIMITS_TYPES[6..].iter().cloned()));
         params
     }
@@ -375,8 +412,9 @@ impl super::PostgresStore {
         pending: &mut Vec<usize>,
         out: &mut [Option<Acquired>],
     ) -> Result<(), StoreError> {
-        let (mut multi, single): (Vec<usize>, Vec<usize>) =
-            pending.iter().partition(|&&i| requests[i].bucket.is_multi());
+        let (mut multi, single): (Vec<usize>, Vec<usize>) = pending
+            .iter()
+            .partition(|&&i| requests[i].bucket.is_multi());
         *pending = single;
         let Some(&first) = multi.first() else {
             return Ok(());
@@ -416,7 +454,10 @@ impl super::PostgresStore {
         let r = LimitReturns::new(returns, &multi)?;
         let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&route, Type::TEXT)];
         params.extend(r.params());
-        for row in self.query_by(deadline, CITUS_GIVE_BACK_LIMITS, &params).await? {
+        for row in self
+            .query_by(deadline, CITUS_GIVE_BACK_LIMITS, &params)
+            .await?
+        {
             credited.insert(row.try_get::<_, String>(0).map_err(StoreError::from)?);
         }
         Ok(credited)
@@ -442,7 +483,8 @@ pub(super) fn strict_row(key: &str) -> StoreError {
 /// [`ACQUIRE_LIMITS`]: the grant, the tokens of the limit that holds fewest, and the wait until
 /// every limit holds `min` (the longest of the limits' waits).
 pub(super) fn acquired(request: &AcquireRequest<'_>, row: &Row) -> Result<Acquired, StoreError> {
-    let get = |idx: usize| -> Result<i64, StoreError> { row.try_get(idx).map_err(StoreError::from) };
+    let get =
+        |idx: usize| -> Result<i64, StoreError> { row.try_get(idx).map_err(StoreError::from) };
     let amount = |nanos: i64, femto: i32| {
         Tokens::from_atto(
             u128::try_from(nanos).unwrap_or(0) * NANO + u128::try_from(femto).unwrap_or(0) * 1_000,
@@ -452,7 +494,10 @@ pub(super) fn acquired(request: &AcquireRequest<'_>, row: &Row) -> Result<Acquir
     let mut remaining = vec![amount(get(1)?, frac)];
     let more_tokens: Option<Vec<i64>> = row.try_get(6).map_err(StoreError::from)?;
     let more_frac: Option<Vec<i32>> = row.try_get(7).map_err(StoreError::from)?;
-    let (more_tokens, more_frac) = (more_tokens.unwrap_or_default(), more_frac.unwrap_or_default());
+    let (more_tokens, more_frac) = (
+        more_tokens.unwrap_or_default(),
+        more_frac.unwrap_or_default(),
+    );
     for (i, &t) in more_tokens.iter().enumerate() {
         remaining.push(amount(t, more_frac.get(i).copied().unwrap_or(0)));
     }

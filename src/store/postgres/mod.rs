@@ -313,8 +313,9 @@ impl PostgresStore {
         pending: &mut Vec<usize>,
         out: &mut [Option<Acquired>],
     ) -> Result<(), StoreError> {
-        let (mut multi, single): (Vec<usize>, Vec<usize>) =
-            pending.iter().partition(|&&i| requests[i].bucket.is_multi());
+        let (mut multi, single): (Vec<usize>, Vec<usize>) = pending
+            .iter()
+            .partition(|&&i| requests[i].bucket.is_multi());
         *pending = single;
         if let Some(&i) = multi.iter().find(|&&i| requests[i].hold.is_some()) {
             return Err(limits::strict_refused(requests[i].key));
