@@ -423,7 +423,7 @@ async fn f2_inspect_prints_tokens_and_rates_at_a_readable_precision() {
     );
 }
 
-/// P-L2: a limit of a plan of several whose capacity and rate are both at least another's can
+/// P7: a limit of a plan of several whose capacity and rate are both at least another's can
 /// never refuse a take: `check` warns, naming the plan and both limits, and accepts the file;
 /// limits that each bind at some time are not warned about.
 #[test]

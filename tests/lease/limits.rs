@@ -1,5 +1,5 @@
 //! Plans of several limits through the limiter over PostgreSQL, in direct and leased mode
-//! (L4, L5 in docs/testing.md): the limit that binds decides, and several instances holding
+//! (P4, P5 in docs/testing.md): the limit that binds decides, and several instances holding
 //! leases keep every limit's envelope.
 //!
 //! The database's clock is real, so these run in real time (the `serial` group): one call
@@ -16,7 +16,7 @@ use proptest::strategy::ValueTree;
 use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::{DecidedBy, Limiter};
 
-/// What L4 saw.
+/// What P4 saw.
 #[derive(Debug)]
 struct Run {
     first_second: u32,
@@ -65,7 +65,7 @@ async fn five_a_second_and_twenty_an_hour(leased: bool) -> Run {
         }
     }
     limiter.shutdown().await;
-    eprintln!("L4 leased={leased}: {run:?}");
+    eprintln!("P4 leased={leased}: {run:?}");
     run
 }
 
@@ -79,39 +79,39 @@ fn check(run: &Run) {
     assert!(retry >= Duration::from_secs(60), "{run:?}: the hour's wait");
 }
 
-/// L4, direct mode: at most 10 admitted in the first second, 18 to 20 in the 8 s, no
+/// P4, direct mode: at most 10 admitted in the first second, 18 to 20 in the 8 s, no
 /// fallback decision, and the last refusal waits for the hour's limit (≥ 60 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn l4_the_binding_limit_decides_in_direct_mode() {
+async fn p4_the_binding_limit_decides_in_direct_mode() {
     check(&five_a_second_and_twenty_an_hour(false).await);
 }
 
-/// L4 in leased mode: the same bounds, the leases never holding more than every limit allows.
+/// P4 in leased mode: the same bounds, the leases never holding more than every limit allows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn l4_the_binding_limit_decides_in_leased_mode() {
+async fn p4_the_binding_limit_decides_in_leased_mode() {
     check(&five_a_second_and_twenty_an_hour(true).await);
 }
 
-/// One L5 case: two limits (capacity, tokens a second), the tighter burst first.
+/// One P5 case: two limits (capacity, tokens a second), the tighter burst first.
 fn shapes() -> impl Strategy<Value = [(u64, u64); 2]> {
     (20u64..60, 100u64..300, 2u64..5, 1u64..4)
         .prop_map(|(c, r, k, s)| [(c, r), (c * k, r / (s + 1))])
 }
 
-/// L5: three instances (their own pools and actors) on one key of a plan of two limits, for
+/// P5: three instances (their own pools and actors) on one key of a plan of two limits, for
 /// 2 s per generated shape: every sliding window holds each limit's envelope
 /// `C_i + r_i·(w + ε) + N·B` (B the largest lease, a tenth of the smaller capacity), and each
 /// instance's leases are conserved exactly (admitted + returned + waived + stranded +
 /// outstanding = leased).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn l5_several_instances_keep_every_limits_envelope() {
+async fn p5_several_instances_keep_every_limits_envelope() {
     const N: f64 = 3.0;
     const SLACK: f64 = 0.02;
     let db = common::database().await;
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     for case in 0..3 {
         let limits = shapes().new_tree(&mut runner).expect("case").current();
-        let plan = Plan::builder(format!("l5-{case}"))
+        let plan = Plan::builder(format!("p5-{case}"))
             .per_second(limits[0].1)
             .burst(limits[0].0)
             .per_second(limits[1].1)
@@ -157,6 +157,6 @@ async fn l5_several_instances_keep_every_limits_envelope() {
                 );
             }
         }
-        eprintln!("L5 case {case} {limits:?}: {} admitted in 2 s", all.len());
+        eprintln!("P5 case {case} {limits:?}: {} admitted in 2 s", all.len());
     }
 }

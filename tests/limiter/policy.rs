@@ -1602,7 +1602,7 @@ fn a8_a_file_with_more_plans_than_a_limiter_holds_is_refused() {
     assert_eq!(tokenlease::policy::MAX_PLANS, 65_528);
 }
 
-/// P-L1: a plan of several limits is read from `limits` (in the file's order or not, kept in
+/// P6: a plan of several limits is read from `limits` (in the file's order or not, kept in
 /// order of capacity), each limit's rate from `refill_per_second` or `refill`; written in code,
 /// the same plan is equal to it.
 #[test]

@@ -1,4 +1,4 @@
-//! Buckets of several limits on one key (L1–L3 in docs/testing.md): one statement takes from
+//! Buckets of several limits on one key (P1–P3 in docs/testing.md): one statement takes from
 //! every limit or from none, as a pure model of several buckets does; a table migrated with
 //! rows in it takes correctly after migration 0010.
 //!
@@ -199,7 +199,7 @@ fn case() -> impl Strategy<Value = Case> {
 
 /// Runs `case` (number `n`) on `s` and on the model, and checks every answer against it.
 async fn run(s: &Subject, n: usize, case: &Case) {
-    let keys: Vec<String> = (0..KEYS).map(|k| format!("l2-{n}-{k}")).collect();
+    let keys: Vec<String> = (0..KEYS).map(|k| format!("p1-{n}-{k}")).collect();
     let configs: Vec<BucketConfig> = case.shapes.iter().map(|&(a, b)| two(a, b)).collect();
     let mut model = Model::default();
     let mut id = 1_000_000 * (n as i64 + 1);
@@ -272,12 +272,12 @@ async fn agree(subjects: &[Subject], cases: usize) {
     }
 }
 
-/// L1: on every store (memory, PostgreSQL, a `ShardedStore` over two databases), one call of
+/// P1: on every store (memory, PostgreSQL, a `ShardedStore` over two databases), one call of
 /// several keys of two limits each (keys repeated in the call, mixed costs, keys without a row,
 /// returns, time moving) answers each request as the pure model of several buckets does: a
 /// grant only when every limit holds it, taken from each; `remaining` the least limit's.
 #[tokio::test]
-async fn l1_several_limits_decide_as_the_model_of_several_buckets() {
+async fn p1_several_limits_decide_as_the_model_of_several_buckets() {
     let db = common::database().await;
     let pg = Subject::postgres(
         "postgres",
@@ -285,7 +285,7 @@ async fn l1_several_limits_decide_as_the_model_of_several_buckets() {
         &[db.connection_string()],
     )
     .await;
-    let conns = [sibling(&db, "l1_a").await, sibling(&db, "l1_b").await];
+    let conns = [sibling(&db, "p1_a").await, sibling(&db, "p1_b").await];
     let mut builder = ShardedStore::builder();
     for (i, conn) in conns.iter().enumerate() {
         builder = builder.shard(format!("s{i}"), common::store_at(conn, 2, true).await);
@@ -299,10 +299,10 @@ async fn l1_several_limits_decide_as_the_model_of_several_buckets() {
     agree(&[Subject::memory(), pg, sharded], 40).await;
 }
 
-/// L1 on a Citus cluster (a coordinator and two workers): the node function runs the same
+/// P1 on a Citus cluster (a coordinator and two workers): the node function runs the same
 /// statement on each shard's table, and answers as the model does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn l1_on_citus() {
+async fn p1_on_citus() {
     let citus = tokio::task::spawn_blocking(|| tokenlease_testkit::TempCitus::start(2))
         .await
         .expect("start task")
@@ -340,10 +340,10 @@ async fn l1_on_citus() {
     assert!(on_shards > 0, "rows of two limits on the shards");
 }
 
-/// L2: the retry of a denial is the longest wait of the limits, and the answer's `remaining` the
+/// P2: the retry of a denial is the longest wait of the limits, and the answer's `remaining` the
 /// binding limit's: 5 a second (burst 5) and 20 an hour, after 20 takes the hour binds.
 #[tokio::test]
-async fn l2_retry_after_is_the_binding_limits() {
+async fn p2_retry_after_is_the_binding_limits() {
     let db = common::database().await;
     let store = common::store(&db, 1).await;
     let config = BucketConfig::new(t(5), Rate::per_second(5).expect("rate"))
@@ -353,7 +353,7 @@ async fn l2_retry_after_is_the_binding_limits() {
     let mut granted = 0;
     for _ in 0..5 {
         granted += store
-            .acquire(AcquireRequest::take("l2", config, t(1)))
+            .acquire(AcquireRequest::take("p2", config, t(1)))
             .await
             .expect("acquire")
             .granted
@@ -361,7 +361,7 @@ async fn l2_retry_after_is_the_binding_limits() {
     }
     assert_eq!(granted, 5);
     let denied = store
-        .acquire(AcquireRequest::take("l2", config, t(1)))
+        .acquire(AcquireRequest::take("p2", config, t(1)))
         .await
         .expect("acquire");
     assert!(denied.granted.is_zero());
@@ -380,7 +380,7 @@ async fn l2_retry_after_is_the_binding_limits() {
             .expect("shift");
         for _ in 0..6 {
             more += store
-                .acquire(AcquireRequest::take("l2", config, t(1)))
+                .acquire(AcquireRequest::take("p2", config, t(1)))
                 .await
                 .expect("acquire")
                 .granted
@@ -389,7 +389,7 @@ async fn l2_retry_after_is_the_binding_limits() {
     }
     assert_eq!(more, 15, "the second limit holds 15 of its 20");
     let denied = store
-        .acquire(AcquireRequest::take("l2", config, t(1)))
+        .acquire(AcquireRequest::take("p2", config, t(1)))
         .await
         .expect("acquire");
     assert!(denied.granted.is_zero());
@@ -399,11 +399,11 @@ async fn l2_retry_after_is_the_binding_limits() {
     assert!(denied.retry_after <= Duration::from_secs(180), "{denied:?}");
 }
 
-/// L3: migration 0010 on a populated table. Rows written by the statements of migration 0009's
+/// P3: migration 0010 on a populated table. Rows written by the statements of migration 0009's
 /// schema (one limit) take as buckets of one limit afterwards, and as the first limit of a
 /// plan of several when their plan gains a second limit (the second starting full).
 #[tokio::test]
-async fn l3_migration_0010_keeps_the_rows_of_a_populated_table() {
+async fn p3_migration_0010_keeps_the_rows_of_a_populated_table() {
     let db = common::database().await;
     let admin = db.client().await.expect("connect");
     // Back to the schema of 0009 (what the previous release ran), with its rows in it.
