@@ -10,24 +10,8 @@
 use std::cmp;
 
 use super::math::{BucketConfig, BucketConfigError, BucketState, Timestamp};
+use super::more::{Limit, MAX_MORE, UNUSED};
 use super::tokens::{Rate, Tokens};
-
-/// One limit beyond a bucket's first.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct Limit {
-    capacity: Tokens,
-    rate: Rate,
-}
-
-/// How many limits a bucket holds beyond its first.
-pub(crate) const MAX_MORE: usize = 3;
-
-/// What the unused places of [`BucketConfig`]'s `more` hold (all alike, so equal shapes are
-/// equal and hash alike).
-pub(crate) const UNUSED: Limit = Limit {
-    capacity: Tokens::ZERO,
-    rate: Rate::MAX,
-};
 
 impl BucketConfig {
     /// The most limits one bucket holds: 4.
@@ -346,6 +330,10 @@ mod tests {
         let (_, g) = grant_all(s, &config, Timestamp::from_nanos(8 * SEC), Tokens::whole(1));
         assert!(g.granted.is_zero());
         assert!(g.retry_after >= 60 * SEC, "{}", g.retry_after);
-        assert!(g.remaining < Tokens::whole(1), "the hour binds: {:?}", g.remaining);
+        assert!(
+            g.remaining < Tokens::whole(1),
+            "the hour binds: {:?}",
+            g.remaining
+        );
     }
 }

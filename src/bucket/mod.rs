@@ -23,6 +23,7 @@
 
 mod limits;
 mod math;
+mod more;
 mod tokens;
 
 pub(crate) use limits::LimitsState;
