@@ -92,6 +92,68 @@ async fn p4_the_binding_limit_decides_in_leased_mode() {
     check(&five_a_second_and_twenty_an_hour(true).await);
 }
 
+/// P4 with callers at once: 40 concurrent calls a round, five rounds 1.1 s apart, direct mode
+/// (the limiter gathers a round's callers of the key into few statements). In the first three
+/// rounds 5 a round are admitted and every refusal waits at most a second (the second's limit
+/// binds); the fourth spends the hour's last 5, and in the fifth every refusal waits at least
+/// 60 s (the hour's), however the callers were gathered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p4_callers_at_once_are_told_the_binding_limits_wait() {
+    let db = common::database().await;
+    let plan = Arc::new(
+        Plan::builder("several")
+            .per_second(5)
+            .per_hour(20)
+            .fallback(FallbackSettings::new(FallbackMode::Deny))
+            .build()
+            .expect("plan"),
+    );
+    let limiter = Limiter::builder(common::store(&db, 4).await).build();
+    let mut tick = tokio::time::interval(Duration::from_millis(1_100));
+    let mut total = 0;
+    for round in 0..5 {
+        tick.tick().await;
+        let calls: Vec<_> = (0..40)
+            .map(|_| {
+                let (limiter, plan) = (limiter.clone(), Arc::clone(&plan));
+                tokio::spawn(async move {
+                    limiter
+                        .try_acquire_with(&plan, "at-once", 1)
+                        .await
+                        .expect("decision")
+                })
+            })
+            .collect();
+        let mut admitted = 0;
+        for call in calls {
+            let d = call.await.expect("task");
+            assert!(!matches!(d.decided_by, DecidedBy::Fallback(_)), "{d:?}");
+            if d.allowed {
+                admitted += 1;
+            } else if round < 3 {
+                assert!(
+                    d.retry_after <= Duration::from_secs(1),
+                    "round {round}: {d:?}"
+                );
+            } else if round == 4 {
+                assert!(
+                    d.retry_after >= Duration::from_secs(60),
+                    "round {round}: {d:?}"
+                );
+            }
+        }
+        total += admitted;
+        if round < 4 {
+            assert!(
+                (4..=6).contains(&admitted),
+                "round {round}: {admitted} admitted"
+            );
+        }
+    }
+    assert!((18..=20).contains(&total), "{total} admitted");
+    limiter.shutdown().await;
+}
+
 /// One P5 case: two limits (capacity, tokens a second), the tighter burst first.
 fn shapes() -> impl Strategy<Value = [(u64, u64); 2]> {
     (20u64..60, 100u64..300, 2u64..5, 1u64..4)
