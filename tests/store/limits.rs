@@ -3,26 +3,29 @@
 //! rows in it takes correctly after migration 0010.
 //!
 //! Time is moved as in `contained.rs`: the memory store reads a `ManualClock`; for PostgreSQL
-//! every stored refill time is shifted back. The rates are low (a token per 100 s and per
-//! 500 s) and every amount a whole token, so the real time that passes between statements
-//! (well under 20 s) never changes a whole-token outcome.
+//! every stored refill time is shifted back. The rates are low (a token per 100, 500, 200 and
+//! 1,000 s) and every amount a whole token, so a limit's fraction of a token after whole
+//! moves of 100 s is at least 0.1 from the next whole token, and the real time one generated
+//! case takes on a store (well under 20 s, where 100 s would be needed) never changes a
+//! whole-token outcome.
 
 use crate::common;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use proptest::prelude::*;
-use proptest::strategy::ValueTree;
+use proptest::test_runner::{Config as ProptestConfig, RngAlgorithm, TestRng, TestRunner};
 use tokenlease::bucket::{BucketConfig, BucketState, Rate, Timestamp, Tokens};
 use tokenlease::clock::ManualClock;
 use tokenlease::store::{AcquireRequest, GiveBack, MemoryStore, ShardedStore, Store};
 use tokenlease_testkit::TestDatabase;
 
-/// The limits' rates, in tokens a second: one whole token per 100 s and per 500 s of moved
-/// time.
-const RATES: [f64; 2] = [0.01, 0.002];
+/// The limits' rates, in tokens a second, by the limit's place in a generated shape: a whole
+/// token per 100 s, 500 s, 200 s and 1,000 s of moved time.
+const RATES: [f64; 4] = [0.01, 0.002, 0.005, 0.001];
 
 /// Moved time per step of a case: 100 s.
 const TICK: Duration = Duration::from_secs(100);
@@ -31,12 +34,14 @@ fn t(n: u64) -> Tokens {
     Tokens::whole(n)
 }
 
-/// A bucket of two limits: `a` tokens at 0.01/s and `b` at 0.002/s (in order of capacity).
-fn two(a: u64, b: u64) -> BucketConfig {
-    BucketConfig::new(t(a), Rate::from_f64(RATES[0]).expect("rate"))
-        .expect("bucket")
-        .with_limit(t(b), Rate::from_f64(RATES[1]).expect("rate"))
-        .expect("two limits")
+/// A bucket of one limit per capacity of `caps`, limit `i` refilling at `RATES[i]`.
+fn limits(caps: &[u64]) -> BucketConfig {
+    let rate = |i: usize| Rate::from_f64(RATES[i]).expect("rate");
+    let mut config = BucketConfig::new(t(caps[0]), rate(0)).expect("bucket");
+    for (i, &c) in caps.iter().enumerate().skip(1) {
+        config = config.with_limit(t(c), rate(i)).expect("a limit");
+    }
+    config
 }
 
 /// A store under test and how to move its time.
@@ -171,24 +176,33 @@ enum Step {
 
 #[derive(Clone, Debug)]
 struct Case {
-    /// Each key's two capacities.
-    shapes: Vec<(u64, u64)>,
+    /// Each key's capacities, one per limit (1 to 4 limits), the smallest first.
+    shapes: Vec<Vec<u64>>,
     steps: Vec<Step>,
 }
 
-const KEYS: usize = 4;
+const KEYS: usize = 6;
 
 fn case() -> impl Strategy<Value = Case> {
-    let shape = (1u64..6, 0u64..8).prop_map(|(a, more)| (a, a + more));
+    // Mostly two limits; some keys of one (a batch then mixes both kinds of statement) or of
+    // three and four.
+    let count = prop_oneof![1 => Just(1usize), 4 => Just(2), 1 => Just(3), 1 => Just(4)];
+    let shape = (1u64..6, count).prop_flat_map(|(a, n)| {
+        prop::collection::vec(0u64..8, n - 1).prop_map(move |more| {
+            std::iter::once(a)
+                .chain(more.into_iter().map(|m| a + m))
+                .collect::<Vec<u64>>()
+        })
+    });
     prop::collection::vec(shape, KEYS).prop_flat_map(|shapes| {
         let caps = shapes.clone();
         let take = (0usize..KEYS).prop_flat_map(move |k| {
-            let c = caps[k].0;
+            let c = caps[k][0];
             (Just(k), 1u64..=c, 1u64..=c).prop_map(|(k, a, b)| (k, a.min(b), a.max(b)))
         });
         let give = (0usize..KEYS, 1u64..4);
         let step = prop_oneof![
-            5 => prop::collection::vec(take, 1..8).prop_map(Step::Take),
+            5 => prop::collection::vec(take, 1..10).prop_map(Step::Take),
             1 => prop::collection::vec(give, 1..3).prop_map(Step::Give),
             2 => (1u64..6).prop_map(Step::Advance),
         ];
@@ -197,10 +211,11 @@ fn case() -> impl Strategy<Value = Case> {
     })
 }
 
-/// Runs `case` (number `n`) on `s` and on the model, and checks every answer against it.
-async fn run(s: &Subject, n: usize, case: &Case) {
+/// Runs `case` (run number `n`, which names its keys) on `s` and on the model, and says where
+/// an answer differs from the model's.
+async fn run(s: &Subject, n: usize, case: &Case) -> Result<(), String> {
     let keys: Vec<String> = (0..KEYS).map(|k| format!("p1-{n}-{k}")).collect();
-    let configs: Vec<BucketConfig> = case.shapes.iter().map(|&(a, b)| two(a, b)).collect();
+    let configs: Vec<BucketConfig> = case.shapes.iter().map(|caps| limits(caps)).collect();
     let mut model = Model::default();
     let mut id = 1_000_000 * (n as i64 + 1);
     for (i, step) in case.steps.iter().enumerate() {
@@ -218,17 +233,27 @@ async fn run(s: &Subject, n: usize, case: &Case) {
                     })
                     .collect();
                 let out = s.store.acquire_each(&requests).await;
+                if out.len() != takes.len() {
+                    return Err(format!(
+                        "{}: {} answers to {}",
+                        s.name,
+                        out.len(),
+                        takes.len()
+                    ));
+                }
                 for (&(k, min, want), got) in takes.iter().zip(out) {
-                    let got = got.unwrap_or_else(|e| panic!("{}: {e}", s.name));
+                    let got = got.map_err(|e| format!("{} step {i}: {e}", s.name))?;
                     let expected = model.take(k, &configs[k], min, want);
-                    assert_eq!(
-                        (got.granted.floor(), got.remaining.floor()),
-                        expected,
-                        "{} case {n} step {i}: key {k} ({min}..{want}) {case:?}",
-                        s.name
-                    );
-                    if got.granted.is_zero() {
-                        assert!(!got.retry_after.is_zero(), "{}: a denial waits", s.name);
+                    let answered = (got.granted.floor(), got.remaining.floor());
+                    if answered != expected {
+                        return Err(format!(
+                            "{} step {i}: key {k} ({min}..{want}) got (granted, remaining) \
+                             {answered:?}, the model {expected:?}",
+                            s.name
+                        ));
+                    }
+                    if got.granted.is_zero() && got.retry_after.is_zero() {
+                        return Err(format!("{} step {i}: key {k} refused, no wait", s.name));
                     }
                 }
             }
@@ -247,7 +272,7 @@ async fn run(s: &Subject, n: usize, case: &Case) {
                     })
                     .collect();
                 for answer in s.store.give_back_each(&returns).await {
-                    answer.unwrap_or_else(|e| panic!("{}: {e}", s.name));
+                    answer.map_err(|e| format!("{} step {i}: {e}", s.name))?;
                 }
                 for &(k, amount) in gives {
                     model.give(k, &configs[k], amount);
@@ -259,24 +284,45 @@ async fn run(s: &Subject, n: usize, case: &Case) {
             }
         }
     }
+    Ok(())
 }
 
-async fn agree(subjects: &[Subject], cases: usize) {
-    let mut runner = proptest::test_runner::TestRunner::deterministic();
-    let strategy = case();
-    for n in 0..cases {
-        let case = strategy.new_tree(&mut runner).expect("case").current();
-        for s in subjects {
-            run(s, n, &case).await;
-        }
+/// Runs `cases` generated cases on every subject, as a proptest property: a case on which a
+/// subject differs from the model is shrunk (each try on fresh keys) and the smallest one
+/// reported. Deterministic, so a failure repeats.
+fn agree(subjects: &[Subject], cases: u32) {
+    let handle = tokio::runtime::Handle::current();
+    let runs = AtomicUsize::new(0);
+    let config = ProptestConfig {
+        cases,
+        max_shrink_iters: 200,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    let mut runner =
+        TestRunner::new_with_rng(config, TestRng::deterministic_rng(RngAlgorithm::ChaCha));
+    let outcome = tokio::task::block_in_place(|| {
+        runner.run(&case(), |case| {
+            let n = runs.fetch_add(1, Ordering::Relaxed);
+            for s in subjects {
+                handle
+                    .block_on(run(s, n, &case))
+                    .map_err(TestCaseError::fail)?;
+            }
+            Ok(())
+        })
+    });
+    if let Err(e) = outcome {
+        panic!("several limits differ from the model: {e}");
     }
 }
 
 /// P1: on every store (memory, PostgreSQL, a `ShardedStore` over two databases), one call of
-/// several keys of two limits each (keys repeated in the call, mixed costs, keys without a row,
-/// returns, time moving) answers each request as the pure model of several buckets does: a
-/// grant only when every limit holds it, taken from each; `remaining` the least limit's.
-#[tokio::test]
+/// several keys of one to four limits each (keys repeated in the call, keys of one limit beside
+/// keys of several, mixed costs, keys without a row, returns, time moving) answers each request
+/// as the pure model of several buckets does: a grant only when every limit holds it, taken
+/// from each; `remaining` the least limit's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn p1_several_limits_decide_as_the_model_of_several_buckets() {
     let db = common::database().await;
     let pg = Subject::postgres(
@@ -296,7 +342,7 @@ async fn p1_several_limits_decide_as_the_model_of_several_buckets() {
         &conns,
     )
     .await;
-    agree(&[Subject::memory(), pg, sharded], 40).await;
+    agree(&[Subject::memory(), pg, sharded], 40);
 }
 
 /// P1 on a Citus cluster (a coordinator and two workers): the node function runs the same
@@ -310,7 +356,7 @@ async fn p1_on_citus() {
     let conn = citus.connection_string("postgres");
     let store = common::store_at(&conn, 2, true).await;
     let s = Subject::postgres("citus", Arc::new(store), &[conn]).await;
-    agree(&[Subject::memory(), s], 12).await;
+    agree(&[Subject::memory(), s], 12);
     // The table is distributed, so the store took the Citus path, through the node function.
     let admin = &Subject::postgres(
         "admin",
