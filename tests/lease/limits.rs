@@ -220,5 +220,15 @@ async fn p5_several_instances_keep_every_limits_envelope() {
             }
         }
         eprintln!("P5 case {case} {limits:?}: {} admitted in 2 s", all.len());
+        // The load reached the limits: the windows above were not checked on a trickle.
+        let least = limits
+            .iter()
+            .map(|&(c, r)| (c + 2 * r) as f64)
+            .fold(f64::INFINITY, f64::min);
+        assert!(
+            all.len() as f64 >= least / 3.0,
+            "case {case} {limits:?}: {} admitted, under a third of the 2 s envelope {least}",
+            all.len()
+        );
     }
 }
