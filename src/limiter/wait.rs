@@ -16,7 +16,8 @@
 //! Cancel safety. A try that may await (a store call, a wait for a refill) runs in a task of
 //! its own, which holds the call's place in line until it ends: a waiter dropped meanwhile
 //! takes nothing, since a take that completes after the drop is refunded (as
-//! [`Limiter::refund`] does) before the next call in line is woken. A try the lease answers at
+//! [`Limiter::refund`] does; a fallback's admission into its local bucket and outage debt)
+//! before the next call in line is woken. A try the lease answers at
 //! once runs in place, with nothing to cancel.
 
 use std::collections::{HashMap, VecDeque};
@@ -216,9 +217,9 @@ impl Limiter {
     ///
     /// Dropping the future takes nothing: a try that was in flight completes in a task of its
     /// own, and tokens it took from the store or a lease are given back as
-    /// [`refund`](Self::refund) gives them back, before the next call in line is woken. (An
-    /// admission by the plan's `allow` or `local` fallback took nothing from the shared
-    /// bucket and is not given back.)
+    /// [`refund`](Self::refund) gives them back, before the next call in line is woken; an
+    /// admission by the plan's `allow` or `local` fallback gives back its local tokens and
+    /// the outage debt it recorded.
     pub fn acquire_until(
         &self,
         key: &str,
@@ -392,14 +393,11 @@ impl Place {
         (&mut answer.rx).await.ok()
     }
 
-    /// Gives back what `decision` took from the store or a lease, as [`Limiter::refund`] does,
-    /// within the limiter's call deadline. A fallback's admission took nothing from the shared
-    /// bucket and a shadow plan's let-through nothing at all: neither is given back.
+    /// Gives back what `decision` took: from the store or a lease, as [`Limiter::refund`]
+    /// does, within the limiter's call deadline; from the fallback, the local bucket's tokens
+    /// and the outage debt recorded for them. A shadow plan's let-through took nothing.
     async fn give_back(&self, cost: f64, decision: &Decision) {
-        let took = decision.allowed
-            && !decision.would_deny
-            && matches!(decision.decided_by, DecidedBy::Store | DecidedBy::Lease);
-        if !took {
+        if !decision.allowed || decision.would_deny {
             return;
         }
         // The plan in force now, as the try had it a moment ago; a plan reloaded away keeps
@@ -407,8 +405,23 @@ impl Place {
         let Ok((plan, _)) = self.limiter.plan_for_key(&self.key) else {
             return;
         };
-        let within = self.limiter.inner.call_deadline;
-        let _ = tokio::time::timeout(within, self.limiter.refund(&plan, &self.key, cost)).await;
+        match decision.decided_by {
+            DecidedBy::Store | DecidedBy::Lease => {
+                let within = self.limiter.inner.call_deadline;
+                let refund = self.limiter.refund(&plan, &self.key, cost);
+                let _ = tokio::time::timeout(within, refund).await;
+            }
+            DecidedBy::Fallback(_) => {
+                if let Ok(cost) = super::cost::validate_cost(&plan, cost) {
+                    let key = plan.store_key(&self.key);
+                    self.limiter
+                        .inner
+                        .fallback
+                        .give_back(&plan, &key, cost)
+                        .await;
+                }
+            }
+        }
     }
 }
 

@@ -1,7 +1,7 @@
-//! W1–W8, P9: `Limiter::acquire_until`, the call that waits for its tokens until a deadline
-//! (DESIGN.md §8, "Waiting for tokens"). W1–W6 on tokio's paused clock over a `MemoryStore`
-//! (or a store in front of one that holds, fails or never answers calls), so every time below
-//! is exact; W7 and W8 end to end over a real PostgreSQL, in direct and in leased mode.
+//! W1–W8, W10, P9: `Limiter::acquire_until`, the call that waits for its tokens until a
+//! deadline (DESIGN.md §8, "Waiting for tokens"). W1–W6, W10 and P9 on tokio's paused clock
+//! over a `MemoryStore` (or a store in front of one that holds, fails or never answers calls),
+//! so every time below is exact; W7 and W8 end to end over a real PostgreSQL, in direct and in leased mode.
 //!
 //! Every wait of these tests is bounded by the call's own deadline, and the few sleeps pace the
 //! paused clock to the moment a test acts.
@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
+use tokenlease::bucket::Tokens;
 use tokenlease::limiter::WaitError;
 use tokenlease::policy::{FallbackMode, Policies};
 use tokenlease::store::{
@@ -633,4 +634,53 @@ async fn p9_a_wait_on_several_limits_ends_when_every_limit_holds_the_cost() {
         let calls = calls_made.load(Ordering::Relaxed);
         eprintln!("P9 {mode}: served at {at:?} ms, {calls} store calls");
     }
+}
+
+/// W10: a waiter dropped while the plan's fallback decides its try takes nothing there either.
+/// The store never answers; the try's store call ends at the call deadline (500 ms), after the
+/// waiting call ended at its own (300 ms), and the `local` fallback then admits it from the
+/// key's local bucket (one token, refilling in 1,000 s) and records the token as outage debt.
+/// The answer nobody awaits gives both back: the debt is forgiven, and the next call the
+/// fallback decides finds the local token there. Without the give-back the debt stays at one
+/// token and the next call is refused.
+#[tokio::test(start_paused = true)]
+async fn w10_a_waiter_dropped_while_the_fallback_decides_takes_nothing() {
+    let stuck = Down {
+        takes: Arc::default(),
+        stuck: true,
+    };
+    let plan = r#"{"capacity": 1, "refill_per_second": 0.001,
+                   "fallback": {"mode": "local", "instances": 1}}"#;
+    let limiter = Limiter::builder(stuck)
+        .policies(policies(plan))
+        .call_deadline(Duration::from_millis(500))
+        .build();
+    let start = Instant::now();
+    let gone = limiter
+        .acquire_until("k", 1.0, start + Duration::from_millis(300))
+        .await;
+    assert!(
+        matches!(gone, Err(WaitError::DeadlinePassed { last: None })),
+        "{gone:?}"
+    );
+    assert_eq!(ms_since(start), 300);
+    // sleep: pacing (paused clock) past the try's call deadline, when the fallback decides it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    common::eventually(
+        Duration::from_millis(1),
+        Duration::from_secs(1),
+        "the fallback's admission given back",
+        async || limiter.outage_debt().outstanding == Tokens::ZERO,
+    )
+    .await;
+    let next = limiter.try_acquire("k", 1.0).await.expect("valid");
+    assert!(
+        next.allowed
+            && matches!(
+                next.decided_by,
+                DecidedBy::Fallback(FallbackMode::Local { .. })
+            ),
+        "the local token was given back: {next:?}"
+    );
+    assert_eq!(limiter.outage_debt().outstanding, Tokens::whole(1));
 }
