@@ -16,7 +16,9 @@
 //! has its own statements in flight, capped by its own connections
 //! ([`Store::partition_calls`]), its own load, adaptive limit and gather window ([`Part`]). So
 //! a part's statements carry as many keys as one store's would at that part's load, and a
-//! slow or failing part holds up no other part's statements.
+//! slow or failing part holds up no other part's statements (beyond another part's turn: a
+//! part that would send a statement of few keys while another part's statement is in flight
+//! holds it back for a bounded time, [`turns`]).
 //!
 //! Every caller has a deadline. A caller whose deadline passes before its answer, or that finds
 //! `max_queued` callers already waiting, is not answered here ([`Unanswered`]): the limiter's
