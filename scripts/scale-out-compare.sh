@@ -20,11 +20,13 @@
 #   bash scripts/scale-out-compare.sh
 #   BEFORE=/path/to/old/tokenlease REPEAT=2 bash scripts/scale-out-compare.sh
 #   TOKENLEASE=/path/to/tokenlease DURATION_S=5 WARMUP_S=2 bash scripts/scale-out-compare.sh
+#   MODES="direct leased" bash scripts/scale-out-compare.sh   # some of the modes only
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DURATION_S="${DURATION_S:-10}"
 WARMUP_S="${WARMUP_S:-3}"
 REPEAT="${REPEAT:-1}"
+MODES="${MODES:-direct direct4 leased}"
 BEFORE="${BEFORE:-}"
 target="${CARGO_TARGET_DIR:-target}"
 source scripts/lib.sh
@@ -53,7 +55,7 @@ echo "cores: $(nproc); load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 printf '%-7s %-7s %-10s %11s %10s %9s %11s %8s %s\n' build mode set-up decisions/s \
     "stmts/1k" "dec/stmt" "CPU µs/dec" "p99 ms" fallback
 for ((round = 0; round < REPEAT; round++)); do
-    for mode in direct direct4 leased; do
+    for mode in $MODES; do
         case "$mode" in
             direct) load=(--mode direct --keys 10000) ;;
             direct4) load=(--mode direct --keys 10000 --in-flight 4 --rate 40000) ;;

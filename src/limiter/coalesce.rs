@@ -306,18 +306,27 @@ impl Coalescer {
     /// How long a part's free slot waits for more callers before it sends what is ready, if it
     /// should: while fewer than [`TARGET_BATCH`] of its keys are ready and another caller is
     /// expected within the window, a quarter of its statements' time (within [`MIN_GATHER`]
-    /// and [`MAX_GATHER`]). Without the wait, the callers of a statement that just finished
-    /// come back one by one, the first finds the slot free and leaves alone, and statements
-    /// alternate between one key and all the others.
+    /// and [`MAX_GATHER`]); half its statements' time when its turn came ([`turns`]). Without
+    /// the wait, the callers of a statement that just finished come back one by one, the first
+    /// finds the slot free and leaves alone, and statements alternate between one key and all
+    /// the others.
     fn gather_window(&self, part: &Part) -> Option<Duration> {
         if !self.settings.adaptive || (part.ready.len() as f64) >= TARGET_BATCH {
             return None;
         }
+        // A part whose turn came waits for the callers of the answer that let it go, and its
+        // window ends as soon as they have come back (`turns`): it may be longer, half a
+        // statement time up to a quarter of the longest turn, for callers slowed by busy cores.
+        if part.turn.is_some() {
+            let most = turns::MAX_TURN / 4;
+            return Some(
+                Duration::from_secs_f64(part.load.statement / 2.0).clamp(MIN_GATHER, most),
+            );
+        }
         let window =
             Duration::from_secs_f64(part.load.statement / 4.0).clamp(MIN_GATHER, MAX_GATHER);
-        // Worth waiting only when another caller is expected within the window, or when the
-        // callers of another part's statement that just answered come back.
-        if part.turn.is_none() && part.load.rate * window.as_secs_f64() < 1.0 {
+        // Worth waiting only when another caller is expected within the window.
+        if part.load.rate * window.as_secs_f64() < 1.0 {
             return None;
         }
         Some(window)

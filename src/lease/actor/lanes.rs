@@ -32,12 +32,15 @@ const REFILLS_IN_FLIGHT: usize = 4;
 
 /// The longest a lane that keeps up waits for another lane's refill ([`Lanes::held`]), in
 /// ns: where refills take longer (a slow store), waiting callers would wait out their
-/// `max_wait`, and the lanes no longer take turns.
-const MAX_TURN: u64 = 4_000_000;
+/// `max_wait`, and the lanes no longer take turns. A busy store's refills take a few
+/// milliseconds (the cores shared with the other partitions and the callers), and its lanes
+/// gain the most from taking turns: several such refill times.
+const MAX_TURN: u64 = 16_000_000;
 
 /// The longest the lanes wait, after a refill answered, for the callers it woke to ask again
-/// ([`Turn`]), in ns.
-const MAX_TURN_GATHER: u64 = 1_000_000;
+/// ([`Turn`]), in ns: the wait ends as soon as they have, so only callers slowed by busy cores
+/// make it this long.
+const MAX_TURN_GATHER: u64 = 4_000_000;
 
 /// A store statement of the actor in flight: it owns what it sends, and answers with a
 /// [`Done`].
@@ -140,7 +143,7 @@ pub(super) struct Lanes<'a> {
 
 /// After a refill answers on a store of several partitions, the lanes that keep up hold their
 /// refills back until as many slots have been queued as it refilled (the callers it woke
-/// asking again, for their next keys), or a quarter of its statement time has passed (at most
+/// asking again, for their next keys), or half its statement time has passed (at most
 /// [`MAX_TURN_GATHER`]). Without it the lane whose turn came sent at once, before the callers
 /// came back, and they waited for that lane's next turn: its statement carried what came back
 /// during the other lane's statement, not what the answer woke too.
@@ -448,7 +451,7 @@ pub(super) fn finish(
                 let took = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
                 let avg = lanes.took.entry(done.lane).or_insert(took);
                 *avg = *avg - *avg / 4 + took / 4;
-                let window = (*avg / 4).min(MAX_TURN_GATHER);
+                let window = (*avg / 2).min(MAX_TURN_GATHER);
                 // Lanes take turns only on a store of several partitions.
                 if lanes.took.len() > 1 {
                     lanes.turn = Some(Turn {

@@ -27,8 +27,11 @@ use super::{Batch, Coalescer, State, TARGET_BATCH};
 use crate::store::Store;
 
 /// The longest a part is held back for another part's statement: where statements take longer
-/// (a slow or busy store), the parts no longer take turns.
-const MAX_TURN: Duration = Duration::from_millis(4);
+/// (a slow store), the parts no longer take turns. A busy store's statements take a few
+/// milliseconds (the cores shared with the other parts and the callers), and its parts gain
+/// the most from taking turns: so this is several such statement times, well within a
+/// caller's deadline (which also bounds the hold).
+pub(super) const MAX_TURN: Duration = Duration::from_millis(16);
 
 impl Coalescer {
     /// Until when `part`, with a slot free and keys ready, holds its statement back at `now`
