@@ -14,7 +14,8 @@
 # per run: decisions/s, statements per 1,000 decisions, decisions per statement, the server's
 # CPU µs per decision (every cluster summed), p99 and the fallback's decisions (and their share).
 # With BEFORE set to another build's binary (e.g. the main branch's), every set-up runs with it
-# first and then with this one, alternated, so a busy machine weighs on both alike. The JSON
+# and with this one back to back (the other one first in every other round, with REPEAT=2 or
+# more), so a busy machine weighs on both alike. The JSON
 # reports go to $OUT.
 #
 #   bash scripts/scale-out-compare.sh
@@ -62,7 +63,13 @@ for ((round = 0; round < REPEAT; round++)); do
             leased) load=(--mode leased --keys 100000 --rate 100000) ;;
         esac
         for setup in "--shards 1" "--shards 2" "--citus 2"; do
-            for build in "${builds[@]}"; do
+            # Every other round the other build first: the second of two runs back to back
+            # may find the machine busier (the first's cluster still being removed).
+            order=("${builds[@]}")
+            if ((round % 2 == 1 && ${#builds[@]} == 2)); then
+                order=("${builds[1]}" "${builds[0]}")
+            fi
+            for build in "${order[@]}"; do
                 # shellcheck disable=SC2086
                 json="$("${build#*=}" loadtest "${load[@]}" --instances 1 --tasks 16 \
                     --duration "$DURATION_S" --warmup "$WARMUP_S" --json $setup 2>/dev/null)"
