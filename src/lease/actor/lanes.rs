@@ -597,4 +597,25 @@ mod tests {
         assert!(!lanes.held(1, 0, &mut None), "both came back");
         assert!(!lanes.held(0, 0, &mut None));
     }
+
+    /// A lane that keeps up waits for another lane's refill in flight for two of its own
+    /// refill times from when that refill started, and never longer than [`MAX_TURN`].
+    #[test]
+    fn a_lane_waits_two_refill_times_for_another_and_never_past_the_bound() {
+        let slab = Slab::new(16);
+        let a = test_slot(&slab, "a");
+        for (took, end) in [(1_000_000, 2_000_000), (20_000_000, MAX_TURN)] {
+            let mut lanes = Lanes::default();
+            lanes.lanes.entry(0).or_default().refills = 1;
+            lanes.queue(1, SlotRef::clone(&a));
+            lanes.took.insert(1, took);
+            let mut until = None;
+            assert!(lanes.held(1, end - 1, &mut until), "refill time {took} ns");
+            assert_eq!(until, Some(end));
+            assert!(!lanes.held(1, end, &mut None), "refill time {took} ns");
+            lanes.lanes.entry(0).or_default().refills = 0;
+            assert!(!lanes.held(1, 0, &mut None), "nothing in flight to wait for");
+            a.hot().queued.store(false, Ordering::Relaxed);
+        }
+    }
 }
