@@ -614,7 +614,10 @@ mod tests {
             assert_eq!(until, Some(end));
             assert!(!lanes.held(1, end, &mut None), "refill time {took} ns");
             lanes.lanes.entry(0).or_default().refills = 0;
-            assert!(!lanes.held(1, 0, &mut None), "nothing in flight to wait for");
+            assert!(
+                !lanes.held(1, 0, &mut None),
+                "nothing in flight to wait for"
+            );
             a.hot().queued.store(false, Ordering::Relaxed);
         }
     }
