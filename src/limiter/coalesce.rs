@@ -369,7 +369,9 @@ impl Coalescer {
             }
             return Next::Gather(window);
         }
-        p.gathering = false;
+        // A statement that leaves full during a gather window leaves the window running: until
+        // its timer, no other statement of the part leaves with fewer keys (a second slot
+        // would take the callers the next full statement gathers).
         if state.turn.is_some_and(|(t, ..)| t == part) {
             state.turn = None;
         }
@@ -390,8 +392,8 @@ impl Coalescer {
                 if state.turn.is_some_and(|(t, ..)| t == part) {
                     state.turn = None;
                 }
-                // Not gathering any more: its statement left when its keys filled it, or
-                // when its turn's callers came back.
+                // Not gathering any more: its statement left when its turn's callers came
+                // back (a statement that left full keeps the window to its end).
                 let free = state.in_flight < total
                     && state.parts.get_mut(&part).is_some_and(|p| {
                         std::mem::replace(&mut p.gathering, false) && p.in_flight < this.cap(p)
