@@ -1,4 +1,4 @@
-//! The store on a real Citus cluster (Z1–Z11 in docs/testing.md): a coordinator and
+//! The store on a real Citus cluster (Z1–Z12 in docs/testing.md): a coordinator and
 //! two workers started by each test ([`TempCitus`]), the tables distributed by `migrate`, every
 //! call routed to one worker, faults per worker, and the C1 envelope through the cluster.
 //!
@@ -286,6 +286,123 @@ async fn migrate_keeps_a_shard_count_the_user_set() {
     let report = tokenlease::store::migrate(&mut c).await.expect("migrate");
     assert_eq!(report.citus_shards, Some(6), "{report}");
     assert!(!report.citus_shard_count_chosen, "{report}");
+}
+
+/// The shard guard as builds before 2026-12-06 created it (its lock in a `PERFORM`, the
+/// placements counted by an aggregate), with such a build's fingerprint stamp.
+const OLDER_GUARD: &str = "\
+CREATE OR REPLACE FUNCTION tokenlease_citus_hold(shards bigint[], keys text[])
+RETURNS text[]
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+AS $fn$
+BEGIN
+    PERFORM pg_catalog.lock_shard_metadata(5, shards);
+    IF (SELECT pg_catalog.count(*) FROM pg_catalog.pg_dist_placement AS p
+        WHERE p.shardid OPERATOR(pg_catalog.=) ANY (shards)
+          AND p.groupid OPERATOR(pg_catalog.=)
+              (SELECT l.groupid FROM pg_catalog.pg_dist_local_group AS l))
+       OPERATOR(pg_catalog.<) pg_catalog.cardinality(shards)
+    THEN
+        RAISE EXCEPTION 'tokenlease: shard of % has no placement on this node', shards
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    RETURN keys;
+END
+$fn$;
+COMMENT ON FUNCTION tokenlease_citus_delete_idle(text, bigint) IS 'tokenlease citus 000000000000000000000000'";
+
+/// The guard's body on every worker.
+async fn guard_bodies(citus: &TempCitus) -> Vec<String> {
+    let mut bodies = Vec::new();
+    for w in citus.workers() {
+        let body: String = client(&w.connection_string("postgres"))
+            .await
+            .query_one(
+                "SELECT prosrc FROM pg_proc \
+                 WHERE oid = 'tokenlease_citus_hold(bigint[], text[])'::regprocedure \
+                   AND prosecdef",
+                &[],
+            )
+            .await
+            .expect("the guard, SECURITY DEFINER")
+            .get(0);
+        bodies.push(body);
+    }
+    bodies
+}
+
+/// Z12: a cluster migrated by an older build (its guard body and its fingerprint stamp) gets
+/// this build's guard on every node at the next `migrate`, which passes each worker's own
+/// shards and refuses the others, and the store decides through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_replaces_an_older_builds_guard_on_every_node() {
+    let citus = migrated(2).await;
+    let conn = citus.connection_string("postgres");
+    let mut c = client(&conn).await;
+    c.batch_execute(OLDER_GUARD).await.expect("the older guard");
+    let older = guard_bodies(&citus).await;
+    assert!(
+        older.iter().all(|b| b.contains("PERFORM pg_catalog.lock")),
+        "the older guard reached every worker: {older:?}"
+    );
+    tokenlease::store::migrate(&mut c).await.expect("migrate");
+    let now = guard_bodies(&citus).await;
+    for body in &now {
+        assert!(!body.contains("count(*)"), "still the older guard: {body}");
+        assert!(body.contains("GET DIAGNOSTICS"), "{body}");
+    }
+    let stamp: String = c
+        .query_one(
+            "SELECT obj_description('tokenlease_citus_delete_idle(text, bigint)'::regprocedure, \
+                                    'pg_proc')",
+            &[],
+        )
+        .await
+        .expect("the stamp")
+        .get(0);
+    assert_ne!(stamp, "tokenlease citus 000000000000000000000000");
+    // On each worker the guard passes the shards placed there and refuses any other
+    // (SQLSTATE 55000, which the store reads as a stale map).
+    let shards = c
+        .query(
+            "SELECT s.shardid, n.nodeport::integer FROM pg_dist_shard AS s \
+             JOIN pg_dist_placement AS p ON p.shardid = s.shardid \
+             JOIN pg_dist_node AS n ON n.groupid = p.groupid \
+             WHERE s.logicalrelid = 'tokenlease_buckets'::regclass ORDER BY s.shardid",
+            &[],
+        )
+        .await
+        .expect("placements");
+    for w in citus.workers() {
+        let on = client(&w.connection_string("postgres")).await;
+        for row in &shards {
+            let (shard, port): (i64, i32) = (row.get(0), row.get(1));
+            let called = on
+                .query_one(
+                    "SELECT tokenlease_citus_hold(ARRAY[$1::bigint], ARRAY['k'])",
+                    &[&shard],
+                )
+                .await;
+            if port == i32::from(w.port()) {
+                let keys: Vec<String> = called.expect("its own shard passes").get(0);
+                assert_eq!(keys, ["k"]);
+            } else {
+                let err = called.expect_err("a shard placed elsewhere is refused");
+                assert_eq!(
+                    err.code(),
+                    Some(&tokio_postgres::error::SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE),
+                    "{err}"
+                );
+            }
+        }
+    }
+    let store = store(&citus, 2).await;
+    let keys = keys_of_every_shard(&citus, "z12").await;
+    let requests: Vec<AcquireRequest<'_>> = keys.iter().map(|(k, _)| req(k, 3)).collect();
+    for answer in store.acquire_each(&requests).await {
+        let got = answer.expect("a take through the new guard");
+        assert_eq!(got.granted, tokenlease::bucket::Tokens::whole(3));
+    }
 }
 
 /// Z2: every kind of call works through the cluster and runs on one worker, with no

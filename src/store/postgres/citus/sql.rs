@@ -141,13 +141,21 @@ pub(super) fn literal(s: &str) -> String {
 /// that a shard move or split blocking writes takes in exclusive mode on every node
 /// (`BlockWritesToShardList`, through `lock_shard_metadata(7, ...)` on the workers) before it
 /// copies the shard, holding it until it commits the new placement. Then the placements are
-/// checked in a snapshot taken after the locks (each statement of a volatile PL/pgSQL function
-/// gets its own): a write waits while a move copies, and once the move has committed it fails
-/// here (SQLSTATE 55000) instead of landing on the copy Citus no longer reads. A shard a split
-/// has removed fails in `lock_shard_metadata` ("could not find valid entry for shard").
+/// checked in a snapshot taken after the locks (each SQL statement of a volatile PL/pgSQL
+/// function gets its own): a write waits while a move copies, and once the move has committed
+/// it fails here (SQLSTATE 55000) instead of landing on the copy Citus no longer reads. A shard
+/// a split has removed fails in `lock_shard_metadata` ("could not find valid entry for shard").
 /// `shards` in shard order (the locks are taken in it). Returns `keys`, so that a statement can
 /// take its keys through it: the keys' `unnest` then runs it before any row is written. One
 /// call per statement, for all its shards: its cost is per statement, not per shard or key.
+///
+/// Written for the fewest executor runs, each a measured share of a node's CPU per statement
+/// (DESIGN.md §16, "What it costs"): the locks are taken in the `IF`'s condition, a simple
+/// expression PL/pgSQL evaluates without starting the executor (`PERFORM` is a query of its
+/// own); the check reads the placements without an aggregate (`GET DIAGNOSTICS ... ROW_COUNT`
+/// counts them: one row per shard and node, `pg_dist_placement`'s unique index on
+/// `(shardid, groupid)`). The condition is a statement of its own, evaluated before the check
+/// starts, so the check's snapshot is still taken after the locks.
 /// `SECURITY DEFINER`, owned by the migrating role (the tables' owner): `lock_shard_metadata`
 /// is for the shard's owner, and the store's role need not be; every name in it is
 /// schema-qualified.
@@ -156,14 +164,19 @@ CREATE OR REPLACE FUNCTION tokenlease_citus_hold(shards bigint[], keys text[])
 RETURNS text[]
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 AS $fn$
+DECLARE
+    placed bigint;
 BEGIN
-    PERFORM pg_catalog.lock_shard_metadata(5, shards);
-    IF (SELECT pg_catalog.count(*) FROM pg_catalog.pg_dist_placement AS p
-        WHERE p.shardid OPERATOR(pg_catalog.=) ANY (shards)
-          AND p.groupid OPERATOR(pg_catalog.=)
-              (SELECT l.groupid FROM pg_catalog.pg_dist_local_group AS l))
-       OPERATOR(pg_catalog.<) pg_catalog.cardinality(shards)
-    THEN
+    -- lock_shard_metadata returns void, never NULL: the condition only takes the locks.
+    IF pg_catalog.lock_shard_metadata(5, shards) IS NULL THEN
+        NULL;
+    END IF;
+    PERFORM FROM pg_catalog.pg_dist_placement AS p
+    WHERE p.shardid OPERATOR(pg_catalog.=) ANY (shards)
+      AND p.groupid OPERATOR(pg_catalog.=)
+          (SELECT l.groupid FROM pg_catalog.pg_dist_local_group AS l);
+    GET DIAGNOSTICS placed = ROW_COUNT;
+    IF placed OPERATOR(pg_catalog.<) pg_catalog.cardinality(shards) THEN
         RAISE EXCEPTION 'tokenlease: shard of % has no placement on this node', shards
             USING ERRCODE = 'object_not_in_prerequisite_state',
                   HINT = 'the shard map changed (a move, a split, a rebalance): the store reads it again';
