@@ -6,6 +6,7 @@
 //! plan resolved when the layer was built). A limit that needs the store (a direct-mode plan,
 //! a lease to refill) hands the rest to [`finish`], which awaits.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
@@ -23,7 +24,7 @@ use super::fields;
 use super::headers::{Report, malformed_problem, problem, retry_after_secs};
 use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
 use super::refund::{give_back, give_back_detached};
-use super::route::{Config, Limit, RouteLimits, Routes, Scope};
+use super::route::{Config, Limit, RouteLimits, RouteTable, Routes, Scope};
 use crate::bucket::Tokens;
 use crate::error::validate_key;
 use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_WOULD_DENY};
@@ -191,9 +192,17 @@ fn route_of(config: &Config, parts: &Parts) -> Option<(Arc<RouteLimits>, Option<
             Some((Arc::clone(limits), Some(pattern.to_owned())))
         }
         Routes::Table(cell) => {
-            let table = cell.read();
-            let found = matched.and_then(|matched| {
-                table.lookup(&parts.method, matched, |table| {
+            let unmatched = |table: &RouteTable| {
+                super::unmatched::unmatched(&table.all, parts, matched);
+            };
+            let Some(matched) = matched else {
+                cell.with(unmatched);
+                return None;
+            };
+            let found = cell.lookup(
+                &parts.method,
+                matched,
+                |table| {
                     let shape = route_shape(matched)?;
                     // A route listed for the method itself first (a file may list HEAD on
                     // its own), then, for HEAD, the GET route whose handler answers it.
@@ -208,15 +217,10 @@ fn route_of(config: &Config, parts: &Parts) -> Option<(Arc<RouteLimits>, Option<
                                 .flatten()
                         })
                         .cloned()
-                })
-            });
-            match found {
-                Some(limits) => Some((limits, None)),
-                None => {
-                    super::unmatched::unmatched(&table.all, parts, matched);
-                    None
-                }
-            }
+                },
+                unmatched,
+            );
+            found.map(|limits| (limits, None))
         }
     }
 }
@@ -271,16 +275,23 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
                 param,
                 segment,
             } => {
-                let id = match (key.path_param_name(), segment, &params) {
-                    (Some(name), Some(at), _) => segment_id(parts, *at, name),
-                    (Some(name), None, _) => {
-                        // A file route's parameter that is not a whole segment: read once.
-                        let params = params
-                            .get_or_insert_with(|| Params::of(parts, progress.router_pattern()));
-                        params.get(*param, name).transpose()
-                    }
-                    _ => key.extract(parts, &[], &config.trusted),
-                };
+                let id: Result<Option<Cow<'_, str>>, MalformedId> =
+                    match (key.path_param_name(), segment, &params) {
+                        (Some(name), Some(at), _) => segment_id(parts, *at, name),
+                        (Some(name), None, _) => {
+                            // A file route's parameter that is not a whole segment: read once.
+                            let params = params.get_or_insert_with(|| {
+                                Params::of(parts, progress.router_pattern())
+                            });
+                            params
+                                .get(*param, name)
+                                .transpose()
+                                .map(|id| id.map(Cow::Owned))
+                        }
+                        _ => key
+                            .extract(parts, &[], &config.trusted)
+                            .map(|id| id.map(Cow::Owned)),
+                    };
                 match id {
                     Ok(Some(id)) if !id.is_empty() => KeyOf::Owned(match &limit.key {
                         Some(prefix) => hashed_key(prefix, &id),
@@ -430,19 +441,30 @@ fn dynamic_key(limit: &Limit, endpoint: &str, id: Option<&str>) -> String {
 /// The id in segment `at` of the request's path (the whole path as the client sent it, which
 /// the router matched against the route's full pattern), percent-decoded; `None` when the
 /// path has no such segment.
-fn segment_id(parts: &Parts, at: usize, name: &str) -> Result<Option<String>, MalformedId> {
+fn segment_id<'a>(
+    parts: &'a Parts,
+    at: usize,
+    name: &str,
+) -> Result<Option<Cow<'a, str>>, MalformedId> {
     let path = match parts.extensions.get::<OriginalUri>() {
         Some(OriginalUri(uri)) => uri.path(),
         None => parts.uri.path(),
     };
-    let Some(raw) = path.trim_start_matches('/').split('/').nth(at) else {
-        return Ok(None);
-    };
+    // The segment after the `at`-th slash (past the leading ones), found a byte search at a
+    // time: what `split('/').nth(at)` gives.
+    let mut rest = path.trim_start_matches('/');
+    for _ in 0..at {
+        let Some(slash) = rest.find('/') else {
+            return Ok(None);
+        };
+        rest = &rest[slash + 1..];
+    }
+    let raw = rest.find('/').map_or(rest, |slash| &rest[..slash]);
     if !raw.contains('%') {
-        return Ok(Some(raw.to_owned()));
+        return Ok(Some(Cow::Borrowed(raw)));
     }
     percent_decode(raw)
-        .map(Some)
+        .map(|id| Some(Cow::Owned(id)))
         .ok_or_else(|| MalformedId::PathNotUtf8 {
             name: Some(name.to_owned()),
         })

@@ -1,11 +1,13 @@
 //! Writing the header fields of a route's limits on a response: `RateLimit-Policy`,
 //! `RateLimit` and `X-RateLimit-{Name}-Remaining`, after those an inner layer wrote.
 
+use axum::body::Bytes;
 use axum::http::HeaderMap;
-use axum::http::header::{HeaderName, HeaderValue};
+use axum::http::header::{Entry, HeaderName, HeaderValue};
 
 use super::headers::{RATELIMIT, RATELIMIT_POLICY, Report};
 use super::route::RouteLimits;
+use smallvec::SmallVec;
 
 /// Writes `RateLimit-Policy`, `RateLimit` and the `X-RateLimit-*-Remaining` fields of
 /// `limits` and `reports`. The two lists go after those an inner layer already wrote: stacked
@@ -13,10 +15,11 @@ use super::route::RouteLimits;
 pub(crate) fn write(headers: &mut HeaderMap, limits: &RouteLimits, reports: &[Report]) {
     // Room for every field at once, rather than growing the map field by field.
     headers.reserve(2 + reports.len());
-    append(headers, RATELIMIT_POLICY, &limits.policy);
-    // Written into a buffer on the stack (a route's items rarely need more), one allocation
-    // for the value.
+    append(headers, RATELIMIT_POLICY, || limits.policy.clone());
+    // Written into a buffer on the stack (a route's items rarely need more); each remaining
+    // count is written once, and where its digits are in the items is kept.
     let mut items = Buf::default();
+    let mut counts: SmallVec<[(&HeaderName, u64, usize); 4]> = SmallVec::new();
     for r in reports {
         let Some(remaining) = r.remaining else {
             continue;
@@ -30,16 +33,39 @@ pub(crate) fn write(headers: &mut HeaderMap, limits: &RouteLimits, reports: &[Re
         items.push(b"\"");
         items.push(limit.name.as_bytes());
         items.push(b"\";r=");
+        counts.push((&limit.remaining, remaining, items.len));
         items.number(remaining);
         items.push(b";t=");
         items.number(r.t);
-        headers.insert(limit.remaining.clone(), number_value(remaining));
     }
-    if items.len > 0
-        && let Some(bytes) = items.bytes()
-        && let Ok(v) = HeaderValue::from_bytes(bytes)
-    {
-        append(headers, RATELIMIT, &v);
+    let Some(bytes) = items.bytes().filter(|b| !b.is_empty()) else {
+        return;
+    };
+    if counts.iter().all(|&(_, n, _)| n < SMALL_NUMBERS) {
+        // Every count a value made once: one allocation, for `RateLimit`.
+        for &(name, n, _) in &counts {
+            headers.insert(name.clone(), number_value(n));
+        }
+        if let Ok(v) = HeaderValue::from_bytes(bytes) {
+            append(headers, RATELIMIT, || v);
+        }
+        return;
+    }
+    // A larger count is a slice of `RateLimit`'s bytes: one buffer for all the values.
+    let shared = Bytes::copy_from_slice(bytes);
+    for &(name, n, at) in &counts {
+        let value = if n < SMALL_NUMBERS {
+            Some(number_value(n))
+        } else {
+            let len = n.checked_ilog10().map_or(1, |l| l as usize + 1);
+            HeaderValue::from_maybe_shared(shared.slice(at..at + len)).ok()
+        };
+        if let Some(value) = value {
+            headers.insert(name.clone(), value);
+        }
+    }
+    if let Ok(v) = HeaderValue::from_maybe_shared(shared) {
+        append(headers, RATELIMIT, || v);
     }
 }
 
@@ -65,18 +91,9 @@ impl Buf {
         self.len += bytes.len();
     }
 
-    fn number(&mut self, mut n: u64) {
-        let mut digits = [0u8; 20];
-        let mut at = digits.len();
-        loop {
-            at -= 1;
-            digits[at] = b'0' + (n % 10) as u8;
-            n /= 10;
-            if n == 0 {
-                break;
-            }
-        }
-        self.push(&digits[at..]);
+    fn number(&mut self, n: u64) {
+        let mut buf = [0u8; 20];
+        self.push(digits(n, &mut buf));
     }
 
     fn bytes(&self) -> Option<&[u8]> {
@@ -88,6 +105,20 @@ impl Buf {
     }
 }
 
+/// `n` in decimal, written at the end of `buf`.
+fn digits(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    &buf[at..]
+}
+
 /// The values of small numbers, made once: a remaining count below this is a clone of a
 /// static value, not an allocation.
 const SMALL_NUMBERS: u64 = 4096;
@@ -96,7 +127,10 @@ const SMALL_NUMBERS: u64 = 4096;
 fn number_value(n: u64) -> HeaderValue {
     static SMALL: std::sync::OnceLock<Vec<HeaderValue>> = std::sync::OnceLock::new();
     if n >= SMALL_NUMBERS {
-        return HeaderValue::from(n);
+        // Written here and copied once, rather than through `fmt`.
+        let mut buf = [0u8; 20];
+        return HeaderValue::from_bytes(digits(n, &mut buf))
+            .unwrap_or_else(|_| HeaderValue::from(n));
     }
     let small = SMALL.get_or_init(|| {
         // One string of every number, kept for the life of the process (about 16 KiB).
@@ -119,20 +153,26 @@ fn number_value(n: u64) -> HeaderValue {
     small[n as usize].clone()
 }
 
-/// Sets `name` to `value`, or to its value, `, ` and `value` when it has one.
-fn append(headers: &mut HeaderMap, name: HeaderName, value: &HeaderValue) {
-    match headers.get(&name) {
-        Some(old) if !old.is_empty() => {
-            let mut joined = Vec::with_capacity(old.len() + 2 + value.len());
-            joined.extend_from_slice(old.as_bytes());
+/// Sets `name` to `value`, or to its value, `, ` and `value` when it has one: one look-up of
+/// the name (hashing a custom name is most of an insertion's cost).
+fn append(headers: &mut HeaderMap, name: HeaderName, value: impl FnOnce() -> HeaderValue) {
+    match headers.entry(name) {
+        Entry::Occupied(mut old) if !old.get().is_empty() => {
+            let value = value();
+            let old_value = old.get();
+            let mut joined = Vec::with_capacity(old_value.len() + 2 + value.len());
+            joined.extend_from_slice(old_value.as_bytes());
             joined.extend_from_slice(b", ");
             joined.extend_from_slice(value.as_bytes());
             if let Ok(v) = HeaderValue::from_bytes(&joined) {
-                headers.insert(name, v);
+                old.insert(v);
             }
         }
-        _ => {
-            headers.insert(name, value.clone());
+        Entry::Occupied(mut old) => {
+            old.insert(value());
+        }
+        Entry::Vacant(slot) => {
+            slot.insert(value());
         }
     }
 }
