@@ -38,21 +38,23 @@ pub(crate) fn write(headers: &mut HeaderMap, limits: &RouteLimits, reports: &[Re
         items.push(b";t=");
         items.number(r.t);
     }
-    let Some(bytes) = items.bytes().filter(|b| !b.is_empty()) else {
+    if items.len == 0 {
         return;
-    };
+    }
     if counts.iter().all(|&(_, n, _)| n < SMALL_NUMBERS) {
         // Every count a value made once: one allocation, for `RateLimit`.
         for &(name, n, _) in &counts {
             headers.insert(name.clone(), number_value(n));
         }
-        if let Ok(v) = HeaderValue::from_bytes(bytes) {
+        if let Some(bytes) = items.bytes()
+            && let Ok(v) = HeaderValue::from_bytes(bytes)
+        {
             append(headers, RATELIMIT, || v);
         }
         return;
     }
-    // A larger count is a slice of `RateLimit`'s bytes: one buffer for all the values.
-    let shared = Bytes::copy_from_slice(bytes);
+    // A larger count is a slice of `RateLimit`'s bytes: one allocation for all the values.
+    let shared = items.into_bytes();
     for &(name, n, at) in &counts {
         let value = if n < SMALL_NUMBERS {
             Some(number_value(n))
@@ -96,6 +98,18 @@ impl Buf {
         self.push(digits(n, &mut buf));
     }
 
+    /// The bytes as one shared buffer: the stack's moved into a single allocation (with its
+    /// count), not copied into one and shared through a second.
+    fn into_bytes(self) -> Bytes {
+        match self.stack {
+            Some(bytes) if self.heap.is_empty() => Bytes::from_owner(Stack {
+                bytes,
+                len: self.len,
+            }),
+            _ => Bytes::from(self.heap),
+        }
+    }
+
     fn bytes(&self) -> Option<&[u8]> {
         if !self.heap.is_empty() {
             Some(&self.heap)
@@ -105,16 +119,34 @@ impl Buf {
     }
 }
 
-/// `n` in decimal, written at the end of `buf`.
+/// [`Buf`]'s stack bytes, owned by a [`Bytes`].
+struct Stack {
+    bytes: [u8; 256],
+    len: usize,
+}
+
+impl AsRef<[u8]> for Stack {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
+/// `n` in decimal, written at the end of `buf`, two digits at a time.
 fn digits(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    const PAIRS: &[u8; 200] = b"0001020304050607080910111213141516171819\
+        2021222324252627282930313233343536373839404142434445464748495051525354555657585960\
+        6162636465666768697071727374757677787980818283848586878889909192939495969798\
+        99";
     let mut at = buf.len();
-    loop {
+    while n >= 10 {
+        let pair = (n % 100) as usize * 2;
+        n /= 100;
+        at -= 2;
+        buf[at..at + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
+    }
+    if n > 0 || at == buf.len() {
         at -= 1;
-        buf[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
+        buf[at] = b'0' + n as u8;
     }
     &buf[at..]
 }
@@ -213,6 +245,30 @@ mod tests {
         assert_eq!(h[RATELIMIT], "\"api\";r=200;t=0, \"entity\";r=200;t=2");
         assert_eq!(h[X_RATELIMIT_API_REMAINING], "200");
         assert_eq!(h[X_RATELIMIT_ENTITY_REMAINING], "200");
+    }
+
+    /// Counts past the table of small numbers: every field as with small ones, the
+    /// remaining counts sliced out of `RateLimit`'s bytes.
+    #[test]
+    fn large_counts_are_written_as_small_ones() {
+        let p = std::sync::Arc::new(plan(8_000_000_000, 1_000_000_000.0));
+        let limits = two_limits(&p);
+        let mut h = HeaderMap::new();
+        let reports = [
+            Report::allowed(0, &p, Some(Tokens::whole(7_999_999_999))),
+            Report::allowed(1, &p, Some(Tokens::whole(4096))),
+        ];
+        write(&mut h, &limits, &reports);
+        assert_eq!(
+            h[RATELIMIT],
+            "\"api\";r=7999999999;t=1, \"entity\";r=4096;t=8"
+        );
+        assert_eq!(h[X_RATELIMIT_API_REMAINING], "7999999999");
+        assert_eq!(h[X_RATELIMIT_ENTITY_REMAINING], "4096");
+        for n in [0, 1, 9, 10, 99, 100, 101, 4095, 1_000_000, u64::MAX] {
+            assert_eq!(digits(n, &mut [0; 20]), n.to_string().as_bytes());
+            assert_eq!(number_value(n), n.to_string().as_str());
+        }
     }
 
     /// A second layer's fields go after the first's: neither overwrites the other.
