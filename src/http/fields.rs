@@ -30,9 +30,7 @@ pub(crate) fn write(headers: &mut HeaderMap, limits: &RouteLimits, reports: &[Re
         if items.len > 0 {
             items.push(b", ");
         }
-        items.push(b"\"");
-        items.push(limit.name.as_bytes());
-        items.push(b"\";r=");
+        items.push(&limit.item);
         counts.push((&limit.remaining, remaining, items.len));
         items.number(remaining);
         items.push(b";t=");
@@ -46,9 +44,7 @@ pub(crate) fn write(headers: &mut HeaderMap, limits: &RouteLimits, reports: &[Re
         for &(name, n, _) in &counts {
             headers.insert(name.clone(), number_value(n));
         }
-        if let Some(bytes) = items.bytes()
-            && let Ok(v) = HeaderValue::from_bytes(bytes)
-        {
+        if let Ok(v) = HeaderValue::from_bytes(items.bytes()) {
             append(headers, RATELIMIT, || v);
         }
         return;
@@ -59,8 +55,7 @@ pub(crate) fn write(headers: &mut HeaderMap, limits: &RouteLimits, reports: &[Re
         let value = if n < SMALL_NUMBERS {
             Some(number_value(n))
         } else {
-            let len = n.checked_ilog10().map_or(1, |l| l as usize + 1);
-            HeaderValue::from_maybe_shared(shared.slice(at..at + len)).ok()
+            HeaderValue::from_maybe_shared(shared.slice(at..at + decimal_len(n))).ok()
         };
         if let Some(value) = value {
             headers.insert(name.clone(), value);
@@ -71,57 +66,78 @@ pub(crate) fn write(headers: &mut HeaderMap, limits: &RouteLimits, reports: &[Re
     }
 }
 
-/// A header value's bytes, on the stack up to 256 bytes, then on the heap.
-#[derive(Default)]
+/// Bytes of [`Buf`] kept on the stack: `RateLimit`'s items for a few limits (two limits with
+/// ten-digit counts take about 50).
+const STACK: usize = 128;
+
+/// A header value's bytes, on the stack up to [`STACK`] bytes, then on the heap.
 struct Buf {
-    stack: Option<[u8; 256]>,
+    stack: [u8; STACK],
     len: usize,
     heap: Vec<u8>,
 }
 
+impl Default for Buf {
+    fn default() -> Self {
+        Buf {
+            stack: [0; STACK],
+            len: 0,
+            heap: Vec::new(),
+        }
+    }
+}
+
 impl Buf {
     fn push(&mut self, bytes: &[u8]) {
-        let stack = self.stack.get_or_insert([0; 256]);
-        if self.heap.is_empty() && self.len + bytes.len() <= stack.len() {
-            stack[self.len..self.len + bytes.len()].copy_from_slice(bytes);
-        } else {
-            if self.heap.is_empty() {
-                self.heap.extend_from_slice(&stack[..self.len]);
-            }
-            self.heap.extend_from_slice(bytes);
-        }
-        self.len += bytes.len();
+        self.room(bytes.len()).copy_from_slice(bytes);
     }
 
+    /// `n` in decimal, its digits written in place (not through a scratch buffer, whose
+    /// copy would wait on the stores just made).
     fn number(&mut self, n: u64) {
-        let mut buf = [0u8; 20];
-        self.push(digits(n, &mut buf));
+        write_digits(n, self.room(decimal_len(n)));
+    }
+
+    /// The next `len` bytes, counted as written.
+    fn room(&mut self, len: usize) -> &mut [u8] {
+        let at = self.len;
+        self.len += len;
+        if self.heap.is_empty() && self.len <= STACK {
+            return &mut self.stack[at..at + len];
+        }
+        if self.heap.is_empty() {
+            self.heap.reserve(self.len.max(2 * STACK));
+            self.heap.extend_from_slice(&self.stack[..at]);
+        }
+        self.heap.resize(self.len, 0);
+        &mut self.heap[at..]
     }
 
     /// The bytes as one shared buffer: the stack's moved into a single allocation (with its
     /// count), not copied into one and shared through a second.
     fn into_bytes(self) -> Bytes {
-        match self.stack {
-            Some(bytes) if self.heap.is_empty() => Bytes::from_owner(Stack {
-                bytes,
+        if self.heap.is_empty() {
+            Bytes::from_owner(Stack {
+                bytes: self.stack,
                 len: self.len,
-            }),
-            _ => Bytes::from(self.heap),
+            })
+        } else {
+            Bytes::from(self.heap)
         }
     }
 
-    fn bytes(&self) -> Option<&[u8]> {
-        if !self.heap.is_empty() {
-            Some(&self.heap)
+    fn bytes(&self) -> &[u8] {
+        if self.heap.is_empty() {
+            &self.stack[..self.len]
         } else {
-            self.stack.as_ref().map(|s| &s[..self.len])
+            &self.heap
         }
     }
 }
 
 /// [`Buf`]'s stack bytes, owned by a [`Bytes`].
 struct Stack {
-    bytes: [u8; 256],
+    bytes: [u8; STACK],
     len: usize,
 }
 
@@ -131,23 +147,34 @@ impl AsRef<[u8]> for Stack {
     }
 }
 
-/// `n` in decimal, written at the end of `buf`, two digits at a time.
-fn digits(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+/// How many decimal digits `n` has.
+fn decimal_len(n: u64) -> usize {
+    n.checked_ilog10().map_or(1, |l| l as usize + 1)
+}
+
+/// `n` in decimal, filling `out` (exactly [`decimal_len`] bytes) from its end, two digits at
+/// a time.
+fn write_digits(mut n: u64, out: &mut [u8]) {
     const PAIRS: &[u8; 200] = b"0001020304050607080910111213141516171819\
         2021222324252627282930313233343536373839404142434445464748495051525354555657585960\
         6162636465666768697071727374757677787980818283848586878889909192939495969798\
         99";
-    let mut at = buf.len();
-    while n >= 10 {
+    let mut at = out.len();
+    while n >= 10 && at >= 2 {
         let pair = (n % 100) as usize * 2;
         n /= 100;
         at -= 2;
-        buf[at..at + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
+        out[at..at + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
     }
-    if n > 0 || at == buf.len() {
-        at -= 1;
-        buf[at] = b'0' + n as u8;
+    if at > 0 {
+        out[at - 1] = b'0' + (n % 10) as u8;
     }
+}
+
+/// `n` in decimal, written at the end of `buf`.
+fn digits(n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let at = buf.len() - decimal_len(n);
+    write_digits(n, &mut buf[at..]);
     &buf[at..]
 }
 
@@ -269,6 +296,17 @@ mod tests {
             assert_eq!(digits(n, &mut [0; 20]), n.to_string().as_bytes());
             assert_eq!(number_value(n), n.to_string().as_str());
         }
+        // Items past the stack's bytes go on in the heap, in order.
+        let mut items = Buf::default();
+        let mut expected = String::new();
+        for n in [u64::MAX, 7, 4096, 1_000_000_007].into_iter().cycle().take(40) {
+            items.push(b", ");
+            items.number(n);
+            expected.push_str(&format!(", {n}"));
+        }
+        assert!(expected.len() > STACK);
+        assert_eq!(items.bytes(), expected.as_bytes());
+        assert_eq!(items.into_bytes(), expected.as_bytes());
     }
 
     /// A second layer's fields go after the first's: neither overwrites the other.

@@ -231,6 +231,34 @@ impl FileRoute {
     }
 }
 
+/// A route's `RateLimit-Policy` value, made from a `'static` string: a response clones it
+/// for free, where a value made from a `String` costs two atomic operations per response, on
+/// a count every core shares. Kept for the life of the process, once each (a reload that
+/// changes no plan makes none), up to a bound past which values cost as before.
+fn policy_value(items: String) -> HeaderValue {
+    const MAX_KEPT_VALUES: usize = 1024;
+    static KEPT: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+    let Ok(valid) = HeaderValue::try_from(items.as_str()) else {
+        return HeaderValue::from_static("");
+    };
+    // Only a valid, ASCII value goes on: `from_static` would panic on any other (a value may
+    // hold other UTF-8 bytes, which `try_from` takes).
+    if !items.is_ascii() {
+        return valid;
+    }
+    let mut kept = KEPT.lock();
+    let value: &'static str = match kept.iter().find(|k| **k == items) {
+        Some(k) => k,
+        None if kept.len() >= MAX_KEPT_VALUES => return valid,
+        None => {
+            let k: &'static str = Box::leak(items.into_boxed_str());
+            kept.push(k);
+            k
+        }
+    };
+    HeaderValue::from_static(value)
+}
+
 /// `X-RateLimit-{name}-Remaining`, as a name made from a `'static` string: a response clones
 /// it for free (a name made from a `String` costs two atomic operations per response, on a
 /// count every core shares). Names other than `api` and `entity` are kept for the life of the
@@ -289,6 +317,8 @@ pub(crate) struct LimitCounters {
 pub(crate) struct Limit {
     /// Its name in the header fields, the problem body and the metrics.
     pub(crate) name: Arc<str>,
+    /// The start of its `RateLimit` item, `"name";r=`, made once.
+    pub(crate) item: Box<[u8]>,
     /// The plan of its buckets: the limiter's own `Arc` when its policies hold the plan, or a
     /// shadow limit's twin.
     pub(crate) plan: Arc<Plan>,
@@ -433,7 +463,9 @@ impl RouteLimits {
                     segment,
                 },
             };
+            let item = format!("\"{name}\";r=").into_bytes().into_boxed_slice();
             limits.push(Limit {
+                item,
                 name,
                 plan,
                 index,
@@ -446,8 +478,7 @@ impl RouteLimits {
                 refused: Arc::new(Refused::default()),
             });
         }
-        let policy = HeaderValue::try_from(items.join(", "))
-            .unwrap_or_else(|_| HeaderValue::from_static(""));
+        let policy = policy_value(items.join(", "));
         RouteLimits {
             limits,
             pattern,
