@@ -663,7 +663,10 @@ mod tests {
             "/bookings/%E2%9C%93",
         ];
         for path in paths {
-            let (parts, ()) = axum::http::Request::get(path).body(()).unwrap().into_parts();
+            let (parts, ()) = axum::http::Request::get(path)
+                .body(())
+                .unwrap()
+                .into_parts();
             for at in 0..5 {
                 let split = path.trim_start_matches('/').split('/').nth(at);
                 let expected = split.map(|raw| percent_decode(raw).unwrap());

@@ -300,7 +300,11 @@ mod tests {
         // Items past the stack's bytes go on in the heap, in order.
         let mut items = Buf::default();
         let mut expected = String::new();
-        for n in [u64::MAX, 7, 4096, 1_000_000_007].into_iter().cycle().take(40) {
+        for n in [u64::MAX, 7, 4096, 1_000_000_007]
+            .into_iter()
+            .cycle()
+            .take(40)
+        {
             items.push(b", ");
             items.number(n);
             expected.push_str(&format!(", {n}"));
