@@ -1,7 +1,7 @@
-//! A background worker whose jobs are limited per customer: each job asks
-//! `try_acquire("jobs:customer:<id>", 1.0)` first, and a denied job goes back on the queue until
-//! its `retry_after` has passed. A customer who queues a burst is slowed to its plan's rate;
-//! the other customers' jobs keep running in between.
+//! A background worker whose jobs are limited per customer: each job waits for its customer's
+//! token with `acquire_until("jobs:customer:<id>", 1.0, deadline)` before it runs. A customer
+//! who queues a burst is slowed to its plan's rate, its jobs in the order they were queued; the
+//! other customers' jobs keep running in between, and no job waits past its deadline.
 //!
 //! ```text
 //! cargo run --example worker
@@ -10,16 +10,18 @@
 //!
 //! With `DATABASE_URL` set it uses that server (its buckets stay behind as rows under
 //! `jobs:customer:`); otherwise it starts a throwaway PostgreSQL cluster (the `embedded`
-//! feature) and removes it on exit.
+//! feature) and removes it on exit. `tests/lease/examples.rs` runs it (W9).
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokenlease::Limiter;
+use tokenlease::limiter::WaitError;
 use tokenlease::policy::Policies;
 use tokenlease::store::PostgresStore;
 use tokenlease_testkit::TempPostgres;
+use tokio::time::Instant;
 
 /// Each customer may start a burst of 10 jobs, then 10 a second. Leased: the worker asks the
 /// database about once per lease, not once per job.
@@ -36,21 +38,27 @@ const POLICY: &str = r#"{
 }"#;
 
 /// The queue: which customers queued how many jobs.
-const QUEUED: [(&str, u32); 3] = [("acme", 30), ("globex", 8), ("initech", 3)];
+pub(crate) const QUEUED: [(&str, u32); 3] = [("acme", 30), ("globex", 8), ("initech", 3)];
 
-/// One queued job.
-#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
-struct Job {
-    /// Not to be tried before this instant.
-    ready_at: Instant,
-    /// Its place in the queue, so jobs ready at once keep their order.
-    seq: u64,
-    /// Index into [`QUEUED`].
-    customer: usize,
+/// The longest a job waits for its customer's token before it is given up (a real worker
+/// would put it back on the queue).
+const JOB_DEADLINE: Duration = Duration::from_secs(10);
+
+/// What a run did, per customer in the order of [`QUEUED`].
+#[derive(Debug, Default)]
+pub(crate) struct Report {
+    /// Jobs run.
+    pub(crate) done: [u32; QUEUED.len()],
+    /// Jobs given up at their deadline.
+    pub(crate) late: [u32; QUEUED.len()],
+    /// When the customer's last job ran, from the start.
+    pub(crate) finished_at: [Duration; QUEUED.len()],
+    /// Store calls for the leases.
+    pub(crate) store_calls: u64,
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     // Keep the cluster (if any) alive until the end of main: dropping it removes it.
     let (_cluster, url) = match std::env::var("DATABASE_URL") {
         Ok(url) if !url.trim().is_empty() => {
@@ -64,60 +72,64 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             (Some(cluster), url)
         }
     };
-    let store = PostgresStore::connect(&url).await?;
+    let report = run(&url).await?;
+    for (i, (name, jobs)) in QUEUED.iter().enumerate() {
+        println!(
+            "{name:>8}: {} of {jobs:>2} jobs done by {:.2} s, {} given up",
+            report.done[i],
+            report.finished_at[i].as_secs_f64(),
+            report.late[i]
+        );
+    }
+    let jobs: u32 = QUEUED.iter().map(|(_, n)| n).sum();
+    println!(
+        "{jobs} jobs, {} store calls for their leases",
+        report.store_calls
+    );
+    Ok(())
+}
+
+/// Runs the queue against the database at `url`.
+pub(crate) async fn run(url: &str) -> Result<Report, Box<dyn std::error::Error + Send + Sync>> {
+    let store = PostgresStore::connect(url).await?;
     let limiter = Limiter::builder(store)
         .policies(Policies::from_json_str(POLICY, None)?)
         .build();
 
     let started = Instant::now();
-    let mut queue = BinaryHeap::new();
-    let mut seq = 0;
-    for (customer, &(_, jobs)) in QUEUED.iter().enumerate() {
-        for _ in 0..jobs {
-            queue.push(Reverse(Job {
-                ready_at: started,
-                seq,
-                customer,
-            }));
-            seq += 1;
-        }
-    }
-
-    let mut done = [0u32; QUEUED.len()];
-    let mut deferred = [0u32; QUEUED.len()];
-    let mut finished_at = [Duration::ZERO; QUEUED.len()];
-    while let Some(Reverse(job)) = queue.pop() {
-        tokio::time::sleep_until(job.ready_at.into()).await;
-        let (name, jobs) = QUEUED[job.customer];
+    let report = Arc::new(Mutex::new(Report::default()));
+    let mut jobs = tokio::task::JoinSet::new();
+    for (customer, &(name, queued)) in QUEUED.iter().enumerate() {
         let key = format!("jobs:customer:{name}");
-        let decision = limiter.try_acquire(&key, 1.0).await?;
-        if decision.allowed {
-            // The job's own work would go here.
-            done[job.customer] += 1;
-            if done[job.customer] == jobs {
-                finished_at[job.customer] = started.elapsed();
-            }
-        } else {
-            deferred[job.customer] += 1;
-            seq += 1;
-            queue.push(Reverse(Job {
-                ready_at: Instant::now() + decision.retry_after,
-                seq,
-                customer: job.customer,
-            }));
+        for _ in 0..queued {
+            // The job's place in its customer's line is taken here, in queue order, whenever
+            // its task first runs.
+            let turn = limiter.acquire_until(&key, 1.0, Instant::now() + JOB_DEADLINE);
+            let report = Arc::clone(&report);
+            jobs.spawn(async move {
+                match turn.await {
+                    Ok(_) => {
+                        // The job's own work would go here.
+                        let mut report = report.lock();
+                        report.done[customer] += 1;
+                        report.finished_at[customer] = started.elapsed();
+                        Ok(())
+                    }
+                    Err(WaitError::DeadlinePassed { .. }) => {
+                        report.lock().late[customer] += 1;
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                }
+            });
         }
     }
-
-    for (i, (name, jobs)) in QUEUED.iter().enumerate() {
-        println!(
-            "{name:>8}: {jobs:>2} jobs done by {:.2} s, {} times deferred",
-            finished_at[i].as_secs_f64(),
-            deferred[i]
-        );
+    while let Some(job) = jobs.join_next().await {
+        job??;
     }
-    let stats = limiter.lease_stats().map_or(0, |s| s.store_calls);
-    let jobs: u32 = QUEUED.iter().map(|(_, n)| n).sum();
-    println!("{jobs} jobs, {stats} store calls for their leases");
+
+    let mut report = std::mem::take(&mut *report.lock());
+    report.store_calls = limiter.lease_stats().map_or(0, |s| s.store_calls);
     limiter.shutdown().await;
-    Ok(())
+    Ok(report)
 }

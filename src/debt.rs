@@ -399,6 +399,29 @@ impl Debt {
         Shared::ensure_task(shared);
     }
 
+    /// Takes back up to `cost` of `key`'s debt under `plan`: an admission the caller gave up
+    /// before it was used (a waiting call dropped while the fallback decided its try) owes the
+    /// shared bucket nothing. A charge already in flight for the key may still take the debt as
+    /// it stood, which under-admits and never over-admits.
+    pub(crate) fn forgive(&self, plan: &Plan, key: &str, cost: Tokens) {
+        let Some(shared) = &self.shared else { return };
+        let mut ledger = shared.ledger.lock();
+        let ledger = &mut *ledger;
+        let plan_ix = ledger.entries.plan(plan.name());
+        let Some((id, entry)) = ledger.entries.find(plan_ix, key) else {
+            return;
+        };
+        let back = std::cmp::min(cost, entry.tokens);
+        entry.tokens = entry.tokens.saturating_sub(back);
+        entry.counters.debt.outstanding.decrement(back.as_f64());
+        let gone = entry.tokens.is_zero();
+        ledger.outstanding = ledger.outstanding.saturating_sub(back);
+        // Its queue slot, if any, is skipped when it comes up.
+        if gone {
+            ledger.entries.remove(&id);
+        }
+    }
+
     /// [`record`](Self::record) at the ledger's clock's time now (tests).
     #[cfg(test)]
     pub(crate) fn record_now(

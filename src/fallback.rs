@@ -27,7 +27,7 @@ use crate::debt::{ACTIVE_GAP, Debt, OutageDebt};
 use crate::decision::{DecidedBy, Decision};
 use crate::metrics::{FALLBACK_ACTIVE_SECONDS, PlanCounters};
 use crate::policy::{FallbackMode, Plan};
-use crate::store::{AcquireRequest, MemoryStore, Store};
+use crate::store::{AcquireRequest, GiveBack, MemoryStore, Store};
 
 /// Time in fallback, per mode (allow, deny, local), across every limiter in the process: the
 /// last fallback decision and the total so far. The lock is held for a few instructions and
@@ -176,6 +176,26 @@ impl Fallback {
             self.debt.record(plan, counters, key, cost, now);
         }
         decision
+    }
+
+    /// Gives back what [`decide`](Self::decide) admitted of `cost` on `key` and its caller
+    /// never used: the token of the local bucket (`local`) and the debt recorded for it
+    /// (`allow` and `local`). Nothing to give back for `deny`.
+    pub(crate) async fn give_back(&self, plan: &Plan, key: &str, cost: Tokens) {
+        if let FallbackMode::Local { instances } = plan.fallback().mode {
+            let give = GiveBack {
+                // A return of its own: the store credits each id once.
+                id: (std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), key) >> 1)
+                    as i64,
+                key,
+                bucket: local_share(plan.bucket(), instances.get()),
+                amount: cost,
+                lease: None,
+            };
+            // A memory store's give-back does not fail.
+            let _ = self.local.give_back(&[give]).await;
+        }
+        self.debt.forgive(plan, key, cost);
     }
 
     /// The decision of [`decide`](Self::decide), before any debt is recorded.

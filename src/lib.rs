@@ -122,7 +122,7 @@ mod tests;
 pub use debt::OutageDebt;
 pub use error::Error;
 pub use lease::LeaseStats;
-pub use limiter::{DecidedBy, Decision, Limiter, ReloadError};
+pub use limiter::{DecidedBy, Decision, Limiter, ReloadError, WaitError};
 
 /// The README's Rust blocks, compiled as doc tests (`cargo test --doc --all-features`) from the
 /// very text a reader sees: they hide no lines, so each one compiles when pasted.

@@ -41,6 +41,7 @@ mod credit_rules;
 pub(crate) use credit_rules::FallbackCause;
 use credit_rules::{FALLBACK_CAUSES, REMOVED_WORDS};
 mod late;
+mod signal;
 mod slab;
 #[cfg(test)]
 mod slab_tests;
@@ -749,7 +750,12 @@ impl Leases {
         };
         let book = slot.book.lock();
         let bound = actor::largest_lease(slot, book.max_cost.get());
-        slot.words_of(hot).refund_within(cost, bound)
+        let refunded = slot.words_of(hot).refund_within(cost, bound);
+        if refunded {
+            // Callers waiting for the key's tokens may take these (`signal.rs`).
+            slot.notify().notify_waiters();
+        }
+        refunded
     }
 
     /// Asks the actor to give every lease back and stop, and waits for it.

@@ -70,7 +70,7 @@ impl Limiter {
     /// [`start`](Self::start) takes the call. Kept apart from `start` so that `Acquire::poll`
     /// builds this decision in place.
     #[inline(always)]
-    fn known(&self, key: &str, cost: f64) -> Option<Result<crate::lease::Known, Error>> {
+    pub(super) fn known(&self, key: &str, cost: f64) -> Option<Result<crate::lease::Known, Error>> {
         let leases = self.inner.leases.get()?;
         // A key in the table passed `validate_key` when it went in: only the cost is checked.
         leases.try_take_known(key, &self.inner.plans, |plan| {

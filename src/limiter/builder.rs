@@ -12,6 +12,7 @@ use parking_lot::RwLock;
 
 use super::coalesce::{self, Coalescer};
 use super::policies::Loaded;
+use super::wait::{DEFAULT_MAX_WAITERS, Waiters};
 use super::{Inner, Limiter};
 use crate::clock::{Clock, SharedClock};
 use crate::debt::Debt;
@@ -41,6 +42,7 @@ pub struct LimiterBuilder {
     table: TableSettings,
     outage_debt: bool,
     clock: SharedClock,
+    max_waiters: usize,
 }
 
 impl LimiterBuilder {
@@ -139,6 +141,17 @@ impl LimiterBuilder {
         self
     }
 
+    /// The most calls of [`Limiter::acquire_until`] that may wait on one key at once in this
+    /// limiter (at least 1); one more is refused at once with
+    /// [`WaitError::TooManyWaiters`](super::WaitError::TooManyWaiters). Defaults to 1,000. A
+    /// waiting call holds a few hundred bytes and no connection, so the bound is there to turn
+    /// a queue that only grows (callers arriving faster than the key's rate, for ever) into an
+    /// error the caller sees, not to save memory.
+    pub fn max_waiters_per_key(mut self, n: usize) -> Self {
+        self.max_waiters = n.max(1);
+        self
+    }
+
     /// The clock the limiter reads time from: lease expiry and refill timing, call deadlines,
     /// the fallback's local buckets and the outage debt's pacing. Defaults to a
     /// [`MonotonicClock`](crate::clock::MonotonicClock), whose instants are tokio's (so a test
@@ -206,6 +219,7 @@ impl LimiterBuilder {
                 leases: OnceLock::new(),
                 table: self.table,
                 clock: self.clock,
+                waiters: Waiters::new(self.max_waiters),
             }),
         }
     }
@@ -233,6 +247,7 @@ impl Limiter {
             },
             outage_debt: true,
             clock: crate::clock::default_clock(),
+            max_waiters: DEFAULT_MAX_WAITERS,
         }
     }
 }

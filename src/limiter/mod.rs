@@ -6,13 +6,15 @@
 //!
 //! The limiter's files, one role each. This one holds the [`Limiter`] itself, the state its
 //! clones share, and what reads or ends that state as a whole (stats, shutdown). Beside it:
-//! `builder.rs`, the [`LimiterBuilder`] and its defaults; `policies.rs`, the policies in
-//! force, their reload and the plan registry; `acquire.rs`, [`Limiter::try_acquire`] and its
-//! future, [`Acquire`], whose first poll is the lease's fast path; `call.rs`, the rest of a
-//! call (the lease's slow path, direct mode, the fallback) and the other ways to take or give
-//! back tokens; `decisions.rs` and `cost.rs`, how a decision is built and how a cost is
-//! checked; and `coalesce.rs`, the direct-mode coalescer. Each names only files listed after
-//! it here and this one (the layering of DESIGN.md §11).
+//! `builder.rs`, the [`LimiterBuilder`] and its defaults; `wait.rs`,
+//! [`Limiter::acquire_until`], a call that waits in line for its tokens (a loop around the
+//! calls of the files below); `policies.rs`, the policies in force, their reload and the plan
+//! registry; `acquire.rs`, [`Limiter::try_acquire`] and its future, [`Acquire`], whose first
+//! poll is the lease's fast path; `call.rs`, the rest of a call (the lease's slow path, direct
+//! mode, the fallback) and the other ways to take or give back tokens; `decisions.rs` and
+//! `cost.rs`, how a decision is built and how a cost is checked; and `coalesce.rs`, the
+//! direct-mode coalescer. Each names only files listed after it here and this one (the
+//! layering of DESIGN.md §11).
 
 use std::sync::Arc;
 use std::sync::OnceLock;
@@ -37,12 +39,14 @@ mod decisions;
 #[cfg(feature = "http")]
 mod now;
 mod policies;
+mod wait;
 
 pub use acquire::Acquire;
 pub use builder::LimiterBuilder;
 use coalesce::Coalescer;
 use policies::Loaded;
 pub use policies::ReloadError;
+pub use wait::WaitError;
 
 /// A rate limiter over a [`Store`]. Cheap to clone: clones share everything.
 ///
@@ -83,6 +87,8 @@ struct Inner {
     table: TableSettings,
     /// The one clock everything here reads (DESIGN.md §11, "One clock").
     clock: SharedClock,
+    /// Each key's line of calls waiting in [`Limiter::acquire_until`].
+    waiters: wait::Waiters,
 }
 
 impl Drop for Inner {
