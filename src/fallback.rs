@@ -243,15 +243,35 @@ impl Fallback {
 }
 
 /// One instance's share of a bucket: capacity and rate divided by `instances` (at least one
-/// attotoken of capacity and one nanotoken per second of rate).
+/// attotoken of capacity and one nanotoken per second of rate), each limit of a bucket of
+/// several.
 pub(crate) fn local_share(bucket: &BucketConfig, instances: u32) -> BucketConfig {
     let n = u128::from(instances.max(1));
-    let capacity = Tokens::from_atto((bucket.capacity().as_atto() / n).max(1));
-    let rate = Rate::from_nanos_per_second(
-        (bucket.rate().as_nanos_per_second() / instances.max(1) as u64).max(1),
-    )
-    .unwrap_or(bucket.rate());
-    BucketConfig::new(capacity, rate).unwrap_or(*bucket)
+    let share = |limit: &BucketConfig| {
+        let capacity = Tokens::from_atto((limit.capacity().as_atto() / n).max(1));
+        let rate = Rate::from_nanos_per_second(
+            (limit.rate().as_nanos_per_second() / instances.max(1) as u64).max(1),
+        )
+        .unwrap_or(limit.rate());
+        (capacity, rate)
+    };
+    let mut limits = bucket.limits();
+    let Some(first) = limits.next() else {
+        return *bucket;
+    };
+    let (capacity, rate) = share(&first);
+    let mut out = match BucketConfig::new(capacity, rate) {
+        Ok(b) => b,
+        Err(_) => return *bucket,
+    };
+    for limit in limits {
+        let (capacity, rate) = share(&limit);
+        out = match out.with_limit(capacity, rate) {
+            Ok(b) => b,
+            Err(_) => return *bucket,
+        };
+    }
+    out
 }
 
 #[cfg(test)]

@@ -9,6 +9,8 @@
 //! - A leased plan whose capacity is above the most one lease holds (`LeaseSettings::MAX_LEASE`,
 //!   about 7.2 × 10⁷ tokens): its leases are held to that size, and a call costing more is
 //!   decided by a store statement of its own, as in direct mode, not from a lease.
+//! - A limit of a plan of several (`limits`) whose capacity and rate are both at least another
+//!   limit's of the plan: it never refuses a take, since the other always refuses first.
 //! - An entity plan with a larger burst (capacity) or a faster refill than its route's global
 //!   plan. One entity can then spend the whole endpoint's budget before its own limit
 //!   applies, and every other entity is denied by the global layer with it, which is what the
@@ -75,6 +77,9 @@ pub(crate) fn warnings(policies: &Policies) -> Vec<String> {
             ));
         }
     }
+    for plan in policies.plans() {
+        out.extend(never_binding(plan));
+    }
     let most = LeaseSettings::MAX_LEASE;
     for plan in policies.plans() {
         let Some(lease) = plan.lease() else {
@@ -120,6 +125,36 @@ pub(crate) fn warnings(policies: &Policies) -> Vec<String> {
             if let Some(warning) = entity_above_route(policies, i, route, global, entity) {
                 out.push(warning);
             }
+        }
+    }
+    out
+}
+
+/// The warnings for the limits of a plan of several that can never refuse a take: a limit
+/// whose capacity and rate are both at least another's holds, from the same full start and
+/// the same takes, never fewer tokens than that one, so the other always refuses first.
+fn never_binding(plan: &tokenlease::policy::Plan) -> Vec<String> {
+    let limits: Vec<_> = plan.bucket().limits().collect();
+    let mut out = Vec::new();
+    for (j, loose) in limits.iter().enumerate() {
+        let tighter = limits.iter().enumerate().find(|&(i, tight)| {
+            i != j
+                && tight.capacity() <= loose.capacity()
+                && tight.rate() <= loose.rate()
+                && (i < j || tight != loose)
+        });
+        if let Some((_, tight)) = tighter {
+            out.push(format!(
+                "{}.limits: the limit of capacity {} refilling {} tokens a second never \
+                 refuses a take: the limit of capacity {} refilling {} a second is as small \
+                 and as slow, so it always refuses first; remove the first, or raise the \
+                 second's capacity or rate",
+                plan_path(plan.name()),
+                loose.capacity().trimmed(),
+                loose.rate().per_second_amount().trimmed(),
+                tight.capacity().trimmed(),
+                tight.rate().per_second_amount().trimmed(),
+            ));
         }
     }
     out

@@ -422,3 +422,35 @@ async fn f2_inspect_prints_tokens_and_rates_at_a_readable_precision() {
         "{stdout}"
     );
 }
+
+/// P7: a limit of a plan of several whose capacity and rate are both at least another's can
+/// never refuse a take: `check` warns, naming the plan and both limits, and accepts the file;
+/// limits that each bind at some time are not warned about.
+#[test]
+fn check_warns_about_a_limit_that_never_binds() {
+    let out = check(
+        r#"{
+          "plans": {
+            "dead": { "limits": [
+              { "capacity": 10, "refill_per_second": 10 },
+              { "capacity": 100, "refill_per_second": 20 }
+            ] },
+            "both": { "limits": [
+              { "capacity": 10, "refill_per_second": 10 },
+              { "capacity": 10000, "refill": { "tokens": 10000, "period_ms": 86400000 } }
+            ] }
+          }
+        }"#,
+    );
+    let (_, stderr) = text(&out);
+    assert!(out.status.success(), "a warning is not a failure: {stderr}");
+    let stderr = unwrapped(&stderr);
+    let warnings: Vec<&str> = stderr.lines().filter(|l| l.contains(".limits")).collect();
+    assert_eq!(warnings.len(), 1, "{stderr}");
+    assert!(
+        warnings[0].contains("plans.dead.limits")
+            && warnings[0].contains("capacity 100 refilling 20")
+            && warnings[0].contains("capacity 10 refilling 10"),
+        "{stderr}"
+    );
+}

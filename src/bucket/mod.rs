@@ -21,9 +21,12 @@
 //! bucket is called. The only rounding is of the rate itself to whole nanotokens per second
 //! (2/3 token/s becomes 0.666666667), which is under 10⁻⁹ token per second.
 
+mod limits;
 mod math;
+mod more;
 mod tokens;
 
+pub(crate) use limits::LimitsState;
 pub use math::{
     BucketConfig, BucketConfigError, BucketState, Grant, InsufficientCapacity, Outcome, Timestamp,
 };

@@ -308,6 +308,45 @@ impl Rate {
         Self::from_nanos_per_second(tokens * 1_000_000_000)
     }
 
+    /// A rate of `tokens` whole tokens a minute, rounded to the nearest nanotoken per second;
+    /// `None` when zero or above [`Rate::MAX`].
+    pub const fn per_minute(tokens: u64) -> Option<Self> {
+        Self::per_nanos(tokens, 60 * 1_000_000_000)
+    }
+
+    /// A rate of `tokens` whole tokens an hour (rounded as [`per_minute`](Self::per_minute)).
+    pub const fn per_hour(tokens: u64) -> Option<Self> {
+        Self::per_nanos(tokens, 3_600 * 1_000_000_000)
+    }
+
+    /// A rate of `tokens` whole tokens a day of 86,400 seconds (rounded as
+    /// [`per_minute`](Self::per_minute)).
+    pub const fn per_day(tokens: u64) -> Option<Self> {
+        Self::per_nanos(tokens, 86_400 * 1_000_000_000)
+    }
+
+    /// A rate of `tokens` whole tokens every `period`, rounded to the nearest nanotoken per
+    /// second; `None` when zero, above [`Rate::MAX`], below one nanotoken a second, or the
+    /// period is zero.
+    pub const fn per(tokens: u64, period: std::time::Duration) -> Option<Self> {
+        let nanos = period.as_nanos();
+        if nanos == 0 {
+            return None;
+        }
+        Self::per_nanos(tokens, nanos)
+    }
+
+    /// `tokens` per `period_ns` nanoseconds, rounded to the nearest nanotoken per second.
+    const fn per_nanos(tokens: u64, period_ns: u128) -> Option<Self> {
+        // tokens < 2^64 and 10^18 < 2^60: the product fits in u128.
+        let scaled = tokens as u128 * 1_000_000_000_000_000_000;
+        let n = (scaled + period_ns / 2) / period_ns;
+        if n > u64::MAX as u128 {
+            return None;
+        }
+        Self::from_nanos_per_second(n as u64)
+    }
+
     /// A rate in tokens per second, rounded to the nearest nanotoken per second; `None` for
     /// NaN, infinities, values that round to zero and values above [`Rate::MAX`].
     pub fn from_f64(per_second: f64) -> Option<Self> {

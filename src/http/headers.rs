@@ -68,18 +68,29 @@ fn refill_secs(missing: Tokens, plan: &Plan) -> u64 {
 /// The most seconds [`refill_secs`] reports, as [`seconds_up`].
 const MAX_SECS: u64 = 1_000_000_000_000;
 
-/// The policy's window: seconds to refill the bucket from empty, rounded up, at least 1.
-fn window_secs(plan: &Plan) -> u64 {
-    seconds_up(plan.capacity().as_f64() / plan.rate().as_f64()).max(1)
+/// A limit's window: seconds to refill it from empty, rounded up, at least 1.
+fn window_secs(limit: &crate::bucket::BucketConfig) -> u64 {
+    seconds_up(limit.capacity().as_f64() / limit.rate().as_f64()).max(1)
 }
 
-/// One `RateLimit-Policy` item, e.g. `"api";q=100;w=2`.
+/// The `RateLimit-Policy` item of a plan, e.g. `"api";q=100;w=2`; for a plan of several limits
+/// one item per limit, each with its own window, the first named `name` and the others
+/// `name-2`, `name-3`… (`"api";q=10;w=1, "api-2";q=10000;w=86400`).
 pub(crate) fn policy_item(name: &str, plan: &Plan) -> String {
-    format!(
-        "\"{name}\";q={};w={}",
-        plan.capacity().floor(),
-        window_secs(plan)
-    )
+    let mut out = String::new();
+    for (i, limit) in plan.bucket().limits().enumerate() {
+        if i > 0 {
+            out.push_str(&format!(", \"{name}-{}\"", i + 1));
+        } else {
+            out.push_str(&format!("\"{name}\""));
+        }
+        out.push_str(&format!(
+            ";q={};w={}",
+            limit.capacity().floor(),
+            window_secs(&limit)
+        ));
+    }
+    out
 }
 
 /// What one layer decided, as the headers report it. A layer whose remaining tokens nobody
@@ -224,6 +235,15 @@ mod tests {
         );
         assert_eq!(policy_item("api", &plan(1, 1000.0)), "\"api\";q=1;w=1");
         assert_eq!(policy_item("api", &plan(5, 5.0 / 60.0)), "\"api\";q=5;w=60");
+        let several = Plan::builder("p")
+            .per_second(10)
+            .per_day(10_000)
+            .build()
+            .expect("plan");
+        assert_eq!(
+            policy_item("api", &several),
+            "\"api\";q=10;w=1, \"api-2\";q=10000;w=86400"
+        );
     }
 
     #[test]

@@ -20,7 +20,8 @@ use crate::error::Error;
 use crate::policy::Plan;
 
 impl Limiter {
-    /// Takes `cost` tokens from `key`'s bucket under the plan the policies give the key.
+    /// Takes `cost` tokens from `key`'s bucket under the plan the policies give the key. A
+    /// whole-token cost is written as it is (`try_acquire("k", 1)`); a fraction as a float.
     ///
     /// A key already in the lease table is answered from its lease on the first poll, with its
     /// plan read from the table (no prefix match, no allocation, no reference count); anything
@@ -29,7 +30,8 @@ impl Limiter {
     /// # Errors
     ///
     /// [`Error::NoPlanForKey`] when no plan matches, and as [`try_acquire_with`](Self::try_acquire_with).
-    pub fn try_acquire<'a>(&'a self, key: &'a str, cost: f64) -> Acquire<'a> {
+    pub fn try_acquire<'a>(&'a self, key: &'a str, cost: impl Into<f64>) -> Acquire<'a> {
+        let cost = cost.into();
         Acquire {
             state: State::Start {
                 limiter: self,
@@ -40,7 +42,8 @@ impl Limiter {
         }
     }
 
-    /// Takes `cost` tokens from `key`'s bucket under `plan`.
+    /// Takes `cost` tokens from `key`'s bucket under `plan` (a whole number of tokens as it is,
+    /// `try_acquire_with(&plan, "k", 2)`, or a float).
     ///
     /// # Errors
     ///
@@ -52,7 +55,13 @@ impl Limiter {
     ///
     /// Dropping the future never leaves the key stuck; a take already sent to the store counts
     /// as spent.
-    pub fn try_acquire_with<'a>(&'a self, plan: &'a Plan, key: &'a str, cost: f64) -> Acquire<'a> {
+    pub fn try_acquire_with<'a>(
+        &'a self,
+        plan: &'a Plan,
+        key: &'a str,
+        cost: impl Into<f64>,
+    ) -> Acquire<'a> {
+        let cost = cost.into();
         Acquire {
             state: State::Start {
                 limiter: self,

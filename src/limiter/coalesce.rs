@@ -531,10 +531,12 @@ impl Coalescer {
             .map(|item| (item.key.clone(), item.bucket))
             .collect();
         let mut outcomes: Vec<Option<Acquired>> = Vec::with_capacity(keys.len());
+        // Callers of a bucket of several limits a partial grant did not reach (`share_out`).
+        let mut left: Vec<Vec<Waiter>> = Vec::with_capacity(keys.len());
         for (item, result) in batch.items.into_iter().zip(result) {
             match result {
                 Ok(acquired) => {
-                    share_out(item, &acquired, &mut answers);
+                    left.push(share_out(item, &acquired, &mut answers));
                     outcomes.push(Some(acquired));
                 }
                 Err(_) => {
@@ -542,6 +544,7 @@ impl Coalescer {
                         answers.push((waiter.reply, Err(Unanswered::Store)));
                     }
                     outcomes.push(None);
+                    left.push(Vec::new());
                 }
             }
         }
@@ -558,7 +561,7 @@ impl Coalescer {
                     metrics::gauge!(crate::metrics::STATEMENTS_IN_FLIGHT_LIMIT).set(limits as f64);
                 }
             }
-            for ((key, bucket), outcome) in keys.into_iter().zip(outcomes) {
+            for (((key, bucket), outcome), left) in keys.into_iter().zip(outcomes).zip(left) {
                 let State {
                     keys: table,
                     parts,
@@ -566,9 +569,17 @@ impl Coalescer {
                     ..
                 } = &mut *state;
                 let Some(entry) = table.get_mut(&key) else {
+                    for waiter in left {
+                        answers.push((waiter.reply, Err(Unanswered::Store)));
+                    }
                     continue;
                 };
                 entry.busy = false;
+                // They go first in the key's next statement.
+                for waiter in left.into_iter().rev() {
+                    entry.waiters.push_front(waiter);
+                    *queued += 1;
+                }
                 let before = entry.waiters.len();
                 match outcome {
                     Some(acquired) => {

@@ -244,48 +244,148 @@ impl Checker {
                 ),
             ));
         }
-        if raw.capacity == 0 {
-            return Err(self.plan_err(
-                name,
-                "capacity",
-                "must be a whole number of tokens ≥ 1, got 0",
-            ));
+        let bucket = self.bucket(name, &raw)?;
+        let smallest = bucket.capacity().floor();
+        let mut plan = Plan::new(name, bucket);
+        if let Some(Obj(lease)) = raw.lease {
+            let lease = self.lease(name, lease, smallest)?;
+            if bucket.is_multi() && lease.accounting == Accounting::Strict {
+                return Err(self.plan_err(
+                    name,
+                    "lease.accounting",
+                    "strict accounting is not available on a plan of several limits: use \
+                     \"relaxed\" (unused lease tokens still go back to every limit)",
+                ));
+            }
+            plan = plan.with_lease(lease);
         }
-        if raw.capacity > MAX_CAPACITY {
-            return Err(self.plan_err(
-                name,
-                "capacity",
-                format!(
-                    "must be at most {MAX_CAPACITY} tokens, got {}",
-                    raw.capacity
-                ),
-            ));
+        if let Some(Obj(fallback)) = raw.fallback {
+            plan = plan.with_fallback(self.fallback(name, fallback, smallest)?);
         }
-        let capacity = Tokens::whole(raw.capacity);
-        let rate = match (raw.refill_per_second, &raw.refill) {
-            (Some(_), Some(_)) => {
+        if raw.shadow == Some(true) {
+            plan = plan.with_shadow(true);
+        }
+        Ok(plan)
+    }
+
+    /// The bucket of plan `name`: its `capacity` and rate, or its `limits`.
+    fn bucket(&self, name: &str, raw: &RawPlan) -> Result<BucketConfig, PolicyError> {
+        let Some(limits) = &raw.limits else {
+            let Some(capacity) = raw.capacity else {
                 return Err(self.plan_err(
                     name,
                     "",
+                    "missing capacity: give capacity with refill_per_second or refill, or \
+                     limits (a list of such limits)",
+                ));
+            };
+            let (capacity, rate) = self.limit(
+                name,
+                "",
+                capacity,
+                raw.refill_per_second,
+                raw.refill.as_ref(),
+            )?;
+            // The range was checked above, in the file's words; this is the same bound.
+            return BucketConfig::new(capacity, rate)
+                .map_err(|e| self.plan_err(name, "capacity", e.to_string()));
+        };
+        if raw.capacity.is_some() || raw.refill_per_second.is_some() || raw.refill.is_some() {
+            return Err(self.plan_err(
+                name,
+                "limits",
+                "give either limits or capacity with a refill rate, not both: with limits, \
+                 each limit has its own capacity and rate",
+            ));
+        }
+        if limits.len() < 2 || limits.len() > BucketConfig::MAX_LIMITS {
+            return Err(self.plan_err(
+                name,
+                "limits",
+                format!(
+                    "must list 2 to {} limits, got {} (a plan of one limit gives capacity \
+                     and refill_per_second or refill instead)",
+                    BucketConfig::MAX_LIMITS,
+                    limits.len()
+                ),
+            ));
+        }
+        let mut bucket: Option<BucketConfig> = None;
+        for (i, Obj(limit)) in limits.iter().enumerate() {
+            let at = format!("limits[{i}].");
+            let (capacity, rate) = self.limit(
+                name,
+                &at,
+                limit.capacity,
+                limit.refill_per_second,
+                limit.refill.as_ref(),
+            )?;
+            let next = match bucket {
+                None => BucketConfig::new(capacity, rate),
+                Some(b) => b.with_limit(capacity, rate),
+            };
+            bucket = Some(
+                next.map_err(|e| self.plan_err(name, &format!("{at}capacity"), e.to_string()))?,
+            );
+        }
+        bucket.ok_or_else(|| self.plan_err(name, "limits", "no limit"))
+    }
+
+    /// One limit of plan `name` at `at` (`""` or `"limits[i]."`): its capacity and rate.
+    fn limit(
+        &self,
+        name: &str,
+        at: &str,
+        capacity_given: u64,
+        refill_per_second: Option<f64>,
+        refill: Option<&Obj<super::raw::RawRefill>>,
+    ) -> Result<(Tokens, Rate), PolicyError> {
+        if capacity_given == 0 {
+            return Err(self.plan_err(
+                name,
+                &format!("{at}capacity"),
+                "must be a whole number of tokens ≥ 1, got 0",
+            ));
+        }
+        if capacity_given > MAX_CAPACITY {
+            return Err(self.plan_err(
+                name,
+                &format!("{at}capacity"),
+                format!(
+                    "must be at most {MAX_CAPACITY} tokens, got {}",
+                    capacity_given
+                ),
+            ));
+        }
+        let capacity = Tokens::whole(capacity_given);
+        let rate = match (refill_per_second, refill) {
+            (Some(_), Some(_)) => {
+                return Err(self.plan_err(
+                    name,
+                    at.trim_end_matches('.'),
                     "give one of refill_per_second or refill, not both",
                 ));
             }
             (None, None) => {
                 return Err(self.plan_err(
                     name,
-                    "",
+                    at.trim_end_matches('.'),
                     "missing refill rate: give refill_per_second or refill",
                 ));
             }
-            (Some(per_second), None) => self.rate_per_second(name, per_second)?,
+            (Some(per_second), None) => self.rate_per_second(name, at, per_second)?,
             (None, Some(Obj(refill))) => {
                 if refill.tokens == 0 {
-                    return Err(self.plan_err(name, "refill.tokens", "must be ≥ 1, got 0"));
+                    return Err(self.plan_err(
+                        name,
+                        &format!("{at}refill.tokens"),
+                        "must be ≥ 1, got 0",
+                    ));
                 }
                 if refill.period_ms == 0 {
                     return Err(self.plan_err(
                         name,
-                        "refill.period_ms",
+                        &format!("{at}refill.period_ms"),
                         "must be ≥ 1 millisecond, got 0",
                     ));
                 }
@@ -303,7 +403,7 @@ impl Checker {
                 if nanos == 0 {
                     return Err(self.plan_err(
                         name,
-                        "refill",
+                        &format!("{at}refill"),
                         format!(
                             "rate rounds to zero: {described} is slower than the slowest \
                              rate, 0.000000001 tokens per second"
@@ -316,7 +416,7 @@ impl Checker {
                     .ok_or_else(|| {
                         self.plan_err(
                             name,
-                            "refill",
+                            &format!("{at}refill"),
                             format!(
                                 "rate too high: {described} is more than 1000000000 tokens \
                                  per second"
@@ -325,24 +425,16 @@ impl Checker {
                     })?
             }
         };
-        // The range was checked above, in the file's words; this is the same bound.
-        let bucket = BucketConfig::new(capacity, rate)
-            .map_err(|e| self.plan_err(name, "capacity", e.to_string()))?;
-        let mut plan = Plan::new(name, bucket);
-        if let Some(Obj(lease)) = raw.lease {
-            plan = plan.with_lease(self.lease(name, lease, raw.capacity)?);
-        }
-        if let Some(Obj(fallback)) = raw.fallback {
-            plan = plan.with_fallback(self.fallback(name, fallback, raw.capacity)?);
-        }
-        if raw.shadow == Some(true) {
-            plan = plan.with_shadow(true);
-        }
-        Ok(plan)
+        Ok((capacity, rate))
     }
 
-    pub(super) fn rate_per_second(&self, name: &str, per_second: f64) -> Result<Rate, PolicyError> {
-        let field = "refill_per_second";
+    pub(super) fn rate_per_second(
+        &self,
+        name: &str,
+        at: &str,
+        per_second: f64,
+    ) -> Result<Rate, PolicyError> {
+        let field = &format!("{at}refill_per_second");
         if per_second.is_nan() || per_second <= 0.0 {
             return Err(self.plan_err(
                 name,

@@ -92,7 +92,7 @@ pub use error::{PolicyError, PolicyErrorKind};
 pub(crate) use routes::{route_params, route_pattern_error, route_shape};
 pub use types::{
     Accounting, EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings,
-    Plan, Policies, Route, RouteLimit, RouteShadow,
+    Plan, PlanBuilder, Policies, Route, RouteLimit, RouteShadow,
 };
 
 /// The largest policy file (or text) read: 16 MiB. A larger one is refused before it is read

@@ -56,6 +56,7 @@ object! {
     RawPolicies => "a policy object",
     RawPlan => "a plan object",
     RawRefill => "a refill object",
+    RawBucketLimit => "a limit object (capacity and refill_per_second or refill)",
     RawLease => "a lease object",
     RawFallback => "a fallback object",
     RawKeyRule => "a key rule object",
@@ -153,17 +154,32 @@ impl<'de, T: Deserialize<'de> + Object + Many> Deserialize<'de> for RawMap<T> {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawPlan {
-    pub(super) capacity: u64,
+    #[serde(default)]
+    pub(super) capacity: Option<u64>,
     #[serde(default)]
     pub(super) refill_per_second: Option<f64>,
     #[serde(default)]
     pub(super) refill: Option<Obj<RawRefill>>,
+    /// Several limits on one key, instead of `capacity` and a rate.
+    #[serde(default)]
+    pub(super) limits: Option<Vec<Obj<RawBucketLimit>>>,
     #[serde(default)]
     pub(super) lease: Option<Obj<RawLease>>,
     #[serde(default)]
     pub(super) fallback: Option<Obj<RawFallback>>,
     #[serde(default)]
     pub(super) shadow: Option<bool>,
+}
+
+/// One of a plan's `limits`: a capacity and a rate, as a plan of one limit gives them.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawBucketLimit {
+    pub(super) capacity: u64,
+    #[serde(default)]
+    pub(super) refill_per_second: Option<f64>,
+    #[serde(default)]
+    pub(super) refill: Option<Obj<RawRefill>>,
 }
 
 /// `refill: { tokens, period_ms }`.

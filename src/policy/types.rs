@@ -128,6 +128,135 @@ impl Plan {
     }
 }
 
+/// A [`Plan`] written in code: one or more limits, each a rate per second, minute, hour, day
+/// or any period, with a burst (its capacity) that defaults to one period's tokens. Errors
+/// wait for [`build`](Self::build), so a plan is one expression and one `?`:
+///
+/// ```
+/// use std::time::Duration;
+/// use tokenlease::policy::Plan;
+///
+/// # fn main() -> Result<(), tokenlease::bucket::BucketConfigError> {
+/// // 10 a second and 10,000 a day on the same key.
+/// let api = Plan::builder("api").per_second(10).per_day(10_000).build()?;
+/// assert_eq!(api.bucket().limits().len(), 2);
+/// // 1 a second with bursts of 8; 3 every 250 ms.
+/// let customer = Plan::builder("per-customer").per_second(1).burst(8).build()?;
+/// assert_eq!(customer.capacity().floor(), 8);
+/// let fast = Plan::builder("fast").per(3, Duration::from_millis(250)).build()?;
+/// assert_eq!(fast.rate().as_f64(), 12.0);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct PlanBuilder {
+    name: String,
+    /// Each limit: its burst (whole tokens), its tokens per period and the period.
+    limits: Vec<(u64, u64, Duration)>,
+    lease: Option<LeaseSettings>,
+    fallback: FallbackSettings,
+}
+
+impl PlanBuilder {
+    /// Adds a limit of `tokens` every `period`, with a burst of `tokens`.
+    pub fn per(mut self, tokens: u64, period: Duration) -> Self {
+        self.limits.push((tokens, tokens, period));
+        self
+    }
+
+    /// Adds a limit of `tokens` a second, with a burst of `tokens`.
+    pub fn per_second(self, tokens: u64) -> Self {
+        self.per(tokens, Duration::from_secs(1))
+    }
+
+    /// Adds a limit of `tokens` a minute, with a burst of `tokens`.
+    pub fn per_minute(self, tokens: u64) -> Self {
+        self.per(tokens, Duration::from_secs(60))
+    }
+
+    /// Adds a limit of `tokens` an hour, with a burst of `tokens`.
+    pub fn per_hour(self, tokens: u64) -> Self {
+        self.per(tokens, Duration::from_secs(3_600))
+    }
+
+    /// Adds a limit of `tokens` a day (86,400 seconds), with a burst of `tokens`.
+    pub fn per_day(self, tokens: u64) -> Self {
+        self.per(tokens, Duration::from_secs(86_400))
+    }
+
+    /// Sets the burst (the capacity, in whole tokens) of the limit added last. Before any
+    /// limit it does nothing, and [`build`](Self::build) reports the missing limit.
+    pub fn burst(mut self, tokens: u64) -> Self {
+        if let Some(last) = self.limits.last_mut() {
+            last.0 = tokens;
+        }
+        self
+    }
+
+    /// Leased mode with `lease` ([`Plan::with_lease`]).
+    pub fn lease(mut self, lease: LeaseSettings) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// What decides while the store cannot ([`Plan::with_fallback`]).
+    pub fn fallback(mut self, fallback: FallbackSettings) -> Self {
+        self.fallback = fallback;
+        self
+    }
+
+    /// The plan.
+    ///
+    /// # Errors
+    ///
+    /// [`BucketConfigError`](crate::bucket::BucketConfigError): no limit, more than
+    /// [`BucketConfig::MAX_LIMITS`], a rate of zero or out of range, a burst of zero or above
+    /// [`BucketConfig::MAX_CAPACITY_TOKENS`].
+    pub fn build(self) -> Result<Plan, crate::bucket::BucketConfigError> {
+        use crate::bucket::BucketConfigError;
+        let mut bucket: Option<BucketConfig> = None;
+        if self.limits.len() > BucketConfig::MAX_LIMITS {
+            return Err(BucketConfigError::TooManyLimits {
+                count: self.limits.len(),
+            });
+        }
+        for &(burst, tokens, period) in &self.limits {
+            let rate = Rate::per(tokens, period)
+                .ok_or(BucketConfigError::RateOutOfRange { tokens, period })?;
+            let capacity = Tokens::whole(burst);
+            bucket = Some(match bucket {
+                None => BucketConfig::new(capacity, rate)?,
+                Some(b) => b.with_limit(capacity, rate)?,
+            });
+        }
+        let bucket = bucket.ok_or(BucketConfigError::NoLimit)?;
+        if bucket.is_multi()
+            && self
+                .lease
+                .is_some_and(|l| l.accounting == Accounting::Strict)
+        {
+            return Err(BucketConfigError::StrictOnSeveralLimits);
+        }
+        let mut plan = Plan::new(self.name, bucket).with_fallback(self.fallback);
+        plan.lease = self.lease;
+        Ok(plan)
+    }
+}
+
+impl Plan {
+    /// A plan to write in code ([`PlanBuilder`]): `Plan::builder("api").per_second(10)
+    /// .per_day(10_000).build()?`.
+    pub fn builder(name: impl Into<String>) -> PlanBuilder {
+        PlanBuilder {
+            name: name.into(),
+            limits: Vec::new(),
+            lease: None,
+            fallback: FallbackSettings::default(),
+        }
+    }
+}
+
 /// # Accessors
 impl Plan {
     /// The plan's name.
@@ -577,5 +706,58 @@ mod tests {
             crate::error::validate_stored_key(&shadow(&"n".repeat(64), &longest)),
             Ok(())
         );
+    }
+}
+
+#[cfg(test)]
+mod builder_tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::bucket::BucketConfigError;
+
+    #[test]
+    fn the_builder_reports_what_is_wrong() {
+        assert_eq!(
+            Plan::builder("p").build().unwrap_err(),
+            BucketConfigError::NoLimit
+        );
+        assert_eq!(
+            Plan::builder("p").per_second(0).build().unwrap_err(),
+            BucketConfigError::RateOutOfRange {
+                tokens: 0,
+                period: Duration::from_secs(1)
+            }
+        );
+        assert!(matches!(
+            Plan::builder("p").per_second(1).burst(0).build(),
+            Err(BucketConfigError::CapacityTooSmall { .. })
+        ));
+        let five = (0..5).fold(Plan::builder("p"), |b, i| b.per_minute(10 + i));
+        assert_eq!(
+            five.build().unwrap_err(),
+            BucketConfigError::TooManyLimits { count: 5 }
+        );
+        let strict = Plan::builder("p")
+            .per_second(1)
+            .per_hour(100)
+            .lease(LeaseSettings::default().with_accounting(Accounting::Strict))
+            .build();
+        assert_eq!(
+            strict.unwrap_err(),
+            BucketConfigError::StrictOnSeveralLimits
+        );
+        // One limit in the builder is Plan::new's plan.
+        let one = Plan::builder("p")
+            .per_second(1)
+            .burst(8)
+            .build()
+            .expect("plan");
+        let new = Plan::new(
+            "p",
+            BucketConfig::new(Tokens::whole(8), Rate::per_second(1).expect("rate"))
+                .expect("bucket"),
+        );
+        assert_eq!(one, new);
     }
 }

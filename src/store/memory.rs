@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 
 use super::held::{self, Entry};
 use super::{AcquireRequest, Acquired, BucketRow, GiveBack, HeldLease, Store, StoreError, nanos};
-use crate::bucket::{BucketConfig, BucketState, Timestamp};
+use crate::bucket::{BucketConfig, BucketState, LimitsState, Timestamp, Tokens};
 use crate::clock::{Clock, MonotonicClock, SharedClock, system_time_from_timestamp};
 use crate::key::SlotKey;
 
@@ -50,6 +50,9 @@ struct ShardMap {
     buckets: HashMap<SlotKey, Stored>,
     /// The strict leases out on this shard's buckets, for the buckets that have any.
     strict: Strict,
+    /// The tokens of the limits beyond the first, for the buckets of several limits (as of
+    /// their bucket's `last_refill`; a limit missing here is full).
+    more: HashMap<SlotKey, [Tokens; MORE]>,
     /// The bucket shapes this shard stored last, shared by the buckets written with them: most
     /// keys of a store share a handful of plans, so each bucket holds a pointer, not a copy.
     shapes: [Option<Arc<BucketConfig>>; SHAPES],
@@ -88,8 +91,12 @@ impl ShardMap {
     fn delete_full(&mut self, now: Timestamp, limit: usize) -> usize {
         let mut left = limit;
         let strict = &self.strict;
+        let more = &self.more;
         self.buckets.retain(|key, stored| {
-            let full = left > 0 && is_full(stored, strict.get(key), now);
+            let full = left > 0
+                && is_full(stored, strict.get(key), now)
+                && (!stored.config.is_multi()
+                    || limits_state(stored.state(), more.get(&**key)).is_full(&stored.config, now));
             if full {
                 left -= 1;
             }
@@ -98,6 +105,10 @@ impl ShardMap {
         let deleted = limit - left;
         if deleted > 0 {
             self.strict.keep_stored(&self.buckets);
+            if !self.more.is_empty() {
+                let buckets = &self.buckets;
+                self.more.retain(|key, _| buckets.contains_key(&**key));
+            }
         }
         let len = self.buckets.len();
         if self.buckets.capacity() > 64 && len * 4 < self.buckets.capacity() {
@@ -106,6 +117,31 @@ impl ShardMap {
         self.strict.shrink();
         deleted
     }
+}
+
+/// Places for the tokens of the limits beyond a bucket's first.
+const MORE: usize = BucketConfig::MAX_LIMITS - 1;
+
+/// A bucket of several limits: the first limit's `state` and the others' tokens (`None`, or a
+/// limit beyond those stored: full, as an absent bucket is; a capacity lowered since is cut
+/// by the refill).
+fn limits_state(state: BucketState, more: Option<&[Tokens; MORE]>) -> LimitsState {
+    let mut tokens = [Tokens::MAX; BucketConfig::MAX_LIMITS];
+    tokens[0] = state.tokens;
+    if let Some(more) = more {
+        tokens[1..].copy_from_slice(more);
+    }
+    LimitsState {
+        tokens,
+        last_refill: state.last_refill,
+    }
+}
+
+/// The tokens of the limits beyond the first of `state`, to keep beside its bucket.
+fn more_of(state: &LimitsState) -> [Tokens; MORE] {
+    let mut more = [Tokens::MAX; MORE];
+    more.copy_from_slice(&state.tokens[1..]);
+    more
 }
 
 /// Whether the bucket, with `leases` out on it, holds its capacity at `now` (so no strict
@@ -418,6 +454,80 @@ impl MemoryStore {
     }
 }
 
+/// Keeps `more` as the tokens of `key`'s limits beyond the first.
+fn set_more(map: &mut HashMap<SlotKey, [Tokens; MORE]>, key: &str, more: [Tokens; MORE]) {
+    match map.get_mut(key) {
+        Some(slot) => *slot = more,
+        None => {
+            map.insert(SlotKey::new(key), more);
+        }
+    }
+}
+
+impl MemoryStore {
+    /// [`Store::acquire`] on a bucket of several limits: granted only when every limit holds
+    /// the grant, taken from each. Strict leases are refused on such a bucket (the policy
+    /// refuses them too). The shard is locked, and a new key's place reserved.
+    fn acquire_limits(
+        &self,
+        shard: &mut ShardMap,
+        request: &AcquireRequest<'_>,
+        state: BucketState,
+        leases: &[Entry],
+        current: Option<Arc<BucketConfig>>,
+        now: Timestamp,
+    ) -> Result<Acquired, StoreError> {
+        let config = request.bucket;
+        let refuse = |why: String| {
+            if current.is_none() {
+                self.keys.fetch_sub(1, Ordering::AcqRel);
+            }
+            Err(StoreError::Protocol(why))
+        };
+        if request.hold.is_some() || !leases.is_empty() {
+            return refuse(format!(
+                "key {:?}: strict leases on a bucket of several limits are not supported",
+                request.key
+            ));
+        }
+        if request.min > config.capacity() {
+            let e = crate::bucket::InsufficientCapacity {
+                cost: request.min,
+                capacity: config.capacity(),
+            };
+            return refuse(e.to_string());
+        }
+        let start = match &current {
+            None => LimitsState::full(&config, now),
+            Some(_) => limits_state(state, shard.more.get(request.key)),
+        };
+        let (state, grant) =
+            start.grant(&config, now, request.min, |least| request.grantable(least));
+        let shape = shard.shape(config, current.as_ref());
+        let stored = Stored {
+            config: shape,
+            state: Packed::new(BucketState {
+                tokens: state.tokens[0],
+                last_refill: state.last_refill,
+            }),
+        };
+        match shard.buckets.get_mut(request.key) {
+            Some(slot) => *slot = stored,
+            None => {
+                shard.buckets.insert(SlotKey::new(request.key), stored);
+            }
+        }
+        set_more(&mut shard.more, request.key, more_of(&state));
+        Ok(Acquired {
+            granted: grant.granted,
+            remaining: grant.remaining,
+            retry_after: nanos(grant.retry_after),
+            reset_after: nanos(grant.reset_after),
+            store_now: system_time_from_timestamp(now),
+        })
+    }
+}
+
 #[async_trait]
 impl Store for MemoryStore {
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
@@ -446,6 +556,12 @@ impl Store for MemoryStore {
                 Some(Arc::clone(&stored.config)),
             ),
         };
+        if config.is_multi() {
+            return self.acquire_limits(&mut shard, &request, state, &leases, current, now);
+        }
+        if !shard.more.is_empty() {
+            shard.more.remove(request.key);
+        }
         let refilled = held::refill(state, &config, &leases, now);
         let available = held::available(refilled.tokens, &leases, request.hold.as_ref(), now);
         let state = BucketState {
@@ -508,6 +624,23 @@ impl Store for MemoryStore {
                 continue;
             };
             let shape = shard.shape(ret.bucket, Some(&current));
+            if ret.bucket.is_multi() {
+                if let Some(stored) = shard.buckets.get_mut(ret.key) {
+                    credited += 1;
+                    stored.config = shape;
+                    let state = limits_state(stored.state(), shard.more.get(ret.key)).credit(
+                        &ret.bucket,
+                        now,
+                        ret.amount,
+                    );
+                    stored.set_state(BucketState {
+                        tokens: state.tokens[0],
+                        last_refill: state.last_refill,
+                    });
+                    set_more(&mut shard.more, ret.key, more_of(&state));
+                }
+                continue;
+            }
             if let Some(stored) = shard.buckets.get_mut(ret.key) {
                 // Counted as PostgreSQL counts it: a return to a stored bucket (one with no
                 // bucket, a full one, is recorded and credits nothing).
@@ -582,119 +715,4 @@ impl Store for MemoryStore {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A stored bucket's map entry (key and bucket) is 56 bytes.
-    #[test]
-    fn a_bucket_entry_is_56_bytes() {
-        assert_eq!(size_of::<Stored>(), 32);
-        assert_eq!(size_of::<(SlotKey, Stored)>(), 56);
-    }
-
-    /// Side entries across the shards, and whether any side map still holds memory.
-    fn strict_entries(store: &MemoryStore) -> (usize, bool) {
-        let shards = store.shards.iter().map(|s| s.lock());
-        shards.fold((0, false), |(n, held), s| {
-            (n + s.strict.0.len(), held || s.strict.0.capacity() > 0)
-        })
-    }
-
-    /// Strict leases sit in the shard's side map only while their bucket is stored and has
-    /// some: a bucket with a live lease out is not deleted as full, settling the lease drops
-    /// its entry, a deleted bucket takes its expired leases with it, and the side maps give
-    /// their memory back once empty.
-    #[tokio::test]
-    async fn strict_leases_stay_beside_their_buckets() {
-        use crate::bucket::{Rate, Tokens};
-        use crate::clock::ManualClock;
-        use crate::store::{Hold, LeaseRef};
-
-        let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000_000));
-        let store = MemoryStore::with_clock(clock.clone());
-        let config =
-            BucketConfig::new(Tokens::whole(10), Rate::per_second(1).expect("rate")).expect("b");
-        let keys: Vec<String> = (0..200).map(|i| format!("strict:{i}")).collect();
-        let hold = |holder: i64, lifetime: u64| Hold {
-            holder,
-            lease_id: 1,
-            kept: Tokens::ZERO,
-            lifetime: Duration::from_secs(lifetime),
-        };
-        for (i, key) in keys.iter().enumerate() {
-            let request = AcquireRequest::lease(key, config, Tokens::whole(1), Tokens::whole(10));
-            // The first half for a minute, the second for a second.
-            let lifetime = if i < 100 { 60 } else { 1 };
-            let got = store
-                .acquire(request.held(hold(i as i64, lifetime)))
-                .await
-                .expect("acquire");
-            assert_eq!(got.granted, Tokens::whole(10));
-        }
-        // A plain take leaves no side entry.
-        let plain = AcquireRequest::take("plain", config, Tokens::whole(1));
-        store.acquire(plain).await.expect("acquire");
-        assert_eq!(strict_entries(&store), (200, true));
-        // Nothing is full while its lease is out.
-        assert_eq!(store.delete_idle(u32::MAX).await.expect("delete"), 0);
-        assert_eq!(store.len(), 201);
-        // Settling the first half's leases drops their entries.
-        let returns: Vec<GiveBack<'_>> = keys[..100]
-            .iter()
-            .enumerate()
-            .map(|(i, key)| GiveBack {
-                id: i as i64,
-                key,
-                bucket: config,
-                amount: Tokens::whole(10),
-                lease: Some(LeaseRef {
-                    holder: i as i64,
-                    lease_id: 1,
-                }),
-            })
-            .collect();
-        assert_eq!(store.give_back(&returns).await.expect("give back"), 100);
-        assert_eq!(strict_entries(&store).0, 100);
-        let row = store
-            .inspect(&keys[0])
-            .await
-            .expect("inspect")
-            .expect("row");
-        assert!(row.leases.is_empty() && row.tokens == Tokens::whole(10));
-        let row = store
-            .inspect(&keys[100])
-            .await
-            .expect("inspect")
-            .expect("row");
-        assert_eq!(row.leases.len(), 1);
-        // Later the second half's leases have expired and their buckets refilled: every bucket
-        // is full and goes, with its leases, and the side maps let their memory go.
-        clock.advance(30_000_000_000);
-        assert_eq!(store.delete_idle(u32::MAX).await.expect("delete"), 201);
-        assert_eq!(store.len(), 0);
-        assert_eq!(strict_entries(&store), (0, false));
-        assert!(store.inspect(&keys[100]).await.expect("inspect").is_none());
-    }
-
-    /// Buckets written with the same shape share it; a new shape gets its own.
-    #[test]
-    fn buckets_share_their_shape() {
-        let a = BucketConfig::new(
-            crate::bucket::Tokens::whole(10),
-            crate::bucket::Rate::per_second(1).expect("rate"),
-        )
-        .expect("bucket");
-        let b = BucketConfig::new(
-            crate::bucket::Tokens::whole(20),
-            crate::bucket::Rate::per_second(1).expect("rate"),
-        )
-        .expect("bucket");
-        let mut shard = ShardMap::default();
-        let first = shard.shape(a, None);
-        assert!(Arc::ptr_eq(&first, &shard.shape(a, None)));
-        assert!(Arc::ptr_eq(&first, &shard.shape(a, Some(&first))));
-        let other = shard.shape(b, Some(&first));
-        assert_eq!(*other, b);
-        assert!(!Arc::ptr_eq(&first, &other));
-    }
-}
+mod tests;

@@ -14,6 +14,7 @@ mod coldstart;
 mod examples;
 mod lease;
 mod lease_timer;
+mod limits;
 mod refund;
 mod strict;
 mod supervised;

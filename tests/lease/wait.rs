@@ -1,7 +1,7 @@
-//! W1–W8, W10: `Limiter::acquire_until`, the call that waits for its tokens until a deadline
-//! (DESIGN.md §8, "Waiting for tokens"). W1–W6 and W10 on tokio's paused clock over a `MemoryStore`
-//! (or a store in front of one that holds, fails or never answers calls), so every time below
-//! is exact; W7 and W8 end to end over a real PostgreSQL, in direct and in leased mode.
+//! W1–W8, W10, P9: `Limiter::acquire_until`, the call that waits for its tokens until a
+//! deadline (DESIGN.md §8, "Waiting for tokens"). W1–W6, W10 and P9 on tokio's paused clock
+//! over a `MemoryStore` (or a store in front of one that holds, fails or never answers calls),
+//! so every time below is exact; W7 and W8 end to end over a real PostgreSQL, in direct and in leased mode.
 //!
 //! Every wait of these tests is bounded by the call's own deadline, and the few sleeps pace the
 //! paused clock to the moment a test acts.
@@ -574,6 +574,66 @@ async fn w8_served_in_order_over_postgres_in_leased_mode() {
             "fallback": {"mode": "deny"}}"#,
     )
     .await;
+}
+
+/// P9: waiting on a plan of several limits (2 a second, burst 2, and a burst of 4 refilling
+/// 0.1 a second). Six calls of one token, made at once, are served in order when every limit
+/// holds a token: in direct mode at 0, 0, 0.5 and 1 s (the second's limit binds), then at 10 s
+/// and 20 s (the slower limit's, whose refusals say so: no try in between); in leased mode in
+/// the same order and never sooner. A cost of 3, above the smaller capacity though the other
+/// limit holds 4, fails at once.
+#[tokio::test(start_paused = true)]
+async fn p9_a_wait_on_several_limits_ends_when_every_limit_holds_the_cost() {
+    let limits = r#""limits": [{"capacity": 2, "refill_per_second": 2},
+                               {"capacity": 4, "refill_per_second": 0.1}]"#;
+    let direct = format!("{{{limits}}}");
+    let leased = format!(r#"{{{limits}, "lease": {{"max_fraction": 1.0, "ttl_ms": 60000}}}}"#);
+    const EARLIEST: [u128; 6] = [0, 0, 500, 1_000, 10_000, 20_000];
+    for (mode, plan) in [("direct", direct), ("leased", leased)] {
+        let calls_made = Arc::new(AtomicU64::new(0));
+        let store = CountedStore::with_counter(MemoryStore::new(), Arc::clone(&calls_made));
+        let limiter = limiter_over(store, &plan);
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(60);
+        match limiter.acquire_until("k", 3.0, deadline).await {
+            Err(WaitError::Invalid(Error::InvalidCost { plan, .. })) => assert_eq!(plan, "p"),
+            other => panic!("{mode}: a cost of 3: {other:?}"),
+        }
+        let calls: Vec<_> = (0..6)
+            .map(|_| limiter.acquire_until("k", 1.0, deadline))
+            .collect();
+        let served = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for (i, call) in calls.into_iter().enumerate() {
+            let served = Arc::clone(&served);
+            tasks.push(tokio::spawn(async move {
+                let d = call.await.expect("served before the deadline");
+                assert!(d.allowed, "{d:?}");
+                assert!(!matches!(d.decided_by, DecidedBy::Fallback(_)), "{d:?}");
+                served.lock().push((i, ms_since(start)));
+            }));
+        }
+        for task in tasks {
+            task.await.expect("task");
+        }
+        let served = served.lock().clone();
+        let order: Vec<usize> = served.iter().map(|&(i, _)| i).collect();
+        assert_eq!(order, [0, 1, 2, 3, 4, 5], "{mode}: {served:?}");
+        let at: Vec<u128> = served.iter().map(|&(_, at)| at).collect();
+        if mode == "direct" {
+            assert_eq!(at, EARLIEST, "{mode}: {served:?}");
+            // Six takes and the four refusals that sent the next call to sleep (at 0, 0.5, 1
+            // and 10 s): no try while a limit is short.
+            let calls = calls_made.load(Ordering::Relaxed);
+            assert!(calls <= 10, "{mode}: {calls} store calls");
+        } else {
+            for (k, (&got, &earliest)) in at.iter().zip(&EARLIEST).enumerate() {
+                assert!(got >= earliest, "{mode}: call {k} at {got} ms: {served:?}");
+            }
+        }
+        let calls = calls_made.load(Ordering::Relaxed);
+        eprintln!("P9 {mode}: served at {at:?} ms, {calls} store calls");
+    }
 }
 
 /// W10: a waiter dropped while the plan's fallback decides its try takes nothing there either.

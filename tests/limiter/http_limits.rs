@@ -1,7 +1,8 @@
-//! A route's limits in one layer, and what they cost (E10, E11): two stacked layers add their
+//! A route's limits in one layer, and what they cost (E10, E11, P8): two stacked layers add their
 //! header fields to each other's and the outer one gives back what it took when the inner one
 //! refuses; a refused key hammered for 5 s on the real PostgreSQL costs the database next to
-//! nothing and admits no more than its bucket.
+//! nothing and admits no more than its bucket; a plan of several limits shows each limit with
+//! its window.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -253,4 +254,82 @@ async fn e11_a_refused_key_hammered_for_five_seconds_costs_the_database_nothing(
         );
         limiter.shutdown().await;
     }
+}
+
+/// A route whose global limit is a plan of several limits, beside an entity limit of one.
+const SEVERAL: &str = r#"{
+  "plans": {
+    "search": { "limits": [
+      { "capacity": 20, "refill": { "tokens": 20, "period_ms": 3600000 } },
+      { "capacity": 5, "refill_per_second": 5 }
+    ] },
+    "query": { "capacity": 100, "refill_per_second": 100 }
+  },
+  "routes": [
+    { "method": "GET", "path": "/search/{q}", "global": "search",
+      "entity": { "path_param": "q", "plan": "query" } }
+  ]
+}"#;
+
+/// P8: over HTTP, a route whose global plan is 5 a second (burst 5) and 20 an hour (the policy
+/// file's `limits`, the hour written first): every answer's `RateLimit-Policy` lists each limit
+/// with its own window (`"api";q=5;w=1, "api-2";q=20;w=3600`, then the entity's), allowed or
+/// refused; a refusal's `Retry-After` and `RateLimit` `t` are the binding limit's: 1 s while
+/// the second's binds, about 180 s once the hour's 20 are spent.
+#[tokio::test]
+async fn p8_ratelimit_policy_lists_each_limit_of_a_plan_with_its_window() {
+    let policies = Policies::from_json_str(SEVERAL, None).unwrap();
+    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000_000));
+    let limiter = Limiter::builder(MemoryStore::with_clock(clock.clone()))
+        .clock(clock.clone())
+        .policies(policies.clone())
+        .build();
+    let layer = RateLimitLayer::from_policies(&policies, limiter.clone()).unwrap();
+    let app = Router::new()
+        .route("/search/{q}", get(|| async { "found" }))
+        .route_layer(layer);
+    let policy = "\"api\";q=5;w=1, \"api-2\";q=20;w=3600, \"entity\";q=100;w=1";
+    let get_one = |i: u32| {
+        Request::get(format!("/search/{i}"))
+            .body(Body::empty())
+            .unwrap()
+    };
+
+    for i in 0..5 {
+        let r = send(&app, get_one(i)).await;
+        assert_eq!(r.status(), StatusCode::OK, "request {i}");
+        assert_eq!(header(&r, "ratelimit-policy"), Some(policy));
+    }
+    // The second's burst is spent: refused for a second, the policy unchanged.
+    let r = send(&app, get_one(5)).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&r, "ratelimit-policy"), Some(policy));
+    assert_eq!(header(&r, "retry-after"), Some("1"));
+    let ratelimit = header(&r, "ratelimit").unwrap().to_owned();
+    assert!(ratelimit.contains("\"api\";r=0;t=1"), "{ratelimit}");
+    assert_eq!(body_json(r).await["limit"], "api");
+    // Three more seconds give 15 more: the hour's 20 are spent.
+    let mut admitted = 5;
+    for second in 0..3 {
+        clock.advance(1_000_000_000);
+        for i in 0..6 {
+            let r = send(&app, get_one(100 * second + i)).await;
+            assert_eq!(header(&r, "ratelimit-policy"), Some(policy));
+            admitted += u32::from(r.status() == StatusCode::OK);
+        }
+    }
+    assert_eq!(admitted, 20);
+    clock.advance(1_000_000_000);
+    let r = send(&app, get_one(999)).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&r, "ratelimit-policy"), Some(policy));
+    // A token of 20 an hour every 180 s, 4 s of it gone.
+    let retry: u64 = header(&r, "retry-after").unwrap().parse().unwrap();
+    assert!((170..=180).contains(&retry), "Retry-After {retry}");
+    let ratelimit = header(&r, "ratelimit").unwrap().to_owned();
+    assert!(
+        ratelimit.contains(&format!("\"api\";r=0;t={retry}")),
+        "{ratelimit}"
+    );
+    limiter.shutdown().await;
 }

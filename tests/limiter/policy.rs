@@ -338,7 +338,55 @@ const INVALID: &[Case] = &[
         file: "missing_capacity.json",
         plan: Some("standard"),
         field: Some("plans.standard"),
-        message: r#"missing_capacity.json:3:42: plans.standard: missing field `capacity`"#,
+        message: r#"missing_capacity.json: plans.standard: missing capacity: give capacity with refill_per_second or refill, or limits (a list of such limits)"#,
+    },
+    Case {
+        file: "limits_with_capacity.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.limits"),
+        message: r#"limits_with_capacity.json: plans.standard.limits: give either limits or capacity with a refill rate, not both: with limits, each limit has its own capacity and rate"#,
+    },
+    Case {
+        file: "limits_only_one.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.limits"),
+        message: r#"limits_only_one.json: plans.standard.limits: must list 2 to 4 limits, got 1 (a plan of one limit gives capacity and refill_per_second or refill instead)"#,
+    },
+    Case {
+        file: "limits_five.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.limits"),
+        message: r#"limits_five.json: plans.standard.limits: must list 2 to 4 limits, got 5 (a plan of one limit gives capacity and refill_per_second or refill instead)"#,
+    },
+    Case {
+        file: "limits_capacity_zero.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.limits[1].capacity"),
+        message: r#"limits_capacity_zero.json: plans.standard.limits[1].capacity: must be a whole number of tokens ≥ 1, got 0"#,
+    },
+    Case {
+        file: "limits_missing_rate.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.limits[0]"),
+        message: r#"limits_missing_rate.json: plans.standard.limits[0]: missing refill rate: give refill_per_second or refill"#,
+    },
+    Case {
+        file: "limits_refill_period_zero.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.limits[1].refill.period_ms"),
+        message: r#"limits_refill_period_zero.json: plans.standard.limits[1].refill.period_ms: must be ≥ 1 millisecond, got 0"#,
+    },
+    Case {
+        file: "limits_unknown_field.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.limits[0].burst"),
+        message: r#"limits_unknown_field.json:5:58: plans.standard.limits[0].burst: unknown field `burst`, expected one of `capacity`, `refill_per_second`, `refill`"#,
+    },
+    Case {
+        file: "limits_strict.json",
+        plan: Some("standard"),
+        field: Some("plans.standard.lease.accounting"),
+        message: r#"limits_strict.json: plans.standard.lease.accounting: strict accounting is not available on a plan of several limits: use "relaxed" (unused lease tokens still go back to every limit)"#,
     },
     Case {
         file: "missing_plans.json",
@@ -538,7 +586,7 @@ const INVALID: &[Case] = &[
         file: "unknown_field.json",
         plan: Some("standard"),
         field: Some("plans.standard.burst"),
-        message: r#"unknown_field.json:3:65: plans.standard.burst: unknown field `burst`, expected one of `capacity`, `refill_per_second`, `refill`, `lease`, `fallback`, `shadow`"#,
+        message: r#"unknown_field.json:3:65: plans.standard.burst: unknown field `burst`, expected one of `capacity`, `refill_per_second`, `refill`, `limits`, `lease`, `fallback`, `shadow`"#,
     },
     Case {
         file: "unknown_field_control_character.json",
@@ -1552,4 +1600,52 @@ fn a8_a_file_with_more_plans_than_a_limiter_holds_is_refused() {
         }
     );
     assert_eq!(tokenlease::policy::MAX_PLANS, 65_528);
+}
+
+/// P6: a plan of several limits is read from `limits` (in the file's order or not, kept in
+/// order of capacity), each limit's rate from `refill_per_second` or `refill`; written in code,
+/// the same plan is equal to it.
+#[test]
+fn a_plan_of_several_limits_is_read_from_limits() {
+    let text = r#"{
+      "plans": {
+        "api": {
+          "limits": [
+            { "capacity": 10000, "refill": { "tokens": 10000, "period_ms": 86400000 } },
+            { "capacity": 10, "refill_per_second": 10 }
+          ],
+          "lease": { "ttl_ms": 1000 }
+        }
+      }
+    }"#;
+    let policies = Policies::from_json_str(text, None).expect("valid");
+    let plan = policies.plan("api").expect("api");
+    let limits: Vec<_> = plan.bucket().limits().collect();
+    assert_eq!(limits.len(), 2);
+    assert_eq!(limits[0].capacity(), tokenlease::bucket::Tokens::whole(10));
+    assert_eq!(
+        limits[0].rate(),
+        tokenlease::bucket::Rate::per_second(10).unwrap()
+    );
+    assert_eq!(
+        limits[1].capacity(),
+        tokenlease::bucket::Tokens::whole(10_000)
+    );
+    assert_eq!(
+        limits[1].rate(),
+        tokenlease::bucket::Rate::per_day(10_000).unwrap()
+    );
+    assert_eq!(
+        plan.capacity(),
+        tokenlease::bucket::Tokens::whole(10),
+        "the largest cost"
+    );
+    let built = tokenlease::policy::Plan::builder("api")
+        .per_day(10_000)
+        .per_second(10)
+        .lease(*plan.lease().expect("leased"))
+        .fallback(*plan.fallback())
+        .build()
+        .expect("built");
+    assert_eq!(&built, &**plan);
 }

@@ -224,7 +224,10 @@ async fn migrate_distributes_the_tables_and_the_client_hashes_as_citus() {
         .await
         .expect("distributed functions")
         .get(0);
-    assert_eq!(functions, 3, "take_held, give_back, delete_idle");
+    assert_eq!(
+        functions, 5,
+        "take_held, give_back, delete_idle, take_limits, give_back_limits"
+    );
     assert_eq!(report.citus_shards, Some(4), "{report}");
     assert!(report.citus_shard_count_chosen, "{report}");
     assert!(

@@ -18,6 +18,7 @@ mod citus;
 mod concurrency;
 mod contained;
 mod deploy;
+mod limits;
 mod pgbouncer;
 mod plans;
 mod postgres;

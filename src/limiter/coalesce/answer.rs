@@ -50,13 +50,39 @@ fn denial(
 /// Hands a grant of `k × cost` to the item's first `k` callers, each with what it would have
 /// seen had the takes after it not happened yet; the rest are denied as the pure bucket denies
 /// them at the statement's store time.
+///
+/// A bucket of several limits is not modelled here (the answer holds the least limit's tokens,
+/// not each limit's, so the pure bucket cannot say how long the next caller waits): when the
+/// store granted nothing, every caller gets its answer, whose wait is the store's for this
+/// cost; after a partial grant the callers it did not reach are returned, to go first in the
+/// key's next statement, which decides them exactly.
 pub(super) fn share_out(
     item: Item,
     acquired: &Acquired,
     answers: &mut Vec<(Reply, Result<Acquired, Unanswered>)>,
-) {
+) -> Vec<Waiter> {
     let cost = item.cost.as_atto().max(1);
     let admitted = (acquired.granted.as_atto() / cost) as usize;
+    if item.bucket.is_multi() {
+        let mut left = Vec::new();
+        for (i, waiter) in item.waiters.into_iter().enumerate() {
+            if i < admitted {
+                let later = (admitted - 1 - i) as u128 * cost;
+                let answer = Acquired {
+                    granted: waiter.cost,
+                    remaining: acquired.remaining.saturating_add(Tokens::from_atto(later)),
+                    retry_after: std::time::Duration::ZERO,
+                    ..*acquired
+                };
+                answers.push((waiter.reply, Ok(answer)));
+            } else if admitted == 0 {
+                answers.push((waiter.reply, Ok(*acquired)));
+            } else {
+                left.push(waiter);
+            }
+        }
+        return left;
+    }
     let state = state_after(acquired, &item.bucket);
     let ahead = state
         .last_refill
@@ -84,6 +110,7 @@ pub(super) fn share_out(
         };
         answers.push((waiter.reply, Ok(answer)));
     }
+    Vec::new()
 }
 
 /// Denies, from a statement's answer for their key, the callers queued behind it that ask for
@@ -97,7 +124,9 @@ pub(super) fn deny_from(
     waiters: &mut VecDeque<Waiter>,
     answers: &mut Vec<(Reply, Result<Acquired, Unanswered>)>,
 ) {
-    if waiters.iter().all(|w| w.cost <= acquired.remaining) {
+    // A bucket of several limits is not modelled here (see `share_out`): its callers wait for
+    // the key's next statement.
+    if bucket.is_multi() || waiters.iter().all(|w| w.cost <= acquired.remaining) {
         return;
     }
     let state = state_after(acquired, bucket);

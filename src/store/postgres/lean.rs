@@ -41,7 +41,7 @@ fn femtotokens(row: &str, rate: &str, now: &str) -> String {
 /// `capacity − tokens`, negative when a row holds more than the capacity, its plan's capacity
 /// lowered) are the nanotokens the refill adds, and its remainder the femtotokens left over,
 /// zero once the bucket is full.
-fn capped_femtotokens(row: &str, capacity: &str, rate: &str, now: &str) -> String {
+pub(super) fn capped_femtotokens(row: &str, capacity: &str, rate: &str, now: &str) -> String {
     let femto = femtotokens(row, rate, now);
     format!("least(({capacity} - {row}.tokens)::numeric * 1000000, {femto})")
 }
@@ -49,24 +49,24 @@ fn capped_femtotokens(row: &str, capacity: &str, rate: &str, now: &str) -> Strin
 /// The refilled whole nanotokens from the capped femtotokens `capped`: `tokens + capped /
 /// 10⁶`, which is the capacity when the refill fills the bucket or the row holds more, and
 /// never leaves bigint (the sum is capped in `numeric` before the cast).
-fn available_from(row: &str, capped: &str) -> String {
+pub(super) fn available_from(row: &str, capped: &str) -> String {
     format!("({row}.tokens + div({capped}, 1000000)::bigint)")
 }
 
 /// The femtotokens left over by the refill, from the capped femtotokens: zero once the bucket
 /// is full.
-fn frac_from(capped: &str) -> String {
+pub(super) fn frac_from(capped: &str) -> String {
     format!("mod({capped}, 1000000)::integer")
 }
 
 /// The refilled whole nanotokens, capped at the capacity, written out in one expression (for
 /// the returns, which are rare; the takes use [`refill_and_take`]).
-fn available(row: &str, capacity: &str, rate: &str, now: &str) -> String {
+pub(super) fn available(row: &str, capacity: &str, rate: &str, now: &str) -> String {
     available_from(row, &capped_femtotokens(row, capacity, rate, now))
 }
 
 /// The femtotokens left over by the refill, written out in one expression.
-fn refilled_frac(row: &str, capacity: &str, rate: &str, now: &str) -> String {
+pub(super) fn refilled_frac(row: &str, capacity: &str, rate: &str, now: &str) -> String {
     frac_from(&capped_femtotokens(row, capacity, rate, now))
 }
 
@@ -75,7 +75,7 @@ fn refilled_frac(row: &str, capacity: &str, rate: &str, now: &str) -> String {
 /// `available` twice rather than the candidate twice: with `min` a multiple of `step` (the
 /// store makes it one), the candidate `least(want, available / step × step)` reaches `min`
 /// exactly when `available` and `want` both do, and a candidate of 0 grants 0 either way.
-fn grant(available: &str, min: &str, want: &str, step: &str) -> String {
+pub(super) fn grant(available: &str, min: &str, want: &str, step: &str) -> String {
     format!(
         "CASE WHEN {available} >= {min} AND {want} >= {min} \
          THEN least({want}, ({available}) / {step} * {step}) ELSE 0 END"

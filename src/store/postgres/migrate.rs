@@ -134,6 +134,11 @@ pub const MIGRATIONS: &[Migration] = &[
         description: "function_generations",
         sql: include_str!("../../../migrations/0009_function_generations.sql"),
     },
+    Migration {
+        version: 10,
+        description: "several_limits",
+        sql: include_str!("../../../migrations/0010_several_limits.sql"),
+    },
 ];
 
 /// What [`migrate`] found and did.

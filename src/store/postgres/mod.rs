@@ -30,6 +30,7 @@ mod citus;
 mod contain;
 mod functions;
 mod lean;
+mod limits;
 mod manager;
 pub(crate) mod migrate;
 mod rows;
@@ -302,6 +303,35 @@ impl PostgresStore {
         file_rows(&rows, requests, pending, out)
     }
 
+    /// Takes on buckets of several limits among `pending` (`limits.rs`): one statement for
+    /// all of them, prepared or not. A strict lease on such a bucket, or a row that holds
+    /// strict leases, gets an error: such plans hold none (the policy refuses them).
+    async fn take_limits(
+        &self,
+        deadline: tokio::time::Instant,
+        requests: &[AcquireRequest<'_>],
+        pending: &mut Vec<usize>,
+        out: &mut [Option<Acquired>],
+    ) -> Result<(), StoreError> {
+        let (mut multi, single): (Vec<usize>, Vec<usize>) = pending
+            .iter()
+            .partition(|&&i| requests[i].bucket.is_multi());
+        *pending = single;
+        if let Some(&i) = multi.iter().find(|&&i| requests[i].hold.is_some()) {
+            return Err(limits::strict_refused(requests[i].key));
+        }
+        let t = limits::LimitTakes::new(requests, &multi)?;
+        let rows = self
+            .query_by(deadline, limits::ACQUIRE_LIMITS.as_str(), &t.params())
+            .await?;
+        limits::file_rows(&rows, requests, &mut multi, out)?;
+        // What is left holds strict leases (written by a plan of one limit): not decided here.
+        match multi.first() {
+            Some(&i) => Err(limits::strict_row(requests[i].key)),
+            None => Ok(()),
+        }
+    }
+
     /// Decides the takes at `pending` (distinct keys) on plain PostgreSQL: the one-key or
     /// many-key take (`lean.rs`), which update the rows that exist and insert the keys that
     /// have none; what they leave (strict leases, rows holding strict leases, rows another
@@ -321,6 +351,12 @@ impl PostgresStore {
         // statements PL/pgSQL plans once per session): without prepared statements every take
         // goes through the function, which decides plain takes exactly as they do.
         let plain = self.prepare.load(Ordering::Relaxed);
+        if pending.iter().any(|&i| requests[i].bucket.is_multi()) {
+            self.take_limits(deadline, requests, pending, out).await?;
+        }
+        if pending.is_empty() {
+            return Ok(());
+        }
         if plain && !pending.iter().any(|&i| requests[i].hold.is_some()) {
             self.take_round(deadline, requests, pending, out).await?;
         }
@@ -338,6 +374,22 @@ impl PostgresStore {
         returns: &[GiveBack<'_>],
         which: &[usize],
     ) -> Result<std::collections::HashSet<String>, StoreError> {
+        let (multi, which): (Vec<usize>, Vec<usize>) =
+            which.iter().partition(|&&i| returns[i].bucket.is_multi());
+        let mut credited = std::collections::HashSet::new();
+        if !multi.is_empty() {
+            let r = limits::LimitReturns::new(returns, &multi)?;
+            let rows = self
+                .query_by(deadline, limits::GIVE_BACK_LIMITS.as_str(), &r.params())
+                .await?;
+            for row in &rows {
+                credited.insert(row.try_get::<_, String>(0).map_err(StoreError::from)?);
+            }
+        }
+        if which.is_empty() {
+            return Ok(credited);
+        }
+        let which = &which[..];
         let ids: Vec<i64> = which.iter().map(|&i| returns[i].id).collect();
         let keys: Vec<&str> = which.iter().map(|&i| returns[i].key).collect();
         // An amount is what a lease did not spend: whole nanotokens; rounded down, a return
@@ -379,9 +431,10 @@ impl PostgresStore {
                 .collect::<Vec<_>>(),
             )
             .await?;
-        rows.iter()
-            .map(|row| row.try_get::<_, String>(0).map_err(StoreError::from))
-            .collect()
+        for row in &rows {
+            credited.insert(row.try_get::<_, String>(0).map_err(StoreError::from)?);
+        }
+        Ok(credited)
     }
 
     /// Every return's outcome, in order: whether it credited, or why it did not reach the

@@ -406,6 +406,12 @@ impl PostgresStore {
         pending: &mut Vec<usize>,
         out: &mut [Option<Acquired>],
     ) -> Result<(), StoreError> {
+        // Buckets of several limits: their own call (`limits.rs`).
+        self.citus_take_limits(deadline, requests, pending, out)
+            .await?;
+        if pending.is_empty() {
+            return Ok(());
+        }
         if !pending.iter().any(|&i| requests[i].hold.is_some()) {
             // By shard, in shard order.
             let mut by_shard: Vec<((i64, &str), Vec<usize>)> = Vec::new();
@@ -462,7 +468,16 @@ impl PostgresStore {
         returns: &[GiveBack<'_>],
         group: &[usize],
     ) -> Result<std::collections::HashSet<String>, StoreError> {
-        let route = returns[group[0]].key;
+        // Buckets of several limits: their own call (`limits.rs`).
+        let mut group = group.to_vec();
+        let mut credited = self
+            .citus_give_back_limits(deadline, returns, &mut group)
+            .await?;
+        let Some(&first) = group.first() else {
+            return Ok(credited);
+        };
+        let group = &group[..];
+        let route = returns[first].key;
         let ids: Vec<i64> = group.iter().map(|&i| returns[i].id).collect();
         let keys: Vec<&str> = group.iter().map(|&i| returns[i].key).collect();
         let amounts: Vec<i64> = group
@@ -497,9 +512,10 @@ impl PostgresStore {
         let params: Vec<(&(dyn ToSql + Sync), Type)> =
             values.into_iter().zip(GIVE_BACK_TYPES).collect();
         let rows = self.query_by(deadline, GIVE_BACK, &params).await?;
-        rows.iter()
-            .map(|row| row.try_get::<_, String>(0).map_err(StoreError::from))
-            .collect()
+        for row in &rows {
+            credited.insert(row.try_get::<_, String>(0).map_err(StoreError::from)?);
+        }
+        Ok(credited)
     }
 }
 

@@ -286,6 +286,51 @@ END
 $fn$",
         literal(&DELETE_IDLE_SHARD)
     );
+    let take_limits = format!(
+        "\
+CREATE OR REPLACE FUNCTION tokenlease_citus_take_limits(
+    route text, keys text[], capacities bigint[], rates bigint[], mins bigint[], wants bigint[],
+    steps bigint[], more_caps bigint[], more_rates bigint[], firsts integer[], counts integer[])
+RETURNS TABLE (key text, tokens bigint, frac integer, granted bigint, updated_us bigint,
+               now_us bigint, more_tokens bigint[], more_frac integer[])
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    p record;
+BEGIN
+    FOR p IN SELECT * FROM tokenlease_citus_parts(keys) LOOP
+        RETURN QUERY EXECUTE format({}, p.buckets)
+            USING keys, capacities, rates, mins, wants, steps, more_caps, more_rates, firsts,
+                  counts, p.members;
+    END LOOP;
+END
+$fn$",
+        literal(&for_format(&super::super::limits::acquire_limits(true)).replace("%%1$s", "%1$s"))
+    );
+    let give_back_limits = format!(
+        "\
+CREATE OR REPLACE FUNCTION tokenlease_citus_give_back_limits(
+    route text, ids bigint[], keys text[], amounts bigint[], capacities bigint[], rates bigint[],
+    more_caps bigint[], more_rates bigint[], firsts integer[], counts integer[])
+RETURNS TABLE (key text)
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    p record;
+BEGIN
+    FOR p IN SELECT * FROM tokenlease_citus_parts(keys) LOOP
+        RETURN QUERY EXECUTE format({}, p.buckets, p.returns)
+            USING ids, keys, amounts, capacities, rates, more_caps, more_rates, firsts, counts,
+                  p.members;
+    END LOOP;
+END
+$fn$",
+        literal(
+            &for_format(&super::super::limits::give_back_limits(true))
+                .replace("%%1$s", "%1$s")
+                .replace("%%2$s", "%2$s")
+        )
+    );
     vec![
         ("tokenlease_citus_hold(bigint[], text[])", HOLD.to_string()),
         ("tokenlease_citus_parts(text[])", parts),
@@ -300,6 +345,16 @@ $fn$",
             give_back,
         ),
         ("tokenlease_citus_delete_idle(text, bigint)", delete_idle),
+        (
+            "tokenlease_citus_take_limits(text, text[], bigint[], bigint[], bigint[], bigint[], \
+             bigint[], bigint[], bigint[], integer[], integer[])",
+            take_limits,
+        ),
+        (
+            "tokenlease_citus_give_back_limits(text, bigint[], text[], bigint[], bigint[], \
+             bigint[], bigint[], bigint[], integer[], integer[])",
+            give_back_limits,
+        ),
     ]
 }
 
