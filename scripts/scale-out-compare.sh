@@ -14,17 +14,20 @@
 # per run: decisions/s, statements per 1,000 decisions, decisions per statement, the server's
 # CPU µs per decision (every cluster summed), p99 and the fallback's decisions (and their share).
 # With BEFORE set to another build's binary (e.g. the main branch's), every set-up runs with it
-# first and then with this one, alternated, so a busy machine weighs on both alike. The JSON
+# and with this one back to back (the other one first in every other round, with REPEAT=2 or
+# more), so a busy machine weighs on both alike. The JSON
 # reports go to $OUT.
 #
 #   bash scripts/scale-out-compare.sh
 #   BEFORE=/path/to/old/tokenlease REPEAT=2 bash scripts/scale-out-compare.sh
 #   TOKENLEASE=/path/to/tokenlease DURATION_S=5 WARMUP_S=2 bash scripts/scale-out-compare.sh
+#   MODES="direct leased" bash scripts/scale-out-compare.sh   # some of the modes only
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DURATION_S="${DURATION_S:-10}"
 WARMUP_S="${WARMUP_S:-3}"
 REPEAT="${REPEAT:-1}"
+MODES="${MODES:-direct direct4 leased}"
 BEFORE="${BEFORE:-}"
 target="${CARGO_TARGET_DIR:-target}"
 source scripts/lib.sh
@@ -53,14 +56,20 @@ echo "cores: $(nproc); load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 printf '%-7s %-7s %-10s %11s %10s %9s %11s %8s %s\n' build mode set-up decisions/s \
     "stmts/1k" "dec/stmt" "CPU µs/dec" "p99 ms" fallback
 for ((round = 0; round < REPEAT; round++)); do
-    for mode in direct direct4 leased; do
+    for mode in $MODES; do
         case "$mode" in
             direct) load=(--mode direct --keys 10000) ;;
             direct4) load=(--mode direct --keys 10000 --in-flight 4 --rate 40000) ;;
             leased) load=(--mode leased --keys 100000 --rate 100000) ;;
         esac
         for setup in "--shards 1" "--shards 2" "--citus 2"; do
-            for build in "${builds[@]}"; do
+            # Every other round the other build first: the second of two runs back to back
+            # may find the machine busier (the first's cluster still being removed).
+            order=("${builds[@]}")
+            if ((round % 2 == 1 && ${#builds[@]} == 2)); then
+                order=("${builds[1]}" "${builds[0]}")
+            fi
+            for build in "${order[@]}"; do
                 # shellcheck disable=SC2086
                 json="$("${build#*=}" loadtest "${load[@]}" --instances 1 --tasks 16 \
                     --duration "$DURATION_S" --warmup "$WARMUP_S" --json $setup 2>/dev/null)"

@@ -16,7 +16,9 @@
 //! has its own statements in flight, capped by its own connections
 //! ([`Store::partition_calls`]), its own load, adaptive limit and gather window ([`Part`]). So
 //! a part's statements carry as many keys as one store's would at that part's load, and a
-//! slow or failing part holds up no other part's statements.
+//! slow or failing part holds up no other part's statements (beyond another part's turn: a
+//! part that would send a statement of few keys while another part's statement is in flight
+//! holds it back for a bounded time, [`turns`]).
 //!
 //! Every caller has a deadline. A caller whose deadline passes before its answer, or that finds
 //! `max_queued` callers already waiting, is not answered here ([`Unanswered`]): the limiter's
@@ -40,8 +42,11 @@ use crate::clock::SharedClock;
 use crate::store::{AcquireRequest, Acquired, Store, StoreError};
 
 mod answer;
+mod load;
+mod turns;
 
 use answer::{deny_from, share_out};
+use load::Load;
 
 /// Why a caller got no answer from the store; the plan's fallback decides it.
 #[derive(Debug)]
@@ -129,6 +134,16 @@ struct Part {
     limit: usize,
     /// A statement of this part is held back for the gather window: a timer sends it.
     gathering: bool,
+    /// When this part's last statement was sent, or its gather window began: its turn
+    /// ([`turns`]).
+    started: Option<Instant>,
+    /// This part's statement is held back for another part's turn until then at the latest
+    /// ([`turns`]): that part's answer, or a timer then, lets it go.
+    held: Option<Instant>,
+    /// Let go by another part's answer, which carried this many callers: its gather window
+    /// waits for them to come back, whatever the part's own rate, and ends once they have
+    /// ([`turns`]).
+    turn: Option<u64>,
 }
 
 impl Part {
@@ -141,6 +156,9 @@ impl Part {
             load: Load::default(),
             limit: calls,
             gathering: false,
+            started: None,
+            held: None,
+            turn: None,
         }
     }
 }
@@ -156,25 +174,11 @@ struct State {
     in_flight: usize,
     /// Callers in some key's `waiters`.
     queued: usize,
-}
-
-/// The load a part's adaptive limit is chosen from: moving averages (about 8 samples) of its
-/// callers' arrival rate and of its statements' time, both measured as its statements finish.
-#[derive(Default)]
-struct Load {
-    /// When the part's last statement finished, and its `arrivals` then.
-    last: Option<(Instant, u64)>,
-    /// Callers per second.
-    rate: f64,
-    /// A statement's time, in seconds.
-    statement: f64,
-}
-
-impl Load {
-    /// The callers that arrive while one statement runs (λ·S).
-    fn per_statement(&self) -> f64 {
-        self.rate * self.statement
-    }
+    /// Callers that ever arrived, over every part (wrapping).
+    arrivals: u64,
+    /// The part gathering for its turn ([`Part::turn`]), and the arrivals at which its window
+    /// ends: (part, arrivals then, callers expected).
+    turn: Option<(usize, u64, u64)>,
 }
 
 /// A statement: keys of one part.
@@ -189,6 +193,8 @@ enum Next {
     Send(Batch),
     /// Wait this long for more callers; a timer then sends what is ready.
     Gather(Duration),
+    /// Wait for another part's statement, until then at the latest ([`turns`]).
+    Hold(Instant),
     /// Nothing to send, or no slot free.
     Nothing,
 }
@@ -297,46 +303,25 @@ impl Coalescer {
         }
     }
 
-    /// The part's adaptive limit after a statement that took `took` finished at `now`.
-    ///
-    /// Callers arriving at rate λ while each statement takes S leave λ·S callers for the next
-    /// statements; with L statements in flight each carries about λ·S / L of them. So
-    /// L = λ·S / [`TARGET_BATCH`] (at least 1) makes every statement carry about
-    /// [`TARGET_BATCH`] keys when that many callers wait, which is where the server's cost per
-    /// decision levels off; a lone caller finds a slot free and its statement leaves at once.
-    /// Measured per part: a part sees only its own keys' callers, and the limit of a store of
-    /// two parts taken as a whole would give each part half the keys a statement should carry.
-    fn adapt(part: &mut Part, took: Duration, now: Instant) {
-        let smooth = |old: f64, sample: f64| {
-            if old == 0.0 {
-                sample
-            } else {
-                old + (sample - old) / 8.0
-            }
-        };
-        let load = &mut part.load;
-        load.statement = smooth(load.statement, took.as_secs_f64());
-        if let Some((at, before)) = load.last {
-            let dt = now.saturating_duration_since(at).as_secs_f64();
-            if dt > 0.0 {
-                let arrived = part.arrivals.wrapping_sub(before) as f64;
-                load.rate = smooth(load.rate, arrived / dt);
-            }
-        }
-        load.last = Some((now, part.arrivals));
-        let limit = (load.per_statement() / TARGET_BATCH).round() as usize;
-        part.limit = limit.clamp(1, part.calls);
-    }
-
     /// How long a part's free slot waits for more callers before it sends what is ready, if it
     /// should: while fewer than [`TARGET_BATCH`] of its keys are ready and another caller is
     /// expected within the window, a quarter of its statements' time (within [`MIN_GATHER`]
-    /// and [`MAX_GATHER`]). Without the wait, the callers of a statement that just finished
-    /// come back one by one, the first finds the slot free and leaves alone, and statements
-    /// alternate between one key and all the others.
+    /// and [`MAX_GATHER`]); half its statements' time when its turn came ([`turns`]). Without
+    /// the wait, the callers of a statement that just finished come back one by one, the first
+    /// finds the slot free and leaves alone, and statements alternate between one key and all
+    /// the others.
     fn gather_window(&self, part: &Part) -> Option<Duration> {
         if !self.settings.adaptive || (part.ready.len() as f64) >= TARGET_BATCH {
             return None;
+        }
+        // A part whose turn came waits for the callers of the answer that let it go, and its
+        // window ends as soon as they have come back (`turns`): it may be longer, half a
+        // statement time up to a quarter of the longest turn, for callers slowed by busy cores.
+        if part.turn.is_some() {
+            let most = turns::MAX_TURN / 4;
+            return Some(
+                Duration::from_secs_f64(part.load.statement / 2.0).clamp(MIN_GATHER, most),
+            );
         }
         let window =
             Duration::from_secs_f64(part.load.statement / 4.0).clamp(MIN_GATHER, MAX_GATHER);
@@ -354,18 +339,41 @@ impl Coalescer {
         let Some(p) = state.parts.get_mut(&part) else {
             return Next::Nothing;
         };
-        if p.gathering && (p.ready.len() as f64) < TARGET_BATCH {
-            // The timer sends it.
+        if (p.gathering || p.held.is_some()) && (p.ready.len() as f64) < TARGET_BATCH {
+            // The timer sends it (or, when held, the other part's answer).
             return Next::Nothing;
         }
         if p.in_flight >= self.cap(p) || state.in_flight >= total {
             return Next::Nothing;
         }
-        if !p.ready.is_empty()
-            && let Some(window) = self.gather_window(p)
-        {
+        if p.ready.is_empty() {
+            return Next::Nothing;
+        }
+        if let Some(until) = self.held_until(state, part, now) {
+            if let Some(p) = state.parts.get_mut(&part) {
+                p.held = Some(until);
+            }
+            return Next::Hold(until);
+        }
+        let Some(p) = state.parts.get_mut(&part) else {
+            return Next::Nothing;
+        };
+        p.held = None;
+        let window = self.gather_window(p);
+        let turn = p.turn.take();
+        if let Some(window) = window {
             p.gathering = true;
+            p.started = Some(now);
+            if let Some(callers) = turn {
+                state.turn = Some((part, state.arrivals, callers));
+            }
             return Next::Gather(window);
+        }
+        // A statement that leaves full during a gather window leaves the window running: until
+        // its timer, no other statement of the part leaves with fewer keys (a second slot
+        // would take the callers the next full statement gathers).
+        if state.turn.is_some_and(|(t, ..)| t == part) {
+            state.turn = None;
         }
         match state.next_batch(&self.settings, part, now) {
             Some(batch) => Next::Send(batch),
@@ -381,10 +389,14 @@ impl Coalescer {
             let batch = {
                 let mut state = this.state.lock();
                 let total = this.total_cap();
+                if state.turn.is_some_and(|(t, ..)| t == part) {
+                    state.turn = None;
+                }
+                // Not gathering any more: its statement left when its turn's callers came
+                // back (a statement that left full keeps the window to its end).
                 let free = state.in_flight < total
                     && state.parts.get_mut(&part).is_some_and(|p| {
-                        p.gathering = false;
-                        p.in_flight < this.cap(p)
+                        std::mem::replace(&mut p.gathering, false) && p.in_flight < this.cap(p)
                     });
                 if free {
                     state.next_batch(&this.settings, part, this.clock.instant())
@@ -423,11 +435,17 @@ impl Coalescer {
                 return Err(Unanswered::Overloaded);
             }
             state.queued += 1;
-            let State { keys, parts, .. } = &mut *state;
+            let State {
+                keys,
+                parts,
+                arrivals,
+                ..
+            } = &mut *state;
             let p = parts
                 .entry(part)
                 .or_insert_with(|| Part::new(self.part_calls(store.as_ref(), part)));
             p.arrivals = p.arrivals.wrapping_add(1);
+            *arrivals = arrivals.wrapping_add(1);
             if !keys.contains_key(key) {
                 keys.insert(
                     key.to_owned(),
@@ -448,12 +466,13 @@ impl Coalescer {
                 entry.ready = true;
                 p.ready.push_back(key.to_owned());
             }
-            self.next(&mut state, part, now)
+            let next = self.next(&mut state, part, now);
+            (next, self.turn_ends(&mut state, now))
         };
-        match batch {
-            Next::Send(batch) => self.spawn(store, batch),
-            Next::Gather(window) => self.gather(store, part, window),
-            Next::Nothing => {}
+        let (batch, turn) = batch;
+        self.act(store, part, batch);
+        if let Some(turn) = turn {
+            self.spawn(store, turn);
         }
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(answer)) => answer,
@@ -464,6 +483,16 @@ impl Coalescer {
 
     fn spawn(self: &Arc<Self>, store: &Arc<dyn Store>, batch: Batch) {
         tokio::spawn(Arc::clone(self).run(Arc::clone(store), batch));
+    }
+
+    /// Does what [`Coalescer::next`] said for `part`: sends its statement or starts its timer.
+    fn act(self: &Arc<Self>, store: &Arc<dyn Store>, part: usize, next: Next) {
+        match next {
+            Next::Send(batch) => self.spawn(store, batch),
+            Next::Gather(window) => self.gather(store, part, window),
+            Next::Hold(until) => self.hold(store, part, until),
+            Next::Nothing => {}
+        }
     }
 
     /// Sends `batch` as one statement and answers its callers; then, while callers are waiting
@@ -497,10 +526,10 @@ impl Coalescer {
                 metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
             }
             flight.armed = false;
-            let (mut next, windows) = self.finish(batch, result, sent);
+            let (mut next, timers) = self.finish(batch, result, sent);
             drop(flight);
-            for (part, window) in windows {
-                self.gather(&store, part, window);
+            for (part, timer) in timers {
+                self.act(&store, part, timer);
             }
             batch = match next.pop() {
                 Some(batch) => batch,
@@ -514,17 +543,18 @@ impl Coalescer {
 
     /// Answers a finished statement's callers and those queued behind it that its answer
     /// decides, frees its keys and its slot, and returns the statements to send next, and the
-    /// parts whose gather window starts. `sent`: when the statement was sent.
+    /// parts whose gather window or hold starts. `sent`: when the statement was sent.
     fn finish(
         &self,
         batch: Batch,
         result: Vec<Result<Acquired, StoreError>>,
         sent: Instant,
-    ) -> (Vec<Batch>, Vec<(usize, Duration)>) {
+    ) -> (Vec<Batch>, Vec<(usize, Next)>) {
         let now = self.clock.instant();
         let took = now.saturating_duration_since(sent);
         let part = batch.part;
         let mut answers: Vec<(Reply, Result<Acquired, Unanswered>)> = Vec::new();
+        let callers: usize = batch.items.iter().map(|item| item.waiters.len()).sum();
         let keys: Vec<(String, BucketConfig)> = batch
             .items
             .iter()
@@ -603,33 +633,36 @@ impl Coalescer {
                     }
                 }
             }
-            // This statement's part first; then, if the slot freed was the last, every other
-            // part with keys ready.
-            let mut order = vec![part];
-            if all_taken {
-                order.extend(
-                    state
-                        .parts
-                        .iter()
-                        .filter(|(p, q)| **p != part && !q.ready.is_empty())
-                        .map(|(&p, _)| p),
-                );
-            }
+            // This statement's part; every part held back for its turn (they may go now); and,
+            // if the slot freed was the last, every other part with keys ready. The part whose
+            // last statement started longest ago first, so that held parts take their turns.
+            let mut order: Vec<(Option<Instant>, usize)> = state
+                .parts
+                .iter_mut()
+                .filter(|(p, q)| {
+                    **p == part || q.held.is_some() || (all_taken && !q.ready.is_empty())
+                })
+                .map(|(&p, q)| {
+                    q.turn = q.held.take().map(|_| callers as u64);
+                    (q.started, p)
+                })
+                .collect();
+            order.sort_unstable();
             let mut next = Vec::new();
-            let mut windows = Vec::new();
-            for p in order {
+            let mut timers = Vec::new();
+            for (_, p) in order {
                 loop {
                     match self.next(&mut state, p, now) {
                         Next::Send(batch) => next.push(batch),
-                        Next::Gather(w) => {
-                            windows.push((p, w));
+                        Next::Nothing => break,
+                        timer => {
+                            timers.push((p, timer));
                             break;
                         }
-                        Next::Nothing => break,
                     }
                 }
             }
-            (next, windows)
+            (next, timers)
         };
         for (reply, answer) in answers {
             // A caller that went away has its share counted as spent.
@@ -691,6 +724,7 @@ impl State {
             parts,
             queued,
             in_flight,
+            ..
         } = self;
         let p = parts.get_mut(&part)?;
         let mut items = Vec::new();
@@ -738,6 +772,7 @@ impl State {
         if items.is_empty() {
             return None;
         }
+        p.started = Some(now);
         p.in_flight += 1;
         *in_flight += 1;
         items.sort_unstable_by(|a, b| a.key.cmp(&b.key));

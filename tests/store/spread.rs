@@ -1,11 +1,13 @@
-//! Statements as full over a store of two parts as over one (H8, H9, docs/testing.md): the same
+//! Statements as full over a store of two parts as over one (H8–H10, docs/testing.md): the same
 //! load through one limiter, first over one PostgreSQL cluster, then over a `ShardedStore` of
 //! two clusters, counting the statements that reach the store (`CountedStore`) per decision.
 //! Rounds alternate the two set-ups and the check is on the ratio of their sums, so a busy
-//! machine slows both alike. Runs in the nextest `serial` group: it loads the machine.
+//! machine slows both alike. Every run also checks each key's admissions against its bucket's
+//! envelope. Runs in the nextest `serial` group: it loads the machine.
 
 use crate::common;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -60,6 +62,8 @@ struct Counts {
     decisions: u64,
     statements: u64,
     fallback: u64,
+    /// Keys that admitted more than their bucket's envelope over the run.
+    over: u64,
 }
 
 impl std::ops::AddAssign for Counts {
@@ -67,6 +71,7 @@ impl std::ops::AddAssign for Counts {
         self.decisions += other.decisions;
         self.statements += other.statements;
         self.fallback += other.fallback;
+        self.over += other.over;
     }
 }
 
@@ -77,7 +82,9 @@ impl Counts {
 }
 
 /// [`TASKS`] tasks, each with `in_flight` calls at a time, for [`RUN`] on keys `prefix:i`
-/// picked at random: the decisions, and the statements that reached the store meanwhile.
+/// picked at random: the decisions, the statements that reached the store meanwhile, and the
+/// keys that admitted more than `capacity + rate × (run + 1 s)` (the second covers the store's
+/// clock against this one's).
 async fn run(
     store: impl Store,
     plan: &Plan,
@@ -95,18 +102,22 @@ async fn run(
         let (limiter, plan, keys) = (limiter.clone(), Arc::clone(&plan), Arc::clone(&keys));
         handles.push(tokio::spawn(async move {
             let mut counts = Counts::default();
+            let mut admitted: HashMap<usize, u64> = HashMap::new();
             // xorshift64, seeded per caller: uniform keys without a generator crate.
             let mut x = 0x9e37_79b9_7f4a_7c15_u64 ^ (caller as u64 + 1).wrapping_mul(0x2545_f491);
             while origin.elapsed() < RUN {
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
-                let key = &keys[(x % keys.len() as u64) as usize];
+                let i = (x % keys.len() as u64) as usize;
                 let d = limiter
-                    .try_acquire_with(&plan, key, 1.0)
+                    .try_acquire_with(&plan, &keys[i], 1.0)
                     .await
                     .expect("decision");
                 counts.decisions += 1;
+                if d.allowed {
+                    *admitted.entry(i).or_default() += 1;
+                }
                 if matches!(d.decided_by, DecidedBy::Fallback(_)) {
                     if counts.fallback == 0 {
                         eprintln!("fallback: {d:?}");
@@ -114,13 +125,21 @@ async fn run(
                     counts.fallback += 1;
                 }
             }
-            counts
+            (counts, admitted)
         }));
     }
     let mut counts = Counts::default();
+    let mut admitted: HashMap<usize, u64> = HashMap::new();
     for h in handles {
-        counts += h.await.expect("task");
+        let (c, a) = h.await.expect("task");
+        counts += c;
+        for (i, n) in a {
+            *admitted.entry(i).or_default() += n;
+        }
     }
+    let bucket = plan.bucket();
+    let envelope = bucket.capacity().as_f64() + bucket.rate().as_f64() * (RUN.as_secs_f64() + 1.0);
+    counts.over = admitted.values().filter(|&&n| n as f64 > envelope).count() as u64;
     // Before the shutdown's give-backs.
     counts.statements = calls.load(Ordering::Relaxed);
     limiter.shutdown().await;
@@ -167,6 +186,7 @@ async fn compare(label: &str, plan: Plan, keys: usize, in_flight: usize) {
     // Over two shards, none. (One cluster alone, under this load, has sent a caller or a
     // few of some runs to the fallback, before this change as after: not what is compared.)
     assert_eq!(two.fallback, 0, "decisions by the fallback over two shards");
+    assert_eq!(one.over + two.over, 0, "keys over their bucket's envelope");
     assert!(
         one.decisions >= 1000 && two.decisions >= 1000,
         "too few decisions to compare: {one:?} {two:?}"
@@ -181,9 +201,8 @@ async fn compare(label: &str, plan: Plan, keys: usize, in_flight: usize) {
 /// H8: direct mode. 16 tasks with 4 calls in flight each over 2,000 keys: the coalescer fills
 /// each shard's statements as one cluster's (per part: its own slots, load, limit and gather
 /// window), so statements per decision over two shards stay within 1.5× one cluster's, with
-/// no decision by the fallback. (With one call per task, 16 callers in all, one cluster's
-/// statement carries nearly all of them while two shards' split them: no design reaches
-/// 1.5× there without making one shard wait for the other.)
+/// no decision by the fallback. (With one call per task, 16 callers in all, the shards take
+/// turns: H10.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h8_direct_statements_over_two_shards_are_as_full_as_one_clusters() {
     compare("h8", common::plan(100, 50.0), KEYS, 4).await;
@@ -205,4 +224,16 @@ async fn h9_leased_statements_over_two_shards_are_as_full_as_one_clusters() {
         )
         .with_fallback(FallbackSettings::new(FallbackMode::Deny));
     compare("h9", plan, LEASED_KEYS, 1).await;
+}
+
+/// H10: direct mode's closed loop, 16 tasks of one call each over 2,000 keys. One cluster's
+/// statement carries nearly every caller; two shards each with its own statement in flight
+/// would split them (three times one cluster's statements per decision). The shards take
+/// turns, a shard's statement held back while the other's runs, so each carries about two
+/// thirds of the callers: within 1.5× one cluster's statements per decision, no decision by
+/// the fallback, every key within its envelope. A bucket of 4 refilling 2 a second denies
+/// about half the calls (each key is called about 4 times a second).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h10_direct_single_calls_over_two_shards_take_turns() {
+    compare("h10", common::plan(4, 2.0), KEYS, 1).await;
 }

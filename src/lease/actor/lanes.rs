@@ -32,8 +32,15 @@ const REFILLS_IN_FLIGHT: usize = 4;
 
 /// The longest a lane that keeps up waits for another lane's refill ([`Lanes::held`]), in
 /// ns: where refills take longer (a slow store), waiting callers would wait out their
-/// `max_wait`, and the lanes no longer take turns.
-const MAX_TURN: u64 = 4_000_000;
+/// `max_wait`, and the lanes no longer take turns. A busy store's refills take a few
+/// milliseconds (the cores shared with the other partitions and the callers), and its lanes
+/// gain the most from taking turns: several such refill times.
+const MAX_TURN: u64 = 16_000_000;
+
+/// The longest the lanes wait, after a refill answered, for the callers it woke to ask again
+/// ([`Turn`]), in ns: the wait ends as soon as they have, so only callers slowed by busy cores
+/// make it this long.
+const MAX_TURN_GATHER: u64 = 4_000_000;
 
 /// A store statement of the actor in flight: it owns what it sends, and answers with a
 /// [`Done`].
@@ -126,6 +133,28 @@ pub(super) struct Lanes<'a> {
     /// When a lane held back for another lane's statement may go at the latest: the actor
     /// wakes then, if no answer came first.
     pub(super) held_until: Option<u64>,
+    /// Slots ever queued on a lane (wrapping): how many callers asked again since a refill
+    /// answered ([`Turn`]).
+    queued: u64,
+    /// After a refill answered on a store of several partitions: the lanes that keep up wait
+    /// for the callers it woke to ask again.
+    turn: Option<Turn>,
+}
+
+/// After a refill answers on a store of several partitions, the lanes that keep up hold their
+/// refills back until as many slots have been queued as it refilled (the callers it woke
+/// asking again, for their next keys), or half its statement time has passed (at most
+/// [`MAX_TURN_GATHER`]). Without it the lane whose turn came sent at once, before the callers
+/// came back, and they waited for that lane's next turn: its statement carried what came back
+/// during the other lane's statement, not what the answer woke too.
+#[derive(Clone, Copy)]
+struct Turn {
+    /// [`Lanes::queued`] when the refill answered.
+    from: u64,
+    /// The slots it refilled.
+    slots: u64,
+    /// When the wait ends at the latest (local monotonic ns).
+    until: u64,
 }
 
 /// The most slots [`Lanes`] remembers as given a second chance: 65,536 (about 1.5 MiB at most,
@@ -156,6 +185,13 @@ impl<'a> Lanes<'a> {
         };
         if l.refills > 0 || l.due.len() >= CHUNK {
             return false;
+        }
+        if let Some(turn) = self.turn
+            && now < turn.until
+            && self.queued.wrapping_sub(turn.from) < turn.slots
+        {
+            *until = Some(until.map_or(turn.until, |u| u.min(turn.until)));
+            return true;
         }
         let hold = self
             .took
@@ -202,6 +238,7 @@ impl<'a> Lanes<'a> {
         // Relaxed: the flag is the actor's own (set here, cleared when the slot leaves its lane).
         if !slot.hot().queued.swap(true, Ordering::Relaxed) {
             self.lanes.entry(lane).or_default().due.push_back(slot);
+            self.queued = self.queued.wrapping_add(1);
         }
     }
 
@@ -294,6 +331,12 @@ pub(super) fn dispatch<'a>(
         .map(|(&lane, l)| (l.started, lane))
         .collect();
     ready.sort_unstable();
+    if lanes
+        .turn
+        .is_some_and(|t| now >= t.until || lanes.queued.wrapping_sub(t.from) >= t.slots)
+    {
+        lanes.turn = None;
+    }
     let mut held_until = None;
     for (_, lane) in ready {
         if lanes.held(lane, now, &mut held_until) {
@@ -403,11 +446,20 @@ pub(super) fn finish(
 ) {
     if let Some(l) = lanes.lanes.get_mut(&done.lane) {
         match done.work {
-            Answered::Refill { took, .. } => {
+            Answered::Refill { took, ref asks, .. } => {
                 l.refills = l.refills.saturating_sub(1);
                 let took = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
                 let avg = lanes.took.entry(done.lane).or_insert(took);
                 *avg = *avg - *avg / 4 + took / 4;
+                let window = (*avg / 2).min(MAX_TURN_GATHER);
+                // Lanes take turns only on a store of several partitions.
+                if lanes.took.len() > 1 {
+                    lanes.turn = Some(Turn {
+                        from: lanes.queued,
+                        slots: asks.len() as u64,
+                        until: leases.now().saturating_add(window),
+                    });
+                }
             }
             Answered::Return { .. } => l.returning = false,
         }
@@ -515,5 +567,58 @@ mod tests {
         assert!(SlotRef::ptr_eq(&rest[0], &b) && SlotRef::ptr_eq(&rest[1], &a));
         assert!(lanes.take(0, CHUNK).is_empty());
         assert!(lanes.take(7, CHUNK).is_empty(), "a lane never used");
+    }
+
+    /// After a refill answered, a lane that keeps up waits for as many slots to be queued as
+    /// the refill carried (its callers asking again), or until the wait's end, whichever
+    /// comes first; a lane that fell behind does not wait.
+    #[test]
+    fn lanes_wait_for_the_callers_a_refill_woke() {
+        let slab = Slab::new(16);
+        let (a, b, c) = (
+            test_slot(&slab, "a"),
+            test_slot(&slab, "b"),
+            test_slot(&slab, "c"),
+        );
+        let mut lanes = Lanes::default();
+        lanes.queue(1, SlotRef::clone(&a));
+        lanes.turn = Some(Turn {
+            from: lanes.queued,
+            slots: 2,
+            until: 1_000,
+        });
+        let mut until = None;
+        assert!(lanes.held(1, 0, &mut until), "none of two came back");
+        assert_eq!(until, Some(1_000));
+        lanes.queue(1, SlotRef::clone(&b));
+        assert!(lanes.held(1, 999, &mut None), "one of two came back");
+        assert!(!lanes.held(1, 1_000, &mut None), "the wait is over");
+        lanes.queue(0, SlotRef::clone(&c));
+        assert!(!lanes.held(1, 0, &mut None), "both came back");
+        assert!(!lanes.held(0, 0, &mut None));
+    }
+
+    /// A lane that keeps up waits for another lane's refill in flight for two of its own
+    /// refill times from when that refill started, and never longer than [`MAX_TURN`].
+    #[test]
+    fn a_lane_waits_two_refill_times_for_another_and_never_past_the_bound() {
+        let slab = Slab::new(16);
+        let a = test_slot(&slab, "a");
+        for (took, end) in [(1_000_000, 2_000_000), (20_000_000, MAX_TURN)] {
+            let mut lanes = Lanes::default();
+            lanes.lanes.entry(0).or_default().refills = 1;
+            lanes.queue(1, SlotRef::clone(&a));
+            lanes.took.insert(1, took);
+            let mut until = None;
+            assert!(lanes.held(1, end - 1, &mut until), "refill time {took} ns");
+            assert_eq!(until, Some(end));
+            assert!(!lanes.held(1, end, &mut None), "refill time {took} ns");
+            lanes.lanes.entry(0).or_default().refills = 0;
+            assert!(
+                !lanes.held(1, 0, &mut None),
+                "nothing in flight to wait for"
+            );
+            a.hot().queued.store(false, Ordering::Relaxed);
+        }
     }
 }
