@@ -17,6 +17,7 @@
 //! `TOKENLEASE_BENCH_INTERLEAVED=1` it prints instead a table of the three set-ups measured in
 //! turn, round after round (the figures `benches/README.md` quotes): on a shared machine whose
 //! load drifts, set-ups measured side by side compare better than criterion's, minutes apart.
+//! `TOKENLEASE_BENCH_ONLY=<set-up>` with it times that set-up alone (for a profiler).
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -146,14 +147,22 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-/// The same three set-ups interleaved: `ROUNDS` rounds, each timing `PER_ROUND` requests of
-/// every set-up in turn, and each set-up's median round. On a shared machine whose load drifts
-/// over a criterion run, set-ups measured side by side compare better than set-ups measured
-/// minutes apart.
+/// The same set-ups interleaved: `ROUNDS` rounds, each timing `PER_ROUND` requests of every
+/// set-up in turn, and each set-up's median round, in this thread's CPU time where Linux gives
+/// it (else wall time). On a shared machine whose load drifts over a criterion run, set-ups
+/// measured side by side compare better than set-ups measured minutes apart, and CPU time
+/// leaves out the time other processes held the core.
 fn interleaved(runtime: &tokio::runtime::Runtime, apps: &[(&str, Router)]) {
     const ROUNDS: usize = 31;
     const PER_ROUND: usize = 20_000;
-    println!("\ninterleaved, median of {ROUNDS} rounds of {PER_ROUND} requests (ns per request):");
+    let clock = if thread_cpu_nanos().is_some() {
+        "this thread's CPU time"
+    } else {
+        "wall time"
+    };
+    println!(
+        "\ninterleaved, median of {ROUNDS} rounds of {PER_ROUND} requests (ns per request, {clock}):"
+    );
     println!(
         "| ids | {} |",
         apps.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(" | ")
@@ -164,6 +173,7 @@ fn interleaved(runtime: &tokio::runtime::Runtime, apps: &[(&str, Router)]) {
         for _ in 0..ROUNDS {
             for (k, (_, app)) in apps.iter().enumerate() {
                 let start = std::time::Instant::now();
+                let cpu_start = thread_cpu_nanos();
                 runtime.block_on(async {
                     for i in 0..PER_ROUND {
                         let req = Request::get(paths[i % ids].as_str())
@@ -172,7 +182,11 @@ fn interleaved(runtime: &tokio::runtime::Runtime, apps: &[(&str, Router)]) {
                         black_box(app.clone().oneshot(req).await.unwrap().status());
                     }
                 });
-                rounds[k].push(start.elapsed().as_nanos() as f64 / PER_ROUND as f64);
+                let spent = match (cpu_start, thread_cpu_nanos()) {
+                    (Some(a), Some(b)) => b.saturating_sub(a) as f64,
+                    _ => start.elapsed().as_nanos() as f64,
+                };
+                rounds[k].push(spent / PER_ROUND as f64);
             }
         }
         let medians: Vec<String> = rounds
@@ -186,6 +200,14 @@ fn interleaved(runtime: &tokio::runtime::Runtime, apps: &[(&str, Router)]) {
     }
 }
 
+/// The CPU time this thread has run, in nanoseconds (Linux's `/proc/thread-self/schedstat`),
+/// or `None` elsewhere: on a shared machine, the time other processes hold the core is left
+/// out, which wall time counts.
+fn thread_cpu_nanos() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    stat.split_whitespace().next()?.parse().ok()
+}
+
 fn main() {
     if std::env::var_os("TOKENLEASE_BENCH_INTERLEAVED").is_some() {
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -193,12 +215,16 @@ fn main() {
             .build()
             .expect("a runtime");
         let (ours, _limiter) = runtime.block_on(async { tokenlease() });
-        let apps = [
+        let only = std::env::var("TOKENLEASE_BENCH_ONLY").ok();
+        let apps: Vec<_> = [
             ("bare", route()),
             ("governor_1_limit", governor()),
             ("governor_1_limit_headers", governor_with_headers()),
             ("tokenlease_2_limits", ours),
-        ];
+        ]
+        .into_iter()
+        .filter(|(name, _)| only.as_deref().is_none_or(|o| o == *name))
+        .collect();
         // Every id of both counts once before timing.
         runtime.block_on(async {
             for (_, app) in &apps {

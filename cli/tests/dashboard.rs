@@ -1,6 +1,7 @@
 //! M2 (docs/testing.md): the demo's live dashboard in a real browser. `tokenlease demo` under
 //! traffic, its `/dashboard` page loaded by headless Chromium, and the DOM the page's script
-//! rendered read back: the figures are there, live, and not zero.
+//! rendered read back: the figures are there, live, and not zero, for every limit of every
+//! route (the customer budget too).
 //!
 //! Needs Debian's `chromium`; without it the test says so and passes, unless `CI` is set.
 //! With `TOKENLEASE_DASHBOARD_SCREENSHOT=path.png` it also saves a screenshot of the page after
@@ -10,9 +11,11 @@ use crate::live_demo;
 
 use std::path::Path;
 use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use live_demo::{Demo, Traffic, outside_program, request, run_with_deadline, tail};
+use live_demo::{Demo, Traffic, exchange_with, outside_program, request, run_with_deadline, tail};
 
 /// Chromium without anything that reaches outside this machine, in a fresh profile; the page
 /// is given `budget_ms` of virtual time (the page asks the demo for a sample after each answer,
@@ -112,6 +115,39 @@ fn m2_the_dashboard_shows_live_non_zero_figures_in_headless_chromium() {
 
     let traffic = Traffic::start(&addr);
     traffic.wait_for_both(20);
+    // One customer reading a new booking every 20 ms: past its budget (30 a minute) the
+    // `customer` limit, listed after `api` and `entity`, denies it (then from memory, before
+    // the route's other limits). The page is loaded once it has.
+    let customer = {
+        let (stop, addr) = (Arc::new(AtomicBool::new(false)), addr.clone());
+        let denied = Arc::new(AtomicU64::new(0));
+        let (flag, count) = (Arc::clone(&stop), Arc::clone(&denied));
+        let thread = std::thread::spawn(move || {
+            let mut i = 0u32;
+            while !flag.load(Ordering::Relaxed) {
+                i += 1;
+                let path = format!("/bookings/customer-{i}");
+                let reply = exchange_with(&addr, "GET", &path, &[("X-Customer-Id", "dashboard")]);
+                if reply
+                    .is_some_and(|r| r.status == 429 && r.body.contains("\"limit\":\"customer\""))
+                {
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+                // sleep: pacing, a request every 20 ms.
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let waited = Instant::now();
+        while denied.load(Ordering::Relaxed) == 0 {
+            assert!(
+                waited.elapsed() < Duration::from_secs(60),
+                "the customer was never denied by its budget"
+            );
+            // sleep: polling the customer thread's count.
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        (stop, thread)
+    };
 
     let dir = tempfile::tempdir().expect("a temp dir");
     // About 8 samples, 8 s of real time.
@@ -169,6 +205,10 @@ fn m2_the_dashboard_shows_live_non_zero_figures_in_headless_chromium() {
         ("GET /bookings/{bookingId}", "entity"),
         ("POST /bookings/{bookingId}/automate/internal", "api"),
         ("POST /bookings/{bookingId}/automate/internal", "entity"),
+        // The customer budget every route lists, from the layer's `layer` label.
+        ("GET /bookings", "customer"),
+        ("GET /bookings/{bookingId}", "customer"),
+        ("POST /bookings/{bookingId}/automate/internal", "customer"),
     ] {
         assert!(layers.contains(&expected), "{expected:?} in {layers:?}");
     }
@@ -179,6 +219,14 @@ fn m2_the_dashboard_shows_live_non_zero_figures_in_headless_chromium() {
     assert!(
         entity_denied.is_some_and(|d| d > 0.0),
         "the hammered booking's denials: {rows:?}"
+    );
+    let customer_denied = rows
+        .iter()
+        .find(|(r, l, ..)| r == "GET /bookings/{bookingId}" && l == "customer")
+        .and_then(|row| row.3);
+    assert!(
+        customer_denied.is_some_and(|d| d > 0.0),
+        "the customer past its budget: {rows:?}"
     );
     assert!(
         rows.iter().any(|row| row.2.is_some_and(|a| a > 0.0)),
@@ -191,6 +239,7 @@ fn m2_the_dashboard_shows_live_non_zero_figures_in_headless_chromium() {
         "bookings-list",
         "bookings-read",
         "list-per-client",
+        "per-customer",
     ] {
         assert!(
             dom.contains(&format!("<tr data-plan=\"{plan}\"")),
@@ -214,6 +263,8 @@ fn m2_the_dashboard_shows_live_non_zero_figures_in_headless_chromium() {
         println!("screenshot: {}", path.display());
     }
 
+    customer.0.store(true, Ordering::Relaxed);
+    let _ = customer.1.join();
     drop(traffic);
     let status = demo.stop();
     assert!(status.success(), "the demo exited with {status}");

@@ -6,6 +6,7 @@
 //! plan resolved when the layer was built). A limit that needs the store (a direct-mode plan,
 //! a lease to refill) hands the rest to [`finish`], which awaits.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
@@ -23,7 +24,7 @@ use super::fields;
 use super::headers::{Report, malformed_problem, problem, retry_after_secs};
 use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
 use super::refund::{give_back, give_back_detached};
-use super::route::{Config, Limit, RouteLimits, Routes, Scope};
+use super::route::{Config, Limit, RouteLimits, RouteTable, Routes, Scope};
 use crate::bucket::Tokens;
 use crate::error::validate_key;
 use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_WOULD_DENY};
@@ -191,9 +192,17 @@ fn route_of(config: &Config, parts: &Parts) -> Option<(Arc<RouteLimits>, Option<
             Some((Arc::clone(limits), Some(pattern.to_owned())))
         }
         Routes::Table(cell) => {
-            let table = cell.read();
-            let found = matched.and_then(|matched| {
-                table.lookup(&parts.method, matched, |table| {
+            let unmatched = |table: &RouteTable| {
+                super::unmatched::unmatched(&table.all, parts, matched);
+            };
+            let Some(matched) = matched else {
+                cell.with(unmatched);
+                return None;
+            };
+            let found = cell.lookup(
+                &parts.method,
+                matched,
+                |table| {
                     let shape = route_shape(matched)?;
                     // A route listed for the method itself first (a file may list HEAD on
                     // its own), then, for HEAD, the GET route whose handler answers it.
@@ -208,15 +217,10 @@ fn route_of(config: &Config, parts: &Parts) -> Option<(Arc<RouteLimits>, Option<
                                 .flatten()
                         })
                         .cloned()
-                })
-            });
-            match found {
-                Some(limits) => Some((limits, None)),
-                None => {
-                    super::unmatched::unmatched(&table.all, parts, matched);
-                    None
-                }
-            }
+                },
+                unmatched,
+            );
+            found.map(|limits| (limits, None))
         }
     }
 }
@@ -271,16 +275,23 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
                 param,
                 segment,
             } => {
-                let id = match (key.path_param_name(), segment, &params) {
-                    (Some(name), Some(at), _) => segment_id(parts, *at, name),
-                    (Some(name), None, _) => {
-                        // A file route's parameter that is not a whole segment: read once.
-                        let params = params
-                            .get_or_insert_with(|| Params::of(parts, progress.router_pattern()));
-                        params.get(*param, name).transpose()
-                    }
-                    _ => key.extract(parts, &[], &config.trusted),
-                };
+                let id: Result<Option<Cow<'_, str>>, MalformedId> =
+                    match (key.path_param_name(), segment, &params) {
+                        (Some(name), Some(at), _) => segment_id(parts, *at, name),
+                        (Some(name), None, _) => {
+                            // A file route's parameter that is not a whole segment: read once.
+                            let params = params.get_or_insert_with(|| {
+                                Params::of(parts, progress.router_pattern())
+                            });
+                            params
+                                .get(*param, name)
+                                .transpose()
+                                .map(|id| id.map(Cow::Owned))
+                        }
+                        _ => key
+                            .extract(parts, &[], &config.trusted)
+                            .map(|id| id.map(Cow::Owned)),
+                    };
                 match id {
                     Ok(Some(id)) if !id.is_empty() => KeyOf::Owned(match &limit.key {
                         Some(prefix) => hashed_key(prefix, &id),
@@ -430,19 +441,42 @@ fn dynamic_key(limit: &Limit, endpoint: &str, id: Option<&str>) -> String {
 /// The id in segment `at` of the request's path (the whole path as the client sent it, which
 /// the router matched against the route's full pattern), percent-decoded; `None` when the
 /// path has no such segment.
-fn segment_id(parts: &Parts, at: usize, name: &str) -> Result<Option<String>, MalformedId> {
+fn segment_id<'a>(
+    parts: &'a Parts,
+    at: usize,
+    name: &str,
+) -> Result<Option<Cow<'a, str>>, MalformedId> {
     let path = match parts.extensions.get::<OriginalUri>() {
         Some(OriginalUri(uri)) => uri.path(),
         None => parts.uri.path(),
     };
-    let Some(raw) = path.trim_start_matches('/').split('/').nth(at) else {
+    // The segment after the `at`-th slash (past the leading ones), in one pass over the bytes
+    // that also notes a `%`: what `split('/').nth(at)` gives.
+    let bytes = path.as_bytes();
+    let mut start = bytes.iter().position(|&b| b != b'/').unwrap_or(bytes.len());
+    let (mut seen, mut end, mut escaped) = (0, start, false);
+    while end < bytes.len() {
+        match bytes[end] {
+            b'/' if seen == at => break,
+            b'/' => {
+                seen += 1;
+                start = end + 1;
+                escaped = false;
+            }
+            b'%' => escaped = true,
+            _ => {}
+        }
+        end += 1;
+    }
+    if seen != at {
         return Ok(None);
-    };
-    if !raw.contains('%') {
-        return Ok(Some(raw.to_owned()));
+    }
+    let raw = &path[start..end];
+    if !escaped {
+        return Ok(Some(Cow::Borrowed(raw)));
     }
     percent_decode(raw)
-        .map(Some)
+        .map(|id| Some(Cow::Owned(id)))
         .ok_or_else(|| MalformedId::PathNotUtf8 {
             name: Some(name.to_owned()),
         })
@@ -613,6 +647,42 @@ fn deny(i: usize, decision: &Decision, progress: &Progress) -> Response<String> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The id's segment is what `split('/').nth(at)` gives past the leading slashes, borrowed
+    /// unless it holds a `%`, decoded then.
+    #[test]
+    fn segment_ids_are_the_split_segments() {
+        let paths = [
+            "/bookings/1",
+            "/bookings/12/rooms/7",
+            "//bookings/x",
+            "/bookings/",
+            "/bookings",
+            "/",
+            "/a%2Fb/c%20d/e",
+            "/bookings/%E2%9C%93",
+        ];
+        for path in paths {
+            let (parts, ()) = axum::http::Request::get(path)
+                .body(())
+                .unwrap()
+                .into_parts();
+            for at in 0..5 {
+                let split = path.trim_start_matches('/').split('/').nth(at);
+                let expected = split.map(|raw| percent_decode(raw).unwrap());
+                let got = segment_id(&parts, at, "id").unwrap();
+                assert_eq!(got.as_deref(), expected.as_deref(), "{path} {at}");
+                if let (Some(got), Some(raw)) = (&got, split) {
+                    assert_eq!(matches!(got, Cow::Borrowed(_)), !raw.contains('%'));
+                }
+            }
+        }
+        let (parts, ()) = axum::http::Request::get("/bookings/%FF")
+            .body(())
+            .unwrap()
+            .into_parts();
+        assert!(segment_id(&parts, 1, "id").is_err());
+    }
 
     #[test]
     fn entity_keys_hash_ids_the_store_would_refuse() {

@@ -52,6 +52,22 @@ fn seconds_up(secs: f64) -> u64 {
     }
 }
 
+/// Seconds to refill `missing` tokens, rounded up as [`seconds_up`] does: in whole numbers
+/// (attotokens over nanotokens per second is nanoseconds), no floating point per request.
+fn refill_secs(missing: Tokens, plan: &Plan) -> u64 {
+    let rate = u128::from(plan.rate().as_nanos_per_second());
+    if missing == Tokens::ZERO || rate == 0 {
+        return 0;
+    }
+    let nanos = missing.as_atto() / rate;
+    let secs = u64::try_from(nanos / 1_000_000_000).map_or(MAX_SECS, |s| s.min(MAX_SECS));
+    let sub = (nanos % 1_000_000_000) as u32;
+    ceil_secs(Duration::new(secs, sub).saturating_sub(ROUNDING_SLACK))
+}
+
+/// The most seconds [`refill_secs`] reports, as [`seconds_up`].
+const MAX_SECS: u64 = 1_000_000_000_000;
+
 /// A limit's window: seconds to refill it from empty, rounded up, at least 1.
 fn window_secs(limit: &crate::bucket::BucketConfig) -> u64 {
     seconds_up(limit.capacity().as_f64() / limit.rate().as_f64()).max(1)
@@ -97,8 +113,7 @@ impl Report {
     pub(crate) fn allowed(limit: usize, plan: &Plan, remaining: Option<Tokens>) -> Report {
         let remaining = remaining.map(|r| std::cmp::min(r, plan.capacity()));
         let t = remaining.map_or(0, |remaining| {
-            let missing = plan.capacity().saturating_sub(remaining);
-            seconds_up(missing.as_f64() / plan.rate().as_f64())
+            refill_secs(plan.capacity().saturating_sub(remaining), plan)
         });
         Report {
             limit,

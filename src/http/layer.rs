@@ -6,12 +6,11 @@ use std::sync::Arc;
 use tower::Layer;
 
 use super::key::{EntityKey, TrustedProxies};
-use super::route::{Config, FileRoute, LimitSpec, RouteLimits, RouteTable, Routes};
+use super::route::{Config, FileRoute, LimitSpec, RouteLimits, RouteTable, Routes, TableCell};
 use super::service::RateLimit;
 use crate::policy::error::RouteConfigError;
 use crate::policy::{EntitySource, Plan, Policies, RouteShadow, route_pattern_error, route_shape};
 use crate::{Limiter, ReloadError};
-use parking_lot::RwLock;
 
 /// A tower [`Layer`] that rate-limits every route of a policy file with the limits the route
 /// lists, checked in order: buckets for the whole endpoint, per entity of the endpoint, and
@@ -78,7 +77,7 @@ impl RateLimitLayer {
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 limiter,
-                routes: Routes::Table(Arc::new(RwLock::new(Arc::new(table)))),
+                routes: Routes::Table(Arc::new(TableCell::new(table))),
                 trusted: TrustedProxies::none(),
                 give_backs: Arc::default(),
             }),
@@ -110,7 +109,7 @@ impl RateLimitLayer {
             return Err(e.into());
         }
         let policies = self.config.limiter.reload(policies)?;
-        *cell.write() = Arc::new(route_table(&policies, &self.config.limiter)?);
+        cell.swap(route_table(&policies, &self.config.limiter)?);
         Ok(())
     }
 }

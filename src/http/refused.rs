@@ -6,6 +6,7 @@
 //! refused key. A lease already does this for its key (its `deny_until`); this does it for
 //! direct-mode plans, whose every call is otherwise a statement.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -18,13 +19,17 @@ const MAX_REFUSED: usize = 10_000;
 #[derive(Debug, Default)]
 pub(crate) struct Refused {
     keys: papaya::HashMap<Box<str>, Instant>,
+    /// Whether a key was ever remembered: a limit that never refused anything (most, on the
+    /// leased plans whose leases remember their own refusals) is answered by one load, not by
+    /// the map's count.
+    ever: AtomicBool,
 }
 
 impl Refused {
     /// How long `key` stays refused after `now`, if it is remembered as refused then.
     #[inline]
     pub(crate) fn until(&self, key: &str, now: impl FnOnce() -> Instant) -> Option<Duration> {
-        if self.keys.is_empty() {
+        if self.is_empty() {
             return None;
         }
         let keys = self.keys.pin();
@@ -47,12 +52,13 @@ impl Refused {
                 return;
             }
         }
+        self.ever.store(true, Ordering::Relaxed);
         keys.insert(Box::from(key), until);
     }
 
     /// Whether nothing is remembered.
     #[inline]
     pub(crate) fn is_empty(&self) -> bool {
-        self.keys.is_empty()
+        !self.ever.load(Ordering::Relaxed) || self.keys.is_empty()
     }
 }

@@ -6,11 +6,11 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use axum::http::{HeaderName, HeaderValue, Method};
 use metrics::Counter;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 
 use super::headers::policy_item;
 use super::key::{EntityKey, TrustedProxies};
@@ -37,9 +37,9 @@ pub(crate) enum Routes {
     /// in axum's `MatchedPath`, so parameter names need not agree), and every route in file
     /// order for finding the route a request that matched none should have matched.
     ///
-    /// Behind a lock so that [`RateLimitLayer::reload`](super::RateLimitLayer::reload) swaps
-    /// the whole table at once: a request holds the read lock only while it looks its route up.
-    Table(Arc<RwLock<Arc<RouteTable>>>),
+    /// Swapped whole by [`RateLimitLayer::reload`](super::RateLimitLayer::reload); a request
+    /// reads its route without a lock once its pattern has been seen ([`TableCell`]).
+    Table(Arc<TableCell>),
     /// One route's limits, for every request the layer sees.
     One(Arc<RouteLimits>),
 }
@@ -55,13 +55,33 @@ pub(crate) struct RouteTable {
     pub(crate) by_shape: HashMap<String, Arc<RouteLimits>>,
     /// In file order.
     pub(crate) all: Vec<Arc<RouteLimits>>,
-    /// The route found for each router pattern (axum's `MatchedPath`) per standard method
-    /// ([`method_slot`]), or `None` for a pattern of no route: a request's lookup after the
-    /// first of its pattern reads no shape and builds no string.
-    seen: [papaya::HashMap<Box<str>, Option<Arc<RouteLimits>>>; 9],
 }
 
-/// The slot of a standard method in [`RouteTable::seen`]; `None` for any other.
+/// The route table a layer reads, and the route found for each router pattern (axum's
+/// `MatchedPath`) per standard method ([`method_slot`]), or `None` for a pattern of no route.
+///
+/// A request whose pattern was seen under the current table reads its route from `seen`
+/// alone: no lock (whose count every core would share), no shape, no string built. Each entry
+/// carries the generation of the table it was found in; a reload swaps the table and moves to
+/// the next generation under the write lock, so an entry of an older table is a miss, looked
+/// up again under the read lock (and replaced) like a pattern never seen.
+#[derive(Debug)]
+pub(crate) struct TableCell {
+    table: RwLock<Arc<RouteTable>>,
+    /// Changed only under `table`'s write lock.
+    generation: AtomicU64,
+    /// Hashed with foldhash, seeded per process: SipHash cost more than the rest of a hit.
+    seen: [papaya::HashMap<Box<str>, Seen, foldhash::fast::RandomState>; 9],
+}
+
+/// A pattern's route as found under one generation of the table.
+#[derive(Debug)]
+struct Seen {
+    generation: u64,
+    found: Option<Arc<RouteLimits>>,
+}
+
+/// The slot of a standard method in [`TableCell::seen`]; `None` for any other.
 fn method_slot(method: &Method) -> Option<usize> {
     Some(match *method {
         Method::GET => 0,
@@ -82,31 +102,73 @@ impl RouteTable {
         by_shape: HashMap<String, Arc<RouteLimits>>,
         all: Vec<Arc<RouteLimits>>,
     ) -> Self {
-        RouteTable {
-            by_shape,
-            all,
-            seen: std::array::from_fn(|_| papaya::HashMap::new()),
+        RouteTable { by_shape, all }
+    }
+}
+
+impl TableCell {
+    pub(crate) fn new(table: RouteTable) -> Self {
+        TableCell {
+            table: RwLock::new(Arc::new(table)),
+            generation: AtomicU64::new(0),
+            seen: std::array::from_fn(|_| papaya::HashMap::default()),
         }
     }
 
+    /// Puts `table` in place of the current one, for every request that looks its route up
+    /// from now on.
+    pub(crate) fn swap(&self, table: RouteTable) {
+        let mut current = self.table.write();
+        *current = Arc::new(table);
+        self.generation.fetch_add(1, Ordering::Release);
+    }
+
+    /// Runs `f` on the current table, under the read lock.
+    pub(crate) fn with<T>(&self, f: impl FnOnce(&RouteTable) -> T) -> T {
+        f(&self.table.read())
+    }
+
     /// The route of a request with `method` that the router matched as `matched`: read from
-    /// what earlier requests found, or found by shape (`find`) and remembered.
+    /// what earlier requests found under the current table, or found by shape (`find`) and
+    /// remembered. When there is none, `none` runs on the table the lookup used.
     pub(crate) fn lookup(
         &self,
         method: &Method,
         matched: &str,
-        find: impl FnOnce(&Self) -> Option<Arc<RouteLimits>>,
+        find: impl FnOnce(&RouteTable) -> Option<Arc<RouteLimits>>,
+        none: impl FnOnce(&RouteTable),
     ) -> Option<Arc<RouteLimits>> {
         let Some(slot) = method_slot(method) else {
-            return find(self);
+            let table = self.table.read();
+            let found = find(&table);
+            if found.is_none() {
+                none(&table);
+            }
+            return found;
         };
         let seen = self.seen[slot].pin();
-        if let Some(found) = seen.get(matched) {
-            return found.clone();
+        let generation = self.generation.load(Ordering::Acquire);
+        if let Some(s) = seen.get(matched)
+            && s.generation == generation
+        {
+            return match &s.found {
+                Some(found) => Some(Arc::clone(found)),
+                None => {
+                    none(&self.table.read());
+                    None
+                }
+            };
         }
-        let found = find(self);
-        if seen.len() < MAX_SEEN {
-            seen.insert(Box::from(matched), found.clone());
+        let table = self.table.read();
+        // Under the read lock the generation is the table's.
+        let generation = self.generation.load(Ordering::Acquire);
+        let found = find(&table);
+        if seen.len() < MAX_SEEN || seen.contains_key(matched) {
+            let found = found.clone();
+            seen.insert(Box::from(matched), Seen { generation, found });
+        }
+        if found.is_none() {
+            none(&table);
         }
         found
     }
@@ -169,6 +231,62 @@ impl FileRoute {
     }
 }
 
+/// A route's `RateLimit-Policy` value, made from a `'static` string: a response clones it
+/// for free, where a value made from a `String` costs two atomic operations per response, on
+/// a count every core shares. Kept for the life of the process, once each (a reload that
+/// changes no plan makes none), up to a bound past which values cost as before.
+fn policy_value(items: String) -> HeaderValue {
+    const MAX_KEPT_VALUES: usize = 1024;
+    static KEPT: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+    let Ok(valid) = HeaderValue::try_from(items.as_str()) else {
+        return HeaderValue::from_static("");
+    };
+    // Only a valid, ASCII value goes on: `from_static` would panic on any other (a value may
+    // hold other UTF-8 bytes, which `try_from` takes).
+    if !items.is_ascii() {
+        return valid;
+    }
+    let mut kept = KEPT.lock();
+    let value: &'static str = match kept.iter().find(|k| **k == items) {
+        Some(k) => k,
+        None if kept.len() >= MAX_KEPT_VALUES => return valid,
+        None => {
+            let k: &'static str = Box::leak(items.into_boxed_str());
+            kept.push(k);
+            k
+        }
+    };
+    HeaderValue::from_static(value)
+}
+
+/// `X-RateLimit-{name}-Remaining`, as a name made from a `'static` string: a response clones
+/// it for free (a name made from a `String` costs two atomic operations per response, on a
+/// count every core shares). Names other than `api` and `entity` are kept for the life of the
+/// process, once each, however often a route naming them is built: a policy file holds a few.
+fn remaining_name(name: &str) -> HeaderName {
+    const MAX_KEPT_NAMES: usize = 1024;
+    static KEPT: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+    let fallback = || HeaderName::from_static("x-ratelimit-remaining");
+    let lower = format!("x-ratelimit-{}-remaining", name.to_ascii_lowercase());
+    // Only a valid, lower-case name goes on: `from_static` would panic on any other.
+    let valid = match HeaderName::try_from(lower.as_str()) {
+        Ok(valid) if valid.as_str() == lower => valid,
+        _ => return fallback(),
+    };
+    let mut kept = KEPT.lock();
+    let name: &'static str = match kept.iter().find(|k| **k == lower) {
+        Some(k) => k,
+        // Bounded all the same, should names keep changing: past it, names cost as before.
+        None if kept.len() >= MAX_KEPT_NAMES => return valid,
+        None => {
+            let k: &'static str = Box::leak(lower.into_boxed_str());
+            kept.push(k);
+            k
+        }
+    };
+    HeaderName::from_static(name)
+}
+
 /// What a limit keeps one bucket per.
 #[derive(Clone, Debug)]
 pub(crate) enum Scope {
@@ -199,6 +317,8 @@ pub(crate) struct LimitCounters {
 pub(crate) struct Limit {
     /// Its name in the header fields, the problem body and the metrics.
     pub(crate) name: Arc<str>,
+    /// The start of its `RateLimit` item, `"name";r=`, made once.
+    pub(crate) item: Box<[u8]>,
     /// The plan of its buckets: the limiter's own `Arc` when its policies hold the plan, or a
     /// shadow limit's twin.
     pub(crate) plan: Arc<Plan>,
@@ -324,11 +444,7 @@ impl RouteLimits {
                     labels(&f.method, &f.path, Some(&name))
                 )),
             });
-            let remaining = HeaderName::try_from(format!(
-                "x-ratelimit-{}-remaining",
-                name.to_ascii_lowercase()
-            ))
-            .unwrap_or(HeaderName::from_static("x-ratelimit-remaining"));
+            let remaining = remaining_name(&name);
             let segment = match (&spec.entity, &file) {
                 (Some(key), Some(file)) => key.path_param_name().and_then(|name| {
                     let whole = format!("{{{name}}}");
@@ -347,7 +463,9 @@ impl RouteLimits {
                     segment,
                 },
             };
+            let item = format!("\"{name}\";r=").into_bytes().into_boxed_slice();
             limits.push(Limit {
+                item,
                 name,
                 plan,
                 index,
@@ -360,8 +478,7 @@ impl RouteLimits {
                 refused: Arc::new(Refused::default()),
             });
         }
-        let policy = HeaderValue::try_from(items.join(", "))
-            .unwrap_or_else(|_| HeaderValue::from_static(""));
+        let policy = policy_value(items.join(", "));
         RouteLimits {
             limits,
             pattern,
