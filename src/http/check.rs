@@ -134,7 +134,7 @@ impl Progress {
         let plan = &self.limits.limits[i].plan;
         if back && let Some(report) = self.reports.iter_mut().find(|r| r.limit == i) {
             let more = report.remaining.map(|r| Tokens::whole(r.saturating_add(1)));
-            *report = Report::allowed(i, plan, more);
+            *report = Report::allowed(i, plan, more, None);
         }
     }
 }
@@ -336,7 +336,7 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
             Ok(Some(d)) => {
                 progress
                     .reports
-                    .push(Report::allowed(i, &limit.plan, d.remaining));
+                    .push(Report::allowed(i, &limit.plan, d.remaining, d.reset_after));
                 progress.taken.push((i as u16, givable(&d)));
                 progress.next += 1;
             }
@@ -362,7 +362,7 @@ pub(crate) async fn finish(config: &Config, mut progress: Progress) -> Outcome {
             Ok(d) if d.allowed && !d.would_deny => {
                 progress
                     .reports
-                    .push(Report::allowed(i, &limit.plan, d.remaining));
+                    .push(Report::allowed(i, &limit.plan, d.remaining, d.reset_after));
                 progress.taken.push((i as u16, givable(&d)));
             }
             // A shadow limit or plan: the denial is reported and counted, and the request goes

@@ -261,7 +261,7 @@ mod tests {
         let limits = two_limits(&p);
         let mut h = HeaderMap::new();
         let reports = [
-            Report::allowed(0, &p, Some(Tokens::whole(208))),
+            Report::allowed(0, &p, Some(Tokens::whole(208)), None),
             Report::denied(1, &p, Some(Tokens::whole(201)), Duration::from_millis(1500)),
         ];
         write(&mut h, &limits, &reports);
@@ -282,8 +282,8 @@ mod tests {
         let limits = two_limits(&p);
         let mut h = HeaderMap::new();
         let reports = [
-            Report::allowed(0, &p, Some(Tokens::whole(7_999_999_999))),
-            Report::allowed(1, &p, Some(Tokens::whole(4096))),
+            Report::allowed(0, &p, Some(Tokens::whole(7_999_999_999)), None),
+            Report::allowed(1, &p, Some(Tokens::whole(4096)), None),
         ];
         write(&mut h, &limits, &reports);
         // One token short at a billion a second is full within the rounding slack: t=0.
@@ -328,7 +328,7 @@ mod tests {
         write(
             &mut h,
             &limits,
-            &[Report::allowed(0, &p, Some(Tokens::whole(5)))],
+            &[Report::allowed(0, &p, Some(Tokens::whole(5)), None)],
         );
         assert_eq!(
             h[RATELIMIT_POLICY],

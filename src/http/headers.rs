@@ -54,8 +54,8 @@ fn seconds_up(secs: f64) -> u64 {
 
 /// Seconds to refill `missing` tokens, rounded up as [`seconds_up`] does: in whole numbers
 /// (attotokens over nanotokens per second is nanoseconds), no floating point per request.
-fn refill_secs(missing: Tokens, plan: &Plan) -> u64 {
-    let rate = u128::from(plan.rate().as_nanos_per_second());
+fn refill_secs(missing: Tokens, rate: crate::bucket::Rate) -> u64 {
+    let rate = u128::from(rate.as_nanos_per_second());
     if missing == Tokens::ZERO || rate == 0 {
         return 0;
     }
@@ -110,10 +110,31 @@ impl Report {
     /// The report of an allowed (or refunded) take: `t` is the time to refill to full.
     /// `remaining` is reported at most at the plan's capacity (a lease's estimate can add up
     /// to more).
-    pub(crate) fn allowed(limit: usize, plan: &Plan, remaining: Option<Tokens>) -> Report {
+    ///
+    /// For a plan of several limits `remaining` is the binding limit's (the fewest tokens of
+    /// any), so `t` is the time until every limit is full: the store's `reset_after` when it
+    /// decided, exact; otherwise (a lease decided) the longest any limit takes to fill from
+    /// `remaining`, a bound that may overstate the wait but never reports the fast limit's
+    /// second while a daily one is nearly spent.
+    pub(crate) fn allowed(
+        limit: usize,
+        plan: &Plan,
+        remaining: Option<Tokens>,
+        reset_after: Option<Duration>,
+    ) -> Report {
         let remaining = remaining.map(|r| std::cmp::min(r, plan.capacity()));
         let t = remaining.map_or(0, |remaining| {
-            refill_secs(plan.capacity().saturating_sub(remaining), plan)
+            let limits = plan.bucket().limits();
+            if limits.len() == 1 {
+                return refill_secs(plan.capacity().saturating_sub(remaining), plan.rate());
+            }
+            match reset_after {
+                Some(reset) => ceil_secs(reset.saturating_sub(ROUNDING_SLACK)),
+                None => limits
+                    .map(|l| refill_secs(l.capacity().saturating_sub(remaining), l.rate()))
+                    .max()
+                    .unwrap_or(0),
+            }
         });
         Report {
             limit,
@@ -249,8 +270,32 @@ mod tests {
     #[test]
     fn allowed_report_counts_seconds_to_full() {
         let p = plan(100, 50.0);
-        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(100))).t, 0);
-        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(99))).t, 1);
-        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(0))).t, 2);
+        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(100)), None).t, 0);
+        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(99)), None).t, 1);
+        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(0)), None).t, 2);
+    }
+
+    /// A plan of several limits (5 a second, burst 5, and 20 an hour): `t` is the time until
+    /// every limit is full, the store's `reset_after` when it gives one, else the longest any
+    /// limit takes from the binding limit's `remaining` (the hourly one's 20 tokens in 3,600 s),
+    /// never the fast limit's second alone.
+    #[test]
+    fn allowed_report_of_several_limits_waits_for_the_slowest() {
+        let p = Plan::builder("p")
+            .per_second(5)
+            .per_hour(20)
+            .build()
+            .expect("plan");
+        let from_lease = Report::allowed(0, &p, Some(Tokens::whole(0)), None);
+        assert_eq!(from_lease.t, 3_600);
+        let from_store = Report::allowed(
+            0,
+            &p,
+            Some(Tokens::whole(3)),
+            Some(Duration::from_secs(180)),
+        );
+        assert_eq!((from_store.remaining, from_store.t), (Some(3), 180));
+        let full = Report::allowed(0, &p, Some(Tokens::whole(5)), Some(Duration::ZERO));
+        assert_eq!(full.t, 0);
     }
 }

@@ -275,7 +275,8 @@ const SEVERAL: &str = r#"{
 /// file's `limits`, the hour written first): every answer's `RateLimit-Policy` lists each limit
 /// with its own window (`"api";q=5;w=1, "api-2";q=20;w=3600`, then the entity's), allowed or
 /// refused; a refusal's `Retry-After` and `RateLimit` `t` are the binding limit's: 1 s while
-/// the second's binds, about 180 s once the hour's 20 are spent.
+/// the second's binds, about 180 s once the hour's 20 are spent; the admission that spent them
+/// reports `t` as the time until every limit is full again (about 3,600 s).
 #[tokio::test]
 async fn p8_ratelimit_policy_lists_each_limit_of_a_plan_with_its_window() {
     let policies = Policies::from_json_str(SEVERAL, None).unwrap();
@@ -310,15 +311,28 @@ async fn p8_ratelimit_policy_lists_each_limit_of_a_plan_with_its_window() {
     assert_eq!(body_json(r).await["limit"], "api");
     // Three more seconds give 15 more: the hour's 20 are spent.
     let mut admitted = 5;
+    let mut last_allowed = String::new();
     for second in 0..3 {
         clock.advance(1_000_000_000);
         for i in 0..6 {
             let r = send(&app, get_one(100 * second + i)).await;
             assert_eq!(header(&r, "ratelimit-policy"), Some(policy));
-            admitted += u32::from(r.status() == StatusCode::OK);
+            if r.status() == StatusCode::OK {
+                admitted += 1;
+                last_allowed = header(&r, "ratelimit").unwrap().to_owned();
+            }
         }
     }
     assert_eq!(admitted, 20);
+    // The last admission spent the hour's 20: its `t` is the time until every limit is full
+    // again (3,600 s less the 3 s gone), not the second's limit's one second.
+    let t: u64 = last_allowed
+        .split("\"api\";r=0;t=")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("the api item of {last_allowed}"));
+    assert!((3_590..=3_600).contains(&t), "{last_allowed}");
     clock.advance(1_000_000_000);
     let r = send(&app, get_one(999)).await;
     assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
