@@ -1,5 +1,5 @@
 //! A background worker whose jobs are limited per customer: each job waits for its customer's
-//! token with `acquire_until("jobs:customer:<id>", 1.0, deadline)` before it runs. A customer
+//! token with `acquire_until("jobs:customer:<id>", 1, deadline)` before it runs. A customer
 //! who queues a burst is slowed to its plan's rate, its jobs in the order they were queued; the
 //! other customers' jobs keep running in between, and no job waits past its deadline.
 //!
@@ -104,7 +104,7 @@ pub(crate) async fn run(url: &str) -> Result<Report, Box<dyn std::error::Error +
         for _ in 0..queued {
             // The job's place in its customer's line is taken here, in queue order, whenever
             // its task first runs.
-            let turn = limiter.acquire_until(&key, 1.0, Instant::now() + JOB_DEADLINE);
+            let turn = limiter.acquire_until(&key, 1, Instant::now() + JOB_DEADLINE);
             let report = Arc::clone(&report);
             jobs.spawn(async move {
                 match turn.await {

@@ -197,7 +197,7 @@ impl Limiter {
     /// use tokenlease::limiter::WaitError;
     ///
     /// let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    /// match limiter.acquire_until("jobs:customer:acme", 1.0, deadline).await {
+    /// match limiter.acquire_until("jobs:customer:acme", 1, deadline).await {
     ///     Ok(_decision) => { /* run the job */ }
     ///     Err(WaitError::DeadlinePassed { .. }) => { /* put it back on the queue */ }
     ///     Err(e) => return Err(e.into()),
@@ -223,9 +223,10 @@ impl Limiter {
     pub fn acquire_until(
         &self,
         key: &str,
-        cost: f64,
+        cost: impl Into<f64>,
         deadline: Instant,
     ) -> impl Future<Output = Result<Decision, WaitError>> + Send + 'static {
+        let cost = cost.into();
         let place = self.join_line(key, cost);
         async move { place?.wait(cost, deadline).await }
     }
