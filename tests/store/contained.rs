@@ -11,18 +11,17 @@
 //! never changes a whole-token outcome.
 
 use crate::common;
+use crate::subject::Subject;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
-use tokenlease::bucket::{BucketConfig, Rate, Timestamp, Tokens};
-use tokenlease::clock::ManualClock;
+use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::policy::{FallbackMode, FallbackSettings};
 use tokenlease::store::{
-    AcquireRequest, GiveBack, MemoryStore, PostgresStore, ShardedStore, Store, StoreError,
-    Unstorable,
+    AcquireRequest, GiveBack, PostgresStore, ShardedStore, Store, StoreError, Unstorable,
 };
 use tokenlease::{DecidedBy, Limiter};
 use tokenlease_testkit::{TempCitus, TestDatabase};
@@ -39,64 +38,6 @@ fn cfg(capacity: u64) -> BucketConfig {
 
 fn t(n: u64) -> Tokens {
     Tokens::whole(n)
-}
-
-/// A store under test, and how to move its time.
-struct Subject {
-    name: &'static str,
-    store: Arc<dyn Store>,
-    clock: Option<ManualClock>,
-    /// Sessions on each database holding the store's buckets (not the store's own).
-    tables: Vec<tokio_postgres::Client>,
-}
-
-impl Subject {
-    fn memory() -> Subject {
-        let clock = ManualClock::new(Timestamp::from_nanos(1_700_000_000_000_000_000));
-        Subject {
-            name: "memory",
-            store: Arc::new(MemoryStore::with_clock(clock.clone())),
-            clock: Some(clock),
-            tables: Vec::new(),
-        }
-    }
-
-    async fn postgres(name: &'static str, store: Arc<dyn Store>, conns: &[String]) -> Subject {
-        let mut tables = Vec::new();
-        for conn in conns {
-            tables.push(client(conn).await);
-        }
-        Subject {
-            name,
-            store,
-            clock: None,
-            tables,
-        }
-    }
-
-    async fn advance(&self, by: Duration) {
-        if let Some(clock) = &self.clock {
-            clock.advance(by.as_nanos() as u64);
-        }
-        for c in &self.tables {
-            c.batch_execute(&format!(
-                "UPDATE tokenlease_buckets SET updated_us = updated_us - {}",
-                by.as_micros()
-            ))
-            .await
-            .expect("shift updated_us");
-        }
-    }
-}
-
-async fn client(conn: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(conn, tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    client
 }
 
 /// A new database on `db`'s server, named after `db` and `name` (created with `options`), and

@@ -10,6 +10,7 @@
 //! whole-token outcome.
 
 use crate::common;
+use crate::subject::{Subject, client};
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -19,7 +20,6 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, RngAlgorithm, TestRng, TestRunner};
 use tokenlease::bucket::{BucketConfig, BucketState, Rate, Timestamp, Tokens};
-use tokenlease::clock::ManualClock;
 use tokenlease::store::{AcquireRequest, GiveBack, MemoryStore, ShardedStore, Store};
 use tokenlease_testkit::TestDatabase;
 
@@ -42,63 +42,6 @@ fn limits(caps: &[u64]) -> BucketConfig {
         config = config.with_limit(t(c), rate(i)).expect("a limit");
     }
     config
-}
-
-/// A store under test and how to move its time.
-struct Subject {
-    name: &'static str,
-    store: Arc<dyn Store>,
-    clock: Option<ManualClock>,
-    tables: Vec<tokio_postgres::Client>,
-}
-
-impl Subject {
-    fn memory() -> Subject {
-        let clock = ManualClock::new(Timestamp::from_nanos(1_700_000_000_000_000_000));
-        Subject {
-            name: "memory",
-            store: Arc::new(MemoryStore::with_clock(clock.clone())),
-            clock: Some(clock),
-            tables: Vec::new(),
-        }
-    }
-
-    async fn postgres(name: &'static str, store: Arc<dyn Store>, conns: &[String]) -> Subject {
-        let mut tables = Vec::new();
-        for conn in conns {
-            tables.push(client(conn).await);
-        }
-        Subject {
-            name,
-            store,
-            clock: None,
-            tables,
-        }
-    }
-
-    async fn advance(&self, by: Duration) {
-        if let Some(clock) = &self.clock {
-            clock.advance(by.as_nanos() as u64);
-        }
-        for c in &self.tables {
-            c.batch_execute(&format!(
-                "UPDATE tokenlease_buckets SET updated_us = updated_us - {}",
-                by.as_micros()
-            ))
-            .await
-            .expect("shift updated_us");
-        }
-    }
-}
-
-async fn client(conn: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(conn, tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    client
 }
 
 async fn sibling(db: &TestDatabase, name: &str) -> String {

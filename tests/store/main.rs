@@ -26,3 +26,4 @@ mod roles;
 mod sharded;
 mod spread;
 mod store_contract;
+mod subject;
