@@ -32,8 +32,8 @@
 //!   of `P` on the way to `T`, or to `P` itself when `T` is `P` (a child naming what its parent
 //!   defines). `src/lease/slot.rs` naming `crate::store::LeaseRef` is the arrow
 //!   `lease → store`; `src/http/layer.rs` naming `super::service::RateLimit` is
-//!   `http::layer → http::service`; `src/store/postgres/citus.rs` naming `crate::store::Store`
-//!   is `store::postgres → store`.
+//!   `http::layer → http::service`; `src/store/postgres/citus/map.rs` naming
+//!   `crate::store::StoreError` is `store::postgres → store`.
 //!
 //! Every arrow is thus between two children of one module, or from a child to its parent, so a
 //! cycle is always among the top-level modules of the crate or among the sibling files of one

@@ -37,10 +37,11 @@
 //! function keeps its signature and what they expect of it. What the previous release needs and
 //! this one does not (a column, a function) is dropped by a later release, whose CHANGELOG says
 //! which releases must be gone first. And a release's statements work on the schema the
-//! previous release left (`schema.rs`: `OLDEST_SCHEMA` is the oldest
-//! they read), so its instances may start before the `migrate` step has run. `src/store/postgres/migrate/deploy_tests.rs` holds this release to
-//! both rules: the previous release's statements (kept in `tests/fixtures/previous-release/`)
-//! and this release's decide on one key across [`migrate`] within the ideal bucket's envelope.
+//! previous release left (`schema.rs`: `OLDEST_SCHEMA` is the oldest they read), so its
+//! instances may start before the `migrate` step has run. K6 (`tests/store/deploy.rs`) holds
+//! this release to both rules: the previous release's statements (kept in
+//! `tests/fixtures/previous-release/`) and this release's decide on one key across
+//! [`migrate`] within the ideal bucket's envelope.
 //! A schema an instance cannot use is said once in its log and counted
 //! (`tokenlease_store_schema_errors_total`); its calls are decided by the fallback meanwhile.
 

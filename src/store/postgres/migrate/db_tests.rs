@@ -1,10 +1,9 @@
 //! Migrations against a real server: idempotence, checksums, failures, concurrent migrators.
 //! `tokenlease migrate` is tested with the binary, in cli/tests/commands.rs.
 //!
-//! Unit tests (they were `tests/store/migrate.rs`) because they migrate with lists of their own
-//! through `migrate_with`, which is not part of the API. The databases come from
-//! `tokenlease_testkit`, which links its own copy of this crate: only connection strings and
-//! `tokio_postgres` clients cross over.
+//! Unit tests because they migrate with lists of their own through `migrate_with`, which is
+//! not part of the API. The databases come from `tokenlease_testkit`, which links its own copy
+//! of this crate: only connection strings and `tokio_postgres` clients cross over.
 
 use tokenlease_testkit::TestDatabase;
 use tokio_postgres::Client;
