@@ -184,9 +184,7 @@ impl Fallback {
     pub(crate) async fn give_back(&self, plan: &Plan, key: &str, cost: Tokens) {
         if let FallbackMode::Local { instances } = plan.fallback().mode {
             let give = GiveBack {
-                // A return of its own: the store credits each id once.
-                id: (std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), key) >> 1)
-                    as i64,
+                id: GiveBack::fresh_id(key),
                 key,
                 bucket: local_share(plan.bucket(), instances.get()),
                 amount: cost,

@@ -124,13 +124,14 @@ impl Report {
     ) -> Report {
         let remaining = remaining.map(|r| std::cmp::min(r, plan.capacity()));
         let t = remaining.map_or(0, |remaining| {
-            let limits = plan.bucket().limits();
-            if limits.len() == 1 {
+            if !plan.bucket().is_multi() {
                 return refill_secs(plan.capacity().saturating_sub(remaining), plan.rate());
             }
             match reset_after {
                 Some(reset) => ceil_secs(reset.saturating_sub(ROUNDING_SLACK)),
-                None => limits
+                None => plan
+                    .bucket()
+                    .limits()
                     .map(|l| refill_secs(l.capacity().saturating_sub(remaining), l.rate()))
                     .max()
                     .unwrap_or(0),

@@ -398,10 +398,8 @@ impl Limiter {
         {
             return Ok(true);
         }
-        let id =
-            (std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), key) >> 1) as i64;
         let give = GiveBack {
-            id,
+            id: GiveBack::fresh_id(key),
             key,
             bucket: *plan.bucket(),
             amount: cost,

@@ -201,6 +201,14 @@ pub struct GiveBack<'a> {
     pub lease: Option<LeaseRef>,
 }
 
+impl GiveBack<'_> {
+    /// A new return's id for `key`: random (a hash of the key under fresh keys), non-negative,
+    /// so that two returns of one key are credited as two.
+    pub(crate) fn fresh_id(key: &str) -> i64 {
+        (std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), key) >> 1) as i64
+    }
+}
+
 /// A bucket as the store holds it, for `tokenlease inspect` and tests.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BucketRow {

@@ -432,6 +432,33 @@ impl Store for Down {
     }
 }
 
+/// A call of `plan` (its fallback `deny`) over a store whose every call fails, with a
+/// deadline 2.5 s away: it ends at the deadline with the fallback's refusal. The store calls
+/// it made.
+async fn denied_until_the_deadline(plan: &str) -> u64 {
+    let takes = Arc::new(AtomicU64::new(0));
+    let down = Down {
+        takes: Arc::clone(&takes),
+        stuck: false,
+    };
+    let start = Instant::now();
+    let deny = limiter_over(down, plan)
+        .acquire_until("k", 1.0, start + Duration::from_millis(2_500))
+        .await;
+    match deny {
+        Err(WaitError::DeadlinePassed { last: Some(d) }) => {
+            assert_eq!(
+                d.decided_by,
+                DecidedBy::Fallback(FallbackMode::Deny),
+                "{d:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(ms_since(start), 2_500);
+    takes.load(Ordering::SeqCst)
+}
+
 /// W6: with the store down the plan's fallback decides each try. `allow`: served at once by the
 /// fallback. `deny`: refused with its 1 s hint, tried again each second (three takes in 2.5 s,
 /// no polling) and ended at the deadline with the fallback's refusal; in leased mode likewise,
@@ -450,51 +477,13 @@ async fn w6_with_the_store_down_the_fallback_decides_within_the_deadline() {
     assert!(allow.allowed && allow.decided_by == DecidedBy::Fallback(FallbackMode::Allow));
     assert_eq!(ms_since(start), 0);
 
-    let takes = Arc::new(AtomicU64::new(0));
-    let down = Down {
-        takes: Arc::clone(&takes),
-        stuck: false,
-    };
-    let deny = limiter_over(down, &plan("deny"))
-        .acquire_until("k", 1.0, start + Duration::from_millis(2_500))
-        .await;
-    match deny {
-        Err(WaitError::DeadlinePassed { last: Some(d) }) => {
-            assert_eq!(
-                d.decided_by,
-                DecidedBy::Fallback(FallbackMode::Deny),
-                "{d:?}"
-            );
-        }
-        other => panic!("{other:?}"),
-    }
-    assert_eq!(ms_since(start), 2_500);
-    assert_eq!(takes.load(Ordering::SeqCst), 3, "a try at 0, 1 and 2 s");
+    let takes = denied_until_the_deadline(&plan("deny")).await;
+    assert_eq!(takes, 3, "a try at 0, 1 and 2 s");
 
     // Leased: the key's refills fail, and the fallback decides as in direct mode.
-    let takes = Arc::new(AtomicU64::new(0));
-    let down = Down {
-        takes: Arc::clone(&takes),
-        stuck: false,
-    };
     let leased = r#"{"capacity": 5, "refill_per_second": 1, "lease": {"max_fraction": 0.2},
                      "fallback": {"mode": "deny"}}"#;
-    let start = Instant::now();
-    let deny = limiter_over(down, leased)
-        .acquire_until("k", 1.0, start + Duration::from_millis(2_500))
-        .await;
-    match deny {
-        Err(WaitError::DeadlinePassed { last: Some(d) }) => {
-            assert_eq!(
-                d.decided_by,
-                DecidedBy::Fallback(FallbackMode::Deny),
-                "{d:?}"
-            );
-        }
-        other => panic!("{other:?}"),
-    }
-    assert_eq!(ms_since(start), 2_500);
-    let takes = takes.load(Ordering::SeqCst);
+    let takes = denied_until_the_deadline(leased).await;
     assert!((1..=6).contains(&takes), "{takes} refills in 2.5 s");
 
     let stuck = Down {

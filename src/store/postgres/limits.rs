@@ -412,26 +412,16 @@ impl super::PostgresStore {
         pending: &mut Vec<usize>,
         out: &mut [Option<Acquired>],
     ) -> Result<(), StoreError> {
-        let (mut multi, single): (Vec<usize>, Vec<usize>) = pending
-            .iter()
-            .partition(|&&i| requests[i].bucket.is_multi());
-        *pending = single;
+        let multi = split_off(requests, pending)?;
         let Some(&first) = multi.first() else {
             return Ok(());
         };
-        if let Some(&i) = multi.iter().find(|&&i| requests[i].hold.is_some()) {
-            return Err(strict_refused(requests[i].key));
-        }
         let route = requests[first].key;
         let t = LimitTakes::new(requests, &multi)?;
         let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&route, Type::TEXT)];
         params.extend(t.params());
         let rows = self.query_by(deadline, CITUS_TAKE_LIMITS, &params).await?;
-        file_rows(&rows, requests, &mut multi, out)?;
-        match multi.first() {
-            Some(&i) => Err(strict_row(requests[i].key)),
-            None => Ok(()),
-        }
+        file_all(&rows, requests, multi, out)
     }
 
     /// The returns of several limits among `group` (keys of one Citus node), through the
@@ -461,6 +451,39 @@ impl super::PostgresStore {
             credited.insert(row.try_get::<_, String>(0).map_err(StoreError::from)?);
         }
         Ok(credited)
+    }
+}
+
+/// Moves the takes of several limits at `pending` into the list it returns; `pending` keeps
+/// the others. A strict lease among them is an error: such plans hold none (the policy refuses
+/// them).
+pub(super) fn split_off(
+    requests: &[AcquireRequest<'_>],
+    pending: &mut Vec<usize>,
+) -> Result<Vec<usize>, StoreError> {
+    let (multi, single): (Vec<usize>, Vec<usize>) = pending
+        .iter()
+        .partition(|&&i| requests[i].bucket.is_multi());
+    *pending = single;
+    match multi.iter().find(|&&i| requests[i].hold.is_some()) {
+        Some(&i) => Err(strict_refused(requests[i].key)),
+        None => Ok(multi),
+    }
+}
+
+/// Files the rows of a take of several limits under `multi`'s requests, as `rows::file_rows`
+/// does; a request left without a row is on a row that holds strict leases (written by a plan
+/// of one limit): not decided, an error.
+pub(super) fn file_all(
+    rows: &[Row],
+    requests: &[AcquireRequest<'_>],
+    mut multi: Vec<usize>,
+    out: &mut [Option<Acquired>],
+) -> Result<(), StoreError> {
+    super::rows::file_rows_by(rows, requests, &mut multi, out, acquired)?;
+    match multi.first() {
+        Some(&i) => Err(strict_row(requests[i].key)),
+        None => Ok(()),
     }
 }
 
@@ -521,30 +544,6 @@ pub(super) fn acquired(request: &AcquireRequest<'_>, row: &Row) -> Result<Acquir
         nanos_duration(reset),
         store_now,
     ))
-}
-
-/// Files each row of [`ACQUIRE_LIMITS`] under its request among `pending`, and keeps in
-/// `pending` the requests that got none.
-pub(super) fn file_rows(
-    rows: &[Row],
-    requests: &[AcquireRequest<'_>],
-    pending: &mut Vec<usize>,
-    out: &mut [Option<Acquired>],
-) -> Result<(), StoreError> {
-    let mut by_key = std::collections::HashMap::with_capacity(rows.len());
-    for row in rows {
-        let key: &str = row.try_get(0).map_err(StoreError::from)?;
-        by_key.insert(key, row);
-    }
-    let mut left = Vec::new();
-    for &i in pending.iter() {
-        match by_key.get(requests[i].key) {
-            Some(row) => out[i] = Some(acquired(&requests[i], row)?),
-            None => left.push(i),
-        }
-    }
-    *pending = left;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -313,23 +313,12 @@ impl PostgresStore {
         pending: &mut Vec<usize>,
         out: &mut [Option<Acquired>],
     ) -> Result<(), StoreError> {
-        let (mut multi, single): (Vec<usize>, Vec<usize>) = pending
-            .iter()
-            .partition(|&&i| requests[i].bucket.is_multi());
-        *pending = single;
-        if let Some(&i) = multi.iter().find(|&&i| requests[i].hold.is_some()) {
-            return Err(limits::strict_refused(requests[i].key));
-        }
+        let multi = limits::split_off(requests, pending)?;
         let t = limits::LimitTakes::new(requests, &multi)?;
         let rows = self
             .query_by(deadline, limits::ACQUIRE_LIMITS.as_str(), &t.params())
             .await?;
-        limits::file_rows(&rows, requests, &mut multi, out)?;
-        // What is left holds strict leases (written by a plan of one limit): not decided here.
-        match multi.first() {
-            Some(&i) => Err(limits::strict_row(requests[i].key)),
-            None => Ok(()),
-        }
+        limits::file_all(&rows, requests, multi, out)
     }
 
     /// Decides the takes at `pending` (distinct keys) on plain PostgreSQL: the one-key or

@@ -236,6 +236,17 @@ pub(super) fn file_rows(
     pending: &mut Vec<usize>,
     out: &mut [Option<Acquired>],
 ) -> Result<(), StoreError> {
+    file_rows_by(rows, requests, pending, out, acquired)
+}
+
+/// [`file_rows`] with the statement's own reading of a row (`decode`).
+pub(super) fn file_rows_by(
+    rows: &[Row],
+    requests: &[AcquireRequest<'_>],
+    pending: &mut Vec<usize>,
+    out: &mut [Option<Acquired>],
+    decode: impl Fn(&AcquireRequest<'_>, &Row) -> Result<Acquired, StoreError>,
+) -> Result<(), StoreError> {
     if rows.is_empty() {
         return Ok(());
     }
@@ -247,7 +258,7 @@ pub(super) fn file_rows(
     let mut left = Vec::new();
     for &i in pending.iter() {
         match by_key.get(requests[i].key) {
-            Some(row) => out[i] = Some(acquired(&requests[i], row)?),
+            Some(row) => out[i] = Some(decode(&requests[i], row)?),
             None => left.push(i),
         }
     }
