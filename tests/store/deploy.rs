@@ -324,12 +324,16 @@ fn assert_envelope(admissions: &mut [(SystemTime, f64)], extra: f64) {
 }
 
 /// A store of this release on `url`, not migrating (the deploy's own step does), with
-/// generous timeouts: this test is about the schema, not about failure behaviour.
+/// generous timeouts: this test is about the schema, not about failure behaviour (on a busy
+/// machine a statement on the one hot key can wait for its row lock, or run, past the default
+/// 100 ms, migration or not).
 async fn this_release(url: &str, fallback: FallbackMode) -> (PostgresStore, Arc<Plan>) {
     let store = PostgresStore::builder(url)
         .expect("connection string")
         .pool_size(2)
         .migrate(false)
+        .statement_timeout(Duration::from_secs(5))
+        .lock_timeout(Duration::from_secs(5))
         .call_timeout(Duration::from_secs(5))
         .pool_wait_timeout(Duration::from_secs(5))
         .connect_timeout(Duration::from_secs(5))
@@ -412,6 +416,41 @@ async fn k6_the_previous_release_and_this_one_keep_the_envelope_across_migrate()
         }
     }
 
+    // A probe of the migration's table locks: this release's default `lock_timeout` (100 ms)
+    // on a key of its own, so that only a lock on the table, not a row lock, can hold it up.
+    let probe = {
+        let store = PostgresStore::builder(&url)
+            .expect("connection string")
+            .pool_size(1)
+            .migrate(false)
+            .statement_timeout(Duration::from_secs(5))
+            .call_timeout(Duration::from_secs(5))
+            .pool_wait_timeout(Duration::from_secs(5))
+            .connect_timeout(Duration::from_secs(5))
+            .build()
+            .await
+            .expect("the probe's store");
+        let plan =
+            common::plan(C as u64, R).with_fallback(FallbackSettings::new(FallbackMode::Deny));
+        let limiter = Limiter::builder(store).build();
+        tokio::spawn(async move {
+            let (mut calls, mut fallback) = (0, Vec::new());
+            while start.elapsed() < run_for {
+                let d = limiter
+                    .try_acquire_with(&plan, "deploy:probe", 0.01)
+                    .await
+                    .expect("a valid call");
+                calls += 1;
+                if let DecidedBy::Fallback(_) = d.decided_by {
+                    fallback.push(start.elapsed());
+                }
+                // sleep: pacing, a take every 2 ms.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            (calls, fallback)
+        })
+    };
+
     // The deploy's migrate step, while every instance is deciding.
     // sleep: the migration starts 1.5 s into the run, with both releases deciding.
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -424,6 +463,15 @@ async fn k6_the_previous_release_and_this_one_keep_the_envelope_across_migrate()
     assert!(
         start.elapsed() < run_for,
         "the run ended before the migration did"
+    );
+
+    let (probes, probe_fallback) = probe.await.expect("the probe");
+    assert!(probes > 100, "{probes} probes");
+    assert!(
+        probe_fallback.is_empty(),
+        "a take on a quiet key waited past its 100 ms lock_timeout (or failed) {} times, at {:?}",
+        probe_fallback.len(),
+        probe_fallback
     );
 
     let mut admissions = Vec::new();
@@ -468,6 +516,105 @@ async fn k6_the_previous_release_and_this_one_keep_the_envelope_across_migrate()
         admissions.len() as f64 >= 0.7 * ideal,
         "admitted {} of an ideal {ideal}",
         admissions.len()
+    );
+}
+
+/// K11: a migration waiting for a table lock does not hold up the takes behind it. A session
+/// reads the buckets table in a transaction it keeps open for 600 ms (a report, a backup);
+/// `migrate` of this release's pending migrations (one of them an `ALTER TABLE` of that table)
+/// starts meanwhile, beside a take on a key every 2 ms with the default 100 ms `lock_timeout`.
+/// The migration gives up its lock request every 20 ms and tries again, so no take waits past
+/// its `lock_timeout`, and it is applied once the reader has gone. A lock request left waiting
+/// for the reader would queue every take behind it for the 600 ms (fails so without the
+/// short lock wait and its retries).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k11_a_migration_waiting_for_a_lock_holds_no_take_up() {
+    let _serial = common::serial().await;
+    let db = common::database().await;
+    let (url, mut admin) = empty_database(&db, "lockwait").await;
+    migrate_as_released(&mut admin, PREVIOUS_MIGRATIONS, true).await;
+    let store = PostgresStore::builder(&url)
+        .expect("connection string")
+        .pool_size(1)
+        .migrate(false)
+        .statement_timeout(Duration::from_secs(5))
+        .call_timeout(Duration::from_secs(5))
+        .pool_wait_timeout(Duration::from_secs(5))
+        .connect_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .expect("this release's store");
+    let plan = common::plan(C as u64, R).with_fallback(FallbackSettings::new(FallbackMode::Deny));
+    let limiter = Limiter::builder(store).build();
+    let first = limiter
+        .try_acquire_with(&plan, "deploy:quiet", 0.01)
+        .await
+        .expect("a valid call");
+    assert!(first.allowed, "{first:?}");
+
+    // The reader: a transaction holding ACCESS SHARE on the table for 600 ms.
+    let mut reader = client(&url).await;
+    let (held, release) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let reading = {
+        let (held, release) = (Arc::clone(&held), Arc::clone(&release));
+        tokio::spawn(async move {
+            let tx = reader.transaction().await.expect("begin");
+            tx.query("SELECT count(*) FROM tokenlease_buckets", &[])
+                .await
+                .expect("read");
+            held.notify_one();
+            release.notified().await;
+            tx.commit().await.expect("commit");
+        })
+    };
+    held.notified().await;
+
+    let start = Instant::now();
+    let run_for = Duration::from_millis(1500);
+    let takes = tokio::spawn(async move {
+        let (mut calls, mut fallback) = (0, Vec::new());
+        while start.elapsed() < run_for {
+            let d = limiter
+                .try_acquire_with(&plan, "deploy:quiet", 0.01)
+                .await
+                .expect("a valid call");
+            calls += 1;
+            if let DecidedBy::Fallback(_) = d.decided_by {
+                fallback.push(start.elapsed());
+            }
+            // sleep: pacing, a take every 2 ms.
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        (calls, fallback)
+    });
+    let migrating = tokio::spawn(async move { migrate(&mut admin).await });
+    // sleep: the reader keeps its transaction open 600 ms, the migration waiting meanwhile.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(
+        !migrating.is_finished(),
+        "migrated while the reader held the table"
+    );
+    release.notify_one();
+    reading.await.expect("the reader");
+    let report = migrating
+        .await
+        .expect("the migrating task")
+        .expect("this release's migrate, once the reader has gone");
+    assert_eq!(
+        report.applied.iter().map(|m| m.version).collect::<Vec<_>>(),
+        (PREVIOUS_MIGRATIONS as i64 + 1..=MIGRATIONS.len() as i64).collect::<Vec<_>>(),
+        "{report}"
+    );
+    let (calls, fallback) = takes.await.expect("the takes");
+    assert!(calls > 100, "{calls} takes");
+    assert!(
+        fallback.is_empty(),
+        "a take waited past its lock_timeout behind the migration {} times, at {:?}",
+        fallback.len(),
+        fallback
     );
 }
 

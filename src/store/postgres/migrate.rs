@@ -260,7 +260,7 @@ const SELECT_APPLIED: &str = "SELECT version, checksum FROM tokenlease_migration
 const SELECT_ONE: &str = "SELECT checksum FROM tokenlease_migrations WHERE version = $1";
 
 // language=SQL
-const ASYNC_COMMIT: &str = "SET LOCAL synchronous_commit = off";
+const SETTINGS: &str = "SET LOCAL synchronous_commit = off; SET LOCAL lock_timeout = '20ms'";
 
 // language=SQL
 const RECORD: &str =
@@ -282,12 +282,18 @@ const RECORD: &str =
 /// transaction pooling mode too. Only the simple query protocol and unnamed statements are
 /// used.
 ///
+/// A migration waits at most 20 ms for a lock on a table, then gives up and tries again (up
+/// to 60 times, about 12 s in all), so that its lock request never queues the limiter's takes
+/// behind it for longer; once it has its locks it holds them for one round trip (the commit,
+/// asynchronous: a crash before the WAL is flushed loses the migration and its record together).
+///
 /// # Errors
 ///
 /// [`MigrateError::ChecksumMismatch`] naming the version when an applied migration's SQL
 /// changed; [`MigrateError::Privilege`] when the role lacks a privilege migrating needs
 /// (`CREATE` on the schema, ownership of the tables: docs/roles.md); [`MigrateError::Apply`] when a migration fails (it is rolled back, the ones before
-/// it stay applied); [`MigrateError::Database`] when the connection or the bookkeeping fails.
+/// it stay applied; also when a table stayed locked by others through every try, the server's
+/// "lock timeout" as its detail); [`MigrateError::Database`] when the connection or the bookkeeping fails.
 ///
 /// # Cancel safety
 ///
@@ -372,13 +378,48 @@ pub(crate) async fn migrate_with(
             report.already_present.push(*migration);
             continue;
         }
-        if apply_one(client, migration, &expected).await? {
+        if apply_patiently(client, migration, &expected).await? {
             report.applied.push(*migration);
         } else {
             report.already_present.push(*migration);
         }
     }
     Ok(report)
+}
+
+/// How many times a migration is tried when it could not get a table's lock in time, and the
+/// pause before the first retry (doubled each time, at most [`MAX_PAUSE`]): about 10 s in all.
+const LOCK_TRIES: u32 = 60;
+const FIRST_PAUSE: std::time::Duration = std::time::Duration::from_millis(5);
+const MAX_PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// [`apply_one`], tried again when the migration could not get a lock on a live table within
+/// its 20 ms `lock_timeout` ([`SETTINGS`]). A lock request that waits (an `ALTER TABLE`'s ACCESS EXCLUSIVE behind a
+/// running statement) holds up every take that comes after it, past their 100 ms
+/// `lock_timeout` when the statements before it are slow; a short wait given up and tried
+/// again holds them up for 20 ms at a time instead.
+async fn apply_patiently(
+    client: &mut tokio_postgres::Client,
+    migration: &Migration,
+    expected: &str,
+) -> Result<bool, MigrateError> {
+    let mut pause = FIRST_PAUSE;
+    let mut tries = 1;
+    loop {
+        match apply_one(client, migration, expected).await {
+            Err(MigrateError::Apply { error, .. })
+                if tries < LOCK_TRIES
+                    && error.code()
+                        == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
+            {
+                tries += 1;
+                // sleep: a pause between tries; each try is bounded by its lock wait.
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(MAX_PAUSE);
+            }
+            other => return other,
+        }
+    }
 }
 
 /// Applies one migration under the lock; `false` when a concurrent migrator already had.
@@ -424,9 +465,11 @@ async fn apply_one(
     .map_err(MigrateError::database(
         "record the migration in tokenlease_migrations",
     ))?;
-    tx.batch_execute(ASYNC_COMMIT)
+    tx.batch_execute(SETTINGS)
         .await
-        .map_err(MigrateError::database("set the migration's commit"))?;
+        .map_err(MigrateError::database(
+            "set the migration's commit and lock wait",
+        ))?;
     tx.batch_execute(migration.sql)
         .await
         .map_err(|error| MigrateError::Apply {
