@@ -112,6 +112,16 @@ pub(super) fn newer(files: &[FunctionFile], recorded: &[Recorded]) -> Vec<&'stat
         .collect()
 }
 
+/// `recorded` with the checksum of every file named in `edited` cleared: no file's checksum.
+fn mark_edited(mut recorded: Vec<Recorded>, edited: &[&str]) -> Vec<Recorded> {
+    for (name, checksum, _) in &mut recorded {
+        if edited.contains(&name.as_str()) {
+            checksum.clear();
+        }
+    }
+    recorded
+}
+
 /// The files, checksums and generations recorded in `tokenlease_functions`.
 async fn recorded(
     client: &impl tokio_postgres::GenericClient,
@@ -150,7 +160,24 @@ pub(crate) async fn apply(
     files: &[FunctionFile],
     lock: &str,
 ) -> Result<(Vec<&'static str>, Vec<&'static str>), MigrateError> {
-    let before = recorded(&*client).await?;
+    apply_with(client, files, lock, &[]).await
+}
+
+/// [`apply`], with the files named in `edited` counted as recorded with another checksum: their
+/// definitions in the database are not the ones their record says (the Citus step checks them
+/// on every node), so at their own generation they are applied again, while a newer
+/// generation still stays.
+///
+/// # Errors
+///
+/// As [`apply`].
+pub(crate) async fn apply_with(
+    client: &mut tokio_postgres::Client,
+    files: &[FunctionFile],
+    lock: &str,
+    edited: &[&str],
+) -> Result<(Vec<&'static str>, Vec<&'static str>), MigrateError> {
+    let before = mark_edited(recorded(&*client).await?, edited);
     if stale(files, &before).is_empty() {
         return Ok((Vec::new(), newer(files, &before)));
     }
@@ -160,7 +187,7 @@ pub(crate) async fn apply(
     tx.batch_execute(lock)
         .await
         .map_err(MigrateError::database("take the migration advisory lock"))?;
-    let recorded = recorded(&tx).await?;
+    let recorded = mark_edited(recorded(&tx).await?, edited);
     let mut applied = Vec::new();
     for file in stale(files, &recorded) {
         tx.batch_execute(file.sql)
@@ -277,11 +304,24 @@ mod tests {
             1,
             "6900d5f4011d7c4e10afd98d16b381e67dc706a2692eb1faae51a5d44653acb8",
         ),
+        (
+            "citus",
+            1,
+            "ca943c01d6a981335351347f761220b336ec1d76d6d954ea04bd70ab218abc11",
+        ),
     ];
+
+    /// Every file this build applies: the files of `functions/`, and the Citus node functions
+    /// (`citus/sql.rs`), which a coordinator records in the same table.
+    fn every_file() -> Vec<FunctionFile> {
+        let mut files = FUNCTIONS.to_vec();
+        files.push(super::super::citus::node_functions());
+        files
+    }
 
     #[test]
     fn released_files_are_pinned() {
-        for f in FUNCTIONS {
+        for f in &every_file() {
             let pinned = RELEASED
                 .iter()
                 .find(|(name, generation, _)| *name == f.name && *generation == f.generation);
@@ -289,13 +329,14 @@ mod tests {
                 Some((_, _, checksum)) => assert_eq!(
                     *checksum,
                     f.checksum(),
-                    "functions/{}.sql changed but its generation is still {}: raise `generation` \
-                     in FUNCTIONS and pin the new checksum in RELEASED",
+                    "function file {} changed but its generation is still {}: raise its \
+                     generation (`FUNCTIONS`, or `NODE_FUNCTIONS_GENERATION` for `citus`) and \
+                     pin the new checksum in RELEASED",
                     f.name,
                     f.generation
                 ),
                 None => panic!(
-                    "functions/{}.sql generation {} is not pinned in RELEASED: add \
+                    "function file {} generation {} is not pinned in RELEASED: add \
                      (\"{}\", {}, \"{}\")",
                     f.name,
                     f.generation,
