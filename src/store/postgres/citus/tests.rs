@@ -159,3 +159,140 @@ fn inspection_reads_the_shard_table() {
     assert!(!sql.contains("FROM tokenlease_buckets\n"), "{sql}");
     assert!(std::ptr::eq(sql, inspect_shard("tokenlease_buckets_7")));
 }
+
+/// The body of `name` (`pg_proc.prosrc`) on every worker of `citus`.
+async fn bodies_on_workers(citus: &tokenlease_testkit::TempCitus, name: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for worker in citus.workers() {
+        let (c, connection) =
+            tokio_postgres::connect(&worker.connection_string("postgres"), tokio_postgres::NoTls)
+                .await
+                .expect("connect");
+        tokio::spawn(connection);
+        let body: String = c
+            .query_one("SELECT prosrc FROM pg_proc WHERE proname = $1", &[&name])
+            .await
+            .expect("the function on a worker")
+            .get(0);
+        out.push(body);
+    }
+    out
+}
+
+/// The node functions as another build's: `file`'s SQL with a line added to the guard's body,
+/// at `generation`.
+fn another_build(generation: i32, line: &str) -> crate::store::postgres::functions::FunctionFile {
+    let current = node_functions();
+    let sql = current.sql.replacen(
+        "DECLARE\n    placed bigint;",
+        &format!("DECLARE\n    placed bigint;\n    {line}"),
+        1,
+    );
+    assert_ne!(sql, current.sql, "the guard's body changed");
+    crate::store::postgres::functions::FunctionFile {
+        sql: Box::leak(sql.into_boxed_str()),
+        generation,
+        ..current
+    }
+}
+
+/// Z14: the node functions are applied by generation and checksum, checked on every node. A
+/// newer build's definitions (a higher generation) stay on every node when this build migrates
+/// after it, and an older build's `migrate` (a lower generation, another body) leaves this
+/// build's; a guard edited by hand on one worker, at this build's generation, is restored by the
+/// next `migrate`, which then changes nothing more. The guard's body is read on each worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_functions_follow_their_generation_on_every_node() {
+    let citus = tokio::task::spawn_blocking(|| tokenlease_testkit::TempCitus::start(2))
+        .await
+        .expect("start task")
+        .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
+    let (mut c, connection) =
+        tokio_postgres::connect(&citus.connection_string("postgres"), tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+    tokio::spawn(connection);
+    let lock = crate::store::postgres::migrate::LOCK;
+    let ours = bodies(node_functions().sql);
+    let guard = |bodies: &[(String, String)]| -> String {
+        bodies
+            .iter()
+            .find(|(name, _)| name == "tokenlease_citus_hold")
+            .expect("the guard")
+            .1
+            .clone()
+    };
+    let report = crate::store::migrate(&mut c).await.expect("migrate");
+    assert!(report.functions_applied.contains(&"citus"), "{report}");
+    assert_eq!(
+        bodies_on_workers(&citus, "tokenlease_citus_hold").await,
+        [guard(&ours), guard(&ours)]
+    );
+    let again = crate::store::migrate(&mut c).await.expect("migrate");
+    assert!(again.is_noop(), "a second migrate changes nothing: {again}");
+
+    // An older build (generation 0, another guard) migrates: this build's guard stays.
+    let older = another_build(NODE_FUNCTIONS_GENERATION - 1, "-- an older build");
+    let done = super::distribute::distribute_with(&mut c, lock, &older)
+        .await
+        .expect("an older build's migrate")
+        .expect("Citus");
+    assert!(done.applied.is_empty(), "{done:?}");
+    assert_eq!(done.newer, ["citus"]);
+    assert_eq!(
+        bodies_on_workers(&citus, "tokenlease_citus_hold").await,
+        [guard(&ours), guard(&ours)],
+        "the older build's guard reached a node"
+    );
+
+    // A hand edit on one worker, at this build's generation: restored by the next migrate.
+    let edited = another_build(NODE_FUNCTIONS_GENERATION, "-- edited by hand");
+    let edited_guard = guard(&bodies(edited.sql));
+    let at = edited
+        .sql
+        .find("CREATE OR REPLACE FUNCTION tokenlease_citus_hold")
+        .expect("the guard's CREATE");
+    let create = &edited.sql[at..];
+    let open = create.find("$fn$").expect("its body") + 4;
+    let close = open + create[open..].find("$fn$").expect("its end") + 4;
+    let hold_sql = &create[..close];
+    let worker = &citus.workers()[0];
+    let (w, connection) =
+        tokio_postgres::connect(&worker.connection_string("postgres"), tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+    tokio::spawn(connection);
+    w.batch_execute(&format!(
+        "SET citus.enable_ddl_propagation TO off; {hold_sql}"
+    ))
+    .await
+    .expect("edit the guard on one worker");
+    assert_eq!(
+        bodies_on_workers(&citus, "tokenlease_citus_hold").await,
+        [edited_guard.clone(), guard(&ours)]
+    );
+    let restored = crate::store::migrate(&mut c).await.expect("migrate");
+    assert_eq!(restored.functions_applied, ["citus"], "{restored}");
+    assert_eq!(
+        bodies_on_workers(&citus, "tokenlease_citus_hold").await,
+        [guard(&ours), guard(&ours)]
+    );
+    assert!(crate::store::migrate(&mut c).await.expect("migrate").is_noop());
+
+    // A newer build (the next generation) migrates, then this one: the newer guard stays on
+    // every node, and this build's report says so.
+    let newer = another_build(NODE_FUNCTIONS_GENERATION + 1, "-- a newer build");
+    let newer_guard = guard(&bodies(newer.sql));
+    let done = super::distribute::distribute_with(&mut c, lock, &newer)
+        .await
+        .expect("a newer build's migrate")
+        .expect("Citus");
+    assert_eq!(done.applied, ["citus"]);
+    let report = crate::store::migrate(&mut c).await.expect("migrate");
+    assert!(report.functions_applied.is_empty(), "{report}");
+    assert_eq!(report.functions_newer, ["citus"]);
+    assert_eq!(
+        bodies_on_workers(&citus, "tokenlease_citus_hold").await,
+        [newer_guard.clone(), newer_guard]
+    );
+}
