@@ -296,3 +296,116 @@ async fn node_functions_follow_their_generation_on_every_node() {
         [newer_guard.clone(), newer_guard]
     );
 }
+
+/// Z15: the shard return reads each input once, whatever the number of keys. On a worker
+/// whose shards hold 6,000 rows each, `EXPLAIN (ANALYZE)` of the statement
+/// `tokenlease_citus_give_back` runs on one shard (with its `enable_seqscan = off`), for a call
+/// of 1,500 keys of the worker's two shards: no node filters rows by testing them against an
+/// array (`= ANY`, once per row: quadratic in the keys), every scan of a CTE or an unnested
+/// array runs once (not once per row of another input), and the shard's rows are reached by
+/// its index, never scanned whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shard_return_reads_each_input_once() {
+    let citus = tokio::task::spawn_blocking(|| tokenlease_testkit::TempCitus::start(2))
+        .await
+        .expect("start task")
+        .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
+    let (mut c, connection) =
+        tokio_postgres::connect(&citus.connection_string("postgres"), tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+    tokio::spawn(connection);
+    crate::store::migrate(&mut c).await.expect("migrate");
+    c.batch_execute(
+        "INSERT INTO tokenlease_buckets \
+             (key, tokens, frac, capacity, refill_per_second, updated_us, refilled) \
+         SELECT 'z15-' || i, 0, 0, 100000000000, 1000, 0, 0 FROM generate_series(1, 24000) AS i; \
+         ANALYZE tokenlease_buckets",
+    )
+    .await
+    .expect("rows on every shard");
+    // The first worker's keys, and one of its shards.
+    let port = i32::from(citus.workers()[0].port());
+    let rows = c
+        .query(
+            "SELECT u.k, s.shardid, shard_name('tokenlease_buckets'::regclass, s.shardid), \
+                    shard_name('tokenlease_returns'::regclass, \
+                               get_shard_id_for_distribution_column('tokenlease_returns', u.k)) \
+             FROM unnest(ARRAY(SELECT 'z15-' || i FROM generate_series(1, 24000) AS i)) \
+                  WITH ORDINALITY AS u(k, n) \
+             JOIN pg_dist_shard AS s \
+               ON s.shardid = get_shard_id_for_distribution_column('tokenlease_buckets', u.k) \
+             JOIN pg_dist_placement AS p ON p.shardid = s.shardid \
+             JOIN pg_dist_node AS d ON d.groupid = p.groupid \
+             WHERE d.nodeport = $1 ORDER BY u.n LIMIT 1500",
+            &[&port],
+        )
+        .await
+        .expect("the worker's keys");
+    assert_eq!(rows.len(), 1500);
+    let keys: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    let shard: i64 = rows[0].get(1);
+    let (buckets, returns): (String, String) = (rows[0].get(2), rows[0].get(3));
+    let members: Vec<i32> = (1..)
+        .zip(&rows)
+        .filter(|(_, r)| r.get::<_, i64>(1) == shard)
+        .map(|(n, _)| n)
+        .collect();
+    assert!(members.len() > 300 && members.len() < 1500, "{}", members.len());
+    let n = keys.len();
+    let ids: Vec<i64> = (0..n as i64).collect();
+    let amounts = vec![1_000_000_000i64; n];
+    let capacities = vec![100_000_000_000i64; n];
+    let rates = vec![1_000i64; n];
+    let none: Vec<Option<i64>> = vec![None; n];
+    let statement = GIVE_BACK_SHARD
+        .replace("%1$s", &buckets)
+        .replace("%2$s", &returns)
+        .replace("%%", "%");
+    let (w, connection) = tokio_postgres::connect(
+        &citus.workers()[0].connection_string("postgres"),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .expect("connect to the worker");
+    tokio::spawn(connection);
+    w.batch_execute("SET enable_seqscan = off")
+        .await
+        .expect("as the function runs it");
+    let explained = w
+        .query(
+            &format!("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) {statement}"),
+            &[
+                &ids,
+                &keys,
+                &amounts,
+                &capacities,
+                &rates,
+                &none,
+                &none,
+                &members,
+            ],
+        )
+        .await
+        .expect("explain the shard return");
+    let plan: Vec<String> = explained.iter().map(|r| r.get(0)).collect();
+    let text = plan.join("\n");
+    assert!(
+        plan[0].starts_with("Update on")
+            && plan[0].contains(&format!("actual rows={} loops=1", members.len())),
+        "every member credited:\n{text}"
+    );
+    for line in &plan {
+        assert!(
+            !(line.contains("Filter:") && line.contains("ANY")),
+            "rows tested against an array:\n{text}"
+        );
+        if line.contains("CTE Scan") || line.contains("Function Scan") {
+            assert!(line.contains(" loops=1)"), "read again: {line}\n{text}");
+        }
+        assert!(
+            !line.contains(&format!("Seq Scan on {buckets}")),
+            "the shard read whole:\n{text}"
+        );
+    }
+}
