@@ -37,6 +37,7 @@ stop() {
     rm -rf "$dir"
 }
 trap stop EXIT
+trap "exit 1" INT TERM
 sql() { psql -h 127.0.0.1 -p "$1" -U postgres -qAtX -v ON_ERROR_STOP=1 "${@:2}"; }
 
 for p in "${ports[@]}"; do
@@ -87,32 +88,26 @@ for n in 256 2048; do
         array_fill(1::bigint, ARRAY[$n]), array_fill(NULL::bigint, ARRAY[$n])
         FROM (SELECT ARRAY[$keys] AS k) AS s"
 done
-# One session on the worker runs CALLS calls in a DO block; its backend's CPU time (utime +
-# stime, /proc/<pid>/stat) and the block's wall time, per call.
+# One session on the worker runs CALLS calls, each its own transaction (as the store's are: in
+# one transaction the calls' row versions would pile up); its backend's CPU time (utime + stime,
+# /proc/<pid>/stat) and the calls' wall time, per call.
 run() { # build, keys
-    cat >"$dir/run.sql" <<SQL
-SELECT pg_backend_pid() AS pid \\gset
-\\setenv BACKEND :pid
-\\! awk '{print \$14 + \$15}' /proc/\$BACKEND/stat >$dir/cpu0
-SELECT extract(epoch FROM clock_timestamp()) AS t0 \\gset
-DO \$\$
-DECLARE
-    a record;
-    base bigint;
-BEGIN
-    SELECT * INTO a FROM bench_args WHERE n = $2;
-    FOR i IN 1..$CALLS LOOP
-        base := (random() * 1e12)::bigint * 10000;
-        PERFORM count(*) FROM tokenlease_citus_give_back(a.k[1],
-            ARRAY(SELECT base + j FROM generate_series(1, $2) AS j),
-            a.k, a.amounts, a.caps, a.rates, a.holders, a.holders);
-    END LOOP;
-END
-\$\$;
-SELECT round(((extract(epoch FROM clock_timestamp()) - :t0) * 1000 / $CALLS)::numeric, 2) AS wall \\gset
-\\! awk '{print \$14 + \$15}' /proc/\$BACKEND/stat >$dir/cpu1
-\\echo :wall
-SQL
+    {
+        echo "SELECT pg_backend_pid() AS pid \\gset"
+        echo "\\setenv BACKEND :pid"
+        echo "\\! awk '{print \$14 + \$15}' /proc/\$BACKEND/stat >$dir/cpu0"
+        echo "SELECT extract(epoch FROM clock_timestamp()) AS t0 \\gset"
+        for ((call = 0; call < CALLS; call++)); do
+            echo "SELECT count(*) FROM bench_args AS a, tokenlease_citus_give_back(a.k[1],
+                ARRAY(SELECT (random() * 1e12)::bigint * 10000 + j
+                      FROM generate_series(1, $2) AS j),
+                a.k, a.amounts, a.caps, a.rates, a.holders, a.holders) WHERE a.n = $2 \\g /dev/null"
+        done
+        echo "SELECT round(((extract(epoch FROM clock_timestamp()) - :t0) * 1000
+                            / $CALLS)::numeric, 2) AS wall \\gset"
+        echo "\\! awk '{print \$14 + \$15}' /proc/\$BACKEND/stat >$dir/cpu1"
+        echo "\\echo :wall"
+    } >"$dir/run.sql"
     local wall cpu0 cpu1 hz
     wall="$(sql "$w" -f "$dir/run.sql")"
     hz="$(getconf CLK_TCK)"
