@@ -35,7 +35,7 @@ fn bucket(i: usize) -> BucketConfig {
 
 /// Whether key `i` holds a strict lease (a bucket of one limit, with a row).
 fn strict(i: usize) -> bool {
-    i % 10 == 0 && i < WITHOUT_ROW
+    i.is_multiple_of(10) && i < WITHOUT_ROW
 }
 
 /// What `store` ends with after the same calls on the keys: takes, strict leases, returns of
@@ -94,7 +94,7 @@ async fn returned(store: &PostgresStore, keys: &[String]) -> (Vec<(f64, usize)>,
     let again: Vec<GiveBack<'_>> = returns
         .iter()
         .enumerate()
-        .filter(|(i, _)| i % 3 == 0 && *i < WITHOUT_ROW)
+        .filter(|(i, _)| i.is_multiple_of(3) && *i < WITHOUT_ROW)
         .map(|(i, r)| GiveBack {
             id: 20_000 + i as i64,
             lease: None,
@@ -165,7 +165,10 @@ async fn returns_on_every_shard_credit_as_on_plain_postgres() {
 
     let (cluster, counts) = returned(&on_citus, &keys).await;
     let (single, plain_counts) = returned(&plain, &keys).await;
-    assert_eq!(counts, plain_counts, "returns credited (first, retry, second)");
+    assert_eq!(
+        counts, plain_counts,
+        "returns credited (first, retry, second)"
+    );
     assert_eq!(counts[1], 0, "a retry credits nothing");
     assert!(counts[0] >= WITHOUT_ROW as u64, "{counts:?}");
     let mut below_capacity = 0;

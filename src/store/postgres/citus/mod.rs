@@ -570,10 +570,10 @@ mod map;
 mod sql;
 
 pub(super) use self::distribute::{Distributed, distribute};
-#[cfg(test)]
-pub(super) use self::sql::node_functions;
 pub(super) use self::map::shard_map;
 pub(crate) use self::map::{Node, ShardMap};
+#[cfg(test)]
+pub(super) use self::sql::node_functions;
 use self::sql::{DELETE_IDLE, GIVE_BACK, GIVE_BACK_TYPES, TAKE_HELD};
 
 #[cfg(test)]

@@ -443,7 +443,12 @@ pub(super) fn bodies(sql: &str) -> Vec<(String, String)> {
     let mut rest = sql;
     while let Some(at) = rest.find(HEAD) {
         rest = &rest[at + HEAD.len()..];
-        let name = rest.split('(').next().unwrap_or_default().trim().to_string();
+        let name = rest
+            .split('(')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_string();
         let Some((_, body)) = rest.split_once("$fn$") else {
             break;
         };

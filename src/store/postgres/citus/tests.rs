@@ -277,7 +277,12 @@ async fn node_functions_follow_their_generation_on_every_node() {
         bodies_on_workers(&citus, "tokenlease_citus_hold").await,
         [guard(&ours), guard(&ours)]
     );
-    assert!(crate::store::migrate(&mut c).await.expect("migrate").is_noop());
+    assert!(
+        crate::store::migrate(&mut c)
+            .await
+            .expect("migrate")
+            .is_noop()
+    );
 
     // A newer build (the next generation) migrates, then this one: the newer guard stays on
     // every node, and this build's report says so.
@@ -351,7 +356,11 @@ async fn the_shard_return_reads_each_input_once() {
         .filter(|(_, r)| r.get::<_, i64>(1) == shard)
         .map(|(n, _)| n)
         .collect();
-    assert!(members.len() > 300 && members.len() < 1500, "{}", members.len());
+    assert!(
+        members.len() > 300 && members.len() < 1500,
+        "{}",
+        members.len()
+    );
     let n = keys.len();
     let ids: Vec<i64> = (0..n as i64).collect();
     let amounts = vec![1_000_000_000i64; n];
