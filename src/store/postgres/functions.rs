@@ -230,6 +230,65 @@ pub(super) fn sha256_hex(sql: &str) -> String {
         })
 }
 
+/// Each generation of each file that a release shipped, by checksum (the files of `functions/`
+/// and `citus`, the Citus node functions): a file whose SQL changed must carry a new generation
+/// (add its line here), or an older release's `migrate` would not know to leave it alone, and
+/// this release's would not replace the old one.
+#[cfg(test)]
+const RELEASED: &[(&str, i32, &str)] = &[
+    (
+        "bucket",
+        1,
+        "cb3bd6d7c702e94436e84bb84a1cffe6b8b513cd14d4575ed1903614de773183",
+    ),
+    (
+        "held_leases",
+        1,
+        "bb2774bba9c72ac00d1c9689cf991d955158d85b96210ba73b155a8dd16e4836",
+    ),
+    (
+        "acquire_held",
+        1,
+        "6900d5f4011d7c4e10afd98d16b381e67dc706a2692eb1faae51a5d44653acb8",
+    ),
+    (
+        "citus",
+        1,
+        "ca943c01d6a981335351347f761220b336ec1d76d6d954ea04bd70ab218abc11",
+    ),
+];
+
+/// Panics naming the first of `files` whose checksum is not the one [`RELEASED`] pins for its
+/// generation, or whose generation it does not pin.
+#[cfg(test)]
+pub(super) fn check_pinned(files: &[FunctionFile]) {
+    for f in files {
+        let pinned = RELEASED
+            .iter()
+            .find(|(name, generation, _)| *name == f.name && *generation == f.generation);
+        match pinned {
+            Some((_, _, checksum)) => assert_eq!(
+                *checksum,
+                f.checksum(),
+                "function file {} changed but its generation is still {}: raise its \
+                 generation (`FUNCTIONS`, or `NODE_FUNCTIONS_GENERATION` for `citus`) and \
+                 pin the new checksum in RELEASED",
+                f.name,
+                f.generation
+            ),
+            None => panic!(
+                "function file {} generation {} is not pinned in RELEASED: add \
+                 (\"{}\", {}, \"{}\")",
+                f.name,
+                f.generation,
+                f.name,
+                f.generation,
+                f.checksum()
+            ),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -285,66 +344,8 @@ mod tests {
         assert_eq!(newer(FUNCTIONS, &newer_rows), ["acquire_held"]);
     }
 
-    /// Each generation of each file that a release shipped, by checksum: a file whose SQL
-    /// changed must carry a new generation (add its line here), or an older release's `migrate`
-    /// would not know to leave it alone, and this release's would not replace the old one.
-    const RELEASED: &[(&str, i32, &str)] = &[
-        (
-            "bucket",
-            1,
-            "cb3bd6d7c702e94436e84bb84a1cffe6b8b513cd14d4575ed1903614de773183",
-        ),
-        (
-            "held_leases",
-            1,
-            "bb2774bba9c72ac00d1c9689cf991d955158d85b96210ba73b155a8dd16e4836",
-        ),
-        (
-            "acquire_held",
-            1,
-            "6900d5f4011d7c4e10afd98d16b381e67dc706a2692eb1faae51a5d44653acb8",
-        ),
-        (
-            "citus",
-            1,
-            "ca943c01d6a981335351347f761220b336ec1d76d6d954ea04bd70ab218abc11",
-        ),
-    ];
-
-    /// Every file this build applies: the files of `functions/`, and the Citus node functions
-    /// (`citus/sql.rs`), which a coordinator records in the same table.
-    fn every_file() -> Vec<FunctionFile> {
-        let mut files = FUNCTIONS.to_vec();
-        files.push(super::super::citus::node_functions());
-        files
-    }
-
     #[test]
     fn released_files_are_pinned() {
-        for f in &every_file() {
-            let pinned = RELEASED
-                .iter()
-                .find(|(name, generation, _)| *name == f.name && *generation == f.generation);
-            match pinned {
-                Some((_, _, checksum)) => assert_eq!(
-                    *checksum,
-                    f.checksum(),
-                    "function file {} changed but its generation is still {}: raise its \
-                     generation (`FUNCTIONS`, or `NODE_FUNCTIONS_GENERATION` for `citus`) and \
-                     pin the new checksum in RELEASED",
-                    f.name,
-                    f.generation
-                ),
-                None => panic!(
-                    "function file {} generation {} is not pinned in RELEASED: add \
-                     (\"{}\", {}, \"{}\")",
-                    f.name,
-                    f.generation,
-                    f.name,
-                    f.generation,
-                    f.checksum()
-                ),
-            }
-        }
+        check_pinned(FUNCTIONS);
     }
 }

@@ -471,6 +471,8 @@ fn validate(migrations: &[Migration]) -> Result<(), MigrateError> {
 mod privilege;
 
 #[cfg(test)]
+mod citus_tests;
+#[cfg(test)]
 mod db_tests;
 
 #[cfg(test)]

@@ -569,12 +569,14 @@ mod distribute;
 mod map;
 mod sql;
 
+#[cfg(test)]
+pub(super) use self::distribute::distribute_with;
 pub(super) use self::distribute::{Distributed, distribute};
 pub(super) use self::map::shard_map;
 pub(crate) use self::map::{Node, ShardMap};
-#[cfg(test)]
-pub(super) use self::sql::node_functions;
 use self::sql::{DELETE_IDLE, GIVE_BACK, GIVE_BACK_TYPES, TAKE_HELD};
+#[cfg(test)]
+pub(super) use self::sql::{GIVE_BACK_SHARD, NODE_FUNCTIONS_GENERATION, bodies, node_functions};
 
 #[cfg(test)]
 mod tests;

@@ -102,7 +102,7 @@ pub(super) static HELD_UPDATE_SHARD: LazyLock<String> = LazyLock::new(|| {
 /// as `tokenlease_citus_take_held` does, so a shard the planner believes small is not read
 /// whole. The rows are locked in key order first (`locked`, run once before the update by the
 /// uncorrelated subquery of its `WHERE`), so two returns never wait on each other in a cycle.
-pub(super) static GIVE_BACK_SHARD: LazyLock<String> = LazyLock::new(|| {
+pub(in crate::store::postgres) static GIVE_BACK_SHARD: LazyLock<String> = LazyLock::new(|| {
     let credit = credit_set();
     for_format(&format!(
         "WITH r AS MATERIALIZED ( \
@@ -387,9 +387,9 @@ $fn$",
 /// The generation of the Citus node functions ([`functions`]), raised by every release that
 /// changes their SQL, as a file of `functions/` is (`functions.rs`): a coordinator recording a
 /// higher one in `tokenlease_functions` was migrated by a newer release, whose definitions stay
-/// on every node. Builds from before generations recorded none (0). The unit test
-/// `released_files_are_pinned` holds each generation's checksum.
-pub(super) const NODE_FUNCTIONS_GENERATION: i32 = 1;
+/// on every node. Builds from before generations recorded none (0). `functions.rs`'s `RELEASED`
+/// pins each generation's checksum (checked by `the_node_functions_are_pinned`).
+pub(in crate::store::postgres) const NODE_FUNCTIONS_GENERATION: i32 = 1;
 
 /// The name the Citus node functions are recorded under in `tokenlease_functions`.
 pub(super) const NODE_FUNCTIONS: &str = "citus";
@@ -437,7 +437,7 @@ pub(in crate::store::postgres) fn node_functions() -> FunctionFile {
 
 /// Each function `sql` creates, by name, with its body (the text between its `$fn$` quotes:
 /// what `pg_proc.prosrc` holds on every node once it is created), in name order.
-pub(super) fn bodies(sql: &str) -> Vec<(String, String)> {
+pub(in crate::store::postgres) fn bodies(sql: &str) -> Vec<(String, String)> {
     const HEAD: &str = "CREATE OR REPLACE FUNCTION ";
     let mut out = Vec::new();
     let mut rest = sql;
