@@ -289,7 +289,8 @@ async fn migrate_keeps_a_shard_count_the_user_set() {
 }
 
 /// The shard guard as builds before 2026-12-06 created it (its lock in a `PERFORM`, the
-/// placements counted by an aggregate), with such a build's fingerprint stamp.
+/// placements counted by an aggregate), with such a build's fingerprint stamp; such builds
+/// recorded no generation for the node functions.
 const OLDER_GUARD: &str = "\
 CREATE OR REPLACE FUNCTION tokenlease_citus_hold(shards bigint[], keys text[])
 RETURNS text[]
@@ -309,7 +310,8 @@ BEGIN
     RETURN keys;
 END
 $fn$;
-COMMENT ON FUNCTION tokenlease_citus_delete_idle(text, bigint) IS 'tokenlease citus 000000000000000000000000'";
+COMMENT ON FUNCTION tokenlease_citus_delete_idle(text, bigint) IS 'tokenlease citus 000000000000000000000000';
+DELETE FROM tokenlease_functions WHERE file = 'citus'";
 
 /// The guard's body on every worker.
 async fn guard_bodies(citus: &TempCitus) -> Vec<String> {
@@ -331,9 +333,10 @@ async fn guard_bodies(citus: &TempCitus) -> Vec<String> {
     bodies
 }
 
-/// Z12: a cluster migrated by an older build (its guard body and its fingerprint stamp) gets
-/// this build's guard on every node at the next `migrate`, which passes each worker's own
-/// shards and refuses the others, and the store decides through it.
+/// Z12: a cluster migrated by an older build (its guard body, its fingerprint stamp, no
+/// generation recorded) gets this build's guard on every node at the next `migrate`, which
+/// records the node functions' generation, passes each worker's own shards and refuses the
+/// others, and the store decides through it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_replaces_an_older_builds_guard_on_every_node() {
     let citus = migrated(2).await;
@@ -345,22 +348,22 @@ async fn migrate_replaces_an_older_builds_guard_on_every_node() {
         older.iter().all(|b| b.contains("PERFORM pg_catalog.lock")),
         "the older guard reached every worker: {older:?}"
     );
-    tokenlease::store::migrate(&mut c).await.expect("migrate");
+    let report = tokenlease::store::migrate(&mut c).await.expect("migrate");
+    assert_eq!(report.functions_applied, ["citus"], "{report}");
     let now = guard_bodies(&citus).await;
     for body in &now {
         assert!(!body.contains("count(*)"), "still the older guard: {body}");
         assert!(body.contains("GET DIAGNOSTICS"), "{body}");
     }
-    let stamp: String = c
+    let generation: i32 = c
         .query_one(
-            "SELECT obj_description('tokenlease_citus_delete_idle(text, bigint)'::regprocedure, \
-                                    'pg_proc')",
+            "SELECT generation FROM tokenlease_functions WHERE file = 'citus'",
             &[],
         )
         .await
-        .expect("the stamp")
+        .expect("the node functions' record")
         .get(0);
-    assert_ne!(stamp, "tokenlease citus 000000000000000000000000");
+    assert!(generation >= 1, "{generation}");
     // On each worker the guard passes the shards placed there and refuses any other
     // (SQLSTATE 55000, which the store reads as a stale map).
     let shards = c

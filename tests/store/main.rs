@@ -15,6 +15,7 @@ mod common;
 mod batch;
 mod bounded;
 mod citus;
+mod citus_returns;
 mod concurrency;
 mod contained;
 mod deploy;

@@ -112,6 +112,16 @@ pub(super) fn newer(files: &[FunctionFile], recorded: &[Recorded]) -> Vec<&'stat
         .collect()
 }
 
+/// `recorded` with the checksum of every file named in `edited` cleared: no file's checksum.
+fn mark_edited(mut recorded: Vec<Recorded>, edited: &[&str]) -> Vec<Recorded> {
+    for (name, checksum, _) in &mut recorded {
+        if edited.contains(&name.as_str()) {
+            checksum.clear();
+        }
+    }
+    recorded
+}
+
 /// The files, checksums and generations recorded in `tokenlease_functions`.
 async fn recorded(
     client: &impl tokio_postgres::GenericClient,
@@ -150,7 +160,24 @@ pub(crate) async fn apply(
     files: &[FunctionFile],
     lock: &str,
 ) -> Result<(Vec<&'static str>, Vec<&'static str>), MigrateError> {
-    let before = recorded(&*client).await?;
+    apply_with(client, files, lock, &[]).await
+}
+
+/// [`apply`], with the files named in `edited` counted as recorded with another checksum: their
+/// definitions in the database are not the ones their record says (the Citus step checks them
+/// on every node), so at their own generation they are applied again, while a newer
+/// generation still stays.
+///
+/// # Errors
+///
+/// As [`apply`].
+pub(crate) async fn apply_with(
+    client: &mut tokio_postgres::Client,
+    files: &[FunctionFile],
+    lock: &str,
+    edited: &[&str],
+) -> Result<(Vec<&'static str>, Vec<&'static str>), MigrateError> {
+    let before = mark_edited(recorded(&*client).await?, edited);
     if stale(files, &before).is_empty() {
         return Ok((Vec::new(), newer(files, &before)));
     }
@@ -160,7 +187,7 @@ pub(crate) async fn apply(
     tx.batch_execute(lock)
         .await
         .map_err(MigrateError::database("take the migration advisory lock"))?;
-    let recorded = recorded(&tx).await?;
+    let recorded = mark_edited(recorded(&tx).await?, edited);
     let mut applied = Vec::new();
     for file in stale(files, &recorded) {
         tx.batch_execute(file.sql)
@@ -201,6 +228,65 @@ pub(super) fn sha256_hex(sql: &str) -> String {
             let _ = write!(hex, "{byte:02x}");
             hex
         })
+}
+
+/// Each generation of each file that a release shipped, by checksum (the files of `functions/`
+/// and `citus`, the Citus node functions): a file whose SQL changed must carry a new generation
+/// (add its line here), or an older release's `migrate` would not know to leave it alone, and
+/// this release's would not replace the old one.
+#[cfg(test)]
+const RELEASED: &[(&str, i32, &str)] = &[
+    (
+        "bucket",
+        1,
+        "cb3bd6d7c702e94436e84bb84a1cffe6b8b513cd14d4575ed1903614de773183",
+    ),
+    (
+        "held_leases",
+        1,
+        "bb2774bba9c72ac00d1c9689cf991d955158d85b96210ba73b155a8dd16e4836",
+    ),
+    (
+        "acquire_held",
+        1,
+        "6900d5f4011d7c4e10afd98d16b381e67dc706a2692eb1faae51a5d44653acb8",
+    ),
+    (
+        "citus",
+        1,
+        "ca943c01d6a981335351347f761220b336ec1d76d6d954ea04bd70ab218abc11",
+    ),
+];
+
+/// Panics naming the first of `files` whose checksum is not the one [`RELEASED`] pins for its
+/// generation, or whose generation it does not pin.
+#[cfg(test)]
+pub(super) fn check_pinned(files: &[FunctionFile]) {
+    for f in files {
+        let pinned = RELEASED
+            .iter()
+            .find(|(name, generation, _)| *name == f.name && *generation == f.generation);
+        match pinned {
+            Some((_, _, checksum)) => assert_eq!(
+                *checksum,
+                f.checksum(),
+                "function file {} changed but its generation is still {}: raise its \
+                 generation (`FUNCTIONS`, or `NODE_FUNCTIONS_GENERATION` for `citus`) and \
+                 pin the new checksum in RELEASED",
+                f.name,
+                f.generation
+            ),
+            None => panic!(
+                "function file {} generation {} is not pinned in RELEASED: add \
+                 (\"{}\", {}, \"{}\")",
+                f.name,
+                f.generation,
+                f.name,
+                f.generation,
+                f.checksum()
+            ),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -258,52 +344,8 @@ mod tests {
         assert_eq!(newer(FUNCTIONS, &newer_rows), ["acquire_held"]);
     }
 
-    /// Each generation of each file that a release shipped, by checksum: a file whose SQL
-    /// changed must carry a new generation (add its line here), or an older release's `migrate`
-    /// would not know to leave it alone, and this release's would not replace the old one.
-    const RELEASED: &[(&str, i32, &str)] = &[
-        (
-            "bucket",
-            1,
-            "cb3bd6d7c702e94436e84bb84a1cffe6b8b513cd14d4575ed1903614de773183",
-        ),
-        (
-            "held_leases",
-            1,
-            "bb2774bba9c72ac00d1c9689cf991d955158d85b96210ba73b155a8dd16e4836",
-        ),
-        (
-            "acquire_held",
-            1,
-            "6900d5f4011d7c4e10afd98d16b381e67dc706a2692eb1faae51a5d44653acb8",
-        ),
-    ];
-
     #[test]
     fn released_files_are_pinned() {
-        for f in FUNCTIONS {
-            let pinned = RELEASED
-                .iter()
-                .find(|(name, generation, _)| *name == f.name && *generation == f.generation);
-            match pinned {
-                Some((_, _, checksum)) => assert_eq!(
-                    *checksum,
-                    f.checksum(),
-                    "functions/{}.sql changed but its generation is still {}: raise `generation` \
-                     in FUNCTIONS and pin the new checksum in RELEASED",
-                    f.name,
-                    f.generation
-                ),
-                None => panic!(
-                    "functions/{}.sql generation {} is not pinned in RELEASED: add \
-                     (\"{}\", {}, \"{}\")",
-                    f.name,
-                    f.generation,
-                    f.name,
-                    f.generation,
-                    f.checksum()
-                ),
-            }
-        }
+        check_pinned(FUNCTIONS);
     }
 }

@@ -175,17 +175,19 @@ pub(super) fn give_back_limits(shard: bool) -> String {
         "excluded.more_rate",
         "r.now_us",
     );
-    let (buckets, returns, ordinality, f_n, u_n, only, conflict, fresh, is_fresh) = if shard {
+    // On a shard, the part's positions `$10` are joined once to the arrays unnested with
+    // their ordinality (not tested against every row), and the fresh returns joined once.
+    let (buckets, returns, ordinality, f_n, u_n, conflict, fresh, is_fresh) = if shard {
         (
             "%1$s",
             "%2$s",
             " WITH ORDINALITY",
-            ", n) WHERE f.n = ANY ($10::integer[])",
-            ", n",
-            "u.n = ANY ($10::integer[]) AND ",
+            ", n) JOIN unnest($10::integer[]) AS fm(n) ON fm.n = f.n",
+            ", n) JOIN unnest($10::integer[]) AS um(n) ON um.n = u.n \
+             JOIN fresh ON fresh.key = u.key AND fresh.id = u.id",
             "(key, id)",
             "t.key, t.id",
-            "(u.key, u.id) IN (SELECT fresh.key, fresh.id FROM fresh)",
+            "",
         )
     } else {
         (
@@ -193,11 +195,10 @@ pub(super) fn give_back_limits(shard: bool) -> String {
             "tokenlease_returns",
             "",
             ")",
-            "",
-            "",
+            ")",
             "(id)",
             "t.id",
-            "u.id IN (SELECT fresh.id FROM fresh)",
+            "WHERE u.id IN (SELECT fresh.id FROM fresh)",
         )
     };
     let order = if shard { "f.key, f.id" } else { "f.id" };
@@ -219,8 +220,8 @@ pub(super) fn give_back_limits(shard: bool) -> String {
                     {caps}, array_fill(0, ARRAY[u.count]), {caps}, {rates} \
              FROM unnest($1::bigint[], $2::text[], $4::bigint[], $5::bigint[], $8::integer[], \
                          $9::integer[]){ordinality} \
-                 AS u(id, key, capacity, rate, first, count{u_n}) \
-             WHERE {only}{is_fresh} \
+                 AS u(id, key, capacity, rate, first, count{u_n} \
+             {is_fresh} \
              ORDER BY u.key \
              ON CONFLICT (key) DO UPDATE \
              SET (tokens, frac, refilled, more_tokens, more_frac) = ( \

@@ -169,7 +169,9 @@ pub struct MigrationReport {
     /// session), which is then used as it is, or when the tables were distributed before.
     pub citus_shard_count_chosen: bool,
     /// The function files (`functions/<name>.sql`) this call applied because the database had
-    /// none recorded for them, an older generation, or another checksum at the same generation.
+    /// none recorded for them, an older generation, or another checksum at the same generation;
+    /// on a Citus coordinator also `citus`, the node functions, applied by the same rule and
+    /// also when a node's definitions are not the recorded ones.
     pub functions_applied: Vec<&'static str>,
     /// The function files a newer release applied (the database records a newer generation):
     /// left as they are, since that release's definitions keep this one's statements working.
@@ -315,11 +317,18 @@ async fn migrate_all(client: &mut tokio_postgres::Client) -> Result<MigrationRep
     // On a Citus coordinator: distribute the tables and create the routed functions
     // (src/store/postgres/citus/). On plain PostgreSQL: one read of pg_extension.
     if let Some(citus) = super::citus::distribute(client, LOCK).await? {
-        report.citus = Some(citus.version);
-        report.citus_shards = Some(citus.shards);
-        report.citus_shard_count_chosen = citus.chosen;
+        record_citus(&mut report, citus);
     }
     Ok(report)
+}
+
+/// What the Citus step did, in `report`: the node functions count as a function file.
+pub(super) fn record_citus(report: &mut MigrationReport, citus: super::citus::Distributed) {
+    report.citus = Some(citus.version);
+    report.citus_shards = Some(citus.shards);
+    report.citus_shard_count_chosen = citus.chosen;
+    report.functions_applied.extend(citus.applied);
+    report.functions_newer.extend(citus.newer);
 }
 
 /// [`migrate`] with a list other than [`MIGRATIONS`], for tests of the migrator itself.
@@ -517,6 +526,8 @@ fn validate(migrations: &[Migration]) -> Result<(), MigrateError> {
 
 mod privilege;
 
+#[cfg(test)]
+mod citus_tests;
 #[cfg(test)]
 mod db_tests;
 

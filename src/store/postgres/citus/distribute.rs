@@ -1,9 +1,13 @@
 //! The Citus step of the migrations: the version check, the tables distributed by key, and the
-//! functions created again when this build's differ.
+//! node functions applied by generation and checksum, checked on every node.
+
+use sha2::{Digest, Sha256};
+use tokio_postgres::types::Type;
 
 use super::SUPPORTED_CITUS;
-use super::sql::{fingerprint, functions, literal};
+use super::sql::{bodies, literal, node_functions};
 use crate::store::MigrateError;
+use crate::store::postgres::functions::{FunctionFile, apply_with};
 
 /// The Citus version of `extversion` (`13.2-1`) as (major, minor).
 pub(super) fn parse_version(v: &str) -> Option<(u32, u32)> {
@@ -15,8 +19,10 @@ pub(super) fn parse_version(v: &str) -> Option<(u32, u32)> {
 
 /// The shards of `tokenlease_buckets` with their tables' names, in shard order; none before
 /// the table is distributed.
-async fn shards(tx: &tokio_postgres::Transaction<'_>) -> Result<Vec<(i64, String)>, MigrateError> {
-    let rows = tx
+async fn shards(
+    client: &impl tokio_postgres::GenericClient,
+) -> Result<Vec<(i64, String)>, MigrateError> {
+    let rows = client
         .query_typed(
             "SELECT shardid, shard_name('tokenlease_buckets'::regclass, shardid) \
              FROM pg_dist_shard WHERE logicalrelid = to_regclass('tokenlease_buckets') \
@@ -45,13 +51,18 @@ pub(super) fn check_version(version: String) -> Result<String, MigrateError> {
     })
 }
 
-/// What the Citus step did: the extension's version, the shards of `tokenlease_buckets`, and
-/// whether this call chose their count.
+/// What the Citus step did: the extension's version, the shards of `tokenlease_buckets`, whether
+/// this call chose their count, and whether it applied the node functions or left a newer
+/// release's.
 #[derive(Debug)]
 pub(in crate::store::postgres) struct Distributed {
     pub(in crate::store::postgres) version: String,
     pub(in crate::store::postgres) shards: u32,
     pub(in crate::store::postgres) chosen: bool,
+    /// The node functions' name when this call applied them.
+    pub(in crate::store::postgres) applied: Vec<&'static str>,
+    /// Their name when a newer release's are recorded, left alone.
+    pub(in crate::store::postgres) newer: Vec<&'static str>,
 }
 
 /// The shard count for the tables when `citus.shard_count` is at Citus's default:
@@ -79,15 +90,33 @@ async fn shard_count(tx: &tokio_postgres::Transaction<'_>) -> Result<Option<u32>
 }
 
 /// The Citus step of [`migrate`](super::super::migrate::migrate): on a database with the `citus`
-/// extension, distributes the tables by key (once) and creates the Citus functions (again when
-/// this build's differ). Returns the extension's version, or `None` on plain PostgreSQL (where
-/// it does nothing else).
-///
-/// Runs in one transaction under the migration lock (`lock`, the statement that takes it), so
-/// concurrent migrators do it once.
+/// extension, distributes the tables by key (once) and applies this build's node functions
+/// ([`node_functions`]) by generation and checksum. Returns what it did, or `None` on plain
+/// PostgreSQL (where it does nothing else).
 pub(in crate::store::postgres) async fn distribute(
     client: &mut tokio_postgres::Client,
     lock: &str,
+) -> Result<Option<Distributed>, MigrateError> {
+    distribute_with(client, lock, &node_functions()).await
+}
+
+/// [`distribute`] with `file` as the node functions: another build's, for tests of the rule
+/// between releases.
+///
+/// The tables are distributed in one transaction under the migration lock (`lock`, the
+/// statement that takes it), so concurrent migrators do it once. Then the node functions are
+/// applied as a file of `functions/` is (`functions.rs`, the same code and the same record in
+/// `tokenlease_functions` on the coordinator): when the coordinator records none, an older
+/// generation, or the same generation with another checksum, or when some node's definitions
+/// are not the ones the record says ([`edited_on_nodes`]: a definition edited by hand on a
+/// node, or put back by a build from before generations) and the record is at this build's
+/// generation. A newer generation is left alone on every node: Citus creates and replaces a
+/// distributed function on every node from the coordinator, so an older build's `migrate`
+/// during a rolling deploy does not put its definitions back over the newer ones.
+pub(in crate::store::postgres) async fn distribute_with(
+    client: &mut tokio_postgres::Client,
+    lock: &str,
+    file: &FunctionFile,
 ) -> Result<Option<Distributed>, MigrateError> {
     let rows = client
         .query_typed(
@@ -103,43 +132,55 @@ pub(in crate::store::postgres) async fn distribute(
         .try_get(0)
         .map_err(MigrateError::database("read the Citus version"))?;
     let version = check_version(version)?;
+    let (shards, chosen) = distribute_tables(client, lock).await?;
+    let edited = edited_on_nodes(client, file).await?;
+    let (applied, newer) = apply_with(client, std::slice::from_ref(file), lock, &edited).await?;
+    Ok(Some(Distributed {
+        version,
+        shards,
+        chosen,
+        applied,
+        newer,
+    }))
+}
+
+/// Distributes `tokenlease_buckets` and `tokenlease_returns` by key, co-located, unless they
+/// are: the shard count, and whether this call chose it.
+async fn distribute_tables(
+    client: &mut tokio_postgres::Client,
+    lock: &str,
+) -> Result<(u32, bool), MigrateError> {
+    let step = |s: &'static str| MigrateError::database(s);
+    let distributed = "SELECT EXISTS (SELECT FROM pg_dist_partition \
+                                      WHERE logicalrelid = 'tokenlease_buckets'::regclass), \
+                              EXISTS (SELECT FROM pg_dist_partition \
+                                      WHERE logicalrelid = 'tokenlease_returns'::regclass)";
+    let state = client
+        .query_typed(distributed, &[])
+        .await
+        .map_err(step("read the Citus state"))?;
+    if state.first().is_some_and(|row| row.get(0) && row.get(1)) {
+        let n = shards(&*client).await?.len();
+        return Ok((u32::try_from(n).unwrap_or(u32::MAX), false));
+    }
     let tx = client
         .transaction()
         .await
-        .map_err(MigrateError::database("begin the Citus transaction"))?;
+        .map_err(step("begin the Citus transaction"))?;
     tx.batch_execute(lock)
         .await
-        .map_err(MigrateError::database("take the migration advisory lock"))?;
-    // Distributing a table and then a function in one transaction needs one connection per
-    // node throughout.
+        .map_err(step("take the migration advisory lock"))?;
+    // Distributing a table needs one connection per node throughout the transaction.
     tx.batch_execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
         .await
-        .map_err(MigrateError::database("set citus.multi_shard_modify_mode"))?;
+        .map_err(step("set citus.multi_shard_modify_mode"))?;
     let state = tx
-        .query_typed(
-            "SELECT EXISTS (SELECT FROM pg_dist_partition \
-                            WHERE logicalrelid = 'tokenlease_buckets'::regclass), \
-                    EXISTS (SELECT FROM pg_dist_partition \
-                            WHERE logicalrelid = 'tokenlease_returns'::regclass), \
-                    coalesce(obj_description( \
-                        to_regprocedure('tokenlease_citus_delete_idle(text, bigint)'), \
-                        'pg_proc'), '')",
-            &[],
-        )
+        .query_typed(distributed, &[])
         .await
-        .map_err(MigrateError::database("read the Citus state"))?;
-    let row = &state[0];
-    let (buckets, returns, comment): (bool, bool, String) = (row.get(0), row.get(1), row.get(2));
-    let step = |s: &'static str| MigrateError::database(s);
-    let current = format!("tokenlease citus {}", fingerprint());
-    if buckets && returns && comment == current {
-        let shards = u32::try_from(shards(&tx).await?.len()).unwrap_or(u32::MAX);
-        return Ok(Some(Distributed {
-            version,
-            shards,
-            chosen: false,
-        }));
-    }
+        .map_err(step("read the Citus state"))?;
+    let (buckets, returns): (bool, bool) = state
+        .first()
+        .map_or((false, false), |row| (row.get(0), row.get(1)));
     let mut chosen = false;
     if !buckets {
         if let Some(count) = shard_count(&tx).await? {
@@ -152,8 +193,6 @@ pub(in crate::store::postgres) async fn distribute(
             .await
             .map_err(step("distribute tokenlease_buckets"))?;
     }
-    let shards = shards(&tx).await?;
-    let stamp = format!("tokenlease citus {}", fingerprint());
     if !returns {
         tx.batch_execute(
             "ALTER TABLE tokenlease_returns DROP CONSTRAINT IF EXISTS tokenlease_returns_pkey; \
@@ -165,41 +204,74 @@ pub(in crate::store::postgres) async fn distribute(
         .await
         .map_err(step("distribute tokenlease_returns"))?;
     }
-    for (signature, body) in functions() {
-        tx.batch_execute(&body)
-            .await
-            .map_err(step("create a Citus function"))?;
-        if signature.starts_with("tokenlease_citus_parts")
-            || signature.starts_with("tokenlease_citus_hold")
-        {
-            // Helpers, run where their caller runs: on every node, no distribution argument.
-            tx.batch_execute(&format!(
-                "SELECT create_distributed_function({})",
-                literal(signature)
-            ))
-            .await
-            .map_err(step("create a Citus helper on every node"))?;
-            continue;
-        }
-        tx.batch_execute(&format!(
-            "SELECT create_distributed_function({}, '$1', colocate_with := 'tokenlease_buckets')",
-            literal(signature)
-        ))
-        .await
-        .map_err(step("distribute a Citus function"))?;
-    }
-    tx.batch_execute(&format!(
-        "COMMENT ON FUNCTION tokenlease_citus_delete_idle(text, bigint) IS {}",
-        literal(&stamp)
-    ))
-    .await
-    .map_err(step("record the Citus functions' fingerprint"))?;
+    let n = shards(&tx).await?.len();
     tx.commit()
         .await
         .map_err(step("commit the Citus distribution"))?;
-    Ok(Some(Distributed {
-        version,
-        shards: u32::try_from(shards.len()).unwrap_or(u32::MAX),
-        chosen,
-    }))
+    Ok((u32::try_from(n).unwrap_or(u32::MAX), chosen))
+}
+
+/// What a node's definitions of `file`'s functions read as: `name:sha256(body)` for each, in
+/// name order, joined by `,` (the bodies as `pg_proc.prosrc` holds them).
+fn digest(functions: &[(String, String)]) -> String {
+    functions
+        .iter()
+        .map(|(name, body)| {
+            let hash = Sha256::digest(body.as_bytes())
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>();
+            format!("{name}:{hash}")
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// `[file.name]` when some node's definitions of `file`'s functions are not `file`'s (a body
+/// edited, or a function missing), else none. Every node is read, the coordinator and each
+/// worker (`run_command_on_all_nodes`); a node that does not answer is not counted (its
+/// definitions cannot be told, and a `migrate` that replaced them would fail on it).
+async fn edited_on_nodes(
+    client: &tokio_postgres::Client,
+    file: &FunctionFile,
+) -> Result<Vec<&'static str>, MigrateError> {
+    let step = |s: &'static str| MigrateError::database(s);
+    let ours = bodies(file.sql);
+    let expected = digest(&ours);
+    let names: Vec<String> = ours.iter().map(|(name, _)| literal(name)).collect();
+    let schema: String = client
+        .query_typed("SELECT current_schema()::text", &[])
+        .await
+        .map_err(step("read the current schema"))?
+        .first()
+        .map(|row| row.get(0))
+        .unwrap_or_default();
+    let read = format!(
+        "SELECT coalesce(string_agg(p.proname || ':' || \
+                 encode(sha256(convert_to(p.prosrc, 'UTF8')), 'hex'), ',' ORDER BY p.proname), '') \
+         FROM pg_catalog.pg_proc AS p \
+         JOIN pg_catalog.pg_namespace AS n ON n.oid = p.pronamespace \
+         WHERE n.nspname = {} AND p.proname = ANY (ARRAY[{}]::text[])",
+        literal(&schema),
+        names.join(", ")
+    );
+    let here: Option<String> = client
+        .query_typed(read.as_str(), &[])
+        .await
+        .map_err(step("read the Citus functions"))?
+        .first()
+        .map(|row| row.get(0));
+    let nodes = client
+        .query_typed(
+            "SELECT success, result FROM run_command_on_all_nodes($1, true, true)",
+            &[(&read, Type::TEXT)],
+        )
+        .await
+        .map_err(step("read the Citus functions on every node"))?;
+    let differs = here.as_deref() != Some(expected.as_str())
+        || nodes.iter().any(|row| {
+            let (success, result): (bool, Option<String>) = (row.get(0), row.get(1));
+            success && result.as_deref() != Some(expected.as_str())
+        });
+    Ok(if differs { vec![file.name] } else { Vec::new() })
 }

@@ -10,7 +10,10 @@
 //! requires the distribution column in every unique constraint; a return id is unique per key,
 //! which is all a retried return needs), then creates the functions of [`sql`]: the shard
 //! guard on every node, and the strict take, the return and idle cleanup as *distributed
-//! functions* on their first argument. A Citus version outside [`SUPPORTED_CITUS`] is refused
+//! functions* on their first argument. They are applied as a function file of their own
+//! (`citus` in `tokenlease_functions`), by generation and checksum and checked on every node,
+//! so an older release's `migrate` leaves a newer one's in place. A Citus version outside
+//! [`SUPPORTED_CITUS`] is refused
 //! with [`MigrateError::UnsupportedCitus`](crate::store::MigrateError::UnsupportedCitus). On
 //! plain PostgreSQL nothing here runs.
 //!
@@ -566,10 +569,14 @@ mod distribute;
 mod map;
 mod sql;
 
-pub(super) use self::distribute::distribute;
+#[cfg(test)]
+pub(super) use self::distribute::distribute_with;
+pub(super) use self::distribute::{Distributed, distribute};
 pub(super) use self::map::shard_map;
 pub(crate) use self::map::{Node, ShardMap};
 use self::sql::{DELETE_IDLE, GIVE_BACK, GIVE_BACK_TYPES, TAKE_HELD};
+#[cfg(test)]
+pub(super) use self::sql::{GIVE_BACK_SHARD, NODE_FUNCTIONS_GENERATION, bodies, node_functions};
 
 #[cfg(test)]
 mod tests;

@@ -6,6 +6,8 @@ use std::sync::LazyLock;
 
 use tokio_postgres::types::Type;
 
+use super::super::functions::FunctionFile;
+
 use super::super::lean::{NOW_US, credit_set};
 
 /// `s` for `format()`: every `%` doubled.
@@ -89,33 +91,43 @@ pub(super) static HELD_UPDATE_SHARD: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// Returns on one shard, as the plain store's return statement (`lean.rs`), with the returns'
-/// shard `%2$s` keyed by `(key, id)`. `$1`..`$7` as that statement's, `$8` positions.
-pub(super) static GIVE_BACK_SHARD: LazyLock<String> = LazyLock::new(|| {
+/// shard `%2$s` keyed by `(key, id)`. `$1`..`$7` as that statement's, `$8` positions (the
+/// part's members, ascending).
+///
+/// Linear in the keys of the call: the part's requests are the positions `$8` joined once to
+/// the arrays unnested with their ordinality (a hash or merge join, not a test of every row
+/// against every position), the fresh returns are joined to them once (`todo`, materialised,
+/// so that no later join reads a CTE once per row), and the rows are reached by key through
+/// the primary key's index: `tokenlease_citus_give_back` runs it with `enable_seqscan = off`,
+/// as `tokenlease_citus_take_held` does, so a shard the planner believes small is not read
+/// whole. The rows are locked in key order first (`locked`, run once before the update by the
+/// uncorrelated subquery of its `WHERE`), so two returns never wait on each other in a cycle.
+pub(in crate::store::postgres) static GIVE_BACK_SHARD: LazyLock<String> = LazyLock::new(|| {
     let credit = credit_set();
     for_format(&format!(
-        "WITH r AS ( \
+        "WITH r AS MATERIALIZED ( \
              SELECT q.id, q.key, q.amount, q.capacity, q.rate, q.holder, q.lease_id, \
                     {NOW_US} AS now_us \
-             FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], \
+             FROM unnest($8::integer[]) AS m(n) \
+             JOIN unnest($1::bigint[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], \
                          $6::bigint[], $7::bigint[]) WITH ORDINALITY \
-                 AS q(id, key, amount, capacity, rate, holder, lease_id, n) \
-             WHERE q.n = ANY ($8::integer[]) \
-             OFFSET 0), \
+                 AS q(id, key, amount, capacity, rate, holder, lease_id, n) ON q.n = m.n), \
          fresh AS ( \
              INSERT INTO @returns@ AS t (id, key, amount) \
              SELECT r.id, r.key, r.amount FROM r \
              ORDER BY r.key, r.id \
              ON CONFLICT (key, id) DO NOTHING \
              RETURNING t.key, t.id), \
+         todo AS MATERIALIZED ( \
+             SELECT r.* FROM r JOIN fresh ON fresh.key = r.key AND fresh.id = r.id), \
          locked AS ( \
              SELECT l.key FROM @buckets@ AS l \
-             WHERE l.key IN (SELECT r.key FROM r) \
+             WHERE l.key IN (SELECT todo.key FROM todo) \
              ORDER BY l.key FOR UPDATE) \
          UPDATE @buckets@ AS b \
          SET {credit} \
-         FROM r \
-         WHERE b.key = r.key AND b.key IN (SELECT locked.key FROM locked) \
-           AND (r.key, r.id) IN (SELECT fresh.key, fresh.id FROM fresh) \
+         FROM todo AS r \
+         WHERE b.key = r.key AND (SELECT count(*) FROM locked) >= 0 \
          RETURNING b.key"
     ))
     .replace("@buckets@", "%1$s")
@@ -255,6 +267,7 @@ CREATE OR REPLACE FUNCTION tokenlease_citus_give_back(
     holders bigint[], lease_ids bigint[])
 RETURNS TABLE (key text)
 LANGUAGE plpgsql VOLATILE
+SET enable_seqscan = off
 AS $fn$
 DECLARE
     p record;
@@ -371,20 +384,82 @@ $fn$",
     ]
 }
 
-/// A fingerprint of the Citus step's SQL: the functions are created again when it changes.
-pub(super) fn fingerprint() -> String {
-    use sha2::{Digest, Sha256};
-    let mut hasher = Sha256::new();
+/// The generation of the Citus node functions ([`functions`]), raised by every release that
+/// changes their SQL, as a file of `functions/` is (`functions.rs`): a coordinator recording a
+/// higher one in `tokenlease_functions` was migrated by a newer release, whose definitions stay
+/// on every node. Builds from before generations recorded none (0). `functions.rs`'s `RELEASED`
+/// pins each generation's checksum (checked by `the_node_functions_are_pinned`).
+pub(in crate::store::postgres) const NODE_FUNCTIONS_GENERATION: i32 = 1;
+
+/// The name the Citus node functions are recorded under in `tokenlease_functions`.
+pub(super) const NODE_FUNCTIONS: &str = "citus";
+
+/// The SQL that creates the Citus node functions ([`functions`]) on a coordinator, run as one
+/// batch in the migration's transaction: each function created, then made a distributed
+/// function on its first argument, co-located with `tokenlease_buckets` (the helpers, which
+/// run where their caller runs, on every node with no distribution argument); Citus creates
+/// each on every node.
+static NODE_FUNCTIONS_SQL: LazyLock<String> = LazyLock::new(|| {
+    // Distributing a function in the transaction that created it needs one connection per
+    // node throughout.
+    let mut sql = String::from("SET LOCAL citus.multi_shard_modify_mode TO 'sequential';\n");
     for (signature, body) in functions() {
-        hasher.update(signature.as_bytes());
-        hasher.update(body.as_bytes());
+        sql.push_str(&body);
+        sql.push_str(";\n");
+        let helper = signature.starts_with("tokenlease_citus_parts")
+            || signature.starts_with("tokenlease_citus_hold");
+        if helper {
+            sql.push_str(&format!(
+                "SELECT create_distributed_function({});\n",
+                literal(signature)
+            ));
+        } else {
+            sql.push_str(&format!(
+                "SELECT create_distributed_function({}, '$1', \
+                 colocate_with := 'tokenlease_buckets');\n",
+                literal(signature)
+            ));
+        }
     }
-    hasher
-        .finalize()
-        .iter()
-        .take(12)
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    sql
+});
+
+/// The Citus node functions as a function file of this build: applied by generation and
+/// checksum as the files of `functions/` are (`functions.rs`), recorded on the coordinator, and
+/// checked on every node ([`bodies`]).
+pub(in crate::store::postgres) fn node_functions() -> FunctionFile {
+    FunctionFile {
+        name: NODE_FUNCTIONS,
+        sql: NODE_FUNCTIONS_SQL.as_str(),
+        generation: NODE_FUNCTIONS_GENERATION,
+    }
+}
+
+/// Each function `sql` creates, by name, with its body (the text between its `$fn$` quotes:
+/// what `pg_proc.prosrc` holds on every node once it is created), in name order.
+pub(in crate::store::postgres) fn bodies(sql: &str) -> Vec<(String, String)> {
+    const HEAD: &str = "CREATE OR REPLACE FUNCTION ";
+    let mut out = Vec::new();
+    let mut rest = sql;
+    while let Some(at) = rest.find(HEAD) {
+        rest = &rest[at + HEAD.len()..];
+        let name = rest
+            .split('(')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        let Some((_, body)) = rest.split_once("$fn$") else {
+            break;
+        };
+        let Some((body, after)) = body.split_once("$fn$") else {
+            break;
+        };
+        out.push((name, body.to_string()));
+        rest = after;
+    }
+    out.sort();
+    out
 }
 
 /// `sql` with every parameter `$n` renumbered `$(n + offset)`.
