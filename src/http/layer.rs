@@ -80,6 +80,7 @@ impl RateLimitLayer {
                 routes: Routes::Table(Arc::new(TableCell::new(table))),
                 trusted: TrustedProxies::none(),
                 give_backs: Arc::default(),
+                x_ratelimit_remaining: false,
             }),
         })
     }
@@ -155,7 +156,9 @@ fn route_table(policies: &Policies, limiter: &Limiter) -> Result<RouteTable, Rou
         }
         gives_back |= specs.len() > 1;
         let file = Arc::new(FileRoute::new(&route.method, &route.path));
-        let limits = Arc::new(RouteLimits::new(specs, None, Some(file), limiter));
+        let mut limits = RouteLimits::new(specs, None, Some(file), limiter);
+        limits.x_ratelimit_remaining = policies.x_ratelimit_remaining();
+        let limits = Arc::new(limits);
         // The file refuses two routes of one method and shape, and patterns it cannot parse.
         let shape = route_shape(&route.path).unwrap_or_else(|| route.path.clone());
         by_shape.insert(format!("{}:{shape}", route.method), Arc::clone(&limits));
@@ -177,6 +180,16 @@ impl RateLimitLayer {
         self
     }
 
+    /// Also writes the legacy `X-RateLimit-{Name}-Remaining` field of each limit on every
+    /// response (`RateLimit` carries the same counts), on every route whatever the policy
+    /// file says; without it, on the routes of a file with `"x_ratelimit_remaining": true`
+    /// only. Off by default: two more fields per response cost about as much as a limit's
+    /// check.
+    pub fn x_ratelimit_remaining(mut self, on: bool) -> Self {
+        Arc::make_mut(&mut self.config).x_ratelimit_remaining = on;
+        self
+    }
+
     /// The limiter the layer decides with.
     pub fn limiter(&self) -> &Limiter {
         &self.config.limiter
@@ -194,6 +207,7 @@ impl RouteLimitLayer {
                 routes: Routes::One(Arc::new(limits)),
                 trusted: TrustedProxies::none(),
                 give_backs: Arc::default(),
+                x_ratelimit_remaining: false,
             }),
             given: Given::default(),
         }
@@ -312,6 +326,13 @@ impl RouteLimitLayer {
     /// The limiter the layer decides with.
     pub fn limiter(&self) -> &Limiter {
         &self.config.limiter
+    }
+
+    /// Also writes the legacy `X-RateLimit-{Name}-Remaining` field of each limit on every
+    /// response (`RateLimit` carries the same counts). Off by default.
+    pub fn x_ratelimit_remaining(mut self, on: bool) -> Self {
+        Arc::make_mut(&mut self.config).x_ratelimit_remaining = on;
+        self
     }
 
     /// Changes the limits as given with `f`, and builds the route's limits from them again.

@@ -71,6 +71,7 @@ impl After {
             response.headers_mut(),
             &self.progress.limits,
             &self.progress.reports,
+            self.config.remaining_fields(&self.progress.limits),
         );
     }
 }

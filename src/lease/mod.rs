@@ -61,7 +61,8 @@ mod words_tests;
 pub(crate) use slab::NO_PLAN;
 use slab::Slab;
 pub(crate) use slot::{Slot, SlotRef};
-use table::Table;
+pub(crate) use table::Hint;
+use table::{Table, TableRef};
 use word::Take;
 
 /// Capacity of the queue of slots that asked for a refill: 8,192 cells of 16 bytes (a stamp and
@@ -249,6 +250,37 @@ pub(crate) enum Fast {
     Gone,
 }
 
+/// The lease table pinned for a few takes in a row ([`Leases::pin`]); what it returns stays
+/// valid while it lives. Hold it only for work that does not wait.
+pub(crate) struct Pinned<'a> {
+    leases: &'a Leases,
+    table: TableRef<'a>,
+}
+
+impl std::fmt::Debug for Pinned<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pinned")
+    }
+}
+
+impl Pinned<'_> {
+    /// [`Leases::try_take`] in this view, looking `key` up through `hint` when given (a hint
+    /// that only lookups of this same key write).
+    #[inline]
+    pub(crate) fn try_take(
+        &self,
+        plan: &Plan,
+        chosen: Option<(&Arc<Plan>, u32)>,
+        key: &str,
+        cost: u64,
+        plans: &PlanRegistry,
+        hint: Option<&Hint>,
+    ) -> Fast {
+        self.leases
+            .try_take_in(&self.table, plan, chosen, key, cost, plans, hint)
+    }
+}
+
 impl Leases {
     /// A table over `store`, with its actor spawned on the current runtime.
     pub(crate) fn start(
@@ -390,8 +422,38 @@ impl Leases {
         cost: u64,
         plans: &PlanRegistry,
     ) -> Fast {
-        let table = self.table.pin();
-        let (slot, hot) = match table.get(key) {
+        self.try_take_in(&self.table.pin(), plan, chosen, key, cost, plans, None)
+    }
+
+    /// A view of the table pinned once for several [`Pinned::try_take`]s: a request checked
+    /// against several limits pins it once, not once per limit.
+    #[inline]
+    pub(crate) fn pin(&self) -> Pinned<'_> {
+        Pinned {
+            leases: self,
+            table: self.table.pin(),
+        }
+    }
+
+    /// [`try_take`](Self::try_take) in `table`, looking `key` up through `hint` when given
+    /// (`TableRef::get_hinted`: only lookups of this same key write it).
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    fn try_take_in(
+        &self,
+        table: &TableRef<'_>,
+        plan: &Plan,
+        chosen: Option<(&Arc<Plan>, u32)>,
+        key: &str,
+        cost: u64,
+        plans: &PlanRegistry,
+        hint: Option<&Hint>,
+    ) -> Fast {
+        let found = match hint {
+            Some(hint) => table.get_hinted(key, hint),
+            None => table.get(key),
+        };
+        let (slot, hot) = match found {
             Some((slot, hot)) => {
                 // A key first seen through a named plan (`try_acquire_with`,
                 // `try_acquire_now_with`) whose plan is the one the policies choose for it: from
