@@ -670,6 +670,62 @@ mod tests {
         assert_eq!(table.len(), 1000);
     }
 
+    /// A hint names its key's entry while the entry is live in the current array: through a
+    /// removal and a re-insert of the key (a new slot), a rebuild of the array, and a hint
+    /// made in another table (whose arrays are numbered apart), the lookup still returns the
+    /// key's current slot and points the hint at it; a key that is gone is not found.
+    #[test]
+    fn a_hint_finds_its_keys_current_entry_or_looks_again() {
+        let slab = Slab::new(8192);
+        let table = Table::new(Arc::clone(&slab));
+        let long = "ratelimit:api:GET:/bookings/{bookingId}";
+        let hint = Hint::new(0);
+        let t = table.pin();
+        assert!(t.get_hinted(long, &hint).is_none());
+        assert_eq!(hint.load(Ordering::Relaxed), 0, "no entry, no hint");
+        let first = slot(&slab, long);
+        t.get_or_insert_with(long, |_| SlotRef::clone(&first));
+        let found = |t: &TableRef<'_>, hint: &Hint| {
+            let (s, hot) = t.get_hinted(long, hint).expect("found");
+            assert!(std::ptr::eq(hot, s.hot()));
+            SlotRef::clone(s)
+        };
+        assert!(SlotRef::ptr_eq(&found(&t, &hint), &first));
+        let named = hint.load(Ordering::Relaxed);
+        assert_ne!(named, 0);
+        // Found through the hint: it stays as it is.
+        assert!(SlotRef::ptr_eq(&found(&t, &hint), &first));
+        assert_eq!(hint.load(Ordering::Relaxed), named);
+        // Gone: the entry the hint names is a tombstone, and the key is not found.
+        t.remove(long).expect("present");
+        assert!(t.get_hinted(long, &hint).is_none());
+        // Back with a new slot, in another bucket of the same array.
+        let second = slot(&slab, long);
+        t.get_or_insert_with(long, |_| SlotRef::clone(&second));
+        assert!(SlotRef::ptr_eq(&found(&t, &hint), &second));
+        assert_ne!(hint.load(Ordering::Relaxed), named);
+        // Thousands of other keys: the array is rebuilt (more than once), the hint's is gone.
+        let others: Vec<SlotRef> = (0..3000).map(|i| slot(&slab, &key(i))).collect();
+        for (i, s) in others.iter().enumerate() {
+            t.get_or_insert_with(&key(i), |_| SlotRef::clone(s));
+        }
+        let before = hint.load(Ordering::Relaxed);
+        assert!(SlotRef::ptr_eq(&found(&t, &hint), &second));
+        assert_ne!(
+            hint.load(Ordering::Relaxed),
+            before,
+            "pointed at the new array"
+        );
+        // Another table with the same key at the same position: its arrays have other numbers.
+        let other = Table::new(Arc::clone(&slab));
+        let third = slot(&slab, long);
+        let o = other.pin();
+        o.get_or_insert_with(long, |_| SlotRef::clone(&third));
+        let (got, _) = o.get_hinted(long, &hint).expect("found");
+        assert!(SlotRef::ptr_eq(got, &third));
+        assert!(SlotRef::ptr_eq(&found(&t, &hint), &second));
+    }
+
     fn key(i: usize) -> String {
         // Short keys (inline) and keys longer than `INLINE` (compared through the slot).
         if i.is_multiple_of(3) {
