@@ -93,15 +93,16 @@ impl Progress {
 
     /// Gives back every token taken so far (a later limit refused), and reports each limit
     /// whose token is back in its lease with it. Waits for the store's give-backs.
-    pub(crate) async fn give_back_all(&mut self, config: &Config) {
+    pub(crate) async fn give_back_all(&mut self) {
         let taken = std::mem::take(&mut self.taken);
+        let limits = Arc::clone(&self.limits);
         for &(i, givable) in &taken {
             let i = usize::from(i);
-            let limit = &self.limits.limits[i];
+            let limit = &limits.limits[i];
             let Some(key) = self.key(i) else { continue };
             let back = give_back(
-                &config.limiter,
-                &config.give_backs,
+                &limits.limiter,
+                &limits.give_backs,
                 &limit.plan,
                 key,
                 givable,
@@ -112,15 +113,16 @@ impl Progress {
     }
 
     /// [`give_back_all`](Self::give_back_all) without waiting (an inner layer refused).
-    pub(crate) fn give_back_all_detached(&mut self, config: &Config) {
+    pub(crate) fn give_back_all_detached(&mut self) {
         let taken = std::mem::take(&mut self.taken);
+        let limits = Arc::clone(&self.limits);
         for &(i, givable) in &taken {
             let i = usize::from(i);
-            let limit = &self.limits.limits[i];
+            let limit = &limits.limits[i];
             let Some(key) = self.key(i) else { continue };
             let back = give_back_detached(
-                &config.limiter,
-                &config.give_backs,
+                &limits.limiter,
+                &limits.give_backs,
                 &limit.plan,
                 key,
                 givable,
@@ -384,7 +386,7 @@ pub(crate) async fn finish(config: &Config, mut progress: Progress) -> Outcome {
                     let now = config.limiter.instant();
                     limit.refused.remember(key, now + d.retry_after, now);
                 }
-                progress.give_back_all(config).await;
+                progress.give_back_all().await;
                 progress
                     .reports
                     .push(Report::denied(i, &limit.plan, d.remaining, d.retry_after));

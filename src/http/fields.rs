@@ -363,6 +363,7 @@ mod tests {
             Some("/x/{id}".to_owned()),
             None,
             &limiter,
+            &std::sync::Arc::default(),
         )
     }
 }

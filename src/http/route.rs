@@ -391,6 +391,10 @@ pub(crate) struct RouteLimits {
     /// Whether its responses carry `X-RateLimit-{Name}-Remaining` (the policy file's
     /// `x_ratelimit_remaining`).
     pub(crate) x_ratelimit_remaining: bool,
+    /// The limiter of the layer's [`Config`], and its give-backs: what a response's future
+    /// needs to give tokens back when an inner layer refused, without holding the `Config`.
+    pub(crate) limiter: Limiter,
+    pub(crate) give_backs: Arc<GiveBacks>,
 }
 
 impl RouteLimits {
@@ -408,6 +412,7 @@ impl RouteLimits {
         pattern: Option<String>,
         file: Option<Arc<FileRoute>>,
         limiter: &Limiter,
+        give_backs: &Arc<GiveBacks>,
     ) -> RouteLimits {
         let mut limits = Vec::with_capacity(specs.len());
         let mut items = Vec::with_capacity(specs.len());
@@ -515,6 +520,8 @@ impl RouteLimits {
             policy,
             needs_params,
             x_ratelimit_remaining: false,
+            limiter: limiter.clone(),
+            give_backs: Arc::clone(give_backs),
         }
     }
 
