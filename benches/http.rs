@@ -5,10 +5,13 @@
 //! - `governor_1_limit`: `tower_governor`'s `GovernorLayer`, one limit keyed by the booking id
 //!   (the path's last segment), on a quota too large to deny;
 //! - `governor_1_limit_headers` (the interleaved table only): the same with its header fields
-//!   (`use_headers`), as ours always writes its own;
+//!   (`use_headers`: `x-ratelimit-limit`, `x-ratelimit-remaining`), as ours always writes its
+//!   own;
 //! - `tokenlease_2_limits`: `RateLimitLayer` from a policy file, two limits (the route, the
 //!   booking by path parameter), leased plans with the default lease settings, over a
-//!   `MemoryStore`, on buckets too large to deny;
+//!   `MemoryStore`, on buckets too large to deny, writing its default fields on every response:
+//!   `RateLimit-Policy` and `RateLimit` with both limits' items (the older
+//!   `X-RateLimit-*-Remaining` fields are written only when asked for, and are not here);
 //!
 //! each at 1 booking id and at 10,000 ids round-robin. What a layer costs is its figure less
 //! `bare`'s, at the same id count, from the same run.
