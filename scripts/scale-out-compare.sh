@@ -12,7 +12,8 @@
 # each for $DURATION_S seconds (10 by default) with the server's CPU read after $WARMUP_S (3):
 # the first calls of many keys each write a row, which a long run writes once. Prints one row
 # per run: decisions/s, statements per 1,000 decisions, decisions per statement, the server's
-# CPU µs per decision (every cluster summed), p99 and the fallback's decisions (and their share).
+# CPU µs per decision (every cluster summed), p99 and the fallback's decisions (and their share),
+# then the medians over the rounds and each set-up's ratios to the one primary.
 # With BEFORE set to another build's binary (e.g. the main branch's), every set-up runs with it
 # and with this one back to back (the other one first in every other round, with REPEAT=2 or
 # more), so a busy machine weighs on both alike. The JSON
@@ -52,6 +53,10 @@ PY
 builds=("after=$bin")
 [[ -n "$BEFORE" ]] && builds=("before=$BEFORE" "after=$bin")
 
+# This run's reports, one per line (build, mode, set-up, JSON), for the medians at the end.
+rows="$(mktemp)"
+trap 'rm -f "$rows"' EXIT
+
 echo "cores: $(nproc); load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 printf '%-7s %-7s %-10s %11s %10s %9s %11s %8s %s\n' build mode set-up decisions/s \
     "stmts/1k" "dec/stmt" "CPU µs/dec" "p99 ms" fallback
@@ -74,6 +79,7 @@ for ((round = 0; round < REPEAT; round++)); do
                 json="$("${build#*=}" loadtest "${load[@]}" --instances 1 --tasks 16 \
                     --duration "$DURATION_S" --warmup "$WARMUP_S" --json $setup 2>/dev/null)"
                 echo "$json" >>"$OUT"
+                printf '%s\t%s\t%s\t%s\n' "${build%%=*}" "$mode" "${setup#--}" "$json" >>"$rows"
                 WHO="${build%%=*}" MODE="$mode" SETUP="${setup#--}" JSON="$json" \
                     python3 -c "$ROW"
             done
@@ -81,3 +87,30 @@ for ((round = 0; round < REPEAT; round++)); do
     done
 done
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+# Medians over the rounds, and each set-up against the one primary (`shards 1`) of the same
+# build and mode: the ratios the scale-out targets are stated in.
+ROWS="$rows" python3 - <<'PY'
+import json, os, statistics
+runs = {}
+for line in open(os.environ["ROWS"]):
+    who, mode, setup, js = line.rstrip("\n").split("\t", 3)
+    r = json.loads(js)
+    cpu = r.get("server_cpu_us_per_decision")
+    decisions = max(r["throughput_per_s"] * r["duration_s"], 1)
+    runs.setdefault((who, mode, setup), []).append(
+        (r["db_calls_per_1k"], cpu if cpu is not None else float("nan"), r["p99_us"] / 1000,
+         100.0 * r["fallback_decisions"] / decisions))
+print()
+print("medians over %d round(s); ratios against the same build's one primary" %
+      max(len(v) for v in runs.values()))
+print("%-7s %-7s %-10s %10s %11s %8s %10s %13s %11s" % ("build", "mode", "set-up", "stmts/1k",
+      "CPU µs/dec", "p99 ms", "fallback%", "stmts ratio", "CPU ratio"))
+med = lambda xs: statistics.median(xs)
+for (who, mode, setup), v in runs.items():
+    s, c, p, f = (med([x[i] for x in v]) for i in range(4))
+    base = runs.get((who, mode, "shards 1"))
+    bs, bc = (med([x[0] for x in base]), med([x[1] for x in base])) if base else (s, c)
+    print("%-7s %-7s %-10s %10.1f %11.1f %8.1f %10.3f %12.2fx %10.2fx" % (
+        who, mode, setup, s, c, p, f, s / bs, c / bc))
+PY

@@ -240,7 +240,7 @@ impl Leases {
         let now = self.now();
         let deny_until = slot.deny_until.load(Ordering::Acquire);
         if deny_until > now {
-            slot.needed.fetch_max(cost, Ordering::AcqRel);
+            slot.need(cost, 0, Ordering::AcqRel);
             return Fast::Dry {
                 retry_after: deny_until - now,
             };

@@ -52,6 +52,8 @@ pub(crate) struct SlotCold {
     /// to the fallback instead of waiting. Zero when not set.
     pub(crate) fallback_until: AtomicU64,
     /// The largest cost (nanotokens) a waiting caller needs: the minimum of the next refill.
+    /// Its top bit ([`WAITER`]) says a call of `Limiter::acquire_until` waits in the key's
+    /// line: the next refill asks for what that call needs, even of a dry bucket.
     pub(crate) needed: AtomicU64,
     /// The sum of the costs (nanotokens) callers are waiting for.
     pub(crate) waiting: AtomicU64,
@@ -343,13 +345,34 @@ impl Slot {
         // Relaxed: these are published to the actor by what the caller does next
         // (`request_refill`'s release, or the nudge queue), and the actor's `swap`s read them;
         // nothing is published through them (DESIGN.md §8, "Memory orderings").
-        self.needed.fetch_max(cost, Ordering::Relaxed);
+        self.need(cost, 0, Ordering::Relaxed);
         // Saturating: many waiters of large costs (up to 2⁵⁶ nanotokens each) would wrap a sum.
         let _ = self
             .waiting
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
                 Some(w.saturating_add(cost))
             });
+    }
+}
+
+/// The top bit of [`SlotCold::needed`]: a call of `Limiter::acquire_until` waits in the key's
+/// line for what `needed` holds. Costs stay below it (`TOKENS`, 2⁵⁶ nanotokens at most).
+pub(crate) const WAITER: u64 = 1 << 63;
+
+impl SlotCold {
+    /// Raises the cost the next refill must bring to `cost` (nanotokens) if it is below, and
+    /// sets `flag` ([`WAITER`] or nothing), keeping a flag already set.
+    pub(crate) fn need(&self, cost: u64, flag: u64, order: Ordering) {
+        let _ = self.needed.fetch_update(order, Ordering::Relaxed, |n| {
+            Some((n & !WAITER).max(cost) | (n & WAITER) | flag)
+        });
+    }
+
+    /// What the next refill must bring, and whether a call of `Limiter::acquire_until` waits
+    /// for it; clears both (the actor, planning a refill).
+    pub(crate) fn take_needed(&self) -> (u64, bool) {
+        let n = self.needed.swap(0, Ordering::AcqRel);
+        (n & !WAITER, n & WAITER != 0)
     }
 }
 

@@ -30,7 +30,7 @@ use parking_lot::Mutex;
 use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 
-use super::cost::validate_cost;
+use super::cost::{lease_cost, validate_cost};
 use super::decisions::lease_allowed_at;
 use super::{DecidedBy, Decision, Limiter};
 use crate::error::{Error, validate_key};
@@ -164,6 +164,8 @@ struct Place {
     key: Arc<str>,
     id: u64,
     wake: Arc<Notify>,
+    /// The call's cost in nanotokens, as a lease spends it.
+    nanos: u64,
 }
 
 impl Drop for Place {
@@ -236,7 +238,7 @@ impl Limiter {
         // The checks of `try_acquire`, in its order: what can never be allowed fails now.
         let (plan, _) = self.plan_for_key(key)?;
         validate_key(key).map_err(Error::from)?;
-        validate_cost(&plan, cost)?;
+        let nanos = lease_cost(validate_cost(&plan, cost)?);
         let waiters = &self.inner.waiters;
         let mut lines = waiters.lines.lock();
         let lines = &mut *lines;
@@ -266,6 +268,7 @@ impl Limiter {
             key: shared,
             id,
             wake,
+            nanos,
         })
     }
 
@@ -325,6 +328,11 @@ impl Place {
             if due {
                 if limiter.inner.clock.instant() >= deadline {
                     return Err(WaitError::DeadlinePassed { last });
+                }
+                // First in line: a refill of a dry bucket asks for this call's cost, not a
+                // whole lease, so the call is served when the bucket holds its tokens.
+                if let Some(leases) = limiter.inner.leases.get() {
+                    leases.mark_waiting(&place.key, place.nanos);
                 }
                 let tried = tokio::select! {
                     biased;

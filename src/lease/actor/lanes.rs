@@ -497,14 +497,14 @@ pub(super) fn finish(
             let outcome = leases.refill_outcome(sent, short, &result, now, retried);
             let late = matches!(outcome, Outcome::Late | Outcome::LateOnce);
             let mut answers = result.into_iter();
-            for (slot, _, want, hold, target) in &asks {
+            for (slot, _, want, hold, planned) in &asks {
                 let addr = SlotRef::as_ptr(slot) as usize;
                 lanes.inflight.remove(&addr);
                 match answers.next() {
                     Some(Ok(answer)) if !short => {
                         let strict = hold.map(|h| (sent, h.lease_id));
                         apply(
-                            leases, slot, *want, *target, &answer, now, strict, returns, ids,
+                            leases, slot, *want, *planned, &answer, now, strict, returns, ids,
                         );
                     }
                     // Late: the waiters ask again and go on waiting; credit owed is asked for.

@@ -25,8 +25,19 @@ const HOT_PARTS: u64 = 4;
 
 /// One slot's refill request: the slot, the least and the most it asks for (nanotokens), its
 /// strict lease's renewal, and the target lease size it was planned for (nanotokens; read when
-/// its answer is applied, carried here rather than kept in every slot's book).
-pub(super) type Ask = (SlotRef, u64, u64, Option<Hold>, u64);
+/// its answer is applied, carried here rather than kept in every slot's book), with the cost of
+/// the call of `Limiter::acquire_until` it was asked for, if one waits first in the key's line.
+pub(super) type Ask = (SlotRef, u64, u64, Option<Hold>, Planned);
+
+/// What a refill was planned for, read when its answer is applied: the target lease size
+/// (nanotokens), and the cost of a call of `Limiter::acquire_until` waiting first in the key's
+/// line ([`WAITER`](crate::lease::slot::WAITER)), if one does: a refusal then holds the key's
+/// callers back only until the bucket could pay that cost, not a whole lease.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Planned {
+    pub(super) target: u64,
+    pub(super) waiter: Option<u64>,
+}
 
 /// The strict-lease part of a refill request: the slot's holder id (drawn on its first strict
 /// refill), a fresh lease id, and what the slot keeps of its current lease. The store counts
@@ -48,19 +59,21 @@ fn hold(leases: &Leases, slot: &Slot, ids: &mut Ids) -> Option<Hold> {
     })
 }
 
-/// What one slot asks the store for: (min, want) in nanotokens, with the target lease size
-/// they come from, or `None` when nothing is needed. Samples the slot's demand.
+/// What one slot asks the store for: (min, want) in nanotokens, with what they were planned
+/// for, or `None` when nothing is needed. Samples the slot's demand.
 ///
 /// Credit the slot owes (`owed`, `Leases::credit`) is asked for on top of both: the grant
 /// pays it first (`apply`).
-fn plan_refill(slot: &Slot, now: u64, landing: u64, owed: u64) -> Option<(u64, u64, u64)> {
+fn plan_refill(slot: &Slot, now: u64, landing: u64, owed: u64) -> Option<(u64, u64, Planned)> {
     let settings = lease_settings(slot);
     let largest = largest_lease(slot, 0);
     let available = slot.words().available();
     // Never more than a lease holds: the limiter sends a call costing more to the store
     // (`LeaseSettings::MAX_LEASE`), and a grant above it would only go back.
-    let needed = slot.needed.swap(0, Ordering::AcqRel).min(TOKENS);
+    let (needed, for_waiter) = slot.take_needed();
+    let needed = needed.min(TOKENS);
     let waiting = slot.waiting.swap(0, Ordering::AcqRel).min(TOKENS);
+    let for_waiter = for_waiter && needed > 0;
     let mut book = slot.book.lock();
     let max_cost = book.max_cost.get().max(needed);
     book.max_cost.set(max_cost);
@@ -98,17 +111,22 @@ fn plan_refill(slot: &Slot, now: u64, landing: u64, owed: u64) -> Option<(u64, u
     // A top-up nobody waits for is worth a round trip only if it brings a good part of what is
     // wanted; with a caller waiting, whatever pays that caller is (asking it for more would
     // deny a call the bucket could pay). A bucket that ran dry is asked for the whole lease or
-    // nothing.
+    // nothing, unless a call waits in the key's line for its tokens (`acquire_until`): it is
+    // served as soon as the bucket holds its cost, as an ideal bucket would serve it.
     let min = if want == 0 {
         0
-    } else if book.dry {
+    } else if book.dry && !for_waiter {
         want
     } else if needed > 0 {
         needed.clamp(1, want)
     } else {
         (want / 2).clamp(1, want)
     };
-    Some((min.saturating_add(owed), want.saturating_add(owed), target))
+    let planned = Planned {
+        target,
+        waiter: for_waiter.then_some(needed),
+    };
+    Some((min.saturating_add(owed), want.saturating_add(owed), planned))
 }
 
 /// Plans the refill of up to [`CHUNK`](super::CHUNK) slots of one lane: what each asks the
@@ -142,9 +160,9 @@ pub(super) fn plan_chunk(
             continue;
         }
         match plan_refill(slot, now, landing, leases.owed_by(slot)) {
-            Some((min, want, target)) => {
+            Some((min, want, planned)) => {
                 let hold = hold(leases, slot, ids);
-                asks.push((SlotRef::clone(slot), min, want, hold, target));
+                asks.push((SlotRef::clone(slot), min, want, hold, planned));
             }
             None => {
                 slot.words().clear_pending();
@@ -177,7 +195,7 @@ pub(super) fn apply(
     leases: &Leases,
     slot: &SlotRef,
     want: u64,
-    target: u64,
+    planned: Planned,
     answer: &crate::store::Acquired,
     now: u64,
     strict: Option<(u64, i64)>,
@@ -212,10 +230,17 @@ pub(super) fn apply(
             book.dry_streak = book.dry_streak.saturating_add(1);
             book.dry_streak
         };
-        let wait = retry
-            .max(until_want)
-            .max(1)
-            .saturating_mul(u64::from(streak.min(4)));
+        // A waiting call asked for its own cost: the store's retry time is when the bucket
+        // could pay it, and the call tries again then (it is first in its key's line, so no
+        // other caller of this limiter competes with it).
+        let wait = if planned.waiter.is_some() {
+            retry.max(1)
+        } else {
+            retry
+                .max(until_want)
+                .max(1)
+                .saturating_mul(u64::from(streak.min(4)))
+        };
         slot.deny_until
             .store(now.saturating_add(wait), Ordering::Release);
         slot.dry().store(true, Ordering::Release);
@@ -226,7 +251,7 @@ pub(super) fn apply(
         // Split a top-up over a hot key's words only in parts of a few costs each, so that
         // no word is left holding less than a caller needs while the others hold the rest.
         let split_min = book.max_cost.get().max(1).saturating_mul(HOT_PARTS);
-        if slot.words().contended() && target >= split_min.saturating_mul(HOT_PARTS) {
+        if slot.words().contended() && planned.target >= split_min.saturating_mul(HOT_PARTS) {
             slot.words().spread_out();
         }
         // A lease never holds more than its bound (`largest_lease`): tokens refunded into the
@@ -259,7 +284,7 @@ pub(super) fn apply(
         let scarce = granted < want;
         book.dry = scarce;
         book.dry_streak = 0;
-        let size = target.max(slot.words().available());
+        let size = planned.target.max(slot.words().available());
         let low_water = if scarce {
             0
         } else {
@@ -267,7 +292,13 @@ pub(super) fn apply(
         };
         slot.hot().low_water.store(low_water, Ordering::Relaxed);
         drop(book);
-        let deny_until = if scarce {
+        // The next call waiting in the key's line asks for its own cost once the bucket could
+        // pay it (the cost of this one, as far as the actor knows), not once a whole lease has
+        // refilled.
+        let deny_until = if let (true, Some(need)) = (scarce, planned.waiter) {
+            let short = Tokens::from_nanos(u128::from(need.saturating_sub(remaining)));
+            now.saturating_add(slot.plan.bucket().time_to_refill(short))
+        } else if scarce {
             now.saturating_add(until_want)
         } else {
             0

@@ -260,6 +260,9 @@ const SELECT_APPLIED: &str = "SELECT version, checksum FROM tokenlease_migration
 const SELECT_ONE: &str = "SELECT checksum FROM tokenlease_migrations WHERE version = $1";
 
 // language=SQL
+const ASYNC_COMMIT: &str = "SET LOCAL synchronous_commit = off";
+
+// language=SQL
 const RECORD: &str =
     "INSERT INTO tokenlease_migrations (version, description, checksum) VALUES ($1, $2, $3)";
 
@@ -402,14 +405,13 @@ async fn apply_one(
         check_checksum(migration, &applied, expected)?;
         return Ok(false); // the transaction rolls back on drop; it changed nothing
     }
-    tx.batch_execute(migration.sql)
-        .await
-        .map_err(|error| MigrateError::Apply {
-            version: migration.version,
-            description: migration.description,
-            detail: describe(&error),
-            error,
-        })?;
+    // The record first, the migration last: the locks the migration takes on the live tables
+    // (an `ALTER TABLE`'s ACCESS EXCLUSIVE, which every take queues behind) are held from its
+    // statement to the commit, one round trip, and the commit does not wait for its WAL to
+    // reach the disk while holding them. A crash before the WAL is flushed loses the migration
+    // and its record together (the commit is atomic either way), and the next `migrate`
+    // applies it again. Before, the record and a durable commit came after the migration: under
+    // load a take waited past its 100 ms `lock_timeout` (K6).
     tx.execute_typed(
         RECORD,
         &[
@@ -422,6 +424,17 @@ async fn apply_one(
     .map_err(MigrateError::database(
         "record the migration in tokenlease_migrations",
     ))?;
+    tx.batch_execute(ASYNC_COMMIT)
+        .await
+        .map_err(MigrateError::database("set the migration's commit"))?;
+    tx.batch_execute(migration.sql)
+        .await
+        .map_err(|error| MigrateError::Apply {
+            version: migration.version,
+            description: migration.description,
+            detail: describe(&error),
+            error,
+        })?;
     tx.commit()
         .await
         .map_err(MigrateError::database("commit a migration"))?;
