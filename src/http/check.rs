@@ -93,15 +93,16 @@ impl Progress {
 
     /// Gives back every token taken so far (a later limit refused), and reports each limit
     /// whose token is back in its lease with it. Waits for the store's give-backs.
-    pub(crate) async fn give_back_all(&mut self, config: &Config) {
+    pub(crate) async fn give_back_all(&mut self) {
         let taken = std::mem::take(&mut self.taken);
+        let limits = Arc::clone(&self.limits);
         for &(i, givable) in &taken {
             let i = usize::from(i);
-            let limit = &self.limits.limits[i];
+            let limit = &limits.limits[i];
             let Some(key) = self.key(i) else { continue };
             let back = give_back(
-                &config.limiter,
-                &config.give_backs,
+                &limits.limiter,
+                &limits.give_backs,
                 &limit.plan,
                 key,
                 givable,
@@ -112,15 +113,16 @@ impl Progress {
     }
 
     /// [`give_back_all`](Self::give_back_all) without waiting (an inner layer refused).
-    pub(crate) fn give_back_all_detached(&mut self, config: &Config) {
+    pub(crate) fn give_back_all_detached(&mut self) {
         let taken = std::mem::take(&mut self.taken);
+        let limits = Arc::clone(&self.limits);
         for &(i, givable) in &taken {
             let i = usize::from(i);
-            let limit = &self.limits.limits[i];
+            let limit = &limits.limits[i];
             let Some(key) = self.key(i) else { continue };
             let back = give_back_detached(
-                &config.limiter,
-                &config.give_backs,
+                &limits.limiter,
+                &limits.give_backs,
                 &limit.plan,
                 key,
                 givable,
@@ -320,11 +322,13 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
                 .reports
                 .push(Report::denied(i, &limit.plan, decision.remaining, wait));
             count(&progress, i, Event::Denied);
-            return Outcome::Deny(deny(i, &decision, &progress));
+            return Outcome::Deny(deny(i, &decision, &progress, config));
         }
     }
 
-    // Then each limit in order, from its lease while one answers.
+    // Then each limit in order, from its lease while one answers: the lease table pinned once
+    // for them all, a fixed key found through its limit's hint.
+    let mut pinned = None;
     while progress.next < progress.limits.limits.len() {
         let i = progress.next;
         let Some(key) = progress.key(i) else {
@@ -332,7 +336,11 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
             continue;
         };
         let limit = &progress.limits.limits[i];
-        match config.limiter.take_now(&limit.plan, limit.index, key) {
+        let hint = matches!(progress.keys[i], KeyOf::Fixed).then_some(&limit.hint.0);
+        match config
+            .limiter
+            .take_now(&mut pinned, &limit.plan, limit.index, key, hint)
+        {
             Ok(Some(d)) => {
                 progress
                     .reports
@@ -378,12 +386,12 @@ pub(crate) async fn finish(config: &Config, mut progress: Progress) -> Outcome {
                     let now = config.limiter.instant();
                     limit.refused.remember(key, now + d.retry_after, now);
                 }
-                progress.give_back_all(config).await;
+                progress.give_back_all().await;
                 progress
                     .reports
                     .push(Report::denied(i, &limit.plan, d.remaining, d.retry_after));
                 count(&progress, i, Event::Denied);
-                return Outcome::Deny(deny(i, &d, &progress));
+                return Outcome::Deny(deny(i, &d, &progress, config));
             }
             Err(_) => count(&progress, i, Event::Error),
         }
@@ -616,7 +624,7 @@ fn malformed(why: &MalformedId, name: &str, progress: &Progress) -> Response<Str
         CONTENT_TYPE,
         HeaderValue::from_static("application/problem+json"),
     );
-    fields::write(h, &progress.limits, &[]);
+    fields::write(h, &progress.limits, &[], false);
     response
 }
 
@@ -626,7 +634,7 @@ fn malformed(why: &MalformedId, name: &str, progress: &Progress) -> Response<Str
 pub(crate) struct RefusedByLimit;
 
 /// The denial of limit `i`: status, problem body and every header field.
-fn deny(i: usize, decision: &Decision, progress: &Progress) -> Response<String> {
+fn deny(i: usize, decision: &Decision, progress: &Progress, config: &Config) -> Response<String> {
     let retry = retry_after_secs(decision.retry_after);
     let unavailable = decision.decided_by == DecidedBy::Fallback(FallbackMode::Deny);
     let name = &progress.limits.limits[i].name;
@@ -640,7 +648,12 @@ fn deny(i: usize, decision: &Decision, progress: &Progress) -> Response<String> 
         HeaderValue::from_static("application/problem+json"),
     );
     h.insert(RETRY_AFTER, HeaderValue::from(retry));
-    fields::write(h, &progress.limits, &progress.reports);
+    fields::write(
+        h,
+        &progress.limits,
+        &progress.reports,
+        config.remaining_fields(&progress.limits),
+    );
     response
 }
 

@@ -1,5 +1,6 @@
 //! Writing the header fields of a route's limits on a response: `RateLimit-Policy`,
-//! `RateLimit` and `X-RateLimit-{Name}-Remaining`, after those an inner layer wrote.
+//! `RateLimit` and, when asked for, `X-RateLimit-{Name}-Remaining`, after those an inner layer
+//! wrote.
 
 use axum::body::Bytes;
 use axum::http::HeaderMap;
@@ -9,17 +10,23 @@ use super::headers::{RATELIMIT, RATELIMIT_POLICY, Report};
 use super::route::RouteLimits;
 use smallvec::SmallVec;
 
-/// Writes `RateLimit-Policy`, `RateLimit` and the `X-RateLimit-*-Remaining` fields of
-/// `limits` and `reports`. The two lists go after those an inner layer already wrote: stacked
-/// layers add their limits, never overwrite each other's.
-pub(crate) fn write(headers: &mut HeaderMap, limits: &RouteLimits, reports: &[Report]) {
+/// Writes `RateLimit-Policy`, `RateLimit` and, when `remaining`, the `X-RateLimit-*-Remaining`
+/// fields of `limits` and `reports`. The two lists go after those an inner layer already
+/// wrote: stacked layers add their limits, never overwrite each other's.
+pub(crate) fn write(
+    headers: &mut HeaderMap,
+    limits: &RouteLimits,
+    reports: &[Report],
+    remaining: bool,
+) {
     // Room for every field at once, rather than growing the map field by field.
-    headers.reserve(2 + reports.len());
+    headers.reserve(if remaining { 2 + reports.len() } else { 2 });
     append(headers, RATELIMIT_POLICY, || limits.policy.clone());
     // Written into a buffer on the stack (a route's items rarely need more); each remaining
     // count is written once, and where its digits are in the items is kept.
     let mut items = Buf::default();
     let mut counts: SmallVec<[(&HeaderName, u64, usize); 4]> = SmallVec::new();
+    let write_remaining = remaining;
     for r in reports {
         let Some(remaining) = r.remaining else {
             continue;
@@ -31,7 +38,9 @@ pub(crate) fn write(headers: &mut HeaderMap, limits: &RouteLimits, reports: &[Re
             items.push(b", ");
         }
         items.push(&limit.item);
-        counts.push((&limit.remaining, remaining, items.len));
+        if write_remaining {
+            counts.push((&limit.remaining, remaining, items.len));
+        }
         items.number(remaining);
         items.push(b";t=");
         items.number(r.t);
@@ -40,7 +49,7 @@ pub(crate) fn write(headers: &mut HeaderMap, limits: &RouteLimits, reports: &[Re
         return;
     }
     if counts.iter().all(|&(_, n, _)| n < SMALL_NUMBERS) {
-        // Every count a value made once: one allocation, for `RateLimit`.
+        // Every count a value made once (or none written): one allocation, for `RateLimit`.
         for &(name, n, _) in &counts {
             headers.insert(name.clone(), number_value(n));
         }
@@ -264,7 +273,7 @@ mod tests {
             Report::allowed(0, &p, Some(Tokens::whole(208)), None),
             Report::denied(1, &p, Some(Tokens::whole(201)), Duration::from_millis(1500)),
         ];
-        write(&mut h, &limits, &reports);
+        write(&mut h, &limits, &reports, true);
         assert_eq!(
             h[RATELIMIT_POLICY],
             "\"api\";q=200;w=2, \"entity\";q=200;w=2"
@@ -285,7 +294,7 @@ mod tests {
             Report::allowed(0, &p, Some(Tokens::whole(7_999_999_999)), None),
             Report::allowed(1, &p, Some(Tokens::whole(4096)), None),
         ];
-        write(&mut h, &limits, &reports);
+        write(&mut h, &limits, &reports, true);
         // One token short at a billion a second is full within the rounding slack: t=0.
         assert_eq!(
             h[RATELIMIT],
@@ -329,6 +338,7 @@ mod tests {
             &mut h,
             &limits,
             &[Report::allowed(0, &p, Some(Tokens::whole(5)), None)],
+            false,
         );
         assert_eq!(
             h[RATELIMIT_POLICY],
@@ -353,6 +363,7 @@ mod tests {
             Some("/x/{id}".to_owned()),
             None,
             &limiter,
+            &std::sync::Arc::default(),
         )
     }
 }

@@ -4,7 +4,7 @@
 //!   a structured-field list with one item per limit, named as the limit (`"api"`, `"entity"`,
 //!   or the name the policy file gives it). A layer appends its items to those an inner layer
 //!   wrote, so stacked layers report every limit.
-//! - `X-RateLimit-{Name}-Remaining`: whole tokens left, per limit.
+//! - `X-RateLimit-{Name}-Remaining`: whole tokens left, per limit, when asked for.
 //! - `Retry-After`: whole seconds, rounded up, at least 1 (denials only): the refusing limit's.
 
 use std::time::Duration;

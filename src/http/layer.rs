@@ -6,6 +6,7 @@ use std::sync::Arc;
 use tower::Layer;
 
 use super::key::{EntityKey, TrustedProxies};
+use super::refund::GiveBacks;
 use super::route::{Config, FileRoute, LimitSpec, RouteLimits, RouteTable, Routes, TableCell};
 use super::service::RateLimit;
 use crate::policy::error::RouteConfigError;
@@ -73,13 +74,15 @@ impl RateLimitLayer {
     ///
     /// [`RouteConfigError`] for a route naming an unknown plan or an invalid header name.
     pub fn from_policies(policies: &Policies, limiter: Limiter) -> Result<Self, RouteConfigError> {
-        let table = route_table(policies, &limiter)?;
+        let give_backs = Arc::default();
+        let table = route_table(policies, &limiter, &give_backs)?;
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 limiter,
                 routes: Routes::Table(Arc::new(TableCell::new(table))),
                 trusted: TrustedProxies::none(),
-                give_backs: Arc::default(),
+                give_backs,
+                x_ratelimit_remaining: false,
             }),
         })
     }
@@ -104,18 +107,23 @@ impl RateLimitLayer {
         };
         // Checked before anything changes; built again from the limiter's copy, whose plans
         // are the ones its lease table knows.
-        if let Err(e) = route_table(&policies, &self.config.limiter) {
+        let config = &self.config;
+        if let Err(e) = route_table(&policies, &config.limiter, &config.give_backs) {
             crate::metrics::record_reload(false);
             return Err(e.into());
         }
         let policies = self.config.limiter.reload(policies)?;
-        cell.swap(route_table(&policies, &self.config.limiter)?);
+        cell.swap(route_table(&policies, &config.limiter, &config.give_backs)?);
         Ok(())
     }
 }
 
 /// The route table of `policies`, for a layer deciding with `limiter`.
-fn route_table(policies: &Policies, limiter: &Limiter) -> Result<RouteTable, RouteConfigError> {
+fn route_table(
+    policies: &Policies,
+    limiter: &Limiter,
+    give_backs: &Arc<GiveBacks>,
+) -> Result<RouteTable, RouteConfigError> {
     let mut by_shape = HashMap::new();
     let mut all = Vec::new();
     let mut gives_back = false;
@@ -155,7 +163,9 @@ fn route_table(policies: &Policies, limiter: &Limiter) -> Result<RouteTable, Rou
         }
         gives_back |= specs.len() > 1;
         let file = Arc::new(FileRoute::new(&route.method, &route.path));
-        let limits = Arc::new(RouteLimits::new(specs, None, Some(file), limiter));
+        let mut limits = RouteLimits::new(specs, None, Some(file), limiter, give_backs);
+        limits.x_ratelimit_remaining = policies.x_ratelimit_remaining();
+        let limits = Arc::new(limits);
         // The file refuses two routes of one method and shape, and patterns it cannot parse.
         let shape = route_shape(&route.path).unwrap_or_else(|| route.path.clone());
         by_shape.insert(format!("{}:{shape}", route.method), Arc::clone(&limits));
@@ -177,6 +187,16 @@ impl RateLimitLayer {
         self
     }
 
+    /// Also writes the legacy `X-RateLimit-{Name}-Remaining` field of each limit on every
+    /// response (`RateLimit` carries the same counts), on every route whatever the policy
+    /// file says; without it, on the routes of a file with `"x_ratelimit_remaining": true`
+    /// only. Off by default: two more fields per response cost about as much as a limit's
+    /// check.
+    pub fn x_ratelimit_remaining(mut self, on: bool) -> Self {
+        Arc::make_mut(&mut self.config).x_ratelimit_remaining = on;
+        self
+    }
+
     /// The limiter the layer decides with.
     pub fn limiter(&self) -> &Limiter {
         &self.config.limiter
@@ -187,13 +207,15 @@ impl RouteLimitLayer {
     /// A layer for one route with no limits yet: add them with [`global`](Self::global) and
     /// [`entity`](Self::entity).
     pub fn new(limiter: Limiter) -> Self {
-        let limits = RouteLimits::new(Vec::new(), None, None, &limiter);
+        let give_backs = Arc::default();
+        let limits = RouteLimits::new(Vec::new(), None, None, &limiter, &give_backs);
         RouteLimitLayer {
             config: Arc::new(Config {
                 limiter,
                 routes: Routes::One(Arc::new(limits)),
                 trusted: TrustedProxies::none(),
-                give_backs: Arc::default(),
+                give_backs,
+                x_ratelimit_remaining: false,
             }),
             given: Given::default(),
         }
@@ -314,6 +336,13 @@ impl RouteLimitLayer {
         &self.config.limiter
     }
 
+    /// Also writes the legacy `X-RateLimit-{Name}-Remaining` field of each limit on every
+    /// response (`RateLimit` carries the same counts). Off by default.
+    pub fn x_ratelimit_remaining(mut self, on: bool) -> Self {
+        Arc::make_mut(&mut self.config).x_ratelimit_remaining = on;
+        self
+    }
+
     /// Changes the limits as given with `f`, and builds the route's limits from them again.
     fn edit_route(mut self, f: impl FnOnce(&mut Given)) -> Self {
         f(&mut self.given);
@@ -340,7 +369,14 @@ impl RouteLimitLayer {
         if specs.len() > 1 {
             super::refund::register_at_zero();
         }
-        let limits = RouteLimits::new(specs, g.pattern.clone(), None, &self.config.limiter);
+        let config = &self.config;
+        let limits = RouteLimits::new(
+            specs,
+            g.pattern.clone(),
+            None,
+            &config.limiter,
+            &config.give_backs,
+        );
         // Only `new` makes a `RouteLimitLayer`, always with one route.
         if let Routes::One(route) = &mut Arc::make_mut(&mut self.config).routes {
             *route = Arc::new(limits);

@@ -82,6 +82,12 @@
 //! ```text
 //! RateLimit-Policy: "api";q=100;w=2, "entity";q=20;w=60
 //! RateLimit: "api";r=57;t=1, "entity";r=19;t=3
+//! ```
+//!
+//! and, when asked for ([`RateLimitLayer::x_ratelimit_remaining`], or the policy file's
+//! `"x_ratelimit_remaining": true`), the older field per limit with its `r`:
+//!
+//! ```text
 //! X-RateLimit-Api-Remaining: 57
 //! X-RateLimit-Entity-Remaining: 19
 //! ```

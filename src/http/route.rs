@@ -17,6 +17,7 @@ use super::key::{EntityKey, TrustedProxies};
 use super::refund::GiveBacks;
 use super::refused::Refused;
 use crate::Limiter;
+use crate::lease::Hint;
 use crate::metrics::{HTTP_CHECKED, HTTP_DENIED, HTTP_ERRORS, HTTP_UNMATCHED, HTTP_WOULD_DENY};
 use crate::policy::{Plan, route_params};
 
@@ -28,6 +29,16 @@ pub(crate) struct Config {
     pub(crate) trusted: TrustedProxies,
     /// Give-backs the lease could not take, sent to the store in batches.
     pub(crate) give_backs: Arc<GiveBacks>,
+    /// Whether every route's responses carry `X-RateLimit-{Name}-Remaining` (the layer's
+    /// builder asked for them; a policy file asks per [`RouteLimits`]).
+    pub(crate) x_ratelimit_remaining: bool,
+}
+
+impl Config {
+    /// Whether a response of `limits` carries `X-RateLimit-{Name}-Remaining`.
+    pub(crate) fn remaining_fields(&self, limits: &RouteLimits) -> bool {
+        self.x_ratelimit_remaining || limits.x_ratelimit_remaining
+    }
 }
 
 /// Which limits apply to a request.
@@ -339,6 +350,20 @@ pub(crate) struct Limit {
     pub(crate) counters: Option<LimitCounters>,
     /// Keys this limit refused, answered from memory until their `retry_after`.
     pub(crate) refused: Arc<Refused>,
+    /// Where the lease table last found [`key`](Self::key), for a limit whose key is fixed
+    /// (`Hint`): its take skips the hash and the probe.
+    pub(crate) hint: KeyHint,
+}
+
+/// A [`Limit`]'s [`Hint`]: written only by lookups of the limit's own fixed key. A clone
+/// starts with none.
+#[derive(Debug, Default)]
+pub(crate) struct KeyHint(pub(crate) Hint);
+
+impl Clone for KeyHint {
+    fn clone(&self) -> Self {
+        KeyHint::default()
+    }
 }
 
 /// How a limit is written: its name, plan, scope, budget and shadow mode.
@@ -363,6 +388,13 @@ pub(crate) struct RouteLimits {
     pub(crate) policy: HeaderValue,
     /// Whether any limit reads a path parameter.
     pub(crate) needs_params: bool,
+    /// Whether its responses carry `X-RateLimit-{Name}-Remaining` (the policy file's
+    /// `x_ratelimit_remaining`).
+    pub(crate) x_ratelimit_remaining: bool,
+    /// The limiter of the layer's [`Config`], and its give-backs: what a response's future
+    /// needs to give tokens back when an inner layer refused, without holding the `Config`.
+    pub(crate) limiter: Limiter,
+    pub(crate) give_backs: Arc<GiveBacks>,
 }
 
 impl RouteLimits {
@@ -380,6 +412,7 @@ impl RouteLimits {
         pattern: Option<String>,
         file: Option<Arc<FileRoute>>,
         limiter: &Limiter,
+        give_backs: &Arc<GiveBacks>,
     ) -> RouteLimits {
         let mut limits = Vec::with_capacity(specs.len());
         let mut items = Vec::with_capacity(specs.len());
@@ -476,6 +509,7 @@ impl RouteLimits {
                 dynamic,
                 counters,
                 refused: Arc::new(Refused::default()),
+                hint: KeyHint::default(),
             });
         }
         let policy = policy_value(items.join(", "));
@@ -485,6 +519,9 @@ impl RouteLimits {
             file,
             policy,
             needs_params,
+            x_ratelimit_remaining: false,
+            limiter: limiter.clone(),
+            give_backs: Arc::clone(give_backs),
         }
     }
 

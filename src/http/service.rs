@@ -54,23 +54,34 @@ impl<S> RateLimit<S> {
 }
 
 /// The limits' part of a response: the header fields, and the give-backs when an inner layer
-/// refused the request.
+/// refused the request. (Not the layer's `Config`: its count is one more that every core's
+/// requests would share.)
 #[derive(Debug)]
 struct After {
-    config: Arc<Config>,
     progress: Progress,
+    /// Whether to write `X-RateLimit-{Name}-Remaining`.
+    remaining: bool,
 }
 
 impl After {
+    fn new(config: &Config, progress: Progress) -> After {
+        let remaining = config.remaining_fields(&progress.limits);
+        After {
+            progress,
+            remaining,
+        }
+    }
+
     fn apply<B>(mut self, response: &mut Response<B>) {
         // An inner layer's limit refused the request: what this layer's limits took goes back.
         if response.extensions().get::<RefusedByLimit>().is_some() {
-            self.progress.give_back_all_detached(&self.config);
+            self.progress.give_back_all_detached();
         }
         fields::write(
             response.headers_mut(),
             &self.progress.limits,
             &self.progress.reports,
+            self.remaining,
         );
     }
 }
@@ -155,10 +166,7 @@ where
             },
             Outcome::Allow(progress) => State::Inner {
                 future: self.inner.call(Request::from_parts(parts, body)),
-                after: Some(After {
-                    config: Arc::clone(&self.config),
-                    progress,
-                }),
+                after: Some(After::new(&self.config, progress)),
             },
             Outcome::Deny(response) => State::Ready {
                 response: Some(response.map(ResBody::from)),
@@ -174,7 +182,7 @@ where
                             Outcome::Allow(progress) => {
                                 let mut response =
                                     inner.call(Request::from_parts(parts, body)).await?;
-                                After { config, progress }.apply(&mut response);
+                                After::new(&config, progress).apply(&mut response);
                                 Ok(response)
                             }
                             Outcome::Deny(response) => Ok(response.map(ResBody::from)),

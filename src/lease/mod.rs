@@ -40,6 +40,7 @@ use counted::{record_given, record_named};
 mod credit_rules;
 pub(crate) use credit_rules::FallbackCause;
 use credit_rules::{FALLBACK_CAUSES, REMOVED_WORDS};
+mod fast;
 mod late;
 mod signal;
 mod slab;
@@ -57,10 +58,12 @@ mod words;
 #[cfg(test)]
 mod words_tests;
 
+pub(crate) use fast::Pinned;
 #[cfg(test)]
 pub(crate) use slab::NO_PLAN;
 use slab::Slab;
-pub(crate) use slot::{Slot, SlotRef};
+pub(crate) use slot::SlotRef;
+pub(crate) use table::Hint;
 use table::Table;
 use word::Take;
 
@@ -370,197 +373,6 @@ impl Leases {
     /// `at` in the table's local nanoseconds.
     pub(crate) fn nanos_at(&self, at: Instant) -> u64 {
         u64::try_from(at.saturating_duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX)
-    }
-
-    /// The fast path: spend `cost` nanotokens from `key`'s lease.
-    ///
-    /// With a live lease holding enough, this is a lookup and a CAS. Creating a slot for a new
-    /// key allocates once.
-    ///
-    /// `chosen` is the plan's shared copy and its index among the limiter's policies when the
-    /// policies chose it for `key` (`try_acquire`); a new slot records the index so that later
-    /// calls find the plan through [`Leases::try_take_known`]. `plans` holds the plan's
-    /// counters.
-    #[inline]
-    pub(crate) fn try_take(
-        &self,
-        plan: &Plan,
-        chosen: Option<(&Arc<Plan>, u32)>,
-        key: &str,
-        cost: u64,
-        plans: &PlanRegistry,
-    ) -> Fast {
-        let table = self.table.pin();
-        let (slot, hot) = match table.get(key) {
-            Some((slot, hot)) => {
-                // A key first seen through a named plan (`try_acquire_with`,
-                // `try_acquire_now_with`) whose plan is the one the policies choose for it: from
-                // now on `try_acquire` finds that plan through the record, not by matching the
-                // key's prefixes.
-                // Recorded only while the registry still holds the plan at that index (a reader
-                // checks a reused entry against the slot's plan, `plans.rs`).
-                if let Some((shared, index)) = chosen
-                    && hot.plan.load(Ordering::Relaxed) == slab::NO_PLAN
-                    && (Arc::ptr_eq(&slot.plan, shared) || *slot.plan == **shared)
-                    && plans
-                        .entry_of(index as usize, shared, &plans.pin())
-                        .is_some()
-                {
-                    hot.plan.store(slab::record_plan(index), Ordering::Relaxed);
-                }
-                (slot, hot)
-            }
-            None => {
-                // A key goes into the table only once checked in full (`validate_key`, or
-                // `validate_stored_key` for a shadow plan's own key): the limiter skips the scan
-                // for NUL bytes on a call the lease answers.
-                if table.len() >= self.settings.max_entries
-                    || self.stopping.load(Ordering::Relaxed)
-                    || crate::error::validate_stored_key(key).is_err()
-                {
-                    return Fast::NoRoom;
-                }
-                let now = self.now();
-                let (shared, index) = match chosen {
-                    Some((shared, index))
-                        if plans
-                            .entry_of(index as usize, shared, &plans.pin())
-                            .is_some() =>
-                    {
-                        (Arc::clone(shared), slab::record_plan(index))
-                    }
-                    // A reload released the plan since the policies chose it: the slot holds
-                    // it as a caller's plan.
-                    Some((shared, _)) => (Arc::clone(shared), slab::NO_PLAN),
-                    None => (self.shared_plan(plan), slab::NO_PLAN),
-                };
-                let Some(slot) = table.get_or_insert_with(key, |hot| {
-                    hot.plan.store(index, Ordering::Relaxed);
-                    SlotRef::new(Slot::new(key, shared, now, hot, cost))
-                }) else {
-                    return Fast::NoRoom;
-                };
-                // A new key is sparse (`Hot::sparse`): while the actor is busy, its call is one
-                // store call, and the actor hears of the key in its next gathering (it clears the
-                // new record's pending mark and arms the key's idle check). Otherwise the actor
-                // is woken for the key's first refill at once, and the call waits for it.
-                if self.settings.sparse_direct && self.busy.load(Ordering::Relaxed) {
-                    self.nudge_soon(slot);
-                    return Fast::Sparse(SlotRef::clone(slot));
-                }
-                slot.want(cost);
-                self.nudge(slot);
-                return Fast::Short(SlotRef::clone(slot));
-            }
-        };
-        // The record alone: a quiet key's call does not read its slot.
-        match slot
-            .words_of(hot)
-            .try_take(cost, hot.low_water.load(Ordering::Relaxed))
-        {
-            Take::Taken { left, nudge } => {
-                if nudge {
-                    self.nudge_soon(slot);
-                }
-                // Counted by the plan's name, without pinning the registry: the counters of a
-                // plan the policies chose are those of its labels while it is in force, none
-                // once a reload removed it (`PlanRegistry::counters_of_given`).
-                if chosen.is_some() {
-                    record_given(plans, plan);
-                } else {
-                    record_named(plans, plan);
-                }
-                self.counted();
-                Fast::Taken {
-                    left,
-                    store_remaining: hot.store_remaining.load(Ordering::Relaxed),
-                }
-            }
-            Take::Short { .. } => self.short(slot, cost),
-        }
-    }
-
-    /// `try_acquire`'s fast path: spends from the lease of a key already in the table whose plan
-    /// the policies chose, under the plan its slot holds, which the key's record names by its
-    /// index in the registry, instead of matching the key's prefixes. `cost` converts the
-    /// caller's cost under that plan (it may refuse it). `None` when this path cannot answer:
-    /// the key is not in the table, its plan was named by a caller or has left the registry
-    /// (a reload removed it: the slot's lease is not spent under it here), or its lease is
-    /// short. Then nothing was changed, and the caller takes the full path.
-    ///
-    /// The registry is not pinned: one load of the index's state says whether the index still
-    /// holds the record's plan ([`PlanRegistry::state`]); only an index given to another plan
-    /// after a release (once 65,528 distinct plans were given) is checked against its entry.
-    #[inline]
-    pub(crate) fn try_take_known<E>(
-        &self,
-        key: &str,
-        plans: &PlanRegistry,
-        cost: impl FnOnce(&Plan) -> Result<u64, E>,
-    ) -> Option<Result<Known, E>> {
-        let table = self.table.pin();
-        let (slot, hot) = table.get(key)?;
-        let index = hot.plan.load(Ordering::Relaxed) as usize;
-        match plans.state(index) {
-            crate::plans::LIVE => {}
-            crate::plans::REUSED if plans.entry_of(index, &slot.plan, &plans.pin()).is_some() => {}
-            _ => return None,
-        }
-        let plan: &Plan = &slot.plan;
-        let nanos = match cost(plan) {
-            Ok(nanos) => nanos,
-            Err(e) => return Some(Err(e)),
-        };
-        match slot
-            .words_of(hot)
-            .try_take(nanos, hot.low_water.load(Ordering::Relaxed))
-        {
-            Take::Taken { left, nudge } => {
-                if nudge {
-                    self.nudge_soon(slot);
-                }
-                record_given(plans, plan);
-                self.counted();
-                Some(Ok(Known {
-                    capacity: plan.capacity(),
-                    left,
-                    store_remaining: hot.store_remaining.load(Ordering::Relaxed),
-                }))
-            }
-            Take::Short { .. } => None,
-        }
-    }
-
-    /// The lease could not pay: denied, failing, or ask for a refill.
-    #[cold]
-    fn short(&self, slot: &SlotRef, cost: u64) -> Fast {
-        let now = self.now();
-        let deny_until = slot.deny_until.load(Ordering::Acquire);
-        if deny_until > now {
-            slot.need(cost, 0, Ordering::AcqRel);
-            return Fast::Dry {
-                retry_after: deny_until - now,
-            };
-        }
-        if slot.fallback_until.load(Ordering::Acquire) > now {
-            return Fast::Failing;
-        }
-        if self.settings.sparse_direct
-            && slot.hot().sparse.load(Ordering::Relaxed)
-            && self.busy.load(Ordering::Relaxed)
-            && !slot.dry().load(Ordering::Acquire)
-        {
-            return Fast::Sparse(SlotRef::clone(slot));
-        }
-        self.ask_refill(slot, cost);
-        if slot.dry().load(Ordering::Acquire) {
-            // The store said empty and its retry time has passed: a refill is on its way, but
-            // until it grants, the store's last word stands. Nobody waits on a dry bucket.
-            return Fast::Dry {
-                retry_after: self.settings.tick.as_nanos() as u64,
-            };
-        }
-        Fast::Short(SlotRef::clone(slot))
     }
 
     /// Records that a caller waits for `cost` nanotokens of `slot` and asks the actor for a

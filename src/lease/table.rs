@@ -25,7 +25,7 @@
 //! for removed keys stays a small fraction of the table's own.
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
@@ -175,7 +175,24 @@ impl std::ops::Deref for Bucket {
 #[derive(Debug)]
 struct Buckets {
     buckets: Box<[Bucket]>,
+    /// This array's number, never given to another array of any table ([`GENERATIONS`]): with
+    /// a bucket's position it names one entry for good, since buckets are written once
+    /// ([`Hint`]).
+    generation: u64,
 }
+
+/// The numbers given to arrays so far, across every table of the process: a [`Hint`] made in
+/// one table never matches an array of another.
+static GENERATIONS: AtomicU64 = AtomicU64::new(1);
+
+/// Bits of a [`Hint`] that hold the bucket's position; the others hold the array's number.
+const POSITION_BITS: u32 = 24;
+
+/// Where a key's entry was last found: the array's number and the bucket's position, packed in
+/// one word so that both are read together. A caller that always looks up the same key (the
+/// whole-route limit of an HTTP route, whose key is fixed) keeps one and skips the hash and the
+/// probe while the array and the entry last (`TableRef::get_hinted`). 0 names nothing.
+pub(crate) type Hint = AtomicU64;
 
 impl Buckets {
     fn with_capacity(n: usize) -> Buckets {
@@ -183,6 +200,7 @@ impl Buckets {
             buckets: (0..n.max(MIN_BUCKETS))
                 .map(|_| Bucket(OnceLock::new()))
                 .collect(),
+            generation: GENERATIONS.fetch_add(1, Ordering::Relaxed),
         }
     }
 
@@ -190,7 +208,26 @@ impl Buckets {
     fn empty() -> Buckets {
         Buckets {
             buckets: Box::new([]),
+            generation: 0,
         }
+    }
+
+    /// The hint naming bucket `at` of this array, or 0 when its position does not fit.
+    fn hint(&self, at: usize) -> u64 {
+        match u64::try_from(at) {
+            Ok(at) if at < 1 << POSITION_BITS => self.generation << POSITION_BITS | at,
+            _ => 0,
+        }
+    }
+
+    /// The live entry `hint` names, when it names a bucket of this array.
+    #[inline]
+    fn at_hint(&self, hint: u64) -> Option<&Entry> {
+        if hint == 0 || hint >> POSITION_BITS != self.generation & (u64::MAX >> POSITION_BITS) {
+            return None;
+        }
+        let at = (hint & ((1 << POSITION_BITS) - 1)) as usize;
+        self.buckets.get(at)?.get().filter(|e| e.live())
     }
 
     /// The first bucket to probe for `hash` (multiply-shift, so any array length works).
@@ -202,13 +239,19 @@ impl Buckets {
     /// The entry for `key`, gone or not, or the index of the empty bucket its probe ended at.
     #[inline]
     fn find(&self, hash: u64, key: &str) -> Result<&Entry, usize> {
+        self.find_at(hash, key).map(|(_, e)| e)
+    }
+
+    /// [`find`](Self::find), with the position of the entry found.
+    #[inline]
+    fn find_at(&self, hash: u64, key: &str) -> Result<(usize, &Entry), usize> {
         let n = self.buckets.len();
         let mut i = self.home(hash);
         let tag = tag(hash);
         loop {
             match self.buckets[i].get() {
                 None => return Err(i),
-                Some(e) if e.is(tag, key) && e.live() => return Ok(e),
+                Some(e) if e.is(tag, key) && e.live() => return Ok((i, e)),
                 Some(_) => i = if i + 1 == n { 0 } else { i + 1 },
             }
         }
@@ -351,6 +394,30 @@ impl<'t> TableRef<'t> {
     pub(crate) fn get(&self, key: &str) -> Option<(&SlotRef, &Hot)> {
         let hash = self.table.hasher.hash_one(key);
         let entry = self.buckets().find(hash, key).ok()?;
+        Some((&entry.slot, self.table.slab.get(entry.hot)?))
+    }
+
+    /// [`get`](Self::get) through `hint`, which only lookups of this same `key` ever write:
+    /// while the array it names is the current one and the entry there is live, that entry,
+    /// with neither hash nor probe; else a lookup, which points the hint at the entry found.
+    /// (A bucket is written once, and an array's number is never reused, so the entry a hint
+    /// names is `key`'s for as long as it is live.)
+    #[inline]
+    pub(crate) fn get_hinted(&self, key: &str, hint: &Hint) -> Option<(&SlotRef, &Hot)> {
+        let buckets = self.buckets();
+        // Relaxed: the hint only says where to look; the bucket's own acquire load publishes
+        // the entry, and a bucket not yet seen filled is a miss.
+        let seen = hint.load(Ordering::Relaxed);
+        if let Some(entry) = buckets.at_hint(seen) {
+            debug_assert!(entry.is(entry.tag, key));
+            return Some((&entry.slot, self.table.slab.get(entry.hot)?));
+        }
+        let hash = self.table.hasher.hash_one(key);
+        let (at, entry) = buckets.find_at(hash, key).ok()?;
+        let found = buckets.hint(at);
+        if found != seen {
+            hint.store(found, Ordering::Relaxed);
+        }
         Some((&entry.slot, self.table.slab.get(entry.hot)?))
     }
 
@@ -601,6 +668,62 @@ mod tests {
         // Nothing to do: no rebuild.
         table.pin().compact();
         assert_eq!(table.len(), 1000);
+    }
+
+    /// A hint names its key's entry while the entry is live in the current array: through a
+    /// removal and a re-insert of the key (a new slot), a rebuild of the array, and a hint
+    /// made in another table (whose arrays are numbered apart), the lookup still returns the
+    /// key's current slot and points the hint at it; a key that is gone is not found.
+    #[test]
+    fn a_hint_finds_its_keys_current_entry_or_looks_again() {
+        let slab = Slab::new(8192);
+        let table = Table::new(Arc::clone(&slab));
+        let long = "ratelimit:api:GET:/bookings/{bookingId}";
+        let hint = Hint::new(0);
+        let t = table.pin();
+        assert!(t.get_hinted(long, &hint).is_none());
+        assert_eq!(hint.load(Ordering::Relaxed), 0, "no entry, no hint");
+        let first = slot(&slab, long);
+        t.get_or_insert_with(long, |_| SlotRef::clone(&first));
+        let found = |t: &TableRef<'_>, hint: &Hint| {
+            let (s, hot) = t.get_hinted(long, hint).expect("found");
+            assert!(std::ptr::eq(hot, s.hot()));
+            SlotRef::clone(s)
+        };
+        assert!(SlotRef::ptr_eq(&found(&t, &hint), &first));
+        let named = hint.load(Ordering::Relaxed);
+        assert_ne!(named, 0);
+        // Found through the hint: it stays as it is.
+        assert!(SlotRef::ptr_eq(&found(&t, &hint), &first));
+        assert_eq!(hint.load(Ordering::Relaxed), named);
+        // Gone: the entry the hint names is a tombstone, and the key is not found.
+        t.remove(long).expect("present");
+        assert!(t.get_hinted(long, &hint).is_none());
+        // Back with a new slot, in another bucket of the same array.
+        let second = slot(&slab, long);
+        t.get_or_insert_with(long, |_| SlotRef::clone(&second));
+        assert!(SlotRef::ptr_eq(&found(&t, &hint), &second));
+        assert_ne!(hint.load(Ordering::Relaxed), named);
+        // Thousands of other keys: the array is rebuilt (more than once), the hint's is gone.
+        let others: Vec<SlotRef> = (0..3000).map(|i| slot(&slab, &key(i))).collect();
+        for (i, s) in others.iter().enumerate() {
+            t.get_or_insert_with(&key(i), |_| SlotRef::clone(s));
+        }
+        let before = hint.load(Ordering::Relaxed);
+        assert!(SlotRef::ptr_eq(&found(&t, &hint), &second));
+        assert_ne!(
+            hint.load(Ordering::Relaxed),
+            before,
+            "pointed at the new array"
+        );
+        // Another table with the same key at the same position: its arrays have other numbers.
+        let other = Table::new(Arc::clone(&slab));
+        let third = slot(&slab, long);
+        let o = other.pin();
+        o.get_or_insert_with(long, |_| SlotRef::clone(&third));
+        let (got, _) = o.get_hinted(long, &hint).expect("found");
+        assert!(SlotRef::ptr_eq(got, &third));
+        assert!(SlotRef::ptr_eq(&found(&t, &hint), &second));
     }
 
     fn key(i: usize) -> String {

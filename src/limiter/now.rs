@@ -14,7 +14,7 @@ use super::cost::{check_leased_call, lease_cost};
 use super::decisions::lease_allowed;
 use crate::Decision;
 use crate::error::Error;
-use crate::lease::{Fast, MAX_LEASE_NANOS};
+use crate::lease::{Fast, Hint, MAX_LEASE_NANOS, Pinned};
 use crate::policy::Plan;
 
 impl Limiter {
@@ -33,15 +33,22 @@ impl Limiter {
     /// direct-mode or shadow plan), and nothing was taken. `index` is the plan's registry
     /// index from [`resolve_plan`](Self::resolve_plan), with the `Arc` it gave.
     ///
+    /// `pinned` is the lease table as pinned by an earlier take of the same request, or `None`,
+    /// pinned here then (and left for the next take): a request checked against several limits
+    /// pins the table once. `hint` is where `key` was last found, for a caller that always
+    /// takes the same key with it (`Hint`).
+    ///
     /// # Errors
     ///
     /// As [`try_acquire_with`](Self::try_acquire_with), for an invalid key.
     #[inline]
-    pub(crate) fn take_now(
-        &self,
+    pub(crate) fn take_now<'a>(
+        &'a self,
+        pinned: &mut Option<Pinned<'a>>,
         plan: &Arc<Plan>,
         index: Option<u32>,
         key: &str,
+        hint: Option<&Hint>,
     ) -> Result<Option<Decision>, Error> {
         if plan.lease().is_none() || plan.shadow() {
             return Ok(None);
@@ -52,10 +59,8 @@ impl Limiter {
             return Ok(None);
         }
         let chosen = index.map(|i| (plan, i));
-        match self
-            .leases()
-            .try_take(plan, chosen, key, nanos, &self.inner.plans)
-        {
+        let table = pinned.get_or_insert_with(|| self.leases().pin());
+        match table.try_take(plan, chosen, key, nanos, &self.inner.plans, hint) {
             Fast::Taken {
                 left,
                 store_remaining,

@@ -181,6 +181,7 @@ impl Checker {
         keys.sort_by_key(|(rule, _)| std::cmp::Reverse(rule.prefix.len()));
         let (keys, key_plans) = keys.into_iter().unzip();
 
+        let x_ratelimit_remaining = raw.x_ratelimit_remaining;
         let budgets = self.budgets(raw.budgets, &lookup)?;
         let mut routes: Vec<Route> = Vec::with_capacity(raw.routes.len());
         // Shape (method, path without parameter names) → index of its route.
@@ -225,6 +226,7 @@ impl Checker {
             keys,
             key_plans,
             routes,
+            x_ratelimit_remaining,
         })
     }
 

@@ -144,6 +144,13 @@ impl Policies {
         &self.routes
     }
 
+    /// Whether the HTTP layer also writes the legacy `X-RateLimit-{Name}-Remaining` field of
+    /// each limit (file field `x_ratelimit_remaining`, `false` unless given); `RateLimit` carries
+    /// the same counts.
+    pub fn x_ratelimit_remaining(&self) -> bool {
+        self.x_ratelimit_remaining
+    }
+
     /// One line for humans: `policy.json: 3 plans, 2 routes, 1 key rule`.
     pub fn summary(&self) -> String {
         fn count(n: usize, one: &str) -> String {

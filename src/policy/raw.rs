@@ -79,6 +79,9 @@ pub(super) struct RawPolicies {
     /// Limits shared by several routes, by name: each an entity source and a plan.
     #[serde(default)]
     pub(super) budgets: RawMap<RawEntity>,
+    /// Whether the HTTP layer also writes an `X-RateLimit-{Name}-Remaining` field per limit.
+    #[serde(default)]
+    pub(super) x_ratelimit_remaining: bool,
 }
 
 /// A raw type kept in a [`RawMap`] by name.

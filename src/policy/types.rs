@@ -32,6 +32,8 @@ pub struct Policies {
     pub(super) key_plans: Vec<usize>,
     /// Routes in file order.
     pub(super) routes: Vec<Route>,
+    /// The file's `x_ratelimit_remaining`.
+    pub(super) x_ratelimit_remaining: bool,
 }
 
 /// One named bucket shape with its lease and fallback settings.

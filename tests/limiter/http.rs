@@ -195,13 +195,17 @@ fn booking_app(limiter: &Limiter, global: Arc<Plan>, entity: Arc<Plan>) -> Route
             get(|| async { "booking" }).route_layer(
                 RouteLimitLayer::new(limiter.clone())
                     .global(global.clone())
-                    .entity(EntityKey::path_param("bookingId"), entity),
+                    .entity(EntityKey::path_param("bookingId"), entity)
+                    .x_ratelimit_remaining(true),
             ),
         )
         .route(
             "/bookings",
-            get(|| async { "list" })
-                .route_layer(RouteLimitLayer::new(limiter.clone()).global(global)),
+            get(|| async { "list" }).route_layer(
+                RouteLimitLayer::new(limiter.clone())
+                    .global(global)
+                    .x_ratelimit_remaining(true),
+            ),
         )
         .layer(MockConnectInfo(peer("127.0.0.1")))
 }
@@ -483,7 +487,8 @@ async fn header_entity_is_skipped_when_the_header_is_absent() {
                 .entity(
                     EntityKey::header(HeaderName::from_static("x-api-key")),
                     plan("e", 1, 0.001),
-                ),
+                )
+                .x_ratelimit_remaining(true),
         ),
     );
     let req = |key: Option<&str>| {
@@ -811,6 +816,7 @@ async fn hostile_entity_ids_are_hashed_not_refused() {
 /// A small policy file: `GET /bookings/{bookingId}` with a global bucket of 5 and an entity
 /// bucket of 100, nothing refilling within the test.
 const HEAD_POLICY: &str = r#"{
+  "x_ratelimit_remaining": true,
   "plans": {
     "g": { "capacity": 5, "refill": { "tokens": 1, "period_ms": 3600000 } },
     "e": { "capacity": 100, "refill": { "tokens": 1, "period_ms": 3600000 } }
@@ -1338,7 +1344,8 @@ async fn e7_one_budget_per_customer_across_all_endpoints() {
     let api_key = || EntityKey::header(HeaderName::from_static("x-api-key"));
     let layer = RouteLimitLayer::new(limiter.clone())
         .entity_budget("customer", api_key(), plan("per-customer", 5, 0.001))
-        .expect("a valid budget name");
+        .expect("a valid budget name")
+        .x_ratelimit_remaining(true);
     let app = Router::new()
         .route("/bookings", get(|| async { "list" }))
         .route(
@@ -1409,5 +1416,106 @@ async fn e7_one_budget_per_customer_across_all_endpoints() {
             "{err}"
         );
         assert!(err.to_string().contains("A-Z a-z 0-9 _ . -"), "{err}");
+    }
+}
+
+/// E14: `X-RateLimit-{Name}-Remaining` only when asked for. Without the policy file's
+/// `x_ratelimit_remaining` or the builder's option an allowed response and a denial carry
+/// `RateLimit-Policy` and `RateLimit` (with each limit's `r`) and no such field; with either,
+/// each limit's field carries its `r`.
+#[tokio::test]
+async fn e14_x_ratelimit_remaining_fields_are_written_only_when_asked_for() {
+    let quiet = HEAD_POLICY.replace("\"x_ratelimit_remaining\": true,", "");
+    let app = |json: &str, builder: bool| {
+        let policies = Policies::from_json_str(json, None).unwrap();
+        let (_clock, store) = manual();
+        let limiter = Limiter::builder(store).policies(policies.clone()).build();
+        let layer = RateLimitLayer::from_policies(&policies, limiter).unwrap();
+        let layer = if builder {
+            layer.x_ratelimit_remaining(true)
+        } else {
+            layer
+        };
+        Router::new()
+            .route(BOOKING, get(|| async { "booking" }))
+            .route_layer(layer)
+    };
+    assert!(
+        !Policies::from_json_str(&quiet, None)
+            .unwrap()
+            .x_ratelimit_remaining()
+    );
+    assert!(
+        Policies::from_json_str(HEAD_POLICY, None)
+            .unwrap()
+            .x_ratelimit_remaining()
+    );
+    for (json, builder, written) in [
+        (quiet.as_str(), false, false),
+        (quiet.as_str(), true, true),
+        (HEAD_POLICY, false, true),
+    ] {
+        let app = app(json, builder);
+        let r = get_path(&app, "/bookings/1").await;
+        assert_eq!(r.status(), StatusCode::OK);
+        let h = r.headers();
+        assert_eq!(
+            header(h, "ratelimit-policy"),
+            Some("\"api\";q=5;w=18000, \"entity\";q=100;w=360000")
+        );
+        assert_eq!(
+            header(h, "ratelimit"),
+            Some("\"api\";r=4;t=3600, \"entity\";r=99;t=3600")
+        );
+        let fields = |h: &HeaderMap| {
+            (
+                header(h, "x-ratelimit-api-remaining").map(str::to_owned),
+                header(h, "x-ratelimit-entity-remaining").map(str::to_owned),
+            )
+        };
+        let expected = if written {
+            (Some("4".to_owned()), Some("99".to_owned()))
+        } else {
+            (None, None)
+        };
+        assert_eq!(fields(h), expected, "{builder} {written}");
+        for _ in 0..4 {
+            assert_eq!(get_path(&app, "/bookings/1").await.status(), StatusCode::OK);
+        }
+        let r = get_path(&app, "/bookings/1").await;
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        let h = r.headers();
+        assert!(header(h, "retry-after").is_some());
+        assert!(header(h, "ratelimit").is_some_and(|v| v.starts_with("\"api\";r=0;")));
+        let expected = if written {
+            (Some("0".to_owned()), None)
+        } else {
+            (None, None)
+        };
+        assert_eq!(fields(h), expected, "{builder} {written}");
+    }
+    // A layer built in code: none by default, both with the option.
+    let (_clock, store) = manual();
+    let limiter = Limiter::builder(store).build();
+    for on in [false, true] {
+        let app = Router::new().route(
+            BOOKING,
+            get(|| async { "booking" }).route_layer(
+                RouteLimitLayer::new(limiter.clone())
+                    .global(plan("g", 10, 0.001))
+                    .entity(EntityKey::path_param("bookingId"), plan("e", 10, 0.001))
+                    .x_ratelimit_remaining(on),
+            ),
+        );
+        let r = get_path(&app, &format!("/bookings/{on}")).await;
+        assert!(header(r.headers(), "ratelimit").is_some());
+        assert_eq!(
+            header(r.headers(), "x-ratelimit-api-remaining").is_some(),
+            on
+        );
+        assert_eq!(
+            header(r.headers(), "x-ratelimit-entity-remaining").is_some(),
+            on
+        );
     }
 }

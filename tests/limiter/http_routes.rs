@@ -133,7 +133,9 @@ impl tracing::Subscriber for Warnings {
 async fn a_file_route_limits_a_router_route_whose_parameters_are_named_otherwise() {
     let policies = Policies::from_json_str(ITEMS, None).unwrap();
     let limiter = limiter(&policies);
-    let layer = RateLimitLayer::from_policies(&policies, limiter.clone()).unwrap();
+    let layer = RateLimitLayer::from_policies(&policies, limiter.clone())
+        .unwrap()
+        .x_ratelimit_remaining(true);
     let app = Router::new()
         .route("/items/{itemId}", get(|| async { "item" }))
         .route_layer(layer)

@@ -592,7 +592,7 @@ const INVALID: &[Case] = &[
         file: "unknown_field_control_character.json",
         plan: None,
         field: Some(r#"["rou\ntes"]"#),
-        message: r#"unknown_field_control_character.json:3:12: ["rou\ntes"]: unknown field `rou\ntes`, expected one of `plans`, `default_plan`, `keys`, `routes`, `budgets`"#,
+        message: r#"unknown_field_control_character.json:3:12: ["rou\ntes"]: unknown field `rou\ntes`, expected one of `plans`, `default_plan`, `keys`, `routes`, `budgets`, `x_ratelimit_remaining`"#,
     },
     Case {
         file: "unknown_method.json",
@@ -604,7 +604,7 @@ const INVALID: &[Case] = &[
         file: "unknown_top_level_field.json",
         plan: None,
         field: Some("default"),
-        message: r#"unknown_top_level_field.json:5:11: default: unknown field `default`, expected one of `plans`, `default_plan`, `keys`, `routes`, `budgets`"#,
+        message: r#"unknown_top_level_field.json:5:11: default: unknown field `default`, expected one of `plans`, `default_plan`, `keys`, `routes`, `budgets`, `x_ratelimit_remaining`"#,
     },
 ];
 
