@@ -14,18 +14,22 @@ use crate::plans::PlanRegistry;
 use crate::policy::Plan;
 
 /// The lease table pinned for a few takes in a row ([`Leases::pin`]); what it returns stays
-/// valid while it lives. Hold it only for work that does not wait.
+/// valid while it lives. Hold it only for work that does not wait. (The HTTP layer's: a request
+/// checked against several limits.)
+#[cfg(feature = "http")]
 pub(crate) struct Pinned<'a> {
     leases: &'a Leases,
     table: TableRef<'a>,
 }
 
+#[cfg(feature = "http")]
 impl std::fmt::Debug for Pinned<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Pinned")
     }
 }
 
+#[cfg(feature = "http")]
 impl Pinned<'_> {
     /// [`Leases::try_take`] in this view, looking `key` up through `hint` when given (a hint
     /// that only lookups of this same key write).
@@ -68,6 +72,7 @@ impl Leases {
 
     /// A view of the table pinned once for several [`Pinned::try_take`]s: a request checked
     /// against several limits pins it once, not once per limit.
+    #[cfg(feature = "http")]
     #[inline]
     pub(crate) fn pin(&self) -> Pinned<'_> {
         Pinned {

@@ -58,11 +58,13 @@ mod words;
 #[cfg(test)]
 mod words_tests;
 
+#[cfg(feature = "http")]
 pub(crate) use fast::Pinned;
 #[cfg(test)]
 pub(crate) use slab::NO_PLAN;
 use slab::Slab;
 pub(crate) use slot::SlotRef;
+#[cfg(feature = "http")]
 pub(crate) use table::Hint;
 use table::Table;
 use word::Take;
