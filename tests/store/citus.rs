@@ -765,15 +765,7 @@ async fn keys_of_every_shard(citus: &TempCitus, prefix: &str) -> Vec<(String, u1
         )
         .await
         .expect("a key per shard");
-    let shards: i64 = c
-        .query_one(
-            "SELECT count(*) FROM pg_dist_shard \
-             WHERE logicalrelid = 'tokenlease_buckets'::regclass",
-            &[],
-        )
-        .await
-        .expect("shards")
-        .get(0);
+    let shards = shard_count(&c).await;
     assert_eq!(rows.len() as i64, shards, "a key on every shard");
     rows.iter()
         .map(|r| (r.get(0), u16::try_from(r.get::<_, i32>(1)).expect("port")))
@@ -1448,4 +1440,16 @@ async fn a_cold_store_decides_from_its_first_call() {
         not_store.is_empty(),
         "a cold store sent decisions to the fallback (ms, by): {not_store:?}"
     );
+}
+
+/// How many shards `tokenlease_buckets` is distributed over, read on the coordinator `c`.
+pub(crate) async fn shard_count(c: &tokio_postgres::Client) -> i64 {
+    c.query_one(
+        "SELECT count(*) FROM pg_dist_shard \
+         WHERE logicalrelid = 'tokenlease_buckets'::regclass",
+        &[],
+    )
+    .await
+    .expect("shards")
+    .get(0)
 }

@@ -2,6 +2,7 @@
 //! docs/testing.md): the node functions' statement on each shard credits every key as the plain
 //! store's statement does.
 
+use crate::citus::shard_count;
 use crate::common;
 
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
@@ -152,15 +153,7 @@ async fn returns_on_every_shard_credit_as_on_plain_postgres() {
         .await
         .expect("shards of the keys")
         .get(0);
-    let shards: i64 = c
-        .query_one(
-            "SELECT count(*) FROM pg_dist_shard \
-             WHERE logicalrelid = 'tokenlease_buckets'::regclass",
-            &[],
-        )
-        .await
-        .expect("shards")
-        .get(0);
+    let shards = shard_count(&c).await;
     assert_eq!(spread, shards, "a key on every shard");
 
     let (cluster, counts) = returned(&on_citus, &keys).await;

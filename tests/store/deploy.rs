@@ -344,6 +344,51 @@ async fn this_release(url: &str, fallback: FallbackMode) -> (PostgresStore, Arc<
     (store, Arc::new(plan))
 }
 
+/// A limiter of this release for probing a migration's table locks: the default `lock_timeout`
+/// (100 ms), a generous statement timeout, one connection, and a plan that denies when the
+/// store fails; with the plan.
+async fn probe_limiter(url: &str) -> (Limiter, Plan) {
+    let store = PostgresStore::builder(url)
+        .expect("connection string")
+        .pool_size(1)
+        .migrate(false)
+        .statement_timeout(Duration::from_secs(5))
+        .call_timeout(Duration::from_secs(5))
+        .pool_wait_timeout(Duration::from_secs(5))
+        .connect_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .expect("the probe's store");
+    let plan = common::plan(C as u64, R).with_fallback(FallbackSettings::new(FallbackMode::Deny));
+    (Limiter::builder(store).build(), plan)
+}
+
+/// Takes a hundredth of a token from `key` every 2 ms until `run_for` after `start`: how many
+/// takes, and when each one the fallback decided was made (a lock past its `lock_timeout`).
+fn probe_takes(
+    (limiter, plan): (Limiter, Plan),
+    key: &'static str,
+    start: Instant,
+    run_for: Duration,
+) -> tokio::task::JoinHandle<(u64, Vec<Duration>)> {
+    tokio::spawn(async move {
+        let (mut calls, mut fallback) = (0, Vec::new());
+        while start.elapsed() < run_for {
+            let d = limiter
+                .try_acquire_with(&plan, key, 0.01)
+                .await
+                .expect("a valid call");
+            calls += 1;
+            if let DecidedBy::Fallback(_) = d.decided_by {
+                fallback.push(start.elapsed());
+            }
+            // sleep: pacing, a take every 2 ms.
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        (calls, fallback)
+    })
+}
+
 /// K6: the previous release's statements and this release's instances (one direct, one
 /// leased), on one key for 4 s, across this release's `migrate` at 1.5 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -418,38 +463,7 @@ async fn k6_the_previous_release_and_this_one_keep_the_envelope_across_migrate()
 
     // A probe of the migration's table locks: this release's default `lock_timeout` (100 ms)
     // on a key of its own, so that only a lock on the table, not a row lock, can hold it up.
-    let probe = {
-        let store = PostgresStore::builder(&url)
-            .expect("connection string")
-            .pool_size(1)
-            .migrate(false)
-            .statement_timeout(Duration::from_secs(5))
-            .call_timeout(Duration::from_secs(5))
-            .pool_wait_timeout(Duration::from_secs(5))
-            .connect_timeout(Duration::from_secs(5))
-            .build()
-            .await
-            .expect("the probe's store");
-        let plan =
-            common::plan(C as u64, R).with_fallback(FallbackSettings::new(FallbackMode::Deny));
-        let limiter = Limiter::builder(store).build();
-        tokio::spawn(async move {
-            let (mut calls, mut fallback) = (0, Vec::new());
-            while start.elapsed() < run_for {
-                let d = limiter
-                    .try_acquire_with(&plan, "deploy:probe", 0.01)
-                    .await
-                    .expect("a valid call");
-                calls += 1;
-                if let DecidedBy::Fallback(_) = d.decided_by {
-                    fallback.push(start.elapsed());
-                }
-                // sleep: pacing, a take every 2 ms.
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-            (calls, fallback)
-        })
-    };
+    let probe = probe_takes(probe_limiter(&url).await, "deploy:probe", start, run_for);
 
     // The deploy's migrate step, while every instance is deciding.
     // sleep: the migration starts 1.5 s into the run, with both releases deciding.
@@ -533,19 +547,7 @@ async fn k11_a_migration_waiting_for_a_lock_holds_no_take_up() {
     let db = common::database().await;
     let (url, mut admin) = empty_database(&db, "lockwait").await;
     migrate_as_released(&mut admin, PREVIOUS_MIGRATIONS, true).await;
-    let store = PostgresStore::builder(&url)
-        .expect("connection string")
-        .pool_size(1)
-        .migrate(false)
-        .statement_timeout(Duration::from_secs(5))
-        .call_timeout(Duration::from_secs(5))
-        .pool_wait_timeout(Duration::from_secs(5))
-        .connect_timeout(Duration::from_secs(5))
-        .build()
-        .await
-        .expect("this release's store");
-    let plan = common::plan(C as u64, R).with_fallback(FallbackSettings::new(FallbackMode::Deny));
-    let limiter = Limiter::builder(store).build();
+    let (limiter, plan) = probe_limiter(&url).await;
     let first = limiter
         .try_acquire_with(&plan, "deploy:quiet", 0.01)
         .await
@@ -574,22 +576,7 @@ async fn k11_a_migration_waiting_for_a_lock_holds_no_take_up() {
 
     let start = Instant::now();
     let run_for = Duration::from_millis(1500);
-    let takes = tokio::spawn(async move {
-        let (mut calls, mut fallback) = (0, Vec::new());
-        while start.elapsed() < run_for {
-            let d = limiter
-                .try_acquire_with(&plan, "deploy:quiet", 0.01)
-                .await
-                .expect("a valid call");
-            calls += 1;
-            if let DecidedBy::Fallback(_) = d.decided_by {
-                fallback.push(start.elapsed());
-            }
-            // sleep: pacing, a take every 2 ms.
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        (calls, fallback)
-    });
+    let takes = probe_takes((limiter, plan), "deploy:quiet", start, run_for);
     let migrating = tokio::spawn(async move { migrate(&mut admin).await });
     // sleep: the reader keeps its transaction open 600 ms, the migration waiting meanwhile.
     tokio::time::sleep(Duration::from_millis(600)).await;

@@ -579,4 +579,4 @@ use self::sql::{DELETE_IDLE, GIVE_BACK, GIVE_BACK_TYPES, TAKE_HELD};
 pub(super) use self::sql::{GIVE_BACK_SHARD, NODE_FUNCTIONS_GENERATION, bodies, node_functions};
 
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;

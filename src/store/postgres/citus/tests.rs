@@ -15,12 +15,11 @@ fn hashtext_matches_postgres() {
     assert_eq!(hashtext(b"abcdefghijklmnopqrstuvwxyz"), 167_831_483);
 }
 
-/// Z1 (part): the client's hash of a key is Citus's (`worker_hash`) for 5,000 keys of every
-/// shape, on a real cluster (`tokenlease_testkit::TempCitus`; needs the Citus extension for
-/// the server binaries, which `.ci/run` builds when missing). It was part of
-/// `tests/store/citus.rs`'s Z1 while the hash was reachable from outside the crate.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hashtext_matches_worker_hash_on_a_cluster() {
+/// A throwaway Citus cluster of two workers (`tokenlease_testkit::TempCitus`; needs the Citus
+/// extension for the server binaries, which `.ci/run` builds when missing), and a client of its
+/// coordinator.
+pub(in crate::store::postgres) async fn cluster()
+-> (tokenlease_testkit::TempCitus, tokio_postgres::Client) {
     let citus = tokio::task::spawn_blocking(|| tokenlease_testkit::TempCitus::start(2))
         .await
         .expect("start task")
@@ -32,6 +31,16 @@ async fn hashtext_matches_worker_hash_on_a_cluster() {
     tokio::spawn(async move {
         let _ = connection.await;
     });
+    (citus, c)
+}
+
+/// Z1 (part): the client's hash of a key is Citus's (`worker_hash`) for 5,000 keys of every
+/// shape, on a real cluster (`tokenlease_testkit::TempCitus`; needs the Citus extension for
+/// the server binaries, which `.ci/run` builds when missing). It was part of
+/// `tests/store/citus.rs`'s Z1 while the hash was reachable from outside the crate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hashtext_matches_worker_hash_on_a_cluster() {
+    let (_citus, c) = cluster().await;
     let mut keys: Vec<String> = (0..4000).map(|i| format!("user:{i}")).collect();
     keys.extend((0..500).map(|i| "é".repeat(i % 40) + &i.to_string()));
     keys.extend((0..500).map(|i| "k".repeat(i)));

@@ -2,6 +2,7 @@
 //! on every node (Z14), and the plan of the shard return (Z15). Here rather than in
 //! `citus/tests.rs` because they run the whole migration, which calls the Citus step.
 
+use super::super::citus::tests::cluster;
 use super::super::citus::{
     GIVE_BACK_SHARD, NODE_FUNCTIONS_GENERATION, bodies, distribute_with, node_functions,
 };
@@ -59,15 +60,7 @@ fn another_build(generation: i32, line: &str) -> FunctionFile {
 /// next `migrate`, which then changes nothing more. The guard's body is read on each worker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_functions_follow_their_generation_on_every_node() {
-    let citus = tokio::task::spawn_blocking(|| tokenlease_testkit::TempCitus::start(2))
-        .await
-        .expect("start task")
-        .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
-    let (mut c, connection) =
-        tokio_postgres::connect(&citus.connection_string("postgres"), tokio_postgres::NoTls)
-            .await
-            .expect("connect");
-    tokio::spawn(connection);
+    let (citus, mut c) = cluster().await;
     let lock = LOCK;
     let ours = bodies(node_functions().sql);
     let guard = |bodies: &[(String, String)]| -> String {
@@ -162,15 +155,7 @@ async fn node_functions_follow_their_generation_on_every_node() {
 /// its index, never scanned whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shard_return_reads_each_input_once() {
-    let citus = tokio::task::spawn_blocking(|| tokenlease_testkit::TempCitus::start(2))
-        .await
-        .expect("start task")
-        .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
-    let (mut c, connection) =
-        tokio_postgres::connect(&citus.connection_string("postgres"), tokio_postgres::NoTls)
-            .await
-            .expect("connect");
-    tokio::spawn(connection);
+    let (citus, mut c) = cluster().await;
     migrate(&mut c).await.expect("migrate");
     c.batch_execute(
         "INSERT INTO tokenlease_buckets \
