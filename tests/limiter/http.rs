@@ -237,7 +237,7 @@ fn manual() -> (ManualClock, MemoryStore) {
 
 /// E1 on one entity flooding, with time moved by hand: X's 1,000 requests over 1 s get at
 /// most 10 + 5·1 OK, the global bucket pays only for those, and other entities then pass.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn e1_entity_flood_spends_no_global_tokens_beyond_its_own_successes_memory() {
     let (clock, store) = manual();
     let (store, store_tally) = counting(store);
@@ -348,7 +348,7 @@ async fn e1_entity_flood_spends_no_global_tokens_beyond_its_own_successes_postgr
 
 /// E2: a denial is 429 with an integer Retry-After, at least 1, at most the time to the next
 /// token rounded up, and a problem body of a fixed shape.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn e2_denial_has_retry_after_rounded_up_and_a_stable_body() {
     let (clock, store) = manual();
     // The limiter reads the store's clock: a refused key is answered from memory until its
@@ -402,7 +402,7 @@ async fn e2_denial_has_retry_after_rounded_up_and_a_stable_body() {
 
 /// E2 for the global layer: a global denial names the api layer, stops before the entity
 /// bucket (no entity call, no entity header) and gives Retry-After for the global bucket.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn e2_global_denial_stops_before_the_entity_check() {
     let (_clock, store) = manual();
     let (store, store_tally) = counting(store);
@@ -430,7 +430,7 @@ async fn e2_global_denial_stops_before_the_entity_check() {
 
 /// Allowed responses carry both layers' fields; a route without an entity carries the api
 /// fields only.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn allowed_responses_carry_both_layers_headers() {
     let (_clock, store) = manual();
     let limiter = Limiter::builder(store).build();
@@ -458,7 +458,7 @@ async fn allowed_responses_carry_both_layers_headers() {
 }
 
 /// `/bookings/1` and `/bookings/2` share the route's global bucket: the key is the pattern.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn global_key_is_the_route_pattern_not_the_path() {
     let (_clock, store) = manual();
     let limiter = Limiter::builder(store).build();
@@ -475,7 +475,7 @@ async fn global_key_is_the_route_pattern_not_the_path() {
 }
 
 /// An entity from a header (an API key): absent header, entity check skipped.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn header_entity_is_skipped_when_the_header_is_absent() {
     let (_clock, store) = manual();
     let limiter = Limiter::builder(store).build();
@@ -512,7 +512,7 @@ async fn header_entity_is_skipped_when_the_header_is_absent() {
 }
 
 /// A closure picks the entity: here the tenant from a query string.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn closure_entity_key() {
     let (_clock, store) = manual();
     let limiter = Limiter::builder(store).build();
@@ -609,7 +609,7 @@ fn e3_client_ip_trusts_forwarded_for_only_from_trusted_proxies() {
 
 /// E3 through the layer: 1,000 rotated spoofed XFF values from an untrusted peer share one
 /// bucket; a trusted proxy's client gets its own.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn e3_spoofed_forwarded_for_shares_the_peers_bucket() {
     let (_clock, store) = manual();
     let limiter = Limiter::builder(store).build();
@@ -684,7 +684,7 @@ async fn e3_spoofed_forwarded_for_shares_the_peers_bucket() {
 
 /// The layer from the demo policy file: its routes are limited by method and pattern, other
 /// routes and methods pass untouched.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn layer_from_the_policy_file() {
     let policies = Policies::from_json_str(include_str!("../../examples/policies/demo.json"), None)
         .expect("demo policy");
@@ -740,7 +740,7 @@ async fn layer_from_the_policy_file() {
 /// `allow` lets the request through. Neither knows what the buckets hold, so neither reports a
 /// count: `RateLimit-Policy` names the limits, and `RateLimit` and the `X-RateLimit-*-Remaining`
 /// fields are left out (the allow fallback once reported the full capacity).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn store_down_is_decided_by_the_fallback_never_500() {
     let limiter = Limiter::builder(Down).build();
     let with = |mode| {
@@ -792,7 +792,7 @@ async fn store_down_is_decided_by_the_fallback_never_500() {
 
 /// Hostile entity ids never fail the request: a 5,000-byte id and one with a NUL get buckets
 /// of their own (hashed), no 500.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn hostile_entity_ids_are_hashed_not_refused() {
     let (_clock, store) = manual();
     let limiter = Limiter::builder(store).build();
@@ -832,7 +832,7 @@ fn head(path: &str) -> Request<Body> {
 /// HEAD runs the GET handler (axum answers HEAD with it), so it is limited as that GET: the
 /// same global and entity buckets, keyed `GET:...`, shared with GET. Here with a layer made
 /// from a policy file that lists only GET.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn head_is_limited_as_the_get_it_runs_policy_file() {
     let policies = Policies::from_json_str(HEAD_POLICY, None).unwrap();
     let (_clock, store) = manual();
@@ -875,7 +875,7 @@ async fn head_is_limited_as_the_get_it_runs_policy_file() {
 }
 
 /// A file that lists HEAD on its own gives HEAD that route's limits instead.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn head_listed_in_the_policy_file_has_its_own_limits() {
     let json = HEAD_POLICY.replace(
         r#""routes": ["#,
@@ -904,7 +904,7 @@ async fn head_listed_in_the_policy_file_has_its_own_limits() {
 }
 
 /// The same with a layer on the route's method router: HEAD and GET share one limit.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn head_is_limited_as_the_get_it_runs_route_layer() {
     let (_clock, store) = manual();
     let limiter = Limiter::builder(store).build();
@@ -933,7 +933,7 @@ async fn head_is_limited_as_the_get_it_runs_route_layer() {
 
 /// Path ids that are not UTF-8 once percent-decoded (`%FF`, `%FE`) used to decode lossily to
 /// the same U+FFFD and share a bucket; they are refused with 400 before any bucket is touched.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn undecodable_path_ids_are_refused_before_any_bucket() {
     let (_clock, store) = manual();
     let (store, tally) = counting(store);
@@ -971,7 +971,7 @@ async fn undecodable_path_ids_are_refused_before_any_bucket() {
 
 /// axum gives no path parameter at all when one of them is not UTF-8; the entity's own
 /// parameter is then read from the path, so a bad other parameter neither hides nor merges it.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn entity_param_is_found_when_another_param_is_undecodable() {
     let (_clock, store) = manual();
     let limiter = Limiter::builder(store).build();
@@ -999,7 +999,7 @@ async fn entity_param_is_found_when_another_param_is_undecodable() {
 /// Header ids are kept exactly: never trimmed into another id, never decoded lossily. A value
 /// with surrounding whitespace, one that is not UTF-8 or a header sent twice is refused with
 /// 400 and takes no token from either bucket.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn header_ids_are_kept_exactly_or_refused() {
     use axum::http::HeaderValue;
 
@@ -1054,7 +1054,7 @@ async fn header_ids_are_kept_exactly_or_refused() {
 }
 
 /// An id written as the digest the layer stores for a long id gets a bucket of its own.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_id_cannot_pose_as_a_hashed_id() {
     use sha2::{Digest, Sha256};
 
@@ -1106,7 +1106,7 @@ fn shadow_app(limiter: &Limiter, shadow: &str) -> Router {
 /// and the `RateLimit-Policy` of the enforcing route's answer, 429 or not (without
 /// `Retry-After`);
 /// the endpoint's global bucket pays for every request the shadow route let through.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn s5_a_shadow_entity_layer_never_answers_429_and_carries_the_denials_fields() {
     let (enforcing_clock, enforcing_store) = manual();
     let (shadow_clock, shadow_store) = manual();
@@ -1172,7 +1172,7 @@ async fn s5_a_shadow_entity_layer_never_answers_429_and_carries_the_denials_fiel
 
 /// S5, the other layer: a route whose global layer is in shadow mode lets its denials through
 /// to the entity layer, which still enforces.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn s5_a_shadow_global_layer_lets_its_denials_reach_the_entity_layer() {
     let (clock, store) = manual();
     let limiter = Limiter::builder(store).build();
@@ -1217,7 +1217,7 @@ async fn s5_a_shadow_global_layer_lets_its_denials_reach_the_entity_layer() {
 /// R5: `RateLimitLayer::reload` swaps the routes and plans of a layer already serving: a
 /// route's changed plan decides the next request, a route added by the reload is limited from
 /// then on, and one it removes passes unlimited.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn r5_a_reloaded_layer_applies_the_new_routes_to_the_next_request() {
     let (_clock, store) = manual();
     let limiter = Limiter::builder(store).build();
@@ -1285,7 +1285,7 @@ async fn r5_a_reloaded_layer_applies_the_new_routes_to_the_next_request() {
 /// into one `OTHER` bucket. On an `any()` route of capacity 10, 200 requests with the methods
 /// `X0` … `X199` get 10 OK between them, and lowercase `get` (not `GET`) meets the same empty
 /// bucket; `GET` and `HEAD` share their own.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn e6_method_rotation_on_an_any_route_shares_one_bucket() {
     let (_clock, store) = manual();
     let (store, tally) = counting(store);
@@ -1336,7 +1336,7 @@ async fn e6_method_rotation_on_an_any_route_shares_one_bucket() {
 /// (`customer`); customer B
 /// still has its own 5; the store sees one key per customer, without method or route. A bad
 /// budget name is a typed error.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn e7_one_budget_per_customer_across_all_endpoints() {
     let (_clock, store) = manual();
     let (store, tally) = counting(store);
@@ -1423,7 +1423,7 @@ async fn e7_one_budget_per_customer_across_all_endpoints() {
 /// `x_ratelimit_remaining` or the builder's option an allowed response and a denial carry
 /// `RateLimit-Policy` and `RateLimit` (with each limit's `r`) and no such field; with either,
 /// each limit's field carries its `r`.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn e14_x_ratelimit_remaining_fields_are_written_only_when_asked_for() {
     let quiet = HEAD_POLICY.replace("\"x_ratelimit_remaining\": true,", "");
     let app = |json: &str, builder: bool| {
