@@ -329,11 +329,6 @@ impl Place {
                 if limiter.inner.clock.instant() >= deadline {
                     return Err(WaitError::DeadlinePassed { last });
                 }
-                // First in line: a refill of a dry bucket asks for this call's cost, not a
-                // whole lease, so the call is served when the bucket holds its tokens.
-                if let Some(leases) = limiter.inner.leases.get() {
-                    leases.mark_waiting(&place.key, place.nanos);
-                }
                 let tried = tokio::select! {
                     biased;
                     tried = place.try_once(&runtime, cost) => tried,
@@ -384,6 +379,11 @@ impl Place {
     ) -> Option<Result<Decision, Error>> {
         if let Some(taken) = self.limiter.take_from_lease(&self.key, cost) {
             return Some(taken);
+        }
+        // The lease cannot pay: a refill of a dry bucket asks for this call's cost, not a whole
+        // lease, so the call is served when the bucket holds its tokens.
+        if let Some(leases) = self.limiter.inner.leases.get() {
+            leases.mark_waiting(&self.key, self.nanos);
         }
         let (tx, rx) = oneshot::channel();
         let place = Arc::clone(self);
