@@ -6,6 +6,7 @@
 //! release when it is missing).
 
 use crate::common;
+use crate::subject::client;
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -37,17 +38,6 @@ async fn migrated(workers: usize) -> Arc<TempCitus> {
     let mut c = client(&citus.connection_string("postgres")).await;
     tokenlease::store::migrate(&mut c).await.expect("migrate");
     citus
-}
-
-/// A plain (non-Citus) session on `conn`.
-async fn client(conn: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(conn, tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    client
 }
 
 /// A store on the coordinator with generous timeouts (migrating: distributes the tables).

@@ -12,6 +12,7 @@
 //! database is migrated the same instance decides through the store again, without a restart.
 
 use crate::common;
+use crate::subject::client;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -22,7 +23,7 @@ use tokenlease::store::{MIGRATIONS, PostgresStore, migrate};
 use tokenlease::{DecidedBy, Limiter};
 use tokenlease_testkit::TestDatabase;
 use tokio_postgres::types::Type;
-use tokio_postgres::{Client, NoTls, Statement};
+use tokio_postgres::{Client, Statement};
 
 /// The previous release's SQL: its statements and its function files.
 const PREVIOUS: &str = concat!(
@@ -70,12 +71,6 @@ async fn empty_database(db: &TestDatabase, suffix: &str) -> (String, Client) {
         format!("{cs} dbname={name}")
     };
     (url.clone(), client(&url).await)
-}
-
-async fn client(url: &str) -> Client {
-    let (client, connection) = tokio_postgres::connect(url, NoTls).await.expect("connect");
-    tokio::spawn(connection);
-    client
 }
 
 /// The schema as `upto` of the released migrations leave it, recorded as `migrate` records

@@ -21,6 +21,7 @@
 //! Without a `pgbouncer` binary the tests fail with the command that installs it.
 
 use crate::common;
+use crate::subject::client;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -35,7 +36,6 @@ use tokenlease::store::{
 };
 use tokenlease::{DecidedBy, Limiter};
 use tokenlease_testkit::TempPostgres;
-use tokio_postgres::NoTls;
 
 const C: f64 = 100.0;
 const R: f64 = 50.0;
@@ -239,16 +239,6 @@ impl Store for Errors {
 /// A store through PgBouncer with generous timeouts (this test is about correctness).
 async fn store(connection: &str, migrate: bool) -> PostgresStore {
     common::unprepared_store_at(connection, 4, migrate).await
-}
-
-async fn client(connection: &str) -> tokio_postgres::Client {
-    let (client, conn) = tokio_postgres::connect(connection, NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    client
 }
 
 fn start_servers() -> (TempPostgres, PgBouncer) {

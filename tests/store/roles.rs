@@ -16,6 +16,7 @@ use tokenlease::{DecidedBy, Limiter};
 use tokenlease_testkit::TempPostgres;
 
 use crate::common;
+use crate::subject::client;
 
 /// The page whose SQL this test runs.
 const ROLES_MD: &str = include_str!("../../docs/roles.md");
@@ -27,14 +28,6 @@ fn sql_blocks() -> Vec<&'static str> {
         .skip(1)
         .map(|rest| rest.split("```").next().expect("a closed block"))
         .collect()
-}
-
-async fn client(connection: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(connection, tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(connection);
-    client
 }
 
 /// `server`'s database `app` as `role` (the throwaway cluster trusts loopback logins).
