@@ -6,6 +6,7 @@
 //! Apart from `acquire.rs` because none of this is on the fast path: it may await the store,
 //! the actor or the fallback, and counts what it decides on the plan's counters.
 
+use crate::store::metered::{Metered, Purpose};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -406,11 +407,10 @@ impl Limiter {
             amount: cost,
             lease: None,
         };
-        metrics::counter!(crate::metrics::DB_CALLS, "kind" => "return").increment(1);
-        let credited = self.inner.store.give_back(&[give]).await.is_ok();
-        if !credited {
-            metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "return").increment(1);
-        }
+        let credited = Metered::new(&*self.inner.store, Purpose::Return)
+            .give_back(&[give])
+            .await
+            .is_ok();
         Ok(credited)
     }
 
@@ -432,15 +432,13 @@ impl Limiter {
                 .await
                 .map_err(drop),
             None => {
-                metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
-                let call = self
-                    .inner
-                    .store
-                    .acquire(AcquireRequest::take(key, bucket, cost));
+                let store = Metered::new(&*self.inner.store, Purpose::Take);
+                let call = store.acquire(AcquireRequest::take(key, bucket, cost));
                 match tokio::time::timeout_at(deadline, call).await {
                     Ok(Ok(acquired)) => Ok(acquired),
-                    Ok(Err(_)) | Err(_) => {
-                        metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
+                    Ok(Err(_)) => Err(()),
+                    Err(_) => {
+                        store.timed_out();
                         Err(())
                     }
                 }

@@ -28,6 +28,7 @@
 //! the bucket has left are denied from that answer, at the statement's own store time, without
 //! another statement: the pure bucket at that time denies them too (see [`deny_from`]).
 
+use crate::store::metered::{Metered, Purpose};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -509,9 +510,10 @@ impl Coalescer {
             let result = {
                 let requests: Vec<AcquireRequest<'_>> =
                     batch.items.iter().map(Item::request).collect();
-                metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
                 // One answer per key: a sharded store fails only the keys of a failing shard.
-                let mut answers = store.acquire_each(&requests).await;
+                let mut answers = Metered::new(&*store, Purpose::Take)
+                    .acquire_each(&requests)
+                    .await;
                 if answers.len() != requests.len() {
                     let err = StoreError::Protocol(format!(
                         "{} answers for {} requests",
@@ -522,9 +524,6 @@ impl Coalescer {
                 }
                 answers
             };
-            if result.iter().any(Result::is_err) {
-                metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
-            }
             flight.armed = false;
             let (mut next, timers) = self.finish(batch, result, sent);
             drop(flight);

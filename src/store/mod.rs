@@ -22,6 +22,7 @@ mod counted;
 mod error;
 pub(crate) mod held;
 mod memory;
+pub(crate) mod metered;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 mod sharded;
