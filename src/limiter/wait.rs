@@ -33,7 +33,8 @@ use tokio::time::Instant;
 use super::cost::{lease_cost, validate_cost};
 use super::decisions::lease_allowed_at;
 use super::{DecidedBy, Decision, Limiter};
-use crate::error::{Error, validate_key};
+use crate::error::Error;
+use crate::key::validate_key;
 
 /// How many calls may wait on one key at once in one limiter, unless the builder says
 /// otherwise ([`LimiterBuilder::max_waiters_per_key`](super::LimiterBuilder::max_waiters_per_key)).

@@ -52,7 +52,7 @@ pub use self::sharded::{
 /// ([`AcquireRequest::lease`], `step` one nanotoken).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AcquireRequest<'a> {
-    /// The bucket's key; already validated (see [`crate::error::validate_key`]).
+    /// The bucket's key; already validated (see [`crate::key::validate_key`]).
     pub key: &'a str,
     /// The bucket's shape under the key's plan. A row stored with another shape takes this one.
     pub bucket: BucketConfig,
