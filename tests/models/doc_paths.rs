@@ -15,7 +15,8 @@
 //! `#anchor` is not part of the path. Glob-like and
 //! placeholder paths (followed by `*`, `<`, `{` or `$`, or containing `NAME`) are skipped. A
 //! path cited in a file of the `cli` or `testkit` crate may also be relative to that crate.
-//! Markdown links, `[text](target)`, are resolved relative to the file they are in.
+//! Markdown links, `[text](target)`, are resolved relative to the file they are in. And
+//! DESIGN.md, the index of the design, links every document under `docs/design/`.
 //!
 //! The last test runs the extraction over made-up text, to show it finds a dead path.
 
@@ -303,6 +304,29 @@ fn l5_every_cited_repository_path_exists() {
         "paths cited in Markdown or code comments that do not exist (fix the path, or say it \
          in words if the file is gone):\n{}",
         dead.join("\n")
+    );
+}
+
+/// DESIGN.md is the index of the design documents: it links every file under `docs/design/`.
+#[test]
+fn l5_design_md_links_every_design_document() {
+    let root = Path::new(ROOT);
+    let design = std::fs::read_to_string(root.join("DESIGN.md")).expect("DESIGN.md");
+    let links = relative_links(&design);
+    let mut documents: Vec<String> = std::fs::read_dir(root.join("docs/design"))
+        .expect("docs/design/")
+        .flatten()
+        .map(|entry| format!("docs/design/{}", entry.file_name().to_string_lossy()))
+        .collect();
+    documents.sort();
+    assert!(
+        documents.len() > 10,
+        "only {documents:?} under docs/design/"
+    );
+    let unlinked: Vec<&String> = documents.iter().filter(|d| !links.contains(d)).collect();
+    assert!(
+        unlinked.is_empty(),
+        "design documents DESIGN.md does not link: {unlinked:?}"
     );
 }
 
