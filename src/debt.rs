@@ -1,6 +1,6 @@
 //! Outage debt: what the `allow` and `local` fallbacks admitted while the store could not
 //! answer, recorded per plan and key and charged to the shared bucket once the store answers
-//! again (`DESIGN.md` §14).
+//! again (`docs/design/outage-debt.md`).
 //!
 //! While the store is down the shared bucket refills, and the fallback admits on its own. Without
 //! a record of those admissions the fleet finds a full bucket at recovery and admits it on top of
@@ -36,7 +36,7 @@ use crate::store::{AcquireRequest, Store};
 /// The most keys one limiter's ledger holds. A key's debt beyond them is counted in
 /// `tokenlease_outage_debt_dropped_tokens_total` and not kept; keys already in the ledger keep
 /// adding. An entry costs its key plus about 170 bytes (map slot, queue slot, counts), so at
-/// most about 12 MB with 1,024-byte keys, about 2.2 MB with 50-byte keys; `DESIGN.md` §14 says
+/// most about 12 MB with 1,024-byte keys, about 2.2 MB with 50-byte keys; `docs/design/outage-debt.md` says
 /// why not more.
 pub(crate) const MAX_KEYS: usize = 10_000;
 

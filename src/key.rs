@@ -100,7 +100,7 @@ pub fn validate_key_bytes(key: &[u8]) -> Result<&str, KeyError> {
 }
 
 /// Key bytes held in the slot itself: with the length and the tag, 24 bytes, the size of the
-/// `Arc<str>` it replaced plus a word (`DESIGN.md` §10).
+/// `Arc<str>` it replaced plus a word (`docs/design/memory.md`).
 const INLINE: usize = 22;
 
 /// A copy of a key. A key of at most [`INLINE`] bytes (most keys: `customer:1234567` is 16)

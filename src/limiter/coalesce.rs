@@ -82,7 +82,7 @@ pub(crate) struct Settings {
 /// The keys a statement should carry when callers wait: the adaptive limit keeps about this
 /// many callers' keys in each statement. Measured on the 2-core test machine (pgbench, the
 /// many-key take, prepared): 136–139 µs of server CPU per decision at 2 keys a statement,
-/// 81–83 µs at 4, 47 µs at 8, 28–29 µs at 16 (DESIGN.md §7).
+/// 81–83 µs at 4, 47 µs at 8, 28–29 µs at 16 (docs/design/direct-mode.md).
 const TARGET_BATCH: f64 = 16.0;
 
 /// The longest a free slot waits for more callers before its statement leaves (the gather

@@ -379,12 +379,12 @@ pub struct LeaseSettings {
     pub accounting: Accounting,
 }
 
-/// How the store accounts for tokens out on lease (see `DESIGN.md` §8 and §13).
+/// How the store accounts for tokens out on lease (see `docs/design/leases.md` and `docs/design/strict-accounting.md`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Accounting {
     /// A lease is taken from the bucket and forgotten: the bucket refills behind it, so tokens
     /// leased before a window opens and spent inside it can exceed what one bucket would admit
-    /// by the leases out (the bound in `DESIGN.md` §8). Fewest statements, simplest rows.
+    /// by the leases out (the bound in `docs/design/leases.md`). Fewest statements, simplest rows.
     #[default]
     Relaxed,
     /// The bucket row records every live lease, and `tokens + outstanding ≤ capacity`: no
@@ -467,7 +467,7 @@ pub struct FallbackSettings {
     /// The fallback decision.
     pub mode: FallbackMode,
     /// Whether what the `allow` and `local` fallbacks admit is recorded as outage debt and
-    /// charged to the shared bucket once the store answers again (`DESIGN.md` §14). Defaults
+    /// charged to the shared bucket once the store answers again (`docs/design/outage-debt.md`). Defaults
     /// to `true`; a `deny` fallback admits nothing, so it has no debt either way. File field
     /// `fallback.outage_debt`. The limiter's own switch,
     /// [`LimiterBuilder::outage_debt`](crate::limiter::LimiterBuilder::outage_debt), must be

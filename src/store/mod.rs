@@ -69,7 +69,7 @@ pub struct AcquireRequest<'a> {
     pub hold: Option<Hold>,
 }
 
-/// A strict lease as the grant that renews it describes it (see `DESIGN.md` §13).
+/// A strict lease as the grant that renews it describes it (see `docs/design/strict-accounting.md`).
 ///
 /// The store keeps one entry per holder and key: `kept + granted` tokens under `lease_id` until
 /// `lifetime` after the store's now. The grant settles the holder's previous entry in the same

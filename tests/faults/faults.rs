@@ -1011,8 +1011,8 @@ async fn d3(mode: Mode) {
     let instance = rig.instance(&rig.proxied(), 4).await;
     // A slow refill, so the row's tokens can be compared exactly. Without outage debt: the
     // timed-out take committed and the fallback then admitted the call as well, so with debt
-    // on its charge would take the cost from the row a second time (under-admission, DESIGN.md
-    // §14), and the row would not show the take and the return alone.
+    // on its charge would take the cost from the row a second time (under-admission,
+    // docs/design/outage-debt.md), and the row would not show the take and the return alone.
     let plan = Arc::new(
         common::plan(C, 0.001)
             .with_fallback(FallbackSettings::new(mode.fallback()).with_outage_debt(false)),
@@ -1979,7 +1979,7 @@ async fn d9(mode: Mode) {
     // some tokens, or "empty") or failed at the cut is a race of milliseconds, not of the wall
     // clock, so each run is checked against its mode's own bound. The lease admits what it
     // held, at most B; in `allow` a dry lease keeps denying until the store's last "empty" runs
-    // out (DESIGN.md §8), at most one stretched dry window (4 × B / r of calls), and the
+    // out (docs/design/leases.md), at most one stretched dry window (4 × B / r of calls), and the
     // fallback admits the rest; in `deny` the fallback denies; under `local` it admits at most
     // its share of the bucket (C / N, refilling at R / N) over the outage.
     for step in [0, HOUR, -HOUR] {

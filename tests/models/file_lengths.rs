@@ -1,4 +1,4 @@
-//! L3: no source file of the library is over 800 lines (DESIGN.md §11, "Module layout").
+//! L3: no source file of the library is over 800 lines (DESIGN.md, "The layers").
 //!
 //! A file that long holds more than one role, and the roles are read, changed and reviewed
 //! together whether or not they belong together: such a file is split by role, each part in a
@@ -71,7 +71,7 @@ fn l3_no_library_source_file_is_over_800_lines() {
     assert!(
         report.is_empty(),
         "library source files over {MOST_LINES} lines (split each by role, into files named \
-         after their roles; DESIGN.md §11, \"Module layout\"):\n{report}"
+         after their roles; DESIGN.md, \"The layers\"):\n{report}"
     );
 }
 
