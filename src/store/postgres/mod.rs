@@ -35,6 +35,7 @@ mod manager;
 pub(crate) mod migrate;
 mod rows;
 mod schema;
+mod sql;
 
 pub use self::builder::PostgresStoreBuilder;
 use self::builder::pool_error;
@@ -43,15 +44,6 @@ use self::contain::{Path, ServerEncoding, check_return, check_take, no_row, roun
 use self::rows::{Holds, Takes, file_rows, held_leases, micros, nanos_down, shape, tokens};
 
 use self::manager::{ConnectionManager, PgConnection};
-
-/// The statements kept as files: the background ones (idle cleanup, inspection). The statements
-/// of every decision are built in [`lean`] from one definition of the refill.
-mod sql {
-    // language=SQL
-    pub(super) const DELETE_IDLE: &str = include_str!("sql/delete_idle.sql");
-    // language=SQL
-    pub(super) const INSPECT: &str = include_str!("sql/inspect.sql");
-}
 
 /// The SQL text of the one-key take the store sends (`$1` text key, `$2` capacity, `$3` rate,
 /// `$4` min, `$5` want, `$6` step, all bigint nanotokens): for running it yourself, e.g.

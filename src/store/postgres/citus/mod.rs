@@ -576,7 +576,9 @@ pub(super) use self::map::shard_map;
 pub(crate) use self::map::{Node, ShardMap};
 use self::sql::{DELETE_IDLE, GIVE_BACK, GIVE_BACK_TYPES, TAKE_HELD};
 #[cfg(test)]
-pub(super) use self::sql::{GIVE_BACK_SHARD, NODE_FUNCTIONS_GENERATION, bodies, node_functions};
+pub(super) use self::sql::{
+    GIVE_BACK_SHARD, NODE_FUNCTIONS_GENERATION, bodies, node_functions, statements_for_tests,
+};
 
 #[cfg(test)]
 pub(super) mod tests;

@@ -634,3 +634,32 @@ pub(super) const TAKE_HELD_TYPES: [Type; 11] = [
     Type::INT8_ARRAY,
     Type::INT8_ARRAY,
 ];
+
+/// Every statement of the Citus path as the store makes it, by name, for a sample of shards:
+/// the calls the store sends, the shard statements inside the node functions, the node takes
+/// of one and of three shards, and the node functions' batch itself.
+#[cfg(test)]
+pub(in crate::store::postgres) fn statements_for_tests() -> Vec<(&'static str, String)> {
+    let three = [
+        (102008, "tokenlease_buckets_102008"),
+        (102011, "tokenlease_buckets_102011"),
+        (102040, "tokenlease_buckets_102040"),
+    ];
+    vec![
+        ("citus/take_shard", TAKE_SHARD.clone()),
+        ("citus/held_insert_shard", HELD_INSERT_SHARD.to_string()),
+        ("citus/held_update_shard", HELD_UPDATE_SHARD.clone()),
+        ("citus/give_back_shard", GIVE_BACK_SHARD.clone()),
+        ("citus/delete_idle_shard", DELETE_IDLE_SHARD.clone()),
+        ("citus/node_take, one shard", node_take(&three[..1])),
+        ("citus/node_take, three shards", node_take(&three)),
+        (
+            "citus/inspect_shard",
+            inspect_shard("tokenlease_buckets_102008").to_string(),
+        ),
+        ("citus/take_held", TAKE_HELD.to_string()),
+        ("citus/give_back", GIVE_BACK.to_string()),
+        ("citus/delete_idle", DELETE_IDLE.to_string()),
+        ("citus/node_functions", NODE_FUNCTIONS_SQL.clone()),
+    ]
+}
