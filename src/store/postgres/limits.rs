@@ -1,5 +1,6 @@
 //! The statements for buckets of several limits ("10 a second and 10,000 a day" on one key),
-//! built from the refill of `lean.rs`.
+//! written in `sql/acquire_limits.sql` and `sql/give_back_limits.sql` with the refill of
+//! `lean.rs`'s statements.
 //!
 //! A key keeps one row. Its first limit (the one of the smallest capacity) is in the columns
 //! every row has, so a row written by a plan of one limit is a bucket of one limit and the
@@ -9,9 +10,9 @@
 //! row does not hold (`NULL`, a row written before the limit was added) is full, as an absent
 //! row is.
 //!
-//! One statement decides a batch of keys: an upsert, in key order, as [`lean::ACQUIRE_MANY`]
+//! One statement decides a batch of keys: an upsert, in key order, as [`super::lean::ACQUIRE_MANY`]
 //! is. Its `ON CONFLICT DO UPDATE` refills every limit of the row to the same `now()`, grants
-//! from the least of them (`lean::grant`: a multiple of the step, between `min` and `want`)
+//! from the least of them (as `lean.rs`'s grant: a multiple of the step, between `min` and `want`)
 //! and takes the grant from each: one row lock, so the take is atomic across the limits, and
 //! two callers never both take the last token of any limit. The other limits' refill is the
 //! first's, element by element (`generate_subscripts` over the request's capacities).
@@ -21,249 +22,43 @@ use std::sync::LazyLock;
 use tokio_postgres::Row;
 use tokio_postgres::types::{ToSql, Type};
 
-use super::lean::{self, NOW_US};
 use super::rows::{NANO, micros, nanos_down, shape};
+use super::sql;
 use crate::bucket::Tokens;
 use crate::clock::timestamp_from_system_time;
 use crate::store::{AcquireRequest, Acquired, GiveBack, StoreError, nanos as nanos_duration};
 
-/// The other limits of row `row` refilled to `now`, as rows `(i, cap, avail, frac)`: limit
-/// `i`'s capacity, its refilled whole nanotokens and the femtotokens left over, from the
-/// capacities `caps` and rates `rates` (arrays). As `lean::capped_femtotokens`, limit by limit.
-fn more_refilled(row: &str, caps: &str, rates: &str, now: &str) -> String {
-    let tok = format!("coalesce({row}.more_tokens[s.i], ({caps})[s.i])");
-    let femto = format!(
-        "least((({caps})[s.i] - {tok})::numeric * 1000000, \
-               greatest(0, {now} - {row}.updated_us)::numeric * ({rates})[s.i] \
-               + coalesce({row}.more_frac[s.i], 0))"
-    );
-    format!(
-        "SELECT x.i, x.cap, x.tok + div(x.femto, 1000000)::bigint AS avail, \
-                mod(x.femto, 1000000)::integer AS frac \
-         FROM (SELECT s.i, ({caps})[s.i] AS cap, {tok} AS tok, {femto} AS femto \
-               FROM generate_subscripts({caps}, 1) AS s(i) OFFSET 0) AS x"
-    )
-}
-
-/// The request's other capacities and rates, sliced out of the flat arrays `$7` and `$8` by
-/// its `first` index and `count`.
-fn sliced(flat: &str) -> String {
-    format!("({flat})[u.first : u.first + u.count - 1]")
-}
-
 /// Refill and take for many distinct keys of several limits, in one statement.
 ///
 /// `$1` text[] keys, `$2` first capacities, `$3` first rates, `$4` mins, `$5` wants, `$6`
-/// steps (bigint[] nanotokens, as [`lean::ACQUIRE_MANY`]), `$7` bigint[] the other limits'
+/// steps (bigint[] nanotokens, as [`super::lean::ACQUIRE_MANY`]), `$7` bigint[] the other limits'
 /// capacities and `$8` their rates, every request's after the other's, `$9` integer[] where
 /// each request's start in `$7` (1-based) and `$10` how many it has. Returns key, tokens, frac,
 /// the grant, updated_us, now_us (as the plain take), then the other limits' tokens and fracs.
-pub(super) static ACQUIRE_LIMITS: LazyLock<String> = LazyLock::new(|| acquire_limits(false));
-
-/// [`ACQUIRE_LIMITS`]'s text; with `shard`, on one Citus shard's table `%1$s` (for
-/// `format()`), for the positions `$11` (integer[]) of the arrays only, its columns cast to
-/// their base types for a function's `RETURN QUERY`.
-pub(super) fn acquire_limits(shard: bool) -> String {
-    let (capacity, rate, now) = (
-        "excluded.capacity",
-        "excluded.refill_per_second",
-        "excluded.updated_us",
-    );
-    let capped = lean::capped_femtotokens("b", capacity, rate, now);
-    let avail0 = lean::available_from("b", &capped);
-    let frac0 = lean::frac_from(&capped);
-    let more = more_refilled("b", "excluded.more_capacity", "excluded.more_rate", now);
-    let granted = lean::grant(
-        "least(e.avail0, e.least_more)",
-        "q.min_take",
-        "q.want",
-        "q.step",
-    );
-    let granted_new = lean::grant(
-        "least(r.capacity, lm.least_more)",
-        "r.min_take",
-        "r.want",
-        "r.step",
-    );
-    let (table, ordinality, members) = if shard {
-        (
-            "%1$s",
-            " WITH ORDINALITY",
-            ", n) WHERE u.n = ANY ($11::integer[])",
-        )
-    } else {
-        ("tokenlease_buckets", "", ")")
-    };
-    format!(
-        "-- tokenlease: refill and take, several limits (src/store/postgres/limits.rs)\n\
-         INSERT INTO {table} AS b \
-             (key, tokens, frac, capacity, refill_per_second, updated_us, refilled, \
-              more_tokens, more_frac, more_capacity, more_rate) \
-         SELECT r.key, r.capacity - n.g, 0, r.capacity, r.rate, (SELECT {NOW_US}), r.capacity, \
-                (SELECT array_agg(c.cap - n.g ORDER BY c.o) \
-                 FROM unnest(r.caps) WITH ORDINALITY AS c(cap, o)), \
-                array_fill(0, ARRAY[r.count]), r.caps, r.rates \
-         FROM (SELECT u.key, u.capacity, u.rate, u.min_take, u.want, u.step, u.count, \
-                      {caps} AS caps, {rates} AS rates \
-               FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[], \
-                           $6::bigint[], $9::integer[], $10::integer[]){ordinality} \
-                   AS u(key, capacity, rate, min_take, want, step, first, count{members}) AS r \
-         CROSS JOIN LATERAL (SELECT {granted_new} AS g \
-                             FROM (SELECT (SELECT min(c) FROM unnest(r.caps) AS c) AS least_more \
-                                   OFFSET 0) AS lm) AS n \
-         ORDER BY r.key \
-         ON CONFLICT (key) DO UPDATE \
-         SET (tokens, frac, refilled, more_tokens, more_frac) = ( \
-                 SELECT t.avail0 - t.g, t.frac0, t.avail0, \
-                        (SELECT array_agg(m.avail - t.g ORDER BY m.o) \
-                         FROM unnest(t.mavail) WITH ORDINALITY AS m(avail, o)), \
-                        t.mfrac \
-                 FROM (SELECT e.avail0, e.frac0, e.mavail, e.mfrac, {granted} AS g \
-                       FROM (SELECT ($4::bigint[])[p.n] AS min_take, ($5::bigint[])[p.n] AS want, \
-                                    ($6::bigint[])[p.n] AS step \
-                             FROM (SELECT array_position($1::text[], excluded.key) AS n OFFSET 0) \
-                                 AS p OFFSET 0) AS q, \
-                            (SELECT f.avail0, f.frac0, \
-                                    array_agg(mr.avail ORDER BY mr.i) AS mavail, \
-                                    array_agg(mr.frac ORDER BY mr.i) AS mfrac, \
-                                    min(mr.avail) AS least_more \
-                             FROM (SELECT {avail0} AS avail0, {frac0} AS frac0 OFFSET 0) AS f \
-                             CROSS JOIN ({more}) AS mr \
-                             GROUP BY f.avail0, f.frac0) AS e \
-                       OFFSET 0) AS t), \
-             capacity = {capacity}, refill_per_second = {rate}, \
-             more_capacity = excluded.more_capacity, more_rate = excluded.more_rate, \
-             updated_us = greatest(b.updated_us, {now}) \
-         WHERE cardinality(b.leases) = 0 \
-         RETURNING b.key, b.tokens::bigint, b.frac::integer, (b.refilled - b.tokens)::bigint, \
-                   b.updated_us::bigint, (SELECT {NOW_US}), b.more_tokens::bigint[], \
-                   b.more_frac::integer[]",
-        caps = sliced("$7::bigint[]"),
-        rates = sliced("$8::bigint[]"),
-    )
-}
+pub(super) static ACQUIRE_LIMITS: LazyLock<String> =
+    LazyLock::new(|| sql::ACQUIRE_LIMITS.render([]));
 
 /// Returns of unused lease tokens to buckets of several limits, idempotent by return id, for
-/// many distinct keys in one statement: as [`lean::GIVE_BACK`] without strict leases (a plan
+/// many distinct keys in one statement: as [`super::lean::GIVE_BACK`] without strict leases (a plan
 /// of several limits holds none), each limit refilled and credited the amount, capped at its
 /// capacity.
 ///
 /// `$1` bigint[] ids, `$2` text[] keys, `$3` bigint[] amounts, `$4` first capacities, `$5`
 /// first rates, `$6` the other capacities and `$7` rates (flat, as [`ACQUIRE_LIMITS`]'s `$7`
 /// and `$8`), `$8` integer[] starts and `$9` counts. Returns the credited keys.
-pub(super) static GIVE_BACK_LIMITS: LazyLock<String> = LazyLock::new(|| give_back_limits(false));
-
-/// [`GIVE_BACK_LIMITS`]'s text; with `shard`, on one Citus shard's tables (`%1$s` buckets,
-/// `%2$s` returns, keyed by `(key, id)`), for `format()`, for the positions `$10` (integer[])
-/// of the arrays only.
-pub(super) fn give_back_limits(shard: bool) -> String {
-    let avail0 = lean::available(
-        "b",
-        "excluded.capacity",
-        "excluded.refill_per_second",
-        "r.now_us",
-    );
-    let frac0 = lean::refilled_frac(
-        "b",
-        "excluded.capacity",
-        "excluded.refill_per_second",
-        "r.now_us",
-    );
-    let more = more_refilled(
-        "b",
-        "excluded.more_capacity",
-        "excluded.more_rate",
-        "r.now_us",
-    );
-    // On a shard, the part's positions `$10` are joined once to the arrays unnested with
-    // their ordinality (not tested against every row), and the fresh returns joined once.
-    let (buckets, returns, ordinality, f_n, u_n, conflict, fresh, is_fresh) = if shard {
-        (
-            "%1$s",
-            "%2$s",
-            " WITH ORDINALITY",
-            ", n) JOIN unnest($10::integer[]) AS fm(n) ON fm.n = f.n",
-            ", n) JOIN unnest($10::integer[]) AS um(n) ON um.n = u.n \
-             JOIN fresh ON fresh.key = u.key AND fresh.id = u.id",
-            "(key, id)",
-            "t.key, t.id",
-            "",
-        )
-    } else {
-        (
-            "tokenlease_buckets",
-            "tokenlease_returns",
-            "",
-            ")",
-            ")",
-            "(id)",
-            "t.id",
-            "WHERE u.id IN (SELECT fresh.id FROM fresh)",
-        )
-    };
-    let order = if shard { "f.key, f.id" } else { "f.id" };
-    format!(
-        "-- tokenlease: return of unused lease tokens, several limits (src/store/postgres/limits.rs)\n\
-         WITH fresh AS ( \
-             INSERT INTO {returns} AS t (id, key, amount) \
-             SELECT f.id, f.key, f.amount \
-             FROM unnest($1::bigint[], $2::text[], $3::bigint[]){ordinality} \
-                 AS f(id, key, amount{f_n} \
-             ORDER BY {order} \
-             ON CONFLICT {conflict} DO NOTHING \
-             RETURNING {fresh}), \
-         upserted AS ( \
-             INSERT INTO {buckets} AS b \
-                 (key, tokens, frac, capacity, refill_per_second, updated_us, refilled, \
-                  more_tokens, more_frac, more_capacity, more_rate) \
-             SELECT u.key, u.capacity, 0, u.capacity, u.rate, (SELECT {NOW_US}), u.capacity, \
-                    {caps}, array_fill(0, ARRAY[u.count]), {caps}, {rates} \
-             FROM unnest($1::bigint[], $2::text[], $4::bigint[], $5::bigint[], $8::integer[], \
-                         $9::integer[]){ordinality} \
-                 AS u(id, key, capacity, rate, first, count{u_n} \
-             {is_fresh} \
-             ORDER BY u.key \
-             ON CONFLICT (key) DO UPDATE \
-             SET (tokens, frac, refilled, more_tokens, more_frac) = ( \
-                 SELECT a.avail0 + least(r.amount, excluded.capacity - a.avail0), \
-                        CASE WHEN r.amount >= excluded.capacity - a.avail0 THEN 0 ELSE a.frac0 END, \
-                        0, \
-                        (SELECT array_agg(mr.avail + least(r.amount, mr.cap - mr.avail) \
-                                          ORDER BY mr.i) FROM ({more}) AS mr), \
-                        (SELECT array_agg(CASE WHEN r.amount >= mr.cap - mr.avail THEN 0 \
-                                               ELSE mr.frac END ORDER BY mr.i) \
-                         FROM ({more}) AS mr) \
-                 FROM (SELECT ($3::bigint[])[p.n] AS amount, excluded.updated_us AS now_us \
-                       FROM (SELECT array_position($2::text[], excluded.key) AS n OFFSET 0) AS p \
-                       OFFSET 0) AS r, \
-                      LATERAL (SELECT {avail0} AS avail0, {frac0} AS frac0 OFFSET 0) AS a), \
-                 capacity = excluded.capacity, refill_per_second = excluded.refill_per_second, \
-                 more_capacity = excluded.more_capacity, more_rate = excluded.more_rate, \
-                 updated_us = greatest(b.updated_us, excluded.updated_us) \
-             WHERE cardinality(b.leases) = 0 \
-             RETURNING b.key, b.refilled) \
-         SELECT upserted.key FROM upserted WHERE upserted.refilled = 0",
-        caps = sliced("$6::bigint[]"),
-        rates = sliced("$7::bigint[]"),
-    )
-}
+pub(super) static GIVE_BACK_LIMITS: LazyLock<String> =
+    LazyLock::new(|| sql::GIVE_BACK_LIMITS.render([]));
 
 /// The call of a Citus node's `tokenlease_citus_take_limits` (created by `citus/sql.rs`):
 /// `$1` the route (a key of the node), then [`ACQUIRE_LIMITS`]'s parameters; its rows as
 /// that statement's.
-pub(super) const CITUS_TAKE_LIMITS: &str = "\
--- tokenlease: refill and take, several limits, on one Citus node (src/store/postgres/limits.rs)
-SELECT * FROM tokenlease_citus_take_limits($1::text, $2::text[], $3::bigint[], $4::bigint[], \
-    $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[], $9::bigint[], $10::integer[], \
-    $11::integer[])";
+pub(super) static CITUS_TAKE_LIMITS: LazyLock<String> =
+    LazyLock::new(|| sql::CITUS_TAKE_LIMITS.render([]));
 
 /// The call of a Citus node's `tokenlease_citus_give_back_limits`: `$1` the route, then
 /// [`GIVE_BACK_LIMITS`]'s parameters; the keys credited.
-pub(super) const CITUS_GIVE_BACK_LIMITS: &str = "\
--- tokenlease: returns, several limits, on one Citus node (src/store/postgres/limits.rs)
-SELECT * FROM tokenlease_citus_give_back_limits($1::text, $2::bigint[], $3::text[], \
-    $4::bigint[], $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[], $9::integer[], \
-    $10::integer[])";
+pub(super) static CITUS_GIVE_BACK_LIMITS: LazyLock<String> =
+    LazyLock::new(|| sql::CITUS_GIVE_BACK_LIMITS.render([]));
 
 /// The parameter types of [`ACQUIRE_LIMITS`].
 pub(super) const LIMITS_TYPES: [Type; 10] = [
@@ -403,7 +198,7 @@ impl<'a> LimitReturns<'a> {
 
 impl super::PostgresStore {
     /// The takes of several limits among `pending` (keys of one Citus node): one call of the
-    /// node's `tokenlease_citus_take_limits`, which runs [`acquire_limits`] on each of the
+    /// node's `tokenlease_citus_take_limits`, which runs `citus/sql/take_limits_shard.sql` on each of the
     /// node's shards the keys are in. What it decides leaves `pending`; a strict lease among
     /// them, or a row holding strict leases, is an error, as on plain PostgreSQL.
     pub(super) async fn citus_take_limits(
@@ -421,7 +216,9 @@ impl super::PostgresStore {
         let t = LimitTakes::new(requests, &multi)?;
         let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&route, Type::TEXT)];
         params.extend(t.params());
-        let rows = self.query_by(deadline, CITUS_TAKE_LIMITS, &params).await?;
+        let rows = self
+            .query_by(deadline, CITUS_TAKE_LIMITS.as_str(), &params)
+            .await?;
         file_all(&rows, requests, multi, out)
     }
 
@@ -446,7 +243,7 @@ impl super::PostgresStore {
         let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&route, Type::TEXT)];
         params.extend(r.params());
         for row in self
-            .query_by(deadline, CITUS_GIVE_BACK_LIMITS, &params)
+            .query_by(deadline, CITUS_GIVE_BACK_LIMITS.as_str(), &params)
             .await?
         {
             credited.insert(row.try_get::<_, String>(0).map_err(StoreError::from)?);

@@ -45,6 +45,15 @@ use self::rows::{Holds, Takes, file_rows, held_leases, micros, nanos_down, shape
 
 use self::manager::{ConnectionManager, PgConnection};
 
+/// Idle cleanup (`sql/delete_idle.sql`) on the store's tables.
+static DELETE_IDLE: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    sql::DELETE_IDLE.render(["tokenlease_buckets", "tokenlease_returns"])
+});
+
+/// The inspection of one key (`sql/inspect.sql`) on the store's table.
+static INSPECT: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| sql::INSPECT.render(["tokenlease_buckets"]));
+
 /// The SQL text of the one-key take the store sends (`$1` text key, `$2` capacity, `$3` rate,
 /// `$4` min, `$5` want, `$6` step, all bigint nanotokens): for running it yourself, e.g.
 /// through `EXPLAIN` or pgbench when sizing a database (`tokenlease loadtest
@@ -533,7 +542,7 @@ impl Store for PostgresStore {
         }
         let limit = i64::from(limit);
         let rows = self
-            .query(sql::DELETE_IDLE, &[(&limit, Type::INT8)])
+            .query(DELETE_IDLE.as_str(), &[(&limit, Type::INT8)])
             .await?;
         Ok(rows.len() as u64)
     }
@@ -546,7 +555,7 @@ impl Store for PostgresStore {
                 let (lane, statement) = citus.inspect_route(key);
                 lane.query(statement, &[(&key, Type::TEXT)]).await?
             }
-            None => self.query(sql::INSPECT, &[(&key, Type::TEXT)]).await?,
+            None => self.query(INSPECT.as_str(), &[(&key, Type::TEXT)]).await?,
         };
         rows.first()
             .map(|row| {

@@ -297,7 +297,10 @@ impl Citus {
             }
             let route = topology.map.probe(node);
             let rows = lane
-                .query(DELETE_IDLE, &[(&route, Type::TEXT), (&left, Type::INT8)])
+                .query(
+                    DELETE_IDLE.as_str(),
+                    &[(&route, Type::TEXT), (&left, Type::INT8)],
+                )
                 .await?;
             let n: i64 = rows.first().map(|r| r.try_get(0)).transpose()?.unwrap_or(0);
             deleted += u64::try_from(n).unwrap_or(0);
@@ -364,8 +367,8 @@ fn node_statements(map: &ShardMap, node: usize) -> Vec<(&'static str, &'static [
         .filter_map(|set| sql::node_take_statement(set))
         .map(|(statement, types)| (statement, types, true))
         .collect();
-    out.push((TAKE_HELD, &sql::TAKE_HELD_TYPES, false));
-    out.push((GIVE_BACK, &GIVE_BACK_TYPES, false));
+    out.push((TAKE_HELD.as_str(), &sql::TAKE_HELD_TYPES, false));
+    out.push((GIVE_BACK.as_str(), &GIVE_BACK_TYPES, false));
     out
 }
 
@@ -459,7 +462,7 @@ impl PostgresStore {
             let mut params: Vec<(&(dyn ToSql + Sync), Type)> = vec![(&route, Type::TEXT)];
             params.extend(t.params());
             params.extend(holds.params());
-            let rows = self.query_by(deadline, TAKE_HELD, &params).await?;
+            let rows = self.query_by(deadline, TAKE_HELD.as_str(), &params).await?;
             file_rows(&rows, requests, pending, out)?;
         }
         Ok(())
@@ -514,7 +517,7 @@ impl PostgresStore {
         ];
         let params: Vec<(&(dyn ToSql + Sync), Type)> =
             values.into_iter().zip(GIVE_BACK_TYPES).collect();
-        let rows = self.query_by(deadline, GIVE_BACK, &params).await?;
+        let rows = self.query_by(deadline, GIVE_BACK.as_str(), &params).await?;
         for row in &rows {
             credited.insert(row.try_get::<_, String>(0).map_err(StoreError::from)?);
         }

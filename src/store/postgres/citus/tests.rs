@@ -84,11 +84,10 @@ fn versions_parse() {
 #[test]
 fn shard_statements_name_no_distributed_table() {
     for sql in [
-        TAKE_SHARD.as_str(),
         HELD_UPDATE_SHARD.as_str(),
         GIVE_BACK_SHARD.as_str(),
         DELETE_IDLE_SHARD.as_str(),
-        HELD_INSERT_SHARD,
+        HELD_INSERT_SHARD.as_str(),
     ] {
         assert!(!sql.contains("tokenlease_buckets"), "{sql}");
         assert!(!sql.contains("tokenlease_returns "), "{sql}");
@@ -167,4 +166,93 @@ fn inspection_reads_the_shard_table() {
     assert!(sql.contains("FROM tokenlease_buckets_7\n"), "{sql}");
     assert!(!sql.contains("FROM tokenlease_buckets\n"), "{sql}");
     assert!(std::ptr::eq(sql, inspect_shard("tokenlease_buckets_7")));
+}
+
+/// B15: what a Citus node runs is what the files say: the shard statements (for `format()`:
+/// `%` doubled, the tables `%1$s` and `%2$s`), the calls the store sends, each node function
+/// (its file with the quoted shard statements in its placeholders), a node's take on one shard
+/// (the plain many-key file on the shard's table, its keys through the shard guard) and the
+/// inspection of a shard's key.
+#[test]
+fn every_citus_statement_is_its_file() {
+    use super::super::sql as files;
+    use files::assert_is_the_file as is_file;
+    let shard = ["%1$s", "%2$s"];
+    is_file(
+        &HELD_INSERT_SHARD,
+        &files::HELD_INSERT_SHARD,
+        [shard[0]],
+        for_format,
+    );
+    is_file(
+        &HELD_UPDATE_SHARD,
+        &files::HELD_UPDATE_SHARD,
+        [shard[0]],
+        for_format,
+    );
+    is_file(&GIVE_BACK_SHARD, &files::GIVE_BACK_SHARD, shard, for_format);
+    is_file(&DELETE_IDLE_SHARD, &files::DELETE_IDLE, shard, for_format);
+    let as_is = |s: &str| s.to_owned();
+    is_file(&TAKE_HELD, &files::CITUS_TAKE_HELD, [], as_is);
+    is_file(&GIVE_BACK, &files::CITUS_GIVE_BACK, [], as_is);
+    is_file(&DELETE_IDLE, &files::CITUS_DELETE_IDLE, [], as_is);
+    let made = functions();
+    let take_limits = files::TAKE_LIMITS_SHARD.render_escaped(["%1$s"], for_format);
+    is_file(
+        &take_limits,
+        &files::TAKE_LIMITS_SHARD,
+        [shard[0]],
+        for_format,
+    );
+    let give_back_limits = files::GIVE_BACK_LIMITS_SHARD.render_escaped(shard, for_format);
+    is_file(
+        &give_back_limits,
+        &files::GIVE_BACK_LIMITS_SHARD,
+        shard,
+        for_format,
+    );
+    is_file(&made[0].1, &files::FN_HOLD, [], as_is);
+    is_file(&made[1].1, &files::FN_PARTS, [], as_is);
+    let (insert, update) = (literal(&HELD_INSERT_SHARD), literal(&HELD_UPDATE_SHARD));
+    is_file(&made[2].1, &files::FN_TAKE_HELD, [&insert, &update], as_is);
+    is_file(
+        &made[3].1,
+        &files::FN_GIVE_BACK,
+        [&literal(&GIVE_BACK_SHARD)],
+        as_is,
+    );
+    is_file(
+        &made[4].1,
+        &files::FN_DELETE_IDLE,
+        [&literal(&DELETE_IDLE_SHARD)],
+        as_is,
+    );
+    is_file(
+        &made[5].1,
+        &files::FN_TAKE_LIMITS,
+        [&literal(&take_limits)],
+        as_is,
+    );
+    is_file(
+        &made[6].1,
+        &files::FN_GIVE_BACK_LIMITS,
+        [&literal(&give_back_limits)],
+        as_is,
+    );
+    assert_eq!(made.len(), 7);
+    for (_, body) in &made {
+        assert!(node_functions().sql.contains(body.as_str()));
+    }
+    let table = "tokenlease_buckets_102008";
+    let take = node_take(&[(102008, table)]);
+    let unguarded = take.replacen(
+        "unnest(tokenlease_citus_hold(ARRAY[102008]::bigint[], $1::text[])",
+        "unnest($1::text[]",
+        1,
+    );
+    let plain = files::ACQUIRE_MANY.render([table]);
+    let (_, body) = plain.split_once('\n').expect("a header line");
+    assert_eq!(unguarded, format!("{NODE_TAKE_HEAD}{body}"));
+    is_file(&plain, &files::ACQUIRE_MANY, [table], as_is);
+    is_file(inspect_shard(table), &files::INSPECT, [table], as_is);
 }

@@ -11,7 +11,7 @@
 -- through migration 0003's tokenlease_refill_held, in tokens.
 WITH idle AS (
     SELECT key
-    FROM tokenlease_buckets
+    FROM {buckets}
     WHERE CASE WHEN cardinality(leases) = 0
                THEN tokens >= capacity
                     OR tokens * 1000000.0 + frac
@@ -29,12 +29,12 @@ WITH idle AS (
 ),
 -- Lease returns older than a day can no longer be retried: forget their ids.
 old_returns AS (
-    DELETE FROM tokenlease_returns
-    WHERE id IN (SELECT id FROM tokenlease_returns
+    DELETE FROM {returns}
+    WHERE id IN (SELECT id FROM {returns}
                  WHERE returned_at < now() - interval '1 day'
                  LIMIT $1 FOR UPDATE SKIP LOCKED)
 )
-DELETE FROM tokenlease_buckets AS b
+DELETE FROM {buckets} AS b
 USING idle
 WHERE b.key = idle.key
 RETURNING b.key

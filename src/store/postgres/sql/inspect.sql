@@ -16,5 +16,5 @@ SELECT key, tokenlease_amount(tokens, frac)::numeric(38, 18)::text,
                    ORDER BY l.holder), '[]')::text
         FROM unnest(leases) AS l
         WHERE l.expires_at > now())
-FROM tokenlease_buckets
+FROM {buckets}
 WHERE key = $1

@@ -5,6 +5,7 @@
 
 use super::super::functions::sha256_hex;
 use super::super::{citus, lean, limits};
+use super::{Form, SqlFile};
 
 /// Every statement the store prepares or creates, by name.
 fn rendered() -> Vec<(&'static str, String)> {
@@ -20,8 +21,8 @@ fn rendered() -> Vec<(&'static str, String)> {
             "citus_give_back_limits",
             limits::CITUS_GIVE_BACK_LIMITS.to_string(),
         ),
-        ("delete_idle", super::DELETE_IDLE.to_string()),
-        ("inspect", super::INSPECT.to_string()),
+        ("delete_idle", super::super::DELETE_IDLE.to_string()),
+        ("inspect", super::super::INSPECT.to_string()),
     ];
     out.extend(citus::statements_for_tests());
     out
@@ -137,4 +138,86 @@ fn every_statement_is_the_text_pinned_for_it() {
         "statements changed:\n{}",
         changed.join("\n")
     );
+}
+
+/// No escaping: the file's text as it is.
+fn as_is(s: &str) -> String {
+    s.to_owned()
+}
+
+/// B15: what the plain store sends is what its files say: each statement is its file's text,
+/// with the store's tables in its placeholders, joined into one line where the file is sent as
+/// one (`assert_is_the_file`); the statements every session prepares are those.
+#[test]
+fn every_plain_statement_is_its_file() {
+    let tables = ["tokenlease_buckets", "tokenlease_returns"];
+    super::assert_is_the_file(&lean::ACQUIRE_ONE, &super::ACQUIRE_ONE, [], as_is);
+    super::assert_is_the_file(
+        &lean::ACQUIRE_MANY,
+        &super::ACQUIRE_MANY,
+        [tables[0]],
+        as_is,
+    );
+    super::assert_is_the_file(&lean::GIVE_BACK, &super::GIVE_BACK, [], as_is);
+    super::assert_is_the_file(&lean::ACQUIRE_HELD, &super::ACQUIRE_HELD, [], as_is);
+    super::assert_is_the_file(&limits::ACQUIRE_LIMITS, &super::ACQUIRE_LIMITS, [], as_is);
+    super::assert_is_the_file(
+        &limits::GIVE_BACK_LIMITS,
+        &super::GIVE_BACK_LIMITS,
+        [],
+        as_is,
+    );
+    super::assert_is_the_file(
+        &limits::CITUS_TAKE_LIMITS,
+        &super::CITUS_TAKE_LIMITS,
+        [],
+        as_is,
+    );
+    super::assert_is_the_file(
+        &limits::CITUS_GIVE_BACK_LIMITS,
+        &super::CITUS_GIVE_BACK_LIMITS,
+        [],
+        as_is,
+    );
+    super::assert_is_the_file(
+        &super::super::DELETE_IDLE,
+        &super::DELETE_IDLE,
+        tables,
+        as_is,
+    );
+    super::assert_is_the_file(&super::super::INSPECT, &super::INSPECT, [tables[0]], as_is);
+    let warm: Vec<&str> = lean::warm_statements()
+        .iter()
+        .map(|(sql, _)| *sql)
+        .collect();
+    assert_eq!(
+        warm,
+        [
+            lean::ACQUIRE_ONE.as_str(),
+            lean::ACQUIRE_MANY.as_str(),
+            lean::GIVE_BACK.as_str()
+        ]
+    );
+}
+
+/// B15: the forms. A file sent as one line loses its line breaks and indentation but the one
+/// after a comment line; placeholders are filled once, a value is not searched for more.
+#[test]
+fn a_file_becomes_its_statement() {
+    const FILE: SqlFile<2> = SqlFile::new(
+        "x.sql",
+        "-- head\nSELECT a\n    FROM {t}\n\n    WHERE x = '{}' AND {u} = 1\n",
+        ["t", "u"],
+        Form::OneLine,
+    );
+    assert_eq!(
+        FILE.render(["{u}", "b"]),
+        "-- head\nSELECT a FROM {u} WHERE x = '{}' AND b = 1"
+    );
+    assert_eq!(
+        FILE.render_escaped(["%1$s", "c"], |s| s.replace('a', "A")),
+        "-- heAd\nSELECT A FROM %1$s WHERE x = '{}' AND c = 1"
+    );
+    const WRITTEN: SqlFile<0> = SqlFile::new("y.sql", "SELECT 1\n  FROM t\n", [], Form::AsWritten);
+    assert_eq!(WRITTEN.render([]), "SELECT 1\n  FROM t\n");
 }
