@@ -583,6 +583,63 @@ mod tests {
         validate(MIGRATIONS).expect("versions strictly increasing");
     }
 
+    /// The checksums of the migrations released in 0.1.0, as every database it migrated
+    /// records them: `migrate` refuses a recorded migration whose file has another checksum,
+    /// and deploy tools that apply [`MIGRATIONS`] themselves may compare them too.
+    const RELEASED: [(i64, &str); 8] = [
+        (
+            1,
+            "03061939d5ba12d2142663012376342fd7d306b72f0e0540bfc8d84f1dad3fca",
+        ),
+        (
+            2,
+            "546dbc5604687c286f35af98594275fb9fc6d8d485db2fd7bc664c3787f1a992",
+        ),
+        (
+            3,
+            "92dc82749a6e9410c858b3eb62bab68b213b837c73bea812010b0c02debe3a65",
+        ),
+        (
+            4,
+            "108889483158a02a166e7daa408dc96886a26d388236db86c6a67daeee788e7a",
+        ),
+        (
+            5,
+            "a6b4530e425650e87212dc9f2498f5387438a873d82760a16d1e296e486502e7",
+        ),
+        (
+            6,
+            "e30a83b149c3f2fee6038b2312917cd34d928fe5b6d8a6246d0f96a712d5ef6e",
+        ),
+        (
+            7,
+            "0cc41995d2cc04baf68aa86e92155a4e7e301b3f70e6b35adce1807a05050035",
+        ),
+        (
+            8,
+            "c147727b43d5c35211ba83c0931f21e4ebd02dcb601e5174363eefe36b0ecf24",
+        ),
+    ];
+
+    /// B16: a released migration never changes. Migrations 0003 and 0007 keep their copies of
+    /// the functions that `functions/held_leases.sql` and `functions/acquire_held.sql` now
+    /// define (docs/design/statements.md, "Function bodies: the migrations keep theirs"): an
+    /// edit of either, to drop its copy, fails here.
+    #[test]
+    fn released_migrations_keep_their_checksums() {
+        for (version, checksum) in RELEASED {
+            let migration = MIGRATIONS
+                .iter()
+                .find(|m| m.version == version)
+                .expect("a released migration is listed");
+            assert_eq!(
+                migration.checksum(),
+                checksum,
+                "migration {migration} was released and changed: add a new migration instead"
+            );
+        }
+    }
+
     #[test]
     fn checksum_is_sha256_hex_and_ignores_crlf() {
         let m = Migration {

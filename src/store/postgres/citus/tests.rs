@@ -256,3 +256,90 @@ fn every_citus_statement_is_its_file() {
     is_file(&plain, &files::ACQUIRE_MANY, [table], as_is);
     is_file(inspect_shard(table), &files::INSPECT, [table], as_is);
 }
+
+/// `text` with each `(from, to)` of `swaps` replaced, each found exactly once.
+fn swapped(mut text: String, swaps: &[(&str, &str)]) -> String {
+    for (from, to) in swaps {
+        assert_eq!(text.matches(from).count(), 1, "{from:?} once in {text}");
+        text = text.replacen(from, to, 1);
+    }
+    text
+}
+
+/// B17: the shard statements a node runs for several limits and for returns are the plain
+/// store's, written out twice (once per file) and kept equal: the take and the return of
+/// several limits on a shard, with what makes them a shard's undone (the part's positions, the
+/// returns keyed by `(key, id)`), are the plain statements byte for byte; and the values a
+/// return sets on a shard's row are the plain return's, in the same order.
+#[test]
+fn the_shard_files_say_what_the_plain_files_say() {
+    use super::super::sql as files;
+    let tables = ["tokenlease_buckets", "tokenlease_returns"];
+    let take = swapped(
+        files::TAKE_LIMITS_SHARD.render([tables[0]]),
+        &[
+            (" WITH ORDINALITY AS u(", " AS u("),
+            (", n) WHERE u.n = ANY ($11::integer[])", ")"),
+        ],
+    );
+    assert_eq!(take, files::ACQUIRE_LIMITS.render([]));
+    let give_back = swapped(
+        files::GIVE_BACK_LIMITS_SHARD.render(tables),
+        &[
+            ("$3::bigint[]) WITH ORDINALITY AS f(", "$3::bigint[]) AS f("),
+            (
+                "AS f(id, key, amount, n) JOIN unnest($10::integer[]) AS fm(n) ON fm.n = f.n",
+                "AS f(id, key, amount)",
+            ),
+            ("ORDER BY f.key, f.id", "ORDER BY f.id"),
+            (
+                "ON CONFLICT (key, id) DO NOTHING",
+                "ON CONFLICT (id) DO NOTHING",
+            ),
+            ("RETURNING t.key, t.id)", "RETURNING t.id)"),
+            (
+                "$9::integer[]) WITH ORDINALITY AS u(",
+                "$9::integer[]) AS u(",
+            ),
+            (
+                ", count, n) JOIN unnest($10::integer[]) AS um(n) ON um.n = u.n \
+                 JOIN fresh ON fresh.key = u.key AND fresh.id = u.id  ORDER BY u.key",
+                ", count) WHERE u.id IN (SELECT fresh.id FROM fresh) ORDER BY u.key",
+            ),
+        ],
+    );
+    assert_eq!(give_back, files::GIVE_BACK_LIMITS.render([]));
+    // The shard's return sets `tokens = v1, frac = v2, ...`; the plain one `(tokens, frac,
+    // ...) = (SELECT v1, v2, ... FROM <the request at the key's position>)`.
+    let shard = files::GIVE_BACK_SHARD.render(tables);
+    let (_, set) = shard.split_once(" SET tokens = ").expect("the shard's SET");
+    let (set, _) = set
+        .split_once(" FROM todo AS r ")
+        .expect("the end of its SET");
+    let mut values = Vec::new();
+    let mut rest = set;
+    for column in [
+        "frac",
+        "capacity",
+        "refill_per_second",
+        "updated_us",
+        "refilled",
+        "leases",
+    ] {
+        let (value, after) = rest
+            .split_once(&format!(", {column} = "))
+            .expect("each column, in order");
+        values.push(value);
+        rest = after;
+    }
+    values.push(rest);
+    let plain = files::GIVE_BACK.render([]);
+    assert!(
+        plain.contains(&format!(
+            "SET (tokens, frac, capacity, refill_per_second, updated_us, refilled, leases) = ( \
+             SELECT {} FROM (SELECT ($3::bigint[])[p.n] AS amount,",
+            values.join(", ")
+        )),
+        "the plain return sets what the shard's does: {values:?}"
+    );
+}

@@ -1,7 +1,10 @@
-//! The statements the store sends, pinned: each rendered for a representative set of inputs
-//! (one limit and several, each Citus statement for sample shards) and compared with the
-//! SHA-256 of its text as it was when the pin was taken. A statement is changed on purpose:
-//! its pin changes with it, in the same commit.
+//! The statement files and what the store sends from them.
+//!
+//! B14 pins every statement: each rendered for a representative set of inputs (one limit and
+//! several, each Citus statement for sample shards) and compared with the SHA-256 of its text
+//! as it was when the pin was taken. A statement is changed on purpose: its pin changes with it,
+//! in the same commit. B15 checks that each is its file (here for the plain store, in
+//! `citus/tests.rs` for the Citus path, and on a real session).
 
 use super::super::functions::sha256_hex;
 use super::super::{citus, lean, limits};
@@ -220,4 +223,42 @@ fn a_file_becomes_its_statement() {
     );
     const WRITTEN: SqlFile<0> = SqlFile::new("y.sql", "SELECT 1\n  FROM t\n", [], Form::AsWritten);
     assert_eq!(WRITTEN.render([]), "SELECT 1\n  FROM t\n");
+}
+
+/// B15: what PostgreSQL holds for a session of the store is what the files say: a store's
+/// pooled session, on a throwaway PostgreSQL, has prepared the statements of every decision
+/// (`pg_prepared_statements`), and each is its file (`sql/acquire_one.sql`,
+/// `sql/acquire_many.sql`, `sql/give_back.sql`), read from the disk and filled.
+#[tokio::test]
+async fn a_session_prepares_what_the_files_say() {
+    let db = tokenlease_testkit::TestDatabase::create()
+        .await
+        .expect("a test database (install PostgreSQL server binaries or set DATABASE_URL)");
+    let store = super::super::PostgresStore::builder(&db.connection_string())
+        .expect("connection string")
+        .pool_size(1)
+        .migrate(false)
+        .build()
+        .await
+        .expect("store");
+    let conn = store.pool().get().await.expect("connection");
+    let rows = conn
+        .query_typed(
+            "SELECT statement FROM pg_prepared_statements ORDER BY statement",
+            &[],
+        )
+        .await
+        .expect("pg_prepared_statements");
+    let held: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(held.len(), 3, "{held:?}");
+    let head = |s: &str| s.lines().next().unwrap_or_default().to_owned();
+    for sql in &held {
+        if head(sql) == head(super::ACQUIRE_ONE.text) {
+            super::assert_is_the_file(sql, &super::ACQUIRE_ONE, [], as_is);
+        } else if head(sql) == head(super::ACQUIRE_MANY.text) {
+            super::assert_is_the_file(sql, &super::ACQUIRE_MANY, ["tokenlease_buckets"], as_is);
+        } else {
+            super::assert_is_the_file(sql, &super::GIVE_BACK, [], as_is);
+        }
+    }
 }
