@@ -598,6 +598,8 @@ impl Store for PostgresStore {
 
 #[cfg(test)]
 mod session_tests;
+#[cfg(test)]
+mod statement_tests;
 
 #[cfg(test)]
 mod tests {

@@ -14,8 +14,8 @@
 //! lines for its reader, and [`Form::OneLine`] joins them (each line break and the indentation
 //! after it one space; the break that ends a `--` comment line kept). So a file's text differs
 //! from what PostgreSQL receives only in line breaks and indentation, which PostgreSQL's parser
-//! does not see; the plans are those of the one-line text. The unit tests (`sql/tests.rs`) pin
-//! each statement's text and check that what the store prepares is its file, rendered.
+//! does not see; the plans are those of the one-line text. The unit tests (`statement_tests.rs`, `citus/tests.rs`)
+//! pin each statement's text and check that what the store prepares is its file, rendered.
 
 /// How a file's text becomes its statement.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
