@@ -1,0 +1,285 @@
+//! What the fault tests measure with, whatever they measure: a log of the store calls that
+//! reached the database, callers driven at a steady pace until a deadline, and the figures read
+//! from both (percentiles of the callers' waits, the calls and errors in a window, when the
+//! store answered again).
+//!
+//! Nothing here names a type of `tokenlease`: the fault tests of the `faults` binary use the
+//! library as a dependency, and its unit test of an exhausted pool (`src/pool_tests.rs`) uses
+//! the library's own build, whose types are not the ones this crate's dependency sees. So each
+//! side keeps its store wrapper (which implements the library's `Store` trait and sorts the
+//! library's errors into classes) and its decision record, and both measure with these. Time is
+//! read through the function each caller passes (`Instant::now`, or the library's clock), and
+//! the instant type is the caller's (std's or tokio's): an instant is anything that can be
+//! copied, ordered, moved by a [`Duration`] and subtracted from another.
+
+use std::fmt;
+use std::future::Future;
+use std::ops::{Add, Sub};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::task::JoinHandle;
+
+/// A point in time as the rig needs it: [`std::time::Instant`] and [`tokio::time::Instant`]
+/// both are one.
+pub trait Moment:
+    Copy + Ord + Send + Sync + Sub<Output = Duration> + Add<Duration, Output = Self> + 'static
+{
+}
+
+impl<I> Moment for I where
+    I: Copy + Ord + Send + Sync + Sub<Output = Duration> + Add<Duration, Output = I> + 'static
+{
+}
+
+/// One store call that reached the database (the breaker let it through).
+#[derive(Debug, Clone)]
+pub struct Call<I> {
+    /// When the call started.
+    pub start: I,
+    /// How long it took.
+    pub took: Duration,
+    /// `None` on success, else the error's class.
+    pub error: Option<String>,
+}
+
+/// The calls a store wrapper made, and how many were in flight at once. Clones share the log.
+pub struct CallLog<I, E> {
+    now: Arc<dyn Fn() -> I + Send + Sync>,
+    class: fn(&E) -> String,
+    calls: Arc<Mutex<Vec<Call<I>>>>,
+    in_flight: Arc<AtomicUsize>,
+    max_in_flight: Arc<AtomicUsize>,
+}
+
+impl<I, E> Clone for CallLog<I, E> {
+    fn clone(&self) -> Self {
+        CallLog {
+            now: Arc::clone(&self.now),
+            class: self.class,
+            calls: Arc::clone(&self.calls),
+            in_flight: Arc::clone(&self.in_flight),
+            max_in_flight: Arc::clone(&self.max_in_flight),
+        }
+    }
+}
+
+impl<I, E> fmt::Debug for CallLog<I, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CallLog")
+            .field("calls", &self.calls.lock().len())
+            .field("in_flight", &self.in_flight.load(Ordering::SeqCst))
+            .field("max_in_flight", &self.max_in_flight.load(Ordering::SeqCst))
+            .finish_non_exhaustive()
+    }
+}
+
+/// Takes one call off the in-flight count when the call ends, however it ends.
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl<I: Moment, E> CallLog<I, E> {
+    /// An empty log that reads the time with `now` and names each error by `class`.
+    pub fn new(now: impl Fn() -> I + Send + Sync + 'static, class: fn(&E) -> String) -> Self {
+        CallLog {
+            now: Arc::new(now),
+            class,
+            calls: Arc::default(),
+            in_flight: Arc::default(),
+            max_in_flight: Arc::default(),
+        }
+    }
+
+    /// Runs `call`, logging when it started, how long it took and its error's class.
+    pub async fn run<T>(&self, call: impl Future<Output = Result<T, E>>) -> Result<T, E> {
+        let n = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_in_flight.fetch_max(n, Ordering::SeqCst);
+        let _guard = InFlight(&self.in_flight);
+        let start = (self.now)();
+        let result = call.await;
+        self.calls.lock().push(Call {
+            start,
+            took: (self.now)() - start,
+            error: result.as_ref().err().map(self.class),
+        });
+        result
+    }
+
+    /// Every call logged so far, in the order they ended.
+    pub fn calls(&self) -> Vec<Call<I>> {
+        self.calls.lock().clone()
+    }
+
+    /// The calls that started in `[from, to)` after `origin`.
+    pub fn calls_in(&self, origin: I, from: Duration, to: Duration) -> Vec<Call<I>> {
+        self.calls
+            .lock()
+            .iter()
+            .filter(|c| c.start - origin >= from && c.start - origin < to)
+            .cloned()
+            .collect()
+    }
+
+    /// When (after `origin`) the first successful call that started at or after `after`
+    /// returned.
+    pub fn recovered_at(&self, origin: I, after: Duration) -> Option<Duration> {
+        self.calls
+            .lock()
+            .iter()
+            .filter(|c| c.start - origin >= after && c.error.is_none())
+            .map(|c| c.start + c.took - origin)
+            .min()
+    }
+
+    /// The most calls in flight at once since the log began or the last
+    /// [`reset_max_in_flight`](Self::reset_max_in_flight).
+    pub fn max_in_flight(&self) -> usize {
+        self.max_in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Starts counting the most calls in flight at once afresh.
+    pub fn reset_max_in_flight(&self) {
+        self.max_in_flight.store(0, Ordering::SeqCst);
+    }
+}
+
+/// `calls` counted: (how many, how many failed, the slowest).
+pub fn outcome<I>(calls: &[Call<I>]) -> (usize, usize, Duration) {
+    let failed = calls.iter().filter(|c| c.error.is_some()).count();
+    let slowest = calls.iter().map(|c| c.took).max().unwrap_or_default();
+    (calls.len(), failed, slowest)
+}
+
+/// The error classes of `calls`, with counts, in the order each class first appears.
+pub fn error_classes<I>(calls: &[Call<I>]) -> Vec<(String, usize)> {
+    let mut classes: Vec<(String, usize)> = Vec::new();
+    for e in calls.iter().filter_map(|c| c.error.clone()) {
+        match classes.iter_mut().find(|(k, _)| *k == e) {
+            Some(entry) => entry.1 += 1,
+            None => classes.push((e, 1)),
+        }
+    }
+    classes
+}
+
+/// The `p` quantile of `v` (0 to 1, nearest rank), zero for none.
+pub fn percentile(mut v: Vec<Duration>, p: f64) -> Duration {
+    if v.is_empty() {
+        return Duration::ZERO;
+    }
+    v.sort();
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i]
+}
+
+/// Callers' waits: (p50, p99, max).
+pub fn waits(took: impl IntoIterator<Item = Duration>) -> (Duration, Duration, Duration) {
+    let v: Vec<Duration> = took.into_iter().collect();
+    let max = v.iter().copied().max().unwrap_or_default();
+    (percentile(v.clone(), 0.5), percentile(v, 0.99), max)
+}
+
+/// A duration in milliseconds, for the figures the tests print.
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Runs each of `callers` in a task of its own: it calls, pauses a millisecond, and calls
+/// again, until `now() - origin` reaches `until` (milliseconds after `origin`, which the test
+/// may move while they run). Returns every caller's records together, sorted by `at` (stable:
+/// one caller's records keep their order).
+pub fn drive<I, T, F, Fut>(
+    callers: Vec<F>,
+    now: impl Fn() -> I + Clone + Send + 'static,
+    origin: I,
+    until: &Arc<AtomicU64>,
+    at: fn(&T) -> Duration,
+) -> JoinHandle<Vec<T>>
+where
+    I: Moment,
+    T: Send + 'static,
+    F: FnMut() -> Fut + Send + 'static,
+    Fut: Future<Output = T> + Send,
+{
+    let handles: Vec<JoinHandle<Vec<T>>> = callers
+        .into_iter()
+        .map(|mut call| {
+            let now = now.clone();
+            let until = Arc::clone(until);
+            tokio::spawn(async move {
+                let mut records = Vec::new();
+                while now() - origin < Duration::from_millis(until.load(Ordering::Relaxed)) {
+                    records.push(call().await);
+                    // sleep: pacing, a call a millisecond per task.
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                records
+            })
+        })
+        .collect();
+    tokio::spawn(async move {
+        let mut all = Vec::new();
+        for h in handles {
+            all.extend(h.await.expect("no caller panicked"));
+        }
+        all.sort_by_key(at);
+        all
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_and_waits() {
+        let v: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        assert_eq!(percentile(Vec::new(), 0.99), Duration::ZERO);
+        assert_eq!(percentile(v.clone(), 0.5), Duration::from_millis(51));
+        assert_eq!(percentile(v.clone(), 0.99), Duration::from_millis(99));
+        let (p50, p99, max) = waits(v.into_iter().rev());
+        assert_eq!(
+            (p50, p99, max),
+            (
+                Duration::from_millis(51),
+                Duration::from_millis(99),
+                Duration::from_millis(100)
+            )
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_log_counts_windows_classes_and_recovery() {
+        let log: CallLog<tokio::time::Instant, String> =
+            CallLog::new(tokio::time::Instant::now, Clone::clone);
+        let origin = tokio::time::Instant::now();
+        let call = |ok: bool, took: u64| async move {
+            // sleep: a store call's latency, on the paused clock.
+            tokio::time::sleep(Duration::from_millis(took)).await;
+            if ok { Ok(()) } else { Err("timeout".to_owned()) }
+        };
+        let _ = log.run(call(false, 10)).await;
+        let _ = log.run(call(false, 30)).await;
+        let _ = log.run(call(true, 5)).await;
+        let calls = log.calls();
+        assert_eq!(outcome(&calls), (3, 2, Duration::from_millis(30)));
+        assert_eq!(error_classes(&calls), vec![("timeout".to_owned(), 2)]);
+        let late = log.calls_in(origin, Duration::from_millis(10), Duration::from_secs(1));
+        assert_eq!(late.len(), 2);
+        assert_eq!(
+            log.recovered_at(origin, Duration::from_millis(10)),
+            Some(Duration::from_millis(45))
+        );
+        assert_eq!(log.recovered_at(origin, Duration::from_millis(41)), None);
+        assert_eq!(log.max_in_flight(), 1);
+        log.reset_max_in_flight();
+        assert_eq!(log.max_in_flight(), 0);
+    }
+}
