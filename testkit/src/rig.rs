@@ -5,12 +5,13 @@
 //!
 //! Nothing here names a type of `tokenlease`: the fault tests of the `faults` binary use the
 //! library as a dependency, and its unit test of an exhausted pool (`src/pool_tests.rs`) uses
-//! the library's own build, whose types are not the ones this crate's dependency sees. So each
-//! side keeps its store wrapper (which implements the library's `Store` trait and sorts the
-//! library's errors into classes) and its decision record, and both measure with these. Time is
-//! read through the function each caller passes (`Instant::now`, or the library's clock), and
-//! the instant type is the caller's (std's or tokio's): an instant is anything that can be
-//! copied, ordered, moved by a [`Duration`] and subtracted from another.
+//! the library's own build, whose types are not the ones this crate's dependency sees. What
+//! must name them, the store wrapper that logs calls (it implements the library's `Store`
+//! trait) and the classes of the library's errors, is one definition, [`recording_store!`],
+//! expanded on each side; each side keeps its own record of a decision. Time is read through
+//! the function each caller passes (`Instant::now`, or the library's clock), and the instant
+//! type is the caller's (std's or tokio's): anything that can be copied, ordered, moved by a
+//! [`Duration`] and subtracted from another.
 
 use std::fmt;
 use std::future::Future;
@@ -234,6 +235,85 @@ where
     })
 }
 
+/// Defines, where it is called, the store wrapper the fault tests log calls with: `Recording`
+/// (a `PostgresStore` that passes every call on and logs it in a [`CallLog`]), `Log` (that log,
+/// timed in `$instant`) and `class` (the class a store error is logged under: `timeout-pool`,
+/// `timeout-call`, `connection`, `db-<SQLSTATE>`, `circuit-open`, or `other: <message>`).
+///
+/// `$store` is the path of `tokenlease`'s store module as the caller sees it:
+/// `tokenlease::store` in the integration tests, `crate::store` in the library's own unit tests,
+/// whose types are not the ones this crate's dependency sees (so a type defined here could not
+/// implement their `Store`). One definition, expanded in each. The caller depends on
+/// `async-trait`, as `tokenlease` does.
+///
+/// ```ignore
+/// tokenlease_testkit::recording_store!(tokenlease::store, std::time::Instant);
+/// let log = Log::new(std::time::Instant::now, class);
+/// let store = Recording { inner: postgres_store, log: log.clone() };
+/// ```
+#[macro_export]
+macro_rules! recording_store {
+    ($($store:ident)::+, $instant:ty) => {
+        /// The calls that reached the database.
+        pub(crate) type Log = $crate::rig::CallLog<$instant, $($store)::+::StoreError>;
+
+        /// The class a store error is logged under.
+        pub(crate) fn class(e: &$($store)::+::StoreError) -> String {
+            use $($store)::+::{StoreError, TimeoutKind};
+            match e {
+                StoreError::Timeout {
+                    kind: TimeoutKind::Pool,
+                    ..
+                } => "timeout-pool".into(),
+                StoreError::Timeout { .. } => "timeout-call".into(),
+                StoreError::Connection(_) => "connection".into(),
+                StoreError::Database { code, .. } => format!("db-{code}"),
+                StoreError::CircuitOpen { .. } => "circuit-open".into(),
+                other => format!("other: {other}"),
+            }
+        }
+
+        /// A store that logs every call it passes on: under a breaker, every call that reached
+        /// the database.
+        #[derive(Debug)]
+        pub(crate) struct Recording {
+            pub(crate) inner: $($store)::+::PostgresStore,
+            pub(crate) log: Log,
+        }
+
+        #[::async_trait::async_trait]
+        impl $($store)::+::Store for Recording {
+            async fn acquire(
+                &self,
+                request: $($store)::+::AcquireRequest<'_>,
+            ) -> Result<$($store)::+::Acquired, $($store)::+::StoreError> {
+                self.log.run(self.inner.acquire(request)).await
+            }
+            async fn acquire_many(
+                &self,
+                requests: &[$($store)::+::AcquireRequest<'_>],
+            ) -> Result<Vec<$($store)::+::Acquired>, $($store)::+::StoreError> {
+                self.log.run(self.inner.acquire_many(requests)).await
+            }
+            async fn give_back(
+                &self,
+                returns: &[$($store)::+::GiveBack<'_>],
+            ) -> Result<u64, $($store)::+::StoreError> {
+                self.log.run(self.inner.give_back(returns)).await
+            }
+            async fn delete_idle(&self, limit: u32) -> Result<u64, $($store)::+::StoreError> {
+                self.log.run(self.inner.delete_idle(limit)).await
+            }
+            async fn inspect(
+                &self,
+                key: &str,
+            ) -> Result<Option<$($store)::+::BucketRow>, $($store)::+::StoreError> {
+                self.log.run(self.inner.inspect(key)).await
+            }
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -263,7 +343,11 @@ mod tests {
         let call = |ok: bool, took: u64| async move {
             // sleep: a store call's latency, on the paused clock.
             tokio::time::sleep(Duration::from_millis(took)).await;
-            if ok { Ok(()) } else { Err("timeout".to_owned()) }
+            if ok {
+                Ok(())
+            } else {
+                Err("timeout".to_owned())
+            }
         };
         let _ = log.run(call(false, 10)).await;
         let _ = log.run(call(false, 30)).await;

@@ -25,17 +25,13 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant, SystemTime};
 
-use async_trait::async_trait;
 use metrics_util::debugging::DebugValue;
 use tokenlease::clock::{Clock, SystemClock};
 use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
-use tokenlease::store::{
-    AcquireRequest, Acquired, BucketRow, CircuitBreaker, GiveBack, PostgresStore, Store,
-    StoreError, TimeoutKind,
-};
+use tokenlease::store::{BucketRow, CircuitBreaker, PostgresStore, Store};
 use tokenlease::{DecidedBy, Limiter};
 use tokenlease_testkit::TempPostgres;
-use tokenlease_testkit::rig::{self as kit, CallLog};
+use tokenlease_testkit::rig as kit;
 use tokio_postgres::NoTls;
 
 pub(crate) use tokenlease_testkit::FaultProxy as Proxy;
@@ -136,54 +132,12 @@ pub(crate) fn leased_plan(mode: Mode) -> Arc<Plan> {
 // ---------------------------------------------------------------------------------------------
 // A store wrapper that logs every call reaching the database
 
+// `Recording`, `Log` and `class`, over the library's store types, the calls timed in std's
+// `Instant`.
+tokenlease_testkit::recording_store!(tokenlease::store, Instant);
+
 /// One store call that reached the database (the breaker let it through).
 pub(crate) type Call = kit::Call<Instant>;
-
-/// The calls of one instance's store.
-pub(crate) type Log = CallLog<Instant, StoreError>;
-
-fn class(e: &StoreError) -> String {
-    match e {
-        StoreError::Timeout {
-            kind: TimeoutKind::Pool,
-            ..
-        } => "timeout-pool".into(),
-        StoreError::Timeout { .. } => "timeout-call".into(),
-        StoreError::Connection(_) => "connection".into(),
-        StoreError::Database { code, .. } => format!("db-{code}"),
-        StoreError::CircuitOpen { .. } => "circuit-open".into(),
-        other => format!("other: {other}"),
-    }
-}
-
-/// A store that logs every call it passes on.
-#[derive(Debug)]
-pub(crate) struct Recording {
-    inner: PostgresStore,
-    log: Log,
-}
-
-#[async_trait]
-impl Store for Recording {
-    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
-        self.log.run(self.inner.acquire(request)).await
-    }
-    async fn acquire_many(
-        &self,
-        requests: &[AcquireRequest<'_>],
-    ) -> Result<Vec<Acquired>, StoreError> {
-        self.log.run(self.inner.acquire_many(requests)).await
-    }
-    async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
-        self.log.run(self.inner.give_back(returns)).await
-    }
-    async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
-        self.log.run(self.inner.delete_idle(limit)).await
-    }
-    async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
-        self.log.run(self.inner.inspect(key)).await
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // The rig: a cluster, a proxy in front of it, limiter instances
