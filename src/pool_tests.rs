@@ -34,7 +34,7 @@ use tokio::time::Instant;
 use crate::clock::{Clock as _, MonotonicClock};
 use crate::debt::tests::{local, plan};
 use crate::policy::{FallbackMode, Plan};
-use crate::store::{CircuitBreaker, PostgresStore};
+use crate::store::CircuitBreaker;
 use crate::{DecidedBy, Limiter};
 
 const C: u64 = 100;
@@ -181,36 +181,9 @@ fn label(mode: FallbackMode) -> &'static str {
     }
 }
 
-/// A store with the fault tests' settings (those of `tests/common`'s `fault_store`): a pool of
-/// `pool`, 50 ms call and pool-wait timeouts, a 250 ms connect timeout, 100 ms statement and
-/// lock timeouts. Its first connection must come within the 50 ms pool wait, so building is
-/// retried (50 ms apart, for up to 20 s) on a busy machine.
-async fn fault_store(connection: &str, pool: u32) -> PostgresStore {
-    let builder = PostgresStore::builder(connection)
-        .expect("connection string")
-        .pool_size(pool)
-        .call_timeout(Duration::from_millis(50))
-        .pool_wait_timeout(Duration::from_millis(50))
-        .connect_timeout(Duration::from_millis(250))
-        .statement_timeout(Duration::from_millis(100))
-        .lock_timeout(Duration::from_millis(100));
-    let (mut store, mut attempts) = (None, 0);
-    crate::tests::eventually(
-        Duration::from_millis(50),
-        Duration::from_secs(20),
-        "a fault store built (its first connection within the pool wait)",
-        async || {
-            attempts += 1;
-            match builder.clone().build().await {
-                Ok(built) => store = Some(built),
-                Err(e) => eprintln!("store build attempt {attempts}: {e}"),
-            }
-            store.is_some()
-        },
-    )
-    .await;
-    store.expect("a fault store built")
-}
+// `fault_store(connection, pool)`: a store with the fault tests' settings, as `tests/common`'s,
+// from the same definition in the test kit; built again through the crate's poll helper.
+tokenlease_testkit::fault_store!(crate::store, crate::tests::eventually);
 
 // ---------------------------------------------------------------------------------------------
 // A store wrapper that logs every call reaching the database (`Recording`, `Log`, `class`), over

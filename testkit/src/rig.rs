@@ -7,8 +7,9 @@
 //! library as a dependency, and its unit test of an exhausted pool (`src/pool_tests.rs`) uses
 //! the library's own build, whose types are not the ones this crate's dependency sees. What
 //! must name them, the store wrapper that logs calls (it implements the library's `Store`
-//! trait) and the classes of the library's errors, is one definition, [`recording_store!`],
-//! expanded on each side; each side keeps its own record of a decision. Time is read through
+//! trait) and the classes of the library's errors, and the store with the fault tests'
+//! settings, are one definition each, [`recording_store!`] and [`fault_store!`], expanded on
+//! each side; each side keeps its own record of a decision. Time is read through
 //! the function each caller passes (`Instant::now`, or the library's clock), and the instant
 //! type is the caller's (std's or tokio's): anything that can be copied, ordered, moved by a
 //! [`Duration`] and subtracted from another.
@@ -310,6 +311,53 @@ macro_rules! recording_store {
             ) -> Result<Option<$($store)::+::BucketRow>, $($store)::+::StoreError> {
                 self.log.run(self.inner.inspect(key)).await
             }
+        }
+    };
+}
+
+/// Defines, where it is called, `fault_store(connection, pool)`: a `PostgresStore` with the
+/// fault tests' settings, a pool of `pool`, 50 ms call and pool-wait timeouts, a 250 ms connect
+/// timeout, 100 ms statement and lock timeouts. Its first connection must come within the 50 ms
+/// pool wait, so building is retried (50 ms apart, for up to 20 s) on a busy machine, each
+/// failed attempt printed.
+///
+/// `$store` is the path of `tokenlease`'s store module as the caller sees it (as for
+/// [`recording_store!`]), and `$eventually` the caller's poll helper, called as
+/// `$eventually(step, within, what, check)` with a `check` that returns whether the store is
+/// built: `tests/common`'s `eventually` in the integration tests, `crate::tests::eventually` in
+/// the library's unit tests (neither can reach the other's).
+#[macro_export]
+macro_rules! fault_store {
+    ($($store:ident)::+, $eventually:path) => {
+        /// A store with the fault tests' settings (`tokenlease_testkit::fault_store!`).
+        pub(crate) async fn fault_store(
+            connection: &str,
+            pool: u32,
+        ) -> $($store)::+::PostgresStore {
+            let builder = $($store)::+::PostgresStore::builder(connection)
+                .expect("connection string")
+                .pool_size(pool)
+                .call_timeout(::std::time::Duration::from_millis(50))
+                .pool_wait_timeout(::std::time::Duration::from_millis(50))
+                .connect_timeout(::std::time::Duration::from_millis(250))
+                .statement_timeout(::std::time::Duration::from_millis(100))
+                .lock_timeout(::std::time::Duration::from_millis(100));
+            let (mut store, mut attempts) = (None, 0);
+            $eventually(
+                ::std::time::Duration::from_millis(50),
+                ::std::time::Duration::from_secs(20),
+                "a fault store built (its first connection within the pool wait)",
+                async || {
+                    attempts += 1;
+                    match builder.clone().build().await {
+                        Ok(built) => store = Some(built),
+                        Err(e) => eprintln!("store build attempt {attempts}: {e}"),
+                    }
+                    store.is_some()
+                },
+            )
+            .await;
+            store.expect("a fault store built")
         }
     };
 }
