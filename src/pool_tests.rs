@@ -7,8 +7,8 @@
 //! it); after the release the store answers again within the breaker's cap plus 200 ms.
 //!
 //! It lives in the crate because it takes the store's connections through its bb8 pool
-//! (`PostgresStore::pool`), which is not public API; it was a fault test in
-//! `tests/faults/faults.rs` that reached the pool through a hidden module. It sits at the
+//! (`PostgresStore::pool`), which is not public API; it was a fault test of the `faults`
+//! binary that reached the pool through a hidden module. It sits at the
 //! crate's root, as `assembled_tests` does, because it uses the store and the limiter
 //! together: a module below the root naming both would make an arrow between them (L1). The
 //! fault tests' settings: call and pool-wait timeouts 50 ms, connect timeout 250 ms, statement
