@@ -3,16 +3,17 @@
 //! from both (percentiles of the callers' waits, the calls and errors in a window, when the
 //! store answered again).
 //!
-//! Nothing here names a type of `tokenlease`: the fault tests of the `faults` binary use the
-//! library as a dependency, and its unit test of an exhausted pool (`src/pool_tests.rs`) uses
-//! the library's own build, whose types are not the ones this crate's dependency sees. What
-//! must name them, the store wrapper that logs calls (it implements the library's `Store`
-//! trait) and the classes of the library's errors, and the store with the fault tests'
-//! settings, are one definition each, [`recording_store!`] and [`fault_store!`], expanded on
-//! each side; each side keeps its own record of a decision. Time is read through
-//! the function each caller passes (`Instant::now`, or the library's clock), and the instant
-//! type is the caller's (std's or tokio's): anything that can be copied, ordered, moved by a
-//! [`Duration`] and subtracted from another.
+//! Nothing here names a type of `tokenlease` itself: the fault tests of the `faults` binary
+//! use the library as a dependency, and its unit test of an exhausted pool
+//! (`src/pool_tests.rs`) uses the library's own build, whose types are not the ones this
+//! crate's dependency sees. What must name them (the store wrapper that logs calls, which
+//! implements the library's `Store` trait, with the classes of the library's errors; the store
+//! with the fault tests' settings) is one definition each, a macro expanded on each side over
+//! the path of the store module there: [`recording_store!`](crate::recording_store) and
+//! [`fault_store!`](crate::fault_store). Each side keeps its own record of a decision. Time is
+//! read through the function each caller passes (`Instant::now`, or the library's clock), and
+//! the instant type is the caller's (std's or tokio's): anything that can be copied, ordered,
+//! moved by a [`Duration`] and subtracted from another.
 
 use std::fmt;
 use std::future::Future;
@@ -322,7 +323,7 @@ macro_rules! recording_store {
 /// failed attempt printed.
 ///
 /// `$store` is the path of `tokenlease`'s store module as the caller sees it (as for
-/// [`recording_store!`]), and `$eventually` the caller's poll helper, called as
+/// [`recording_store!`](crate::recording_store)), and `$eventually` the caller's poll helper, called as
 /// `$eventually(step, within, what, check)` with a `check` that returns whether the store is
 /// built: `tests/common`'s `eventually` in the integration tests, `crate::tests::eventually` in
 /// the library's unit tests (neither can reach the other's).
