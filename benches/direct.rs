@@ -12,7 +12,7 @@
 //! - `direct/16_tasks/10k_keys_pool{P}_inflight{K}`: 10,000 keys through a pool of `P` with at
 //!   most `K` statements in flight; callers that arrive while `K` are in flight leave together
 //!   in the next statement. `K ≥ 16` (as many as tasks) never batches: one statement per call,
-//!   as before statements carried many keys. These size the pool and `K` (DESIGN.md §7).
+//!   as before statements carried many keys. These size the pool and `K` (docs/design/direct-mode.md).
 
 use std::process::Command;
 use std::sync::Arc;

@@ -16,6 +16,10 @@
 //! each at 1 booking id and at 10,000 ids round-robin. What a layer costs is its figure less
 //! `bare`'s, at the same id count, from the same run.
 //!
+//! Each router is prepared as `axum::serve` prepares it (`into_make_service` calls
+//! `with_state(())`, which turns every handler into a route once): without that, axum would
+//! apply each route layer again on every request, a cost no served application pays.
+//!
 //! `cargo bench --bench http` (about a minute once built). With
 //! `TOKENLEASE_BENCH_INTERLEAVED=1` it prints instead a table of the three set-ups measured in
 //! turn, round after round (the figures `benches/README.md` quotes): on a shared machine whose
@@ -73,6 +77,12 @@ fn route() -> Router {
     Router::new().route("/bookings/{bookingId}", get(|| async { "booking" }))
 }
 
+/// `router` as `axum::serve` runs it: its handlers turned into routes, with their layers,
+/// once (what `Router::into_make_service` does), not on every request.
+fn served(router: Router) -> Router {
+    router.with_state(())
+}
+
 fn governor() -> Router {
     let config = GovernorConfigBuilder::default()
         .per_nanosecond(1)
@@ -114,7 +124,8 @@ fn bench(c: &mut Criterion) {
         ("bare", route()),
         ("governor_1_limit", governor()),
         ("tokenlease_2_limits", ours),
-    ];
+    ]
+    .map(|(name, app)| (name, served(app)));
     let mut group = c.benchmark_group("http");
     group
         .sample_size(20)
@@ -236,6 +247,7 @@ fn main() {
             ("tokenlease_2_limits", ours),
         ]
         .into_iter()
+        .map(|(name, app)| (name, served(app)))
         .filter(|(name, _)| only.as_deref().is_none_or(|o| o == *name))
         .collect();
         // Every id of both counts once before timing.

@@ -7,7 +7,7 @@
 # $D seconds each (15 by default), each on first touches and repeats of 10,000 keys. Each
 # backend writes its profile when its session ends; a caller's figure is the sum over the
 # backends that ended after it started (its connections, their start-up and prepares included)
-# over its decisions. DESIGN.md section 5 ("The lone caller against the peer") has the figures.
+# over its decisions. docs/results.md ("The one statement's cost on the server") has the figures.
 # Run as root (the server runs as `postgres` through runuser).
 #
 #   TOKENLEASE=/path/to/tokenlease bash scripts/backend-instructions.sh

@@ -29,6 +29,6 @@ by_kind="$(printf '%s\n' "$items" | sed -E 's|.*href="([a-z0-9_]+/)*([a-z]+)\..*
 total=$((item_count + module_count))
 echo "public items of tokenlease: $total ($by_kind; $module_count modules: $(echo $modules)); limit $limit"
 if ((total > limit)); then
-    echo "more public items than $limit: cut the surface, or change the limit in DESIGN.md §11 and .ci/run together" >&2
+    echo "more public items than $limit: cut the surface, or change the limit in docs/design/public-api.md and .ci/run together" >&2
     exit 1
 fi

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The first direct-mode loadtest on a freshly migrated table against the runs after it on the
 # same server, the table then full of rows: whether the store's statements keep their cost
-# while the table grows under sessions that planned them on an empty table (DESIGN.md section
-# 5). One throwaway cluster (`tokenlease loadtest --serve-db`), then $RUNS runs of `tokenlease
+# while the table grows under sessions that planned them on an empty table
+# (docs/design/statements.md, "Plans that hold at any table size"). One throwaway cluster (`tokenlease loadtest --serve-db`), then $RUNS runs of `tokenlease
 # loadtest --mode direct --keys $KEYS --duration $DURATION` against it, each a new process with
 # new sessions. After each run it prints the run's figures and what the server knew of the
 # table: its rows, sequential and index scans so far, and when autovacuum last analysed it

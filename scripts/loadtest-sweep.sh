@@ -88,7 +88,7 @@ run() {
 # One hot key: direct, then leases of 2%, 5%, 10% and 20% of the capacity.
 run --mode direct
 for f in 0.02 0.05 0.1 0.2; do run --mode leased --lease-fraction "$f"; done
-# Strict accounting (DESIGN.md §13): leases counted against the capacity, no overshoot term.
+# Strict accounting (docs/design/strict-accounting.md): leases counted against the capacity, no overshoot term.
 run --mode leased --accounting strict
 # One hot key, lull-burst: steady demand under the rate, an idle 2.5 s, a burst; leases live 5 s
 # and hold 500 ms of demand, so they are still out when the bucket has refilled. Relaxed leases

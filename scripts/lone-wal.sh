@@ -4,8 +4,8 @@
 # server (`tokenlease loadtest --serve-db`): pg_stat_wal's bytes, full-page images and records
 # over pg_stat_database's commits, read around a 4 s run of each after a CHECKPOINT. Both tables
 # are warmed first by a 3 s run with 16 in flight (the peer empties its table when it starts, so
-# its counted run's first touches are inserts, as in scripts/peer-compare.sh). DESIGN.md section 5
-# ("The lone caller against the peer") has the figures.
+# its counted run's first touches are inserts, as in scripts/peer-compare.sh). docs/results.md
+# ("The one statement's cost on the server") has the figures.
 #
 #   bash scripts/lone-wal.sh
 #   TOKENLEASE=/path/to/tokenlease bash scripts/lone-wal.sh

@@ -4,7 +4,7 @@
 #   1. rate-limiter-flexible's RateLimiterPostgres (Node, peers/rlf-postgres.js): 10,000 random
 #      keys, 16 requests in flight over a pg Pool of 16 connections; then a lone caller (1 in
 #      flight), with the server's durable commits and with `synchronous_commit = off` (the
-#      store's default commit, DESIGN.md section 5), so each of tokenlease's lone callers has a
+#      store's default commit, docs/design/statements.md), so each of tokenlease's lone callers has a
 #      peer with the same commit beside it;
 #   2. pgbench, 16 clients, one random key of 10,000: the one-key take tokenlease sends
 #      (src/store/postgres/lean.rs, printed by `tokenlease loadtest --print-statement one`), with

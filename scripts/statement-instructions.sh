@@ -2,7 +2,7 @@
 # Instructions the PostgreSQL server executes per run of candidate one-key statements, counted
 # by valgrind (callgrind) in a single-user backend: deterministic, where CPU time on a shared
 # 2-core machine varies by tens of percent from run to run (scripts/statement-cpu.sh measures
-# that). DESIGN.md section 5 has the figures this produced.
+# that). docs/design/statements.md has the figures this produced.
 #
 #   bash scripts/statement-instructions.sh A.sql B.sql ...   # `-`: the store's one-key take
 #   N=500 KEYS=10000 TOKENLEASE=/path/to/tokenlease bash scripts/statement-instructions.sh ...

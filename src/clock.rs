@@ -29,7 +29,7 @@ use crate::bucket::Timestamp;
 ///
 /// The limiter reads time only through the clock given to
 /// [`LimiterBuilder::clock`](crate::limiter::LimiterBuilder::clock) (by default a [`MonotonicClock`]),
-/// once per call, and passes that reading down (DESIGN.md §11, "One clock").
+/// once per call, and passes that reading down (docs/design/time.md).
 pub trait Clock: Send + Sync + fmt::Debug + 'static {
     /// The current time.
     fn now(&self) -> Timestamp;

@@ -1,6 +1,6 @@
 //! Outage debt: what the `allow` and `local` fallbacks admitted while the store could not
 //! answer, recorded per plan and key and charged to the shared bucket once the store answers
-//! again (`DESIGN.md` §14).
+//! again (`docs/design/outage-debt.md`).
 //!
 //! While the store is down the shared bucket refills, and the fallback admits on its own. Without
 //! a record of those admissions the fleet finds a full bucket at recovery and admits it on top of
@@ -17,6 +17,7 @@
 //! counted, one store call in flight per limiter with at most [`BATCH_KEYS`] keys, [`PACE`]
 //! between rounds, and the task ends when the ledger is empty.
 
+use crate::store::metered::{Metered, Purpose};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -35,7 +36,7 @@ use crate::store::{AcquireRequest, Store};
 /// The most keys one limiter's ledger holds. A key's debt beyond them is counted in
 /// `tokenlease_outage_debt_dropped_tokens_total` and not kept; keys already in the ledger keep
 /// adding. An entry costs its key plus about 170 bytes (map slot, queue slot, counts), so at
-/// most about 12 MB with 1,024-byte keys, about 2.2 MB with 50-byte keys; `DESIGN.md` §14 says
+/// most about 12 MB with 1,024-byte keys, about 2.2 MB with 50-byte keys; `docs/design/outage-debt.md` says
 /// why not more.
 pub(crate) const MAX_KEYS: usize = 10_000;
 
@@ -668,14 +669,14 @@ async fn charge(shared: Weak<Shared>) {
             .iter()
             .map(|c| AcquireRequest::lease(&c.id.key, c.bucket, Tokens::ZERO, c.want))
             .collect();
-        metrics::counter!(crate::metrics::DB_CALLS, "kind" => "debt").increment(1);
         // One answer per key: a sharded store fails only the keys of a failing shard, and
         // the others' charges, taken in the store, are settled rather than charged again.
-        let answer =
-            tokio::time::timeout(settings.deadline, shared.store.acquire_each(&requests)).await;
+        let answer = Metered::new(&*shared.store, Purpose::Debt)
+            .acquire_each_within(settings.deadline, &requests)
+            .await;
         drop(requests);
         match answer {
-            Ok(answers) if answers.len() == round.len() && answers.iter().any(Result::is_ok) => {
+            Some(answers) if answers.len() == round.len() && answers.iter().any(Result::is_ok) => {
                 probe = None;
                 shared.parked.store(false, Ordering::Release);
                 let failed = answers.iter().any(Result::is_err);
@@ -692,7 +693,6 @@ async fn charge(shared: Weak<Shared>) {
                 }
                 shared.settle(paid, &granted);
                 if failed {
-                    metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "debt").increment(1);
                     shared.requeue(unpaid);
                 }
                 // A backlog of a whole round or more (a flood of keys, each owing a little) is
@@ -708,7 +708,6 @@ async fn charge(shared: Weak<Shared>) {
                 }
             }
             _ => {
-                metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "debt").increment(1);
                 shared.requeue(round);
                 waiting = true;
             }

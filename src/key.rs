@@ -1,8 +1,106 @@
-//! A copy of a key: in place when short, on the heap when not. The lease table's slots and
-//! `MemoryStore`'s buckets keep their keys so.
+//! Keys: what a key may be ([`validate_key`] and the [`KeyError`] that says why not), and
+//! [`SlotKey`], a copy of a key in place when short and on the heap when not (the lease
+//! table's slots and `MemoryStore`'s buckets keep their keys so). The public items are
+//! re-exported from [`crate::error`].
+
+/// The longest key in bytes. PostgreSQL refuses btree index entries above 2704 bytes; the rest
+/// of the limit leaves room for the row header and prefixes that the HTTP layer adds.
+pub const MAX_KEY_BYTES: usize = 1024;
+
+/// Why a key was refused before it reached the store.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The key is the empty string.
+    #[error("invalid key: the key is empty")]
+    Empty,
+    /// The key is longer than [`MAX_KEY_BYTES`].
+    #[error("invalid key: {len} bytes is longer than the limit of {MAX_KEY_BYTES} bytes")]
+    TooLong {
+        /// The key's length in bytes.
+        len: usize,
+    },
+    /// The key holds a NUL byte, which PostgreSQL text cannot store.
+    #[error("invalid key: NUL byte at offset {offset}")]
+    Nul {
+        /// Byte offset of the first NUL.
+        offset: usize,
+    },
+    /// The key (given as bytes) is not valid UTF-8.
+    #[error("invalid key: not UTF-8 at byte offset {offset}")]
+    NotUtf8 {
+        /// Byte offset where the invalid sequence starts.
+        offset: usize,
+    },
+    /// The key starts with U+0001 ([`RESERVED_KEY_PREFIX`]), which marks the buckets a shadow
+    /// plan keeps under keys of its own ([`Plan::store_key`](crate::policy::Plan::store_key)).
+    #[error("invalid key: a key starting with U+0001 is reserved for the buckets of shadow plans")]
+    Reserved,
+}
+
+/// The first character of every key under which a shadow plan keeps its bucket
+/// ([`Plan::store_key`](crate::policy::Plan::store_key)), and of no key a caller may use:
+/// [`validate_key`] refuses it, so a shadow plan's bucket never shares a row with a caller's
+/// key.
+pub const RESERVED_KEY_PREFIX: char = '\u{1}';
+
+/// The longest key the limiter sends to the store: [`MAX_KEY_BYTES`] and what a shadow plan's
+/// key adds (`Plan::store_key`: U+0001, `shadow:`, at most 64 bytes of plan name and a colon).
+pub(crate) const MAX_STORED_KEY_BYTES: usize = MAX_KEY_BYTES + 73;
+
+/// Checks a key for the store: non-empty, at most [`MAX_KEY_BYTES`] bytes, no NUL, not
+/// starting with [`RESERVED_KEY_PREFIX`].
+///
+/// # Errors
+///
+/// The first [`KeyError`] that applies.
+pub fn validate_key(key: &str) -> Result<(), KeyError> {
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.len() > MAX_KEY_BYTES {
+        return Err(KeyError::TooLong { len: key.len() });
+    }
+    if key.starts_with(RESERVED_KEY_PREFIX) {
+        return Err(KeyError::Reserved);
+    }
+    validate_stored_key(key)
+}
+
+/// Checks a key the limiter itself sends to the store: a caller's key that passed
+/// [`validate_key`], or a shadow plan's key made from one, which starts with
+/// [`RESERVED_KEY_PREFIX`] and may be up to [`MAX_STORED_KEY_BYTES`] long.
+pub(crate) fn validate_stored_key(key: &str) -> Result<(), KeyError> {
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.len() > MAX_STORED_KEY_BYTES {
+        return Err(KeyError::TooLong { len: key.len() });
+    }
+    // `contains` on bytes scans a word at a time (the HTTP layer checks every entity key).
+    if key.as_bytes().contains(&0)
+        && let Some(offset) = key.bytes().position(|b| b == 0)
+    {
+        return Err(KeyError::Nul { offset });
+    }
+    Ok(())
+}
+
+/// Checks a key given as bytes: valid UTF-8, then as [`validate_key`].
+///
+/// # Errors
+///
+/// The first [`KeyError`] that applies.
+pub fn validate_key_bytes(key: &[u8]) -> Result<&str, KeyError> {
+    let key = std::str::from_utf8(key).map_err(|e| KeyError::NotUtf8 {
+        offset: e.valid_up_to(),
+    })?;
+    validate_key(key)?;
+    Ok(key)
+}
 
 /// Key bytes held in the slot itself: with the length and the tag, 24 bytes, the size of the
-/// `Arc<str>` it replaced plus a word (`DESIGN.md` §10).
+/// `Arc<str>` it replaced plus a word (`docs/design/memory.md`).
 const INLINE: usize = 22;
 
 /// A copy of a key. A key of at most [`INLINE`] bytes (most keys: `customer:1234567` is 16)

@@ -4,8 +4,9 @@
 //! database's own clock, so any number of service instances share one limit. In leased mode each
 //! process reserves batches of tokens with one statement and spends them from memory with one
 //! compare-and-swap, so the database sees about one statement per lease instead of one per
-//! request. [DESIGN.md] has the algorithm, the SQL, the overshoot bound and the failure
-//! behaviour.
+//! request. [DESIGN.md] maps the design (the layers, the invariants, the dependencies) and
+//! indexes its documents under `docs/design/`: the algorithm, the SQL, the overshoot bound and
+//! the failure behaviour.
 //!
 //! # Example
 //!

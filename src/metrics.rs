@@ -57,7 +57,7 @@ pub const OUTSTANDING_BOUND: &str = "tokenlease_lease_outstanding_bound_tokens";
 /// Keys in the lease table now.
 pub const TABLE_KEYS: &str = "tokenlease_lease_table_keys";
 /// Lease refill statements that timed out while the store was answering and were asked for
-/// again instead of failing (`DESIGN.md` §8). Failed ones are in [`DB_ERRORS`] (`kind="lease"`),
+/// again instead of failing (`docs/design/leases.md`). Failed ones are in [`DB_ERRORS`] (`kind="lease"`),
 /// which counts these too.
 pub const LATE_REFILLS: &str = "tokenlease_lease_late_refills_total";
 /// Calls of leased keys that the lease table sent to the fallback, by `cause`: `failing` (the
@@ -86,7 +86,7 @@ pub const ACTOR_UNAVAILABLE: &str = "tokenlease_lease_actor_unavailable_total";
 pub const FALLBACK_DECISIONS: &str = "tokenlease_fallback_decisions_total";
 /// Gauge: tokens the `allow` and `local` fallbacks admitted while the store could not answer
 /// and that are not yet charged to the shared bucket, by `plan`, every limiter of the process
-/// together (`DESIGN.md` §14). Registered at zero with each plan's other counters.
+/// together (`docs/design/outage-debt.md`). Registered at zero with each plan's other counters.
 pub const OUTAGE_DEBT: &str = "tokenlease_outage_debt_tokens";
 /// Outage debt charged to the shared bucket once the store answered again, in whole tokens, by
 /// `plan`. Registered at zero with each plan's other counters.

@@ -64,7 +64,7 @@ pub(crate) fn key_name(i: usize) -> String {
 /// round robin will call it, holding a live lease sized from that demand.
 ///
 /// A lease is sized from the demand the actor measured, and a key called less than once per
-/// lease lifetime gets none (DESIGN.md §8), so warming a million keys by calling each once and
+/// lease lifetime gets none (docs/design/leases.md), so warming a million keys by calling each once and
 /// waiting would never warm them: a pass of calls that each wait for a refill takes seconds, and
 /// each key would look quiet. So the keys are brought in a block at a time: each round makes one
 /// pass over the keys already warm with calls that never wait (`try_acquire_now_with`; they keep

@@ -6,7 +6,7 @@
 //!
 //! - database calls per 1,000 requests of the leased runs (log scale), with the direct-mode run
 //!   as a horizontal reference line;
-//! - the measured `overshoot_tokens` of the leased runs, with `overshoot_bound` (DESIGN.md §8)
+//! - the measured `overshoot_tokens` of the leased runs, with `overshoot_bound` (docs/design/leases.md)
 //!   dashed.
 //!
 //! With `--bands FILE` instead of `--input`, it draws the chart of `scripts/loadtest-sweep.sh
@@ -400,7 +400,7 @@ fn draw_overshoot(
         6,
         BOUND.stroke_width(2),
     ))?
-    .label("overshoot_bound: instances × lease (DESIGN.md §8)")
+    .label("overshoot_bound: instances × lease (docs/design/leases.md)")
     .legend(|(x, y)| DashedPathElement::new([(x, y), (x + 24, y)], 6, 4, BOUND.stroke_width(2)));
     ctx.draw_series(
         bound

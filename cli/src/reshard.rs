@@ -1,6 +1,6 @@
 //! `tokenlease reshard`: before a new list of shards is switched on, copy the rows of the
 //! keys that move to their new shard, so that a moved key keeps its bucket instead of starting
-//! full there (DESIGN.md §16, docs/scale-out.md).
+//! full there (docs/design/scale-out.md, docs/scale-out.md).
 //!
 //! Each old shard's rows are read in key order, `--batch-size` at a time (keyset pagination,
 //! bound parameters only). A row moves when the new list places its key on a shard of another

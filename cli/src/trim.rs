@@ -1,7 +1,7 @@
 //! Giving freed heap memory back to the operating system, for the long-running demo.
 //!
 //! The library frees what a flood of keys made once it is no longer needed (the fallback's local
-//! buckets once they have refilled, the maps once a quarter full; DESIGN.md §10), but glibc's
+//! buckets once they have refilled, the maps once a quarter full; docs/design/memory.md), but glibc's
 //! allocator keeps freed chunks that lie between live ones, so the process's RSS stays where the
 //! flood took it. `malloc_trim(0)` hands every whole free page inside the heap back (it
 //! `madvise`s them away, not only the top of the heap), in every arena. The demo calls it every

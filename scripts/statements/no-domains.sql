@@ -1,6 +1,6 @@
 -- Setup (SETUP=scripts/statements/no-domains.sql) that puts plain bigint and integer columns in
 -- place of the table's domains, to measure what the domain checks cost the one-key take
--- (DESIGN.md section 5, "The lone caller against the peer"). Not a migration.
+-- (docs/results.md, "The one statement's cost on the server"). Not a migration.
 ALTER TABLE tokenlease_buckets
     ALTER COLUMN tokens TYPE bigint,
     ALTER COLUMN capacity TYPE bigint,

@@ -1,5 +1,5 @@
--- A candidate one-key take measured for DESIGN.md section 5 ("The lone caller against the
--- peer"); not what the store sends. UPDATE only (a key without a row would need the upsert
+-- A candidate one-key take measured for docs/results.md ("The one statement's cost on the
+-- server"); not what the store sends. UPDATE only (a key without a row would need the upsert
 -- after it), for exact takes (min = want), on a row whose stored capacity and rate are the
 -- call's. The arithmetic is bigint: the elapsed microseconds are capped at the time the
 -- call's bucket takes to fill from empty (2,000,000 us for scripts/statement-instructions.sh's

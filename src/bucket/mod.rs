@@ -2,9 +2,9 @@
 //!
 //! Nothing here does I/O, reads a clock or awaits. Time is a [`Timestamp`] passed in by the
 //! caller (the database's `now()` for the shared bucket, a monotonic clock for local buckets),
-//! and amounts are exact fixed-point [`Tokens`]. The PostgreSQL function `tokenlease_acquire`
-//! (`migrations/0004_acquire_function.sql`, called by `store/postgres/sql/acquire.sql`) performs
-//! the same arithmetic on `numeric`, so for the same timeline both give the same decisions.
+//! and amounts are exact fixed-point [`Tokens`]. The store's statements
+//! (`src/store/postgres/lean.rs`) perform the same arithmetic on integer nanotokens and
+//! femtotokens, so for the same timeline both give the same decisions.
 //!
 //! # The arithmetic
 //!

@@ -26,7 +26,7 @@ use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
 use super::refund::{give_back, give_back_detached};
 use super::route::{Config, Limit, RouteLimits, RouteTable, Routes, Scope};
 use crate::bucket::Tokens;
-use crate::error::validate_key;
+use crate::key::validate_key;
 use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_WOULD_DENY};
 use crate::policy::{FallbackMode, route_shape};
 use crate::{DecidedBy, Decision};

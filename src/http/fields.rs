@@ -97,23 +97,35 @@ impl Default for Buf {
 }
 
 impl Buf {
+    #[inline]
     fn push(&mut self, bytes: &[u8]) {
         self.room(bytes.len()).copy_from_slice(bytes);
     }
 
     /// `n` in decimal, its digits written in place (not through a scratch buffer, whose
     /// copy would wait on the stores just made).
+    #[inline]
     fn number(&mut self, n: u64) {
         write_digits(n, self.room(decimal_len(n)));
     }
 
     /// The next `len` bytes, counted as written.
+    #[inline]
     fn room(&mut self, len: usize) -> &mut [u8] {
         let at = self.len;
-        self.len += len;
-        if self.heap.is_empty() && self.len <= STACK {
+        if self.heap.is_empty() && at + len <= STACK {
+            self.len = at + len;
             return &mut self.stack[at..at + len];
         }
+        self.spill(len)
+    }
+
+    /// [`room`](Self::room) past the stack's bytes: on the heap.
+    #[cold]
+    #[inline(never)]
+    fn spill(&mut self, len: usize) -> &mut [u8] {
+        let at = self.len;
+        self.len += len;
         if self.heap.is_empty() {
             self.heap.reserve(self.len.max(2 * STACK));
             self.heap.extend_from_slice(&self.stack[..at]);

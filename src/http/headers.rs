@@ -55,11 +55,16 @@ fn seconds_up(secs: f64) -> u64 {
 /// Seconds to refill `missing` tokens, rounded up as [`seconds_up`] does: in whole numbers
 /// (attotokens over nanotokens per second is nanoseconds), no floating point per request.
 fn refill_secs(missing: Tokens, rate: crate::bucket::Rate) -> u64 {
-    let rate = u128::from(rate.as_nanos_per_second());
+    let rate = rate.as_nanos_per_second();
     if missing == Tokens::ZERO || rate == 0 {
         return 0;
     }
-    let nanos = missing.as_atto() / rate;
+    // A u64 division where the count fits one (up to 18 tokens missing): a u128 division is
+    // a library call.
+    let nanos = match u64::try_from(missing.as_atto()) {
+        Ok(atto) => u128::from(atto / rate),
+        Err(_) => missing.as_atto() / u128::from(rate),
+    };
     let secs = u64::try_from(nanos / 1_000_000_000).map_or(MAX_SECS, |s| s.min(MAX_SECS));
     let sub = (nanos % 1_000_000_000) as u32;
     ceil_secs(Duration::new(secs, sub).saturating_sub(ROUNDING_SLACK))

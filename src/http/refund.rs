@@ -6,6 +6,7 @@
 //! while its previous statement ran, as one statement. A refusal never waits for its
 //! give-backs.
 
+use crate::store::metered::{Metered, Purpose};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -139,14 +140,11 @@ impl GiveBacks {
                     lease: None,
                 })
                 .collect();
-            metrics::counter!(crate::metrics::DB_CALLS, "kind" => "return").increment(1);
-            let credited = store.give_back(&gives).await.is_ok();
-            let result = if credited {
-                "credited"
-            } else {
-                metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "return").increment(1);
-                "failed"
-            };
+            let credited = Metered::new(&**store, Purpose::Return)
+                .give_back(&gives)
+                .await
+                .is_ok();
+            let result = if credited { "credited" } else { "failed" };
             metrics::counter!(HTTP_REFUNDS, "result" => result).increment(gives.len() as u64);
             drop(gives);
             for q in &mut batch {

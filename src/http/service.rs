@@ -72,7 +72,7 @@ impl After {
         }
     }
 
-    fn apply<B>(mut self, response: &mut Response<B>) {
+    fn apply<B>(&mut self, response: &mut Response<B>) {
         // An inner layer's limit refused the request: what this layer's limits took goes back.
         if response.extensions().get::<RefusedByLimit>().is_some() {
             self.progress.give_back_all_detached();
@@ -129,8 +129,10 @@ where
         match self.project().state.project() {
             StateProj::Inner { future, after } => {
                 let mut response = std::task::ready!(future.poll(cx))?;
-                if let Some(after) = after.take() {
-                    after.apply(&mut response);
+                // Applied where it lies, then dropped there: moved out, it would be copied.
+                if let Some(a) = after.as_mut() {
+                    a.apply(&mut response);
+                    *after = None;
                 }
                 Poll::Ready(Ok(response))
             }

@@ -1,4 +1,4 @@
-//! Credit: calls of a new key admitted against its late refill (`DESIGN.md` §8, "Credit while a
+//! Credit: calls of a new key admitted against its late refill (`docs/design/lease-credit.md`, "Credit while a
 //! new key's refill is late").
 //!
 //! A caller that waited out its `max_wait` for its key's refill may be admitted on credit

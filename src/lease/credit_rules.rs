@@ -1,4 +1,4 @@
-//! When a call may be admitted on credit (DESIGN.md §8, "Credit while a new key's refill is
+//! When a call may be admitted on credit (docs/design/lease-credit.md, "Credit while a new key's refill is
 //! late"): the rules of [`Leases::credit`], the filter of keys the table removed, and the
 //! bookkeeping of what each slot owes (the ledger itself is `credit.rs`, model-checked alone).
 
@@ -29,7 +29,7 @@ impl Leases {
     /// the key's grants so far, its unpaid credit and `cost` stay within `B` (the slot's
     /// largest lease): so the tokens of a window that no grant in it paid for (the lease held
     /// at its start, and credit) are at most `B` per key and instance, as without credit
-    /// (`DESIGN.md` §8, "Credit while a new key's refill is late"). Returns why it did not.
+    /// (`docs/design/lease-credit.md`, "Credit while a new key's refill is late"). Returns why it did not.
     pub(crate) fn credit(&self, slot: &SlotRef, cost: u64) -> Result<(), FallbackCause> {
         let Some(settings) = slot.plan.lease() else {
             return Err(FallbackCause::Other);

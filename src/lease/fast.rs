@@ -124,7 +124,7 @@ impl Leases {
                 // for NUL bytes on a call the lease answers.
                 if table.len() >= self.settings.max_entries
                     || self.stopping.load(Ordering::Relaxed)
-                    || crate::error::validate_stored_key(key).is_err()
+                    || crate::key::validate_stored_key(key).is_err()
                 {
                     return Fast::NoRoom;
                 }

@@ -1,4 +1,4 @@
-//! A refill that timed out while the store was answering: late, not failed (`DESIGN.md` §8, "A
+//! A refill that timed out while the store was answering: late, not failed (`docs/design/lease-credit.md`, "A
 //! refill that times out while the store answers").
 //!
 //! The first calls of a flood of new keys fill the actor's lanes with refill statements of

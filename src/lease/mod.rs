@@ -13,7 +13,7 @@
 //! refills them all with one statement; it closes expired leases and gives their unspent tokens
 //! back (idempotently, by return id), evicts idle keys to keep the table within its bound, and on
 //! shutdown gives every lease back. Its work follows what is due (a queue of expiry and idle
-//! checks, at most one entry per key), not the number of keys: an idle table costs nothing. See `DESIGN.md` §8 for the overshoot bound.
+//! checks, at most one entry per key), not the number of keys: an idle table costs nothing. See `docs/design/leases.md` for the overshoot bound.
 
 use std::hash::RandomState;
 use std::sync::Arc;
@@ -187,7 +187,7 @@ pub(crate) struct Leases {
     /// A hash filter of the keys this table has removed (evicted, retired after a reload): one
     /// bit per hash, set for good. A key whose bit is set gets no credit, so a key's credit is
     /// given by its first slot alone, and a lease of an earlier slot of the same key can never
-    /// be spent in the same window as credit (the overshoot bound, `DESIGN.md` §8).
+    /// be spent in the same window as credit (the overshoot bound, `docs/design/leases.md`).
     removed: Box<[AtomicU64]>,
     /// Hashes keys for `removed`.
     hasher: RandomState,

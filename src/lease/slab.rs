@@ -64,7 +64,7 @@ pub(crate) struct Hot {
     /// place) and Acquire (callers): it publishes the extra words (`words.rs`).
     pub(crate) spread: AtomicBool,
     /// The slot's [`Slot::evicted`](super::Slot::evicted): kept here, in the record's spare
-    /// bytes, to keep the slot within a smaller heap chunk (`DESIGN.md` §10). Not read by the
+    /// bytes, to keep the slot within a smaller heap chunk (`docs/design/memory.md`). Not read by the
     /// fast path.
     pub(crate) evicted: AtomicBool,
     /// The slot's [`Slot::dry`](super::Slot::dry), for the same reason. Not read by the fast path.

@@ -14,7 +14,7 @@ use crate::store::LeaseRef;
 
 /// A shared slot: `triomphe`'s `Arc`, which has no weak count (no `Weak<Slot>` is ever taken),
 /// so a slot's allocation is 8 bytes smaller than with std's and fits a 176-byte heap chunk
-/// (`DESIGN.md` §10).
+/// (`docs/design/memory.md`).
 pub(crate) type SlotRef = triomphe::Arc<Slot>;
 
 /// One key's lease slot, shared by callers (through the lease table) and the actor.
@@ -78,7 +78,7 @@ pub(crate) struct Book {
     /// When the live lease expires; meaningless while closed.
     pub(crate) expires_at: Ms32,
     /// Demand estimate in nanotokens per second. An `f32`: an estimate that halves its error
-    /// at every sample needs no more than its 24 bits of precision (`DESIGN.md` §10).
+    /// at every sample needs no more than its 24 bits of precision (`docs/design/memory.md`).
     pub(crate) demand: f32,
     /// When demand was last sampled, and how much had been spent then.
     pub(crate) sampled_at: Wide,
@@ -115,7 +115,7 @@ pub(crate) struct Book {
 
 /// A `u64` kept as two `u32`s, so that the [`Book`] holding it is 4-byte aligned: with
 /// nothing in it aligned to 8, the book and its mutex's byte pack into 72 bytes instead of 80,
-/// and a slot fits a smaller heap chunk (`DESIGN.md` §10). The same value, read and written
+/// and a slot fits a smaller heap chunk (`docs/design/memory.md`). The same value, read and written
 /// whole by the actor under the book's lock.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Wide([u32; 2]);
@@ -148,7 +148,7 @@ impl Wide {
 /// A time of the lease actor's clock (local monotonic nanoseconds) in 32 bits: whole
 /// milliseconds, rounded down, modulo 2³² (49.7 days). Read back with [`Ms32::near`], as the
 /// time of that form nearest a time the reader has. The book keeps its lease's expiry, its last
-/// activity and its due-queue time so, 12 bytes where they took 24 (`DESIGN.md` §10).
+/// activity and its due-queue time so, 12 bytes where they took 24 (`docs/design/memory.md`).
 ///
 /// Rounding down makes a lease expire, and an idle key leave, at most a millisecond early: its
 /// tokens go back sooner and nothing more is admitted; the actor looks at slots at its tick's
@@ -310,7 +310,7 @@ impl Slot {
     /// Strict accounting: the slot's holder id in the store and the id of the grant that last
     /// renewed its lease there; `None` until its first strict refill draws the holder id (the
     /// lease id is 0 until that refill's answer). Kept beside the slot's record in the slab,
-    /// since most slots never have one (`DESIGN.md` §10).
+    /// since most slots never have one (`docs/design/memory.md`).
     pub(crate) fn strict_lease(&self) -> Option<LeaseRef> {
         self.hot
             .strict()
@@ -344,7 +344,7 @@ impl Slot {
     pub(crate) fn want(&self, cost: u64) {
         // Relaxed: these are published to the actor by what the caller does next
         // (`request_refill`'s release, or the nudge queue), and the actor's `swap`s read them;
-        // nothing is published through them (DESIGN.md §8, "Memory orderings").
+        // nothing is published through them (docs/design/memory-orderings.md).
         self.need(cost, 0, Ordering::Relaxed);
         // Saturating: many waiters of large costs (up to 2⁵⁶ nanotokens each) would wrap a sum.
         let _ = self
@@ -434,7 +434,7 @@ mod tests {
     }
 
     /// A slot with its `Arc` header (8 bytes: `triomphe`'s has no weak count) fits a 176-byte
-    /// malloc chunk (at most 168 bytes asked for, 8 of header): the byte count `DESIGN.md` §10
+    /// malloc chunk (at most 168 bytes asked for, 8 of header): the byte count `docs/design/memory.md`
     /// accounts for. A field that pushes it past 160 costs every key 16 bytes more; so does
     /// anything in the book aligned to 8 (its mutex's byte then takes 8).
     #[test]

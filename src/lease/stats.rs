@@ -18,7 +18,7 @@ pub struct LeaseStats {
     pub stranded: f64,
     /// Tokens of relaxed leases that closed unspent after their bucket had refilled to its
     /// capacity since their grant (as far as this process knows): not sent back, since the
-    /// store would cap the return away (DESIGN.md §8, "Waived returns").
+    /// store would cap the return away (docs/design/leases.md, "Waived returns").
     pub waived: f64,
     /// Tokens held in live leases now: how far this process can exceed its share right now.
     pub outstanding: f64,
@@ -26,7 +26,7 @@ pub struct LeaseStats {
     /// largest lease (`max_fraction × capacity`, at least one token and at most
     /// `LeaseSettings::MAX_LEASE`). `outstanding` never
     /// exceeds it but for a call whose cost alone is larger (leased its whole cost); it is this
-    /// process's term in the overshoot bound (`DESIGN.md` §8).
+    /// process's term in the overshoot bound (`docs/design/leases.md`).
     pub outstanding_bound: f64,
     /// Keys in the lease table now.
     pub keys: usize,
@@ -44,7 +44,7 @@ pub struct LeaseStats {
     /// dropped, or it panicked).
     pub actor_restarts: u64,
     /// Tokens admitted on credit: calls of a new key that waited out `max_wait` for the key's
-    /// refill and were admitted against it instead of going to the fallback (`DESIGN.md` §8,
+    /// refill and were admitted against it instead of going to the fallback (`docs/design/leases.md`,
     /// "Credit while a new key's refill is late").
     pub credit: f64,
     /// Tokens admitted on credit that no grant has paid yet: the next refill of the key asks
@@ -54,7 +54,7 @@ pub struct LeaseStats {
     /// without the store, within the key's `B` (`outstanding_bound`).
     pub credit_unpaid: f64,
     /// Refill statements that timed out while the store was answering and were asked for
-    /// again instead of failing (`DESIGN.md` §8, "A refill that times out while the store
+    /// again instead of failing (`docs/design/lease-credit.md`, "A refill that times out while the store
     /// answers"). Many of them mean the call timeout is short for this machine or database.
     pub late_refills: u64,
     /// Refill statements that failed: a database error, a refused connection, an open circuit
@@ -71,7 +71,7 @@ pub struct LeaseStats {
     pub fallback_unanswered: u64,
     /// Calls that waited out `max_wait` and were not admitted on credit because the table had
     /// removed their key before (evicted idle or retired by a reload; a returning key gets no
-    /// second credit, `DESIGN.md` §8), or a key sharing its bit in the filter of removed keys.
+    /// second credit, `docs/design/leases.md`), or a key sharing its bit in the filter of removed keys.
     pub fallback_returning: u64,
     /// Calls that waited out `max_wait` and were not admitted on credit because the key's
     /// grants and credit had reached its largest lease `B`.

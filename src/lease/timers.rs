@@ -4,7 +4,7 @@
 //! A binary min-heap kept in two arrays side by side, the due times (32-bit milliseconds,
 //! [`Ms32`]) and the slots, 12 bytes an entry where a `BinaryHeap` of a `u64` time and a
 //! pointer took 16; and the arrays grow by a quarter, not by doubling, so a queue of 100,000
-//! entries holds at most 125,000 where doubling held 131,072 (`DESIGN.md` §10).
+//! entries holds at most 125,000 where doubling held 131,072 (`docs/design/memory.md`).
 //!
 //! Each slot has at most one live entry, recorded in its [`Book`] (`armed`, `timer_at`), so the
 //! queue holds at most one live entry per key in the table. An entry is live while the slot's

@@ -33,7 +33,7 @@
 //!
 //! Everything else is `Relaxed`: a take publishes nothing (no one reads anything a caller wrote
 //! before it), and `close`, `drain`, `refund` and `available` move or count tokens, which the
-//! read-modify-write already makes exact. DESIGN.md §8 ("Memory orderings") lists them all.
+//! read-modify-write already makes exact. docs/design/memory-orderings.md lists them all.
 
 use super::sync::{AtomicU64, Ordering};
 

@@ -1,7 +1,7 @@
 //! [`Limiter::try_acquire`] and its future, [`Acquire`]: the entry point, and the first poll
 //! that answers a key with a live lease in place.
 //!
-//! Apart because this is the fast path, measured to the nanosecond (DESIGN.md §8, "The fast
+//! Apart because this is the fast path, measured to the nanosecond (docs/design/leases.md, "The fast
 //! path"): what it does before any other code runs is all here, and the rest of a call
 //! (`call.rs`) starts only when it cannot answer.
 
@@ -137,7 +137,7 @@ impl Future for Acquire<'_> {
         // `try_acquire_now_with`; the state is only marked done.
         // The decision is built in the return value itself: built first and then moved, its
         // fields went through the stack, where the 16-byte copies of 8-byte stores stalled
-        // store-to-load forwarding (DESIGN.md §8, "The fast path").
+        // store-to-load forwarding (docs/design/leases.md, "The fast path").
         if let State::Start {
             limiter,
             plan: None,

@@ -26,7 +26,7 @@ use crate::store::Store;
 const DEFAULT_CALL_DEADLINE: Duration = Duration::from_secs(1);
 /// Direct-mode statements in flight when the store does not say how many calls it runs at once.
 const DEFAULT_STATEMENTS_IN_FLIGHT: usize = 4;
-/// Keys in one direct-mode statement; `DESIGN.md` §7 explains the figure.
+/// Keys in one direct-mode statement; `docs/design/direct-mode.md` explains the figure.
 const DEFAULT_BATCH_KEYS: usize = 256;
 
 /// Settings for a [`Limiter`].
@@ -75,7 +75,7 @@ impl LimiterBuilder {
     /// [`Store::max_concurrent_calls`] (the pool size, or 4): from the callers that arrive while
     /// a statement is in flight, as many statements as keep about 16 keys in each when callers
     /// wait, and one statement sent at once for a lone caller. Fewer, larger statements cost
-    /// the database less per decision (DESIGN.md §7); the choice is the gauge
+    /// the database less per decision (docs/design/direct-mode.md); the choice is the gauge
     /// `tokenlease_statements_in_flight_limit`. Set, it is the fixed number. With
     /// [`sparse_keys_direct`](Self::sparse_keys_direct) on, one less (at least one) once a
     /// leased call has started the lease actor, since these statements then also carry sparse
@@ -85,7 +85,7 @@ impl LimiterBuilder {
         self
     }
 
-    /// The most keys one direct-mode statement carries. Defaults to 256 (`DESIGN.md` §7).
+    /// The most keys one direct-mode statement carries. Defaults to 256 (`docs/design/direct-mode.md`).
     pub fn batch_keys(mut self, n: usize) -> Self {
         self.batch_keys = n.max(1);
         self
@@ -95,7 +95,7 @@ impl LimiterBuilder {
     /// store call each) while the actor evicts idle keys, so memory stays bounded however many
     /// distinct keys arrive. Defaults to 1,000,000: a service with a limit per customer or per
     /// booking has that many active keys, and the table costs nothing for keys it does not
-    /// hold (its memory per held key is in `DESIGN.md` §8).
+    /// hold (its memory per held key is in `docs/design/leases.md`).
     pub fn max_lease_keys(mut self, n: usize) -> Self {
         self.table.max_entries = n.max(1);
         self
@@ -106,7 +106,7 @@ impl LimiterBuilder {
     /// actor has a statement in flight, instead of waiting for the actor's next refill.
     /// Defaults to `false`.
     ///
-    /// Measured on 2 cores (DESIGN.md §8, "Sparse keys"): with 16 callers on 100,000 quiet keys
+    /// Measured on 2 cores (docs/design/leases.md, "Sparse keys"): with 16 callers on 100,000 quiet keys
     /// in a closed loop, where the database is the limit, it serves about a third more; at a
     /// moderate load of quiet keys it sends a quarter more statements and doubles the p99 (the
     /// coalescer sends each waiting call at once, several statements in flight, where the
@@ -128,7 +128,7 @@ impl LimiterBuilder {
 
     /// Whether what the `allow` and `local` fallbacks admit while the store cannot answer is
     /// recorded per plan and key and charged to the shared bucket once the store answers again
-    /// (`DESIGN.md` §14), for plans whose fallback keeps it on (`fallback.outage_debt`, on by
+    /// (`docs/design/outage-debt.md`), for plans whose fallback keeps it on (`fallback.outage_debt`, on by
     /// default). Defaults to `true`.
     ///
     /// The ledger holds at most 100,000 keys (a new key's debt beyond them is counted in

@@ -6,6 +6,7 @@
 //! Apart from `acquire.rs` because none of this is on the fast path: it may await the store,
 //! the actor or the fallback, and counts what it decides on the plan's counters.
 
+use crate::store::metered::{Metered, Purpose};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,7 +16,8 @@ use super::cost::{check_leased_call, lease_cost, validate_cost};
 use super::decisions::{from_store, lease_allowed, lease_denied, shadowed};
 use super::{DecidedBy, Decision, Limiter};
 use crate::bucket::Tokens;
-use crate::error::{Error, validate_key, validate_stored_key};
+use crate::error::Error;
+use crate::key::{validate_key, validate_stored_key};
 use crate::lease::{FallbackCause, Fast, MAX_LEASE_NANOS};
 use crate::policy::Plan;
 use crate::store::{AcquireRequest, GiveBack};
@@ -405,11 +407,10 @@ impl Limiter {
             amount: cost,
             lease: None,
         };
-        metrics::counter!(crate::metrics::DB_CALLS, "kind" => "return").increment(1);
-        let credited = self.inner.store.give_back(&[give]).await.is_ok();
-        if !credited {
-            metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "return").increment(1);
-        }
+        let credited = Metered::new(&*self.inner.store, Purpose::Return)
+            .give_back(&[give])
+            .await
+            .is_ok();
         Ok(credited)
     }
 
@@ -431,15 +432,13 @@ impl Limiter {
                 .await
                 .map_err(drop),
             None => {
-                metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
-                let call = self
-                    .inner
-                    .store
-                    .acquire(AcquireRequest::take(key, bucket, cost));
+                let store = Metered::new(&*self.inner.store, Purpose::Take);
+                let call = store.acquire(AcquireRequest::take(key, bucket, cost));
                 match tokio::time::timeout_at(deadline, call).await {
                     Ok(Ok(acquired)) => Ok(acquired),
-                    Ok(Err(_)) | Err(_) => {
-                        metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
+                    Ok(Err(_)) => Err(()),
+                    Err(_) => {
+                        store.timed_out();
                         Err(())
                     }
                 }

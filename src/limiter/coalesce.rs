@@ -28,6 +28,7 @@
 //! the bucket has left are denied from that answer, at the statement's own store time, without
 //! another statement: the pure bucket at that time denies them too (see [`deny_from`]).
 
+use crate::store::metered::{Metered, Purpose};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -81,7 +82,7 @@ pub(crate) struct Settings {
 /// The keys a statement should carry when callers wait: the adaptive limit keeps about this
 /// many callers' keys in each statement. Measured on the 2-core test machine (pgbench, the
 /// many-key take, prepared): 136–139 µs of server CPU per decision at 2 keys a statement,
-/// 81–83 µs at 4, 47 µs at 8, 28–29 µs at 16 (DESIGN.md §7).
+/// 81–83 µs at 4, 47 µs at 8, 28–29 µs at 16 (docs/design/direct-mode.md).
 const TARGET_BATCH: f64 = 16.0;
 
 /// The longest a free slot waits for more callers before its statement leaves (the gather
@@ -509,9 +510,10 @@ impl Coalescer {
             let result = {
                 let requests: Vec<AcquireRequest<'_>> =
                     batch.items.iter().map(Item::request).collect();
-                metrics::counter!(crate::metrics::DB_CALLS, "kind" => "take").increment(1);
                 // One answer per key: a sharded store fails only the keys of a failing shard.
-                let mut answers = store.acquire_each(&requests).await;
+                let mut answers = Metered::new(&*store, Purpose::Take)
+                    .acquire_each(&requests)
+                    .await;
                 if answers.len() != requests.len() {
                     let err = StoreError::Protocol(format!(
                         "{} answers for {} requests",
@@ -522,9 +524,6 @@ impl Coalescer {
                 }
                 answers
             };
-            if result.iter().any(Result::is_err) {
-                metrics::counter!(crate::metrics::DB_ERRORS, "kind" => "take").increment(1);
-            }
             flight.armed = false;
             let (mut next, timers) = self.finish(batch, result, sent);
             drop(flight);

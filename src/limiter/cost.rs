@@ -6,7 +6,7 @@
 
 use crate::bucket::Tokens;
 use crate::error::Error;
-use crate::error::validate_key;
+use crate::key::validate_key;
 use crate::policy::Plan;
 
 /// A cost in whole nanotokens, the lease word's unit (rounded up).
@@ -18,8 +18,8 @@ use crate::policy::Plan;
 #[inline]
 pub(super) fn check_leased_call(plan: &Plan, key: &str, cost: f64) -> Result<Tokens, Error> {
     if key.is_empty()
-        || key.len() > crate::error::MAX_KEY_BYTES
-        || key.as_bytes()[0] == crate::error::RESERVED_KEY_PREFIX as u8
+        || key.len() > crate::key::MAX_KEY_BYTES
+        || key.as_bytes()[0] == crate::key::RESERVED_KEY_PREFIX as u8
     {
         validate_key(key)?;
     }

@@ -4,17 +4,9 @@
 //! statement (see `coalesce.rs`). When the store fails or times out, the plan's fallback
 //! decides, and the [`Decision`] says so.
 //!
-//! The limiter's files, one role each. This one holds the [`Limiter`] itself, the state its
-//! clones share, and what reads or ends that state as a whole (stats, shutdown). Beside it:
-//! `builder.rs`, the [`LimiterBuilder`] and its defaults; `wait.rs`,
-//! [`Limiter::acquire_until`], a call that waits in line for its tokens (a loop around the
-//! calls of the files below); `policies.rs`, the policies in force, their reload and the plan
-//! registry; `acquire.rs`, [`Limiter::try_acquire`] and its future, [`Acquire`], whose first
-//! poll is the lease's fast path; `call.rs`, the rest of a call (the lease's slow path, direct
-//! mode, the fallback) and the other ways to take or give back tokens; `decisions.rs` and
-//! `cost.rs`, how a decision is built and how a cost is checked; and `coalesce.rs`, the
-//! direct-mode coalescer. Each names only files listed after it here and this one (the
-//! layering of DESIGN.md §11).
+//! This file holds the [`Limiter`] itself, the state its clones share, and what reads or ends
+//! that state as a whole (stats, shutdown). The limiter's other files, their roles and which
+//! way they depend on each other are in DESIGN.md, "The layers".
 
 use std::sync::Arc;
 use std::sync::OnceLock;
@@ -85,7 +77,7 @@ struct Inner {
     /// The lease table and its actor, started by the first call on a leased plan.
     leases: OnceLock<Arc<Leases>>,
     table: TableSettings,
-    /// The one clock everything here reads (DESIGN.md §11, "One clock").
+    /// The one clock everything here reads (docs/design/time.md).
     clock: SharedClock,
     /// Each key's line of calls waiting in [`Limiter::acquire_until`].
     waiters: wait::Waiters,

@@ -106,7 +106,7 @@ impl Limiter {
     ///   back as at expiry; the key's next call takes a lease sized for the new plan. Until
     ///   that round (one actor wake-up) callers may still spend what such a lease holds, so
     ///   an instance can exceed the new plan's envelope by at most one old lease per key: the
-    ///   same bound a lease always has (`DESIGN.md` §15).
+    ///   same bound a lease always has (`docs/design/reload-and-shadow.md`).
     /// - A key whose rule is gone falls to the new default plan, or is refused with
     ///   [`Error::NoPlanForKey`] when there is none.
     ///

@@ -2,7 +2,7 @@
 //! gives, in arrival order per key, and [`WaitError`], why such a call ended without them.
 //!
 //! Apart because it is a loop around the other calls ([`Limiter::try_acquire`] and the lease's
-//! fast path), with state of its own: each key's line of waiting calls. DESIGN.md §8, "Waiting
+//! fast path), with state of its own: each key's line of waiting calls. docs/design/leases.md, "Waiting
 //! for tokens", has the design and its reasons.
 //!
 //! How a call waits, in short. The call takes its place at the back of its key's line when it
@@ -33,7 +33,8 @@ use tokio::time::Instant;
 use super::cost::{lease_cost, validate_cost};
 use super::decisions::lease_allowed_at;
 use super::{DecidedBy, Decision, Limiter};
-use crate::error::{Error, validate_key};
+use crate::error::Error;
+use crate::key::validate_key;
 
 /// How many calls may wait on one key at once in one limiter, unless the builder says
 /// otherwise ([`LimiterBuilder::max_waiters_per_key`](super::LimiterBuilder::max_waiters_per_key)).

@@ -144,7 +144,7 @@ impl Checker {
                     "must not be empty; use default_plan for keys no prefix matches",
                 ));
             }
-            if let Err(e) = crate::error::validate_key(&rule.prefix) {
+            if let Err(e) = crate::key::validate_key(&rule.prefix) {
                 let reason = e.to_string();
                 let reason = reason.strip_prefix("invalid key: ").unwrap_or(&reason);
                 return Err(self.err(

@@ -308,8 +308,8 @@ impl Plan {
     /// name and `key`, `"\u{1}shadow:{name}:{key}"`. A name that is not a policy file's plan
     /// name (1 to 64 of `A-Z a-z 0-9 _ . -`) is replaced by `~` and 32 hex digits of its hash.
     ///
-    /// The leading U+0001 ([`RESERVED_KEY_PREFIX`](crate::error::RESERVED_KEY_PREFIX)) is
-    /// refused in a caller's key ([`KeyError::Reserved`](crate::error::KeyError::Reserved)), so
+    /// The leading U+0001 ([`RESERVED_KEY_PREFIX`](crate::key::RESERVED_KEY_PREFIX)) is
+    /// refused in a caller's key ([`KeyError::Reserved`](crate::key::KeyError::Reserved)), so
     /// a shadow plan's bucket can never be a caller's, and two shadow plans of different names
     /// never share one. Pass the result to [`Store::inspect`](crate::store::Store::inspect) to
     /// read a shadow plan's bucket.
@@ -329,7 +329,7 @@ fn shadow_store_key(name: &str, key: &str) -> String {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
     let mut out = String::with_capacity(key.len() + 73);
-    out.push(crate::error::RESERVED_KEY_PREFIX);
+    out.push(crate::key::RESERVED_KEY_PREFIX);
     out.push_str("shadow:");
     if plain {
         out.push_str(name);
@@ -379,12 +379,12 @@ pub struct LeaseSettings {
     pub accounting: Accounting,
 }
 
-/// How the store accounts for tokens out on lease (see `DESIGN.md` §8 and §13).
+/// How the store accounts for tokens out on lease (see `docs/design/leases.md` and `docs/design/strict-accounting.md`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Accounting {
     /// A lease is taken from the bucket and forgotten: the bucket refills behind it, so tokens
     /// leased before a window opens and spent inside it can exceed what one bucket would admit
-    /// by the leases out (the bound in `DESIGN.md` §8). Fewest statements, simplest rows.
+    /// by the leases out (the bound in `docs/design/leases.md`). Fewest statements, simplest rows.
     #[default]
     Relaxed,
     /// The bucket row records every live lease, and `tokens + outstanding ≤ capacity`: no
@@ -467,7 +467,7 @@ pub struct FallbackSettings {
     /// The fallback decision.
     pub mode: FallbackMode,
     /// Whether what the `allow` and `local` fallbacks admit is recorded as outage debt and
-    /// charged to the shared bucket once the store answers again (`DESIGN.md` §14). Defaults
+    /// charged to the shared bucket once the store answers again (`docs/design/outage-debt.md`). Defaults
     /// to `true`; a `deny` fallback admits nothing, so it has no debt either way. File field
     /// `fallback.outage_debt`. The limiter's own switch,
     /// [`LimiterBuilder::outage_debt`](crate::limiter::LimiterBuilder::outage_debt), must be
@@ -687,11 +687,11 @@ mod tests {
             shadow(&"n".repeat(65), "k"),
         ] {
             assert_eq!(
-                crate::error::validate_key(&key),
-                Err(crate::error::KeyError::Reserved),
+                crate::key::validate_key(&key),
+                Err(crate::key::KeyError::Reserved),
                 "{key:?}"
             );
-            assert_eq!(crate::error::validate_stored_key(&key), Ok(()), "{key:?}");
+            assert_eq!(crate::key::validate_stored_key(&key), Ok(()), "{key:?}");
         }
         // A name that is not a file's plan name is hashed, so a colon in it cannot shift the
         // boundary between name and key, and a NUL never reaches the store.
@@ -703,9 +703,9 @@ mod tests {
         );
         assert_eq!(hashed.len(), "\u{1}shadow:~".len() + 32 + ":k".len());
         // The longest caller's key still fits what the store is sent.
-        let longest = "k".repeat(crate::error::MAX_KEY_BYTES);
+        let longest = "k".repeat(crate::key::MAX_KEY_BYTES);
         assert_eq!(
-            crate::error::validate_stored_key(&shadow(&"n".repeat(64), &longest)),
+            crate::key::validate_stored_key(&shadow(&"n".repeat(64), &longest)),
             Ok(())
         );
     }

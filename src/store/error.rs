@@ -137,7 +137,7 @@ impl StoreError {
     /// the connection, the server or the time: SQLSTATE class 22 (data exception), 23
     /// (integrity constraint violation) and 54 (program limit exceeded). (A type mismatch,
     /// 42804, is not: the store binds every parameter with its type, so it means the schema
-    /// changed under the statement, which every key meets alike; DESIGN.md §17.) Such an error in a many-key statement belongs to one key or a few, so the
+    /// changed under the statement, which every key meets alike; docs/design/deploys.md.) Such an error in a many-key statement belongs to one key or a few, so the
     /// store sends the keys again in smaller statements until only the bad ones fail (see
     /// "Per-key answers" on [`Store`](crate::store::Store)); a retry of the same statement
     /// would fail the same way.

@@ -230,7 +230,7 @@ impl Returned {
 
 /// One bucket: the shape it was last written with and its state.
 ///
-/// 32 bytes, where the plain fields took 96 (`DESIGN.md` §10): the shape is shared
+/// 32 bytes, where the plain fields took 96 (`docs/design/memory.md`): the shape is shared
 /// ([`ShardMap::shape`]), the state is packed to 8-byte alignment (its `u128` tokens would
 /// align it, and so the map's entry, to 16), and the strict leases (none, for most buckets) are
 /// not here but in the shard's side map ([`Strict`]), so a bucket without them spends nothing

@@ -22,6 +22,7 @@ mod counted;
 mod error;
 pub(crate) mod held;
 mod memory;
+pub(crate) mod metered;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 mod sharded;
@@ -52,7 +53,7 @@ pub use self::sharded::{
 /// ([`AcquireRequest::lease`], `step` one nanotoken).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AcquireRequest<'a> {
-    /// The bucket's key; already validated (see [`crate::error::validate_key`]).
+    /// The bucket's key; already validated (see [`crate::key::validate_key`]).
     pub key: &'a str,
     /// The bucket's shape under the key's plan. A row stored with another shape takes this one.
     pub bucket: BucketConfig,
@@ -68,7 +69,7 @@ pub struct AcquireRequest<'a> {
     pub hold: Option<Hold>,
 }
 
-/// A strict lease as the grant that renews it describes it (see `DESIGN.md` §13).
+/// A strict lease as the grant that renews it describes it (see `docs/design/strict-accounting.md`).
 ///
 /// The store keeps one entry per holder and key: `kept + granted` tokens under `lease_id` until
 /// `lifetime` after the store's now. The grant settles the holder's previous entry in the same

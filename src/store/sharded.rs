@@ -6,8 +6,8 @@
 //! hash ([`rendezvous_score`]) is written out here (64-bit FNV-1a over the length-prefixed name
 //! and the key, then the `fmix64` finaliser), so every process, platform and version of the
 //! crate puts a key on the same shard. Adding a shard moves only the keys whose new highest
-//! score is the new shard's: about `1/(N+1)` of them, and only to the new shard. See `DESIGN.md`
-//! §16 and `docs/scale-out.md`.
+//! score is the new shard's: about `1/(N+1)` of them, and only to the new shard. See
+//! `docs/design/scale-out.md` and `docs/scale-out.md`.
 
 use std::fmt;
 use std::future::Future;

@@ -23,8 +23,8 @@ async fn d3(mode: Mode) {
     let instance = rig.instance(&rig.proxied(), 4).await;
     // A slow refill, so the row's tokens can be compared exactly. Without outage debt: the
     // timed-out take committed and the fallback then admitted the call as well, so with debt
-    // on its charge would take the cost from the row a second time (under-admission, DESIGN.md
-    // §14), and the row would not show the take and the return alone.
+    // on its charge would take the cost from the row a second time (under-admission,
+    // docs/design/outage-debt.md), and the row would not show the take and the return alone.
     let plan = Arc::new(
         common::plan(C, 0.001)
             .with_fallback(FallbackSettings::new(mode.fallback()).with_outage_debt(false)),

@@ -4,7 +4,7 @@
 //! fallback hammer one key; the server is stopped for 3 s and started again. Over the window
 //! from the stop to a few seconds after the restart, the fleet's admissions are held against
 //! `C + r·(T + ε) + N·B + U + X`, where `U` is the debt still unpaid at the window's end and `X`
-//! the debt dropped (`DESIGN.md` §14 derives it). With outage debt on they stay within it; with
+//! the debt dropped (`docs/design/outage-debt.md` derives it). With outage debt on they stay within it; with
 //! it off (same scenario, `U = X = 0`) they exceed it, by about what the fallback admitted
 //! beyond the bucket's refill in the outage.
 //!

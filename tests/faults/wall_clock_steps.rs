@@ -314,7 +314,7 @@ async fn d9(mode: Mode) {
     // some tokens, or "empty") or failed at the cut is a race of milliseconds, not of the wall
     // clock, so each run is checked against its mode's own bound. The lease admits what it
     // held, at most B; in `allow` a dry lease keeps denying until the store's last "empty" runs
-    // out (DESIGN.md §8), at most one stretched dry window (4 × B / r of calls), and the
+    // out (docs/design/leases.md), at most one stretched dry window (4 × B / r of calls), and the
     // fallback admits the rest; in `deny` the fallback denies; under `local` it admits at most
     // its share of the bucket (C / N, refilling at R / N) over the outage.
     for step in [0, HOUR, -HOUR] {

@@ -1,6 +1,6 @@
 //! C11: a cold start of many new keys against a real PostgreSQL whose refills are late, on a
 //! healthy store: no fallback decision, every admission paid for in the store's buckets, and
-//! no key over the ideal bucket's envelope (`DESIGN.md` §8, "Credit while a new key's refill is
+//! no key over the ideal bucket's envelope (`docs/design/leases.md`, "Credit while a new key's refill is
 //! late" and "A refill that times out while the store answers"). C12: a key's second chance
 //! is given once: refills that time out twice in a row fail, and the actor stops asking.
 //!

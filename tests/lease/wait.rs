@@ -1,5 +1,5 @@
 //! W1–W8, W10, P9: `Limiter::acquire_until`, the call that waits for its tokens until a
-//! deadline (DESIGN.md §8, "Waiting for tokens"). W1–W6, W10 and P9 on tokio's paused clock
+//! deadline (docs/design/waiting.md). W1–W6, W10 and P9 on tokio's paused clock
 //! over a `MemoryStore` (or a store in front of one that holds, fails or never answers calls),
 //! so every time below is exact; W7 and W8 end to end over a real PostgreSQL, in direct and in leased mode.
 //!

@@ -1529,7 +1529,7 @@ fn policy_shaped_generator_reaches_the_value_checks() {
 
 /// Failing cases are saved in `policy.proptest-regressions` beside this file and replayed first.
 /// Named here because proptest's default (`SourceParallel`) finds the binary's `main.rs` and
-/// would use `tests/proptest-regressions/policy.txt` instead.
+/// would use `policy.txt` in a `proptest-regressions` directory under `tests/` instead.
 fn regressions_beside_this_file() -> Option<Box<dyn proptest::test_runner::FailurePersistence>> {
     Some(Box::new(
         proptest::test_runner::FileFailurePersistence::WithSource("proptest-regressions"),

@@ -1,4 +1,4 @@
-//! L1: the library's module dependency arrows point one way (DESIGN.md §11, "Module layout").
+//! L1: the library's module dependency arrows point one way (DESIGN.md, "The layers").
 //!
 //! The check reads the crate's source (from `src/lib.rs`, following every `mod name;` to its
 //! file, inline `mod name { … }` blocks included), finds every path that names something of the
@@ -275,7 +275,7 @@ struct Crate {
     references: Vec<Reference>,
 }
 
-/// Where a file module's children live: `dir/name.rs` or `dir/name/mod.rs`.
+/// Where a file module's children live: `<dir>/<name>.rs` or `<dir>/<name>/mod.rs`.
 fn child_dir(file: &str) -> String {
     let p = Path::new(file);
     let parent = p
@@ -824,7 +824,7 @@ fn check(krate: &Crate) -> Result<(), String> {
         }
     }
     msg.push_str(
-        "\nEach arrow must point down the layering of DESIGN.md §11 (\"Module layout\"); \
+        "\nEach arrow must point down the layering of DESIGN.md, \"The layers\"; \
          tests/models/arrows.rs says which references count.",
     );
     Err(msg)

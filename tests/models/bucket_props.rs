@@ -470,7 +470,7 @@ impl StateMachineTest for Sut {
 
 /// Failing cases are saved in `bucket_props.proptest-regressions` beside this file and replayed
 /// first. Named here because proptest's default (`SourceParallel`) finds the binary's `main.rs`
-/// and would use `tests/proptest-regressions/bucket_props.txt` instead.
+/// and would use `bucket_props.txt` in a `proptest-regressions` directory under `tests/` instead.
 fn regressions_beside_this_file() -> Option<Box<dyn proptest::test_runner::FailurePersistence>> {
     Some(Box::new(
         proptest::test_runner::FileFailurePersistence::WithSource("proptest-regressions"),

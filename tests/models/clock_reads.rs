@@ -1,4 +1,4 @@
-//! L2: the library reads time only through its clock (DESIGN.md §11, "One clock").
+//! L2: the library reads time only through its clock (docs/design/time.md).
 //!
 //! The check reads every `.rs` file under the library's `src/` except `src/clock.rs` (the clocks
 //! themselves; the binary and the test kit are other crates of the workspace), and fails, naming

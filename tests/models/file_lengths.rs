@@ -1,5 +1,5 @@
 //! L3: each source file of the library says what role it holds, and none has grown past a
-//! generous safety net (DESIGN.md §11, "Module layout").
+//! generous safety net (docs/design/repository.md, "Files: one role each").
 //!
 //! Files are split by role, not by length: a file holds what is read, changed and reviewed
 //! together (the lease actor's loop apart from its refills and expiry, the limiter's builder
@@ -98,7 +98,7 @@ fn l3_every_library_source_file_states_its_role_and_none_is_past_the_net() {
         found.is_empty(),
         "library source files (each says in its module doc what role it holds; one that holds \
          several is split by role, into files named after their roles, not cut at a count of \
-         lines; DESIGN.md §11, \"Module layout\"):\n{}",
+         lines; docs/design/repository.md):\n{}",
         found.join("\n")
     );
 }

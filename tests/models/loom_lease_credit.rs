@@ -6,7 +6,7 @@
 //! `model` half of the lease core's shim (loom's atomics and mutex). The slot's bookkeeping
 //! lock and its `credited` count are modelled by a loom mutex over a number: callers give
 //! credit holding it, and the actor pays credit and adds the grant to the count holding it, as
-//! `Leases::credit` and `actor.rs::apply` do.
+//! `Leases::credit` and `actor/refill.rs::apply` do.
 //!
 //! The model: a new key's word (closed, a refill pending), a largest lease `B` of 2 tokens, two
 //! callers taking 1 token twice each (a take the word refuses asks for credit), and an actor
@@ -17,7 +17,7 @@
 //!   the grant or still owed; a granted token is taken, pays credit, or goes back);
 //! - the bound: what the word held right after the grant and all credit given after it add up
 //!   to at most `B`, and so does all credit given before it: the tokens no grant in a window
-//!   paid for are at most `B` per key, whatever window (`DESIGN.md` §8).
+//!   paid for are at most `B` per key, whatever window (`docs/design/leases.md`).
 //!
 //! Preemption bound 2 unless `LOOM_MAX_PREEMPTIONS` says otherwise.
 

@@ -8,7 +8,7 @@
 //! interleaving of its threads (up to the preemption bound) and under the orderings the code
 //! uses, so a weakened ordering that lets a thread read a stale value fails a model.
 //!
-//! What loom cannot see, and the models stand in for (DESIGN.md §8, "Memory orderings"):
+//! What loom cannot see, and the models stand in for (docs/design/memory-orderings.md):
 //!
 //! - the `OnceLock`s (the slab's chunks, a hot key's extra words, a table bucket): std's in the
 //!   models, as loom has none. A table bucket is modelled as the acquire/release pair a

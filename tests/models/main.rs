@@ -16,6 +16,7 @@
 mod arrows;
 mod bucket_props;
 mod clock_reads;
+mod doc_paths;
 mod file_lengths;
 mod loom_lease_credit;
 mod loom_lease_word;

@@ -1,4 +1,4 @@
-//! Rolling deploys (K6, K7 in docs/testing.md; DESIGN.md, "Deploys").
+//! Rolling deploys (K6, K7 in docs/testing.md; docs/design/deploys.md).
 //!
 //! K6: instances of the previous release and of this one decide on one key while this release's
 //! `migrate` runs, and after: the previous release's statements (kept as text in

@@ -498,13 +498,13 @@ pub(super) async fn load(
     );
     let lease_size = (args.lease_fraction * args.capacity as f64).floor();
     let overshoot_bound = match args.mode {
-        // DESIGN.md §8: N instances × one lease of at most B tokens each.
+        // docs/design/leases.md: N instances × one lease of at most B tokens each.
         Mode::Leased if args.accounting == AccountingArg::Relaxed => {
             args.instances as f64 * lease_size
         }
-        // DESIGN.md §13: strict leases count against the capacity; none beyond the envelope.
+        // docs/design/strict-accounting.md: strict leases count against the capacity; none beyond the envelope.
         Mode::Leased => args.cost,
-        // DESIGN.md §7: none beyond the envelope, within one request's cost of jitter.
+        // docs/design/direct-mode.md: none beyond the envelope, within one request's cost of jitter.
         Mode::Direct => args.cost,
     };
     let n = requests.len() as u64;

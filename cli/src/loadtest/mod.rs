@@ -148,7 +148,7 @@ pub(crate) struct Args {
     pool: u32,
     /// Commit the limiter's plain takes and returns durably, each waiting for its WAL flush
     /// (`PostgresStoreBuilder::synchronous_commit(true)`), instead of asynchronously (the
-    /// default; see DESIGN.md section 5).
+    /// default; see docs/design/statements.md).
     #[arg(long)]
     durable_commits: bool,
     /// Send every statement unnamed, parsed and planned on each call

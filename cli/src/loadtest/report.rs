@@ -348,14 +348,14 @@ pub(super) fn print_table(r: &Report) {
 pub(super) fn overshoot_text(r: &Report) -> String {
     let bound = match (r.lease_fraction, r.accounting) {
         (Some(f), Some(AccountingArg::Relaxed)) => format!(
-            "{} instances × a lease of at most {} tokens (DESIGN.md §8)",
+            "{} instances × a lease of at most {} tokens (docs/design/leases.md)",
             r.instances,
             (f * r.capacity as f64).floor()
         ),
         (Some(_), _) => "one request's cost: strict leases count against the capacity \
-             (DESIGN.md §13)"
+             (docs/design/strict-accounting.md)"
             .to_owned(),
-        _ => "one request's cost (DESIGN.md §7)".to_owned(),
+        _ => "one request's cost (docs/design/direct-mode.md)".to_owned(),
     };
     let covers = if r.fallback == "deny" {
         "it covers every admission (the deny fallback admits none)".to_owned()

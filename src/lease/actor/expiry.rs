@@ -171,12 +171,12 @@ pub(super) fn retire_stale(
 /// At a relaxed lease's expiry: if callers spent from it during its lifetime, or its key is
 /// still expected to be called soon (`expects_a_call`), it lives another lifetime instead of
 /// closing, and `true` is returned. A relaxed lease's unspent tokens are
-/// already out of the shared bucket, and the overshoot bound (`N·B`, DESIGN.md §8) holds
+/// already out of the shared bucket, and the overshoot bound (`N·B`, docs/design/leases.md) holds
 /// whatever its age; the lifetime exists so that tokens of a key nobody calls go back. Closing an
 /// active lease instead would send its next caller to wait for a refill, and a lease sized for a
 /// lifetime of demand that its callers had not yet drained to the low-water mark would close
 /// under them (with many keys, all at once). A strict lease always closes: the store stops
-/// counting it two lifetimes after its renewal was sent (§13).
+/// counting it two lifetimes after its renewal was sent (docs/design/strict-accounting.md).
 fn renew_if_spent(slot: &Slot, book: &mut Book, now: u64) -> bool {
     let settings = lease_settings(slot);
     if settings.accounting != Accounting::Relaxed {
@@ -205,8 +205,8 @@ fn renew_if_spent(slot: &Slot, book: &mut Book, now: u64) -> bool {
 /// capped away whole, and a statement per close of a quiet key (most of what quiet keys cost
 /// the database) buys nothing. Another instance that took from the bucket meanwhile finds at
 /// most this lease's tokens fewer, for at most the time they take to refill; no call is ever
-/// admitted beyond the bound of §8, which waived tokens only lower. A strict lease is always
-/// settled: its tokens are counted against the bucket until then (§13).
+/// admitted beyond the overshoot bound (docs/design/leases.md), which waived tokens only lower. A strict lease is always
+/// settled: its tokens are counted against the bucket until then (docs/design/strict-accounting.md).
 fn waives(slot: &Slot, book: &Book, now: u64) -> bool {
     if lease_settings(slot).accounting != Accounting::Relaxed {
         return false;

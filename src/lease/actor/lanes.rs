@@ -6,6 +6,7 @@
 //! when; a slow or failing shard delays only its own lane (beyond another lane's turn,
 //! [`Lanes::held`]).
 
+use crate::store::metered::{Metered, Purpose};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
@@ -318,7 +319,6 @@ pub(super) fn dispatch<'a>(
         *returns = rest;
         for (lane, (_, batch)) in batches {
             leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
-            metrics::counter!(m::DB_CALLS, "kind" => "return").increment(1);
             lanes.start(leases, lane, true, give_back_job(leases, lane, batch));
         }
     }
@@ -367,7 +367,6 @@ pub(super) fn dispatch<'a>(
                 lanes.inflight.insert(SlotRef::as_ptr(slot) as usize);
             }
             leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
-            metrics::counter!(m::DB_CALLS, "kind" => "lease").increment(1);
             lanes.start(leases, lane, false, refill_job(leases, lane, asks));
             if let Some(l) = lanes.lanes.get_mut(&lane) {
                 l.started = now;
@@ -398,7 +397,9 @@ fn refill_job(leases: &Leases, lane: usize, asks: Vec<Ask>) -> Job<'_> {
             .collect();
         let started = leases.instant();
         // One answer per key: a sharded store fails only the keys of a failing shard.
-        let result = leases.store.acquire_each(&requests).await;
+        let result = Metered::new(&*leases.store, Purpose::Lease)
+            .acquire_each(&requests)
+            .await;
         let took = leases.instant().saturating_duration_since(started);
         drop(requests);
         Done {
@@ -420,7 +421,9 @@ fn give_back_job(leases: &Leases, lane: usize, batch: Vec<Return>) -> Job<'_> {
     Box::pin(async move {
         let requests = give_back_requests(&batch.items);
         // One outcome per return: a sharded store fails only the returns of a failing shard.
-        let result = leases.store.give_back_each(&requests).await;
+        let result = Metered::new(&*leases.store, Purpose::Return)
+            .give_back_each(&requests)
+            .await;
         drop(requests);
         Done {
             lane,
@@ -479,9 +482,6 @@ pub(super) fn finish(
                 .store(before / 2 + took / 2, Ordering::Relaxed);
             let now = leases.now();
             let short = result.len() != asks.len();
-            if short || result.iter().any(Result::is_err) {
-                metrics::counter!(m::DB_ERRORS, "kind" => "lease").increment(1);
-            }
             let until = now + FAILURE_BACKOFF.as_nanos() as u64;
             // Credit (`Leases::credit`) is given only while refills answer; a refill that timed
             // out while the store answered is late, not failed (`late.rs`).

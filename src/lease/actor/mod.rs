@@ -25,13 +25,9 @@
 //! most one refill is in flight per key, and a return and a refill of one key never overlap.
 //! A slot whose refill is in flight is not expired until its answer is applied.
 //!
-//! The actor's files, one role each. This one holds its loop (what wakes it and what a round
-//! does), its gauges, and what takes over when a task ends early (`adopt`, `shut_down_here`).
-//! Beside it, `lanes.rs` sends statements per store partition and applies their answers;
-//! `refill.rs` plans each slot's refill and puts the grant into it; `expiry.rs` closes expired
-//! leases, evicts idle keys and retires stale ones; `sizing.rs` measures a key's demand and
-//! sizes its lease; `returns.rs` carries unspent tokens back to the store. Each names only
-//! files listed after it here and this one (the layering of DESIGN.md §11).
+//! This file holds its loop (what wakes it and what a round does), its gauges, and what takes
+//! over when a task ends early (`adopt`, `shut_down_here`). The actor's other files, their
+//! roles and which way they depend on each other are in DESIGN.md, "The layers".
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

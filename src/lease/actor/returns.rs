@@ -5,6 +5,7 @@
 //! and is sent by two callers, the lanes while the actor runs and the shutdown here after it
 //! stops, which settle their answers with the one function `settle`.
 
+use crate::store::metered::{Metered, Purpose};
 use std::collections::HashSet;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
@@ -15,7 +16,6 @@ use crate::bucket::Tokens;
 use crate::key::SlotKey;
 use crate::lease::Leases;
 use crate::lease::slot::SlotRef;
-use crate::metrics as m;
 use crate::policy::Plan;
 use crate::store::{GiveBack, LeaseRef, StoreError};
 
@@ -151,10 +151,11 @@ async fn give_back(leases: &Leases, returns: &mut Vec<Return>) {
         let mut batch = Carried::new(leases, batch);
         let requests = give_back_requests(&batch.items);
         leases.counters.store_calls.fetch_add(1, Ordering::AcqRel);
-        metrics::counter!(m::DB_CALLS, "kind" => "return").increment(1);
         leases.busy.store(true, Ordering::Relaxed);
         // One outcome per return: a sharded store fails only the returns of a failing shard.
-        let result = leases.store.give_back_each(&requests).await;
+        let result = Metered::new(&*leases.store, Purpose::Return)
+            .give_back_each(&requests)
+            .await;
         leases.busy.store(false, Ordering::Relaxed);
         drop(requests);
         settle(
@@ -179,9 +180,6 @@ pub(super) fn settle(
     returns: &mut Vec<Return>,
 ) {
     let short = result.len() != batch.len();
-    if short || result.iter().any(Result::is_err) {
-        metrics::counter!(m::DB_ERRORS, "kind" => "return").increment(1);
-    }
     let mut outcomes = result.into_iter();
     let mut credited = 0u64;
     for mut r in batch {

@@ -85,7 +85,7 @@ pub(super) fn sample_demand(
 
 /// The most a lease of `slot` holds (nanotokens): `B = max_fraction × capacity`, or the largest
 /// cost a caller of the key waited for (`max_cost`) when that is more, since a lease must hold
-/// one call's cost. This is the `B` of the overshoot bound (DESIGN.md §8); refunds and top-ups
+/// one call's cost. This is the `B` of the overshoot bound (docs/design/leases.md); refunds and top-ups
 /// never lift a lease above it.
 pub(in crate::lease) fn largest_lease(slot: &Slot, max_cost: u64) -> u64 {
     let settings = lease_settings(slot);

@@ -86,7 +86,7 @@ impl PostgresStoreBuilder {
     /// off` on the limiter's sessions only). Defaults to `false`: asynchronous.
     ///
     /// A durable commit is a WAL flush per statement, about a quarter of what a lone caller's
-    /// take costs the server (DESIGN.md §5). Rate-limit state is soft: with asynchronous
+    /// take costs the server (docs/design/statements.md). Rate-limit state is soft: with asynchronous
     /// commits a crash of the server (not a clean stop) forgets at most the takes and returns of
     /// its last `3 × wal_writer_delay` (600 ms by default). Forgotten takes refill those buckets
     /// by what they took, once; a forgotten return leaves its tokens uncredited, and a retry of
@@ -106,7 +106,7 @@ impl PostgresStoreBuilder {
     /// them, instead of sending each call as an unnamed statement that the server parses and
     /// plans again. Defaults to `true`.
     ///
-    /// Parse and plan are most of what a one-key take costs the server (DESIGN.md §5 has the
+    /// Parse and plan are most of what a one-key take costs the server (docs/design/statements.md has the
     /// measurements). Keep it on when the store connects to PostgreSQL directly, through a
     /// pooler in session mode, or through PgBouncer 1.21 or later with `max_prepared_statements`
     /// set (PgBouncer then prepares on each server session itself). Turn it off behind an older

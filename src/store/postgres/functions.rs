@@ -11,7 +11,7 @@
 //! migrators apply each change once and a failure leaves every function as it was. A file
 //! recorded at a newer generation was applied by a newer release and is left alone: during a
 //! rolling deploy an older instance's `migrate` does not put its definitions back over the
-//! newer ones (DESIGN.md, "Deploys").
+//! newer ones (docs/design/deploys.md).
 //!
 //! A new definition is an edit of its file **and** a higher [`FunctionFile::generation`]; the
 //! unit test `released_files_are_pinned` holds each generation's checksum, so an edit without a

@@ -10,7 +10,7 @@
 //! once per execution), not once per use. The takes read the table only through their insert's
 //! conflict check, the primary key's index, so no plan can scan it whatever the planner
 //! believes of its size.
-//! DESIGN.md section 5 has the measurements behind each choice.
+//! docs/design/statements.md has the measurements behind each choice.
 //!
 //! The refill of a row `(tokens, frac, updated_us)` at `now_us`, capacity `C`, rate `R`, is the
 //! pure bucket's (`BucketState::refill`) to the femtotoken: with `e = max(0, now_us −
@@ -99,7 +99,7 @@ enum Amounts<'a> {
 /// new `frac` from it once (likewise), then the tokens left after the grant and the refilled
 /// amount. Written out flat, the refill appeared four times for `tokens` and `refilled` and
 /// twice more for `frac`; the executor initialises and evaluates every copy on each run, and
-/// the subquery's two plan nodes cost less than the copies (DESIGN.md section 5). With
+/// the subquery's two plan nodes cost less than the copies (docs/design/statements.md). With
 /// [`Amounts::At`] the inner level also finds the request's position and the middle one reads
 /// the amounts at it, each once per row.
 fn refill_and_take(
@@ -347,7 +347,7 @@ pub(super) fn credit_set() -> String {
 
 /// The first item of a statement's `FROM` that makes its transaction commit durably: it sets
 /// `synchronous_commit` to `on` for the rest of the transaction (`set_config(..., true)`), its
-/// commit included, when the session has it `off` (the store's default, DESIGN.md section 5),
+/// commit included, when the session has it `off` (the store's default, docs/design/statements.md),
 /// and leaves any other setting as it is. The call that follows names `durable.setting` in its first
 /// argument (`CASE WHEN durable.setting IS NOT NULL THEN $1 END`, always `$1`), so it cannot run
 /// before the setting is made: a `LATERAL` reference is evaluated first.

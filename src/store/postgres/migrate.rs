@@ -154,7 +154,7 @@ pub struct MigrationReport {
     /// Versions recorded in the database that this library does not know: applied by a newer
     /// version of it. Not an error: a release's migrations keep the previous release's
     /// statements and functions working, so an older instance keeps deciding during a rolling
-    /// deploy (DESIGN.md, "Deploys"; tested against the previous release's statements).
+    /// deploy (docs/design/deploys.md; tested against the previous release's statements).
     pub unknown_versions: Vec<i64>,
     /// The Citus version, when the database is a Citus coordinator: the tables are then
     /// distributed by key and the Citus functions are in place. `None` on plain PostgreSQL.

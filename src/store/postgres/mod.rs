@@ -87,7 +87,7 @@ type Manager = ConnectionManager;
 /// session by default; a return of lease tokens is one statement, idempotent by its id; strict
 /// leases go through the function `tokenlease_acquire_held`. Every call is bounded by a
 /// client-side timeout, and the server stops abandoned statements itself with
-/// `statement_timeout` and `lock_timeout`, set on every connection. DESIGN.md §5 has the
+/// `statement_timeout` and `lock_timeout`, set on every connection. docs/design/statements.md has the
 /// statements and what each costs the server.
 ///
 /// Cheap to clone: clones share one pool.
@@ -108,7 +108,7 @@ pub struct PostgresStore {
     /// tables distributed: every call then goes straight to the node holding its keys
     /// ([`citus`]).
     citus: Option<Arc<citus::Citus>>,
-    /// The clock that call deadlines count from (DESIGN.md §11, "One clock").
+    /// The clock that call deadlines count from (docs/design/time.md).
     clock: crate::clock::SharedClock,
     /// Says once when the database's schema does not fit the statements (`schema.rs`).
     schema: Arc<schema::SchemaWatch>,

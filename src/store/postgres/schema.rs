@@ -5,7 +5,7 @@
 //! `tokenlease_acquire_held`): [`OLDEST_SCHEMA`]. A database migrated further by a newer
 //! release keeps what they need: every migration keeps the previous release's statements and
 //! functions working, and removing something one of them uses waits for a later release
-//! (DESIGN.md, "Deploys"). So the store never refuses to start over the schema: a database
+//! (docs/design/deploys.md). So the store never refuses to start over the schema: a database
 //! behind [`OLDEST_SCHEMA`] (a deploy whose `migrate` step has not run yet) or one a much newer
 //! release changed past what this build reads makes its statements fail with an error of the
 //! SQL's names and types (SQLSTATE class 42: an undefined table, column, function or type, a

@@ -1,5 +1,5 @@
 //! The store on a Citus cluster: the tables distributed by key, and every call sent straight to
-//! the node holding its keys, with the coordinator off the path (DESIGN.md §16).
+//! the node holding its keys, with the coordinator off the path (docs/design/scale-out.md).
 //!
 //! # Distribution
 //!
@@ -51,7 +51,7 @@ use crate::store::{AcquireRequest, Acquired, GiveBack, StoreError, join_all};
 pub(crate) const SUPPORTED_CITUS: ((u32, u32), (u32, u32)) = ((12, 0), (14, 0));
 
 /// The shards per node holding shards that `migrate` gives the tables when `citus.shard_count`
-/// is left at Citus's default (DESIGN.md §16 has the measurements): a node's part of a batch is
+/// is left at Citus's default (docs/design/scale-out.md has the measurements): a node's part of a batch is
 /// one statement with a part per shard, and fewer shards make fuller parts; two rather than one
 /// leave room to move half a node's keys to a new node without a split.
 pub(crate) const SHARDS_PER_NODE: u32 = 2;

@@ -162,7 +162,7 @@ pub(super) fn literal(s: &str) -> String {
 /// call per statement, for all its shards: its cost is per statement, not per shard or key.
 ///
 /// Written for the fewest executor runs, each a measured share of a node's CPU per statement
-/// (DESIGN.md §16, "What it costs"): the locks are taken in the `IF`'s condition, a simple
+/// (docs/design/scale-out.md, "What it costs"): the locks are taken in the `IF`'s condition, a simple
 /// expression PL/pgSQL evaluates without starting the executor (`PERFORM` is a query of its
 /// own); the check reads the placements without an aggregate (`GET DIAGNOSTICS ... ROW_COUNT`
 /// counts them: one row per shard and node, `pg_dist_placement`'s unique index on
