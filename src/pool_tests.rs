@@ -7,37 +7,34 @@
 //! it); after the release the store answers again within the breaker's cap plus 200 ms.
 //!
 //! It lives in the crate because it takes the store's connections through its bb8 pool
-//! (`PostgresStore::pool`), which is not public API; it was a fault test in
-//! `tests/faults/faults.rs` that reached the pool through a hidden module. It sits at the
+//! (`PostgresStore::pool`), which is not public API; it was a fault test of the `faults`
+//! binary that reached the pool through a hidden module. It sits at the
 //! crate's root, as `assembled_tests` does, because it uses the store and the limiter
 //! together: a module below the root naming both would make an arrow between them (L1). The
 //! fault tests' settings: call and pool-wait timeouts 50 ms, connect timeout 250 ms, statement
 //! and lock timeouts 100 ms, and a [`CircuitBreaker`] with its defaults, under which a
 //! recording wrapper logs every call that reached the database, so that store calls and caller
 //! waits are measured apart. Against a throwaway cluster of its own (`tokenlease_testkit`);
-//! time is read through the crate's clock (L2).
+//! time is read through the crate's clock (L2). The call log, the recording wrapper (expanded
+//! here over the crate's own store types), the driven callers and the figures read from them
+//! are the fault tests' own (`tokenlease_testkit::rig`).
 //!
 //! Timing-dependent: nextest runs it in its `serial` group (`.config/nextest.toml`), and the
 //! three modes take a lock so that `cargo test` runs them one at a time too. Each prints its
 //! figures (`--nocapture`).
 
-use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use parking_lot::Mutex;
 use tokenlease_testkit::TempPostgres;
+use tokenlease_testkit::rig::{self as kit, ms};
 use tokio::time::Instant;
 
 use crate::clock::{Clock as _, MonotonicClock};
 use crate::debt::tests::{local, plan};
 use crate::policy::{FallbackMode, Plan};
-use crate::store::{
-    AcquireRequest, Acquired, BucketRow, CircuitBreaker, GiveBack, PostgresStore, Store,
-    StoreError, TimeoutKind,
-};
+use crate::store::CircuitBreaker;
 use crate::{DecidedBy, Limiter};
 
 const C: u64 = 100;
@@ -80,7 +77,7 @@ async fn d6(mode: FallbackMode) {
     let store = fault_store(&pg.connection_string("postgres"), 2).await;
     // The store's own pool: a bb8 pool's clones share its connections.
     let pool = store.pool().clone();
-    let log = Log::new(clock);
+    let log = Log::new(move || clock.instant(), class);
     let recording = Recording {
         inner: store,
         log: log.clone(),
@@ -110,19 +107,17 @@ async fn d6(mode: FallbackMode) {
     };
     let held = (get().await, get().await);
     let hold_start = clock.instant() - origin;
-    log.max_in_flight.store(0, Ordering::SeqCst);
+    log.reset_max_in_flight();
     // sleep: the timeline: the test holds the pool until 2.0 s.
     tokio::time::sleep_until(origin + Duration::from_millis(2_000)).await;
-    let in_flight = log.max_in_flight.load(Ordering::SeqCst);
+    let in_flight = log.max_in_flight();
     drop(held);
     let release = clock.instant() - origin;
     let events = run.await.expect("the run");
 
     let held_calls = log.calls_in(origin, hold_start, release);
-    let classes = error_classes(&held_calls);
-    let calls = held_calls.len();
-    let failed = held_calls.iter().filter(|c| c.error.is_some()).count();
-    let slowest = held_calls.iter().map(|c| c.took).max().unwrap_or_default();
+    let classes = kit::error_classes(&held_calls);
+    let (calls, failed, slowest) = kit::outcome(&held_calls);
     let recovered = log.recovered_at(origin, release).expect("recovered");
     let recovery = recovered.saturating_sub(release);
     let hold: Vec<Event> = events
@@ -134,7 +129,7 @@ async fn d6(mode: FallbackMode) {
         .iter()
         .filter(|e| matches!(e.by, DecidedBy::Fallback(_)))
         .count();
-    let (p99, max) = waits(&events);
+    let (_, p99, max) = kit::waits(events.iter().map(|e| e.took));
     eprintln!(
         "D6 {}: waits p99 {:.3} ms max {:.1} ms; held 1.5 s: {calls} db calls, {failed} failed \
          {classes:?}, slowest {:.1} ms, at most {in_flight} in flight; {by_fallback} of {} decisions by the \
@@ -186,170 +181,15 @@ fn label(mode: FallbackMode) -> &'static str {
     }
 }
 
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-/// A store with the fault tests' settings (those of `tests/common`'s `fault_store`): a pool of
-/// `pool`, 50 ms call and pool-wait timeouts, a 250 ms connect timeout, 100 ms statement and
-/// lock timeouts. Its first connection must come within the 50 ms pool wait, so building is
-/// retried (50 ms apart, for up to 20 s) on a busy machine.
-async fn fault_store(connection: &str, pool: u32) -> PostgresStore {
-    let builder = PostgresStore::builder(connection)
-        .expect("connection string")
-        .pool_size(pool)
-        .call_timeout(Duration::from_millis(50))
-        .pool_wait_timeout(Duration::from_millis(50))
-        .connect_timeout(Duration::from_millis(250))
-        .statement_timeout(Duration::from_millis(100))
-        .lock_timeout(Duration::from_millis(100));
-    let (mut store, mut attempts) = (None, 0);
-    crate::tests::eventually(
-        Duration::from_millis(50),
-        Duration::from_secs(20),
-        "a fault store built (its first connection within the pool wait)",
-        async || {
-            attempts += 1;
-            match builder.clone().build().await {
-                Ok(built) => store = Some(built),
-                Err(e) => eprintln!("store build attempt {attempts}: {e}"),
-            }
-            store.is_some()
-        },
-    )
-    .await;
-    store.expect("a fault store built")
-}
+// `fault_store(connection, pool)`: a store with the fault tests' settings, as `tests/common`'s,
+// from the same definition in the test kit; built again through the crate's poll helper.
+tokenlease_testkit::fault_store!(crate::store, crate::tests::eventually);
 
 // ---------------------------------------------------------------------------------------------
-// A store wrapper that logs every call reaching the database
+// A store wrapper that logs every call reaching the database (`Recording`, `Log`, `class`), over
+// the crate's own store types, its calls timed in tokio's `Instant` (the crate's clock)
 
-/// One store call that reached the database (the breaker let it through).
-#[derive(Debug, Clone)]
-struct Call {
-    start: Instant,
-    took: Duration,
-    /// `None` on success, else the error's class.
-    error: Option<String>,
-}
-
-#[derive(Debug, Clone)]
-struct Log {
-    clock: MonotonicClock,
-    calls: Arc<Mutex<Vec<Call>>>,
-    in_flight: Arc<AtomicUsize>,
-    max_in_flight: Arc<AtomicUsize>,
-}
-
-struct InFlight<'a>(&'a AtomicUsize);
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-fn class(e: &StoreError) -> String {
-    match e {
-        StoreError::Timeout {
-            kind: TimeoutKind::Pool,
-            ..
-        } => "timeout-pool".into(),
-        StoreError::Timeout { .. } => "timeout-call".into(),
-        StoreError::Connection(_) => "connection".into(),
-        StoreError::Database { code, .. } => format!("db-{code}"),
-        StoreError::CircuitOpen { .. } => "circuit-open".into(),
-        other => format!("other: {other}"),
-    }
-}
-
-impl Log {
-    fn new(clock: MonotonicClock) -> Log {
-        Log {
-            clock,
-            calls: Arc::default(),
-            in_flight: Arc::default(),
-            max_in_flight: Arc::default(),
-        }
-    }
-
-    async fn run<T>(
-        &self,
-        call: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        let n = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-        self.max_in_flight.fetch_max(n, Ordering::SeqCst);
-        let _guard = InFlight(&self.in_flight);
-        let start = self.clock.instant();
-        let result = call.await;
-        self.calls.lock().push(Call {
-            start,
-            took: self.clock.instant() - start,
-            error: result.as_ref().err().map(class),
-        });
-        result
-    }
-
-    /// The calls that started in `[from, to)` after `origin`.
-    fn calls_in(&self, origin: Instant, from: Duration, to: Duration) -> Vec<Call> {
-        self.calls
-            .lock()
-            .iter()
-            .filter(|c| c.start - origin >= from && c.start - origin < to)
-            .cloned()
-            .collect()
-    }
-
-    /// When the first successful call that started at or after `after` returned.
-    fn recovered_at(&self, origin: Instant, after: Duration) -> Option<Duration> {
-        self.calls
-            .lock()
-            .iter()
-            .filter(|c| c.start - origin >= after && c.error.is_none())
-            .map(|c| c.start + c.took - origin)
-            .min()
-    }
-}
-
-/// The error classes of `calls`, with counts.
-fn error_classes(calls: &[Call]) -> Vec<(String, usize)> {
-    let mut classes: Vec<(String, usize)> = Vec::new();
-    for e in calls.iter().filter_map(|c| c.error.clone()) {
-        match classes.iter_mut().find(|(k, _)| *k == e) {
-            Some(entry) => entry.1 += 1,
-            None => classes.push((e, 1)),
-        }
-    }
-    classes
-}
-
-#[derive(Debug)]
-struct Recording {
-    inner: PostgresStore,
-    log: Log,
-}
-
-#[async_trait]
-impl Store for Recording {
-    async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
-        self.log.run(self.inner.acquire(request)).await
-    }
-    async fn acquire_many(
-        &self,
-        requests: &[AcquireRequest<'_>],
-    ) -> Result<Vec<Acquired>, StoreError> {
-        self.log.run(self.inner.acquire_many(requests)).await
-    }
-    async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
-        self.log.run(self.inner.give_back(returns)).await
-    }
-    async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
-        self.log.run(self.inner.delete_idle(limit)).await
-    }
-    async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
-        self.log.run(self.inner.inspect(key)).await
-    }
-}
+tokenlease_testkit::recording_store!(crate::store, Instant);
 
 // ---------------------------------------------------------------------------------------------
 // Load and measurements
@@ -374,47 +214,33 @@ fn drive(
     origin: Instant,
     until: Duration,
 ) -> tokio::task::JoinHandle<Vec<Event>> {
-    let handles: Vec<_> = (0..tasks)
+    let callers: Vec<_> = (0..tasks)
         .map(|_| {
             let limiter = limiter.clone();
             let plan = Arc::clone(plan);
-            tokio::spawn(async move {
-                let mut events = Vec::new();
-                while clock.instant() - origin < until {
+            move || {
+                let (limiter, plan) = (limiter.clone(), Arc::clone(&plan));
+                async move {
                     let start = clock.instant();
                     let d = limiter
                         .try_acquire_with(&plan, KEY, 1.0)
                         .await
                         .expect("a decision, never an error");
-                    events.push(Event {
+                    Event {
                         at: start - origin,
                         by: d.decided_by,
                         took: clock.instant() - start,
-                    });
-                    // sleep: pacing, a call a millisecond per task.
-                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
                 }
-                events
-            })
+            }
         })
         .collect();
-    tokio::spawn(async move {
-        let mut all = Vec::new();
-        for h in handles {
-            all.extend(h.await.expect("no caller panicked"));
-        }
-        all.sort_by_key(|e| e.at);
-        all
-    })
-}
-
-/// Caller waits: (p99, max).
-fn waits(events: &[Event]) -> (Duration, Duration) {
-    let mut v: Vec<Duration> = events.iter().map(|e| e.took).collect();
-    v.sort();
-    let p99 = match v.len() {
-        0 => Duration::ZERO,
-        n => v[((n as f64 - 1.0) * 0.99).round() as usize],
-    };
-    (p99, v.last().copied().unwrap_or_default())
+    let until = Arc::new(AtomicU64::new(until.as_millis() as u64));
+    kit::drive(
+        callers,
+        move || clock.instant(),
+        origin,
+        &until,
+        |e: &Event| e.at,
+    )
 }

@@ -242,16 +242,13 @@ impl Leases {
     /// The lease could not pay: denied, failing, or ask for a refill.
     #[cold]
     fn short(&self, slot: &SlotRef, cost: u64) -> Fast {
-        let now = self.now();
-        let deny_until = slot.deny_until.load(Ordering::Acquire);
-        if deny_until > now {
-            slot.need(cost, 0, Ordering::AcqRel);
-            return Fast::Dry {
-                retry_after: deny_until - now,
-            };
-        }
-        if slot.fallback_until.load(Ordering::Acquire) > now {
-            return Fast::Failing;
+        match closed(slot, self.now()) {
+            Some(Closed::Denied { retry_after }) => {
+                slot.need(cost, 0, Ordering::AcqRel);
+                return Fast::Dry { retry_after };
+            }
+            Some(Closed::Failing) => return Fast::Failing,
+            None => {}
         }
         if self.settings.sparse_direct
             && slot.hot().sparse.load(Ordering::Relaxed)
@@ -270,4 +267,29 @@ impl Leases {
         }
         Fast::Short(SlotRef::clone(slot))
     }
+}
+
+/// Why a slot's lease cannot be asked now, whatever it holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Closed {
+    /// The store said the bucket is empty: denied here for `retry_after` more nanoseconds.
+    Denied { retry_after: u64 },
+    /// The store failed lately for this key: the fallback decides until the backoff ends.
+    Failing,
+}
+
+/// `slot`'s windows at `now` (the table's nanoseconds): the one place a call reads them, on
+/// the fast path's short answer and in a wait alike.
+#[inline]
+pub(super) fn closed(slot: &SlotRef, now: u64) -> Option<Closed> {
+    let deny_until = slot.deny_until.load(Ordering::Acquire);
+    if deny_until > now {
+        return Some(Closed::Denied {
+            retry_after: deny_until - now,
+        });
+    }
+    if slot.fallback_until.load(Ordering::Acquire) > now {
+        return Some(Closed::Failing);
+    }
+    None
 }

@@ -479,16 +479,15 @@ impl Leases {
                     if slot.evicted().load(Ordering::Acquire) {
                         return Fast::Gone;
                     }
-                    let now = self.now();
-                    let deny_until = slot.deny_until.load(Ordering::Acquire);
-                    if deny_until > now {
-                        return Fast::Dry {
-                            retry_after: deny_until - now,
-                        };
-                    }
-                    if slot.fallback_until.load(Ordering::Acquire) > now {
-                        self.count_fallback(FallbackCause::Failing);
-                        return Fast::Failing;
+                    match fast::closed(&slot, self.now()) {
+                        Some(fast::Closed::Denied { retry_after }) => {
+                            return Fast::Dry { retry_after };
+                        }
+                        Some(fast::Closed::Failing) => {
+                            self.count_fallback(FallbackCause::Failing);
+                            return Fast::Failing;
+                        }
+                        None => {}
                     }
                     if !pending {
                         self.ask_refill(&slot, cost);

@@ -186,7 +186,7 @@ impl Future for Acquire<'_> {
                     let clock = &limiter.inner.clock;
                     let now = clock.instant();
                     (
-                        Box::pin(limiter.finish(step, now, plan, key, cost, true))
+                        Box::pin(limiter.finish(step, now, plan, key, cost))
                             as Pin<Box<dyn Future<Output = _> + Send + '_>>,
                         now,
                         clock,

@@ -100,38 +100,68 @@ impl Limiter {
                 cost: cost_tokens,
             });
         }
-        Ok(match fast {
-            Fast::Short(slot) if !settings.max_wait.is_zero() => Step::Wait {
-                plan,
-                cost: cost_tokens,
-                slot,
-                max_wait: settings.max_wait,
-            },
+        Ok(self.next_step(
+            plan,
+            cost_tokens,
+            fast,
+            Answered::AtStart,
+            settings.max_wait,
+        ))
+    }
+
+    /// What a leased call does next, from the lease table's answer `fast`, at the call's start
+    /// or after it waited for a refill (`when`): the one place an answer of the table becomes a
+    /// [`Step`]. `max_wait`: how long the plan lets a call wait.
+    fn next_step<'a>(
+        &self,
+        plan: PlanRef<'a>,
+        cost: Tokens,
+        fast: Fast,
+        when: Answered,
+        max_wait: Duration,
+    ) -> Step<'a> {
+        let waited = when == Answered::AfterWait;
+        match fast {
+            Fast::Taken {
+                left,
+                store_remaining,
+            } => {
+                if waited {
+                    // A refill landed: the store answers.
+                    self.inner.fallback.tidy();
+                }
+                Step::Done(lease_allowed(&plan, left, store_remaining))
+            }
             Fast::Dry { retry_after } => {
                 Step::Done(self.recorded(&plan, lease_denied(&plan, retry_after)))
             }
-            Fast::Failing | Fast::Short(_) => {
-                // The key's refill failed lately, or its plan waits for nothing.
-                leases.count_fallback(if matches!(fast, Fast::Failing) {
-                    FallbackCause::Failing
-                } else {
-                    FallbackCause::Other
-                });
-                Step::Fallback {
-                    plan,
-                    cost: cost_tokens,
-                }
-            }
-            Fast::Sparse(slot) => Step::Sparse {
+            Fast::Short(slot) if !waited && !max_wait.is_zero() => Step::Wait {
                 plan,
-                cost: cost_tokens,
+                cost,
                 slot,
+                max_wait,
             },
-            Fast::NoRoom | Fast::Taken { .. } | Fast::Gone => Step::Direct {
-                plan,
-                cost: cost_tokens,
-            },
-        })
+            Fast::Failing | Fast::Short(_) => {
+                // The key's refill failed lately, or its plan waits for nothing, or the wait
+                // ended without tokens (counted by its cause where the wait ended).
+                if !waited {
+                    self.leases()
+                        .count_fallback(if matches!(fast, Fast::Failing) {
+                            FallbackCause::Failing
+                        } else {
+                            FallbackCause::Other
+                        });
+                }
+                Step::Fallback { plan, cost }
+            }
+            // One store call decides: a sparse key's, or a call that waited out `max_wait` with
+            // no credit while the store answers; the lease table hears of it.
+            Fast::Sparse(slot) => Step::Sparse { plan, cost, slot },
+            // A reload retired the slot the call waited on (its plan changed): the call starts
+            // over, so that it is decided under the plan in force now.
+            Fast::Gone if waited => Step::Restart { plan, cost },
+            Fast::NoRoom | Fast::Gone => Step::Direct { plan, cost },
+        }
     }
 
     /// A leased plan's call whose cost is above [`LeaseSettings::MAX_LEASE`]: a store call
@@ -179,110 +209,75 @@ impl Limiter {
             .await
     }
 
-    /// The rest of a call that [`start`](Self::start) could not finish without waiting.
-    /// `named`, `key` and `asked` are the call's own plan, key and cost: a call whose slot was
-    /// retired while it waited starts over with them, once (`again`). `now`: the limiter's
-    /// clock when this part of the call began, read once and passed down.
+    /// The rest of a call that [`start`](Self::start) could not finish without waiting, one
+    /// step after another until one decides. `named`, `key` and `asked` are the call's own
+    /// plan, key and cost: a call whose slot was retired while it waited starts over with them,
+    /// once. `now`: the limiter's clock when this part of the call began, read once and passed
+    /// down, and read again after a wait.
     pub(super) async fn finish(
         &self,
-        step: Step<'_>,
-        now: Instant,
+        mut step: Step<'_>,
+        mut now: Instant,
         named: Option<&Plan>,
         key: &str,
         asked: f64,
-        again: bool,
     ) -> Result<Decision, Error> {
-        match step {
-            // A shadow plan's call runs on its own key (`Plan::store_key`), from the start.
-            Step::Shadow { plan, cost } => {
-                let stored = plan.store_key(key);
-                let step = self.start_at(plan, None, &stored, cost)?;
-                self.finish_at(step, now, named, key, &stored, asked, again)
-                    .await
-            }
-            step => {
-                self.finish_at(step, now, named, key, key, asked, again)
-                    .await
-            }
-        }
-    }
-
-    /// [`finish`](Self::finish) on `stored`, the key under which the store keeps the plan's
-    /// bucket ([`Plan::store_key`]).
-    #[allow(clippy::too_many_arguments)]
-    async fn finish_at(
-        &self,
-        step: Step<'_>,
-        now: Instant,
-        named: Option<&Plan>,
-        key: &str,
-        stored: &str,
-        asked: f64,
-        again: bool,
-    ) -> Result<Decision, Error> {
-        match step {
-            Step::Done(decision) => Ok(decision),
-            // Made by `start` alone, and answered by `finish`; `start_at` never makes it.
-            Step::Shadow { .. } => Box::pin(self.finish(step, now, named, key, asked, again)).await,
-            Step::Wait {
-                plan,
-                cost,
-                slot,
-                max_wait,
-            } => {
-                let plan = &plan;
-                let leases = self.leases();
-                let waited = leases
-                    .wait(
-                        slot,
-                        lease_cost(cost),
-                        now + max_wait,
-                        &self.inner.plans,
-                        matches!(plan, PlanRef::Chosen(_)),
-                    )
-                    .await;
-                // The call waited: what decides it next reads the clock once more.
-                let now = self.inner.clock.instant();
-                match waited {
-                    Fast::Taken {
-                        left,
-                        store_remaining,
-                    } => {
-                        // A refill landed: the store answers.
-                        self.inner.fallback.tidy();
-                        Ok(lease_allowed(plan, left, store_remaining))
-                    }
-                    Fast::Dry { retry_after } => {
-                        Ok(self.recorded(plan, lease_denied(plan, retry_after)))
-                    }
-                    Fast::Failing | Fast::Short(_) => {
-                        Ok(self
-                            .recorded(plan, self.decide_by_fallback(plan, stored, cost, now).await))
-                    }
-                    // A reload retired the slot (its plan changed): start over, so the call
-                    // is decided under the plan in force now, on the key's new slot.
-                    Fast::Gone if again => {
-                        let step = self.start(named, key, asked)?;
-                        Box::pin(self.finish(step, now, named, key, asked, false)).await
-                    }
-                    // Waited out `max_wait` with no credit while the store answers: one store
-                    // call decides, and the lease table hears of it, as for a sparse key.
-                    Fast::Sparse(slot) => self.sparse(plan, stored, cost, now, &slot).await,
-                    Fast::NoRoom | Fast::Gone => self
-                        .direct(plan, stored, cost, now)
-                        .await
-                        .map(|d| self.recorded(plan, d)),
+        // The key under which the store keeps the plan's bucket (`Plan::store_key`): the
+        // caller's, or a shadow plan's own.
+        let mut stored = std::borrow::Cow::Borrowed(key);
+        let mut started_over = false;
+        loop {
+            step = match step {
+                Step::Done(decision) => return Ok(decision),
+                // A shadow plan's call runs on its own key, from the start.
+                Step::Shadow { plan, cost } => {
+                    stored = std::borrow::Cow::Owned(plan.store_key(key).into_owned());
+                    self.start_at(plan, None, &stored, cost)?
                 }
-            }
-            Step::Fallback { plan, cost } => {
-                let plan = &plan;
-                Ok(self.recorded(plan, self.decide_by_fallback(plan, stored, cost, now).await))
-            }
-            Step::Direct { plan, cost } => self
-                .direct(&plan, stored, cost, now)
-                .await
-                .map(|d| self.recorded(&plan, d)),
-            Step::Sparse { plan, cost, slot } => self.sparse(&plan, stored, cost, now, &slot).await,
+                Step::Wait {
+                    plan,
+                    cost,
+                    slot,
+                    max_wait,
+                } => {
+                    let waited = self
+                        .leases()
+                        .wait(
+                            slot,
+                            lease_cost(cost),
+                            now + max_wait,
+                            &self.inner.plans,
+                            matches!(plan, PlanRef::Chosen(_)),
+                        )
+                        .await;
+                    // The call waited: what decides it next reads the clock once more.
+                    now = self.inner.clock.instant();
+                    self.next_step(plan, cost, waited, Answered::AfterWait, max_wait)
+                }
+                Step::Restart { plan, cost } => {
+                    if started_over {
+                        // Retired twice: one store call decides.
+                        Step::Direct { plan, cost }
+                    } else {
+                        started_over = true;
+                        stored = std::borrow::Cow::Borrowed(key);
+                        self.start(named, key, asked)?
+                    }
+                }
+                Step::Fallback { plan, cost } => {
+                    let decision = self.decide_by_fallback(&plan, &stored, cost, now).await;
+                    return Ok(self.recorded(&plan, decision));
+                }
+                Step::Direct { plan, cost } => {
+                    return self
+                        .direct(&plan, &stored, cost, now)
+                        .await
+                        .map(|d| self.recorded(&plan, d));
+                }
+                Step::Sparse { plan, cost, slot } => {
+                    return self.sparse(&plan, &stored, cost, now, &slot).await;
+                }
+            };
         }
     }
 
@@ -480,6 +475,15 @@ impl std::ops::Deref for PlanRef<'_> {
     }
 }
 
+/// When the lease table answered a call: [`Limiter::next_step`] maps its answer either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Answered {
+    /// On the call's first poll.
+    AtStart,
+    /// After the call waited for a refill.
+    AfterWait,
+}
+
 /// Where [`Limiter::start`] left a call.
 pub(super) enum Step<'a> {
     /// Decided.
@@ -495,6 +499,9 @@ pub(super) enum Step<'a> {
         slot: crate::lease::SlotRef,
         max_wait: Duration,
     },
+    /// The slot the call waited on was retired (a reload changed its plan): the call starts
+    /// over, once; a second time, one store call decides.
+    Restart { plan: PlanRef<'a>, cost: Tokens },
     /// The fallback decides.
     Fallback { plan: PlanRef<'a>, cost: Tokens },
     /// One store call decides (direct mode, or no room in the lease table).

@@ -82,12 +82,20 @@
 //! [`restart`](TempPostgres::restart) stop the real server (`pg_ctl stop -m fast|immediate`)
 //! and bring it back on the same port with the same data. [`TempPostgres::postmaster_pid`]
 //! gives the pid to signal (e.g. `SIGSTOP`); never find server processes by name.
+//!
+//! # Measuring
+//!
+//! [`rig`] holds what the fault tests measure with: a log of the store calls that reached the
+//! database ([`rig::CallLog`]), callers driven at a steady pace until a deadline
+//! ([`rig::drive`]), and the figures read from them (percentiles of waits, calls and error
+//! classes in a window, the time of recovery).
 
 mod citus;
 mod cluster;
 mod error;
 mod os;
 mod proxy;
+pub mod rig;
 mod template;
 mod test_database;
 

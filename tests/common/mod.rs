@@ -86,35 +86,11 @@ async fn store_with(connection: &str, pool: u32, migrate: bool, prepared: bool) 
         .expect("store")
 }
 
-/// A store with the fault tests' settings: a pool of `pool`, 50 ms call and pool-wait
-/// timeouts, a 250 ms connect timeout, 100 ms statement and lock timeouts. Its first connection
-/// must come within the 50 ms pool wait, so building is retried (50 ms apart, for up to 20 s)
-/// on a busy machine.
-pub async fn fault_store(connection: &str, pool: u32) -> PostgresStore {
-    let store = PostgresStore::builder(connection)
-        .expect("connection string")
-        .pool_size(pool)
-        .call_timeout(Duration::from_millis(50))
-        .pool_wait_timeout(Duration::from_millis(50))
-        .connect_timeout(Duration::from_millis(250))
-        .statement_timeout(Duration::from_millis(100))
-        .lock_timeout(Duration::from_millis(100));
-    let mut attempts = 0;
-    eventually(
-        Duration::from_millis(50),
-        Duration::from_secs(20),
-        "a fault store built (its first connection within the pool wait)",
-        async || {
-            attempts += 1;
-            let built = store.clone().build().await;
-            if let Err(e) = &built {
-                eprintln!("store build attempt {attempts}: {e}");
-            }
-            built.map_err(|e| e.to_string())
-        },
-    )
-    .await
-}
+// `fault_store(connection, pool)`: a store with the fault tests' settings (50 ms call and
+// pool-wait timeouts, a 250 ms connect timeout, 100 ms statement and lock timeouts), built
+// again until its first connection comes within the pool wait. One definition with the
+// library's pool test (`src/pool_tests.rs`), in the test kit.
+tokenlease_testkit::fault_store!(tokenlease::store, eventually);
 
 /// What one look at a condition saw: done (with what it yields), or not yet (with what was seen
 /// instead, for the failure message). `true`/`false`, `Some`/`None`, `Ok`/`Err(seen)`.

@@ -2,6 +2,8 @@
 //! deadline (docs/design/waiting.md). W1–W6, W10 and P9 on tokio's paused clock
 //! over a `MemoryStore` (or a store in front of one that holds, fails or never answers calls),
 //! so every time below is exact; W7 and W8 end to end over a real PostgreSQL, in direct and in leased mode.
+//! W12: a leased call's own wait for a refill (`try_acquire` under a plan's `max_wait`), whose
+//! slot a reload retires.
 //!
 //! Every wait of these tests is bounded by the call's own deadline, and the few sleeps pace the
 //! paused clock to the moment a test acts.
@@ -703,4 +705,58 @@ async fn w10_a_waiter_dropped_while_the_fallback_decides_takes_nothing() {
         "the local token was given back: {next:?}"
     );
     assert_eq!(limiter.outage_debt().outstanding, Tokens::whole(1));
+}
+
+/// W12: a leased call waiting for its key's first refill (`try_acquire`, the plan's
+/// `max_wait`) when a reload changes its plan starts over under the new plan: the reload
+/// retires the slot it waits on, and the call is decided from a lease of the plan in force
+/// (its `limit` is the new capacity), not by a store call under the plan it started with.
+#[tokio::test(start_paused = true)]
+async fn w12_a_waiting_call_whose_slot_a_reload_retires_starts_over_under_the_new_plan() {
+    let plan = |capacity: u64| {
+        format!(
+            r#"{{"capacity": {capacity}, "refill_per_second": 0.001,
+                 "lease": {{"max_wait_ms": 5000, "ttl_ms": 60000}}}}"#
+        )
+    };
+    let gate = Gate::default();
+    let limiter = limiter_over(gate.clone(), &plan(10));
+    gate.hold.store(true, Ordering::SeqCst);
+    let start = Instant::now();
+    let call = tokio::spawn({
+        let limiter = limiter.clone();
+        async move { limiter.try_acquire("k", 1.0).await }
+    });
+    // The key's first refill is held: the call waits for it.
+    common::eventually(
+        Duration::from_millis(1),
+        Duration::from_secs(1),
+        "a held refill",
+        async || gate.held.load(Ordering::SeqCst) == 1,
+    )
+    .await;
+    assert!(!call.is_finished(), "the call waits for its refill");
+    let rounds = |l: &Limiter| l.lease_stats().expect("leased").actor_rounds;
+    let before = rounds(&limiter);
+    limiter.reload(policies(&plan(20))).expect("reload");
+    // The actor retires the slot; the call starts over on a new one, whose refill waits for
+    // the lane's statement in flight (the held one).
+    common::eventually(
+        Duration::from_millis(1),
+        Duration::from_secs(1),
+        "the actor's round after the reload",
+        async || rounds(&limiter) > before,
+    )
+    .await;
+    assert!(!call.is_finished(), "the call waits on its new slot");
+    gate.hold.store(false, Ordering::SeqCst);
+    gate.go.notify_waiters();
+    let d = call.await.expect("task").expect("decision");
+    assert!(d.allowed && d.decided_by == DecidedBy::Lease, "{d:?}");
+    assert_eq!(
+        d.limit,
+        Tokens::whole(20),
+        "decided under the new plan: {d:?}"
+    );
+    assert!(ms_since(start) < 5_000, "{} ms", ms_since(start));
 }

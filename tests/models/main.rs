@@ -3,8 +3,8 @@
 //! module per former test binary; they keep a core busy for seconds, so nextest runs them in
 //! its `serial` group. Beside them, `arrows` reads the crate's source and checks that its
 //! modules depend on each other one way (L1; a fraction of a second), `clock_reads` that
-//! the library reads time only through its clock (L2), `file_lengths` that no source file
-//! of the library is over 800 lines (L3), and `test_sleeps` that every sleep in the tests is
+//! the library reads time only through its clock (L2), `file_lengths` that each source
+//! file of the library states its role and none is past a 2,000-line net (L3), and `test_sleeps` that every sleep in the tests is
 //! the shared poll helper's or says why it is there (L4); `readme` that the README's and the
 //! docs' Rust blocks hide no lines and that the README opens with a whole program.
 //!
