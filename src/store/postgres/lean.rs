@@ -96,8 +96,8 @@ pub(super) static ACQUIRE_MANY: LazyLock<String> =
 /// kept by the session as the table grows). An existing row is refilled and credited, capped at
 /// the capacity (the credit capped at the room left, `capacity − available`, before it is
 /// added, so the sum never leaves bigint, whatever the amount; its amount, holder and lease id
-/// read at the key's position in the arrays, found once per row). A row with strict leases is refilled and capped by
-/// migration 0003's functions (in tokens), less the tokens still out on its live leases, and a
+/// read at the key's position in the arrays, found once per row). A row with strict leases is
+/// refilled and capped by migration 0003's functions (in tokens), less the tokens still out on its live leases, and a
 /// strict return settles its lease: credited at most what the entry held, nothing once the entry
 /// is gone. A key without a row is a full bucket: it is inserted as one (what an absent row
 /// means), credited nothing, and idle cleanup removes it again. A credited row leaves `refilled`

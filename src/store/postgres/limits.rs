@@ -198,8 +198,8 @@ impl<'a> LimitReturns<'a> {
 
 impl super::PostgresStore {
     /// The takes of several limits among `pending` (keys of one Citus node): one call of the
-    /// node's `tokenlease_citus_take_limits`, which runs `citus/sql/take_limits_shard.sql` on each of the
-    /// node's shards the keys are in. What it decides leaves `pending`; a strict lease among
+    /// node's `tokenlease_citus_take_limits`, which runs `citus/sql/take_limits_shard.sql` on
+    /// each of the node's shards the keys are in. What it decides leaves `pending`; a strict lease among
     /// them, or a row holding strict leases, is an error, as on plain PostgreSQL.
     pub(super) async fn citus_take_limits(
         &self,

@@ -1,7 +1,7 @@
 //! The statements the store sends, each written in a `.sql` file and included at build time:
 //! the files of `sql/` (the plain store's statements, and the calls the store sends to a Citus
 //! node), and of `citus/sql/` (the statements a Citus node runs on one shard, and the node
-//! functions that run them). docs/design/statements.md, "The statement files", lists them.
+//! functions that run them). docs/design/statements.md, "The SQL files", lists them.
 //!
 //! What varies at run time is a named placeholder, `{name}` (lower-case letters and `_`): the
 //! table a statement reads (`{buckets}`, `{returns}`: the plain tables, or a Citus shard's),
@@ -14,8 +14,9 @@
 //! lines for its reader, and [`Form::OneLine`] joins them (each line break and the indentation
 //! after it one space; the break that ends a `--` comment line kept). So a file's text differs
 //! from what PostgreSQL receives only in line breaks and indentation, which PostgreSQL's parser
-//! does not see; the plans are those of the one-line text. The unit tests (`statement_tests.rs`, `citus/tests.rs`)
-//! pin each statement's text and check that what the store prepares is its file, rendered.
+//! does not see; the plans are those of the one-line text. The unit tests
+//! (`statement_tests.rs`, `citus/tests.rs`) pin each statement's text and check that what the
+//! store prepares is its file, rendered.
 
 /// How a file's text becomes its statement.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -246,7 +247,8 @@ pub(super) const CITUS_GIVE_BACK: SqlFile<0> = citus_file!("give_back", AsWritte
 /// The call of a Citus node's `tokenlease_citus_delete_idle`.
 pub(super) const CITUS_DELETE_IDLE: SqlFile<0> = citus_file!("delete_idle", AsWritten, []);
 
-/// The shard guard (`citus::sql`'s `HOLD`).
+/// The shard guard, `tokenlease_citus_hold` (`citus::sql::functions` says what it locks and
+/// checks).
 pub(super) const FN_HOLD: SqlFile<0> = citus_file!("tokenlease_citus_hold", AsWritten, []);
 /// The shards of a call's keys on a node.
 pub(super) const FN_PARTS: SqlFile<0> = citus_file!("tokenlease_citus_parts", AsWritten, []);

@@ -24,9 +24,9 @@
 //! Jenkins's lookup3, which `worker_hash(text)` returns) to find its shard and the node holding
 //! it, and opens a pool per node ([`Citus`]). A batch is split by node, and each node's part is
 //! ONE statement on that node ([`sql::node_take`]): the plain store's many-key take on each of
-//! its shards' tables, in shard order, after the shard guard ([`sql::HOLD`]: the shards'
-//! distribution metadata locks in share mode, as Citus's executor takes them for a write, then
-//! their placements checked). No coordinator, no delegation, no distributed transaction.
+//! its shards' tables, in shard order, after the shard guard (`tokenlease_citus_hold`,
+//! [`sql::functions`]: the shards' distribution metadata locks in share mode, as Citus's
+//! executor takes them for a write, then their placements checked). No coordinator, no delegation, no distributed transaction.
 //! Strict leases, returns and idle cleanup are calls of the distributed functions sent to the
 //! node holding their route key, which Citus then runs locally.
 //!
@@ -94,8 +94,8 @@ impl std::fmt::Debug for Citus {
 }
 
 /// Whether `err` says the map the store routed by is stale: a node refused a shard it no
-/// longer holds ([`sql::HOLD`], SQLSTATE 55000), or a shard is gone (a split removed it: Citus
-/// has no entry for it, or its table or function is missing: 42P01, 42883).
+/// longer holds (`tokenlease_citus_hold`, SQLSTATE 55000), or a shard is gone (a split removed
+/// it: Citus has no entry for it, or its table or function is missing: 42P01, 42883).
 fn stale(err: &StoreError) -> bool {
     match err {
         StoreError::Database { code, message } => {

@@ -234,16 +234,15 @@ fn renumber(sql: &str, offset: usize) -> String {
 pub(super) const NODE_TAKE_HEAD: &str =
     "-- tokenlease: refill and take on one Citus node (src/store/postgres/citus/sql.rs)\n";
 
-/// The take of the keys of several shards of one node, as ONE statement run on that node: for
-/// each shard (`(shard id, its table)`, in shard order) the plain store's many-key statement
+/// The take of the keys of several shards of one node, as ONE statement run on that node: for each
+/// shard (`(shard id, its table)`, in shard order) the plain store's many-key statement
 /// (`sql/acquire_many.sql`, `lean.rs`'s `ACQUIRE_MANY`) on the shard's table, its parameters
 /// `$(6i+1)`..`$(6i+6)` as `ACQUIRE_MANY`'s `$1`..`$6`; the first part's keys go through
-/// `tokenlease_citus_hold` ([`functions`]) for all the statement's shards (their metadata locks and placement check), before
-/// any row is written. Several shards are
-/// data-modifying `WITH` items read one after the other by a `UNION ALL`: each shard's rows are
-/// locked in key order, and the shards in shard order, so two such statements never wait on
-/// each other in a cycle. Plain SQL on the node's own tables: no Citus planning, no
-/// coordinator, no distributed transaction.
+/// `tokenlease_citus_hold` ([`functions`]) for all the statement's shards (their metadata locks and
+/// placement check), before any row is written. Several shards are data-modifying `WITH` items read
+/// one after the other by a `UNION ALL`: each shard's rows are locked in key order, and the shards
+/// in shard order, so two such statements never wait on each other in a cycle. Plain SQL on the
+/// node's own tables: no Citus planning, no coordinator, no distributed transaction.
 pub(super) fn node_take(shards: &[(i64, &str)]) -> String {
     let ids: Vec<String> = shards.iter().map(|(id, _)| id.to_string()).collect();
     let hold = format!(
