@@ -243,7 +243,7 @@ impl PostgresStoreBuilder {
         }
         // What the database's encoding holds: a key it cannot is refused before it is sent.
         let encoding = client
-            .query_typed("SELECT current_setting('server_encoding')", &[])
+            .query_typed(super::sql::SERVER_ENCODING.text, &[])
             .await?;
         if let Some(row) = encoding.first() {
             store.encoding = ServerEncoding::from_name(row.try_get(0)?);

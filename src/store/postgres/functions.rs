@@ -69,14 +69,9 @@ pub(crate) const FUNCTIONS: &[FunctionFile] = &[
     },
 ];
 
-// language=SQL
-const RECORDED: &str = "SELECT file, checksum, generation FROM tokenlease_functions";
-
-// language=SQL
-const RECORD: &str = "\
-INSERT INTO tokenlease_functions (file, checksum, generation) VALUES ($1, $2, $3)
-ON CONFLICT (file) DO UPDATE
-SET checksum = excluded.checksum, generation = excluded.generation, applied_at = now()";
+/// The function records' statements (files of `sql/`).
+const RECORDED: &str = super::sql::FUNCTIONS_RECORDED.text;
+const RECORD: &str = super::sql::FUNCTIONS_RECORD.text;
 
 /// What `tokenlease_functions` records for a file: its name, checksum and generation.
 type Recorded = (String, String, i32);

@@ -242,31 +242,13 @@ impl fmt::Display for MigrationReport {
     }
 }
 
-// language=SQL
-const BOOTSTRAP: &str = "
-SELECT pg_advisory_xact_lock(8390042714202989921);
-CREATE TABLE IF NOT EXISTS tokenlease_migrations (
-    version     bigint      PRIMARY KEY,
-    description text        NOT NULL,
-    checksum    text        NOT NULL,
-    applied_at  timestamptz NOT NULL DEFAULT now()
-);";
-
-// language=SQL
-pub(super) const LOCK: &str = "SELECT pg_advisory_xact_lock(8390042714202989921)";
-
-// language=SQL
-const SELECT_APPLIED: &str = "SELECT version, checksum FROM tokenlease_migrations ORDER BY version";
-
-// language=SQL
-const SELECT_ONE: &str = "SELECT checksum FROM tokenlease_migrations WHERE version = $1";
-
-// language=SQL
-const SETTINGS: &str = "SET LOCAL synchronous_commit = off; SET LOCAL lock_timeout = '20ms'";
-
-// language=SQL
-const RECORD: &str =
-    "INSERT INTO tokenlease_migrations (version, description, checksum) VALUES ($1, $2, $3)";
+/// The migrator's statements (files of `sql/`).
+const BOOTSTRAP: &str = super::sql::MIGRATIONS_BOOTSTRAP.text;
+pub(super) const LOCK: &str = super::sql::MIGRATION_LOCK.text;
+const SELECT_APPLIED: &str = super::sql::MIGRATIONS_APPLIED.text;
+const SELECT_ONE: &str = super::sql::MIGRATION_CHECKSUM.text;
+const SETTINGS: &str = super::sql::MIGRATION_SETTINGS.text;
+const RECORD: &str = super::sql::MIGRATION_RECORD.text;
 
 /// Applies the pending migrations of this version of the library (the SQL files in
 /// `migrations/`, embedded at compile time) on `client`'s database, then the function files

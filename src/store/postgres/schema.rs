@@ -85,7 +85,7 @@ impl SchemaWatch {
     pub(crate) async fn check(&self, client: &tokio_postgres::Client) {
         let version = match client
             .query_typed(
-                "SELECT max(version) FROM tokenlease_migrations WHERE version <= $1",
+                super::sql::SCHEMA_VERSION.text,
                 &[(&OLDEST_SCHEMA, Type::INT8)],
             )
             .await

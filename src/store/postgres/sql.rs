@@ -225,6 +225,30 @@ pub(super) const DELETE_IDLE: SqlFile<2> =
 /// The inspection of one key on the table `{buckets}` (the plain table, or a Citus shard's).
 pub(super) const INSPECT: SqlFile<1> = sql_file!("inspect", AsWritten, ["buckets"]);
 
+/// The migrator's first statement: its lock, and its bookkeeping table if missing.
+pub(super) const MIGRATIONS_BOOTSTRAP: SqlFile<0> =
+    sql_file!("migrations_bootstrap", AsWritten, []);
+/// The migrator's transaction-level advisory lock (`MIGRATION_LOCK_ID`).
+pub(super) const MIGRATION_LOCK: SqlFile<0> = sql_file!("migration_lock", AsWritten, []);
+/// The migrations a database records, with their checksums.
+pub(super) const MIGRATIONS_APPLIED: SqlFile<0> = sql_file!("migrations_applied", AsWritten, []);
+/// The checksum a database records for one migration.
+pub(super) const MIGRATION_CHECKSUM: SqlFile<0> = sql_file!("migration_checksum", AsWritten, []);
+/// The settings of a migration's transaction.
+pub(super) const MIGRATION_SETTINGS: SqlFile<0> = sql_file!("migration_settings", AsWritten, []);
+/// The record of an applied migration.
+pub(super) const MIGRATION_RECORD: SqlFile<0> = sql_file!("migration_record", AsWritten, []);
+/// The function files a database records, with their checksums and generations.
+pub(super) const FUNCTIONS_RECORDED: SqlFile<0> = sql_file!("functions_recorded", AsWritten, []);
+/// The record of an applied function file.
+pub(super) const FUNCTIONS_RECORD: SqlFile<0> = sql_file!("functions_record", AsWritten, []);
+/// The newest schema version a database records up to the oldest the statements read.
+pub(super) const SCHEMA_VERSION: SqlFile<0> = sql_file!("schema_version", AsWritten, []);
+/// The server's encoding, read when the store is built.
+pub(super) const SERVER_ENCODING: SqlFile<0> = sql_file!("server_encoding", AsWritten, []);
+/// What a migrating role lacks, read after the server refused it for a privilege.
+pub(super) const PRIVILEGE_PROBE: SqlFile<0> = sql_file!("privilege_probe", AsWritten, []);
+
 /// Strict leases on one shard, step 1 (inside `tokenlease_citus_take_held`).
 pub(super) const HELD_INSERT_SHARD: SqlFile<1> =
     citus_file!("held_insert_shard", OneLine, ["buckets"]);

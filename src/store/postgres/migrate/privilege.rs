@@ -13,13 +13,7 @@ use crate::store::error::MigrateError;
 
 /// The role, its schema (the first of the search path that exists), whether it may create in
 /// it, and who owns the bookkeeping table there (`NULL` before the first migration).
-// language=SQL
-const PROBE: &str = "\
-SELECT current_user::text, \
-       current_schema()::text, \
-       coalesce(has_schema_privilege(current_schema(), 'CREATE'), false), \
-       (SELECT tableowner::text FROM pg_tables \
-        WHERE schemaname = current_schema() AND tablename = 'tokenlease_migrations')";
+const PROBE: &str = super::super::sql::PRIVILEGE_PROBE.text;
 
 /// `error` as [`MigrateError::Privilege`] when the server refused it for a privilege
 /// (SQLSTATE 42501), with what the role lacks read from the catalog on `client`; any other

@@ -1,0 +1,1 @@
+SELECT file, checksum, generation FROM tokenlease_functions

@@ -1,0 +1,1 @@
+SELECT checksum FROM tokenlease_migrations WHERE version = $1

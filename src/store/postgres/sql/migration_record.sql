@@ -1,0 +1,1 @@
+INSERT INTO tokenlease_migrations (version, description, checksum) VALUES ($1, $2, $3)

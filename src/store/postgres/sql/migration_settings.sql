@@ -1,0 +1,1 @@
+SET LOCAL synchronous_commit = off; SET LOCAL lock_timeout = '20ms'

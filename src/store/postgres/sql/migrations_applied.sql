@@ -1,0 +1,1 @@
+SELECT version, checksum FROM tokenlease_migrations ORDER BY version

@@ -1,0 +1,1 @@
+SELECT max(version) FROM tokenlease_migrations WHERE version <= $1
