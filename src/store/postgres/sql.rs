@@ -271,6 +271,42 @@ pub(super) const CITUS_GIVE_BACK: SqlFile<0> = citus_file!("give_back", AsWritte
 /// The call of a Citus node's `tokenlease_citus_delete_idle`.
 pub(super) const CITUS_DELETE_IDLE: SqlFile<0> = citus_file!("delete_idle", AsWritten, []);
 
+/// Whether the database has Citus (`citus::map::shard_map`).
+pub(super) const CITUS_IS_CITUS: SqlFile<0> = citus_file!("is_citus", AsWritten, []);
+/// Whether `tokenlease_buckets` is distributed.
+pub(super) const CITUS_IS_DISTRIBUTED: SqlFile<0> = citus_file!("is_distributed", AsWritten, []);
+/// The shards of `tokenlease_buckets` with their nodes and tables: the shard map.
+pub(super) const CITUS_SHARD_MAP: SqlFile<0> = citus_file!("shard_map", AsWritten, []);
+/// The server's hash of sample keys, checked against the client's.
+pub(super) const CITUS_WORKER_HASH: SqlFile<0> = citus_file!("worker_hash", AsWritten, []);
+/// The shards of `tokenlease_buckets` with their tables' names (`citus::distribute`).
+pub(super) const CITUS_SHARDS: SqlFile<0> = citus_file!("shards", AsWritten, []);
+/// Whether `citus.shard_count` was set, and the primary nodes that hold shards.
+pub(super) const CITUS_SHARD_COUNT: SqlFile<0> = citus_file!("shard_count", AsWritten, []);
+/// The shard count of the tables about to be distributed.
+pub(super) const CITUS_SET_SHARD_COUNT: SqlFile<1> =
+    citus_file!("set_shard_count", AsWritten, ["count"]);
+/// The installed Citus version.
+pub(super) const CITUS_CITUS_VERSION: SqlFile<0> = citus_file!("citus_version", AsWritten, []);
+/// Whether each of the two tables is distributed.
+pub(super) const CITUS_DISTRIBUTED_TABLES: SqlFile<0> =
+    citus_file!("distributed_tables", AsWritten, []);
+/// One connection per node for the rest of the transaction.
+pub(super) const CITUS_SEQUENTIAL: SqlFile<0> = citus_file!("sequential", AsWritten, []);
+/// Distributes `tokenlease_buckets` by key.
+pub(super) const CITUS_DISTRIBUTE_BUCKETS: SqlFile<0> =
+    citus_file!("distribute_buckets", AsWritten, []);
+/// Keys `tokenlease_returns` by `(key, id)` and distributes it with the buckets.
+pub(super) const CITUS_DISTRIBUTE_RETURNS: SqlFile<0> =
+    citus_file!("distribute_returns", AsWritten, []);
+/// The schema the functions are created in.
+pub(super) const CITUS_CURRENT_SCHEMA: SqlFile<0> = citus_file!("current_schema", AsWritten, []);
+/// What a node's definitions of some functions read as (`name:sha256(body)`), by `{schema}` and `{names}` (quoted literals).
+pub(super) const CITUS_FUNCTION_DIGESTS: SqlFile<2> =
+    citus_file!("function_digests", AsWritten, ["schema", "names"]);
+/// A command run on every node, each node's answer.
+pub(super) const CITUS_ON_ALL_NODES: SqlFile<0> = citus_file!("on_all_nodes", AsWritten, []);
+
 /// The shard guard, `tokenlease_citus_hold` (`citus::sql::functions` says what it locks and
 /// checks).
 pub(super) const FN_HOLD: SqlFile<0> = citus_file!("tokenlease_citus_hold", AsWritten, []);

@@ -30,10 +30,37 @@ fn rendered() -> Vec<(&'static str, String)> {
     out.extend(
         BOOKKEEPING
             .iter()
+            .chain(&CITUS_CATALOG)
             .map(|(name, file)| (*name, file.text.to_owned())),
     );
+    out.push((
+        "citus/set_shard_count",
+        sql::CITUS_SET_SHARD_COUNT.render(["8"]),
+    ));
+    out.push((
+        "citus/function_digests",
+        sql::CITUS_FUNCTION_DIGESTS.render(["'public'", "'tokenlease_citus_hold'"]),
+    ));
     out
 }
+
+/// The Citus path's reads of the catalog and its distribution of the tables, each sent as its
+/// file is written (with no placeholder).
+const CITUS_CATALOG: [(&str, sql::SqlFile<0>); 13] = [
+    ("citus/is_citus", sql::CITUS_IS_CITUS),
+    ("citus/is_distributed", sql::CITUS_IS_DISTRIBUTED),
+    ("citus/shard_map", sql::CITUS_SHARD_MAP),
+    ("citus/worker_hash", sql::CITUS_WORKER_HASH),
+    ("citus/shards", sql::CITUS_SHARDS),
+    ("citus/shard_count", sql::CITUS_SHARD_COUNT),
+    ("citus/citus_version", sql::CITUS_CITUS_VERSION),
+    ("citus/distributed_tables", sql::CITUS_DISTRIBUTED_TABLES),
+    ("citus/sequential", sql::CITUS_SEQUENTIAL),
+    ("citus/distribute_buckets", sql::CITUS_DISTRIBUTE_BUCKETS),
+    ("citus/distribute_returns", sql::CITUS_DISTRIBUTE_RETURNS),
+    ("citus/current_schema", sql::CITUS_CURRENT_SCHEMA),
+    ("citus/on_all_nodes", sql::CITUS_ON_ALL_NODES),
+];
 
 /// The statements of the migrator, the function records, the schema check, the encoding read
 /// and the privilege probe: each sent as its file is written.
@@ -185,6 +212,66 @@ const PINNED: &[(&str, &str)] = &[
         "privilege_probe",
         "95b8f0ae9ccd6f02d5b535cf125f4abc57b43dce1c1ab1bb648100d6725b9e37",
     ),
+    (
+        "citus/is_citus",
+        "e4298f41dad62441e81f0a6125d51a90b16847dd34989139df4653770c995534",
+    ),
+    (
+        "citus/is_distributed",
+        "7aef296d77b589ea91aee45dc4c0da847c37631e6141c387baedf98cb31a9b09",
+    ),
+    (
+        "citus/shard_map",
+        "96be4627e4b4a0d14fde24bc14a4f5cec0eddf1983d7221461bc13395ea4c85e",
+    ),
+    (
+        "citus/worker_hash",
+        "b4507e19a3d3c1888a295ed0a488fe16748e876b5d3674560f64706aa9ba76ab",
+    ),
+    (
+        "citus/shards",
+        "ec4de95fdcac08c09f37376cae9ec77cc5bd7a8b36b03b5f0fe631c93a074fb1",
+    ),
+    (
+        "citus/shard_count",
+        "4a18575a1a2ee13f7d3f752cf55a7a3e8285e4e1ab13180bde9d8c9bae57e516",
+    ),
+    (
+        "citus/citus_version",
+        "835ec3c0404331adde22ac12d8648d0ac9f2789d25d4837f0181691d096a98c2",
+    ),
+    (
+        "citus/distributed_tables",
+        "e03f372a1a777fb5eff5365bb84f9944757e0be30b6f6aaa8917a8f185634e04",
+    ),
+    (
+        "citus/sequential",
+        "d59293d8a1e03de52701d5b351e7c02021f0485916728b1a76a6a725d6dcc6ce",
+    ),
+    (
+        "citus/distribute_buckets",
+        "d161b8f92872ce606c5bbc41e0982805e1afe0f28923e5d9a40e7d6f1921b4fb",
+    ),
+    (
+        "citus/distribute_returns",
+        "8f693752d1667b3cf25d64c28c288ca2477d12804873fa9bad728bdd07142fbb",
+    ),
+    (
+        "citus/current_schema",
+        "3f7e9f492a8ed010ed7bd2fe1279ff43b54c25c56e3602055cbd3534b2e69a68",
+    ),
+    (
+        "citus/on_all_nodes",
+        "fb5f9e9c3e8fb9c3ac970b7b01b88eaaaac1eba9f2a4df5888ccf86694fd6689",
+    ),
+    (
+        "citus/set_shard_count",
+        "61f8b73028d50f8ead7812acf2b8843f360126055cc3530540f1410d1ce40099",
+    ),
+    (
+        "citus/function_digests",
+        "d9f85bdaa8b986a68aae2d980524c129129847050006b2873d2cf6d5dd7381a3",
+    ),
 ];
 
 /// B14: every statement the store sends is byte for byte the text pinned for it.
@@ -239,9 +326,14 @@ fn every_plain_statement_is_its_file() {
     sql::assert_is_the_file(&super::DELETE_IDLE, &sql::DELETE_IDLE, tables, as_is);
     sql::assert_is_the_file(&super::INSPECT, &sql::INSPECT, [tables[0]], as_is);
     sql::assert_is_the_file(super::migrate::LOCK, &sql::MIGRATION_LOCK, [], as_is);
-    for (_, file) in &BOOKKEEPING {
+    for (_, file) in BOOKKEEPING.iter().chain(&CITUS_CATALOG) {
         sql::assert_is_the_file(file.text, file, [], as_is);
     }
+    let count = sql::CITUS_SET_SHARD_COUNT.render(["8"]);
+    sql::assert_is_the_file(&count, &sql::CITUS_SET_SHARD_COUNT, ["8"], as_is);
+    let values = ["'public'", "'tokenlease_citus_hold'"];
+    let digests = sql::CITUS_FUNCTION_DIGESTS.render(values);
+    sql::assert_is_the_file(&digests, &sql::CITUS_FUNCTION_DIGESTS, values, as_is);
     let warm: Vec<&str> = lean::warm_statements()
         .iter()
         .map(|(sql, _)| *sql)

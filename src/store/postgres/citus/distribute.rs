@@ -4,6 +4,7 @@
 use sha2::{Digest, Sha256};
 use tokio_postgres::types::Type;
 
+use super::super::sql as files;
 use super::SUPPORTED_CITUS;
 use super::sql::{bodies, literal, node_functions};
 use crate::store::MigrateError;
@@ -23,12 +24,7 @@ async fn shards(
     client: &impl tokio_postgres::GenericClient,
 ) -> Result<Vec<(i64, String)>, MigrateError> {
     let rows = client
-        .query_typed(
-            "SELECT shardid, shard_name('tokenlease_buckets'::regclass, shardid) \
-             FROM pg_dist_shard WHERE logicalrelid = to_regclass('tokenlease_buckets') \
-             ORDER BY shardid",
-            &[],
-        )
+        .query_typed(files::CITUS_SHARDS.text, &[])
         .await
         .map_err(MigrateError::database(
             "read the shards of tokenlease_buckets",
@@ -70,12 +66,7 @@ pub(in crate::store::postgres) struct Distributed {
 /// `None` when the setting was set (it is then used).
 async fn shard_count(tx: &tokio_postgres::Transaction<'_>) -> Result<Option<u32>, MigrateError> {
     let row = tx
-        .query_one(
-            "SELECT (SELECT source FROM pg_settings WHERE name = 'citus.shard_count'), \
-                    (SELECT count(*) FROM pg_dist_node \
-                     WHERE noderole = 'primary' AND isactive AND shouldhaveshards)",
-            &[],
-        )
+        .query_one(files::CITUS_SHARD_COUNT.text, &[])
         .await
         .map_err(MigrateError::database(
             "read citus.shard_count and the nodes",
@@ -119,10 +110,7 @@ pub(in crate::store::postgres) async fn distribute_with(
     file: &FunctionFile,
 ) -> Result<Option<Distributed>, MigrateError> {
     let rows = client
-        .query_typed(
-            "SELECT extversion FROM pg_extension WHERE extname = 'citus'",
-            &[],
-        )
+        .query_typed(files::CITUS_CITUS_VERSION.text, &[])
         .await
         .map_err(MigrateError::database("read pg_extension"))?;
     let Some(row) = rows.first() else {
@@ -151,10 +139,7 @@ async fn distribute_tables(
     lock: &str,
 ) -> Result<(u32, bool), MigrateError> {
     let step = |s: &'static str| MigrateError::database(s);
-    let distributed = "SELECT EXISTS (SELECT FROM pg_dist_partition \
-                                      WHERE logicalrelid = 'tokenlease_buckets'::regclass), \
-                              EXISTS (SELECT FROM pg_dist_partition \
-                                      WHERE logicalrelid = 'tokenlease_returns'::regclass)";
+    let distributed = files::CITUS_DISTRIBUTED_TABLES.text;
     let state = client
         .query_typed(distributed, &[])
         .await
@@ -171,7 +156,7 @@ async fn distribute_tables(
         .await
         .map_err(step("take the migration advisory lock"))?;
     // Distributing a table needs one connection per node throughout the transaction.
-    tx.batch_execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
+    tx.batch_execute(files::CITUS_SEQUENTIAL.text)
         .await
         .map_err(step("set citus.multi_shard_modify_mode"))?;
     let state = tx
@@ -184,25 +169,19 @@ async fn distribute_tables(
     let mut chosen = false;
     if !buckets {
         if let Some(count) = shard_count(&tx).await? {
-            tx.batch_execute(&format!("SET LOCAL citus.shard_count = {count}"))
+            tx.batch_execute(&files::CITUS_SET_SHARD_COUNT.render([&count.to_string()]))
                 .await
                 .map_err(step("set citus.shard_count"))?;
             chosen = true;
         }
-        tx.batch_execute("SELECT create_distributed_table('tokenlease_buckets', 'key', 'hash')")
+        tx.batch_execute(files::CITUS_DISTRIBUTE_BUCKETS.text)
             .await
             .map_err(step("distribute tokenlease_buckets"))?;
     }
     if !returns {
-        tx.batch_execute(
-            "ALTER TABLE tokenlease_returns DROP CONSTRAINT IF EXISTS tokenlease_returns_pkey; \
-             ALTER TABLE tokenlease_returns ADD CONSTRAINT tokenlease_returns_pkey \
-                 PRIMARY KEY (key, id); \
-             SELECT create_distributed_table('tokenlease_returns', 'key', 'hash', \
-                                             colocate_with := 'tokenlease_buckets');",
-        )
-        .await
-        .map_err(step("distribute tokenlease_returns"))?;
+        tx.batch_execute(files::CITUS_DISTRIBUTE_RETURNS.text)
+            .await
+            .map_err(step("distribute tokenlease_returns"))?;
     }
     let n = shards(&tx).await?.len();
     tx.commit()
@@ -240,21 +219,13 @@ async fn edited_on_nodes(
     let expected = digest(&ours);
     let names: Vec<String> = ours.iter().map(|(name, _)| literal(name)).collect();
     let schema: String = client
-        .query_typed("SELECT current_schema()::text", &[])
+        .query_typed(files::CITUS_CURRENT_SCHEMA.text, &[])
         .await
         .map_err(step("read the current schema"))?
         .first()
         .map(|row| row.get(0))
         .unwrap_or_default();
-    let read = format!(
-        "SELECT coalesce(string_agg(p.proname || ':' || \
-                 encode(sha256(convert_to(p.prosrc, 'UTF8')), 'hex'), ',' ORDER BY p.proname), '') \
-         FROM pg_catalog.pg_proc AS p \
-         JOIN pg_catalog.pg_namespace AS n ON n.oid = p.pronamespace \
-         WHERE n.nspname = {} AND p.proname = ANY (ARRAY[{}]::text[])",
-        literal(&schema),
-        names.join(", ")
-    );
+    let read = files::CITUS_FUNCTION_DIGESTS.render([&literal(&schema), &names.join(", ")]);
     let here: Option<String> = client
         .query_typed(read.as_str(), &[])
         .await
@@ -262,10 +233,7 @@ async fn edited_on_nodes(
         .first()
         .map(|row| row.get(0));
     let nodes = client
-        .query_typed(
-            "SELECT success, result FROM run_command_on_all_nodes($1, true, true)",
-            &[(&read, Type::TEXT)],
-        )
+        .query_typed(files::CITUS_ON_ALL_NODES.text, &[(&read, Type::TEXT)])
         .await
         .map_err(step("read the Citus functions on every node"))?;
     let differs = here.as_deref() != Some(expected.as_str())

@@ -2,6 +2,7 @@
 //! shard's table and the node holding it), the hash that finds a key's shard, and reading the
 //! map from any node.
 
+use super::super::sql as files;
 use std::collections::HashMap;
 
 use tokio_postgres::types::Type;
@@ -205,39 +206,17 @@ pub(in crate::store::postgres) async fn shard_map(
     client: &tokio_postgres::Client,
     check_hash: bool,
 ) -> Result<Option<ShardMap>, StoreError> {
-    let distributed = client
-        .query_typed(
-            "SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus') \
-               AND to_regclass('pg_dist_partition') IS NOT NULL",
-            &[],
-        )
-        .await?;
+    let distributed = client.query_typed(files::CITUS_IS_CITUS.text, &[]).await?;
     if !distributed.first().is_some_and(|r| r.get::<_, bool>(0)) {
         return Ok(None);
     }
     let rows = client
-        .query_typed(
-            "SELECT EXISTS (SELECT FROM pg_dist_partition \
-                            WHERE logicalrelid = to_regclass('tokenlease_buckets'))",
-            &[],
-        )
+        .query_typed(files::CITUS_IS_DISTRIBUTED.text, &[])
         .await?;
     if !rows.first().is_some_and(|r| r.get::<_, bool>(0)) {
         return Ok(None);
     }
-    let rows = client
-        .query_typed(
-            "SELECT s.shardid, s.shardminvalue::integer, s.shardmaxvalue::integer, \
-                    n.groupid, n.nodeid, n.nodename, n.nodeport, \
-                    shard_name('tokenlease_buckets'::regclass, s.shardid) \
-             FROM pg_dist_shard AS s \
-             JOIN pg_dist_placement AS p ON p.shardid = s.shardid \
-             JOIN pg_dist_node AS n ON n.groupid = p.groupid AND n.noderole = 'primary' \
-             WHERE s.logicalrelid = 'tokenlease_buckets'::regclass \
-             ORDER BY s.shardminvalue::integer",
-            &[],
-        )
-        .await?;
+    let rows = client.query_typed(files::CITUS_SHARD_MAP.text, &[]).await?;
     type Placed = (i64, i32, i32, i32, Node, String);
     let mut placed: Vec<Placed> = Vec::with_capacity(rows.len());
     for row in &rows {
@@ -284,7 +263,7 @@ pub(in crate::store::postgres) async fn shard_map(
         .collect();
     let rows = client
         .query_typed(
-            "SELECT k, worker_hash(k) FROM unnest($1::text[]) AS k",
+            files::CITUS_WORKER_HASH.text,
             &[(&probes, Type::TEXT_ARRAY)],
         )
         .await?;

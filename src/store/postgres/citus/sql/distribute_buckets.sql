@@ -1,0 +1,1 @@
+SELECT create_distributed_table('tokenlease_buckets', 'key', 'hash')

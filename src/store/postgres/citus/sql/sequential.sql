@@ -1,0 +1,1 @@
+SET LOCAL citus.multi_shard_modify_mode TO 'sequential'

@@ -1,0 +1,1 @@
+SET LOCAL citus.shard_count = {count}

@@ -1,0 +1,1 @@
+SELECT k, worker_hash(k) FROM unnest($1::text[]) AS k
