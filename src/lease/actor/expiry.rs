@@ -8,13 +8,11 @@
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
-use super::lease_settings;
-use super::returns::{Ids, Return, queue_return, retire};
+use super::returns::{queue_return, retire};
 use super::sizing::{expects_a_call, sample_demand};
+use super::{State, lease_settings};
 use crate::bucket::Tokens;
-use crate::lease::Leases;
 use crate::lease::slot::{Book, Ms32, Slot, SlotRef};
-use crate::lease::timers::Timers;
 use crate::lease::word::{CLOSED, PENDING};
 use crate::policy::Accounting;
 
@@ -26,21 +24,14 @@ const FULL_AT_HORIZON: u64 = 3_600_000_000_000;
 /// that stayed idle for a lease lifetime after closing, and queues every other slot again for
 /// its next due time. A slot whose refill is in flight (`inflight`) is left alone: applying
 /// the answer queues it again. Returns how many entries it handled.
-pub(super) fn expire(
-    leases: &Leases,
-    timers: &mut Timers,
-    now: u64,
-    tick: u64,
-    returns: &mut Vec<Return>,
-    ids: &mut Ids,
-    inflight: &HashSet<usize>,
-) -> u64 {
+pub(super) fn expire(state: &mut State<'_>, now: u64, tick: u64, inflight: &HashSet<usize>) -> u64 {
+    let leases = state.leases;
     // Everything due within the next tick is handled now, up to a tick early: entries close
     // together cost one wake-up, not one each.
     let horizon = now.saturating_add(tick);
     let mut evict = Vec::new();
     let mut looked = 0u64;
-    while let Some((entry_at, slot)) = timers.pop_due(horizon) {
+    while let Some((entry_at, slot)) = state.timers.pop_due(horizon) {
         looked += 1;
         if slot.evicted().load(Ordering::Acquire) {
             continue;
@@ -79,7 +70,13 @@ pub(super) fn expire(
             if waives(&slot, &book, now) {
                 leases.counters.waived.add(reclaimed);
             } else {
-                queue_return(returns, ids, &slot, reclaimed, || slot.strict_lease());
+                queue_return(
+                    &mut state.returns.items,
+                    &mut state.ids,
+                    &slot,
+                    reclaimed,
+                    || slot.strict_lease(),
+                );
             }
             closed = true;
         }
@@ -107,7 +104,9 @@ pub(super) fn expire(
             // or not idle for a lifetime yet.
             idle_at
         };
-        timers.arm(&slot, &mut book, next.max(horizon.saturating_add(1)));
+        state
+            .timers
+            .arm(&slot, &mut book, next.max(horizon.saturating_add(1)));
     }
     leases
         .counters
@@ -118,7 +117,7 @@ pub(super) fn expire(
         for slot in evict {
             // Only the actor removes keys, and the slot is not evicted, so the key is this slot's.
             if let Some(removed) = table.remove(&slot.key) {
-                retire(leases, removed, returns, ids);
+                retire(state, removed);
             }
         }
         // A view rebuilds at most once, so a large batch of evictions leaves most of its keys as
@@ -127,20 +126,15 @@ pub(super) fn expire(
         // not at the next batch's first eviction (E4's peak heap).
         drop(table);
         leases.table.pin().compact();
-        timers.shrink();
+        state.timers.shrink();
     }
     looked
 }
 
 /// After a policy reload: retires every slot whose lease `stale` names (its plan changed or
 /// was removed, or its key's rule names another plan now). Returns how many slots it looked at.
-pub(super) fn retire_stale(
-    leases: &Leases,
-    stale: &crate::lease::Stale,
-    timers: &mut Timers,
-    returns: &mut Vec<Return>,
-    ids: &mut Ids,
-) -> u64 {
+pub(super) fn retire_stale(state: &mut State<'_>, stale: &crate::lease::Stale) -> u64 {
+    let leases = state.leases;
     let table = leases.table.pin();
     let mut gone = Vec::new();
     let mut looked = 0u64;
@@ -153,13 +147,13 @@ pub(super) fn retire_stale(
     }
     for slot in &gone {
         if let Some(removed) = table.remove(&slot.key) {
-            retire(leases, removed, returns, ids);
+            retire(state, removed);
         }
     }
     drop(table);
     if !gone.is_empty() {
         leases.table.pin().compact();
-        timers.shrink();
+        state.timers.shrink();
     }
     leases
         .counters

@@ -14,15 +14,14 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use super::refill::{Ask, apply, plan_chunk, schedule};
-use super::returns::{Carried, Ids, Return, give_back_requests, settle};
-use super::{CHUNK, FAILURE_BACKOFF};
+use super::refill::{Ask, Grant, apply, plan_chunk, schedule};
+use super::returns::{Carried, Return, give_back_requests, settle};
+use super::{CHUNK, FAILURE_BACKOFF, State};
 use crate::bucket::Tokens;
 use crate::key::SlotKey;
 use crate::lease::Leases;
 use crate::lease::late::Outcome;
 use crate::lease::slot::SlotRef;
-use crate::lease::timers::Timers;
 use crate::metrics as m;
 use crate::store::{AcquireRequest, Acquired, StoreError};
 
@@ -292,14 +291,9 @@ impl<'a> Lanes<'a> {
 /// Starts a statement on every idle lane with work: up to [`CHUNK`] of its returns whose time
 /// has come, else a refill of up to [`CHUNK`] of its waiting slots. Slots that need nothing
 /// are done with at once.
-pub(super) fn dispatch<'a>(
-    leases: &'a Leases,
-    lanes: &mut Lanes<'a>,
-    timers: &mut Timers,
-    returns: &mut Vec<Return>,
-    ids: &mut Ids,
-    now: u64,
-) {
+pub(super) fn dispatch<'a>(state: &mut State<'a>, lanes: &mut Lanes<'a>, now: u64) {
+    let leases = state.leases;
+    let returns = &mut state.returns.items;
     if !returns.is_empty() {
         let mut batches: HashMap<usize, (HashSet<SlotKey>, Vec<Return>)> = HashMap::new();
         let mut rest = Vec::new();
@@ -359,7 +353,7 @@ pub(super) fn dispatch<'a>(
                     !busy
                 });
             }
-            let asks = plan_chunk(leases, &part, timers, ids);
+            let asks = plan_chunk(state, &part);
             if asks.is_empty() {
                 continue;
             }
@@ -439,14 +433,8 @@ fn give_back_job(leases: &Leases, lane: usize, batch: Vec<Return>) -> Job<'_> {
 /// failed sends its callers to the fallback for [`FAILURE_BACKOFF`]) and each slot is queued
 /// on the due-queue; a give-back's failed returns are sent again a tick later, under the same
 /// ids, and count as stranded after their last attempt (`settle`).
-pub(super) fn finish(
-    leases: &Leases,
-    done: Done,
-    lanes: &mut Lanes<'_>,
-    timers: &mut Timers,
-    returns: &mut Vec<Return>,
-    ids: &mut Ids,
-) {
+pub(super) fn finish(state: &mut State<'_>, lanes: &mut Lanes<'_>, done: Done) {
+    let leases = state.leases;
     if let Some(l) = lanes.lanes.get_mut(&done.lane) {
         match done.work {
             Answered::Refill { took, ref asks, .. } => {
@@ -502,10 +490,13 @@ pub(super) fn finish(
                 lanes.inflight.remove(&addr);
                 match answers.next() {
                     Some(Ok(answer)) if !short => {
-                        let strict = hold.map(|h| (sent, h.lease_id));
-                        apply(
-                            leases, slot, *want, *planned, &answer, now, strict, returns, ids,
-                        );
+                        let grant = Grant {
+                            slot,
+                            want: *want,
+                            planned: *planned,
+                            strict: hold.map(|h| (sent, h.lease_id)),
+                        };
+                        apply(state, grant, &answer, now);
                     }
                     // Late: the waiters ask again and go on waiting; credit owed is asked for.
                     _ if late && hold.is_none() => {
@@ -524,7 +515,7 @@ pub(super) fn finish(
                         slot.notify().notify_waiters();
                     }
                 }
-                schedule(timers, slot, now);
+                schedule(&mut state.timers, slot, now);
             }
         }
         Answered::Return { batch, result } => {
@@ -532,7 +523,13 @@ pub(super) fn finish(
                 .now()
                 .saturating_add(leases.settings.tick.as_nanos() as u64)
                 .max(1);
-            settle(leases, batch, result, Some(retry_at), returns);
+            settle(
+                leases,
+                batch,
+                result,
+                Some(retry_at),
+                &mut state.returns.items,
+            );
         }
     }
     lanes.tidy(leases);

@@ -25,8 +25,12 @@
 //! most one refill is in flight per key, and a return and a refill of one key never overlap.
 //! A slot whose refill is in flight is not expired until its answer is applied.
 //!
-//! This file holds its loop (what wakes it and what a round does), its gauges, and what takes
-//! over when a task ends early (`adopt`, `shut_down_here`). The actor's other files, their
+//! This file holds the actor as a type, [`Actor`], which owns its state (the lanes, and the
+//! [`State`] every phase shares: the table, the due-queue, the returns to send, the ids) and
+//! has a method for each phase of its loop: sleep until something is due, apply an answer,
+//! gather nudges, a round, stop; beside it its gauges, and what takes over when a task ends
+//! early (`adopt`, `shut_down_here`). The phases' parts in the other files take the `State`
+//! (and the lanes) rather than its fields one by one. The actor's other files, their
 //! roles and which way they depend on each other are in DESIGN.md, "The layers".
 
 use std::sync::Arc;
@@ -47,7 +51,7 @@ mod returns;
 mod sizing;
 
 use expiry::{expire, retire_stale};
-use lanes::{Lanes, dispatch, finish};
+use lanes::{Done, Lanes, dispatch, finish};
 use returns::{Carried, Ids, shut_down};
 
 pub(super) use returns::Return;
@@ -124,40 +128,90 @@ fn adopt(leases: &Leases, timers: &mut Timers) {
     leases.overflowed.store(true, Ordering::Release);
 }
 
-/// The actor's loop; ends after giving everything back once the limiter stops. `restarted`
-/// when an earlier actor of the same table ended early.
-pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
-    let _alive = Alive(&leases);
-    let leases: &Leases = &leases;
-    let tick = leases.settings.tick.as_nanos() as u64;
-    let mut timers = Timers::default();
-    if restarted {
-        adopt(leases, &mut timers);
+/// What every phase of the actor reads and writes beside its lanes: the table, the due-queue,
+/// the give-backs waiting to be sent (held in a guard that hands them to the next actor if this
+/// one ends early) and the ids of returns and strict leases.
+struct State<'a> {
+    leases: &'a Leases,
+    timers: Timers,
+    returns: Carried<'a>,
+    ids: Ids,
+}
+
+impl<'a> State<'a> {
+    /// `leases`' state for a new actor, with what an actor that ended early left to give back.
+    fn new(leases: &'a Leases) -> Self {
+        let carried = std::mem::take(&mut *leases.carry.lock());
+        State {
+            leases,
+            timers: Timers::default(),
+            returns: Carried::new(leases, carried),
+            ids: Ids::new(),
+        }
     }
-    let mut gauges = Gauges::default();
-    let mut counts = CountsFlush::default();
-    let carried = std::mem::take(&mut *leases.carry.lock());
-    let mut returns = Carried::new(leases, carried);
-    let returns = &mut returns.items;
-    let mut lanes = Lanes::default();
-    let mut ids = Ids::new();
-    loop {
-        let wake_at = [
-            timers.next(leases.now()),
-            gauges.due(tick, leases.table.len()),
-            retry_due(returns, leases.now()),
-            lanes.held_until,
-            counts.due(leases),
+}
+
+/// The lease actor of one table: its state, owned, and the phases of its loop as methods
+/// (sleep until something is due, apply an answer, gather nudges, a round). See the
+/// [module docs](self).
+struct Actor<'a> {
+    state: State<'a>,
+    lanes: Lanes<'a>,
+    gauges: Gauges,
+    counts: CountsFlush,
+    /// The table's tick (ns).
+    tick: u64,
+}
+
+impl<'a> Actor<'a> {
+    /// The actor of `leases`; `restarted` when an earlier actor of the same table ended early.
+    fn new(leases: &'a Leases, restarted: bool) -> Self {
+        let mut state = State::new(leases);
+        if restarted {
+            adopt(leases, &mut state.timers);
+        }
+        Actor {
+            state,
+            lanes: Lanes::default(),
+            gauges: Gauges::default(),
+            counts: CountsFlush::default(),
+            tick: leases.settings.tick.as_nanos() as u64,
+        }
+    }
+
+    fn stopping(&self) -> bool {
+        self.state.leases.stopping.load(Ordering::Acquire)
+    }
+
+    /// The next time something is due without a wake-up: a due-queue entry, a gauge pass, a
+    /// give-back to send again, a lane held back for another's statement, a flush of the
+    /// decision counts.
+    fn wake_at(&self) -> Option<u64> {
+        let leases = self.state.leases;
+        [
+            self.state.timers.next(leases.now()),
+            self.gauges.due(self.tick, leases.table.len()),
+            retry_due(&self.state.returns.items, leases.now()),
+            self.lanes.held_until,
+            self.counts.due(leases),
         ]
         .into_iter()
         .flatten()
-        .min();
-        // A statement's answer wakes the actor too, and is applied at once, whatever the
-        // other lanes' statements are doing.
-        let mut answered = None;
+        .min()
+    }
+
+    /// Sleeps until a caller wakes the actor, something is due, or a statement answers (the
+    /// answer, returned to be applied at once, whatever the other lanes' statements are doing).
+    async fn sleep(&mut self) -> Option<Done> {
+        let leases = self.state.leases;
+        let wake_at = self.wake_at();
         // Nothing in flight and nothing to send again: idle until woken (`Leases::until_idle`).
-        let idle = lanes.jobs.is_empty() && returns.is_empty() && lanes.inflight.is_empty();
+        let idle = self.lanes.jobs.is_empty()
+            && self.state.returns.items.is_empty()
+            && self.lanes.inflight.is_empty();
         leases.set_idle(idle);
+        let lanes = &mut self.lanes;
+        let mut answered = None;
         match wake_at {
             Some(at) => {
                 let deadline = leases.origin + Duration::from_nanos(at.saturating_add(1));
@@ -173,45 +227,56 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
             },
         }
         leases.set_idle(false);
-        counts.flush_if_due(leases);
-        if let Some(done) = answered.take() {
-            // An answer alone: apply it and give its lane its next statement. Nudges that came
-            // meanwhile have left the wake-up's permit, so the next round follows at once.
-            finish(leases, done, &mut lanes, &mut timers, returns, &mut ids);
-            if leases.stopping.load(Ordering::Acquire) {
-                break;
-            }
-            let now = leases.now();
-            dispatch(leases, &mut lanes, &mut timers, returns, &mut ids, now);
-            after_work(leases, &mut gauges, tick, true);
-            continue;
+        self.counts.flush_if_due(leases);
+        answered
+    }
+
+    /// Applies a statement's answer alone and gives its lane its next statement. Nudges that
+    /// came meanwhile have left the wake-up's permit, so the next round follows at once.
+    fn answer(&mut self, done: Done) {
+        finish(&mut self.state, &mut self.lanes, done);
+        if self.stopping() {
+            return;
         }
-        if leases.stopping.load(Ordering::Acquire) {
-            break;
-        }
-        // Low-water nudges only, and nothing else due: gather more of them for a moment (their
-        // callers are still paid from their leases), so a million quiet keys crossing their marks
-        // cost a statement per 256 keys and a wake-up per gathering, not one each. A waiting
-        // caller's nudge ends the gathering at once, and so does an answer.
-        if leases.soon.load(Ordering::Acquire)
-            && !leases.urgent.load(Ordering::Acquire)
-            && timers
-                .next(leases.now())
-                .is_none_or(|at| at > leases.now().saturating_add(tick))
+        let now = self.state.leases.now();
+        dispatch(&mut self.state, &mut self.lanes, now);
+        after_work(self.state.leases, &mut self.gauges, self.tick, true);
+    }
+
+    /// Low-water nudges only, and nothing else due: gathers more of them for a moment (their
+    /// callers are still paid from their leases), so a million quiet keys crossing their marks
+    /// cost a statement per 256 keys and a wake-up per gathering, not one each. A waiting
+    /// caller's nudge ends the gathering at once, and so does an answer.
+    async fn gather(&mut self) {
+        let leases = self.state.leases;
+        let now = leases.now();
+        if !leases.soon.load(Ordering::Acquire)
+            || leases.urgent.load(Ordering::Acquire)
+            || self
+                .state
+                .timers
+                .next(now)
+                .is_some_and(|at| at <= now.saturating_add(self.tick))
         {
-            let until = leases.instant() + GATHER.min(leases.settings.tick);
-            tokio::select! {
-                () = leases.wake.notified() => {}
-                () = tokio::time::sleep_until(until) => {}
-                done = lanes.next(), if !lanes.jobs.is_empty() => answered = Some(done),
-            }
-            if let Some(done) = answered.take() {
-                finish(leases, done, &mut lanes, &mut timers, returns, &mut ids);
-            }
-            if leases.stopping.load(Ordering::Acquire) {
-                break;
-            }
+            return;
         }
+        let until = leases.instant() + GATHER.min(leases.settings.tick);
+        let lanes = &mut self.lanes;
+        let mut answered = None;
+        tokio::select! {
+            () = leases.wake.notified() => {}
+            () = tokio::time::sleep_until(until) => {}
+            done = lanes.next(), if !lanes.jobs.is_empty() => answered = Some(done),
+        }
+        if let Some(done) = answered {
+            finish(&mut self.state, &mut self.lanes, done);
+        }
+    }
+
+    /// One round: the slots that asked for a refill, a reload's stale slots, what the
+    /// due-queue holds for this tick, then a statement on every idle lane with work.
+    fn round(&mut self) {
+        let leases = self.state.leases;
         // Cleared before the queue is drained: a nudge queued after this wakes the next round.
         leases.urgent.store(false, Ordering::Release);
         leases.soon.store(false, Ordering::Release);
@@ -223,43 +288,65 @@ pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
         let mut nudged = 0usize;
         while let Some(slot) = leases.nudges.pop() {
             let lane = leases.store.partition(&slot.key);
-            lanes.queue(lane, slot);
+            self.lanes.queue(lane, slot);
             nudged += 1;
         }
         if leases.overflowed.swap(false, Ordering::AcqRel) {
-            nudged += scan_pending(leases, &mut lanes);
+            nudged += scan_pending(leases, &mut self.lanes);
         }
         let reload = leases.reload.lock().take();
         let mut looked = match reload {
-            Some(stale) => retire_stale(leases, &stale, &mut timers, returns, &mut ids),
+            Some(stale) => retire_stale(&mut self.state, &stale),
             None => 0,
         };
-        looked += expire(
-            leases,
-            &mut timers,
-            now,
-            tick,
-            returns,
-            &mut ids,
-            &lanes.inflight,
-        );
-        let worked = looked > 0 || nudged > 0 || !returns.is_empty();
+        looked += expire(&mut self.state, now, self.tick, &self.lanes.inflight);
+        let worked = looked > 0 || nudged > 0 || !self.state.returns.items.is_empty();
         // Each idle lane's give-backs first, then its refills: a strict lease closed in this
         // round is settled before the same slot's renewal replaces its entry in the store.
-        dispatch(leases, &mut lanes, &mut timers, returns, &mut ids, now);
-        lanes.shrink(now);
-        after_work(leases, &mut gauges, tick, worked);
+        dispatch(&mut self.state, &mut self.lanes, now);
+        self.lanes.shrink(now);
+        after_work(leases, &mut self.gauges, self.tick, worked);
     }
-    // Statements in flight finish first (each within the store's call timeout): their grants
-    // go into slots that are closed next, and their failed returns are sent again below.
-    while !lanes.jobs.is_empty() {
-        let done = lanes.next().await;
-        finish(leases, done, &mut lanes, &mut timers, returns, &mut ids);
+
+    /// After the limiter stopped: statements in flight finish first (each within the store's
+    /// call timeout; their grants go into slots that are closed next, and their failed
+    /// returns are sent again), then every lease closes and everything goes back.
+    async fn stop(mut self) {
+        while !self.lanes.jobs.is_empty() {
+            let done = self.lanes.next().await;
+            finish(&mut self.state, &mut self.lanes, done);
+        }
+        let leases = self.state.leases;
+        shut_down(&mut self.state).await;
+        publish_counters(leases);
+        publish_outstanding(leases);
+        m::flush_all();
     }
-    shut_down(leases, returns, &mut ids).await;
-    publish_counters(leases);
-    publish_outstanding(leases);
-    m::flush_all();
+}
+
+/// The actor's loop; ends after giving everything back once the limiter stops. `restarted`
+/// when an earlier actor of the same table ended early.
+pub(super) async fn run(leases: Arc<Leases>, restarted: bool) {
+    let _alive = Alive(&leases);
+    let mut actor = Actor::new(&leases, restarted);
+    loop {
+        if let Some(done) = actor.sleep().await {
+            actor.answer(done);
+            if actor.stopping() {
+                break;
+            }
+            continue;
+        }
+        if actor.stopping() {
+            break;
+        }
+        actor.gather().await;
+        if actor.stopping() {
+            break;
+        }
+        actor.round();
+    }
+    actor.stop().await;
 }
 
 /// When the actor adds the lease decisions the threads counted to the counters
@@ -379,10 +466,8 @@ fn lease_settings(slot: &Slot) -> LeaseSettings {
 /// [`Limiter::shutdown`](crate::Limiter::shutdown) after the actor ended early: closes every
 /// lease and gives everything back (what the actor left included) on the caller's runtime.
 pub(super) async fn shut_down_here(leases: &Leases) {
-    let mut ids = Ids::new();
-    let carried = std::mem::take(&mut *leases.carry.lock());
-    let mut returns = Carried::new(leases, carried);
-    shut_down(leases, &mut returns.items, &mut ids).await;
+    let mut state = State::new(leases);
+    shut_down(&mut state).await;
     publish_counters(leases);
     publish_outstanding(leases);
     m::flush_all();

@@ -8,16 +8,16 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::lease_settings;
-use super::returns::{Ids, Return, queue_return};
+use super::returns::{Ids, queue_return};
 use super::sizing::{largest_lease, sample_demand, target_size};
+use super::{State, lease_settings};
 use crate::bucket::Tokens;
 use crate::lease::Leases;
 use crate::lease::slot::{Ms32, Slot, SlotRef};
 use crate::lease::timers::Timers;
 use crate::lease::word::{CLOSED, TOKENS};
 use crate::policy::Accounting;
-use crate::store::Hold;
+use crate::store::{Acquired, Hold};
 
 /// A contended key's lease is spread over one word per core once its target reaches `HOT_PARTS²`
 /// of its largest cost; a top-up is split into parts of at least `HOT_PARTS` costs.
@@ -133,12 +133,9 @@ fn plan_refill(slot: &Slot, now: u64, landing: u64, owed: u64) -> Option<(u64, u
 /// store for (one ask per distinct key). A slot that needs nothing has its pending mark cleared
 /// and its waiters woken, and is queued on the due-queue at once; the asked slots are queued
 /// when the answer is applied.
-pub(super) fn plan_chunk(
-    leases: &Leases,
-    part: &[SlotRef],
-    timers: &mut Timers,
-    ids: &mut Ids,
-) -> Vec<Ask> {
+pub(super) fn plan_chunk(state: &mut State<'_>, part: &[SlotRef]) -> Vec<Ask> {
+    let leases = state.leases;
+    let State { timers, ids, .. } = state;
     let now = leases.now();
     // How long a refill takes to land: the last round trips, plus a tick for a nudge that was
     // dropped and found by the sweep.
@@ -187,21 +184,26 @@ pub(super) fn schedule(timers: &mut Timers, slot: &SlotRef, now: u64) {
     timers.arm(slot, &mut book, at);
 }
 
-/// Puts one refill's answer into its slot and wakes the slot's waiters. `strict` is, for a
-/// strict lease, when the request was sent and the new lease's id: the store renewed the
-/// holder's entry under that id, and the lease expires here one lifetime after sending.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn apply(
-    leases: &Leases,
-    slot: &SlotRef,
-    want: u64,
-    planned: Planned,
-    answer: &crate::store::Acquired,
-    now: u64,
-    strict: Option<(u64, i64)>,
-    returns: &mut Vec<Return>,
-    ids: &mut Ids,
-) {
+/// One slot's ask of a refill statement, as its answer is applied.
+pub(super) struct Grant<'s> {
+    pub(super) slot: &'s SlotRef,
+    /// What the ask wanted (nanotokens).
+    pub(super) want: u64,
+    pub(super) planned: Planned,
+    /// For a strict lease, when the request was sent and the new lease's id: the store renewed
+    /// the holder's entry under that id, and the lease expires here one lifetime after sending.
+    pub(super) strict: Option<(u64, i64)>,
+}
+
+/// Puts one refill's answer into its slot (`grant`) and wakes the slot's waiters.
+pub(super) fn apply(state: &mut State<'_>, grant: Grant<'_>, answer: &Acquired, now: u64) {
+    let Grant {
+        slot,
+        want,
+        planned,
+        strict,
+    } = grant;
+    let leases = state.leases;
     let settings = lease_settings(slot);
     let ttl = settings.ttl.as_nanos() as u64;
     if let Some((sent, lease_id)) = strict {
@@ -307,9 +309,13 @@ pub(super) fn apply(
         slot.fallback_until.store(0, Ordering::Release);
         slot.dry().store(scarce, Ordering::Release);
         // The strict lease as renewed above (holder and this answer's lease id).
-        queue_return(returns, ids, slot, unplaced, || {
-            strict.and_then(|_| slot.strict_lease())
-        });
+        queue_return(
+            &mut state.returns.items,
+            &mut state.ids,
+            slot,
+            unplaced,
+            || strict.and_then(|_| slot.strict_lease()),
+        );
         // Credit given after this refill was planned is still owed: the next refill asks for
         // it (nobody waits on it). A grant that paid credit left the lease short of what the
         // key's demand wants (a cold key's first grant is its first callers' costs, and those

@@ -11,7 +11,7 @@ use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use super::CHUNK;
+use super::{CHUNK, State};
 use crate::bucket::Tokens;
 use crate::key::SlotKey;
 use crate::lease::Leases;
@@ -124,13 +124,20 @@ pub(super) fn queue_return(
 /// Takes a slot out of service for good (evicted, or shutting down): it is never topped up
 /// again, its unspent tokens go back, and its waiters wake to find it closed. Its key gets no
 /// credit from now on, and credit it still owes counts as unpaid.
-pub(super) fn retire(leases: &Leases, slot: &SlotRef, returns: &mut Vec<Return>, ids: &mut Ids) {
+pub(super) fn retire(state: &mut State<'_>, slot: &SlotRef) {
+    let leases = state.leases;
     leases.mark_removed(&slot.key);
     slot.evicted().store(true, Ordering::Release);
     leases.write_off_credit(slot);
     let reclaimed = slot.words().close();
     slot.book.lock().reclaimed.add(reclaimed);
-    queue_return(returns, ids, slot, reclaimed, || slot.strict_lease());
+    queue_return(
+        &mut state.returns.items,
+        &mut state.ids,
+        slot,
+        reclaimed,
+        || slot.strict_lease(),
+    );
     slot.notify().notify_waiters();
 }
 
@@ -205,14 +212,16 @@ pub(super) fn settle(
 
 /// Closes every lease, empties the table and gives everything back (retrying each return up
 /// to its attempts).
-pub(super) async fn shut_down(leases: &Leases, returns: &mut Vec<Return>, ids: &mut Ids) {
+pub(super) async fn shut_down(state: &mut State<'_>) {
+    let leases = state.leases;
     {
         let table = leases.table.pin();
         for (_, slot) in table.iter() {
-            retire(leases, slot, returns, ids);
+            retire(state, slot);
         }
         table.clear();
     }
+    let returns = &mut state.returns.items;
     for _ in 0..RETURN_ATTEMPTS {
         if returns.is_empty() {
             break;
