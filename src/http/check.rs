@@ -55,9 +55,12 @@ pub(crate) struct Progress {
     /// A code-built layer's endpoint, method and pattern (a file route's are its own).
     code: Option<Box<CodeRoute>>,
     keys: SmallVec<[KeyOf; INLINE]>,
-    /// The limits that took a token, and whether it may go back (not a fallback's grant).
-    taken: SmallVec<[(u16, bool); INLINE]>,
     pub(crate) reports: SmallVec<[Report; INLINE]>,
+    /// Bit `i`: limit `i` took a token (a route has at most
+    /// [`MAX_ROUTE_LIMITS`](crate::policy::MAX_ROUTE_LIMITS) limits).
+    taken: u16,
+    /// Bit `i`: limit `i`'s token may go back (not a fallback's grant).
+    givable: u16,
     /// The next limit to check.
     next: usize,
 }
@@ -94,10 +97,10 @@ impl Progress {
     /// Gives back every token taken so far (a later limit refused), and reports each limit
     /// whose token is back in its lease with it. Waits for the store's give-backs.
     pub(crate) async fn give_back_all(&mut self) {
-        let taken = std::mem::take(&mut self.taken);
+        let (taken, givable) = self.take_taken();
         let limits = Arc::clone(&self.limits);
-        for &(i, givable) in &taken {
-            let i = usize::from(i);
+        for i in bits(taken) {
+            let givable = givable & (1 << i) != 0;
             let limit = &limits.limits[i];
             let Some(key) = self.key(i) else { continue };
             let back = give_back(
@@ -114,10 +117,10 @@ impl Progress {
 
     /// [`give_back_all`](Self::give_back_all) without waiting (an inner layer refused).
     pub(crate) fn give_back_all_detached(&mut self) {
-        let taken = std::mem::take(&mut self.taken);
+        let (taken, givable) = self.take_taken();
         let limits = Arc::clone(&self.limits);
-        for &(i, givable) in &taken {
-            let i = usize::from(i);
+        for i in bits(taken) {
+            let givable = givable & (1 << i) != 0;
             let limit = &limits.limits[i];
             let Some(key) = self.key(i) else { continue };
             let back = give_back_detached(
@@ -131,11 +134,30 @@ impl Progress {
         }
     }
 
+    /// The limits that took a token and those whose token may go back, as bits, forgotten
+    /// here (each is given back once).
+    fn take_taken(&mut self) -> (u16, u16) {
+        (
+            std::mem::take(&mut self.taken),
+            std::mem::take(&mut self.givable),
+        )
+    }
+
+    /// Notes that limit `i` took a token, and whether it may go back.
+    fn took(&mut self, i: usize, decision: &Decision) {
+        self.taken |= 1 << i;
+        if givable(decision) {
+            self.givable |= 1 << i;
+        }
+    }
+
     /// Reports limit `i`'s token back in its lease when `back`.
     fn given_back(&mut self, back: bool, i: usize) {
         let plan = &self.limits.limits[i].plan;
-        if back && let Some(report) = self.reports.iter_mut().find(|r| r.limit == i) {
-            let more = report.remaining.map(|r| Tokens::whole(r.saturating_add(1)));
+        if back && let Some(report) = self.reports.iter_mut().find(|r| r.limit() == i) {
+            let more = report
+                .remaining()
+                .map(|r| Tokens::whole(r.saturating_add(1)));
             *report = Report::allowed(i, plan, more, None);
         }
     }
@@ -253,8 +275,9 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
     let mut progress = Progress {
         code,
         keys: SmallVec::with_capacity(limits.limits.len()),
-        taken: SmallVec::new(),
         reports: SmallVec::new(),
+        taken: 0,
+        givable: 0,
         next: 0,
         limits,
     };
@@ -345,7 +368,7 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
                 progress
                     .reports
                     .push(Report::allowed(i, &limit.plan, d.remaining, d.reset_after));
-                progress.taken.push((i as u16, givable(&d)));
+                progress.took(i, &d);
                 progress.next += 1;
             }
             Ok(None) => return Outcome::Slow(progress),
@@ -371,7 +394,7 @@ pub(crate) async fn finish(config: &Config, mut progress: Progress) -> Outcome {
                 progress
                     .reports
                     .push(Report::allowed(i, &limit.plan, d.remaining, d.reset_after));
-                progress.taken.push((i as u16, givable(&d)));
+                progress.took(i, &d);
             }
             // A shadow limit or plan: the denial is reported and counted, and the request goes
             // on (no token was taken, so none is given back later).
@@ -576,6 +599,17 @@ fn hashed_key(prefix: &str, id: &str) -> String {
         let _ = write!(key, "{b:02x}");
     }
     key
+}
+
+/// The positions of the set bits of `mask`, lowest first.
+fn bits(mut mask: u16) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        let i = mask.trailing_zeros();
+        (mask != 0).then(|| {
+            mask &= mask - 1;
+            i as usize
+        })
+    })
 }
 
 /// What marks a hashed id in an entity key.

@@ -414,6 +414,8 @@ impl RouteLimits {
         limiter: &Limiter,
         give_backs: &Arc<GiveBacks>,
     ) -> RouteLimits {
+        // A policy file's routes are checked for it; a layer built in code has two at most.
+        debug_assert!(specs.len() <= crate::policy::MAX_ROUTE_LIMITS);
         let mut limits = Vec::with_capacity(specs.len());
         let mut items = Vec::with_capacity(specs.len());
         let mut needs_params = false;

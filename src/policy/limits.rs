@@ -11,6 +11,10 @@ use super::error::{PolicyError, push_key, quote, shorten};
 use super::raw::{Obj, RawEntity, RawLimit, RawMap};
 use super::types::{EntityRule, EntitySource, RouteLimit};
 
+/// The most limits one route lists: each request carries a word of flags per route, one bit a
+/// limit, and a route with more limits than this is a file to split, not one to serve.
+pub const MAX_ROUTE_LIMITS: usize = 16;
+
 /// The file's budgets, by name, checked.
 pub(super) type Budgets = HashMap<String, EntityRule>;
 
@@ -78,6 +82,15 @@ impl Checker {
             return Err(self.err(
                 format!("{field}.limits"),
                 "limits nothing: list at least one limit",
+            ));
+        }
+        if raw.len() > MAX_ROUTE_LIMITS {
+            return Err(self.err(
+                format!("{field}.limits"),
+                format!(
+                    "lists {} limits: a route has at most {MAX_ROUTE_LIMITS}",
+                    raw.len()
+                ),
             ));
         }
         let mut limits: Vec<RouteLimit> = Vec::with_capacity(raw.len());

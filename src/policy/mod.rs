@@ -88,6 +88,7 @@ mod types;
 
 pub use check::MAX_CAPACITY;
 pub use error::{PolicyError, PolicyErrorKind};
+pub use limits::MAX_ROUTE_LIMITS;
 #[cfg(feature = "http")]
 pub(crate) use routes::{route_params, route_pattern_error, route_shape};
 pub use types::{

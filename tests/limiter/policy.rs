@@ -535,6 +535,12 @@ const INVALID: &[Case] = &[
         message: r#"route_limit_name_duplicate.json: routes[0].limits[1].name: duplicate limit name "booking": already routes[0].limits[0]; each limit of a route has a name of its own"#,
     },
     Case {
+        file: "route_limits_too_many.json",
+        plan: None,
+        field: Some("routes[0].limits"),
+        message: r#"route_limits_too_many.json: routes[0].limits: lists 17 limits: a route has at most 16"#,
+    },
+    Case {
         file: "route_limit_name_missing.json",
         plan: None,
         field: Some("routes[0].limits[0]"),
