@@ -23,12 +23,15 @@
 #   BEFORE=/path/to/old/tokenlease REPEAT=2 bash scripts/scale-out-compare.sh
 #   TOKENLEASE=/path/to/tokenlease DURATION_S=5 WARMUP_S=2 bash scripts/scale-out-compare.sh
 #   MODES="direct leased" bash scripts/scale-out-compare.sh   # some of the modes only
+#   SETUPS="shards1" BEFORE=... bash scripts/scale-out-compare.sh   # one primary only: a
+#       change's cost per decision before and after, without the scale-out set-ups
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DURATION_S="${DURATION_S:-10}"
 WARMUP_S="${WARMUP_S:-3}"
 REPEAT="${REPEAT:-1}"
 MODES="${MODES:-direct direct4 leased}"
+SETUPS="${SETUPS:-shards1 shards2 citus2}"
 BEFORE="${BEFORE:-}"
 target="${CARGO_TARGET_DIR:-target}"
 source scripts/lib.sh
@@ -67,7 +70,13 @@ for ((round = 0; round < REPEAT; round++)); do
             direct4) load=(--mode direct --keys 10000 --in-flight 4 --rate 40000) ;;
             leased) load=(--mode leased --keys 100000 --rate 100000) ;;
         esac
-        for setup in "--shards 1" "--shards 2" "--citus 2"; do
+        for name in $SETUPS; do
+            case "$name" in
+                shards1) setup="--shards 1" ;;
+                shards2) setup="--shards 2" ;;
+                citus2) setup="--citus 2" ;;
+                *) echo "scale-out-compare: unknown set-up $name (shards1, shards2, citus2)" >&2; exit 2 ;;
+            esac
             # Every other round the other build first: the second of two runs back to back
             # may find the machine busier (the first's cluster still being removed).
             order=("${builds[@]}")
