@@ -78,7 +78,7 @@ fn is_timeout(r: &Result<Acquired, StoreError>) -> bool {
     matches!(r, Err(StoreError::Timeout { .. }))
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn opens_after_threshold_probes_and_closes() {
     let flaky = Flaky::default();
     let b = breaker(&flaky);
@@ -115,7 +115,7 @@ async fn opens_after_threshold_probes_and_closes() {
     assert!(b.clock_skew().is_some());
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn backoff_is_capped_and_reset_on_close() {
     let flaky = Flaky::default();
     let b = breaker(&flaky);
@@ -166,7 +166,7 @@ async fn a_success_or_a_permanent_error_resets_the_count() {
     assert_eq!(b.state(), CircuitState::Closed);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn only_one_probe_at_a_time_and_a_cancelled_probe_reopens() {
     let flaky = Flaky::default();
     let b = breaker(&flaky);
