@@ -1,91 +1,82 @@
-//! Clocks for the parts that keep time locally.
+//! The library's one local clock, tokio's, and the wall clock it reports with.
 //!
-//! The shared bucket never reads a local clock: PostgreSQL decides with `now()`. Local state (the
-//! in-memory store, lease expiry, local fallback buckets) reads time through [`Clock`], so tests
-//! can drive it by hand with [`ManualClock`].
+//! The shared bucket never reads a local clock: PostgreSQL decides with `now()`. Everything the
+//! library times locally (lease expiry, the lease actor's refill timing, the direct-mode
+//! coalescer, the fallback and its local buckets, the outage-debt ledger, the circuit breaker's
+//! back-off, the store's call deadlines, the in-memory store) reads tokio's clock through
+//! `instant()` and `now()` (crate-private), the only two functions of the library that read it,
+//! and its timers (`sleep_until`, `timeout_at`, `interval`) run on the same clock. So a reading
+//! and a timer never disagree, and a test that pauses tokio's time (`start_paused`,
+//! `tokio::time::pause`, `tokio::time::advance`) drives all of it (docs/design/time.md).
 //!
-//! Two kinds of clock implement the trait. [`MonotonicClock`] reads the wall clock once, then
-//! advances with tokio's [`Instant`] (the process's monotonic clock, unless a test paused
-//! tokio's time: the lease table, its actor, the breaker and the fallback read the same clock,
-//! so one paused runtime drives them all): everything that decides (lease expiry, local buckets) uses it, so
-//! a wall clock stepped by NTP or by hand changes no decision. [`SystemClock`] is the wall clock
-//! itself, which may step either way; only reporting reads it (the circuit breaker's
-//! `tokenlease_store_clock_skew_seconds`, see
-//! [`CircuitBreaker::wall_clock`](crate::store::CircuitBreaker::wall_clock)).
+//! `now()` is that clock as a [`Timestamp`]: the wall clock as it stood when the process first
+//! read the time, advanced by tokio's clock since, so a wall clock stepped by NTP or by hand
+//! changes no decision. The wall clock itself, which may step either way, is read only for
+//! reporting, through a [`WallClock`] ([`SystemClock`] unless a test steps one): the circuit
+//! breaker's `tokenlease_store_clock_skew_seconds`, see
+//! [`CircuitBreaker::wall_clock`](crate::store::CircuitBreaker::wall_clock).
 
 use std::fmt;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::OnceLock;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::time::Instant;
 
 use crate::bucket::Timestamp;
 
-/// A source of [`Timestamp`]s (nanoseconds since the Unix epoch) and of tokio [`Instant`]s.
+/// Now on tokio's clock: what deadlines, lifetimes, back-offs and latencies count from. A test
+/// that pauses tokio's time moves it with `tokio::time::advance`.
 ///
-/// [`MonotonicClock`] never goes backwards on its own; [`SystemClock`] goes wherever the host's
-/// wall clock goes; [`ManualClock`] goes where a test sets it.
+/// The limiter reads it once per call and passes that reading down (docs/design/time.md).
+#[inline]
+pub(crate) fn instant() -> Instant {
+    Instant::now()
+}
+
+/// Now on tokio's clock as a [`Timestamp`] (nanoseconds since the Unix epoch): what the
+/// in-memory store's and the fallback's local buckets refill by.
 ///
-/// The limiter reads time only through the clock given to
-/// [`LimiterBuilder::clock`](crate::limiter::LimiterBuilder::clock) (by default a [`MonotonicClock`]),
-/// once per call, and passes that reading down (docs/design/time.md).
-pub trait Clock: Send + Sync + fmt::Debug + 'static {
-    /// The current time.
+/// The wall clock is read once per process, with the monotonic clock beside it; every reading
+/// after that is that wall-clock time moved by how far tokio's clock stands from that
+/// monotonic reading (backwards too: a paused runtime may stand before it). So it never steps
+/// when the wall clock does, stands still while a test has paused tokio's time, and moves
+/// exactly as far as the test advances it.
+pub(crate) fn now() -> Timestamp {
+    timestamp_at(instant())
+}
+
+/// The [`Timestamp`] that [`now`] reads at tokio instant `at`.
+fn timestamp_at(at: Instant) -> Timestamp {
+    /// The wall clock and the monotonic clock, read together once per process.
+    static ORIGIN: OnceLock<(std::time::Instant, Timestamp)> = OnceLock::new();
+    let (origin, wall) = *ORIGIN.get_or_init(|| {
+        (
+            std::time::Instant::now(),
+            timestamp_from_system_time(SystemTime::now()),
+        )
+    });
+    let at = at.into_std();
+    match at.checked_duration_since(origin) {
+        Some(after) => wall.saturating_add(nanos(after)),
+        None => Timestamp::from_nanos(wall.as_nanos().saturating_sub(nanos(origin - at))),
+    }
+}
+
+/// A duration in nanoseconds, saturating at `u64::MAX` (584 years).
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// A wall clock: what the circuit breaker's skew gauge compares the store's `now()` with
+/// ([`CircuitBreaker::wall_clock`](crate::store::CircuitBreaker::wall_clock)).
+///
+/// Nothing that decides reads it: decisions run on tokio's clock (`instant()`, `now()`), which
+/// a test drives by pausing tokio's time. A wall clock is a trait of its own because a test of
+/// the gauge must step it, by an hour either way, while tokio's clock runs on: [`SystemClock`]
+/// goes wherever the host's wall clock goes; a test passes one it sets by hand.
+pub trait WallClock: Send + Sync + fmt::Debug + 'static {
+    /// The wall-clock time now, in nanoseconds since the Unix epoch.
     fn now(&self) -> Timestamp;
-
-    /// The current time as a tokio [`Instant`], for deadlines and durations (lease expiry, the
-    /// circuit breaker's backoff, a call's deadline). The default reads tokio's clock, which a
-    /// test can pause and advance (`tokio::time::pause`); a clock that moves by hand overrides
-    /// it so that its instants move with [`now`](Self::now).
-    fn instant(&self) -> Instant {
-        Instant::now()
-    }
-}
-
-/// The clock that everything keeping time locally shares: the one given to the builder.
-pub(crate) type SharedClock = Arc<dyn Clock>;
-
-/// The clock of a limiter or store built without one: the process's monotonic clock.
-pub(crate) fn default_clock() -> SharedClock {
-    Arc::new(MonotonicClock::new())
-}
-
-/// The process's monotonic clock, reading nanoseconds since the Unix epoch as the wall clock
-/// stood when this value was created, then advancing with tokio's [`Instant`] (so it never
-/// steps back when the wall clock does, and stands still while a test has paused tokio's time).
-#[derive(Clone, Copy, Debug)]
-pub struct MonotonicClock {
-    origin: Instant,
-    origin_wall: Timestamp,
-}
-
-impl MonotonicClock {
-    /// A clock that reads the wall-clock time now.
-    pub fn new() -> Self {
-        MonotonicClock {
-            origin: Instant::now(),
-            origin_wall: timestamp_from_system_time(SystemTime::now()),
-        }
-    }
-}
-
-impl Default for MonotonicClock {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Clock for MonotonicClock {
-    fn now(&self) -> Timestamp {
-        let elapsed = u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.origin_wall.saturating_add(elapsed)
-    }
-
-    #[inline]
-    fn instant(&self) -> Instant {
-        Instant::now()
-    }
 }
 
 /// The host's wall clock ([`SystemTime::now`]), read at every call: it steps when the wall clock
@@ -93,58 +84,9 @@ impl Clock for MonotonicClock {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SystemClock;
 
-impl Clock for SystemClock {
+impl WallClock for SystemClock {
     fn now(&self) -> Timestamp {
         timestamp_from_system_time(SystemTime::now())
-    }
-}
-
-/// A clock that moves only when told to; cheap to clone, all clones share one time.
-///
-/// Its [`instant`](Clock::instant) is tokio's clock as it stood when the clock was made, plus
-/// however far the clock was moved since (never before that instant).
-#[derive(Clone, Debug)]
-pub struct ManualClock {
-    nanos: Arc<AtomicU64>,
-    start: u64,
-    origin: Instant,
-}
-
-impl Default for ManualClock {
-    fn default() -> Self {
-        Self::new(Timestamp::from_nanos(0))
-    }
-}
-
-impl ManualClock {
-    /// A clock that reads `start`.
-    pub fn new(start: Timestamp) -> Self {
-        ManualClock {
-            nanos: Arc::new(AtomicU64::new(start.as_nanos())),
-            start: start.as_nanos(),
-            origin: Instant::now(),
-        }
-    }
-
-    /// Moves the clock forward by `nanos`.
-    pub fn advance(&self, nanos: u64) {
-        self.nanos.fetch_add(nanos, Ordering::SeqCst);
-    }
-
-    /// Sets the clock to `to`, which may be earlier than now (to test clocks that step back).
-    pub fn set(&self, to: Timestamp) {
-        self.nanos.store(to.as_nanos(), Ordering::SeqCst);
-    }
-}
-
-impl Clock for ManualClock {
-    fn now(&self) -> Timestamp {
-        Timestamp::from_nanos(self.nanos.load(Ordering::SeqCst))
-    }
-
-    fn instant(&self) -> Instant {
-        let moved = self.nanos.load(Ordering::SeqCst).saturating_sub(self.start);
-        self.origin + std::time::Duration::from_nanos(moved)
     }
 }
 
@@ -157,38 +99,36 @@ pub fn timestamp_from_system_time(t: SystemTime) -> Timestamp {
 
 /// Converts nanoseconds since the Unix epoch back to a wall-clock time.
 pub fn system_time_from_timestamp(t: Timestamp) -> SystemTime {
-    UNIX_EPOCH + std::time::Duration::from_nanos(t.as_nanos())
+    UNIX_EPOCH + Duration::from_nanos(t.as_nanos())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A manual clock's instants move with it, and only with it: forward by what it advanced,
-    /// never before the instant it was made at.
+    /// The local clock is tokio's, so a paused runtime drives both readings, by exactly what
+    /// the test advances.
     #[tokio::test(start_paused = true)]
-    async fn a_manual_clocks_instants_move_with_it() {
-        let clock = ManualClock::new(Timestamp::from_nanos(5_000));
-        let start = clock.instant();
-        tokio::time::advance(std::time::Duration::from_secs(1)).await;
-        assert_eq!(clock.instant(), start, "tokio's time does not move it");
-        clock.advance(2_000_000);
-        assert_eq!(clock.instant() - start, std::time::Duration::from_millis(2));
-        clock.set(Timestamp::from_nanos(0));
-        assert_eq!(
-            clock.instant(),
-            start,
-            "set before its start: its first instant"
-        );
+    async fn the_clock_reads_tokios_paused_time() {
+        let (t0, w0) = (instant(), now());
+        tokio::time::advance(Duration::from_secs(3)).await;
+        assert_eq!(instant() - t0, Duration::from_secs(3));
+        assert_eq!(now().as_nanos() - w0.as_nanos(), 3_000_000_000);
     }
 
-    /// The default clock's instants are tokio's, so a paused runtime drives it.
+    /// Tokio instants before the process's first reading map before its wall-clock time, by
+    /// as much: the timestamps keep the instants' order and distances whichever side they are
+    /// on.
     #[tokio::test(start_paused = true)]
-    async fn the_default_clock_reads_tokios_paused_time() {
-        let clock = default_clock();
-        let (t0, w0) = (clock.instant(), clock.now());
-        tokio::time::advance(std::time::Duration::from_secs(3)).await;
-        assert_eq!(clock.instant() - t0, std::time::Duration::from_secs(3));
-        assert_eq!(clock.now().as_nanos() - w0.as_nanos(), 3_000_000_000);
+    async fn instants_on_either_side_of_the_origin_keep_their_distance() {
+        let t = instant();
+        let at = now();
+        let early = t - Duration::from_secs(5);
+        let late = t + Duration::from_secs(7);
+        assert_eq!(
+            at.as_nanos() - timestamp_at(early).as_nanos(),
+            5_000_000_000
+        );
+        assert_eq!(timestamp_at(late).as_nanos() - at.as_nanos(), 7_000_000_000);
     }
 }

@@ -28,7 +28,6 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::bucket::{BucketConfig, Tokens};
-use crate::clock::SharedClock;
 use crate::metrics::PlanCounters;
 use crate::policy::{FallbackMode, Plan};
 use crate::store::{AcquireRequest, Store};
@@ -288,8 +287,7 @@ struct Shared {
     /// When the fallback last decided a call of this limiter: nanoseconds since `origin`, plus
     /// one (zero: never). While callers keep falling back, the task does not probe the store.
     last_fallback: AtomicU64,
-    /// The limiter's clock, and its instant when the ledger was made.
-    clock: SharedClock,
+    /// Tokio's clock when the ledger was made.
     origin: Instant,
 }
 
@@ -321,9 +319,9 @@ struct Charge {
 }
 
 impl Debt {
-    /// A ledger charging over `store`, on the limiter's `clock`.
-    pub(crate) fn new(store: Arc<dyn Store>, settings: Settings, clock: SharedClock) -> Debt {
-        let origin = clock.instant();
+    /// A ledger charging over `store`.
+    pub(crate) fn new(store: Arc<dyn Store>, settings: Settings) -> Debt {
+        let origin = crate::clock::instant();
         Debt {
             shared: Some(Arc::new(Shared {
                 store,
@@ -333,7 +331,6 @@ impl Debt {
                 parked: AtomicBool::new(false),
                 wake: Notify::new(),
                 last_fallback: AtomicU64::new(0),
-                clock,
                 origin,
             })),
         }
@@ -342,7 +339,7 @@ impl Debt {
     /// Records `cost` admitted by `plan`'s fallback on `key`, if the plan keeps outage debt
     /// (its `allow` or `local` fallback, with `outage_debt` on), and starts the charging task
     /// if none runs. The debt is counted on the plan's `counters`; `now` is the call's reading
-    /// of the limiter's clock.
+    /// of tokio's clock.
     pub(crate) fn record(
         &self,
         plan: &Plan,
@@ -432,14 +429,14 @@ impl Debt {
         key: &str,
         cost: Tokens,
     ) {
-        if let Some(shared) = &self.shared {
-            self.record(plan, counters, key, cost, shared.clock.instant());
+        if self.shared.is_some() {
+            self.record(plan, counters, key, cost, crate::clock::instant());
         }
     }
 
     /// The fallback decided a call (the store did not answer it): noted, so that the task
-    /// does not probe the store while callers still fall back. `now`: the call's reading of the
-    /// limiter's clock.
+    /// does not probe the store while callers still fall back. `now`: the call's reading of
+    /// tokio's clock.
     pub(crate) fn fallback_decided(&self, now: Instant) {
         if let Some(shared) = &self.shared {
             let since = now.saturating_duration_since(shared.origin);
@@ -647,7 +644,7 @@ async fn charge(shared: Weak<Shared>) {
                 () = shared.wake.notified() => true,
                 () = tokio::time::sleep(wait) => false,
             };
-            let now = shared.clock.instant();
+            let now = crate::clock::instant();
             if !woken && shared.fell_back_within(ACTIVE_GAP, now) {
                 if !shared.still_owing(now) {
                     return;
@@ -656,7 +653,7 @@ async fn charge(shared: Weak<Shared>) {
             }
             waiting = false;
         }
-        let Some(round) = shared.next_round(shared.clock.instant()) else {
+        let Some(round) = shared.next_round(crate::clock::instant()) else {
             return;
         };
         if round.is_empty() {

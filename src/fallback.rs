@@ -22,7 +22,6 @@ use tokio::time::Instant;
 use parking_lot::Mutex;
 
 use crate::bucket::{BucketConfig, Rate, Tokens};
-use crate::clock::SharedClock;
 use crate::debt::{ACTIVE_GAP, Debt, OutageDebt};
 use crate::decision::{DecidedBy, Decision};
 use crate::metrics::{FALLBACK_ACTIVE_SECONDS, PlanCounters};
@@ -80,45 +79,35 @@ pub(crate) struct Fallback {
     reported: Arc<AtomicUsize>,
     /// What the `allow` and `local` fallbacks admitted, charged to the store after recovery.
     debt: Debt,
-    /// The limiter's clock (the local buckets read it too).
-    #[cfg_attr(not(test), allow(dead_code))]
-    clock: SharedClock,
 }
 
 #[cfg(test)]
 impl Default for Fallback {
-    /// A fallback without outage debt, on the default clock.
+    /// A fallback without outage debt.
     fn default() -> Self {
-        Fallback::new(crate::clock::default_clock())
+        Fallback::new()
     }
 }
 
 impl Fallback {
-    /// A fallback without outage debt, its local buckets on `clock`.
-    pub(crate) fn new(clock: SharedClock) -> Self {
-        let local = MemoryStore::with_shared_clock(Arc::clone(&clock));
-        Fallback::with_local(local.with_max_keys(FALLBACK_MAX_KEYS), clock)
-    }
-
-    /// A fallback whose admissions are recorded in `debt`, its local buckets on `clock`.
-    pub(crate) fn with_debt(debt: Debt, clock: SharedClock) -> Self {
+    /// A fallback without outage debt.
+    pub(crate) fn new() -> Self {
         Fallback {
-            debt,
-            ..Fallback::new(clock)
-        }
-    }
-
-    /// A fallback over the given local buckets (tests: a store on a manual clock).
-    fn with_local(local: MemoryStore, clock: SharedClock) -> Self {
-        Fallback {
-            local,
+            local: MemoryStore::new().with_max_keys(FALLBACK_MAX_KEYS),
             reported: Arc::new(AtomicUsize::new(0)),
             debt: Debt::default(),
-            clock,
         }
     }
 
-    /// [`decide`](Self::decide) at the fallback's clock's time now (tests).
+    /// A fallback whose admissions are recorded in `debt`.
+    pub(crate) fn with_debt(debt: Debt) -> Self {
+        Fallback {
+            debt,
+            ..Fallback::new()
+        }
+    }
+
+    /// [`decide`](Self::decide) at tokio's time now (tests).
     #[cfg(test)]
     pub(crate) async fn decide_now(
         &self,
@@ -127,8 +116,8 @@ impl Fallback {
         key: &str,
         cost: Tokens,
     ) -> Decision {
-        let now = self.clock.instant();
-        self.decide(plan, counters, key, cost, now).await
+        self.decide(plan, counters, key, cost, crate::clock::instant())
+            .await
     }
 
     /// The outage debt's figures now.
@@ -160,7 +149,7 @@ impl Fallback {
     }
 
     /// Decides `cost` on `key` under `plan`'s fallback mode, at `now` (the call's reading of
-    /// the limiter's clock); what it admits goes into the outage debt (for plans that keep it),
+    /// tokio's clock); what it admits goes into the outage debt (for plans that keep it),
     /// counted on the plan's `counters`.
     pub(crate) async fn decide(
         &self,
@@ -371,16 +360,9 @@ mod tests {
     /// refill: at most `FALLBACK_MAX_KEYS` buckets are kept (ids beyond them are denied, never
     /// admitted by evicting a bucket that is not full), and once the buckets have refilled the
     /// next calls delete them.
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn local_buckets_stay_bounded_under_a_flood_of_ids() {
-        use crate::bucket::Timestamp;
-        use crate::clock::ManualClock;
-
-        let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000_000_000));
-        let fallback = Fallback::with_local(
-            MemoryStore::with_clock(clock.clone()).with_max_keys(FALLBACK_MAX_KEYS),
-            Arc::new(clock.clone()),
-        );
+        let fallback = Fallback::default();
         let plan = plan(FallbackMode::Local {
             instances: NonZeroU32::new(2).unwrap(),
         });
@@ -405,7 +387,7 @@ mod tests {
         assert_eq!(d.remaining, Some(Tokens::whole(48)));
 
         // A share of 50 refilling at 25/s is full again after 2 s: the next call deletes them.
-        clock.advance(3_000_000_000);
+        tokio::time::advance(Duration::from_secs(3)).await;
         let d = fallback
             .decide_now(&plan, &counters(&plan), "later", one)
             .await;
@@ -416,7 +398,7 @@ mod tests {
     #[test]
     fn active_time_adds_gaps_within_an_episode() {
         let active: Active = Mutex::new([(None, Duration::ZERO); 3]);
-        let t0 = crate::clock::default_clock().instant();
+        let t0 = crate::clock::instant();
         let at = |ms| add_active(&active, FallbackMode::Deny, t0 + Duration::from_millis(ms));
         at(0);
         at(300);
@@ -447,8 +429,7 @@ mod tests {
         async fn no_probe_while_callers_fall_back() {
             let store = Arc::new(Switch::default());
             store.failing.store(true, Ordering::SeqCst);
-            let fallback =
-                Fallback::with_debt(ledger(&store, settings()), crate::clock::default_clock());
+            let fallback = Fallback::with_debt(ledger(&store, settings()));
             let p = plan("p", 100, 1.0, FallbackMode::Allow);
             for _ in 0..100 {
                 assert!(
@@ -480,8 +461,7 @@ mod tests {
         async fn the_fallback_records_what_it_admits() {
             let store = Arc::new(Switch::default());
             store.failing.store(true, Ordering::SeqCst);
-            let fallback =
-                Fallback::with_debt(ledger(&store, settings()), crate::clock::default_clock());
+            let fallback = Fallback::with_debt(ledger(&store, settings()));
             let one = whole(1);
             let allow = plan("allow", 100, 1.0, FallbackMode::Allow);
             for _ in 0..3 {

@@ -85,7 +85,8 @@
 //!   answer, [`Decision`], and the lease counters, [`LeaseStats`].
 //! - `http` (feature `http`): the tower layer with a global and an entity limit per route.
 //! - [`metrics`]: metric names and `describe()`.
-//! - [`clock`]: the clocks local state reads.
+//! - [`clock`]: the wall clock the skew gauge reads, and the conversions of store times (the
+//!   library times everything else on tokio's clock).
 //!
 //! The pages named here are in the package, and docs.rs shows them with its source:
 //!

@@ -31,7 +31,7 @@ use tokenlease_testkit::TempPostgres;
 use tokenlease_testkit::rig::{self as kit, ms};
 use tokio::time::Instant;
 
-use crate::clock::{Clock as _, MonotonicClock};
+use crate::clock::instant;
 use crate::debt::tests::{local, plan};
 use crate::policy::{FallbackMode, Plan};
 use crate::store::CircuitBreaker;
@@ -69,7 +69,6 @@ async fn d6(mode: FallbackMode) {
     // One mode at a time under `cargo test`, which runs a binary's tests on parallel threads.
     static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     let _serial = SERIAL.lock().await;
-    let clock = MonotonicClock::new();
     let pg = tokio::task::spawn_blocking(TempPostgres::start)
         .await
         .expect("join")
@@ -77,22 +76,15 @@ async fn d6(mode: FallbackMode) {
     let store = fault_store(&pg.connection_string("postgres"), 2).await;
     // The store's own pool: a bb8 pool's clones share its connections.
     let pool = store.pool().clone();
-    let log = Log::new(move || clock.instant(), class);
+    let log = Log::new(instant, class);
     let recording = Recording {
         inner: store,
         log: log.clone(),
     };
     let limiter = Limiter::builder(CircuitBreaker::new(recording)).build();
     let plan = Arc::new(plan("test", C, R, mode));
-    let origin = clock.instant();
-    let run = drive(
-        &limiter,
-        &plan,
-        4,
-        clock,
-        origin,
-        Duration::from_millis(3_000),
-    );
+    let origin = instant();
+    let run = drive(&limiter, &plan, 4, origin, Duration::from_millis(3_000));
     // sleep: the timeline: the callers have the pool to themselves for the first 0.5 s.
     tokio::time::sleep_until(origin + Duration::from_millis(500)).await;
     // Hold both pooled connections for 1.5 s. The callers compete for them, and each `get`
@@ -106,13 +98,13 @@ async fn d6(mode: FallbackMode) {
         panic!("no pooled connection in 100 tries");
     };
     let held = (get().await, get().await);
-    let hold_start = clock.instant() - origin;
+    let hold_start = instant() - origin;
     log.reset_max_in_flight();
     // sleep: the timeline: the test holds the pool until 2.0 s.
     tokio::time::sleep_until(origin + Duration::from_millis(2_000)).await;
     let in_flight = log.max_in_flight();
     drop(held);
-    let release = clock.instant() - origin;
+    let release = instant() - origin;
     let events = run.await.expect("the run");
 
     let held_calls = log.calls_in(origin, hold_start, release);
@@ -210,7 +202,6 @@ fn drive(
     limiter: &Limiter,
     plan: &Arc<Plan>,
     tasks: usize,
-    clock: MonotonicClock,
     origin: Instant,
     until: Duration,
 ) -> tokio::task::JoinHandle<Vec<Event>> {
@@ -221,7 +212,7 @@ fn drive(
             move || {
                 let (limiter, plan) = (limiter.clone(), Arc::clone(&plan));
                 async move {
-                    let start = clock.instant();
+                    let start = instant();
                     let d = limiter
                         .try_acquire_with(&plan, KEY, 1.0)
                         .await
@@ -229,18 +220,12 @@ fn drive(
                     Event {
                         at: start - origin,
                         by: d.decided_by,
-                        took: clock.instant() - start,
+                        took: instant() - start,
                     }
                 }
             }
         })
         .collect();
     let until = Arc::new(AtomicU64::new(until.as_millis() as u64));
-    kit::drive(
-        callers,
-        move || clock.instant(),
-        origin,
-        &until,
-        |e: &Event| e.at,
-    )
+    kit::drive(callers, instant, origin, &until, |e: &Event| e.at)
 }

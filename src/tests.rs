@@ -3,8 +3,6 @@
 
 use std::time::Duration;
 
-use crate::clock::default_clock;
-
 /// The one place where the library's unit tests wait for something by looking again (L4, as
 /// `tests/common`'s `eventually` for the integration tests): looks at `check` at once, then
 /// every `step` of tokio's clock (real time, or the paused clock of a test that paused it), the
@@ -15,13 +13,12 @@ pub(crate) async fn eventually(
     what: &str,
     mut check: impl AsyncFnMut() -> bool,
 ) {
-    let clock = default_clock();
-    let deadline = clock.instant() + within;
+    let deadline = crate::clock::instant() + within;
     loop {
         if check().await {
             return;
         }
-        let now = clock.instant();
+        let now = crate::clock::instant();
         assert!(now < deadline, "{what}: not within {within:?}");
         // sleep: the poll's step, between two looks at the condition.
         tokio::time::sleep(step.min(deadline - now)).await;

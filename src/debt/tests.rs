@@ -8,7 +8,6 @@ use async_trait::async_trait;
 
 use super::*;
 use crate::bucket::Rate;
-use crate::clock::default_clock;
 use crate::policy::FallbackSettings;
 use crate::store::{Acquired, BucketRow, GiveBack, MemoryStore, StoreError};
 use crate::tests::eventually;
@@ -79,11 +78,7 @@ pub(crate) fn settings() -> Settings {
 }
 
 pub(crate) fn ledger(store: &Arc<Switch>, settings: Settings) -> Debt {
-    Debt::new(
-        Arc::clone(store) as Arc<dyn Store>,
-        settings,
-        default_clock(),
-    )
+    Debt::new(Arc::clone(store) as Arc<dyn Store>, settings)
 }
 
 /// The tokens the store's bucket for `key` holds now (`None`: no row, a full bucket).
@@ -402,11 +397,7 @@ async fn a_call_past_its_deadline_fails_the_round() {
         }
     }
     let hung = Arc::new(Hung::default());
-    let debt = Debt::new(
-        Arc::clone(&hung) as Arc<dyn Store>,
-        settings(),
-        default_clock(),
-    );
+    let debt = Debt::new(Arc::clone(&hung) as Arc<dyn Store>, settings());
     let p = plan("p", 100, 1.0, FallbackMode::Allow);
     debt.record_now(&p, &counters(&p), "k", whole(3));
     recovered(&debt).await;

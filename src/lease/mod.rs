@@ -22,8 +22,6 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::clock::SharedClock;
-
 use crossbeam_queue::ArrayQueue;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -158,9 +156,7 @@ pub(crate) struct Leases {
     went_idle: Notify,
     /// Set when the limiter is dropped or shut down.
     stopping: AtomicBool,
-    /// The limiter's clock, and its instant when the table started: [`now`](Self::now) counts
-    /// from there.
-    clock: SharedClock,
+    /// Tokio's clock when the table started: [`now`](Self::now) counts from there.
     origin: Instant,
     store: Arc<dyn Store>,
     pub(crate) counters: Counters,
@@ -256,12 +252,8 @@ pub(crate) enum Fast {
 
 impl Leases {
     /// A table over `store`, with its actor spawned on the current runtime.
-    pub(crate) fn start(
-        store: Arc<dyn Store>,
-        settings: TableSettings,
-        clock: SharedClock,
-    ) -> Arc<Leases> {
-        let origin = clock.instant();
+    pub(crate) fn start(store: Arc<dyn Store>, settings: TableSettings) -> Arc<Leases> {
+        let origin = crate::clock::instant();
         let leases = Arc::new(Leases {
             // Records for every key the table may hold, the removed keys whose slots are not yet
             // dropped (at most an eighth more, by the table's rebuild rule, plus what the actor
@@ -280,7 +272,6 @@ impl Leases {
             idle: AtomicBool::new(false),
             went_idle: Notify::new(),
             stopping: AtomicBool::new(false),
-            clock,
             origin,
             store,
             counters: Counters::default(),
@@ -362,14 +353,14 @@ impl Leases {
         }
     }
 
-    /// Local monotonic time in nanoseconds (since the table started, by the limiter's clock).
+    /// Local monotonic time in nanoseconds (since the table started, by tokio's clock).
     pub(crate) fn now(&self) -> u64 {
-        self.nanos_at(self.clock.instant())
+        self.nanos_at(crate::clock::instant())
     }
 
-    /// The limiter's clock now.
+    /// Tokio's clock now.
     pub(crate) fn instant(&self) -> Instant {
-        self.clock.instant()
+        crate::clock::instant()
     }
 
     /// `at` in the table's local nanoseconds.

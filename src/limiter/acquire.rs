@@ -15,7 +15,6 @@ use super::call::Step;
 use super::cost::{lease_cost, validate_cost};
 use super::decisions::lease_allowed_at;
 use super::{Decision, Limiter};
-use crate::clock::SharedClock;
 use crate::error::Error;
 use crate::policy::Plan;
 
@@ -105,11 +104,10 @@ enum State<'a> {
         key: &'a str,
         cost: f64,
     },
-    /// The rest of the call, when it started waiting, and the clock that said so.
+    /// The rest of the call, and when it started waiting.
     Waiting(
         Pin<Box<dyn Future<Output = Result<Decision, Error>> + Send + 'a>>,
         Instant,
-        &'a SharedClock,
     ),
     /// Decided, and handed over on the next poll (the task yielded for tokio's budget). Boxed:
     /// rare, and a `Decision` inline would make every `Acquire` as large as one.
@@ -152,7 +150,7 @@ impl Future for Acquire<'_> {
                 Err(e) => Err(e),
             });
         }
-        let (mut waiting, since, clock) = match std::mem::replace(&mut self.state, State::Done) {
+        let (mut waiting, since) = match std::mem::replace(&mut self.state, State::Done) {
             State::Start {
                 limiter,
                 plan,
@@ -183,30 +181,28 @@ impl Future for Acquire<'_> {
                 Ok(step) => {
                     // The call's one reading of the clock: its deadlines, the fallback's and
                     // the debt's time, and its latency all count from here.
-                    let clock = &limiter.inner.clock;
-                    let now = clock.instant();
+                    let now = crate::clock::instant();
                     (
                         Box::pin(limiter.finish(step, now, plan, key, cost))
                             as Pin<Box<dyn Future<Output = _> + Send + '_>>,
                         now,
-                        clock,
                     )
                 }
             },
             State::Decided(decision) => return Poll::Ready(Ok(*decision)),
-            State::Waiting(waiting, since, clock) => (waiting, since, clock),
+            State::Waiting(waiting, since) => (waiting, since),
             State::Done => panic!("`Acquire` polled after it completed"),
         };
         match waiting.as_mut().poll(cx) {
             Poll::Ready(out) => {
                 if let Ok(decision) = &out {
-                    let took = clock.instant().saturating_duration_since(since);
+                    let took = crate::clock::instant().saturating_duration_since(since);
                     crate::metrics::record_latency(decision.decided_by, took);
                 }
                 Poll::Ready(out)
             }
             Poll::Pending => {
-                self.state = State::Waiting(waiting, since, clock);
+                self.state = State::Waiting(waiting, since);
                 Poll::Pending
             }
         }

@@ -2,7 +2,7 @@
 //!
 //! Apart because it runs once, before any call: what it chooses (the direct-mode deadline
 //! and statements in flight, the lease table's bounds, the fallback with or without outage
-//! debt, the clock) is read by the other files as the limiter's settings.
+//! debt) is read by the other files as the limiter's settings.
 
 use std::sync::Arc;
 use std::sync::OnceLock;
@@ -14,7 +14,6 @@ use super::coalesce::{self, Coalescer};
 use super::policies::Loaded;
 use super::wait::{DEFAULT_MAX_WAITERS, Waiters};
 use super::{Inner, Limiter};
-use crate::clock::{Clock, SharedClock};
 use crate::debt::Debt;
 use crate::fallback::Fallback;
 use crate::lease::TableSettings;
@@ -41,7 +40,6 @@ pub struct LimiterBuilder {
     batch_keys: usize,
     table: TableSettings,
     outage_debt: bool,
-    clock: SharedClock,
     max_waiters: usize,
 }
 
@@ -152,18 +150,6 @@ impl LimiterBuilder {
         self
     }
 
-    /// The clock the limiter reads time from: lease expiry and refill timing, call deadlines,
-    /// the fallback's local buckets and the outage debt's pacing. Defaults to a
-    /// [`MonotonicClock`](crate::clock::MonotonicClock), whose instants are tokio's (so a test
-    /// that pauses tokio's time drives the limiter too). A call reads it once when it leaves
-    /// the lease's fast path (which reads no time) and passes that reading down. The store keeps
-    /// its own time (PostgreSQL's `now()`), and a [`CircuitBreaker`](crate::store::CircuitBreaker)
-    /// around it its own clock ([`CircuitBreaker::clock`](crate::store::CircuitBreaker::clock)).
-    pub fn clock(mut self, clock: impl Clock) -> Self {
-        self.clock = Arc::new(clock);
-        self
-    }
-
     /// The limiter.
     pub fn build(self) -> Limiter {
         let call_deadline = self
@@ -201,24 +187,20 @@ impl LimiterBuilder {
             .map(|p| Loaded::new(p, &plans).expect("a policy's plans fit in a new plan registry"));
         let fallback = if self.outage_debt {
             let settings = crate::debt::Settings::new(call_deadline);
-            let debt = Debt::new(Arc::clone(&self.store), settings, Arc::clone(&self.clock));
-            Fallback::with_debt(debt, Arc::clone(&self.clock))
+            Fallback::with_debt(Debt::new(Arc::clone(&self.store), settings))
         } else {
-            Fallback::new(Arc::clone(&self.clock))
+            Fallback::new()
         };
         Limiter {
             inner: Arc::new(Inner {
                 store: self.store,
                 plans,
                 policies: RwLock::new(loaded),
-                coalescer: self
-                    .coalesce
-                    .then(|| Coalescer::new(settings, Arc::clone(&self.clock))),
+                coalescer: self.coalesce.then(|| Coalescer::new(settings)),
                 call_deadline,
                 fallback,
                 leases: OnceLock::new(),
                 table: self.table,
-                clock: self.clock,
                 waiters: Waiters::new(self.max_waiters),
             }),
         }
@@ -246,7 +228,6 @@ impl Limiter {
                 sparse_direct: false,
             },
             outage_debt: true,
-            clock: crate::clock::default_clock(),
             max_waiters: DEFAULT_MAX_WAITERS,
         }
     }

@@ -212,7 +212,7 @@ impl Limiter {
     /// The rest of a call that [`start`](Self::start) could not finish without waiting, one
     /// step after another until one decides. `named`, `key` and `asked` are the call's own
     /// plan, key and cost: a call whose slot was retired while it waited starts over with them,
-    /// once. `now`: the limiter's clock when this part of the call began, read once and passed
+    /// once. `now`: tokio's clock when this part of the call began, read once and passed
     /// down, and read again after a wait.
     pub(super) async fn finish(
         &self,
@@ -251,7 +251,7 @@ impl Limiter {
                         )
                         .await;
                     // The call waited: what decides it next reads the clock once more.
-                    now = self.inner.clock.instant();
+                    now = crate::clock::instant();
                     self.next_step(plan, cost, waited, Answered::AfterWait, max_wait)
                 }
                 Step::Restart { plan, cost } => {
@@ -447,7 +447,7 @@ impl Limiter {
             Err(_) => {
                 // Past the deadline (or a failed statement): the fallback decides at the
                 // clock's reading now, not the call's start.
-                let now = self.inner.clock.instant();
+                let now = crate::clock::instant();
                 Ok(self.decide_by_fallback(plan, key, cost, now).await)
             }
         }

@@ -39,7 +39,6 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::bucket::{BucketConfig, Tokens};
-use crate::clock::SharedClock;
 use crate::store::{AcquireRequest, Acquired, Store, StoreError};
 
 mod answer;
@@ -232,8 +231,6 @@ pub(crate) struct Coalescer {
     settings: Settings,
     /// The lease actor runs: at most [`Settings::leased_in_flight`] statements in flight.
     leases_run: AtomicBool,
-    /// The limiter's clock.
-    clock: SharedClock,
 }
 
 impl std::fmt::Debug for Coalescer {
@@ -245,7 +242,7 @@ impl std::fmt::Debug for Coalescer {
 }
 
 impl Coalescer {
-    pub(crate) fn new(settings: Settings, clock: SharedClock) -> Arc<Self> {
+    pub(crate) fn new(settings: Settings) -> Arc<Self> {
         Arc::new(Coalescer {
             state: Mutex::new(State::default()),
             settings: Settings {
@@ -258,7 +255,6 @@ impl Coalescer {
                 adaptive: settings.adaptive,
             },
             leases_run: AtomicBool::new(false),
-            clock,
         })
     }
 
@@ -400,7 +396,7 @@ impl Coalescer {
                         std::mem::replace(&mut p.gathering, false) && p.in_flight < this.cap(p)
                     });
                 if free {
-                    state.next_batch(&this.settings, part, this.clock.instant())
+                    state.next_batch(&this.settings, part, crate::clock::instant())
                 } else {
                     None
                 }
@@ -412,7 +408,7 @@ impl Coalescer {
     }
 
     /// Takes `cost` from `key`'s bucket, in a statement shared with other callers, answering by
-    /// `deadline` at the latest. `now` is the caller's reading of the limiter's clock.
+    /// `deadline` at the latest. `now` is the caller's reading of tokio's clock.
     ///
     /// # Cancel safety
     ///
@@ -506,7 +502,7 @@ impl Coalescer {
                 keys: batch.items.iter().map(|item| item.key.clone()).collect(),
                 armed: true,
             };
-            let sent = self.clock.instant();
+            let sent = crate::clock::instant();
             let result = {
                 let requests: Vec<AcquireRequest<'_>> =
                     batch.items.iter().map(Item::request).collect();
@@ -549,7 +545,7 @@ impl Coalescer {
         result: Vec<Result<Acquired, StoreError>>,
         sent: Instant,
     ) -> (Vec<Batch>, Vec<(usize, Next)>) {
-        let now = self.clock.instant();
+        let now = crate::clock::instant();
         let took = now.saturating_duration_since(sent);
         let part = batch.part;
         let mut answers: Vec<(Reply, Result<Acquired, Unanswered>)> = Vec::new();

@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use parking_lot::RwLock;
 
-use crate::clock::SharedClock;
 use crate::debt::OutageDebt;
 pub use crate::decision::{DecidedBy, Decision};
 use crate::fallback::Fallback;
@@ -77,8 +76,6 @@ struct Inner {
     /// The lease table and its actor, started by the first call on a leased plan.
     leases: OnceLock<Arc<Leases>>,
     table: TableSettings,
-    /// The one clock everything here reads (docs/design/time.md).
-    clock: SharedClock,
     /// Each key's line of calls waiting in [`Limiter::acquire_until`].
     waiters: wait::Waiters,
 }
@@ -140,11 +137,7 @@ impl Limiter {
             if let Some(coalescer) = &self.inner.coalescer {
                 coalescer.share_with_leases();
             }
-            Leases::start(
-                Arc::clone(&self.inner.store),
-                self.inner.table,
-                Arc::clone(&self.inner.clock),
-            )
+            Leases::start(Arc::clone(&self.inner.store), self.inner.table)
         })
     }
 }

@@ -1,6 +1,6 @@
 //! What the HTTP layer asks of the limiter without awaiting: a take from a live lease under a
 //! plan resolved once (its registry index, so the lease table records it and counts on its
-//! counters without a lookup by name), a give-back into the lease, and the limiter's clock.
+//! counters without a lookup by name), a give-back into the lease, and tokio's clock now.
 //!
 //! Apart from `call.rs` because these never reach the store: each answers from memory or says
 //! that it cannot, and the caller takes the full path then.
@@ -89,8 +89,8 @@ impl Limiter {
             .is_some_and(|leases| leases.refund(key, lease_cost(cost)))
     }
 
-    /// The limiter's clock now (the one every deadline here counts on).
+    /// Tokio's clock now (the one every deadline here counts on).
     pub(crate) fn instant(&self) -> Instant {
-        self.inner.clock.instant()
+        crate::clock::instant()
     }
 }

@@ -188,7 +188,7 @@ impl Limiter {
     /// A refused try is tried again once its [`retry_after`](Decision::retry_after) has
     /// passed; in leased mode a refill of the key's lease, or tokens refunded into it, wakes
     /// the first call in line early, and it looks at the lease without a store call. No try
-    /// starts after the deadline (by the limiter's clock), and a try in flight at the deadline
+    /// starts after the deadline (by tokio's clock), and a try in flight at the deadline
     /// is given up. When the store is down, the plan's fallback decides each try as it does
     /// for [`try_acquire`](Self::try_acquire): an admission is returned, and a refusal waits for its
     /// retry time, within the deadline. Must be polled inside a tokio runtime (with timers),
@@ -293,7 +293,7 @@ impl Place {
         // First in line at once, and the lease pays: served in place, before any timer is made
         // (the common case costs a line's entry and nothing more).
         if self.limiter.inner.waiters.at_front(&self.key, self.id)
-            && self.limiter.inner.clock.instant() < deadline
+            && crate::clock::instant() < deadline
             && let Some(taken) = self.limiter.take_from_lease(&self.key, cost)
         {
             return taken.map_err(WaitError::from);
@@ -327,7 +327,7 @@ impl Place {
         let mut due = true;
         loop {
             if due {
-                if limiter.inner.clock.instant() >= deadline {
+                if crate::clock::instant() >= deadline {
                     return Err(WaitError::DeadlinePassed { last });
                 }
                 let tried = tokio::select! {
@@ -478,7 +478,7 @@ mod tests {
             .build();
         assert!(limiter.try_acquire("k", 1.0).await.expect("valid").allowed);
         let waiters = &limiter.inner.waiters;
-        let deadline = limiter.inner.clock.instant() + Duration::from_secs(10);
+        let deadline = crate::clock::instant() + Duration::from_secs(10);
         let a = limiter.acquire_until("k", 1.0, deadline);
         let b = limiter.acquire_until("k", 1.0, deadline);
         let c = limiter.acquire_until("k", 1.0, deadline);

@@ -33,10 +33,9 @@
 //! - `tokenlease_store_clock_skew_seconds{store}`: gauge, the store's clock (PostgreSQL's
 //!   `now()` returned by every acquire) minus this process's wall clock at the middle of the
 //!   round trip. Positive when the store is ahead. The limiter never depends on it (the store
-//!   decides by its own clock, leases expire by the local monotonic clock); it is there so an
-//!   operator sees a skewed host. The wall clock is read through [`Clock`]
-//!   ([`SystemClock`] unless [`wall_clock`](CircuitBreaker::wall_clock) says otherwise), so a
-//!   test can step it.
+//!   decides by its own clock, leases expire by tokio's clock); it is there so an operator sees a
+//!   skewed host. The wall clock is read through a [`WallClock`] ([`SystemClock`] unless
+//!   [`wall_clock`](CircuitBreaker::wall_clock) says otherwise), so a test can step it.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -65,7 +64,7 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 
 use super::{AcquireRequest, Acquired, BucketRow, GiveBack, Store, StoreError};
-use crate::clock::{Clock, SystemClock, system_time_from_timestamp};
+use crate::clock::{SystemClock, WallClock, system_time_from_timestamp};
 use crate::metrics::{CIRCUIT_STATE, CIRCUIT_TRANSITIONS, STORE_CLOCK_SKEW};
 
 /// Where a [`CircuitBreaker`] stands.
@@ -145,10 +144,9 @@ struct State {
 /// - `tokenlease_store_clock_skew_seconds{store}`: gauge, the store's clock (PostgreSQL's
 ///   `now()` returned by every acquire) minus this process's wall clock at the middle of the
 ///   round trip. Positive when the store is ahead. The limiter never depends on it (the store
-///   decides by its own clock, leases expire by the local monotonic clock); it is there so an
-///   operator sees a skewed host. The wall clock is read through [`Clock`]
-///   ([`SystemClock`] unless [`wall_clock`](CircuitBreaker::wall_clock) says otherwise), so a
-///   test can step it.
+///   decides by its own clock, leases expire by tokio's clock); it is there so an operator sees a
+///   skewed host. The wall clock is read through a [`WallClock`] ([`SystemClock`] unless
+///   [`wall_clock`](CircuitBreaker::wall_clock) says otherwise), so a test can step it.
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -175,9 +173,7 @@ pub struct CircuitBreaker<S> {
     max_backoff: Duration,
     state: Mutex<State>,
     /// The local wall clock the skew is measured against.
-    wall: Arc<dyn Clock>,
-    /// The clock of the back-off and the failure count ([`Clock::instant`]).
-    clock: Arc<dyn Clock>,
+    wall: Arc<dyn WallClock>,
     /// The last skew measured, in nanoseconds (store minus local); `i64::MIN` before any.
     skew_nanos: AtomicI64,
     /// Registers the state gauge and the transition counters, once, at the first call.
@@ -193,7 +189,6 @@ impl<S: fmt::Debug> fmt::Debug for CircuitBreaker<S> {
             .field("threshold", &self.threshold)
             .field("backoff", &(self.min_backoff..=self.max_backoff))
             .field("wall", &self.wall)
-            .field("clock", &self.clock)
             .finish()
     }
 }
@@ -203,7 +198,6 @@ impl<S> CircuitBreaker<S> {
     /// A closed breaker around `inner` with the default settings.
     pub fn new(inner: S) -> Self {
         let min_backoff = Duration::from_millis(50);
-        let clock = crate::clock::default_clock();
         CircuitBreaker {
             inner,
             name: "default".to_owned(),
@@ -214,11 +208,10 @@ impl<S> CircuitBreaker<S> {
                 state: CircuitState::Closed,
                 failures: 0,
                 failure_seen: None,
-                open_until: clock.instant(),
+                open_until: crate::clock::instant(),
                 next_backoff: min_backoff,
             }),
             wall: Arc::new(SystemClock),
-            clock,
             skew_nanos: AtomicI64::new(i64::MIN),
             series: Once::new(),
         }
@@ -254,20 +247,12 @@ impl<S> CircuitBreaker<S> {
     /// The local wall clock that [`clock_skew`](Self::clock_skew) and
     /// `tokenlease_store_clock_skew_seconds` compare the store's `now()` with. Defaults to
     /// [`SystemClock`]; a test passes a clock it can step. Only the skew reads it: the breaker's
-    /// back-off runs on [`clock`](Self::clock), and no decision depends on the wall clock.
+    /// back-off, its failure count and the skew's round trip run on tokio's clock (read once
+    /// when a call is let through and once when it returns, so a test that pauses tokio's time
+    /// drives them), and no decision depends on the wall clock.
     #[must_use]
-    pub fn wall_clock(mut self, clock: impl Clock) -> Self {
+    pub fn wall_clock(mut self, clock: impl WallClock) -> Self {
         self.wall = Arc::new(clock);
-        self
-    }
-
-    /// The clock the back-off, the failure count and the skew's round trip run on (its
-    /// [`Clock::instant`]), read once when a call is let through and once when it returns.
-    /// Defaults to a [`MonotonicClock`](crate::clock::MonotonicClock), whose instants are
-    /// tokio's, so a test that pauses tokio's time drives the breaker too.
-    #[must_use]
-    pub fn clock(mut self, clock: impl Clock) -> Self {
-        self.clock = Arc::new(clock);
         self
     }
 
@@ -327,7 +312,7 @@ impl<S> Drop for Permit<'_, S> {
             // The probe was cancelled: stay open, but let the next call probe at once.
             let mut st = self.breaker.state.lock();
             if st.state == CircuitState::HalfOpen {
-                st.open_until = self.breaker.clock.instant();
+                st.open_until = crate::clock::instant();
                 self.breaker.transition(&mut st, CircuitState::Open);
             }
         }
@@ -445,7 +430,7 @@ impl<S> CircuitBreaker<S> {
         self.series.call_once(|| self.register_series());
         let permit = self.admit(started)?;
         let result = call().await;
-        let ended = self.clock.instant();
+        let ended = crate::clock::instant();
         let failed = matches!(&result, Err(e) if e.is_transient());
         self.finish(permit, failed, ended);
         result.map(|t| (t, ended))
@@ -461,7 +446,7 @@ impl<S> CircuitBreaker<S> {
         self.series.call_once(|| self.register_series());
         let permit = self.admit(started)?;
         let answers = call.await;
-        let ended = self.clock.instant();
+        let ended = crate::clock::instant();
         let failed = answers
             .iter()
             .any(|a| matches!(a, Err(e) if e.is_transient()));
@@ -474,7 +459,7 @@ impl<S> CircuitBreaker<S> {
     where
         F: Future<Output = Result<T, StoreError>>,
     {
-        let started = self.clock.instant();
+        let started = crate::clock::instant();
         self.call_at(started, call).await.map(|(t, _)| t)
     }
 
@@ -502,7 +487,7 @@ impl<S> CircuitBreaker<S> {
 #[async_trait]
 impl<S: Store> Store for CircuitBreaker<S> {
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
-        let (sent, started) = (self.wall_now(), self.clock.instant());
+        let (sent, started) = (self.wall_now(), crate::clock::instant());
         let (acquired, ended) = self
             .call_at(started, || self.inner.acquire(request))
             .await?;
@@ -515,7 +500,7 @@ impl<S: Store> Store for CircuitBreaker<S> {
         &self,
         requests: &[AcquireRequest<'_>],
     ) -> Result<Vec<Acquired>, StoreError> {
-        let (sent, started) = (self.wall_now(), self.clock.instant());
+        let (sent, started) = (self.wall_now(), crate::clock::instant());
         let (acquired, ended) = self
             .call_at(started, || self.inner.acquire_many(requests))
             .await?;
@@ -531,7 +516,7 @@ impl<S: Store> Store for CircuitBreaker<S> {
         &self,
         requests: &[AcquireRequest<'_>],
     ) -> Vec<Result<Acquired, StoreError>> {
-        let (sent, started) = (self.wall_now(), self.clock.instant());
+        let (sent, started) = (self.wall_now(), crate::clock::instant());
         let (answers, ended) = match self
             .each_at(started, self.inner.acquire_each(requests))
             .await
@@ -547,7 +532,7 @@ impl<S: Store> Store for CircuitBreaker<S> {
 
     /// Forwarded, as [`acquire_each`](Self::acquire_each).
     async fn give_back_each(&self, returns: &[GiveBack<'_>]) -> Vec<Result<(), StoreError>> {
-        let started = self.clock.instant();
+        let started = crate::clock::instant();
         match self
             .each_at(started, self.inner.give_back_each(returns))
             .await

@@ -12,13 +12,13 @@ use parking_lot::Mutex;
 use super::held::{self, Entry};
 use super::{AcquireRequest, Acquired, BucketRow, GiveBack, HeldLease, Store, StoreError, nanos};
 use crate::bucket::{BucketConfig, BucketState, LimitsState, Timestamp, Tokens};
-use crate::clock::{Clock, MonotonicClock, SharedClock, system_time_from_timestamp};
+use crate::clock::system_time_from_timestamp;
 use crate::key::SlotKey;
 
 /// Shards of the key map; a power of two so a hash picks one with a mask.
 const SHARDS: usize = 64;
 
-/// The default bound on keys of [`MemoryStore::new`] and [`MemoryStore::with_clock`].
+/// The default bound on keys of [`MemoryStore::new`].
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 
 /// The default bound on the return ids a [`MemoryStore`] remembers.
@@ -29,7 +29,7 @@ pub const DEFAULT_MAX_RETURN_IDS: usize = 100_000;
 /// retries a failed return on its next few ticks.
 pub const RETURN_ID_TTL: Duration = Duration::from_secs(600);
 
-/// The store deletes its full buckets on a call when it has not done so for this long (by its
+/// The store deletes its full buckets on a call when it has not done so for this long (by tokio's
 /// clock).
 const TIDY_EVERY: u64 = 1_000_000_000;
 
@@ -281,15 +281,16 @@ impl Stored {
 /// Buckets in process memory, behind sharded mutexes.
 ///
 /// Keeps the [`Store`] contract for one process: use it for a single-instance service, in tests,
-/// or wherever no database is wanted. Time comes from a [`Clock`] (by default the process's
-/// monotonic clock), so a wall clock that steps back changes nothing.
+/// or wherever no database is wanted. Time is tokio's clock ([`crate::clock`]): a wall clock that
+/// steps back changes nothing, and a test that pauses tokio's time moves the buckets' time with
+/// `tokio::time::advance`.
 ///
 /// # Bounded memory
 ///
 /// - **Keys.** At most [`max_keys`](Self::max_keys) buckets ([`DEFAULT_MAX_KEYS`] unless
 ///   [`with_max_keys`](Self::with_max_keys) says otherwise). Buckets that have refilled to full
 ///   are deleted (an absent bucket is a full one, so that changes no decision) by a sweep of
-///   the whole store: on a call when the last sweep is a second old (by the store's clock), and
+///   the whole store: on a call when the last sweep is a second old (by tokio's clock), and
 ///   when a new key finds the store at its bound and the last sweep is 100 ms old or a
 ///   sixteenth of the bound was inserted since. A
 ///   bucket that is not full is never evicted, since that would refill it and admit more than
@@ -314,7 +315,6 @@ pub struct MemoryStore {
     returned: Arc<Mutex<Returned>>,
     max_return_ids: usize,
     hasher: RandomState,
-    clock: Arc<dyn Clock>,
 }
 
 impl Default for MemoryStore {
@@ -324,19 +324,8 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    /// An empty store on the process's monotonic clock.
+    /// An empty store on tokio's clock.
     pub fn new() -> Self {
-        Self::with_clock(MonotonicClock::new())
-    }
-
-    /// An empty store reading time from `clock` (a [`ManualClock`](crate::clock::ManualClock) in
-    /// tests).
-    pub fn with_clock(clock: impl Clock) -> Self {
-        Self::with_shared_clock(Arc::new(clock))
-    }
-
-    /// An empty store reading time from a limiter's clock.
-    pub(crate) fn with_shared_clock(clock: SharedClock) -> Self {
         MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             keys: Arc::default(),
@@ -346,7 +335,6 @@ impl MemoryStore {
             returned: Arc::default(),
             max_return_ids: DEFAULT_MAX_RETURN_IDS,
             hasher: RandomState::new(),
-            clock,
         }
     }
 
@@ -389,7 +377,7 @@ impl MemoryStore {
         if self.keys.load(Ordering::Relaxed) == 0 {
             return false;
         }
-        self.sweep_if_due(self.clock.now(), false)
+        self.sweep_if_due(crate::clock::now(), false)
     }
 
     /// How many buckets are stored, from the bound's counter (no lock; [`len`](Self::len)
@@ -531,7 +519,7 @@ impl MemoryStore {
 #[async_trait]
 impl Store for MemoryStore {
     async fn acquire(&self, request: AcquireRequest<'_>) -> Result<Acquired, StoreError> {
-        let now = self.clock.now();
+        let now = crate::clock::now();
         let config = request.bucket;
         let mut swept = self.sweep_if_due(now, false);
         let mut shard = loop {
@@ -606,7 +594,7 @@ impl Store for MemoryStore {
     }
 
     async fn give_back(&self, returns: &[GiveBack<'_>]) -> Result<u64, StoreError> {
-        let now = self.clock.now();
+        let now = crate::clock::now();
         let mut credited = 0;
         for ret in returns {
             {
@@ -670,7 +658,7 @@ impl Store for MemoryStore {
     }
 
     async fn delete_idle(&self, limit: u32) -> Result<u64, StoreError> {
-        let now = self.clock.now();
+        let now = crate::clock::now();
         self.returned.lock().prune(now, self.max_return_ids, 0);
         let mut left = limit as usize;
         let mut deleted = 0;
@@ -687,7 +675,7 @@ impl Store for MemoryStore {
     }
 
     async fn inspect(&self, key: &str) -> Result<Option<BucketRow>, StoreError> {
-        let now = self.clock.now();
+        let now = crate::clock::now();
         let shard = self.shard(key).lock();
         Ok(shard.buckets.get(key).map(|stored| BucketRow {
             key: key.to_owned(),

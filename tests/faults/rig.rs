@@ -26,7 +26,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant, SystemTime};
 
 use metrics_util::debugging::DebugValue;
-use tokenlease::clock::{Clock, SystemClock};
+use tokenlease::clock::{SystemClock, WallClock};
 use tokenlease::policy::{FallbackMode, FallbackSettings, LeaseSettings, Plan};
 use tokenlease::store::{BucketRow, CircuitBreaker, PostgresStore, Store};
 use tokenlease::{DecidedBy, Limiter};
@@ -201,7 +201,7 @@ impl Rig {
         connection: &str,
         pool: u32,
         name: &str,
-        wall: impl Clock,
+        wall: impl WallClock,
     ) -> Instance {
         let store = common::fault_store(connection, pool).await;
         let log = Log::new(Instant::now, class);

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use metrics_util::debugging::DebugValue;
 use tokenlease::bucket::Timestamp;
-use tokenlease::clock::{Clock, timestamp_from_system_time};
+use tokenlease::clock::{WallClock, timestamp_from_system_time};
 use tokenlease::policy::{FallbackSettings, LeaseSettings, Plan};
 use tokenlease::{DecidedBy, Limiter};
 
@@ -36,7 +36,7 @@ impl SteppedClock {
     }
 }
 
-impl Clock for SteppedClock {
+impl WallClock for SteppedClock {
     fn now(&self) -> Timestamp {
         let real = timestamp_from_system_time(SystemTime::now()).as_nanos();
         Timestamp::from_nanos(real.saturating_add_signed(self.offset_nanos.load(Ordering::SeqCst)))

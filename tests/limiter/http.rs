@@ -1,7 +1,7 @@
 //! The HTTP layer in process (E1, E2, E3): `tower::ServiceExt::oneshot` on an axum
 //! `Router`, the peer address from `MockConnectInfo`.
 //!
-//! Most tests run on a `MemoryStore` with a `ManualClock`, so every figure is exact; E1 also
+//! Most tests run on a `MemoryStore` on tokio's paused clock, so every figure is exact; E1 also
 //! runs on the real PostgreSQL in real time. A counting wrapper around the store measures what
 //! each key really spent: tokens granted minus tokens given back.
 
@@ -20,8 +20,7 @@ use parking_lot::Mutex;
 use tower::ServiceExt;
 
 use tokenlease::Limiter;
-use tokenlease::bucket::{BucketConfig, Rate, Timestamp, Tokens};
-use tokenlease::clock::ManualClock;
+use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::http::{
     EntityKey, RateLimitLayer, RouteConfigError, RouteLimitLayer, TrustedProxies, client_ip,
 };
@@ -229,18 +228,11 @@ async fn body_json(resp: Response<Body>) -> serde_json::Value {
     serde_json::from_slice(&bytes).expect("a JSON body")
 }
 
-fn manual() -> (ManualClock, MemoryStore) {
-    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000_000));
-    let store = MemoryStore::with_clock(clock.clone());
-    (clock, store)
-}
-
 /// E1 on one entity flooding, with time moved by hand: X's 1,000 requests over 1 s get at
 /// most 10 + 5·1 OK, the global bucket pays only for those, and other entities then pass.
 #[tokio::test(start_paused = true)]
 async fn e1_entity_flood_spends_no_global_tokens_beyond_its_own_successes_memory() {
-    let (clock, store) = manual();
-    let (store, store_tally) = counting(store);
+    let (store, store_tally) = counting(MemoryStore::new());
     let limiter = Limiter::builder(store).build();
     let app = booking_app(&limiter, plan("g", 100, 50.0), plan("e", 10, 5.0));
 
@@ -252,7 +244,7 @@ async fn e1_entity_flood_spends_no_global_tokens_beyond_its_own_successes_memory
             StatusCode::TOO_MANY_REQUESTS => {}
             other => panic!("unexpected status {other}"),
         }
-        clock.advance(1_000_000); // 1 ms: 1,000 requests in 1 s
+        tokio::time::advance(Duration::from_millis(1)).await; // 1,000 requests in 1 s
     }
     assert!((10..=15).contains(&ok), "X got {ok} OK");
     let spent = store_tally.spent(GLOBAL_KEY);
@@ -350,10 +342,9 @@ async fn e1_entity_flood_spends_no_global_tokens_beyond_its_own_successes_postgr
 /// token rounded up, and a problem body of a fixed shape.
 #[tokio::test(start_paused = true)]
 async fn e2_denial_has_retry_after_rounded_up_and_a_stable_body() {
-    let (clock, store) = manual();
-    // The limiter reads the store's clock: a refused key is answered from memory until its
-    // `retry_after`, counted on the limiter's clock.
-    let limiter = Limiter::builder(store).clock(clock.clone()).build();
+    // A refused key is answered from memory until its `retry_after`, counted on tokio's clock,
+    // which the store's buckets refill by too.
+    let limiter = Limiter::builder(MemoryStore::new()).build();
     // Entity: 2 tokens, one back every 30 s.
     let app = booking_app(&limiter, plan("g", 100, 50.0), plan("e", 2, 1.0 / 30.0));
     for _ in 0..2 {
@@ -391,12 +382,12 @@ async fn e2_denial_has_retry_after_rounded_up_and_a_stable_body() {
     );
 
     // 29.5 s later the next token is 0.5 s away: Retry-After says 1, never 0.
-    clock.advance(29_500_000_000);
+    tokio::time::advance(Duration::from_millis(29_500)).await;
     let r = get_path(&app, "/bookings/7").await;
     assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(header(r.headers(), "retry-after"), Some("1"));
     // The rate is 0.033333333/s (stored to 10⁻⁹), so the token is due a hair after 30 s.
-    clock.advance(501_000_000);
+    tokio::time::advance(Duration::from_millis(501)).await;
     assert_eq!(get_path(&app, "/bookings/7").await.status(), StatusCode::OK);
 }
 
@@ -404,7 +395,7 @@ async fn e2_denial_has_retry_after_rounded_up_and_a_stable_body() {
 /// bucket (no entity call, no entity header) and gives Retry-After for the global bucket.
 #[tokio::test(start_paused = true)]
 async fn e2_global_denial_stops_before_the_entity_check() {
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let (store, store_tally) = counting(store);
     let limiter = Limiter::builder(store).build();
     let app = booking_app(&limiter, plan("g", 3, 0.25), plan("e", 10, 5.0));
@@ -432,7 +423,7 @@ async fn e2_global_denial_stops_before_the_entity_check() {
 /// fields only.
 #[tokio::test(start_paused = true)]
 async fn allowed_responses_carry_both_layers_headers() {
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let limiter = Limiter::builder(store).build();
     let app = booking_app(&limiter, plan("g", 100, 50.0), plan("e", 150, 2.5));
     let r = get_path(&app, "/bookings/57765").await;
@@ -460,7 +451,7 @@ async fn allowed_responses_carry_both_layers_headers() {
 /// `/bookings/1` and `/bookings/2` share the route's global bucket: the key is the pattern.
 #[tokio::test(start_paused = true)]
 async fn global_key_is_the_route_pattern_not_the_path() {
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let limiter = Limiter::builder(store).build();
     let app = booking_app(&limiter, plan("g", 100, 50.0), plan("e", 10, 5.0));
     get_path(&app, "/bookings/1").await;
@@ -477,7 +468,7 @@ async fn global_key_is_the_route_pattern_not_the_path() {
 /// An entity from a header (an API key): absent header, entity check skipped.
 #[tokio::test(start_paused = true)]
 async fn header_entity_is_skipped_when_the_header_is_absent() {
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let limiter = Limiter::builder(store).build();
     let app = Router::new().route(
         "/search",
@@ -514,7 +505,7 @@ async fn header_entity_is_skipped_when_the_header_is_absent() {
 /// A closure picks the entity: here the tenant from a query string.
 #[tokio::test(start_paused = true)]
 async fn closure_entity_key() {
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let limiter = Limiter::builder(store).build();
     let tenant = EntityKey::from_fn(|parts| {
         parts
@@ -611,7 +602,7 @@ fn e3_client_ip_trusts_forwarded_for_only_from_trusted_proxies() {
 /// bucket; a trusted proxy's client gets its own.
 #[tokio::test(start_paused = true)]
 async fn e3_spoofed_forwarded_for_shares_the_peers_bucket() {
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let limiter = Limiter::builder(store).build();
     let app_from = |from: &str| {
         Router::new()
@@ -688,7 +679,7 @@ async fn e3_spoofed_forwarded_for_shares_the_peers_bucket() {
 async fn layer_from_the_policy_file() {
     let policies = Policies::from_json_str(include_str!("../../examples/policies/demo.json"), None)
         .expect("demo policy");
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let limiter = Limiter::builder(store).policies(policies.clone()).build();
     let layer = RateLimitLayer::from_policies(&policies, limiter).unwrap();
     let app = Router::new()
@@ -794,7 +785,7 @@ async fn store_down_is_decided_by_the_fallback_never_500() {
 /// of their own (hashed), no 500.
 #[tokio::test(start_paused = true)]
 async fn hostile_entity_ids_are_hashed_not_refused() {
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let limiter = Limiter::builder(store).build();
     let app = booking_app(&limiter, plan("g", 100, 50.0), plan("e", 1, 0.001));
     let long = format!("/bookings/{}", "x".repeat(5000));
@@ -835,7 +826,7 @@ fn head(path: &str) -> Request<Body> {
 #[tokio::test(start_paused = true)]
 async fn head_is_limited_as_the_get_it_runs_policy_file() {
     let policies = Policies::from_json_str(HEAD_POLICY, None).unwrap();
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let (store, tally) = counting(store);
     let limiter = Limiter::builder(store).policies(policies.clone()).build();
     let app = Router::new()
@@ -882,7 +873,7 @@ async fn head_listed_in_the_policy_file_has_its_own_limits() {
         r#""routes": [ { "method": "HEAD", "path": "/bookings/{bookingId}", "global": "e" },"#,
     );
     let policies = Policies::from_json_str(&json, None).unwrap();
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let limiter = Limiter::builder(store).policies(policies.clone()).build();
     let app = Router::new()
         .route(BOOKING, get(|| async { "booking" }))
@@ -906,7 +897,7 @@ async fn head_listed_in_the_policy_file_has_its_own_limits() {
 /// The same with a layer on the route's method router: HEAD and GET share one limit.
 #[tokio::test(start_paused = true)]
 async fn head_is_limited_as_the_get_it_runs_route_layer() {
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let limiter = Limiter::builder(store).build();
     let app = booking_app(&limiter, plan("g", 5, 0.001), plan("e", 100, 0.001));
     for i in 0..5 {
@@ -935,7 +926,7 @@ async fn head_is_limited_as_the_get_it_runs_route_layer() {
 /// the same U+FFFD and share a bucket; they are refused with 400 before any bucket is touched.
 #[tokio::test(start_paused = true)]
 async fn undecodable_path_ids_are_refused_before_any_bucket() {
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let (store, tally) = counting(store);
     let limiter = Limiter::builder(store).build();
     let app = booking_app(&limiter, plan("g", 100, 0.001), plan("e", 1, 0.001));
@@ -973,7 +964,7 @@ async fn undecodable_path_ids_are_refused_before_any_bucket() {
 /// parameter is then read from the path, so a bad other parameter neither hides nor merges it.
 #[tokio::test(start_paused = true)]
 async fn entity_param_is_found_when_another_param_is_undecodable() {
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let limiter = Limiter::builder(store).build();
     let app = Router::new().route(
         "/vendors/{vendor}/bookings/{bookingId}",
@@ -1003,7 +994,7 @@ async fn entity_param_is_found_when_another_param_is_undecodable() {
 async fn header_ids_are_kept_exactly_or_refused() {
     use axum::http::HeaderValue;
 
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let (store, tally) = counting(store);
     let limiter = Limiter::builder(store).build();
     let app = Router::new().route(
@@ -1058,7 +1049,7 @@ async fn header_ids_are_kept_exactly_or_refused() {
 async fn an_id_cannot_pose_as_a_hashed_id() {
     use sha2::{Digest, Sha256};
 
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let limiter = Limiter::builder(store).build();
     let app = booking_app(&limiter, plan("g", 100, 50.0), plan("e", 1, 0.001));
     let long = "x".repeat(5000);
@@ -1101,28 +1092,19 @@ fn shadow_app(limiter: &Limiter, shadow: &str) -> Router {
 }
 
 /// S5: a route's entity layer in shadow mode. The same 1,000 requests for one booking, 1 ms
-/// apart, against the enforcing route and the shadow route (each on its own store and clock):
+/// apart, against the enforcing route and the shadow route (each on its own store):
 /// the shadow route answers every one with 200 and carries the entity layer's `RateLimit` item
 /// and the `RateLimit-Policy` of the enforcing route's answer, 429 or not (without
 /// `Retry-After`);
 /// the endpoint's global bucket pays for every request the shadow route let through.
 #[tokio::test(start_paused = true)]
 async fn s5_a_shadow_entity_layer_never_answers_429_and_carries_the_denials_fields() {
-    let (enforcing_clock, enforcing_store) = manual();
-    let (shadow_clock, shadow_store) = manual();
-    let (shadow_store, tally) = counting(shadow_store);
-    // The limiters read the stores' clocks too: the enforcing route answers a refused key from
-    // memory until its `retry_after`, counted on the limiter's clock.
-    let enforcing = shadow_app(
-        &Limiter::builder(enforcing_store)
-            .clock(enforcing_clock.clone())
-            .build(),
-        "",
-    );
+    let (shadow_store, tally) = counting(MemoryStore::new());
+    // The enforcing route answers a refused key from memory until its `retry_after`, counted
+    // on tokio's clock, which the stores' buckets refill by too.
+    let enforcing = shadow_app(&Limiter::builder(MemoryStore::new()).build(), "");
     let shadow = shadow_app(
-        &Limiter::builder(shadow_store)
-            .clock(shadow_clock.clone())
-            .build(),
+        &Limiter::builder(shadow_store).build(),
         r#", "shadow": "entity""#,
     );
     let (mut ok, mut would_deny) = (0, 0);
@@ -1155,8 +1137,7 @@ async fn s5_a_shadow_entity_layer_never_answers_429_and_carries_the_denials_fiel
             StatusCode::TOO_MANY_REQUESTS => would_deny += 1,
             other => panic!("unexpected status {other}"),
         }
-        enforcing_clock.advance(1_000_000);
-        shadow_clock.advance(1_000_000);
+        tokio::time::advance(Duration::from_millis(1)).await;
     }
     assert!(
         (10..=15).contains(&ok),
@@ -1174,8 +1155,7 @@ async fn s5_a_shadow_entity_layer_never_answers_429_and_carries_the_denials_fiel
 /// to the entity layer, which still enforces.
 #[tokio::test(start_paused = true)]
 async fn s5_a_shadow_global_layer_lets_its_denials_reach_the_entity_layer() {
-    let (clock, store) = manual();
-    let limiter = Limiter::builder(store).build();
+    let limiter = Limiter::builder(MemoryStore::new()).build();
     let file = r#"{
       "plans": {
         "g": { "capacity": 5, "refill_per_second": 1 },
@@ -1211,7 +1191,6 @@ async fn s5_a_shadow_global_layer_lets_its_denials_reach_the_entity_layer() {
             StatusCode::TOO_MANY_REQUESTS
         ]
     );
-    clock.advance(0);
 }
 
 /// R5: `RateLimitLayer::reload` swaps the routes and plans of a layer already serving: a
@@ -1219,7 +1198,7 @@ async fn s5_a_shadow_global_layer_lets_its_denials_reach_the_entity_layer() {
 /// then on, and one it removes passes unlimited.
 #[tokio::test(start_paused = true)]
 async fn r5_a_reloaded_layer_applies_the_new_routes_to_the_next_request() {
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let limiter = Limiter::builder(store).build();
     let file = |entity_capacity: u64, list_route: bool| {
         let list = if list_route {
@@ -1287,7 +1266,7 @@ async fn r5_a_reloaded_layer_applies_the_new_routes_to_the_next_request() {
 /// bucket; `GET` and `HEAD` share their own.
 #[tokio::test(start_paused = true)]
 async fn e6_method_rotation_on_an_any_route_shares_one_bucket() {
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let (store, tally) = counting(store);
     let limiter = Limiter::builder(store).build();
     let app = Router::new()
@@ -1338,7 +1317,7 @@ async fn e6_method_rotation_on_an_any_route_shares_one_bucket() {
 /// budget name is a typed error.
 #[tokio::test(start_paused = true)]
 async fn e7_one_budget_per_customer_across_all_endpoints() {
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let (store, tally) = counting(store);
     let limiter = Limiter::builder(store).build();
     let api_key = || EntityKey::header(HeaderName::from_static("x-api-key"));
@@ -1428,7 +1407,7 @@ async fn e14_x_ratelimit_remaining_fields_are_written_only_when_asked_for() {
     let quiet = HEAD_POLICY.replace("\"x_ratelimit_remaining\": true,", "");
     let app = |json: &str, builder: bool| {
         let policies = Policies::from_json_str(json, None).unwrap();
-        let (_clock, store) = manual();
+        let store = MemoryStore::new();
         let limiter = Limiter::builder(store).policies(policies.clone()).build();
         let layer = RateLimitLayer::from_policies(&policies, limiter).unwrap();
         let layer = if builder {
@@ -1495,7 +1474,7 @@ async fn e14_x_ratelimit_remaining_fields_are_written_only_when_asked_for() {
         assert_eq!(fields(h), expected, "{builder} {written}");
     }
     // A layer built in code: none by default, both with the option.
-    let (_clock, store) = manual();
+    let store = MemoryStore::new();
     let limiter = Limiter::builder(store).build();
     for on in [false, true] {
         let app = Router::new().route(

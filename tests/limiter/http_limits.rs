@@ -16,8 +16,7 @@ use axum::routing::get;
 use tower::ServiceExt;
 
 use tokenlease::Limiter;
-use tokenlease::bucket::{BucketConfig, Rate, Timestamp, Tokens};
-use tokenlease::clock::ManualClock;
+use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::http::{EntityKey, RateLimitLayer, RouteLimitLayer};
 use tokenlease::policy::{LeaseSettings, Plan, Policies};
 use tokenlease::store::{
@@ -57,12 +56,9 @@ async fn body_json(r: Response<Body>) -> serde_json::Value {
 /// 5, leased): every answer carries the three limits in `RateLimit-Policy` (the inner layer's
 /// first), the inner layer's refusal keeps its `Retry-After` and names the booking limit, and
 /// the customer's token taken for it goes back, so the customer still gets exactly 3 more.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn e10_stacked_layers_add_their_fields_and_give_back_on_an_inner_refusal() {
-    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000_000));
-    let limiter = Limiter::builder(MemoryStore::with_clock(clock.clone()))
-        .clock(clock.clone())
-        .build();
+    let limiter = Limiter::builder(MemoryStore::new()).build();
     let per_booking = RouteLimitLayer::new(limiter.clone())
         .global(plan("route", 100, 50.0))
         .entity(
@@ -277,12 +273,10 @@ const SEVERAL: &str = r#"{
 /// refused; a refusal's `Retry-After` and `RateLimit` `t` are the binding limit's: 1 s while
 /// the second's binds, about 180 s once the hour's 20 are spent; the admission that spent them
 /// reports `t` as the time until every limit is full again (about 3,600 s).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn p8_ratelimit_policy_lists_each_limit_of_a_plan_with_its_window() {
     let policies = Policies::from_json_str(SEVERAL, None).unwrap();
-    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000_000));
-    let limiter = Limiter::builder(MemoryStore::with_clock(clock.clone()))
-        .clock(clock.clone())
+    let limiter = Limiter::builder(MemoryStore::new())
         .policies(policies.clone())
         .build();
     let layer = RateLimitLayer::from_policies(&policies, limiter.clone()).unwrap();
@@ -313,7 +307,7 @@ async fn p8_ratelimit_policy_lists_each_limit_of_a_plan_with_its_window() {
     let mut admitted = 5;
     let mut last_allowed = String::new();
     for second in 0..3 {
-        clock.advance(1_000_000_000);
+        tokio::time::advance(Duration::from_secs(1)).await;
         for i in 0..6 {
             let r = send(&app, get_one(100 * second + i)).await;
             assert_eq!(header(&r, "ratelimit-policy"), Some(policy));
@@ -333,7 +327,7 @@ async fn p8_ratelimit_policy_lists_each_limit_of_a_plan_with_its_window() {
         .and_then(|t| t.parse().ok())
         .unwrap_or_else(|| panic!("the api item of {last_allowed}"));
     assert!((3_590..=3_600).contains(&t), "{last_allowed}");
-    clock.advance(1_000_000_000);
+    tokio::time::advance(Duration::from_secs(1)).await;
     let r = send(&app, get_one(999)).await;
     assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(header(&r, "ratelimit-policy"), Some(policy));

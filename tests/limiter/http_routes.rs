@@ -2,8 +2,8 @@
 //! file route matches a router route of the same shape whatever its parameters are called; the
 //! older `:id` syntax is refused when the policy loads; a request that fits a file route but
 //! reached the layer under another pattern is counted and warned about once; every route's
-//! series exists at zero from start-up. Through real axum routers, on a `MemoryStore` with a
-//! hand-moved clock (the store plays no part in what is tested here).
+//! series exists at zero from start-up. Through real axum routers, on a `MemoryStore` on tokio's
+//! paused clock, which nothing here moves (the store plays no part in what is tested here).
 
 use std::sync::Arc;
 
@@ -17,8 +17,6 @@ use parking_lot::Mutex;
 use tower::ServiceExt;
 
 use tokenlease::Limiter;
-use tokenlease::bucket::Timestamp;
-use tokenlease::clock::ManualClock;
 use tokenlease::http::{RateLimitLayer, RouteConfigError, RouteLimitLayer};
 use tokenlease::metrics as m;
 use tokenlease::policy::Policies;
@@ -37,8 +35,7 @@ const ITEMS: &str = r#"{
 }"#;
 
 fn limiter(policies: &Policies) -> Limiter {
-    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000_000));
-    Limiter::builder(MemoryStore::with_clock(clock))
+    Limiter::builder(MemoryStore::new())
         .policies(policies.clone())
         .build()
 }
@@ -88,6 +85,7 @@ fn observed<T>(body: impl AsyncFnOnce(&Snapshotter) -> T) -> (T, Vec<String>) {
     let subscriber = Warnings(Arc::clone(&warnings));
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
+        .start_paused(true)
         .build()
         .unwrap();
     let out = tracing::subscriber::with_default(subscriber, || {
@@ -129,7 +127,7 @@ impl tracing::Subscriber for Warnings {
 
 /// The file says `/items/{id}`, the router `/items/{itemId}`: same shape, so the file's limits
 /// apply, keyed by the file's pattern, the entity found under the router's name by position.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_file_route_limits_a_router_route_whose_parameters_are_named_otherwise() {
     let policies = Policies::from_json_str(ITEMS, None).unwrap();
     let limiter = limiter(&policies);

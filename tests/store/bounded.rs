@@ -1,14 +1,15 @@
 //! Bounded memory of the in-process store: floods of a million distinct keys and of a million
-//! return ids stay within the bounds and shrink back once the buckets have refilled. Time is a
-//! `ManualClock`, moved by hand; nothing sleeps.
+//! return ids stay within the bounds and shrink back once the buckets have refilled. Time is
+//! tokio's paused clock, moved by hand; nothing sleeps.
 
-use tokenlease::bucket::{BucketConfig, Rate, Timestamp, Tokens};
-use tokenlease::clock::ManualClock;
+use std::time::Duration;
+
+use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::store::{AcquireRequest, GiveBack, MemoryStore, RETURN_ID_TTL, Store, StoreError};
 
 const FLOOD: usize = 1_000_000;
 const BOUND: usize = 100_000;
-const MS: u64 = 1_000_000;
+const MS: Duration = Duration::from_millis(1);
 
 fn bucket(capacity: u64, per_second: f64) -> BucketConfig {
     BucketConfig::new(
@@ -28,16 +29,15 @@ fn rss_mib() -> f64 {
 
 /// Buckets that refill within 10 ms, a thousand new keys per millisecond: the store reaches its
 /// bound, deletes the full buckets and keeps admitting; never more than the bound stored.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_flood_of_keys_whose_buckets_refill_stays_within_the_bound() {
-    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000 * MS));
-    let store = MemoryStore::with_clock(clock.clone()).with_max_keys(BOUND);
+    let store = MemoryStore::new().with_max_keys(BOUND);
     let shape = bucket(10, 100.0);
     let one = Tokens::whole(1);
     let mut most = 0;
     for i in 0..FLOOD {
         if i % 1_000 == 0 {
-            clock.advance(MS);
+            tokio::time::advance(MS).await;
             most = most.max(store.len());
         }
         let key = format!("flood:{i}");
@@ -56,10 +56,9 @@ async fn a_flood_of_keys_whose_buckets_refill_stays_within_the_bound() {
 /// `BOUND` keys are decided, every later new key is refused with `TooManyKeys` (no bucket that
 /// is not full is evicted), stored keys keep being decided, and once the buckets have refilled
 /// the next new key empties the store of them.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn at_the_bound_new_keys_are_refused_and_the_store_shrinks_after_the_flood() {
-    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000 * MS));
-    let store = MemoryStore::with_clock(clock.clone()).with_max_keys(BOUND);
+    let store = MemoryStore::new().with_max_keys(BOUND);
     let shape = bucket(10, 1.0);
     let one = Tokens::whole(1);
     let before = rss_mib();
@@ -93,7 +92,7 @@ async fn at_the_bound_new_keys_are_refused_and_the_store_shrinks_after_the_flood
     assert_eq!(again.remaining, Tokens::whole(8));
 
     // Two seconds later every bucket is full again: the next new key sweeps them all.
-    clock.advance(2_000 * MS);
+    tokio::time::advance(2_000 * MS).await;
     store
         .acquire(AcquireRequest::take("after", shape, one))
         .await
@@ -109,10 +108,9 @@ async fn at_the_bound_new_keys_are_refused_and_the_store_shrinks_after_the_flood
 
 /// A million give-backs with distinct ids: at most the bound of ids is remembered, a retry of a
 /// recent one still credits nothing, and after `RETURN_ID_TTL` they are forgotten.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn return_ids_are_bounded_in_count_and_time() {
-    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000 * MS));
-    let store = MemoryStore::with_clock(clock.clone()).with_max_return_ids(BOUND);
+    let store = MemoryStore::new().with_max_return_ids(BOUND);
     let shape = bucket(10, 1.0);
     let one = Tokens::whole(1);
     store
@@ -145,7 +143,7 @@ async fn return_ids_are_bounded_in_count_and_time() {
         0
     );
 
-    clock.advance(RETURN_ID_TTL.as_nanos() as u64 + MS);
+    tokio::time::advance(RETURN_ID_TTL + MS).await;
     assert_eq!(store.give_back(&[give(-1)]).await.expect("one more"), 1);
     assert_eq!(store.return_ids(), 1);
 }

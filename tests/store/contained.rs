@@ -5,8 +5,9 @@
 //! would overflow a full bucket is capped; and the four stores give the same answers to the
 //! same request sequences (K2, a property test).
 //!
-//! Time is moved as in `store_contract.rs`: the memory store reads a `ManualClock`; for
-//! PostgreSQL every stored refill time is shifted back. The rate is low (0.01 token/s) and every
+//! Time is moved as in `store_contract.rs`: the memory store reads tokio's clock, on a paused
+//! runtime of its own (`subject.rs`), which is advanced; for PostgreSQL every stored refill
+//! time is shifted back. The rate is low (0.01 token/s) and every
 //! amount a whole token, so the real time that passes between statements (well under 100 s)
 //! never changes a whole-token outcome.
 

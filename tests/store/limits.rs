@@ -2,8 +2,8 @@
 //! every limit or from none, as a pure model of several buckets does; a table migrated with
 //! rows in it takes correctly after migration 0010.
 //!
-//! Time is moved as in `contained.rs`: the memory store reads a `ManualClock`; for PostgreSQL
-//! every stored refill time is shifted back. The rates are low (a token per 100, 500, 200 and
+//! Time is moved as in `contained.rs`: the memory store's paused clock is advanced; for
+//! PostgreSQL every stored refill time is shifted back. The rates are low (a token per 100, 500, 200 and
 //! 1,000 s) and every amount a whole token, so a limit's fraction of a token after whole
 //! moves of 100 s is at least 0.1 from the next whole token, and the real time one generated
 //! case takes on a store (well under 20 s, where 100 s would be needed) never changes a

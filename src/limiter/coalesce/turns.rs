@@ -96,7 +96,7 @@ impl Coalescer {
     /// first): it sends what is ready at once, without a gather window.
     pub(super) fn hold(self: &Arc<Self>, store: &Arc<dyn Store>, part: usize, until: Instant) {
         let (this, store) = (Arc::clone(self), Arc::clone(store));
-        let wait = until.saturating_duration_since(self.clock.instant());
+        let wait = until.saturating_duration_since(crate::clock::instant());
         tokio::spawn(async move {
             tokio::time::sleep(wait).await;
             let batch = {
@@ -112,7 +112,7 @@ impl Coalescer {
                     !p.gathering && p.in_flight < this.cap(p) && all_in_flight < total
                 });
                 if free {
-                    state.next_batch(&this.settings, part, this.clock.instant())
+                    state.next_batch(&this.settings, part, crate::clock::instant())
                 } else {
                     None
                 }

@@ -78,7 +78,7 @@ fn is_timeout(r: &Result<Acquired, StoreError>) -> bool {
     matches!(r, Err(StoreError::Timeout { .. }))
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn opens_after_threshold_probes_and_closes() {
     let flaky = Flaky::default();
     let b = breaker(&flaky);
@@ -115,7 +115,7 @@ async fn opens_after_threshold_probes_and_closes() {
     assert!(b.clock_skew().is_some());
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn backoff_is_capped_and_reset_on_close() {
     let flaky = Flaky::default();
     let b = breaker(&flaky);
@@ -166,7 +166,7 @@ async fn a_success_or_a_permanent_error_resets_the_count() {
     assert_eq!(b.state(), CircuitState::Closed);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn only_one_probe_at_a_time_and_a_cancelled_probe_reopens() {
     let flaky = Flaky::default();
     let b = breaker(&flaky);
@@ -177,7 +177,7 @@ async fn only_one_probe_at_a_time_and_a_cancelled_probe_reopens() {
     // sleep: the 100 ms back-off passes: the half-open slot is free.
     tokio::time::sleep(Duration::from_millis(110)).await;
     // Take the half-open slot by hand, as a probe in flight would.
-    let permit = b.admit(b.clock.instant()).expect("probe admitted");
+    let permit = b.admit(crate::clock::instant()).expect("probe admitted");
     assert!(permit.probe);
     assert_eq!(b.state(), CircuitState::HalfOpen);
     assert!(is_open_error(&take(&b).await));
@@ -189,23 +189,30 @@ async fn only_one_probe_at_a_time_and_a_cancelled_probe_reopens() {
     assert_eq!(b.state(), CircuitState::Closed);
 }
 
+/// A wall clock a test sets by hand.
+#[derive(Debug, Clone, Default)]
+struct SetWall(Arc<std::sync::atomic::AtomicU64>);
+
+impl WallClock for SetWall {
+    fn now(&self) -> crate::bucket::Timestamp {
+        crate::bucket::Timestamp::from_nanos(self.0.load(Ordering::SeqCst))
+    }
+}
+
 /// The skew is the store's clock minus the injected wall clock: a wall clock an hour behind
-/// reads +1 h, an hour ahead −1 h; the breaker's back-off (on `Instant`) is unaffected.
+/// reads +1 h, an hour ahead −1 h; the breaker's back-off (on tokio's clock) is unaffected.
 #[tokio::test]
 async fn skew_follows_the_injected_wall_clock() {
-    use crate::clock::{ManualClock, SystemClock};
     let hour = 3_600_000_000_000u64;
-    let real = || SystemClock.now();
-    let wall = ManualClock::new(real());
+    let real = || SystemClock.now().as_nanos();
+    let wall = SetWall::default();
+    wall.0.store(real(), Ordering::SeqCst);
     let b = breaker(&Flaky::default()).wall_clock(wall.clone());
     assert!(take(&b).await.is_ok());
     let same = b.clock_skew().expect("a skew");
     assert!(same.abs() < 0.05, "skew {same} s against the right time");
-    for (set, expected) in [
-        (real().as_nanos() - hour, 3600.0),
-        (real().as_nanos() + hour, -3600.0),
-    ] {
-        wall.set(crate::bucket::Timestamp::from_nanos(set));
+    for (set, expected) in [(real() - hour, 3600.0), (real() + hour, -3600.0)] {
+        wall.0.store(set, Ordering::SeqCst);
         assert!(take(&b).await.is_ok());
         let skew = b.clock_skew().expect("a skew");
         assert!(
@@ -347,30 +354,27 @@ async fn one_stall_of_many_calls_in_flight_counts_once() {
 
 use crate::store::join_all as futures_join_all;
 
-/// The back-off runs on the injected clock: with a clock moved by hand, the circuit stays open
-/// however long the test takes until the clock passes the back-off, and then lets one probe
-/// through. No sleep: nothing but the clock decides.
-#[tokio::test]
-async fn the_back_off_follows_the_injected_clock() {
-    use crate::bucket::Timestamp;
-    use crate::clock::ManualClock;
-    let clock = ManualClock::new(Timestamp::from_nanos(1_000_000_000));
+/// The back-off runs on tokio's clock: paused, the circuit stays open however long the test
+/// takes until the clock passes the back-off, and then lets one probe through. No sleep:
+/// nothing but the clock, moved by hand, decides.
+#[tokio::test(start_paused = true)]
+async fn the_back_off_follows_tokios_clock() {
     let flaky = Flaky::default();
-    let b = breaker(&flaky).clock(clock.clone());
+    let b = breaker(&flaky);
     flaky.failing.store(true, Ordering::SeqCst);
     for _ in 0..3 {
         assert!(is_timeout(&take(&b).await));
     }
     assert_eq!(b.state(), CircuitState::Open);
     let calls = flaky.calls.load(Ordering::SeqCst);
-    clock.advance(99_000_000);
+    tokio::time::advance(Duration::from_millis(99)).await;
     let err = take(&b).await.unwrap_err();
     assert!(
         matches!(err, StoreError::CircuitOpen { retry_in } if retry_in == Duration::from_millis(1)),
         "{err:?}"
     );
     assert_eq!(flaky.calls.load(Ordering::SeqCst), calls);
-    clock.advance(1_000_000);
+    tokio::time::advance(Duration::from_millis(1)).await;
     flaky.failing.store(false, Ordering::SeqCst);
     assert!(take(&b).await.is_ok(), "the probe at 100 ms");
     assert_eq!(b.state(), CircuitState::Closed);

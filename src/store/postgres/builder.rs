@@ -211,7 +211,6 @@ impl PostgresStoreBuilder {
             cancel_timeout: self.connect_timeout,
             prepare,
             citus: None,
-            clock: crate::clock::default_clock(),
             schema: Arc::default(),
             encoding: ServerEncoding::Unicode,
         };

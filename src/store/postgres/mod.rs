@@ -109,8 +109,6 @@ pub struct PostgresStore {
     /// tables distributed: every call then goes straight to the node holding its keys
     /// ([`citus`]).
     citus: Option<Arc<citus::Citus>>,
-    /// The clock that call deadlines count from (docs/design/time.md).
-    clock: crate::clock::SharedClock,
     /// Says once when the database's schema does not fit the statements (`schema.rs`).
     schema: Arc<schema::SchemaWatch>,
     /// The database's `server_encoding`, read when the store connects: a key it cannot hold
@@ -144,7 +142,7 @@ impl PostgresStore {
         statement: &'static str,
         params: &[(&(dyn ToSql + Sync), Type)],
     ) -> Result<Vec<Row>, StoreError> {
-        let deadline = self.clock.instant() + self.call_timeout;
+        let deadline = crate::clock::instant() + self.call_timeout;
         self.query_by(deadline, statement, params).await
     }
 
@@ -430,7 +428,7 @@ impl PostgresStore {
     /// Every return's outcome, in order: whether it credited, or why it did not reach the
     /// store. See [`Store::give_back_each`].
     async fn give_back_counted(&self, returns: &[GiveBack<'_>]) -> Vec<Result<bool, StoreError>> {
-        let deadline = self.clock.instant() + self.call_timeout;
+        let deadline = crate::clock::instant() + self.call_timeout;
         let mut out: Vec<Option<Result<bool, StoreError>>> = vec![None; returns.len()];
         let mut sendable = Vec::with_capacity(returns.len());
         for (i, ret) in returns.iter().enumerate() {
@@ -486,7 +484,7 @@ impl Store for PostgresStore {
         &self,
         requests: &[AcquireRequest<'_>],
     ) -> Vec<Result<Acquired, StoreError>> {
-        let deadline = self.clock.instant() + self.call_timeout;
+        let deadline = crate::clock::instant() + self.call_timeout;
         let mut out: Vec<Option<Result<Acquired, StoreError>>> = vec![None; requests.len()];
         let mut sendable = Vec::with_capacity(requests.len());
         for (i, request) in requests.iter().enumerate() {

@@ -387,7 +387,7 @@ impl PostgresStore {
     /// The shard map as this store's database says (no hash check: done when the store
     /// connected).
     async fn read_map(&self) -> Result<Option<ShardMap>, StoreError> {
-        let deadline = self.clock.instant() + self.call_timeout.max(self.cancel_timeout);
+        let deadline = crate::clock::instant() + self.call_timeout.max(self.cancel_timeout);
         let timed_out = || StoreError::Timeout {
             kind: crate::store::TimeoutKind::Call,
             after: self.call_timeout,

@@ -11,9 +11,9 @@ use tokio_postgres::Client;
 use super::{MIGRATIONS, migrate, migrate_with};
 use crate::store::{MigrateError, Migration};
 
-/// Now, on the library's default clock (tokio's): the tests' deadlines read time as the code does.
+/// Now, on the library's clock (tokio's): the tests' deadlines read time as the code does.
 fn now() -> tokio::time::Instant {
-    crate::clock::default_clock().instant()
+    crate::clock::instant()
 }
 
 /// A migration list of our own, for tests that need more than one version.
