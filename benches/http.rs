@@ -7,6 +7,8 @@
 //! - `governor_1_limit_headers` (the interleaved table only): the same with its header fields
 //!   (`use_headers`: `x-ratelimit-limit`, `x-ratelimit-remaining`), as ours always writes its
 //!   own;
+//! - `tokenlease_1_limit` (the interleaved table only): `RateLimitLayer` from a policy file
+//!   with the booking's limit alone, otherwise as below: what the second limit adds;
 //! - `tokenlease_2_limits`: `RateLimitLayer` from a policy file, two limits (the route, the
 //!   booking by path parameter), leased plans with the default lease settings, over a
 //!   `MemoryStore`, on buckets too large to deny, writing its default fields on every response:
@@ -21,7 +23,7 @@
 //! apply each route layer again on every request, a cost no served application pays.
 //!
 //! `cargo bench --bench http` (about a minute once built). With
-//! `TOKENLEASE_BENCH_INTERLEAVED=1` it prints instead a table of the three set-ups measured in
+//! `TOKENLEASE_BENCH_INTERLEAVED=1` it prints instead a table of the five set-ups measured in
 //! turn, round after round (the figures `benches/README.md` quotes): on a shared machine whose
 //! load drifts, set-ups measured side by side compare better than criterion's, minutes apart.
 //! `TOKENLEASE_BENCH_ONLY=<set-up>` with it times that set-up alone (for a profiler).
@@ -53,6 +55,15 @@ const POLICY: &str = r#"{
     "booking": { "capacity": 8000000000, "refill_per_second": 1000000000, "lease": {} }
   },
   "routes": [ { "method": "GET", "path": "/bookings/{bookingId}", "global": "route",
+    "entity": { "path_param": "bookingId", "plan": "booking" } } ]
+}"#;
+
+/// [`POLICY`] with the booking's limit alone.
+const POLICY_1_LIMIT: &str = r#"{
+  "plans": {
+    "booking": { "capacity": 8000000000, "refill_per_second": 1000000000, "lease": {} }
+  },
+  "routes": [ { "method": "GET", "path": "/bookings/{bookingId}",
     "entity": { "path_param": "bookingId", "plan": "booking" } } ]
 }"#;
 
@@ -106,7 +117,12 @@ fn governor_with_headers() -> Router {
 }
 
 fn tokenlease() -> (Router, Limiter) {
-    let policies = Policies::from_json_str(POLICY, None).expect("the bench policy");
+    tokenlease_with(POLICY)
+}
+
+/// The route behind `RateLimitLayer` from `policy`, over a `MemoryStore`.
+fn tokenlease_with(policy: &str) -> (Router, Limiter) {
+    let policies = Policies::from_json_str(policy, None).expect("the bench policy");
     let limiter = Limiter::builder(MemoryStore::new())
         .policies(policies.clone())
         .build();
@@ -239,11 +255,13 @@ fn main() {
             .build()
             .expect("a runtime");
         let (ours, _limiter) = runtime.block_on(async { tokenlease() });
+        let (ours_1, _limiter_1) = runtime.block_on(async { tokenlease_with(POLICY_1_LIMIT) });
         let only = std::env::var("TOKENLEASE_BENCH_ONLY").ok();
         let apps: Vec<_> = [
             ("bare", route()),
             ("governor_1_limit", governor()),
             ("governor_1_limit_headers", governor_with_headers()),
+            ("tokenlease_1_limit", ours_1),
             ("tokenlease_2_limits", ours),
         ]
         .into_iter()
