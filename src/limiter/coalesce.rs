@@ -312,13 +312,14 @@ impl Coalescer {
             return None;
         }
         // A part whose turn came waits for the callers of the answer that let it go, and its
-        // window ends as soon as they have come back (`turns`): it may be longer, half a
-        // statement time up to a quarter of the longest turn, for callers slowed by busy cores.
+        // window ends as soon as they have come back (`turns`): it may be longer, one
+        // statement time up to a quarter of the longest turn, for callers slowed by busy cores
+        // or paced by their own schedule (an open loop's callers come back at their next send,
+        // not at once). Measured over two shards, 16 paced callers: half a statement time
+        // carried 9.6 keys a statement, one 10.2, one and a half or two 9.5-9.8.
         if part.turn.is_some() {
             let most = turns::MAX_TURN / 4;
-            return Some(
-                Duration::from_secs_f64(part.load.statement / 2.0).clamp(MIN_GATHER, most),
-            );
+            return Some(Duration::from_secs_f64(part.load.statement).clamp(MIN_GATHER, most));
         }
         let window =
             Duration::from_secs_f64(part.load.statement / 4.0).clamp(MIN_GATHER, MAX_GATHER);
