@@ -7,7 +7,6 @@
 //! - `X-RateLimit-{Name}-Remaining`: whole tokens left, per limit, when asked for.
 //! - `Retry-After`: whole seconds, rounded up, at least 1 (denials only): the refusing limit's.
 
-use std::num::NonZeroU64;
 use std::time::Duration;
 
 use axum::http::StatusCode;
@@ -103,17 +102,13 @@ pub(crate) fn policy_item(name: &str, plan: &Plan) -> String {
 /// knows (the allow or deny fallback decided) is left out of `RateLimit` and of its
 /// `X-RateLimit-*-Remaining` field rather than reported with a made-up count.
 #[derive(Clone, Copy, Debug)]
-///
-/// Kept small (24 bytes): a request's reports travel in its response's future, which is moved
-/// several times on its way through the router.
 pub(crate) struct Report {
-    /// Whole tokens left plus one, at most the capacity (`None`: not known).
-    remaining: Option<NonZeroU64>,
+    /// The limit's position in its route's [`RouteLimits::limits`].
+    pub(crate) limit: usize,
+    /// Whole tokens left, at most the capacity.
+    pub(crate) remaining: Option<u64>,
     /// Seconds for the `t` parameter.
-    t: u64,
-    /// The limit's position in its route's [`RouteLimits::limits`] (a route has at most
-    /// [`MAX_ROUTE_LIMITS`](crate::policy::MAX_ROUTE_LIMITS)).
-    limit: u8,
+    pub(crate) t: u64,
 }
 
 impl Report {
@@ -147,7 +142,11 @@ impl Report {
                     .unwrap_or(0),
             }
         });
-        Report::new(limit, remaining.map(Tokens::floor), t)
+        Report {
+            limit,
+            remaining: remaining.map(Tokens::floor),
+            t,
+        }
     }
 
     /// The report of a denial: `t` is the `Retry-After` value; `remaining` at most the plan's
@@ -158,34 +157,11 @@ impl Report {
         remaining: Option<Tokens>,
         retry_after: Duration,
     ) -> Report {
-        Report::new(
-            limit,
-            remaining.map(|r| std::cmp::min(r, plan.capacity()).floor()),
-            retry_after_secs(retry_after),
-        )
-    }
-
-    fn new(limit: usize, remaining: Option<u64>, t: u64) -> Report {
         Report {
-            remaining: remaining.map(|r| NonZeroU64::MIN.saturating_add(r)),
-            t,
-            limit: u8::try_from(limit).unwrap_or(u8::MAX),
+            limit,
+            remaining: remaining.map(|r| std::cmp::min(r, plan.capacity()).floor()),
+            t: retry_after_secs(retry_after),
         }
-    }
-
-    /// The limit's position in its route's [`RouteLimits::limits`].
-    pub(crate) fn limit(&self) -> usize {
-        usize::from(self.limit)
-    }
-
-    /// Whole tokens left, at most the capacity, when known.
-    pub(crate) fn remaining(&self) -> Option<u64> {
-        self.remaining.map(|r| r.get() - 1)
-    }
-
-    /// Seconds for the `t` parameter.
-    pub(crate) fn t(&self) -> u64 {
-        self.t
     }
 }
 
@@ -300,12 +276,9 @@ mod tests {
     #[test]
     fn allowed_report_counts_seconds_to_full() {
         let p = plan(100, 50.0);
-        assert_eq!(
-            Report::allowed(0, &p, Some(Tokens::whole(100)), None).t(),
-            0
-        );
-        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(99)), None).t(), 1);
-        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(0)), None).t(), 2);
+        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(100)), None).t, 0);
+        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(99)), None).t, 1);
+        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(0)), None).t, 2);
     }
 
     /// A plan of several limits (5 a second, burst 5, and 20 an hour): `t` is the time until
@@ -320,15 +293,15 @@ mod tests {
             .build()
             .expect("plan");
         let from_lease = Report::allowed(0, &p, Some(Tokens::whole(0)), None);
-        assert_eq!(from_lease.t(), 3_600);
+        assert_eq!(from_lease.t, 3_600);
         let from_store = Report::allowed(
             0,
             &p,
             Some(Tokens::whole(3)),
             Some(Duration::from_secs(180)),
         );
-        assert_eq!((from_store.remaining(), from_store.t()), (Some(3), 180));
+        assert_eq!((from_store.remaining, from_store.t), (Some(3), 180));
         let full = Report::allowed(0, &p, Some(Tokens::whole(5)), Some(Duration::ZERO));
-        assert_eq!(full.t(), 0);
+        assert_eq!(full.t, 0);
     }
 }
