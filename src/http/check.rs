@@ -336,7 +336,7 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
             continue;
         }
         let Some(key) = progress.key(i) else { continue };
-        let now = || *clock.get_or_insert_with(|| config.limiter.instant());
+        let now = || *clock.get_or_insert_with(crate::clock::instant);
         if let Some(wait) = limit.refused.until(key, now) {
             let decision = refused(limit, wait);
             progress
@@ -404,7 +404,7 @@ pub(crate) async fn finish(config: &Config, mut progress: Progress) -> Outcome {
             }
             Ok(d) => {
                 if d.decided_by == DecidedBy::Store && !d.retry_after.is_zero() {
-                    let now = config.limiter.instant();
+                    let now = crate::clock::instant();
                     limit.refused.remember(key, now + d.retry_after, now);
                 }
                 progress.give_back_all().await;

@@ -358,11 +358,6 @@ impl Leases {
         self.nanos_at(crate::clock::instant())
     }
 
-    /// Tokio's clock now.
-    pub(crate) fn instant(&self) -> Instant {
-        crate::clock::instant()
-    }
-
     /// `at` in the table's local nanoseconds.
     pub(crate) fn nanos_at(&self, at: Instant) -> u64 {
         u64::try_from(at.saturating_duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX)

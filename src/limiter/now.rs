@@ -7,8 +7,6 @@
 
 use std::sync::Arc;
 
-use tokio::time::Instant;
-
 use super::Limiter;
 use super::cost::{check_leased_call, lease_cost};
 use super::decisions::lease_allowed;
@@ -87,10 +85,5 @@ impl Limiter {
             .leases
             .get()
             .is_some_and(|leases| leases.refund(key, lease_cost(cost)))
-    }
-
-    /// Tokio's clock now (the one every deadline here counts on).
-    pub(crate) fn instant(&self) -> Instant {
-        crate::clock::instant()
     }
 }

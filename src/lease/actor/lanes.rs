@@ -389,12 +389,12 @@ fn refill_job(leases: &Leases, lane: usize, asks: Vec<Ask>) -> Job<'_> {
                 hold: *hold,
             })
             .collect();
-        let started = leases.instant();
+        let started = crate::clock::instant();
         // One answer per key: a sharded store fails only the keys of a failing shard.
         let result = Metered::new(&*leases.store, Purpose::Lease)
             .acquire_each(&requests)
             .await;
-        let took = leases.instant().saturating_duration_since(started);
+        let took = crate::clock::instant().saturating_duration_since(started);
         drop(requests);
         Done {
             lane,

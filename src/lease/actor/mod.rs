@@ -260,7 +260,7 @@ impl<'a> Actor<'a> {
         {
             return;
         }
-        let until = leases.instant() + GATHER.min(leases.settings.tick);
+        let until = crate::clock::instant() + GATHER.min(leases.settings.tick);
         let lanes = &mut self.lanes;
         let mut answered = None;
         tokio::select! {
