@@ -122,17 +122,23 @@ async fn returned(store: &PostgresStore, keys: &[String]) -> (Vec<(f64, usize)>,
     (out, [first, retried, second])
 }
 
-/// Z13: returns of 320 keys over every shard of a two-worker cluster, through the node
-/// functions (`tokenlease_citus_give_back`, `..._give_back_limits`), leave every key as the same
-/// returns leave it on plain PostgreSQL: buckets of one and of two limits, keys without a row,
-/// strict leases settled by their return, amounts past the capacity, a retry that credits
-/// nothing, and a second round of new returns.
+/// Z13: returns of 320 keys over every shard of a two-worker cluster of four shards (two a
+/// worker, so that a node function's call spans several shards), through the node functions
+/// (`tokenlease_citus_give_back`, `..._give_back_limits`), leave every key as the same returns
+/// leave it on plain PostgreSQL: buckets of one and of two limits, keys without a row, strict
+/// leases settled by their return, amounts past the capacity, a retry that credits nothing,
+/// and a second round of new returns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn returns_on_every_shard_credit_as_on_plain_postgres() {
-    let citus = tokio::task::spawn_blocking(|| TempCitus::start(2))
-        .await
-        .expect("start task")
-        .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
+    let citus = tokio::task::spawn_blocking(|| {
+        TempCitus::builder()
+            .workers(2)
+            .setting("citus.shard_count", "4")
+            .start()
+    })
+    .await
+    .expect("start task")
+    .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
     let conn = citus.connection_string("postgres");
     let on_citus = common::store_at(&conn, 2, true).await;
     let db = common::database().await;

@@ -134,7 +134,7 @@ pub(crate) struct Args {
     #[arg(long, value_name = "N", default_value_t = 0)]
     citus: usize,
     /// With `--citus`: how many shards the tables are distributed over (`citus.shard_count`);
-    /// without it `migrate` chooses two per worker.
+    /// without it `migrate` chooses one per worker.
     #[arg(long, value_name = "N")]
     citus_shards: Option<u32>,
     /// A shard of your own, as NAME=URL (URL or key=value connection string); repeat for each

@@ -163,10 +163,10 @@ pub struct MigrationReport {
     /// with it). `None` on plain PostgreSQL.
     pub citus_shards: Option<u32>,
     /// On Citus: whether this call distributed the tables with a shard count it chose itself
-    /// (two per node that holds shards), as
-    /// it does when `citus.shard_count` is left at Citus's default; `false` when the setting was
-    /// set (in the server's configuration, for the database or role, or in the migrating
-    /// session), which is then used as it is, or when the tables were distributed before.
+    /// (one per node that holds shards), as it does when `citus.shard_count` is left at Citus's
+    /// default; `false` when the setting was set (in the server's configuration, for the
+    /// database or role, or in the migrating session), which is then used as it is, or when the
+    /// tables were distributed before.
     pub citus_shard_count_chosen: bool,
     /// The function files (`functions/<name>.sql`) this call applied because the database had
     /// none recorded for them, an older generation, or another checksum at the same generation;

@@ -62,8 +62,8 @@ pub(in crate::store::postgres) struct Distributed {
 }
 
 /// The shard count for the tables when `citus.shard_count` is at Citus's default:
-/// [`SHARDS_PER_NODE`](super::SHARDS_PER_NODE) per primary node that holds shards, at least two;
-/// `None` when the setting was set (it is then used).
+/// [`SHARDS_PER_NODE`](super::SHARDS_PER_NODE) per primary node that holds shards (at least
+/// one node); `None` when the setting was set (it is then used).
 async fn shard_count(tx: &tokio_postgres::Transaction<'_>) -> Result<Option<u32>, MigrateError> {
     let row = tx
         .query_one(files::CITUS_SHARD_COUNT.text, &[])
@@ -77,7 +77,7 @@ async fn shard_count(tx: &tokio_postgres::Transaction<'_>) -> Result<Option<u32>
     }
     let nodes: i64 = row.get(1);
     let nodes = u32::try_from(nodes).unwrap_or(1).max(1);
-    Ok(Some((nodes * super::SHARDS_PER_NODE).max(2)))
+    Ok(Some(nodes * super::SHARDS_PER_NODE))
 }
 
 /// The Citus step of [`migrate`](super::super::migrate::migrate): on a database with the `citus`

@@ -51,10 +51,12 @@ use crate::store::{AcquireRequest, Acquired, GiveBack, StoreError, join_all};
 pub(crate) const SUPPORTED_CITUS: ((u32, u32), (u32, u32)) = ((12, 0), (14, 0));
 
 /// The shards per node holding shards that `migrate` gives the tables when `citus.shard_count`
-/// is left at Citus's default (docs/design/scale-out.md has the measurements): a node's part of a batch is
-/// one statement with a part per shard, and fewer shards make fuller parts; two rather than one
-/// leave room to move half a node's keys to a new node without a split.
-pub(crate) const SHARDS_PER_NODE: u32 = 2;
+/// is left at Citus's default (docs/design/scale-out.md has the measurements): a node's part of
+/// a batch is one statement with a part per shard it touches, and every part past the first
+/// costs more than half of a one-key statement's instructions, so one shard a node makes the
+/// cheapest statements. A node added later takes keys by a split placing one half on it
+/// (docs/scale-out.md, "Adding a worker").
+pub(crate) const SHARDS_PER_NODE: u32 = 1;
 
 /// The map in use and a store (a pool of its own) for each of its nodes, by the map's node
 /// index.

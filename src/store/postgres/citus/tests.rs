@@ -20,10 +20,28 @@ fn hashtext_matches_postgres() {
 /// coordinator.
 pub(in crate::store::postgres) async fn cluster()
 -> (tokenlease_testkit::TempCitus, tokio_postgres::Client) {
-    let citus = tokio::task::spawn_blocking(|| tokenlease_testkit::TempCitus::start(2))
-        .await
-        .expect("start task")
-        .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
+    cluster_with(|b| b).await
+}
+
+/// [`cluster`] with `citus.shard_count` set to `shards` on every node (so `migrate` keeps it):
+/// for a worker holding several shards.
+pub(in crate::store::postgres) async fn cluster_with_shards(
+    shards: u32,
+) -> (tokenlease_testkit::TempCitus, tokio_postgres::Client) {
+    cluster_with(move |b| b.setting("citus.shard_count", shards.to_string())).await
+}
+
+async fn cluster_with(
+    settings: impl FnOnce(tokenlease_testkit::TempCitusBuilder) -> tokenlease_testkit::TempCitusBuilder
+    + Send
+    + 'static,
+) -> (tokenlease_testkit::TempCitus, tokio_postgres::Client) {
+    let citus = tokio::task::spawn_blocking(|| {
+        settings(tokenlease_testkit::TempCitus::builder().workers(2)).start()
+    })
+    .await
+    .expect("start task")
+    .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
     let (c, connection) =
         tokio_postgres::connect(&citus.connection_string("postgres"), tokio_postgres::NoTls)
             .await

@@ -2,7 +2,7 @@
 //! on every node (Z14), and the plan of the shard return (Z15). Here rather than in
 //! `citus/tests.rs` because they run the whole migration, which calls the Citus step.
 
-use super::super::citus::tests::cluster;
+use super::super::citus::tests::{cluster, cluster_with_shards};
 use super::super::citus::{
     GIVE_BACK_SHARD, NODE_FUNCTIONS_GENERATION, bodies, distribute_with, node_functions,
 };
@@ -155,7 +155,8 @@ async fn node_functions_follow_their_generation_on_every_node() {
 /// its index, never scanned whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shard_return_reads_each_input_once() {
-    let (citus, mut c) = cluster().await;
+    // Two shards a worker (`migrate` would choose one): a call over both of them.
+    let (citus, mut c) = cluster_with_shards(4).await;
     migrate(&mut c).await.expect("migrate");
     c.batch_execute(
         "INSERT INTO tokenlease_buckets \
