@@ -1382,6 +1382,47 @@ async fn an_added_node_gets_its_keys_without_a_restart() {
     drop(extra);
 }
 
+/// Z16: a worker added at `migrate`'s shard count (one a worker, so no whole shard to move) and
+/// given keys the way docs/scale-out.md says: `citus_add_node`, then a split of a shard that
+/// places its second half on the new node (`citus_split_shard_by_split_points`,
+/// `block_writes`), under direct-mode load: the store opens a pool to the new node and sends
+/// it its keys without a restart; see [`change_under_load`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_added_node_takes_half_a_shard_without_a_restart() {
+    let citus = migrated(2).await;
+    let extra = tokio::task::spawn_blocking({
+        let citus = Arc::clone(&citus);
+        move || citus.start_node()
+    })
+    .await
+    .expect("start task")
+    .expect("a new node");
+    let (host, port) = (extra.host().to_string(), i32::from(extra.port()));
+    change_under_load("Z16", &citus, move |citus, keys| async move {
+        let c = client(&citus.connection_string("postgres")).await;
+        assert_eq!(shard_count(&c).await, 2, "one shard a worker");
+        let added: i32 = c
+            .query_one("SELECT citus_add_node($1, $2)", &[&host, &port])
+            .await
+            .expect("add the node")
+            .get(0);
+        let (shard, _, _, node) = placement_of(&c, &keys[0]).await;
+        c.execute(
+            "SELECT citus_split_shard_by_split_points($1::bigint, \
+                 ARRAY[((shardminvalue::bigint + shardmaxvalue::bigint) / 2)::text], \
+                 ARRAY[$2::integer, $3::integer], shard_transfer_mode := 'block_writes') \
+             FROM pg_dist_shard WHERE shardid = $1::bigint",
+            &[&shard, &node, &added],
+        )
+        .await
+        .expect("split onto the new node");
+        assert_eq!(shard_count(&c).await, 3, "split in two");
+        keys_where(&c, &keys, Some(port), None).await
+    })
+    .await;
+    drop(extra);
+}
+
 /// Z11: a fresh store on a healthy cluster (two shards, one a worker) decides from its first call: `build`
 /// opened every node's pool, prepared its statements and ran its takes once (plans, the shard
 /// guard, Citus's metadata), so 16 tasks starting at once see no fallback.
