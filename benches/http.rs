@@ -14,6 +14,9 @@
 //!   `MemoryStore`, on buckets too large to deny, writing its default fields on every response:
 //!   `RateLimit-Policy` and `RateLimit` with both limits' items (the older
 //!   `X-RateLimit-*-Remaining` fields are written only when asked for, and are not here);
+//! - `tokenlease_2_limits_on_refusals` (the interleaved table only): the same with the policy
+//!   file's `"fields_on": "refusals"`, no fields on an admitted response: what
+//!   `governor_1_limit` writes (nothing), for a like-for-like comparison;
 //!
 //! each at 1 booking id and at 10,000 ids round-robin. What a layer costs is its figure less
 //! `bare`'s, at the same id count, from the same run.
@@ -23,7 +26,7 @@
 //! apply each route layer again on every request, a cost no served application pays.
 //!
 //! `cargo bench --bench http` (about a minute once built). With
-//! `TOKENLEASE_BENCH_INTERLEAVED=1` it prints instead a table of the five set-ups measured in
+//! `TOKENLEASE_BENCH_INTERLEAVED=1` it prints instead a table of the six set-ups measured in
 //! turn, round after round (the figures `benches/README.md` quotes): on a shared machine whose
 //! load drifts, set-ups measured side by side compare better than criterion's, minutes apart.
 //! `TOKENLEASE_BENCH_ONLY=<set-up>` with it times that set-up alone (for a profiler).
@@ -256,6 +259,9 @@ fn main() {
             .expect("a runtime");
         let (ours, _limiter) = runtime.block_on(async { tokenlease() });
         let (ours_1, _limiter_1) = runtime.block_on(async { tokenlease_with(POLICY_1_LIMIT) });
+        let on_refusals = POLICY.replacen('{', r#"{ "fields_on": "refusals","#, 1);
+        let (ours_quiet, _limiter_quiet) =
+            runtime.block_on(async { tokenlease_with(&on_refusals) });
         let only = std::env::var("TOKENLEASE_BENCH_ONLY").ok();
         let apps: Vec<_> = [
             ("bare", route()),
@@ -263,6 +269,7 @@ fn main() {
             ("governor_1_limit_headers", governor_with_headers()),
             ("tokenlease_1_limit", ours_1),
             ("tokenlease_2_limits", ours),
+            ("tokenlease_2_limits_on_refusals", ours_quiet),
         ]
         .into_iter()
         .map(|(name, app)| (name, served(app)))

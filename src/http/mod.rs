@@ -76,8 +76,10 @@
 //!
 //! # Responses
 //!
-//! Every response of a limited route carries, per limit that was checked (named as the limit;
-//! a layer appends its items to an inner layer's):
+//! Every response of a limited route carries (or only the refusals, with
+//! [`RateLimitLayer::fields_on`] and [`FieldsOn::Refusals`](crate::policy::FieldsOn::Refusals),
+//! or the policy file's `"fields_on": "refusals"`), per limit that was checked (named as the
+//! limit; a layer appends its items to an inner layer's):
 //!
 //! ```text
 //! RateLimit-Policy: "api";q=100;w=2, "entity";q=20;w=60

@@ -19,7 +19,7 @@ use super::refused::Refused;
 use crate::Limiter;
 use crate::lease::Hint;
 use crate::metrics::{HTTP_CHECKED, HTTP_DENIED, HTTP_ERRORS, HTTP_UNMATCHED, HTTP_WOULD_DENY};
-use crate::policy::{Plan, route_params};
+use crate::policy::{FieldsOn, Plan, route_params};
 
 /// Everything the service needs, shared by all clones.
 #[derive(Clone, Debug)]
@@ -32,12 +32,20 @@ pub(crate) struct Config {
     /// Whether every route's responses carry `X-RateLimit-{Name}-Remaining` (the layer's
     /// builder asked for them; a policy file asks per [`RouteLimits`]).
     pub(crate) x_ratelimit_remaining: bool,
+    /// Which responses carry the fields, when the layer's builder said (else the policy
+    /// file's, per [`RouteLimits`]).
+    pub(crate) fields_on: Option<FieldsOn>,
 }
 
 impl Config {
     /// Whether a response of `limits` carries `X-RateLimit-{Name}-Remaining`.
     pub(crate) fn remaining_fields(&self, limits: &RouteLimits) -> bool {
         self.x_ratelimit_remaining || limits.x_ratelimit_remaining
+    }
+
+    /// Whether an admitted response of `limits` carries the fields.
+    pub(crate) fn fields_on_admitted(&self, limits: &RouteLimits) -> bool {
+        self.fields_on.unwrap_or(limits.fields_on) == FieldsOn::EveryResponse
     }
 }
 
@@ -391,6 +399,8 @@ pub(crate) struct RouteLimits {
     /// Whether its responses carry `X-RateLimit-{Name}-Remaining` (the policy file's
     /// `x_ratelimit_remaining`).
     pub(crate) x_ratelimit_remaining: bool,
+    /// Which of its responses carry the fields (the policy file's `fields_on`).
+    pub(crate) fields_on: FieldsOn,
     /// The limiter of the layer's [`Config`], and its give-backs: what a response's future
     /// needs to give tokens back when an inner layer refused, without holding the `Config`.
     pub(crate) limiter: Limiter,
@@ -522,6 +532,7 @@ impl RouteLimits {
             policy,
             needs_params,
             x_ratelimit_remaining: false,
+            fields_on: FieldsOn::EveryResponse,
             limiter: limiter.clone(),
             give_backs: Arc::clone(give_backs),
         }

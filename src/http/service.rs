@@ -59,15 +59,19 @@ impl<S> RateLimit<S> {
 #[derive(Debug)]
 struct After {
     progress: Progress,
+    /// Whether to write the fields at all (not when they go on refusals only).
+    fields: bool,
     /// Whether to write `X-RateLimit-{Name}-Remaining`.
     remaining: bool,
 }
 
 impl After {
     fn new(config: &Config, progress: Progress) -> After {
+        let fields = config.fields_on_admitted(&progress.limits);
         let remaining = config.remaining_fields(&progress.limits);
         After {
             progress,
+            fields,
             remaining,
         }
     }
@@ -76,6 +80,9 @@ impl After {
         // An inner layer's limit refused the request: what this layer's limits took goes back.
         if response.extensions().get::<RefusedByLimit>().is_some() {
             self.progress.give_back_all_detached();
+        }
+        if !self.fields {
+            return;
         }
         fields::write(
             response.headers_mut(),

@@ -13,7 +13,8 @@ use super::raw::{
     Obj, RawAccounting, RawFallback, RawFallbackMode, RawLease, RawPlan, RawPolicies,
 };
 use super::types::{
-    Accounting, FallbackMode, FallbackSettings, KeyRule, LeaseSettings, Plan, Policies, Route,
+    Accounting, FallbackMode, FallbackSettings, FieldsOn, KeyRule, LeaseSettings, Plan, Policies,
+    Route,
 };
 use crate::bucket::{BucketConfig, Rate, Tokens};
 
@@ -182,6 +183,19 @@ impl Checker {
         let (keys, key_plans) = keys.into_iter().unzip();
 
         let x_ratelimit_remaining = raw.x_ratelimit_remaining;
+        let fields_on = match raw.fields_on.as_deref() {
+            None | Some("every_response") => FieldsOn::EveryResponse,
+            Some("refusals") => FieldsOn::Refusals,
+            Some(other) => {
+                return Err(self.err(
+                    "fields_on",
+                    format!(
+                        "unknown value {}; expected \"every_response\" (the default) or \"refusals\"",
+                        quote(other)
+                    ),
+                ));
+            }
+        };
         let budgets = self.budgets(raw.budgets, &lookup)?;
         let mut routes: Vec<Route> = Vec::with_capacity(raw.routes.len());
         // Shape (method, path without parameter names) → index of its route.
@@ -227,6 +241,7 @@ impl Checker {
             key_plans,
             routes,
             x_ratelimit_remaining,
+            fields_on,
         })
     }
 

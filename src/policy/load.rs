@@ -11,7 +11,7 @@ use super::MAX_POLICY_BYTES;
 use super::check::Checker;
 use super::error::{Kind, PolicyError, push_key, shorten, shorten_quoted};
 use super::raw::{Obj, RawPolicies};
-use super::types::{KeyRule, Plan, Policies, Route};
+use super::types::{FieldsOn, KeyRule, Plan, Policies, Route};
 
 /// The name used in errors for a policy given as a string without a file.
 pub(super) const NO_ORIGIN: &str = "<policy>";
@@ -149,6 +149,12 @@ impl Policies {
     /// the same counts.
     pub fn x_ratelimit_remaining(&self) -> bool {
         self.x_ratelimit_remaining
+    }
+
+    /// Which responses the HTTP layer writes its header fields on (file field `fields_on`,
+    /// [`FieldsOn::EveryResponse`] unless given).
+    pub fn fields_on(&self) -> FieldsOn {
+        self.fields_on
     }
 
     /// One line for humans: `policy.json: 3 plans, 2 routes, 1 key rule`.

@@ -92,8 +92,8 @@ pub use limits::MAX_ROUTE_LIMITS;
 #[cfg(feature = "http")]
 pub(crate) use routes::{route_params, route_pattern_error, route_shape};
 pub use types::{
-    Accounting, EntityRule, EntitySource, FallbackMode, FallbackSettings, KeyRule, LeaseSettings,
-    Plan, PlanBuilder, Policies, Route, RouteLimit, RouteShadow,
+    Accounting, EntityRule, EntitySource, FallbackMode, FallbackSettings, FieldsOn, KeyRule,
+    LeaseSettings, Plan, PlanBuilder, Policies, Route, RouteLimit, RouteShadow,
 };
 
 /// The largest policy file (or text) read: 16 MiB. A larger one is refused before it is read

@@ -82,6 +82,9 @@ pub(super) struct RawPolicies {
     /// Whether the HTTP layer also writes an `X-RateLimit-{Name}-Remaining` field per limit.
     #[serde(default)]
     pub(super) x_ratelimit_remaining: bool,
+    /// Which responses the HTTP layer writes its fields on: `"every_response"` or `"refusals"`.
+    #[serde(default)]
+    pub(super) fields_on: Option<String>,
 }
 
 /// A raw type kept in a [`RawMap`] by name.

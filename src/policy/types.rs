@@ -34,6 +34,33 @@ pub struct Policies {
     pub(super) routes: Vec<Route>,
     /// The file's `x_ratelimit_remaining`.
     pub(super) x_ratelimit_remaining: bool,
+    /// The file's `fields_on`.
+    pub(super) fields_on: FieldsOn,
+}
+
+/// Which responses the HTTP layer writes its rate-limit header fields on (`RateLimit-Policy`,
+/// `RateLimit` and, when asked for, `X-RateLimit-{Name}-Remaining`). A refusal always carries
+/// them, with `Retry-After`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FieldsOn {
+    /// Every response of a limited route: a client sees how close it is to a limit before it is
+    /// refused. The default.
+    #[default]
+    EveryResponse,
+    /// Only the responses the layer refuses (`429`, and `503` when the fallback denies), as
+    /// `tower_governor` and Envoy do by default: an admitted request pays nothing for the
+    /// fields, and its response carries no limit names.
+    Refusals,
+}
+
+impl FieldsOn {
+    /// The policy file's spelling: `"every_response"` or `"refusals"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FieldsOn::EveryResponse => "every_response",
+            FieldsOn::Refusals => "refusals",
+        }
+    }
 }
 
 /// One named bucket shape with its lease and fallback settings.

@@ -24,7 +24,7 @@ use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::http::{
     EntityKey, RateLimitLayer, RouteConfigError, RouteLimitLayer, TrustedProxies, client_ip,
 };
-use tokenlease::policy::{FallbackMode, FallbackSettings, Plan, Policies};
+use tokenlease::policy::{FallbackMode, FallbackSettings, FieldsOn, Plan, Policies};
 use tokenlease::store::{
     AcquireRequest, Acquired, BucketRow, GiveBack, MemoryStore, PostgresStore, Store, StoreError,
 };
@@ -1396,6 +1396,96 @@ async fn e7_one_budget_per_customer_across_all_endpoints() {
         );
         assert!(err.to_string().contains("A-Z a-z 0-9 _ . -"), "{err}");
     }
+}
+
+/// E16: the header fields on refusals only, when asked for. With the policy file's `"fields_on":
+/// "refusals"` (or the builder's `fields_on(FieldsOn::Refusals)` over a file that says
+/// nothing) an admitted response carries no `RateLimit-Policy`, `RateLimit` or
+/// `X-RateLimit-*-Remaining` field, and the refusal still carries them all with `Retry-After`;
+/// the builder's `FieldsOn::EveryResponse` overrides the file's `"refusals"`. A layer built in
+/// code takes the option too.
+#[tokio::test(start_paused = true)]
+async fn e16_fields_on_refusals_only_leave_admitted_responses_alone() {
+    let refusals = HEAD_POLICY.replace(
+        "\"x_ratelimit_remaining\": true,",
+        "\"x_ratelimit_remaining\": true, \"fields_on\": \"refusals\",",
+    );
+    assert_eq!(
+        Policies::from_json_str(&refusals, None)
+            .unwrap()
+            .fields_on(),
+        FieldsOn::Refusals
+    );
+    assert_eq!(
+        Policies::from_json_str(HEAD_POLICY, None)
+            .unwrap()
+            .fields_on(),
+        FieldsOn::EveryResponse
+    );
+    let app = |json: &str, builder: Option<FieldsOn>| {
+        let policies = Policies::from_json_str(json, None).unwrap();
+        let limiter = Limiter::builder(MemoryStore::new())
+            .policies(policies.clone())
+            .build();
+        let mut layer = RateLimitLayer::from_policies(&policies, limiter).unwrap();
+        if let Some(on) = builder {
+            layer = layer.fields_on(on);
+        }
+        Router::new()
+            .route(BOOKING, get(|| async { "booking" }))
+            .route_layer(layer)
+    };
+    let names = [
+        "ratelimit-policy",
+        "ratelimit",
+        "x-ratelimit-api-remaining",
+        "x-ratelimit-entity-remaining",
+    ];
+    for (json, builder, on_admitted) in [
+        (refusals.as_str(), None, false),
+        (HEAD_POLICY, Some(FieldsOn::Refusals), false),
+        (refusals.as_str(), Some(FieldsOn::EveryResponse), true),
+    ] {
+        let app = app(json, builder);
+        for _ in 0..5 {
+            let r = get_path(&app, "/bookings/1").await;
+            assert_eq!(r.status(), StatusCode::OK);
+            for name in names {
+                assert_eq!(
+                    header(r.headers(), name).is_some(),
+                    on_admitted,
+                    "{name} on an admitted response ({builder:?})"
+                );
+            }
+        }
+        let r = get_path(&app, "/bookings/1").await;
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        let h = r.headers();
+        assert!(header(h, "retry-after").is_some());
+        assert_eq!(
+            header(h, "ratelimit-policy"),
+            Some("\"api\";q=5;w=18000, \"entity\";q=100;w=360000")
+        );
+        assert!(header(h, "ratelimit").is_some_and(|v| v.starts_with("\"api\";r=0;")));
+        assert_eq!(header(h, "x-ratelimit-api-remaining"), Some("0"));
+    }
+    // A layer built in code.
+    let limiter = Limiter::builder(MemoryStore::new()).build();
+    let app = Router::new().route(
+        BOOKING,
+        get(|| async { "booking" }).route_layer(
+            RouteLimitLayer::new(limiter)
+                .global(plan("g", 1, 0.001))
+                .fields_on(FieldsOn::Refusals),
+        ),
+    );
+    let r = get_path(&app, "/bookings/1").await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert!(header(r.headers(), "ratelimit").is_none());
+    let r = get_path(&app, "/bookings/2").await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(header(r.headers(), "ratelimit").is_some());
+    assert!(header(r.headers(), "retry-after").is_some());
 }
 
 /// E14: `X-RateLimit-{Name}-Remaining` only when asked for. Without the policy file's

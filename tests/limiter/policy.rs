@@ -535,6 +535,12 @@ const INVALID: &[Case] = &[
         message: r#"route_limit_name_duplicate.json: routes[0].limits[1].name: duplicate limit name "booking": already routes[0].limits[0]; each limit of a route has a name of its own"#,
     },
     Case {
+        file: "fields_on_unknown.json",
+        plan: None,
+        field: Some("fields_on"),
+        message: r#"fields_on_unknown.json: fields_on: unknown value "admitted"; expected "every_response" (the default) or "refusals""#,
+    },
+    Case {
         file: "route_limits_too_many.json",
         plan: None,
         field: Some("routes[0].limits"),
@@ -598,7 +604,7 @@ const INVALID: &[Case] = &[
         file: "unknown_field_control_character.json",
         plan: None,
         field: Some(r#"["rou\ntes"]"#),
-        message: r#"unknown_field_control_character.json:3:12: ["rou\ntes"]: unknown field `rou\ntes`, expected one of `plans`, `default_plan`, `keys`, `routes`, `budgets`, `x_ratelimit_remaining`"#,
+        message: r#"unknown_field_control_character.json:3:12: ["rou\ntes"]: unknown field `rou\ntes`, expected one of `plans`, `default_plan`, `keys`, `routes`, `budgets`, `x_ratelimit_remaining`, `fields_on`"#,
     },
     Case {
         file: "unknown_method.json",
@@ -610,7 +616,7 @@ const INVALID: &[Case] = &[
         file: "unknown_top_level_field.json",
         plan: None,
         field: Some("default"),
-        message: r#"unknown_top_level_field.json:5:11: default: unknown field `default`, expected one of `plans`, `default_plan`, `keys`, `routes`, `budgets`, `x_ratelimit_remaining`"#,
+        message: r#"unknown_top_level_field.json:5:11: default: unknown field `default`, expected one of `plans`, `default_plan`, `keys`, `routes`, `budgets`, `x_ratelimit_remaining`, `fields_on`"#,
     },
 ];
 
