@@ -34,7 +34,31 @@ async fn cluster(workers: usize) -> Arc<TempCitus> {
 
 /// [`cluster`] with the tables distributed (`tokenlease::store::migrate`).
 async fn migrated(workers: usize) -> Arc<TempCitus> {
-    let citus = cluster(workers).await;
+    migrate_on(cluster(workers).await).await
+}
+
+/// [`cluster`] with `citus.shard_count` set to `shards` on every node (so `migrate` keeps it
+/// rather than choosing one shard a worker).
+pub(crate) async fn cluster_with_shards(workers: usize, shards: u32) -> Arc<TempCitus> {
+    let started = tokio::task::spawn_blocking(move || {
+        TempCitus::builder()
+            .workers(workers)
+            .setting("citus.shard_count", shards.to_string())
+            .start()
+    })
+    .await
+    .expect("start task")
+    .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
+    Arc::new(started)
+}
+
+/// [`cluster_with_shards`] with the tables distributed.
+async fn migrated_with_shards(workers: usize, shards: u32) -> Arc<TempCitus> {
+    migrate_on(cluster_with_shards(workers, shards).await).await
+}
+
+/// `citus` with the tables distributed.
+async fn migrate_on(citus: Arc<TempCitus>) -> Arc<TempCitus> {
     let mut c = client(&citus.connection_string("postgres")).await;
     tokenlease::store::migrate(&mut c).await.expect("migrate");
     citus
@@ -263,15 +287,7 @@ async fn migrate_distributes_the_tables_and_the_client_hashes_as_citus() {
 /// count `migrate` uses, and its report says it did not choose.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_keeps_a_shard_count_the_user_set() {
-    let started = tokio::task::spawn_blocking(|| {
-        TempCitus::builder()
-            .workers(2)
-            .setting("citus.shard_count", "6")
-            .start()
-    })
-    .await
-    .expect("start task")
-    .expect("a Citus cluster");
+    let started = cluster_with_shards(2, 6).await;
     let mut c = client(&started.connection_string("postgres")).await;
     let report = tokenlease::store::migrate(&mut c).await.expect("migrate");
     assert_eq!(report.citus_shards, Some(6), "{report}");
@@ -1253,6 +1269,20 @@ async fn keys_where(
     rows.iter().map(|r| r.get(0)).collect()
 }
 
+/// Splits `shard` at the middle of its hash range (`citus_split_shard_by_split_points`,
+/// `block_writes`), its first half on the node `first`, its second on `second` (node ids).
+async fn split_in_two(c: &tokio_postgres::Client, shard: i64, first: i32, second: i32) {
+    c.execute(
+        "SELECT citus_split_shard_by_split_points($1::bigint, \
+             ARRAY[((shardminvalue::bigint + shardmaxvalue::bigint) / 2)::text], \
+             ARRAY[$2::integer, $3::integer], shard_transfer_mode := 'block_writes') \
+         FROM pg_dist_shard WHERE shardid = $1::bigint",
+        &[&shard, &first, &second],
+    )
+    .await
+    .expect("split");
+}
+
 /// Z7: a shard moved to the other worker under direct-mode load (`citus_move_shard_placement`,
 /// `block_writes`): the store notices the stale placement, reads the map again and sends the
 /// moved keys to their new node, without a restart; see [`change_under_load`].
@@ -1309,15 +1339,7 @@ async fn a_split_shard_is_followed_without_a_restart() {
             .expect("the other worker")
             .get::<_, i32>(0);
         let before = keys_where(&c, &keys, None, Some(shard)).await;
-        c.execute(
-            "SELECT citus_split_shard_by_split_points($1::bigint, \
-                 ARRAY[((shardminvalue::bigint + shardmaxvalue::bigint) / 2)::text], \
-                 ARRAY[$2::integer, $3::integer], shard_transfer_mode := 'block_writes') \
-             FROM pg_dist_shard WHERE shardid = $1::bigint",
-            &[&shard, &node, &other],
-        )
-        .await
-        .expect("split");
+        split_in_two(&c, shard, node, other).await;
         let shards: i64 = c
             .query_one(
                 "SELECT count(*) FROM pg_dist_shard \
@@ -1341,19 +1363,7 @@ async fn a_split_shard_is_followed_without_a_restart() {
 /// node takes keys by a split, Z8).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_added_node_gets_its_keys_without_a_restart() {
-    let started = tokio::task::spawn_blocking(|| {
-        TempCitus::builder()
-            .workers(2)
-            .setting("citus.shard_count", "4")
-            .start()
-    })
-    .await
-    .expect("start task")
-    .expect("a Citus cluster");
-    let citus = Arc::new(started);
-    let mut c = client(&citus.connection_string("postgres")).await;
-    tokenlease::store::migrate(&mut c).await.expect("migrate");
-    drop(c);
+    let citus = migrated_with_shards(2, 4).await;
     let extra = tokio::task::spawn_blocking({
         let citus = Arc::clone(&citus);
         move || citus.start_node()
@@ -1407,15 +1417,7 @@ async fn an_added_node_takes_half_a_shard_without_a_restart() {
             .expect("add the node")
             .get(0);
         let (shard, _, _, node) = placement_of(&c, &keys[0]).await;
-        c.execute(
-            "SELECT citus_split_shard_by_split_points($1::bigint, \
-                 ARRAY[((shardminvalue::bigint + shardmaxvalue::bigint) / 2)::text], \
-                 ARRAY[$2::integer, $3::integer], shard_transfer_mode := 'block_writes') \
-             FROM pg_dist_shard WHERE shardid = $1::bigint",
-            &[&shard, &node, &added],
-        )
-        .await
-        .expect("split onto the new node");
+        split_in_two(&c, shard, node, added).await;
         assert_eq!(shard_count(&c).await, 3, "split in two");
         keys_where(&c, &keys, Some(port), None).await
     })
@@ -1428,18 +1430,7 @@ async fn an_added_node_takes_half_a_shard_without_a_restart() {
 /// guard, Citus's metadata), so 16 tasks starting at once see no fallback.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cold_store_decides_from_its_first_call() {
-    let started = tokio::task::spawn_blocking(|| {
-        TempCitus::builder()
-            .workers(2)
-            .setting("citus.shard_count", "2")
-            .start()
-    })
-    .await
-    .expect("start task")
-    .expect("a Citus cluster");
-    let citus = Arc::new(started);
-    let mut c = client(&citus.connection_string("postgres")).await;
-    tokenlease::store::migrate(&mut c).await.expect("migrate");
+    let citus = migrated_with_shards(2, 2).await;
     let keys = Arc::new((0..64).map(|i| format!("cold-{i}")).collect::<Vec<_>>());
     // A call timeout a loaded 2-core machine running three servers keeps in the steady state,
     // and far below what a session's first call costs when it logs in, prepares, plans and

@@ -7,7 +7,6 @@ use crate::common;
 
 use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::store::{AcquireRequest, GiveBack, Hold, LeaseRef, PostgresStore, Store as _};
-use tokenlease_testkit::TempCitus;
 
 /// How many keys: a few hundred, over every shard of both workers.
 const KEYS: usize = 320;
@@ -130,15 +129,7 @@ async fn returned(store: &PostgresStore, keys: &[String]) -> (Vec<(f64, usize)>,
 /// and a second round of new returns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn returns_on_every_shard_credit_as_on_plain_postgres() {
-    let citus = tokio::task::spawn_blocking(|| {
-        TempCitus::builder()
-            .workers(2)
-            .setting("citus.shard_count", "4")
-            .start()
-    })
-    .await
-    .expect("start task")
-    .expect("a Citus cluster (install the Citus extension; .ci/run builds it when missing)");
+    let citus = super::citus::cluster_with_shards(2, 4).await;
     let conn = citus.connection_string("postgres");
     let on_citus = common::store_at(&conn, 2, true).await;
     let db = common::database().await;
