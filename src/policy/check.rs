@@ -184,17 +184,20 @@ impl Checker {
 
         let x_ratelimit_remaining = raw.x_ratelimit_remaining;
         let fields_on = match raw.fields_on.as_deref() {
-            None | Some("every_response") => FieldsOn::EveryResponse,
-            Some("refusals") => FieldsOn::Refusals,
-            Some(other) => {
-                return Err(self.err(
-                    "fields_on",
-                    format!(
-                        "unknown value {}; expected \"every_response\" (the default) or \"refusals\"",
-                        quote(other)
-                    ),
-                ));
-            }
+            None => FieldsOn::default(),
+            Some(given) => FieldsOn::ALL
+                .into_iter()
+                .find(|f| f.as_str() == given)
+                .ok_or_else(|| {
+                    let [default, other] = FieldsOn::ALL.map(FieldsOn::as_str);
+                    self.err(
+                        "fields_on",
+                        format!(
+                            "unknown value {}; expected \"{default}\" (the default) or \"{other}\"",
+                            quote(given)
+                        ),
+                    )
+                })?,
         };
         let budgets = self.budgets(raw.budgets, &lookup)?;
         let mut routes: Vec<Route> = Vec::with_capacity(raw.routes.len());

@@ -54,6 +54,9 @@ pub enum FieldsOn {
 }
 
 impl FieldsOn {
+    /// Every value, the default first.
+    pub(super) const ALL: [FieldsOn; 2] = [FieldsOn::EveryResponse, FieldsOn::Refusals];
+
     /// The policy file's spelling: `"every_response"` or `"refusals"`.
     pub fn as_str(self) -> &'static str {
         match self {

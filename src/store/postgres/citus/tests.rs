@@ -20,7 +20,7 @@ fn hashtext_matches_postgres() {
 /// coordinator.
 pub(in crate::store::postgres) async fn cluster()
 -> (tokenlease_testkit::TempCitus, tokio_postgres::Client) {
-    cluster_with(|b| b).await
+    connected(None).await
 }
 
 /// [`cluster`] with `citus.shard_count` set to `shards` on every node (so `migrate` keeps it):
@@ -28,16 +28,18 @@ pub(in crate::store::postgres) async fn cluster()
 pub(in crate::store::postgres) async fn cluster_with_shards(
     shards: u32,
 ) -> (tokenlease_testkit::TempCitus, tokio_postgres::Client) {
-    cluster_with(move |b| b.setting("citus.shard_count", shards.to_string())).await
+    connected(Some(shards)).await
 }
 
-async fn cluster_with(
-    settings: impl FnOnce(tokenlease_testkit::TempCitusBuilder) -> tokenlease_testkit::TempCitusBuilder
-    + Send
-    + 'static,
-) -> (tokenlease_testkit::TempCitus, tokio_postgres::Client) {
-    let citus = tokio::task::spawn_blocking(|| {
-        settings(tokenlease_testkit::TempCitus::builder().workers(2)).start()
+/// Two workers, `citus.shard_count` when given, and a client of the coordinator.
+async fn connected(shards: Option<u32>) -> (tokenlease_testkit::TempCitus, tokio_postgres::Client) {
+    let citus = tokio::task::spawn_blocking(move || {
+        let builder = tokenlease_testkit::TempCitus::builder().workers(2);
+        match shards {
+            Some(n) => builder.setting("citus.shard_count", n.to_string()),
+            None => builder,
+        }
+        .start()
     })
     .await
     .expect("start task")
