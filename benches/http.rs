@@ -29,7 +29,8 @@
 //! `TOKENLEASE_BENCH_INTERLEAVED=1` it prints instead a table of the six set-ups measured in
 //! turn, round after round (the figures `benches/README.md` quotes): on a shared machine whose
 //! load drifts, set-ups measured side by side compare better than criterion's, minutes apart.
-//! `TOKENLEASE_BENCH_ONLY=<set-up>` with it times that set-up alone (for a profiler).
+//! `TOKENLEASE_BENCH_ONLY=<set-up>` with it times that set-up alone (for a profiler), and
+//! `TOKENLEASE_BENCH_IDS=1` (or `10000`) that id count alone.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -200,7 +201,13 @@ fn interleaved(runtime: &tokio::runtime::Runtime, apps: &[(&str, Router)]) {
         "| ids | {} |",
         apps.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(" | ")
     );
+    let only_ids: Option<usize> = std::env::var("TOKENLEASE_BENCH_IDS")
+        .ok()
+        .and_then(|n| n.parse().ok());
     for ids in [1usize, 10_000] {
+        if only_ids.is_some_and(|n| n != ids) {
+            continue;
+        }
         let paths: Vec<String> = (0..ids).map(|i| format!("/bookings/{i}")).collect();
         let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); apps.len()];
         for _ in 0..ROUNDS {

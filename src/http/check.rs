@@ -151,11 +151,20 @@ impl Progress {
         }
     }
 
+    /// Notes that limit `i` took a token from its lease (one that may go back).
+    fn took_from_lease(&mut self, i: usize) {
+        self.taken |= 1 << i;
+        self.givable |= 1 << i;
+    }
+
     /// Reports limit `i`'s token back in its lease when `back`.
     fn given_back(&mut self, back: bool, i: usize) {
         let plan = &self.limits.limits[i].plan;
         if back && let Some(report) = self.reports.iter_mut().find(|r| r.limit == i) {
-            let more = report.remaining.map(|r| Tokens::whole(r.saturating_add(1)));
+            let more = report
+                .numbers(plan)
+                .0
+                .map(|r| Tokens::whole(r.saturating_add(1)));
             *report = Report::allowed(i, plan, more, None);
         }
     }
@@ -362,11 +371,9 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
             .limiter
             .take_now(&mut pinned, &limit.plan, limit.index, key, hint)
         {
-            Ok(Some(d)) => {
-                progress
-                    .reports
-                    .push(Report::allowed(i, &limit.plan, d.remaining, d.reset_after));
-                progress.took(i, &d);
+            Ok(Some(left)) => {
+                progress.reports.push(Report::leased(i, left));
+                progress.took_from_lease(i);
                 progress.next += 1;
             }
             Ok(None) => return Outcome::Slow(progress),

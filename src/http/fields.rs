@@ -28,10 +28,10 @@ pub(crate) fn write(
     let mut counts: SmallVec<[(&HeaderName, u64, usize); 4]> = SmallVec::new();
     let write_remaining = remaining;
     for r in reports {
-        let Some(remaining) = r.remaining else {
+        let Some(limit) = limits.limits.get(r.limit) else {
             continue;
         };
-        let Some(limit) = limits.limits.get(r.limit) else {
+        let (Some(remaining), t) = r.numbers(&limit.plan) else {
             continue;
         };
         if items.len > 0 {
@@ -43,7 +43,7 @@ pub(crate) fn write(
         }
         items.number(remaining);
         items.push(b";t=");
-        items.number(r.t);
+        items.number(t);
     }
     if items.len == 0 {
         return;

@@ -13,6 +13,7 @@ use axum::http::StatusCode;
 use axum::http::header::HeaderName;
 
 use crate::bucket::Tokens;
+use crate::limiter::LeaseLeft;
 use crate::policy::Plan;
 
 /// `RateLimit-Policy`: each layer's quota (`q`, the capacity) and window (`w`, seconds to refill
@@ -105,10 +106,18 @@ pub(crate) fn policy_item(name: &str, plan: &Plan) -> String {
 pub(crate) struct Report {
     /// The limit's position in its route's [`RouteLimits::limits`].
     pub(crate) limit: usize,
-    /// Whole tokens left, at most the capacity.
-    pub(crate) remaining: Option<u64>,
-    /// Seconds for the `t` parameter.
-    pub(crate) t: u64,
+    value: Value,
+}
+
+/// A report's numbers, or what they are worked out from when written.
+#[derive(Clone, Copy, Debug)]
+enum Value {
+    /// Whole tokens left, at most the capacity, and the seconds for the `t` parameter.
+    Known { remaining: Option<u64>, t: u64 },
+    /// A take from a lease: reported as [`Report::allowed`] reports the allowed decision the
+    /// lease's counts make, when the fields are written (a response without them never works
+    /// the numbers out).
+    Lease(LeaseLeft),
 }
 
 impl Report {
@@ -144,8 +153,34 @@ impl Report {
         });
         Report {
             limit,
-            remaining: remaining.map(Tokens::floor),
-            t,
+            value: Value::Known {
+                remaining: remaining.map(Tokens::floor),
+                t,
+            },
+        }
+    }
+
+    /// The report of a take from a lease that left `left`: [`allowed`](Self::allowed)'s, worked
+    /// out by [`numbers`](Self::numbers) when written.
+    pub(crate) fn leased(limit: usize, left: LeaseLeft) -> Report {
+        Report {
+            limit,
+            value: Value::Lease(left),
+        }
+    }
+
+    /// Whole tokens left (`None` when nobody knows) and the seconds for the `t` parameter;
+    /// `plan` is the limit's.
+    pub(crate) fn numbers(&self, plan: &Plan) -> (Option<u64>, u64) {
+        match self.value {
+            Value::Known { remaining, t } => (remaining, t),
+            Value::Lease(left) => Report::allowed(
+                self.limit,
+                plan,
+                Some(left.remaining(plan.capacity())),
+                None,
+            )
+            .numbers(plan),
         }
     }
 
@@ -159,8 +194,10 @@ impl Report {
     ) -> Report {
         Report {
             limit,
-            remaining: remaining.map(|r| std::cmp::min(r, plan.capacity()).floor()),
-            t: retry_after_secs(retry_after),
+            value: Value::Known {
+                remaining: remaining.map(|r| std::cmp::min(r, plan.capacity()).floor()),
+                t: retry_after_secs(retry_after),
+            },
         }
     }
 }
@@ -276,9 +313,24 @@ mod tests {
     #[test]
     fn allowed_report_counts_seconds_to_full() {
         let p = plan(100, 50.0);
-        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(100)), None).t, 0);
-        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(99)), None).t, 1);
-        assert_eq!(Report::allowed(0, &p, Some(Tokens::whole(0)), None).t, 2);
+        assert_eq!(
+            Report::allowed(0, &p, Some(Tokens::whole(100)), None)
+                .numbers(&p)
+                .1,
+            0
+        );
+        assert_eq!(
+            Report::allowed(0, &p, Some(Tokens::whole(99)), None)
+                .numbers(&p)
+                .1,
+            1
+        );
+        assert_eq!(
+            Report::allowed(0, &p, Some(Tokens::whole(0)), None)
+                .numbers(&p)
+                .1,
+            2
+        );
     }
 
     /// A plan of several limits (5 a second, burst 5, and 20 an hour): `t` is the time until
@@ -293,15 +345,60 @@ mod tests {
             .build()
             .expect("plan");
         let from_lease = Report::allowed(0, &p, Some(Tokens::whole(0)), None);
-        assert_eq!(from_lease.t, 3_600);
+        assert_eq!(from_lease.numbers(&p).1, 3_600);
         let from_store = Report::allowed(
             0,
             &p,
             Some(Tokens::whole(3)),
             Some(Duration::from_secs(180)),
         );
-        assert_eq!((from_store.remaining, from_store.t), (Some(3), 180));
+        assert_eq!(from_store.numbers(&p), (Some(3), 180));
         let full = Report::allowed(0, &p, Some(Tokens::whole(5)), Some(Duration::ZERO));
-        assert_eq!(full.t, 0);
+        assert_eq!(full.numbers(&p).1, 0);
+    }
+
+    /// A take from a lease is reported, when written, as the allowed decision its counts make:
+    /// the lease's tokens and the store's summed, at most the capacity, in whole tokens.
+    #[test]
+    fn a_lease_report_is_the_allowed_decisions() {
+        let nanos = |n: u64| n * 1_000_000_000;
+        for p in [
+            plan(100, 50.0),
+            Plan::builder("p")
+                .per_second(5)
+                .per_hour(20)
+                .build()
+                .expect("plan"),
+        ] {
+            for (left, store) in [
+                (0, 0),
+                (nanos(3), nanos(4)),
+                (nanos(3) + 999_999_999, 0),
+                (nanos(90), nanos(90)),
+                (u64::MAX, u64::MAX),
+            ] {
+                let left = LeaseLeft {
+                    left,
+                    store_remaining: store,
+                };
+                let eager =
+                    Report::allowed(2, &p, Some(left.remaining(p.capacity())), None).numbers(&p);
+                let lazy = Report::leased(2, left);
+                assert_eq!((lazy.limit, lazy.numbers(&p)), (2, eager), "{left:?}");
+            }
+        }
+        let left = LeaseLeft {
+            left: nanos(3) + 999_999_999,
+            store_remaining: 0,
+        };
+        assert_eq!(Report::leased(0, left).numbers(&plan(100, 50.0)).0, Some(3));
+        let over = LeaseLeft {
+            left: nanos(90),
+            store_remaining: nanos(90),
+        };
+        assert_eq!(
+            Report::leased(0, over).numbers(&plan(100, 50.0)),
+            (Some(100), 0)
+        );
     }
 }

@@ -36,6 +36,27 @@ pub(super) fn from_store(plan: &Plan, acquired: &Acquired) -> Decision {
     }
 }
 
+/// What a take from a live lease left ([`Limiter::take_now`](super::Limiter::take_now)), in nanotokens: the lease's own
+/// tokens and what the store had when it granted the lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LeaseLeft {
+    /// Left in the lease.
+    pub(crate) left: u64,
+    /// The store's count when it granted the lease.
+    pub(crate) store_remaining: u64,
+}
+
+impl LeaseLeft {
+    /// Whole tokens an allowed decision reports: the two counts' sum, at most `capacity`
+    /// ([`lease_allowed`]'s `remaining`).
+    pub(crate) fn remaining(self, capacity: Tokens) -> Tokens {
+        std::cmp::min(
+            Tokens::from_nanos(u128::from(self.left) + u128::from(self.store_remaining)),
+            capacity,
+        )
+    }
+}
+
 pub(super) fn lease_allowed(plan: &Plan, left: u64, store_remaining: u64) -> Decision {
     lease_allowed_at(plan.capacity(), left, store_remaining)
 }
@@ -47,10 +68,13 @@ pub(super) fn lease_allowed_at(capacity: Tokens, left: u64, store_remaining: u64
         would_deny: false,
         // The lease's tokens were taken from the bucket: beside what the bucket held then,
         // they can add up to more than it ever holds.
-        remaining: Some(std::cmp::min(
-            Tokens::from_nanos(u128::from(left) + u128::from(store_remaining)),
-            capacity,
-        )),
+        remaining: Some(
+            LeaseLeft {
+                left,
+                store_remaining,
+            }
+            .remaining(capacity),
+        ),
         limit: capacity,
         retry_after: Duration::ZERO,
         // The lease spends tokens granted earlier: the bucket's fill is not known here.

@@ -35,6 +35,8 @@ mod wait;
 pub use acquire::Acquire;
 pub use builder::LimiterBuilder;
 use coalesce::Coalescer;
+#[cfg(feature = "http")]
+pub(crate) use decisions::LeaseLeft;
 use policies::Loaded;
 pub use policies::ReloadError;
 pub use wait::WaitError;

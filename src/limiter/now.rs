@@ -9,8 +9,7 @@ use std::sync::Arc;
 
 use super::Limiter;
 use super::cost::{check_leased_call, lease_cost};
-use super::decisions::lease_allowed;
-use crate::Decision;
+use super::decisions::LeaseLeft;
 use crate::error::Error;
 use crate::lease::{Fast, Hint, MAX_LEASE_NANOS, Pinned};
 use crate::policy::Plan;
@@ -26,9 +25,12 @@ impl Limiter {
         Some((Arc::clone(shared), index))
     }
 
-    /// Takes one token of `key` under `plan` from its live lease, never waiting: `Ok(None)`
-    /// when that needs the store, the actor or the fallback (no live lease holding a token, a
-    /// direct-mode or shadow plan), and nothing was taken. `index` is the plan's registry
+    /// Takes one token of `key` under `plan` from its live lease, never waiting: what the
+    /// lease holds now and what the store had when it granted the lease, in nanotokens (the
+    /// allowed decision's `remaining` is their sum, at most the capacity: `lease_allowed`, which
+    /// the caller computes only if it reports it). `Ok(None)` when the take needs the store,
+    /// the actor or the fallback (no live lease holding a token, a direct-mode or shadow plan),
+    /// and nothing was taken. `index` is the plan's registry
     /// index from [`resolve_plan`](Self::resolve_plan), with the `Arc` it gave.
     ///
     /// `pinned` is the lease table as pinned by an earlier take of the same request, or `None`,
@@ -47,7 +49,7 @@ impl Limiter {
         index: Option<u32>,
         key: &str,
         hint: Option<&Hint>,
-    ) -> Result<Option<Decision>, Error> {
+    ) -> Result<Option<LeaseLeft>, Error> {
         if plan.lease().is_none() || plan.shadow() {
             return Ok(None);
         }
@@ -62,7 +64,10 @@ impl Limiter {
             Fast::Taken {
                 left,
                 store_remaining,
-            } => Ok(Some(lease_allowed(plan, left, store_remaining))),
+            } => Ok(Some(LeaseLeft {
+                left,
+                store_remaining,
+            })),
             _ => Ok(None),
         }
     }
