@@ -213,10 +213,8 @@ fn key_method(method: &Method) -> &'static str {
 /// The route of a request, found in `config`, with the router's pattern (for path
 /// parameters), or `None` when no limit applies.
 fn route_of(config: &Config, parts: &Parts) -> Option<(Arc<RouteLimits>, Option<String>)> {
-    let matched = parts
-        .extensions
-        .get::<MatchedPath>()
-        .map(MatchedPath::as_str);
+    let path = parts.extensions.get::<MatchedPath>();
+    let matched = path.map(MatchedPath::as_str);
     match &config.routes {
         Routes::One(limits) => {
             let pattern = limits.pattern.as_deref().or(matched)?;
@@ -226,13 +224,13 @@ fn route_of(config: &Config, parts: &Parts) -> Option<(Arc<RouteLimits>, Option<
             let unmatched = |table: &RouteTable| {
                 super::unmatched::unmatched(&table.all, parts, matched);
             };
-            let Some(matched) = matched else {
+            let (Some(path), Some(matched)) = (path, matched) else {
                 cell.with(unmatched);
                 return None;
             };
             let found = cell.lookup(
                 &parts.method,
-                matched,
+                path,
                 |table| {
                     let shape = route_shape(matched)?;
                     // A route listed for the method itself first (a file may list HEAD on

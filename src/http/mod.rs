@@ -136,6 +136,7 @@ mod fields;
 mod headers;
 mod key;
 mod layer;
+mod memo;
 mod refund;
 mod refused;
 mod route;

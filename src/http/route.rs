@@ -8,12 +8,14 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use axum::extract::MatchedPath;
 use axum::http::{HeaderName, HeaderValue, Method};
 use metrics::Counter;
 use parking_lot::{Mutex, RwLock};
 
 use super::headers::policy_item;
 use super::key::{EntityKey, TrustedProxies};
+use super::memo;
 use super::refund::GiveBacks;
 use super::refused::Refused;
 use crate::Limiter;
@@ -86,6 +88,8 @@ pub(crate) struct RouteTable {
 /// up again under the read lock (and replaced) like a pattern never seen.
 #[derive(Debug)]
 pub(crate) struct TableCell {
+    /// A number no other cell has, naming it in the threads' memos (`memo.rs`).
+    id: u64,
     table: RwLock<Arc<RouteTable>>,
     /// Changed only under `table`'s write lock.
     generation: AtomicU64,
@@ -128,6 +132,7 @@ impl RouteTable {
 impl TableCell {
     pub(crate) fn new(table: RouteTable) -> Self {
         TableCell {
+            id: super::memo::next_cell_id(),
             table: RwLock::new(Arc::new(table)),
             generation: AtomicU64::new(0),
             seen: std::array::from_fn(|_| papaya::HashMap::default()),
@@ -147,16 +152,18 @@ impl TableCell {
         f(&self.table.read())
     }
 
-    /// The route of a request with `method` that the router matched as `matched`: read from
-    /// what earlier requests found under the current table, or found by shape (`find`) and
-    /// remembered. When there is none, `none` runs on the table the lookup used.
+    /// The route of a request with `method` that the router matched as `path`: read from what
+    /// this thread found last for it under the current table (`memo.rs`), or what any thread
+    /// found, or found by shape (`find`) and remembered. When there is none, `none` runs on the
+    /// table the lookup used.
     pub(crate) fn lookup(
         &self,
         method: &Method,
-        matched: &str,
+        path: &MatchedPath,
         find: impl FnOnce(&RouteTable) -> Option<Arc<RouteLimits>>,
         none: impl FnOnce(&RouteTable),
     ) -> Option<Arc<RouteLimits>> {
+        let matched = path.as_str();
         let Some(slot) = method_slot(method) else {
             let table = self.table.read();
             let found = find(&table);
@@ -165,13 +172,19 @@ impl TableCell {
             }
             return found;
         };
-        let seen = self.seen[slot].pin();
         let generation = self.generation.load(Ordering::Acquire);
+        if let Some(found) = memo::get(self.id, generation, slot, path) {
+            return Some(found);
+        }
+        let seen = self.seen[slot].pin();
         if let Some(s) = seen.get(matched)
             && s.generation == generation
         {
             return match &s.found {
-                Some(found) => Some(Arc::clone(found)),
+                Some(found) => {
+                    memo::put(self.id, generation, slot, path, found);
+                    Some(Arc::clone(found))
+                }
                 None => {
                     none(&self.table.read());
                     None
@@ -186,8 +199,9 @@ impl TableCell {
             let found = found.clone();
             seen.insert(Box::from(matched), Seen { generation, found });
         }
-        if found.is_none() {
-            none(&table);
+        match &found {
+            Some(found) => memo::put(self.id, generation, slot, path, found),
+            None => none(&table),
         }
         found
     }
