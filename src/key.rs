@@ -55,6 +55,14 @@ pub(crate) const MAX_STORED_KEY_BYTES: usize = MAX_KEY_BYTES + 73;
 ///
 /// The first [`KeyError`] that applies.
 pub fn validate_key(key: &str) -> Result<(), KeyError> {
+    validate_key_shape(key)?;
+    validate_stored_key(key)
+}
+
+/// [`validate_key`] but for the scan for NUL bytes: for a key made of bytes that cannot hold
+/// one (the HTTP layer's entity key of a path segment as the client sent it, which the URI
+/// parser admitted).
+pub(crate) fn validate_key_shape(key: &str) -> Result<(), KeyError> {
     if key.is_empty() {
         return Err(KeyError::Empty);
     }
@@ -64,7 +72,7 @@ pub fn validate_key(key: &str) -> Result<(), KeyError> {
     if key.starts_with(RESERVED_KEY_PREFIX) {
         return Err(KeyError::Reserved);
     }
-    validate_stored_key(key)
+    Ok(())
 }
 
 /// Checks a key the limiter itself sends to the store: a caller's key that passed

@@ -26,7 +26,7 @@ use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
 use super::refund::{give_back, give_back_detached};
 use super::route::{Config, Limit, RouteLimits, RouteTable, Routes, Scope};
 use crate::bucket::Tokens;
-use crate::key::validate_key;
+use crate::key::{validate_key, validate_key_shape};
 use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_WOULD_DENY};
 use crate::policy::{FallbackMode, route_shape};
 use crate::{DecidedBy, Decision};
@@ -324,7 +324,9 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
                     };
                 match id {
                     Ok(Some(id)) if !id.is_empty() => KeyOf::Owned(match &limit.key {
-                        Some(prefix) => hashed_key(prefix, &id),
+                        // A borrowed id is a path segment as the client sent it (`segment_id`):
+                        // the URI parser admitted no NUL byte in it.
+                        Some(prefix) => hashed_key(prefix, &id, matches!(id, Cow::Borrowed(_))),
                         None => dynamic_key(limit, progress.endpoint(), Some(&id)),
                     }),
                     Ok(_) => KeyOf::Skip,
@@ -468,7 +470,7 @@ fn dynamic_key(limit: &Limit, endpoint: &str, id: Option<&str>) -> String {
     };
     match id {
         None => prefix,
-        Some(id) => hashed_key(&format!("{prefix}:"), id),
+        Some(id) => hashed_key(&format!("{prefix}:"), id, false),
     }
 }
 
@@ -583,15 +585,22 @@ impl Params {
 /// that itself starts with `sha256:` is hashed too, so it can never pose as another id's digest.
 #[cfg(test)]
 pub(crate) fn entity_bucket_key(endpoint: &str, id: &str) -> String {
-    hashed_key(&format!("ratelimit:entity:{endpoint}:"), id)
+    hashed_key(&format!("ratelimit:entity:{endpoint}:"), id, false)
 }
 
 /// `{prefix}{id}` (`prefix` ends in `:`), the id hashed when it would make the key unusable.
-fn hashed_key(prefix: &str, id: &str) -> String {
+/// `no_nul`: the id is known to hold no NUL byte, and is not scanned for one.
+fn hashed_key(prefix: &str, id: &str, no_nul: bool) -> String {
     let mut key = String::with_capacity(prefix.len() + id.len());
     key.push_str(prefix);
     key.push_str(id);
-    if !id.starts_with(HASHED) && validate_key(&key).is_ok() {
+    let usable = if no_nul {
+        debug_assert!(!id.contains('\0'));
+        validate_key_shape(&key).is_ok()
+    } else {
+        validate_key(&key).is_ok()
+    };
+    if usable && !id.starts_with(HASHED) {
         return key;
     }
     let digest = Sha256::digest(id.as_bytes());
