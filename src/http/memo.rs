@@ -1,6 +1,7 @@
-//! Each thread's memo of the routes its requests were found under lately: a request on the same
-//! route of the same layer, under the same table, finds its limits here by comparing an address,
-//! without pinning the layer's map of matched patterns or hashing the pattern.
+//! A thread's memo of the routes its requests were found under lately (`route.rs` keeps one per
+//! thread): a request on the same route of the same layer, under the same table, finds its
+//! limits by comparing an address, without pinning the layer's map of matched patterns or
+//! hashing the pattern.
 //!
 //! The router hands every request of one route a clone of the same `MatchedPath` (one shared
 //! string per route): an entry keeps such a clone, so the string's address cannot be reused by
@@ -10,13 +11,10 @@
 //! answered from the memo. It holds the route's limits weakly: a layer dropped is not kept alive
 //! by the threads that served it, and its entries then miss.
 
-use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use axum::extract::MatchedPath;
-
-use super::route::RouteLimits;
 
 /// Entries per thread: a thread serving more routes than this at once misses more often, and
 /// looks its routes up in the layer's map.
@@ -41,14 +39,11 @@ struct Entry<T> {
     found: Weak<T>,
 }
 
-/// A thread's entries, and where the next one goes.
-struct Memo<T> {
+/// A thread's entries, and where the next one goes: what a thread-local cell holds
+/// (`route.rs` keeps one of `RouteLimits`).
+pub(crate) struct Memo<T> {
     entries: [Option<Entry<T>>; ENTRIES],
     next: usize,
-}
-
-thread_local! {
-    static MEMO: RefCell<Memo<RouteLimits>> = const { RefCell::new(Memo::new()) };
 }
 
 /// Whether `a` is the very string `b` (same address and length).
@@ -58,7 +53,8 @@ fn same(a: &MatchedPath, b: &MatchedPath) -> bool {
 }
 
 impl<T> Memo<T> {
-    const fn new() -> Self {
+    /// No entries.
+    pub(crate) const fn new() -> Self {
         Memo {
             entries: [None, None, None, None],
             next: 0,
@@ -67,7 +63,13 @@ impl<T> Memo<T> {
 
     /// The route found for `path` and the method's `slot` in table cell `cell` under
     /// `generation`, while its layer lives.
-    fn get(&self, cell: u64, generation: u64, slot: usize, path: &MatchedPath) -> Option<Arc<T>> {
+    pub(crate) fn get(
+        &self,
+        cell: u64,
+        generation: u64,
+        slot: usize,
+        path: &MatchedPath,
+    ) -> Option<Arc<T>> {
         self.entries.iter().flatten().find_map(|e| {
             (e.cell == cell && e.generation == generation && e.slot == slot && same(&e.path, path))
                 .then(|| e.found.upgrade())
@@ -80,7 +82,14 @@ impl<T> Memo<T> {
     /// is noted when an entry of this generation holds the same pattern at another address: the
     /// router made the pattern for the request (a nested router does), and this one would never
     /// be found either.
-    fn put(&mut self, cell: u64, generation: u64, slot: usize, path: &MatchedPath, found: &Arc<T>) {
+    pub(crate) fn put(
+        &mut self,
+        cell: u64,
+        generation: u64,
+        slot: usize,
+        path: &MatchedPath,
+        found: &Arc<T>,
+    ) {
         let mut at = None;
         for (i, e) in self.entries.iter().enumerate() {
             let Some(e) = e else { continue };
@@ -105,37 +114,6 @@ impl<T> Memo<T> {
             found: Arc::downgrade(found),
         });
     }
-}
-
-/// The route this thread found for `path` and the method's `slot` in table cell `cell` under
-/// `generation`, while its layer lives.
-pub(crate) fn get(
-    cell: u64,
-    generation: u64,
-    slot: usize,
-    path: &MatchedPath,
-) -> Option<Arc<RouteLimits>> {
-    MEMO.try_with(|memo| memo.try_borrow().ok()?.get(cell, generation, slot, path))
-        .ok()
-        .flatten()
-}
-
-/// Notes in this thread's memo that `found` is the route for `path` and the method's `slot` in
-/// table cell `cell` under `generation` ([`Memo::put`]).
-pub(crate) fn put(
-    cell: u64,
-    generation: u64,
-    slot: usize,
-    path: &MatchedPath,
-    found: &Arc<RouteLimits>,
-) {
-    // The entry replaced drops under the borrow: a `MatchedPath` and a `Weak`, whose drops never
-    // reach this memo.
-    let _ = MEMO.try_with(|memo| {
-        if let Ok(mut memo) = memo.try_borrow_mut() {
-            memo.put(cell, generation, slot, path, found);
-        }
-    });
 }
 
 #[cfg(test)]

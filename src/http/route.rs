@@ -4,6 +4,7 @@
 //! ([`Config`]). Everything a request needs that does not depend on the request is computed
 //! here, once.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,7 +16,7 @@ use parking_lot::{Mutex, RwLock};
 
 use super::headers::policy_item;
 use super::key::{EntityKey, TrustedProxies};
-use super::memo;
+use super::memo::Memo;
 use super::refund::GiveBacks;
 use super::refused::Refused;
 use crate::Limiter;
@@ -97,6 +98,36 @@ pub(crate) struct TableCell {
     seen: [papaya::HashMap<Box<str>, Seen, foldhash::fast::RandomState>; 9],
 }
 
+thread_local! {
+    /// The routes this thread found lately ([`Memo`]).
+    static MEMO: RefCell<Memo<RouteLimits>> = const { RefCell::new(Memo::new()) };
+}
+
+/// The route this thread found for `path` and the method's `slot` in table cell `cell` under
+/// `generation`, while its layer lives ([`Memo::get`]).
+fn memo_get(
+    cell: u64,
+    generation: u64,
+    slot: usize,
+    path: &MatchedPath,
+) -> Option<Arc<RouteLimits>> {
+    MEMO.try_with(|memo| memo.try_borrow().ok()?.get(cell, generation, slot, path))
+        .ok()
+        .flatten()
+}
+
+/// Notes in this thread's memo that `found` is the route for `path` and the method's `slot` in
+/// table cell `cell` under `generation` ([`Memo::put`]).
+fn memo_put(cell: u64, generation: u64, slot: usize, path: &MatchedPath, found: &Arc<RouteLimits>) {
+    // The entry replaced drops under the borrow: a `MatchedPath` and a `Weak`, whose drops
+    // never reach the memo.
+    let _ = MEMO.try_with(|memo| {
+        if let Ok(mut memo) = memo.try_borrow_mut() {
+            memo.put(cell, generation, slot, path, found);
+        }
+    });
+}
+
 /// A pattern's route as found under one generation of the table.
 #[derive(Debug)]
 struct Seen {
@@ -173,7 +204,7 @@ impl TableCell {
             return found;
         };
         let generation = self.generation.load(Ordering::Acquire);
-        if let Some(found) = memo::get(self.id, generation, slot, path) {
+        if let Some(found) = memo_get(self.id, generation, slot, path) {
             return Some(found);
         }
         let seen = self.seen[slot].pin();
@@ -182,7 +213,7 @@ impl TableCell {
         {
             return match &s.found {
                 Some(found) => {
-                    memo::put(self.id, generation, slot, path, found);
+                    memo_put(self.id, generation, slot, path, found);
                     Some(Arc::clone(found))
                 }
                 None => {
@@ -200,7 +231,7 @@ impl TableCell {
             seen.insert(Box::from(matched), Seen { generation, found });
         }
         match &found {
-            Some(found) => memo::put(self.id, generation, slot, path, found),
+            Some(found) => memo_put(self.id, generation, slot, path, found),
             None => none(&table),
         }
         found
