@@ -83,7 +83,11 @@ impl Leases {
 
     /// [`try_take`](Self::try_take) in `table`, looking `key` up through `hint` when given
     /// (`TableRef::get_hinted`: only lookups of this same key write it).
-    #[inline]
+    ///
+    /// Always inlined: its caller reads what a take left straight from registers (returned
+    /// through memory, the two counts were written word by word and read back as one 16-byte
+    /// load, which stalled on the store forwarding). A new key's path is apart (`take_new`).
+    #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     fn try_take_in(
         &self,
@@ -118,48 +122,7 @@ impl Leases {
                 }
                 (slot, hot)
             }
-            None => {
-                // A key goes into the table only once checked in full (`validate_key`, or
-                // `validate_stored_key` for a shadow plan's own key): the limiter skips the scan
-                // for NUL bytes on a call the lease answers.
-                if table.len() >= self.settings.max_entries
-                    || self.stopping.load(Ordering::Relaxed)
-                    || crate::key::validate_stored_key(key).is_err()
-                {
-                    return Fast::NoRoom;
-                }
-                let now = self.now();
-                let (shared, index) = match chosen {
-                    Some((shared, index))
-                        if plans
-                            .entry_of(index as usize, shared, &plans.pin())
-                            .is_some() =>
-                    {
-                        (Arc::clone(shared), slab::record_plan(index))
-                    }
-                    // A reload released the plan since the policies chose it: the slot holds
-                    // it as a caller's plan.
-                    Some((shared, _)) => (Arc::clone(shared), slab::NO_PLAN),
-                    None => (self.shared_plan(plan), slab::NO_PLAN),
-                };
-                let Some(slot) = table.get_or_insert_with(key, |hot| {
-                    hot.plan.store(index, Ordering::Relaxed);
-                    SlotRef::new(Slot::new(key, shared, now, hot, cost))
-                }) else {
-                    return Fast::NoRoom;
-                };
-                // A new key is sparse (`Hot::sparse`): while the actor is busy, its call is one
-                // store call, and the actor hears of the key in its next gathering (it clears the
-                // new record's pending mark and arms the key's idle check). Otherwise the actor
-                // is woken for the key's first refill at once, and the call waits for it.
-                if self.settings.sparse_direct && self.busy.load(Ordering::Relaxed) {
-                    self.nudge_soon(slot);
-                    return Fast::Sparse(SlotRef::clone(slot));
-                }
-                slot.want(cost);
-                self.nudge(slot);
-                return Fast::Short(SlotRef::clone(slot));
-            }
+            None => return self.take_new(table, plan, chosen, key, cost, plans),
         };
         // The record alone: a quiet key's call does not read its slot.
         match slot
@@ -186,6 +149,61 @@ impl Leases {
             }
             Take::Short { .. } => self.short(slot, cost),
         }
+    }
+
+    /// [`try_take_in`](Self::try_take_in) for a key not in the table: its slot made and its
+    /// first refill asked for (or its call sent to the store, for a sparse key).
+    #[cold]
+    #[inline(never)]
+    fn take_new(
+        &self,
+        table: &TableRef<'_>,
+        plan: &Plan,
+        chosen: Option<(&Arc<Plan>, u32)>,
+        key: &str,
+        cost: u64,
+        plans: &PlanRegistry,
+    ) -> Fast {
+        // A key goes into the table only once checked in full (`validate_key`, or
+        // `validate_stored_key` for a shadow plan's own key): the limiter skips the scan
+        // for NUL bytes on a call the lease answers.
+        if table.len() >= self.settings.max_entries
+            || self.stopping.load(Ordering::Relaxed)
+            || crate::key::validate_stored_key(key).is_err()
+        {
+            return Fast::NoRoom;
+        }
+        let now = self.now();
+        let (shared, index) = match chosen {
+            Some((shared, index))
+                if plans
+                    .entry_of(index as usize, shared, &plans.pin())
+                    .is_some() =>
+            {
+                (Arc::clone(shared), slab::record_plan(index))
+            }
+            // A reload released the plan since the policies chose it: the slot holds
+            // it as a caller's plan.
+            Some((shared, _)) => (Arc::clone(shared), slab::NO_PLAN),
+            None => (self.shared_plan(plan), slab::NO_PLAN),
+        };
+        let Some(slot) = table.get_or_insert_with(key, |hot| {
+            hot.plan.store(index, Ordering::Relaxed);
+            SlotRef::new(Slot::new(key, shared, now, hot, cost))
+        }) else {
+            return Fast::NoRoom;
+        };
+        // A new key is sparse (`Hot::sparse`): while the actor is busy, its call is one
+        // store call, and the actor hears of the key in its next gathering (it clears the
+        // new record's pending mark and arms the key's idle check). Otherwise the actor
+        // is woken for the key's first refill at once, and the call waits for it.
+        if self.settings.sparse_direct && self.busy.load(Ordering::Relaxed) {
+            self.nudge_soon(slot);
+            return Fast::Sparse(SlotRef::clone(slot));
+        }
+        slot.want(cost);
+        self.nudge(slot);
+        Fast::Short(SlotRef::clone(slot))
     }
 
     /// `try_acquire`'s fast path: spends from the lease of a key already in the table whose plan
