@@ -21,6 +21,7 @@ use sha2::{Digest, Sha256};
 use smallvec::SmallVec;
 
 use super::fields;
+use super::head::Head;
 use super::headers::{Report, malformed_problem, problem, retry_after_secs};
 use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
 use super::refund::{give_back, give_back_detached};
@@ -181,6 +182,9 @@ pub(crate) enum Outcome {
     Deny(Response<String>),
     /// A limit needs the store: [`finish`] goes on.
     Slow(Progress),
+    /// The route's limits read the request's parts, and [`now`] was given the whole request:
+    /// nothing was counted or taken, and the caller checks the parts instead.
+    NeedsParts,
 }
 
 /// The method whose limits a request is counted under: its own, but `HEAD` as `GET`, since a
@@ -212,8 +216,8 @@ fn key_method(method: &Method) -> &'static str {
 
 /// The route of a request, found in `config`, with the router's pattern (for path
 /// parameters), or `None` when no limit applies.
-fn route_of(config: &Config, parts: &Parts) -> Option<(Arc<RouteLimits>, Option<String>)> {
-    let path = parts.extensions.get::<MatchedPath>();
+fn route_of(config: &Config, head: &impl Head) -> Option<(Arc<RouteLimits>, Option<String>)> {
+    let path = head.extensions().get::<MatchedPath>();
     let matched = path.map(MatchedPath::as_str);
     match &config.routes {
         Routes::One(limits) => {
@@ -222,21 +226,22 @@ fn route_of(config: &Config, parts: &Parts) -> Option<(Arc<RouteLimits>, Option<
         }
         Routes::Table(cell) => {
             let unmatched = |table: &RouteTable| {
-                super::unmatched::unmatched(&table.all, parts, matched);
+                super::unmatched::unmatched(&table.all, head, matched);
             };
             let (Some(path), Some(matched)) = (path, matched) else {
                 cell.with(unmatched);
                 return None;
             };
+            let method = head.method();
             let found = cell.lookup(
-                &parts.method,
+                method,
                 path,
                 |table| {
                     let shape = route_shape(matched)?;
                     // A route listed for the method itself first (a file may list HEAD on
                     // its own), then, for HEAD, the GET route whose handler answers it.
-                    let own = parts.method.as_str();
-                    let counted = limited_method(&parts.method);
+                    let own = method.as_str();
+                    let counted = limited_method(method);
                     table
                         .by_shape
                         .get(&format!("{own}:{shape}"))
@@ -254,13 +259,18 @@ fn route_of(config: &Config, parts: &Parts) -> Option<(Arc<RouteLimits>, Option<
     }
 }
 
-/// The checks that need no waiting; see the [module docs](self).
-pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
-    let Some((limits, code_pattern)) = route_of(config, parts) else {
+/// The checks that need no waiting; see the [module docs](self). Given a whole request, a
+/// route whose limits read the request's parts is [`Outcome::NeedsParts`], before anything is
+/// counted or taken.
+pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
+    let Some((limits, code_pattern)) = route_of(config, req) else {
         return Outcome::Pass;
     };
     if limits.is_empty() {
         return Outcome::Pass;
+    }
+    if limits.needs_parts && req.parts().is_none() {
+        return Outcome::NeedsParts;
     }
     let code = match (&limits.file, code_pattern) {
         (Some(file), _) => {
@@ -268,7 +278,7 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
             None
         }
         (None, Some(pattern)) => {
-            let method = key_method(&parts.method);
+            let method = key_method(req.method());
             Some(Box::new(CodeRoute {
                 endpoint: format!("{method}:{pattern}"),
                 method,
@@ -288,10 +298,11 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
     };
 
     // The entity ids first: a malformed one is refused before any token is taken.
-    let mut params = if progress.limits.needs_params {
-        Some(Params::of(parts, progress.router_pattern()))
-    } else {
-        None
+    let mut params = match req.parts() {
+        Some(parts) if progress.limits.needs_params => {
+            Some(Params::of(parts, progress.router_pattern()))
+        }
+        _ => None,
     };
     for i in 0..progress.limits.limits.len() {
         let limit = &progress.limits.limits[i];
@@ -307,19 +318,24 @@ pub(crate) fn now(config: &Config, parts: &mut Parts) -> Outcome {
             } => {
                 let id: Result<Option<Cow<'_, str>>, MalformedId> =
                     match (key.path_param_name(), segment, &params) {
-                        (Some(name), Some(at), _) => segment_id(parts, *at, name),
+                        (Some(name), Some(at), _) => segment_id(req, *at, name),
                         (Some(name), None, _) => {
-                            // A file route's parameter that is not a whole segment: read once.
-                            let params = params.get_or_insert_with(|| {
-                                Params::of(parts, progress.router_pattern())
-                            });
+                            // A file route's parameter that is not a whole segment: read once,
+                            // from the parts (`needs_parts`).
+                            let params = match (&mut params, req.parts()) {
+                                (Some(params), _) => Some(&*params),
+                                (None, Some(parts)) => Some(
+                                    &*params.insert(Params::of(parts, progress.router_pattern())),
+                                ),
+                                (None, None) => None,
+                            };
                             params
-                                .get(*param, name)
+                                .and_then(|params| params.get(*param, name))
                                 .transpose()
                                 .map(|id| id.map(Cow::Owned))
                         }
                         _ => key
-                            .extract(parts, &[], &config.trusted)
+                            .extract(req, &[], &config.trusted)
                             .map(|id| id.map(Cow::Owned)),
                     };
                 match id {
@@ -478,13 +494,13 @@ fn dynamic_key(limit: &Limit, endpoint: &str, id: Option<&str>) -> String {
 /// the router matched against the route's full pattern), percent-decoded; `None` when the
 /// path has no such segment.
 fn segment_id<'a>(
-    parts: &'a Parts,
+    head: &'a impl Head,
     at: usize,
     name: &str,
 ) -> Result<Option<Cow<'a, str>>, MalformedId> {
-    let path = match parts.extensions.get::<OriginalUri>() {
+    let path = match head.extensions().get::<OriginalUri>() {
         Some(OriginalUri(uri)) => uri.path(),
-        None => parts.uri.path(),
+        None => head.uri().path(),
     };
     // The segment after the `at`-th slash (past the leading ones), in one pass over the bytes
     // that also notes a `%`: what `split('/').nth(at)` gives.

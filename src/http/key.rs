@@ -7,9 +7,12 @@ use std::sync::Arc;
 
 use axum::extract::ConnectInfo;
 use axum::extract::connect_info::MockConnectInfo;
+use axum::http::Extensions;
 use axum::http::HeaderMap;
 use axum::http::header::HeaderName;
 use axum::http::request::Parts;
+
+use super::head::Head;
 
 /// The longest `X-Forwarded-For` (all its header lines together) that is read at all; a longer
 /// one is ignored and the peer address is used.
@@ -105,6 +108,12 @@ impl EntityKey {
         matches!(self.source, Source::PathParam(_))
     }
 
+    /// Whether its id is read from the request's parts themselves: the application's own
+    /// function's ([`from_fn`](Self::from_fn)), which takes `&Parts`.
+    pub(crate) fn needs_parts(&self) -> bool {
+        matches!(self.source, Source::Fn(_))
+    }
+
     /// The entity id of a request, `None` to skip the entity check, or why the id is malformed.
     /// `params` are the matched route's path parameters (name, percent-decoded value, or why
     /// the value is malformed).
@@ -113,9 +122,12 @@ impl EntityKey {
     /// bucket: a path parameter that is not UTF-8 once percent-decoded, a header value that is
     /// not UTF-8, has leading or trailing whitespace or appears on more than one header line,
     /// is malformed rather than decoded lossily or trimmed into some other id.
+    ///
+    /// A key that [`needs_parts`](Self::needs_parts) reads them from `head`; given a whole
+    /// request, it has no id (the layer checks such a route on the parts).
     pub(crate) fn extract(
         &self,
-        parts: &Parts,
+        head: &mut impl Head,
         params: &[(String, ParamValue)],
         trusted: &TrustedProxies,
     ) -> Result<Option<String>, MalformedId> {
@@ -124,10 +136,10 @@ impl EntityKey {
                 Some((_, value)) => Some(value.clone()?),
                 None => None,
             },
-            Source::Header(name) => header_id(&parts.headers, name)?,
-            Source::ClientIp => peer_addr(parts)
-                .map(|peer| client_ip(peer.ip(), &parts.headers, trusted).to_string()),
-            Source::Fn(f) => f(parts),
+            Source::Header(name) => header_id(head.headers(), name)?,
+            Source::ClientIp => peer_addr(head.extensions())
+                .map(|peer| client_ip(peer.ip(), head.headers(), trusted).to_string()),
+            Source::Fn(f) => head.parts().and_then(|parts| f(parts)),
         };
         Ok(id.filter(|id| !id.is_empty()))
     }
@@ -213,12 +225,11 @@ fn header_id(headers: &HeaderMap, name: &HeaderName) -> Result<Option<String>, M
 
 /// The peer address axum recorded: `ConnectInfo<SocketAddr>` (from
 /// `into_make_service_with_connect_info`), or `MockConnectInfo<SocketAddr>` in tests.
-pub(crate) fn peer_addr(parts: &Parts) -> Option<SocketAddr> {
-    if let Some(ConnectInfo(addr)) = parts.extensions.get::<ConnectInfo<SocketAddr>>() {
+pub(crate) fn peer_addr(extensions: &Extensions) -> Option<SocketAddr> {
+    if let Some(ConnectInfo(addr)) = extensions.get::<ConnectInfo<SocketAddr>>() {
         return Some(*addr);
     }
-    parts
-        .extensions
+    extensions
         .get::<MockConnectInfo<SocketAddr>>()
         .map(|MockConnectInfo(addr)| *addr)
 }

@@ -133,6 +133,7 @@
 
 mod check;
 mod fields;
+mod head;
 mod headers;
 mod key;
 mod layer;

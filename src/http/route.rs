@@ -441,6 +441,9 @@ pub(crate) struct RouteLimits {
     pub(crate) policy: HeaderValue,
     /// Whether any limit reads a path parameter.
     pub(crate) needs_params: bool,
+    /// Whether a limit reads the request's parts themselves (axum's path parameters, an
+    /// application's key function): the request is then split into them (`head.rs`).
+    pub(crate) needs_parts: bool,
     /// Whether its responses carry `X-RateLimit-{Name}-Remaining` (the policy file's
     /// `x_ratelimit_remaining`).
     pub(crate) x_ratelimit_remaining: bool,
@@ -474,6 +477,7 @@ impl RouteLimits {
         let mut limits = Vec::with_capacity(specs.len());
         let mut items = Vec::with_capacity(specs.len());
         let mut needs_params = false;
+        let mut needs_parts = false;
         for spec in specs {
             let (plan, index) = if spec.shadow && !spec.plan.shadow() {
                 let twin = Arc::new((*spec.plan).clone().with_shadow(true));
@@ -545,6 +549,11 @@ impl RouteLimits {
                 }),
                 _ => None,
             };
+            // The id of a parameter that is not a whole segment is read from axum's path
+            // parameters, which come from the parts.
+            needs_parts |= spec.entity.as_ref().is_some_and(|key| {
+                key.needs_parts() || (key.path_param_name().is_some() && segment.is_none())
+            });
             let scope = match spec.entity {
                 None => Scope::Route,
                 Some(key) => Scope::Entity {
@@ -576,6 +585,7 @@ impl RouteLimits {
             file,
             policy,
             needs_params,
+            needs_parts: needs_parts || needs_params,
             x_ratelimit_remaining: false,
             fields_on: FieldsOn::EveryResponse,
             limiter: limiter.clone(),

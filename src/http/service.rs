@@ -166,15 +166,23 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
-        let (mut parts, body) = req.into_parts();
-        let state = match check::now(&self.config, &mut parts) {
-            Outcome::Pass => State::Inner {
-                future: self.inner.call(Request::from_parts(parts, body)),
+    fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
+        // Checked on the request as it came; split into parts only for a route whose limits
+        // read them (`head.rs`).
+        let mut outcome = check::now(&self.config, &mut req);
+        if let Outcome::NeedsParts = outcome {
+            let (mut parts, body) = req.into_parts();
+            outcome = check::now(&self.config, &mut parts);
+            req = Request::from_parts(parts, body);
+        }
+        let state = match outcome {
+            // `NeedsParts` only from a whole request: the parts' checks never give it.
+            Outcome::Pass | Outcome::NeedsParts => State::Inner {
+                future: self.inner.call(req),
                 after: None,
             },
             Outcome::Allow(progress) => State::Inner {
-                future: self.inner.call(Request::from_parts(parts, body)),
+                future: self.inner.call(req),
                 after: Some(After::new(&self.config, progress)),
             },
             Outcome::Deny(response) => State::Ready {
@@ -189,14 +197,13 @@ where
                     future: Box::pin(async move {
                         match check::finish(&config, progress).await {
                             Outcome::Allow(progress) => {
-                                let mut response =
-                                    inner.call(Request::from_parts(parts, body)).await?;
+                                let mut response = inner.call(req).await?;
                                 After::new(&config, progress).apply(&mut response);
                                 Ok(response)
                             }
                             Outcome::Deny(response) => Ok(response.map(ResBody::from)),
-                            Outcome::Pass | Outcome::Slow(_) => {
-                                inner.call(Request::from_parts(parts, body)).await
+                            Outcome::Pass | Outcome::Slow(_) | Outcome::NeedsParts => {
+                                inner.call(req).await
                             }
                         }
                     }),

@@ -6,8 +6,8 @@ use std::sync::atomic::Ordering;
 
 use axum::extract::OriginalUri;
 use axum::http::Method;
-use axum::http::request::Parts;
 
+use super::head::Head;
 use super::key::match_pattern;
 use super::route::RouteLimits;
 
@@ -26,16 +26,16 @@ const MAX_LOGGED_PATH: usize = 200;
 /// A request the table has no route for: when its path fits a file route of its method (or
 /// `GET`'s, for `HEAD`), the router matched it under another pattern (or none) and the route's
 /// limits did not apply. Counted per route; the first one of each route is logged.
-pub(crate) fn unmatched(all: &[Arc<RouteLimits>], parts: &Parts, matched: Option<&str>) {
+pub(crate) fn unmatched(all: &[Arc<RouteLimits>], head: &impl Head, matched: Option<&str>) {
     // The path as this service sees it (a nested router strips its prefix) and as the client
     // sent it: a file route may have been written for either.
-    let path = parts.uri.path();
-    let original = parts
-        .extensions
+    let path = head.uri().path();
+    let original = head
+        .extensions()
         .get::<OriginalUri>()
         .map_or(path, |OriginalUri(uri)| uri.path());
-    let own = parts.method.as_str();
-    let counted = limited_method(&parts.method);
+    let own = head.method().as_str();
+    let counted = limited_method(head.method());
     let Some(file) = all.iter().filter_map(|l| l.file.as_ref()).find(|f| {
         (f.method == own || f.method == counted)
             && (match_pattern(&f.path, path).is_some()
