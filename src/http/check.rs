@@ -146,16 +146,15 @@ impl Progress {
 
     /// Notes that limit `i` took a token, and whether it may go back.
     fn took(&mut self, i: usize, decision: &Decision) {
-        self.taken |= 1 << i;
-        if givable(decision) {
-            self.givable |= 1 << i;
-        }
+        self.took_as(i, givable(decision));
     }
 
-    /// Notes that limit `i` took a token from its lease (one that may go back).
-    fn took_from_lease(&mut self, i: usize) {
+    /// Notes that limit `i` took a token, which may go back when `givable`.
+    fn took_as(&mut self, i: usize, givable: bool) {
         self.taken |= 1 << i;
-        self.givable |= 1 << i;
+        if givable {
+            self.givable |= 1 << i;
+        }
     }
 
     /// Reports limit `i`'s token back in its lease when `back`.
@@ -389,7 +388,8 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
         {
             Ok(Some(left)) => {
                 progress.reports.push(Report::leased(i, left));
-                progress.took_from_lease(i);
+                // A lease's token may go back (a lease decided, not a fallback).
+                progress.took_as(i, true);
                 progress.next += 1;
             }
             Ok(None) => return Outcome::Slow(progress),

@@ -549,8 +549,9 @@ impl RouteLimits {
                 }),
                 _ => None,
             };
-            // The id of a parameter that is not a whole segment is read from axum's path
-            // parameters, which come from the parts.
+            // The id of a parameter that is not a whole segment (every parameter of a layer
+            // built in code, which has no `segment`) is read from axum's path parameters, which
+            // come from the parts.
             needs_parts |= spec.entity.as_ref().is_some_and(|key| {
                 key.needs_parts() || (key.path_param_name().is_some() && segment.is_none())
             });
@@ -585,7 +586,7 @@ impl RouteLimits {
             file,
             policy,
             needs_params,
-            needs_parts: needs_parts || needs_params,
+            needs_parts,
             x_ratelimit_remaining: false,
             fields_on: FieldsOn::EveryResponse,
             limiter: limiter.clone(),
