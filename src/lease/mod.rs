@@ -47,6 +47,7 @@ mod slab_tests;
 mod slot;
 mod stats;
 pub use stats::LeaseStats;
+mod heads;
 mod sync;
 mod table;
 mod timers;

@@ -41,7 +41,7 @@ const SHIFT: u32 = 10;
 pub(super) const CHUNK: usize = 1 << SHIFT;
 /// The most records a slab holds, whatever the table's bound: 2²⁶ (64 Mi) keys would need tens
 /// of gigabytes of slots, and the chunk directory stays at 1.5 MB.
-const MAX_RECORDS: usize = 1 << 26;
+pub(super) const MAX_RECORDS: usize = 1 << 26;
 
 /// One lease's fast-path fields. Two records share a cache line.
 #[derive(Debug)]

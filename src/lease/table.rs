@@ -2,8 +2,9 @@
 //! inline.
 //!
 //! A lookup is one probe of a flat array of buckets. Each bucket (40 bytes) holds, in one
-//! allocation with its neighbours, a one-byte tag of the key's hash, its first [`INLINE`] bytes
-//! and length, the `Arc<Slot>` and the index of the slot's record in the table's [`Slab`]: a hit
+//! allocation with its neighbours, a one-byte tag of the key's hash, the key itself (when short,
+//! or as the number of its head and its tail's bytes, `heads.rs`) or else its first [`INLINE`]
+//! bytes, the `Arc<Slot>` and the index of the slot's record in the table's [`Slab`]: a hit
 //! costs the bucket's cache line and then the record's, where `papaya` cost an entry pointer, the
 //! entry, the key's own allocation and then the slot (benches/README.md). The full hash is not
 //! stored: a rebuild, the only place that needs it again, hashes the key anew.
@@ -25,24 +26,31 @@
 //! for removed keys stays a small fraction of the table's own.
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
+use super::heads::{HeadIndex, Heads, NO_HEAD};
 use super::slab::{Hot, HotRef, Slab};
 use super::slot::SlotRef;
 
-/// Key bytes stored in the bucket itself. A longer key is compared through its slot's own copy
-/// (one more cache line, only for such keys); 17 bytes are what is left of a 32-byte entry after
-/// the slot, record index, flag, length and tag, and make a bucket 40 bytes with the
+/// Key bytes stored in the bucket itself: a key of at most this many bytes whole, a longer
+/// key's tail after its head's number, or the first bytes of a longer key without a kept head
+/// (compared through its slot's own copy: one more cache line, two with the copy's allocation).
+/// 16 bytes are what is left of a 32-byte entry after the slot, the record index (with the
+/// removal flag), the head's number, the length and the tag, and make a bucket 40 bytes with the
 /// [`OnceLock`]'s state. (A 64-byte, line-aligned bucket with 34 bytes inline measured no faster
 /// at 100,000 keys, and E4's flood then peaked above its 64 MiB.)
-const INLINE: usize = 17;
-/// The length byte of a key longer than [`INLINE`].
+pub(super) const INLINE: usize = 16;
+/// The length byte of a key longer than [`INLINE`] without a kept head.
 const LONG: u8 = u8::MAX;
 /// The smallest array.
 const MIN_BUCKETS: usize = 16;
+/// The bit of [`Entry::state`] that says the key was removed; the others are its record's index.
+const GONE: u32 = 1 << 31;
+
+const _: () = assert!(super::slab::MAX_RECORDS <= GONE as usize);
 
 /// The tag of a key's hash: its low byte. The home bucket comes from the high bits
 /// ([`Buckets::home`]), so keys probed together (same or nearby home) still differ in their
@@ -56,49 +64,66 @@ fn tag(hash: u64) -> u8 {
 #[derive(Debug)]
 struct Entry {
     slot: SlotRef,
-    /// The slot's record in the table's slab (the slot holds it, so it lives as long as the entry).
-    hot: u32,
-    /// Set when the key was removed: the entry is a tombstone until the next rebuild.
-    gone: AtomicBool,
-    /// The key's length when at most [`INLINE`], else [`LONG`].
+    /// The slot's record in the table's slab (the slot holds it, so it lives as long as the
+    /// entry), and [`GONE`] once the key was removed: the entry is a tombstone until the next
+    /// rebuild. One word, so a lookup's one acquire load reads both.
+    state: AtomicU32,
+    /// With [`NO_HEAD`]: the key's length when at most [`INLINE`], else [`LONG`]. With a head:
+    /// the tail's length.
     len: u8,
     /// The [`tag`] of the key's hash: a probe passes a bucket of another key on this byte,
     /// without the 8 bytes the whole hash took (which made the bucket 48).
     tag: u8,
-    /// The key's first bytes (all of it when `len` is not [`LONG`]), zero-padded.
+    /// The number of the key's head (`heads.rs`), or [`NO_HEAD`].
+    head: u16,
+    /// The key (short), its tail (with a head), or its first bytes (long), zero-padded.
     inline: [u8; INLINE],
 }
 
 impl Entry {
-    fn new(hash: u64, key: &str, slot: SlotRef) -> Entry {
+    /// The entry of `key`, whose head is `head` (its number and length) when kept.
+    fn new(hash: u64, key: &str, slot: SlotRef, head: Option<(u16, usize)>) -> Entry {
         let bytes = key.as_bytes();
-        let n = bytes.len().min(INLINE);
+        let (head, part) = match head {
+            Some((id, at)) => (id, &bytes[at..]),
+            None => (NO_HEAD, &bytes[..bytes.len().min(INLINE)]),
+        };
         let mut inline = [0; INLINE];
-        inline[..n].copy_from_slice(&bytes[..n]);
+        inline[..part.len()].copy_from_slice(part);
+        let len = if head != NO_HEAD || bytes.len() <= INLINE {
+            u8::try_from(part.len()).unwrap_or(LONG)
+        } else {
+            LONG
+        };
         Entry {
             tag: tag(hash),
-            hot: slot.hot_index(),
+            state: AtomicU32::new(slot.hot_index()),
             slot,
-            gone: AtomicBool::new(false),
-            len: u8::try_from(bytes.len())
-                .ok()
-                .filter(|&l| usize::from(l) <= INLINE)
-                .unwrap_or(LONG),
+            len,
+            head,
             inline,
         }
     }
 
     /// Whether this entry is `key` (gone or not), `tag` being the [`tag`] of its hash. The tag
-    /// first, then the length and inline bytes; only a long key whose first [`INLINE`] bytes
-    /// match reads the slot's copy. (Comparing against a zero-padded copy of the key built once
-    /// per lookup measured slower: the copy's variable-length write stalls the 16-byte load that
-    /// follows it.)
+    /// first, then the length and inline bytes, then a head's bytes from `heads`; only a long
+    /// key without a kept head whose first [`INLINE`] bytes match reads the slot's copy.
+    /// (Comparing against a zero-padded copy of the key built once per lookup measured slower:
+    /// the copy's variable-length write stalls the 16-byte load that follows it.)
     #[inline]
-    fn is(&self, tag: u8, key: &str) -> bool {
+    fn is(&self, tag: u8, key: &str, heads: &Heads) -> bool {
         if self.tag != tag {
             return false;
         }
         let bytes = key.as_bytes();
+        if self.head != NO_HEAD {
+            let tail = usize::from(self.len);
+            return bytes.len() > tail
+                && same_short(&self.inline, &bytes[bytes.len() - tail..])
+                && heads
+                    .get(self.head)
+                    .is_some_and(|head| head.as_bytes() == &bytes[..bytes.len() - tail]);
+        }
         if self.len == LONG {
             bytes.len() > INLINE
                 && same_short(&self.inline, &bytes[..INLINE])
@@ -111,7 +136,7 @@ impl Entry {
     /// The entry's key, for hashing it again: the inline bytes when they are all of it (no
     /// read of the slot), else the slot's copy.
     fn key(&self) -> &str {
-        if self.len == LONG {
+        if self.len == LONG || self.head != NO_HEAD {
             &self.slot.key
         } else {
             // A short key's inline bytes are the whole of a `str`; the slot's copy is the same.
@@ -119,8 +144,21 @@ impl Entry {
         }
     }
 
+    /// The slot's record's index.
+    #[inline]
+    fn hot(&self) -> u32 {
+        // Relaxed: the index never changes; only the flag beside it does.
+        self.state.load(Ordering::Relaxed) & !GONE
+    }
+
+    #[inline]
     fn live(&self) -> bool {
-        !self.gone.load(Ordering::Acquire)
+        self.state.load(Ordering::Acquire) & GONE == 0
+    }
+
+    /// Marks the key removed.
+    fn remove(&self) {
+        self.state.fetch_or(GONE, Ordering::Release);
     }
 }
 
@@ -143,15 +181,10 @@ fn same_short(inline: &[u8; INLINE], key: &[u8]) -> bool {
             word::<4>(inline, 0) == word::<4>(key, 0)
                 && word::<4>(inline, n - 4) == word::<4>(key, n - 4)
         }
-        8..=16 => {
-            word::<8>(inline, 0) == word::<8>(key, 0)
-                && word::<8>(inline, n - 8) == word::<8>(key, n - 8)
-        }
-        // 17 (= `INLINE`): two words and the last byte.
+        // 8 to 16 (= `INLINE`).
         _ => {
             word::<8>(inline, 0) == word::<8>(key, 0)
-                && word::<8>(inline, 8) == word::<8>(key, 8)
-                && inline[n - 1] == key[n - 1]
+                && word::<8>(inline, n - 8) == word::<8>(key, n - 8)
         }
     }
 }
@@ -238,20 +271,20 @@ impl Buckets {
 
     /// The entry for `key`, gone or not, or the index of the empty bucket its probe ended at.
     #[inline]
-    fn find(&self, hash: u64, key: &str) -> Result<&Entry, usize> {
-        self.find_at(hash, key).map(|(_, e)| e)
+    fn find(&self, hash: u64, key: &str, heads: &Heads) -> Result<&Entry, usize> {
+        self.find_at(hash, key, heads).map(|(_, e)| e)
     }
 
     /// [`find`](Self::find), with the position of the entry found.
     #[inline]
-    fn find_at(&self, hash: u64, key: &str) -> Result<(usize, &Entry), usize> {
+    fn find_at(&self, hash: u64, key: &str, heads: &Heads) -> Result<(usize, &Entry), usize> {
         let n = self.buckets.len();
         let mut i = self.home(hash);
         let tag = tag(hash);
         loop {
             match self.buckets[i].get() {
                 None => return Err(i),
-                Some(e) if e.is(tag, key) && e.live() => return Ok((i, e)),
+                Some(e) if e.is(tag, key, heads) && e.live() => return Ok((i, e)),
                 Some(_) => i = if i + 1 == n { 0 } else { i + 1 },
             }
         }
@@ -271,6 +304,8 @@ struct Counts {
     used: usize,
     /// Gone entries in the current array.
     gone: usize,
+    /// The kept heads' numbers (`heads.rs`).
+    heads: HeadIndex,
 }
 
 /// The publication cell's key of the current array.
@@ -322,6 +357,8 @@ pub(crate) struct Table {
     hasher: foldhash::fast::RandomState,
     /// Live keys.
     len: AtomicUsize,
+    /// Long keys' heads, which buckets name by number.
+    heads: Heads,
     /// Serialises writers; readers never take it.
     writers: Mutex<Counts>,
 }
@@ -343,6 +380,7 @@ impl Table {
             slab,
             hasher: foldhash::fast::RandomState::default(),
             len: AtomicUsize::new(0),
+            heads: Heads::default(),
             writers: Mutex::new(Counts::default()),
         }
     }
@@ -393,8 +431,8 @@ impl<'t> TableRef<'t> {
     #[inline]
     pub(crate) fn get(&self, key: &str) -> Option<(&SlotRef, &Hot)> {
         let hash = self.table.hasher.hash_one(key);
-        let entry = self.buckets().find(hash, key).ok()?;
-        Some((&entry.slot, self.table.slab.get(entry.hot)?))
+        let entry = self.buckets().find(hash, key, &self.table.heads).ok()?;
+        Some((&entry.slot, self.table.slab.get(entry.hot())?))
     }
 
     /// [`get`](Self::get) through `hint`, which only lookups of this same `key` ever write:
@@ -409,16 +447,16 @@ impl<'t> TableRef<'t> {
         // the entry, and a bucket not yet seen filled is a miss.
         let seen = hint.load(Ordering::Relaxed);
         if let Some(entry) = buckets.at_hint(seen) {
-            debug_assert!(entry.is(entry.tag, key));
-            return Some((&entry.slot, self.table.slab.get(entry.hot)?));
+            debug_assert!(entry.is(entry.tag, key, &self.table.heads));
+            return Some((&entry.slot, self.table.slab.get(entry.hot())?));
         }
         let hash = self.table.hasher.hash_one(key);
-        let (at, entry) = buckets.find_at(hash, key).ok()?;
+        let (at, entry) = buckets.find_at(hash, key, &self.table.heads).ok()?;
         let found = buckets.hint(at);
         if found != seen {
             hint.store(found, Ordering::Relaxed);
         }
-        Some((&entry.slot, self.table.slab.get(entry.hot)?))
+        Some((&entry.slot, self.table.slab.get(entry.hot())?))
     }
 
     /// The slot of `key`, inserting `make(record)`'s when there is none, over a fresh record from
@@ -434,13 +472,16 @@ impl<'t> TableRef<'t> {
         if (counts.used + 1) * 8 > buckets.buckets.len() * 7 {
             buckets = self.rebuild(&mut counts, 1);
         }
-        match buckets.find(hash, key) {
+        match buckets.find(hash, key, &self.table.heads) {
             Ok(found) => Some(&found.slot),
             Err(empty) => {
                 let slot = make(self.table.slab.alloc()?);
+                let head = counts
+                    .heads
+                    .for_new(&self.table.heads, key, INLINE, &self.table.hasher);
                 let bucket = &buckets.buckets[empty];
                 // Writers are serialised and the probe ended here, so the bucket is empty.
-                let _ = bucket.set(Entry::new(hash, key, slot));
+                let _ = bucket.set(Entry::new(hash, key, slot, head));
                 counts.used += 1;
                 self.table.len.fetch_add(1, Ordering::Relaxed);
                 bucket.get().map(|e| &e.slot)
@@ -453,8 +494,8 @@ impl<'t> TableRef<'t> {
         let hash = self.table.hasher.hash_one(key);
         let mut counts = self.table.writers.lock();
         let buckets = self.buckets();
-        let found = buckets.find(hash, key).ok()?;
-        found.gone.store(true, Ordering::Release);
+        let found = buckets.find(hash, key, &self.table.heads).ok()?;
+        found.remove();
         counts.gone += 1;
         self.table.len.fetch_sub(1, Ordering::Relaxed);
         let live = counts.used - counts.gone;
@@ -479,7 +520,7 @@ impl<'t> TableRef<'t> {
     pub(crate) fn clear(&self) {
         let mut counts = self.table.writers.lock();
         for entry in self.buckets().live() {
-            entry.gone.store(true, Ordering::Release);
+            entry.remove();
         }
         self.table.len.store(0, Ordering::Relaxed);
         counts.gone = counts.used;
@@ -487,35 +528,28 @@ impl<'t> TableRef<'t> {
     }
 
     /// Copies the live entries into a new array with room for them and `extra` more, at most
-    /// two thirds full, and publishes it. Under the writers' mutex.
+    /// two thirds full, and publishes it. A long key whose head was kept after it came in is
+    /// then stored by its head. Under the writers' mutex.
     fn rebuild(&self, counts: &mut Counts, extra: usize) -> &Buckets {
         let old = self.buckets();
         let live = counts.used - counts.gone;
         let fresh = Buckets::with_capacity((live + extra) * 3 / 2 + MIN_BUCKETS);
         for entry in old.live() {
             // The entry keeps only a tag of its hash: hash the key again for its new home.
-            let hash = self.table.hasher.hash_one(entry.key());
+            let key = entry.key();
+            let hash = self.table.hasher.hash_one(key);
             // Keys are unique, so each goes to the first empty bucket of its probe.
             let n = fresh.buckets.len();
             let mut empty = fresh.home(hash);
             while fresh.buckets[empty].get().is_some() {
                 empty = if empty + 1 == n { 0 } else { empty + 1 };
             }
-            {
-                let _ = fresh.buckets[empty].set(Entry {
-                    slot: SlotRef::clone(&entry.slot),
-                    hot: entry.hot,
-                    gone: AtomicBool::new(false),
-                    len: entry.len,
-                    tag: entry.tag,
-                    inline: entry.inline,
-                });
-            }
+            let head = counts.heads.known(key, INLINE);
+            let _ =
+                fresh.buckets[empty].set(Entry::new(hash, key, SlotRef::clone(&entry.slot), head));
         }
-        *counts = Counts {
-            used: live,
-            gone: 0,
-        };
+        counts.used = live;
+        counts.gone = 0;
         self.current.insert(CURRENT, fresh);
         // `seize` hands a retired batch to the readers active at that moment only once it holds
         // one retired object per such reader; until then the old array, and every slot it holds,
@@ -596,8 +630,12 @@ mod tests {
             // The entry of one is not the other, though the tag matches.
             let (ha, hb) = (table.hasher.hash_one(a), table.hasher.hash_one(b));
             assert_eq!(tag(ha), tag(hb));
-            let entry = Entry::new(ha, a, slot(&slab, a));
-            assert!(entry.is(tag(ha), a) && !entry.is(tag(hb), b), "{a} {b}");
+            let entry = Entry::new(ha, a, slot(&slab, a), None);
+            let heads = &table.heads;
+            assert!(
+                entry.is(tag(ha), a, heads) && !entry.is(tag(hb), b, heads),
+                "{a} {b}"
+            );
             assert_eq!(entry.key(), a);
         }
         let mut keys: Vec<String> = (1..=40)
@@ -637,6 +675,92 @@ mod tests {
         };
         check(&t);
         t.rebuild(&mut table.writers.lock(), 0);
+        check(&t);
+        drop(t);
+        check(&table.pin());
+    }
+
+    /// Long keys stored by their head (`heads.rs`): every key of two heads of one length that
+    /// differ in one byte, with ids of 1 to 16 bytes, is found with its own slot, and no key
+    /// that differs from one of them in its head, its tail or its length is; two keys of one
+    /// head sharing a tag stay apart; the first key of a head, stored before its head was kept,
+    /// is stored by it after a rebuild; a key whose id has a colon is stored as before.
+    #[test]
+    fn long_keys_by_their_head_are_found_exactly() {
+        let slab = Slab::new(8192);
+        let table = Table::new(Arc::clone(&slab));
+        let heads = [
+            "ratelimit:entity:GET:/b/{bookingId}:",
+            "ratelimit:entity:GET:/b/{bookingIe}:",
+        ];
+        let ids: Vec<String> = (0..300)
+            .map(|i| format!("{i}"))
+            .chain((1..=INLINE).map(|n| "z".repeat(n)))
+            .chain(["a:b".to_owned()])
+            .collect();
+        let keys: Vec<String> = heads
+            .iter()
+            .flat_map(|h| ids.iter().map(move |id| format!("{h}{id}")))
+            .collect();
+        let t = table.pin();
+        let slots: Vec<SlotRef> = keys.iter().map(|k| slot(&slab, k)).collect();
+        let by_head = |t: &TableRef<'_>| t.buckets().live().filter(|e| e.head != NO_HEAD).count();
+        // The first key of a head is stored before its head is kept, the second by it; after a
+        // rebuild both are.
+        for (k, s) in keys.iter().zip(&slots).take(2) {
+            t.get_or_insert_with(k, |_| SlotRef::clone(s))
+                .expect("room");
+        }
+        assert_eq!(by_head(&t), 1);
+        t.rebuild(&mut table.writers.lock(), 0);
+        assert_eq!(by_head(&t), 2);
+        for (k, s) in keys.iter().zip(&slots).skip(2) {
+            t.get_or_insert_with(k, |_| SlotRef::clone(s))
+                .expect("room");
+        }
+        assert_eq!(
+            table.writers.lock().heads.len(),
+            2,
+            "the two heads, not `…:a:`"
+        );
+        // All but the keys whose id has a colon (the growing array was rebuilt since the first
+        // key of the second head came in).
+        assert_eq!(by_head(&t), keys.len() - 2);
+        let check = |t: &TableRef<'_>| {
+            for (k, s) in keys.iter().zip(&slots) {
+                let (got, hot) = t.get(k).unwrap_or_else(|| panic!("{k} is found"));
+                assert!(SlotRef::ptr_eq(got, s), "{k} has its own slot");
+                assert!(std::ptr::eq(hot, s.hot()));
+                let mut last = k.clone().into_bytes();
+                *last.last_mut().expect("not empty") ^= 0x20;
+                let mut first = k.clone().into_bytes();
+                first[0] ^= 0x20;
+                let others = [
+                    String::from_utf8(last).expect("ascii"),
+                    String::from_utf8(first).expect("ascii"),
+                    format!("{k}7"),
+                    format!("x{k}"),
+                    k[1..].to_owned(),
+                    k.replacen("/b/", "/b//", 1),
+                ];
+                for other in others {
+                    if !keys.contains(&other) {
+                        assert!(t.get(&other).is_none(), "{other} is not a key");
+                    }
+                }
+            }
+        };
+        check(&t);
+        // Two keys of one head sharing a tag.
+        let (a, b) = same_tag(&table, |i| format!("{}{i}", heads[0]));
+        let (ha, hb) = (table.hasher.hash_one(&a), table.hasher.hash_one(&b));
+        let at = heads[0].len();
+        let entry = Entry::new(ha, &a, slot(&slab, &a), Some((0, at)));
+        assert!(entry.is(tag(ha), &a, &table.heads));
+        assert!(!entry.is(tag(hb), &b, &table.heads), "{a} {b}");
+        assert_eq!(entry.key(), a);
+        t.rebuild(&mut table.writers.lock(), 0);
+        assert_eq!(by_head(&t), keys.len() - 2);
         check(&t);
         drop(t);
         check(&table.pin());
