@@ -766,6 +766,56 @@ mod tests {
         check(&table.pin());
     }
 
+    /// Writers inserting keys of shared heads (heads kept while they insert, arrays rebuilt as
+    /// they grow) beside readers looking up every key already inserted: each reader finds each
+    /// such key, with its own slot, whether stored by its head or not yet.
+    #[test]
+    fn readers_find_keys_while_writers_keep_heads_and_rebuild() {
+        use std::sync::atomic::AtomicUsize;
+        const WRITERS: usize = 3;
+        const PER_WRITER: usize = 1500;
+        let slab = Slab::new(8192);
+        let table = Table::new(Arc::clone(&slab));
+        let key = |w: usize, i: usize| format!("ratelimit:entity:GET:/w{}/{{id}}:{i}", w % 2);
+        // Keys of writer `w` are `key(w, i)` for `i` in `w, w + WRITERS, ...`: apart.
+        let done: Vec<AtomicUsize> = (0..WRITERS).map(|_| AtomicUsize::new(0)).collect();
+        std::thread::scope(|scope| {
+            for (w, done) in done.iter().enumerate() {
+                let (table, slab) = (&table, &slab);
+                scope.spawn(move || {
+                    for n in 0..PER_WRITER {
+                        let k = key(w, w + n * WRITERS);
+                        let t = table.pin();
+                        let s = slot(slab, &k);
+                        let got = t.get_or_insert_with(&k, |_| SlotRef::clone(&s));
+                        assert!(SlotRef::ptr_eq(got.expect("room"), &s), "{k}");
+                        done.store(n + 1, Ordering::Release);
+                    }
+                });
+            }
+            for _ in 0..2 {
+                let (table, done) = (&table, &done);
+                scope.spawn(move || {
+                    let mut seen = [0usize; WRITERS];
+                    while seen.iter().sum::<usize>() < WRITERS * PER_WRITER {
+                        for (w, done) in done.iter().enumerate() {
+                            let upto = done.load(Ordering::Acquire);
+                            let t = table.pin();
+                            for n in 0..upto {
+                                let k = key(w, w + n * WRITERS);
+                                let (found, _) = t.get(&k).unwrap_or_else(|| panic!("{k}"));
+                                assert_eq!(&*found.key, k);
+                            }
+                            seen[w] = upto;
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(table.len(), WRITERS * PER_WRITER);
+        assert_eq!(table.writers.lock().heads.len(), 2);
+    }
+
     /// A view rebuilds at most once, so a large batch of removals leaves tombstones behind;
     /// `compact` from a fresh view rebuilds them away and releases their slots.
     #[test]
