@@ -375,8 +375,11 @@ pub(crate) fn record_latency(decided_by: DecidedBy, took: std::time::Duration) {
 /// counters, while decisions keep coming (and once more after the last).
 pub(crate) const FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
-/// The plans a thread counts lease decisions for at once.
-const BATCH_SLOTS: usize = 4;
+/// The plans a thread counts lease decisions for at once. Any plan may take any slot: a
+/// request checked against a route's limits alternates between their plans, and those must not
+/// evict each other (they did one time in four when each plan had one slot, by its address:
+/// every decision then changed the slot's plan, about 100 ns each).
+const BATCH_SLOTS: usize = 8;
 
 /// One thread's lease decisions, per slot (a plan each), where any thread can add them to the
 /// counters: the thread itself when a slot changes plan or the thread ends, and the lease actor
@@ -428,9 +431,12 @@ impl Counts {
 static THREADS: Mutex<Vec<Arc<Counts>>> = Mutex::new(Vec::new());
 
 /// A thread's side: what each slot counts for (`tag`: 0 for nothing, or the address of a plan's
-/// name with the low bit set), read by the thread alone, and its [`Counts`].
+/// name with the low bit set), read by the thread alone, the slot its last decision went to, the
+/// slot a new plan takes next, and its [`Counts`].
 struct Local {
     tags: [Cell<usize>; BATCH_SLOTS],
+    last: Cell<usize>,
+    next: Cell<usize>,
     counts: Arc<Counts>,
 }
 
@@ -440,8 +446,31 @@ impl Local {
         THREADS.lock().push(Arc::clone(&counts));
         Local {
             tags: std::array::from_fn(|_| Cell::new(0)),
+            last: Cell::new(0),
+            next: Cell::new(0),
             counts,
         }
+    }
+
+    /// The slot counting for `tag`, if one does: the last one used first, then the others in
+    /// order (one cache line of tags).
+    #[inline]
+    fn slot_of(&self, tag: usize) -> Option<usize> {
+        let last = self.last.get() % BATCH_SLOTS;
+        if self.tags[last].get() == tag {
+            return Some(last);
+        }
+        let i = self.tags.iter().position(|t| t.get() == tag)?;
+        self.last.set(i);
+        Some(i)
+    }
+
+    /// The slot a plan no slot counts for takes: the next in turn.
+    fn take_slot(&self) -> usize {
+        let i = self.next.get() % BATCH_SLOTS;
+        self.next.set(i + 1);
+        self.last.set(i);
+        i
     }
 
     /// One more decision on slot `i`.
@@ -505,20 +534,10 @@ pub(crate) fn record_lease_allowed_named(
     let name = plan.shared_name();
     // With the low bit set, a tag is never 0 (nothing).
     let tag = Arc::as_ptr(name).cast::<u8>() as usize | 1;
-    let _ = FROM_LEASE.try_with(|local| {
-        let i = slot_of(tag);
-        if local.tags[i].get() == tag {
-            local.add_one(i);
-        } else {
-            local.switch(i, counters(), Arc::clone(name), tag);
-        }
+    let _ = FROM_LEASE.try_with(|local| match local.slot_of(tag) {
+        Some(i) => local.add_one(i),
+        None => local.switch(local.take_slot(), counters(), Arc::clone(name), tag),
     });
-}
-
-/// The slot of `tag`: a multiplicative hash of the address.
-#[inline]
-fn slot_of(tag: usize) -> usize {
-    (tag.wrapping_mul(0x9e37_79b9_7f4a_7c15_u64 as usize) >> (usize::BITS - 2)) % BATCH_SLOTS
 }
 
 /// Adds the lease decisions every thread counted to the counters now; whether there were any.
@@ -635,6 +654,74 @@ mod tests {
         }
         let expected = [("p1", 3), ("p2", 5), ("p3", 7)].map(|(n, c)| (n.to_owned(), c));
         assert_eq!(counted, expected.into_iter().collect());
+    }
+
+    /// Decisions alternating between as many plans as a thread has slots never change a slot's
+    /// plan (whatever the plans' addresses: each takes a slot of its own), and one plan more
+    /// evicts the oldest; every decision is counted under its plan.
+    #[test]
+    fn alternating_plans_keep_their_slots() {
+        use std::sync::Arc;
+
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+        use crate::bucket::{BucketConfig, Rate, Tokens};
+        use crate::policy::Plan;
+
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let switches = std::thread::spawn(move || {
+            metrics::with_local_recorder(&recorder, || {
+                let bucket =
+                    BucketConfig::new(Tokens::whole(10), Rate::per_second(1).unwrap()).unwrap();
+                let plans: Vec<(Plan, Arc<super::PlanCounters>)> = (0..=super::BATCH_SLOTS)
+                    .map(|i| {
+                        let plan = Plan::new(format!("q{i}"), bucket);
+                        let counters = Arc::new(super::PlanCounters::of(&plan));
+                        (plan, counters)
+                    })
+                    .collect();
+                let switches = std::cell::Cell::new(0);
+                let round = |plans: &[(Plan, Arc<super::PlanCounters>)]| {
+                    for (plan, counters) in plans {
+                        super::record_lease_allowed_named(plan, || {
+                            switches.set(switches.get() + 1);
+                            Arc::clone(counters)
+                        });
+                    }
+                };
+                let fitting = &plans[..super::BATCH_SLOTS];
+                for _ in 0..100 {
+                    round(fitting);
+                }
+                let within = switches.get();
+                round(&plans[super::BATCH_SLOTS..]);
+                round(&plans[..1]);
+                super::flush_thread();
+                (within, switches.get())
+            })
+        })
+        .join()
+        .unwrap();
+        assert_eq!(switches, (super::BATCH_SLOTS, super::BATCH_SLOTS + 2));
+        let mut counted = std::collections::BTreeMap::new();
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            let key = key.key();
+            let label = |k: &str| key.labels().find(|l| l.key() == k).map(|l| l.value());
+            if key.name() == super::DECISIONS
+                && label("outcome") == Some("allowed")
+                && label("decided_by") == Some("lease")
+                && let DebugValue::Counter(n) = value
+            {
+                counted.insert(label("plan").unwrap().to_owned(), n);
+            }
+        }
+        let mut expected: std::collections::BTreeMap<String, u64> = (0..super::BATCH_SLOTS)
+            .map(|i| (format!("q{i}"), 100))
+            .collect();
+        expected.insert("q0".to_owned(), 101);
+        expected.insert(format!("q{}", super::BATCH_SLOTS), 1);
+        assert_eq!(counted, expected);
     }
 
     /// The `"tokenlease_..."` literals in `text`.
