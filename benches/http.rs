@@ -17,6 +17,9 @@
 //! - `tokenlease_2_limits_on_refusals` (the interleaved table only): the same with the policy
 //!   file's `"fields_on": "refusals"`, no fields on an admitted response: what
 //!   `governor_1_limit` writes (nothing), for a like-for-like comparison;
+//! - `tokenlease_code_2_limits_on_refusals` (the interleaved table only): the same two limits
+//!   and fields built in code, `RouteLimitLayer` on the route (its pattern from axum's
+//!   `MatchedPath`), the plans taken from the same policy file;
 //!
 //! each at 1 booking id and at 10,000 ids round-robin. What a layer costs is its figure less
 //! `bare`'s, at the same id count, from the same run.
@@ -26,7 +29,7 @@
 //! apply each route layer again on every request, a cost no served application pays.
 //!
 //! `cargo bench --bench http` (about a minute once built). With
-//! `TOKENLEASE_BENCH_INTERLEAVED=1` it prints instead a table of the six set-ups measured in
+//! `TOKENLEASE_BENCH_INTERLEAVED=1` it prints instead a table of the seven set-ups measured in
 //! turn, round after round (the figures `benches/README.md` quotes): on a shared machine whose
 //! load drifts, set-ups measured side by side compare better than criterion's, minutes apart.
 //! `TOKENLEASE_BENCH_ONLY=<set-up>` with it times that set-up alone (for a profiler), and
@@ -41,7 +44,8 @@ use axum::http::{Request, StatusCode};
 use axum::routing::get;
 use criterion::Criterion;
 use tokenlease::Limiter;
-use tokenlease::http::RateLimitLayer;
+use tokenlease::http::{EntityKey, RateLimitLayer, RouteLimitLayer};
+use tokenlease::policy::FieldsOn;
 use tokenlease::policy::Policies;
 use tokenlease::store::MemoryStore;
 use tower::ServiceExt;
@@ -268,6 +272,21 @@ fn thread_cpu_nanos() -> Option<u64> {
     Some(u64::try_from(t.tv_sec).ok()? * 1_000_000_000 + u64::try_from(t.tv_nsec).ok()?)
 }
 
+/// The two limits of [`POLICY`] built in code: `RouteLimitLayer` with the route's and the
+/// booking's plans from the file, fields on refusals only.
+fn tokenlease_code() -> (Router, Limiter) {
+    let policies = Policies::from_json_str(POLICY, None).expect("the bench policy");
+    let limiter = Limiter::builder(MemoryStore::new())
+        .policies(policies.clone())
+        .build();
+    let plan = |name: &str| policies.plan(name).expect("the bench plan").clone();
+    let layer = RouteLimitLayer::new(limiter.clone())
+        .global(plan("route"))
+        .entity(EntityKey::path_param("bookingId"), plan("booking"))
+        .fields_on(FieldsOn::Refusals);
+    (route().route_layer(layer), limiter)
+}
+
 fn main() {
     if std::env::var_os("TOKENLEASE_BENCH_INTERLEAVED").is_some() {
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -279,6 +298,7 @@ fn main() {
         let on_refusals = POLICY.replacen('{', r#"{ "fields_on": "refusals","#, 1);
         let (ours_quiet, _limiter_quiet) =
             runtime.block_on(async { tokenlease_with(&on_refusals) });
+        let (ours_code, _limiter_code) = runtime.block_on(async { tokenlease_code() });
         let only = std::env::var("TOKENLEASE_BENCH_ONLY").ok();
         let apps: Vec<_> = [
             ("bare", route()),
@@ -287,6 +307,7 @@ fn main() {
             ("tokenlease_1_limit", ours_1),
             ("tokenlease_2_limits", ours),
             ("tokenlease_2_limits_on_refusals", ours_quiet),
+            ("tokenlease_code_2_limits_on_refusals", ours_code),
         ]
         .into_iter()
         .map(|(name, app)| (name, served(app)))

@@ -25,7 +25,7 @@ use super::head::Head;
 use super::headers::{Report, malformed_problem, problem, retry_after_secs};
 use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
 use super::refund::{give_back, give_back_detached};
-use super::route::{Config, Limit, RouteLimits, RouteTable, Routes, Scope};
+use super::route::{CodeRoute, Config, Limit, RouteLimits, RouteTable, Routes, Scope};
 use crate::bucket::Tokens;
 use crate::key::{validate_key, validate_key_shape};
 use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_WOULD_DENY};
@@ -44,6 +44,8 @@ pub(crate) enum KeyOf {
     Fixed,
     /// Made for this request.
     Owned(String),
+    /// The code-built route's key for the limit ([`CodeRoute::keys`]).
+    Code,
 }
 
 /// What the checks found so far: the route, each limit's key, the tokens taken and the reports.
@@ -53,8 +55,9 @@ pub(crate) enum KeyOf {
 #[derive(Debug)]
 pub(crate) struct Progress {
     pub(crate) limits: Arc<RouteLimits>,
-    /// A code-built layer's endpoint, method and pattern (a file route's are its own).
-    code: Option<Box<CodeRoute>>,
+    /// A code-built layer's route: its endpoint, method, pattern and keys (a file route's are
+    /// its own).
+    code: Option<Arc<CodeRoute>>,
     keys: SmallVec<[KeyOf; INLINE]>,
     pub(crate) reports: SmallVec<[Report; INLINE]>,
     /// Bit `i`: limit `i` took a token (a route has at most
@@ -64,17 +67,6 @@ pub(crate) struct Progress {
     givable: u16,
     /// The next limit to check.
     next: usize,
-}
-
-/// A code-built layer's route for one request.
-#[derive(Debug)]
-struct CodeRoute {
-    /// `METHOD:pattern`.
-    endpoint: String,
-    /// The method of the metric labels.
-    method: &'static str,
-    /// The route pattern.
-    pattern: String,
 }
 
 /// Whether the token `decision` took may go back: not one a fallback granted (the store did
@@ -92,6 +84,7 @@ impl Progress {
             KeyOf::Skip => None,
             KeyOf::Fixed => self.limits.limits[i].key.as_deref(),
             KeyOf::Owned(key) => Some(key),
+            KeyOf::Code => self.code.as_ref()?.keys[i].as_deref(),
         }
     }
 
@@ -213,15 +206,23 @@ fn key_method(method: &Method) -> &'static str {
     }
 }
 
-/// The route of a request, found in `config`, with the router's pattern (for path
-/// parameters), or `None` when no limit applies.
-fn route_of(config: &Config, head: &impl Head) -> Option<(Arc<RouteLimits>, Option<String>)> {
+/// The route of a request, found in `config`, with a code-built layer's route for the request's
+/// method and pattern, or `None` when no limit applies.
+fn route_of(
+    config: &Config,
+    head: &impl Head,
+) -> Option<(Arc<RouteLimits>, Option<Arc<CodeRoute>>)> {
     let path = head.extensions().get::<MatchedPath>();
     let matched = path.map(MatchedPath::as_str);
     match &config.routes {
         Routes::One(limits) => {
             let pattern = limits.pattern.as_deref().or(matched)?;
-            Some((Arc::clone(limits), Some(pattern.to_owned())))
+            let code = limits
+                .code_routes
+                .get(key_method(head.method()), pattern, |method| {
+                    CodeRoute::new(limits, method, pattern)
+                });
+            Some((Arc::clone(limits), Some(code)))
         }
         Routes::Table(cell) => {
             let unmatched = |table: &RouteTable| {
@@ -262,28 +263,22 @@ fn route_of(config: &Config, head: &impl Head) -> Option<(Arc<RouteLimits>, Opti
 /// route whose limits read the request's parts is [`Outcome::NeedsParts`], before anything is
 /// counted or taken.
 pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
-    let Some((limits, code_pattern)) = route_of(config, req) else {
+    let Some((limits, code)) = route_of(config, req) else {
         return Outcome::Pass;
     };
     if limits.is_empty() {
         return Outcome::Pass;
     }
-    if limits.needs_parts && req.parts().is_none() {
+    let needs_parts = code.as_ref().map_or(limits.needs_parts, |c| c.needs_parts);
+    if needs_parts && req.parts().is_none() {
         return Outcome::NeedsParts;
     }
-    let code = match (&limits.file, code_pattern) {
+    let code = match (&limits.file, code) {
         (Some(file), _) => {
             file.checked.increment(1);
             None
         }
-        (None, Some(pattern)) => {
-            let method = key_method(req.method());
-            Some(Box::new(CodeRoute {
-                endpoint: format!("{method}:{pattern}"),
-                method,
-                pattern,
-            }))
-        }
+        (None, Some(code)) => Some(code),
         (None, None) => return Outcome::Pass,
     };
     let mut progress = Progress {
@@ -306,18 +301,21 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
     for i in 0..progress.limits.limits.len() {
         let limit = &progress.limits.limits[i];
         let key = match &limit.scope {
-            Scope::Route => match &limit.key {
-                Some(_) => KeyOf::Fixed,
-                None => KeyOf::Owned(dynamic_key(limit, progress.endpoint(), None)),
+            Scope::Route => match (&limit.key, &progress.code) {
+                (Some(_), _) => KeyOf::Fixed,
+                (None, Some(code)) if code.keys[i].is_some() => KeyOf::Code,
+                (None, _) => KeyOf::Owned(dynamic_key(limit, progress.endpoint(), None)),
             },
             Scope::Entity {
                 key,
                 param,
                 segment,
             } => {
+                // A code-built route's parameter: where its pattern has it.
+                let segment = segment.or_else(|| progress.code.as_ref()?.segments[i]);
                 let id: Result<Option<Cow<'_, str>>, MalformedId> =
                     match (key.path_param_name(), segment, &params) {
-                        (Some(name), Some(at), _) => segment_id(req, *at, name),
+                        (Some(name), Some(at), _) => segment_id(req, at, name),
                         (Some(name), None, _) => {
                             // A file route's parameter that is not a whole segment: read once,
                             // from the parts (`needs_parts`).
@@ -338,12 +336,18 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
                             .map(|id| id.map(Cow::Owned)),
                     };
                 match id {
-                    Ok(Some(id)) if !id.is_empty() => KeyOf::Owned(match &limit.key {
+                    Ok(Some(id)) if !id.is_empty() => {
+                        let code = progress.code.as_ref().and_then(|c| c.keys[i].as_deref());
                         // A borrowed id is a path segment as the client sent it (`segment_id`):
                         // the URI parser admitted no NUL byte in it.
-                        Some(prefix) => hashed_key(prefix, &id, matches!(id, Cow::Borrowed(_))),
-                        None => dynamic_key(limit, progress.endpoint(), Some(&id)),
-                    }),
+                        let raw = matches!(id, Cow::Borrowed(_));
+                        KeyOf::Owned(match (limit.key.as_deref(), code) {
+                            (Some(prefix), _) | (None, Some(prefix)) => {
+                                hashed_key(prefix, &id, raw)
+                            }
+                            (None, None) => dynamic_key(limit, progress.endpoint(), Some(&id)),
+                        })
+                    }
                     Ok(_) => KeyOf::Skip,
                     Err(why) => return Outcome::Deny(malformed(&why, &limit.name, &progress)),
                 }
@@ -381,7 +385,11 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
             continue;
         };
         let limit = &progress.limits.limits[i];
-        let hint = matches!(progress.keys[i], KeyOf::Fixed).then_some(&limit.hint.0);
+        let hint = match (&progress.keys[i], &progress.code) {
+            (KeyOf::Fixed, _) => Some(&limit.hint.0),
+            (KeyOf::Code, Some(code)) => Some(&code.hints[i].0),
+            _ => None,
+        };
         match config
             .limiter
             .take_now(&mut pinned, &limit.plan, limit.index, key, hint)

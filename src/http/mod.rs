@@ -138,6 +138,7 @@ mod headers;
 mod key;
 mod layer;
 mod memo;
+mod patterns;
 mod refund;
 mod refused;
 mod route;

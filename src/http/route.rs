@@ -17,6 +17,7 @@ use parking_lot::{Mutex, RwLock};
 use super::headers::policy_item;
 use super::key::{EntityKey, TrustedProxies};
 use super::memo::Memo;
+use super::patterns::PerPattern;
 use super::refund::GiveBacks;
 use super::refused::Refused;
 use crate::Limiter;
@@ -419,6 +420,83 @@ impl Clone for KeyHint {
     }
 }
 
+/// A code-built layer's route for one method and router pattern.
+#[derive(Debug)]
+pub(crate) struct CodeRoute {
+    /// `METHOD:pattern`.
+    pub(crate) endpoint: String,
+    /// The method of the keys and the metric labels.
+    pub(crate) method: &'static str,
+    /// The route pattern.
+    pub(crate) pattern: String,
+    /// Per limit: the whole-route key (`ratelimit:api:{endpoint}`), or an entity key's part
+    /// before the id, ending in `:`; `None` for a limit whose key is its own ([`Limit::key`]:
+    /// a budget).
+    pub(crate) keys: Box<[Option<String>]>,
+    /// Per limit: the path segment its path parameter fills whole, if it does, in the router's
+    /// own pattern (`MatchedPath`, which it matched against the whole path); `None` for every
+    /// limit of a layer given its pattern (`route_pattern`), which may not be the whole path's.
+    pub(crate) segments: Box<[Option<usize>]>,
+    /// Per limit: where the lease table last found its whole-route key.
+    pub(crate) hints: Box<[KeyHint]>,
+    /// Whether a limit reads the request's parts (an application's key function, a path
+    /// parameter that is not a whole segment).
+    pub(crate) needs_parts: bool,
+}
+
+impl CodeRoute {
+    /// The route of `limits` for `method` (`check::key_method`'s) and `pattern`: the layer's own
+    /// ([`RouteLimits::pattern`]) or else the router's.
+    pub(crate) fn new(limits: &RouteLimits, method: &'static str, pattern: &str) -> CodeRoute {
+        let from_router = limits.pattern.is_none();
+        let endpoint = format!("{method}:{pattern}");
+        let mut needs_parts = false;
+        let (mut keys, mut segments) = (Vec::new(), Vec::new());
+        for limit in &limits.limits {
+            let key = limit.key.is_none().then(|| {
+                let (kind, name) = &limit.dynamic;
+                let mut key = match name {
+                    None => format!("ratelimit:{kind}:{endpoint}"),
+                    Some(name) => format!("ratelimit:{kind}:{name}:{endpoint}"),
+                };
+                if matches!(limit.scope, Scope::Entity { .. }) {
+                    key.push(':');
+                }
+                key
+            });
+            let segment = match &limit.scope {
+                Scope::Entity { key, .. } => {
+                    let segment = key
+                        .path_param_name()
+                        .filter(|_| from_router)
+                        .and_then(|name| {
+                            let whole = format!("{{{name}}}");
+                            pattern
+                                .trim_start_matches('/')
+                                .split('/')
+                                .position(|seg| seg == whole)
+                        });
+                    needs_parts |=
+                        key.needs_parts() || (key.path_param_name().is_some() && segment.is_none());
+                    segment
+                }
+                Scope::Route => None,
+            };
+            keys.push(key);
+            segments.push(segment);
+        }
+        CodeRoute {
+            hints: limits.limits.iter().map(|_| KeyHint::default()).collect(),
+            endpoint,
+            method,
+            pattern: pattern.to_owned(),
+            keys: keys.into(),
+            segments: segments.into(),
+            needs_parts,
+        }
+    }
+}
+
 /// How a limit is written: its name, plan, scope, budget and shadow mode.
 pub(crate) struct LimitSpec {
     pub(crate) name: String,
@@ -453,6 +531,9 @@ pub(crate) struct RouteLimits {
     /// needs to give tokens back when an inner layer refused, without holding the `Config`.
     pub(crate) limiter: Limiter,
     pub(crate) give_backs: Arc<GiveBacks>,
+    /// A layer built in code: its route per method and router pattern, made at the first
+    /// request of each (`patterns.rs`).
+    pub(crate) code_routes: PerPattern<CodeRoute>,
 }
 
 impl RouteLimits {
@@ -591,6 +672,7 @@ impl RouteLimits {
             fields_on: FieldsOn::EveryResponse,
             limiter: limiter.clone(),
             give_backs: Arc::clone(give_backs),
+            code_routes: PerPattern::default(),
         }
     }
 

@@ -1588,3 +1588,78 @@ async fn e14_x_ratelimit_remaining_fields_are_written_only_when_asked_for() {
         );
     }
 }
+
+/// A layer built in code finds each limit's key as the first request of its method and pattern
+/// made it: a path parameter that fills a segment of the router's pattern is read from the path
+/// (percent-decoded), in a nested router too (the pattern is the whole path's); a layer given
+/// its pattern reads the parameter from axum's; `HEAD` shares `GET`'s buckets and `POST` has its
+/// own. Each request takes one token from each of its two buckets.
+#[tokio::test(start_paused = true)]
+async fn a_code_built_layer_keys_each_method_and_pattern_as_it_first_made_them() {
+    let store = MemoryStore::new();
+    let limiter = Limiter::builder(store).build();
+    let layer = || {
+        RouteLimitLayer::new(limiter.clone())
+            .global(plan("g", 100, 0.001))
+            .entity(EntityKey::path_param("id"), plan("e", 5, 0.001))
+    };
+    let given = layer().route_pattern("/given/{id}").unwrap();
+    let app = Router::new()
+        .route(
+            "/a/{id}",
+            get(|| async { "a" })
+                .post(|| async { "a" })
+                .route_layer(layer()),
+        )
+        .nest(
+            "/n",
+            Router::new().route("/c/{id}", get(|| async { "c" }).route_layer(layer())),
+        )
+        .route("/given/{id}", get(|| async { "g" }).route_layer(given));
+    let cases = [
+        ("GET", "/a/x%20y", "GET:/a/{id}", "x y"),
+        ("HEAD", "/a/x%20y", "GET:/a/{id}", "x y"),
+        ("POST", "/a/x%20y", "POST:/a/{id}", "x y"),
+        ("GET", "/n/c/7", "GET:/n/c/{id}", "7"),
+        ("GET", "/given/%C3%A9", "GET:/given/{id}", "é"),
+    ];
+    for (method, path, endpoint, id) in cases {
+        let statuses = {
+            let mut s = Vec::new();
+            for _ in 0..2 {
+                let req = Request::builder()
+                    .method(method)
+                    .uri(path)
+                    .body(Body::empty())
+                    .unwrap();
+                s.push(send(&app, req).await.status());
+            }
+            s
+        };
+        assert!(
+            statuses.iter().all(|s| s.is_success()),
+            "{method} {path}: {statuses:?}"
+        );
+        let entity = format!("ratelimit:entity:{endpoint}:{id}");
+        let route = format!("ratelimit:api:{endpoint}");
+        for key in [&entity, &route] {
+            assert!(
+                limiter.store().inspect(key).await.unwrap().is_some(),
+                "{method} {path}: {key}"
+            );
+        }
+    }
+    // `GET` and `HEAD` took four of the five tokens of `x y`'s bucket: one more is admitted,
+    // the next refused.
+    for want in [StatusCode::OK, StatusCode::TOO_MANY_REQUESTS] {
+        let req = Request::get("/a/x%20y").body(Body::empty()).unwrap();
+        assert_eq!(send(&app, req).await.status(), want);
+    }
+    let row = limiter
+        .store()
+        .inspect("ratelimit:entity:GET:/n/c/{id}:7")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.tokens_now, Tokens::whole(3));
+}
