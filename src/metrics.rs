@@ -609,6 +609,27 @@ mod tests {
         assert_eq!(described, names, "described vs defined");
     }
 
+    /// `tokenlease_decisions_total{outcome="allowed", decided_by="lease"}` by plan.
+    fn lease_counts(
+        snapshotter: &metrics_util::debugging::Snapshotter,
+    ) -> std::collections::BTreeMap<String, u64> {
+        use metrics_util::debugging::DebugValue;
+
+        let mut counted = std::collections::BTreeMap::new();
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            let key = key.key();
+            let label = |k: &str| key.labels().find(|l| l.key() == k).map(|l| l.value());
+            if key.name() == super::DECISIONS
+                && label("outcome") == Some("allowed")
+                && label("decided_by") == Some("lease")
+                && let DebugValue::Counter(n) = value
+            {
+                counted.insert(label("plan").unwrap().to_owned(), n);
+            }
+        }
+        counted
+    }
+
     /// Lease decisions on plans their callers name count under each plan's name, also when a
     /// plan is dropped and the next one, of another name, is made in its place (the same stack
     /// slot, its name of the same length, likely in the same heap chunk).
@@ -616,7 +637,7 @@ mod tests {
     fn named_plans_count_under_their_own_names() {
         use std::sync::Arc;
 
-        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        use metrics_util::debugging::DebuggingRecorder;
 
         use crate::bucket::{BucketConfig, Rate, Tokens};
         use crate::policy::Plan;
@@ -640,18 +661,7 @@ mod tests {
         })
         .join()
         .unwrap();
-        let mut counted = std::collections::BTreeMap::new();
-        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
-            let key = key.key();
-            let label = |k: &str| key.labels().find(|l| l.key() == k).map(|l| l.value());
-            if key.name() == super::DECISIONS
-                && label("outcome") == Some("allowed")
-                && label("decided_by") == Some("lease")
-                && let DebugValue::Counter(n) = value
-            {
-                counted.insert(label("plan").unwrap().to_owned(), n);
-            }
-        }
+        let counted = lease_counts(&snapshotter);
         let expected = [("p1", 3), ("p2", 5), ("p3", 7)].map(|(n, c)| (n.to_owned(), c));
         assert_eq!(counted, expected.into_iter().collect());
     }
@@ -663,7 +673,7 @@ mod tests {
     fn alternating_plans_keep_their_slots() {
         use std::sync::Arc;
 
-        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        use metrics_util::debugging::DebuggingRecorder;
 
         use crate::bucket::{BucketConfig, Rate, Tokens};
         use crate::policy::Plan;
@@ -704,18 +714,7 @@ mod tests {
         .join()
         .unwrap();
         assert_eq!(switches, (super::BATCH_SLOTS, super::BATCH_SLOTS + 2));
-        let mut counted = std::collections::BTreeMap::new();
-        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
-            let key = key.key();
-            let label = |k: &str| key.labels().find(|l| l.key() == k).map(|l| l.value());
-            if key.name() == super::DECISIONS
-                && label("outcome") == Some("allowed")
-                && label("decided_by") == Some("lease")
-                && let DebugValue::Counter(n) = value
-            {
-                counted.insert(label("plan").unwrap().to_owned(), n);
-            }
-        }
+        let counted = lease_counts(&snapshotter);
         let mut expected: std::collections::BTreeMap<String, u64> = (0..super::BATCH_SLOTS)
             .map(|i| (format!("q{i}"), 100))
             .collect();
