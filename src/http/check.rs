@@ -28,6 +28,7 @@ use super::refund::{give_back, give_back_detached};
 use super::route::{CodeRoute, Config, Limit, RouteLimits, RouteTable, Routes, Scope};
 use crate::bucket::Tokens;
 use crate::key::{validate_key, validate_key_shape};
+use crate::lease::Hint;
 use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_WOULD_DENY};
 use crate::policy::{FallbackMode, route_shape};
 use crate::{DecidedBy, Decision};
@@ -40,12 +41,10 @@ const INLINE: usize = 4;
 pub(crate) enum KeyOf {
     /// The request has no id for this limit: it is skipped.
     Skip,
-    /// The limit's own key ([`Limit::key`]): a whole-route limit of a file route.
+    /// The key made with the route ([`Progress::made_key`]): a whole-route limit's.
     Fixed,
     /// Made for this request.
     Owned(String),
-    /// The code-built route's key for the limit ([`CodeRoute::keys`]).
-    Code,
 }
 
 /// What the checks found so far: the route, each limit's key, the tokens taken and the reports.
@@ -82,9 +81,26 @@ impl Progress {
     fn key(&self, i: usize) -> Option<&str> {
         match &self.keys[i] {
             KeyOf::Skip => None,
-            KeyOf::Fixed => self.limits.limits[i].key.as_deref(),
+            KeyOf::Fixed => self.made_key(i),
             KeyOf::Owned(key) => Some(key),
-            KeyOf::Code => self.code.as_ref()?.keys[i].as_deref(),
+        }
+    }
+
+    /// Limit `i`'s key as made with its route: a whole-route limit's key, or an entity key's
+    /// part before the id. A policy file's route, and a budget, have it in the limit
+    /// ([`Limit::key`]); a code-built layer's route for this request's method and pattern has
+    /// the others ([`CodeRoute::keys`]), so every limit has one.
+    fn made_key(&self, i: usize) -> Option<&str> {
+        let own = self.limits.limits[i].key.as_deref();
+        own.or_else(|| self.code.as_ref()?.keys[i].as_deref())
+    }
+
+    /// Where the lease table last found limit `i`'s whole-route key ([`made_key`](Self::made_key)).
+    fn made_key_hint(&self, i: usize) -> Option<&Hint> {
+        let limit = &self.limits.limits[i];
+        match (&limit.key, &self.code) {
+            (Some(_), _) => Some(&limit.hint.0),
+            (None, code) => code.as_ref().map(|c| &c.hints[i].0),
         }
     }
 
@@ -301,11 +317,7 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
     for i in 0..progress.limits.limits.len() {
         let limit = &progress.limits.limits[i];
         let key = match &limit.scope {
-            Scope::Route => match (&limit.key, &progress.code) {
-                (Some(_), _) => KeyOf::Fixed,
-                (None, Some(code)) if code.keys[i].is_some() => KeyOf::Code,
-                (None, _) => KeyOf::Owned(dynamic_key(limit, progress.endpoint(), None)),
-            },
+            Scope::Route => KeyOf::Fixed,
             Scope::Entity {
                 key,
                 param,
@@ -336,18 +348,14 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
                             .map(|id| id.map(Cow::Owned)),
                     };
                 match id {
-                    Ok(Some(id)) if !id.is_empty() => {
-                        let code = progress.code.as_ref().and_then(|c| c.keys[i].as_deref());
-                        // A borrowed id is a path segment as the client sent it (`segment_id`):
-                        // the URI parser admitted no NUL byte in it.
-                        let raw = matches!(id, Cow::Borrowed(_));
-                        KeyOf::Owned(match (limit.key.as_deref(), code) {
-                            (Some(prefix), _) | (None, Some(prefix)) => {
-                                hashed_key(prefix, &id, raw)
-                            }
-                            (None, None) => dynamic_key(limit, progress.endpoint(), Some(&id)),
-                        })
-                    }
+                    // A borrowed id is a path segment as the client sent it (`segment_id`):
+                    // the URI parser admitted no NUL byte in it.
+                    Ok(Some(id)) if !id.is_empty() => match progress.made_key(i) {
+                        Some(prefix) => {
+                            KeyOf::Owned(hashed_key(prefix, &id, matches!(id, Cow::Borrowed(_))))
+                        }
+                        None => KeyOf::Skip,
+                    },
                     Ok(_) => KeyOf::Skip,
                     Err(why) => return Outcome::Deny(malformed(&why, &limit.name, &progress)),
                 }
@@ -385,9 +393,8 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
             continue;
         };
         let limit = &progress.limits.limits[i];
-        let hint = match (&progress.keys[i], &progress.code) {
-            (KeyOf::Fixed, _) => Some(&limit.hint.0),
-            (KeyOf::Code, Some(code)) => Some(&code.hints[i].0),
+        let hint = match progress.keys[i] {
+            KeyOf::Fixed => progress.made_key_hint(i),
             _ => None,
         };
         match config
@@ -482,19 +489,6 @@ fn refused(limit: &Limit, wait: Duration) -> Decision {
         reset_after: None,
         decided_by: DecidedBy::Store,
         store_time: None,
-    }
-}
-
-/// The key of a limit of a code-built layer, made from the request's endpoint.
-fn dynamic_key(limit: &Limit, endpoint: &str, id: Option<&str>) -> String {
-    let (kind, name) = &limit.dynamic;
-    let prefix = match name {
-        None => format!("ratelimit:{kind}:{endpoint}"),
-        Some(name) => format!("ratelimit:{kind}:{name}:{endpoint}"),
-    };
-    match id {
-        None => prefix,
-        Some(id) => hashed_key(&format!("{prefix}:"), id, false),
     }
 }
 

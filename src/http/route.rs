@@ -453,31 +453,15 @@ impl CodeRoute {
         let mut needs_parts = false;
         let (mut keys, mut segments) = (Vec::new(), Vec::new());
         for limit in &limits.limits {
-            let key = limit.key.is_none().then(|| {
-                let (kind, name) = &limit.dynamic;
-                let mut key = match name {
-                    None => format!("ratelimit:{kind}:{endpoint}"),
-                    Some(name) => format!("ratelimit:{kind}:{name}:{endpoint}"),
-                };
-                if matches!(limit.scope, Scope::Entity { .. }) {
-                    key.push(':');
-                }
-                key
-            });
+            let entity = matches!(limit.scope, Scope::Entity { .. });
+            let key = limit
+                .key
+                .is_none()
+                .then(|| endpoint_key(&limit.dynamic, &endpoint, entity));
             let segment = match &limit.scope {
                 Scope::Entity { key, .. } => {
-                    let segment = key
-                        .path_param_name()
-                        .filter(|_| from_router)
-                        .and_then(|name| {
-                            let whole = format!("{{{name}}}");
-                            pattern
-                                .trim_start_matches('/')
-                                .split('/')
-                                .position(|seg| seg == whole)
-                        });
-                    needs_parts |=
-                        key.needs_parts() || (key.path_param_name().is_some() && segment.is_none());
+                    let segment = whole_segment(key, pattern).filter(|_| from_router);
+                    needs_parts |= reads_parts(key, segment);
                     segment
                 }
                 Scope::Route => None,
@@ -495,6 +479,40 @@ impl CodeRoute {
             needs_parts,
         }
     }
+}
+
+/// A limit's key made from its route's `endpoint` (`METHOD:pattern`) and `dynamic` (its kind and
+/// name part, [`Limit::dynamic`]): `ratelimit:{kind}[:{name}]:{endpoint}`, the whole-route key,
+/// followed by `:` for an `entity` limit's part before the id.
+fn endpoint_key(
+    dynamic: &(&'static str, Option<Arc<str>>),
+    endpoint: &str,
+    entity: bool,
+) -> String {
+    let (kind, name) = dynamic;
+    let mut key = match name {
+        None => format!("ratelimit:{kind}:{endpoint}"),
+        Some(name) => format!("ratelimit:{kind}:{name}:{endpoint}"),
+    };
+    if entity {
+        key.push(':');
+    }
+    key
+}
+
+/// The segment of `pattern` that `key`'s path parameter fills whole, if it has one and does.
+fn whole_segment(key: &EntityKey, pattern: &str) -> Option<usize> {
+    let whole = format!("{{{}}}", key.path_param_name()?);
+    pattern
+        .trim_start_matches('/')
+        .split('/')
+        .position(|seg| seg == whole)
+}
+
+/// Whether `key`'s id is read from the request's parts: an application's key function's, or a
+/// path parameter's that fills no whole segment (`segment`), from axum's path parameters.
+fn reads_parts(key: &EntityKey, segment: Option<usize>) -> bool {
+    key.needs_parts() || (key.path_param_name().is_some() && segment.is_none())
 }
 
 /// How a limit is written: its name, plan, scope, budget and shadow mode.
@@ -583,26 +601,18 @@ impl RouteLimits {
                 .as_ref()
                 .is_some_and(EntityKey::needs_path_params)
                 && file.is_none();
-            let (key, dynamic) = match (&spec.budget, &spec.entity, &file) {
-                (Some(budget), _, _) => (
+            let (key, dynamic) = match (&spec.budget, &spec.entity) {
+                (Some(budget), _) => (
                     Some(format!("ratelimit:budget:{budget}:")),
                     ("entity", None),
                 ),
-                (None, None, _) => {
-                    let part = (spec.name != "api").then(|| Arc::clone(&name));
-                    let key = file.as_ref().map(|f| match &part {
-                        None => format!("ratelimit:api:{}", f.endpoint),
-                        Some(n) => format!("ratelimit:api:{n}:{}", f.endpoint),
-                    });
-                    (key, ("api", part))
-                }
-                (None, Some(_), _) => {
-                    let part = (spec.name != "entity").then(|| Arc::clone(&name));
-                    let key = file.as_ref().map(|f| match &part {
-                        None => format!("ratelimit:entity:{}:", f.endpoint),
-                        Some(n) => format!("ratelimit:entity:{n}:{}:", f.endpoint),
-                    });
-                    (key, ("entity", part))
+                (None, entity) => {
+                    let kind = if entity.is_some() { "entity" } else { "api" };
+                    let dynamic = (kind, (spec.name != kind).then(|| Arc::clone(&name)));
+                    let key = file
+                        .as_ref()
+                        .map(|f| endpoint_key(&dynamic, &f.endpoint, entity.is_some()));
+                    (key, dynamic)
                 }
             };
             let counters = file.as_ref().map(|f| LimitCounters {
@@ -621,21 +631,15 @@ impl RouteLimits {
             });
             let remaining = remaining_name(&name);
             let segment = match (&spec.entity, &file) {
-                (Some(key), Some(file)) => key.path_param_name().and_then(|name| {
-                    let whole = format!("{{{name}}}");
-                    file.path
-                        .trim_start_matches('/')
-                        .split('/')
-                        .position(|seg| seg == whole)
-                }),
+                (Some(key), Some(file)) => whole_segment(key, &file.path),
                 _ => None,
             };
-            // The id of a parameter that is not a whole segment (every parameter of a layer
-            // built in code, which has no `segment`) is read from axum's path parameters, which
-            // come from the parts.
-            needs_parts |= spec.entity.as_ref().is_some_and(|key| {
-                key.needs_parts() || (key.path_param_name().is_some() && segment.is_none())
-            });
+            // A layer built in code has no pattern yet, so no `segment`: its routes say for
+            // themselves whether they read the parts (`CodeRoute::needs_parts`).
+            needs_parts |= spec
+                .entity
+                .as_ref()
+                .is_some_and(|key| reads_parts(key, segment));
             let scope = match spec.entity {
                 None => Scope::Route,
                 Some(key) => Scope::Entity {

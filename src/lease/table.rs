@@ -90,10 +90,10 @@ impl Entry {
         };
         let mut inline = [0; INLINE];
         inline[..part.len()].copy_from_slice(part);
-        let len = if head != NO_HEAD || bytes.len() <= INLINE {
-            u8::try_from(part.len()).unwrap_or(LONG)
-        } else {
+        let len = if head == NO_HEAD && bytes.len() > INLINE {
             LONG
+        } else {
+            u8::try_from(part.len()).unwrap_or(LONG)
         };
         Entry {
             tag: tag(hash),
