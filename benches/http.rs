@@ -33,7 +33,9 @@
 //! turn, round after round (the figures `benches/README.md` quotes): on a shared machine whose
 //! load drifts, set-ups measured side by side compare better than criterion's, minutes apart.
 //! `TOKENLEASE_BENCH_ONLY=<set-up>` with it times that set-up alone (for a profiler), and
-//! `TOKENLEASE_BENCH_IDS=1` (or `10000`) that id count alone.
+//! `TOKENLEASE_BENCH_IDS=1` (or `10000`) that id count alone, and `TOKENLEASE_BENCH_ROUNDS=<n>`
+//! times `n` rounds instead of 31 (`scripts/http-instructions.sh` counts the instructions of a
+//! request as the difference between two round counts).
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -185,21 +187,25 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-/// The same set-ups interleaved: `ROUNDS` rounds, each timing `PER_ROUND` requests of every
+/// The same set-ups interleaved: 31 rounds (or `TOKENLEASE_BENCH_ROUNDS`), each timing `PER_ROUND` requests of every
 /// set-up in turn, and each set-up's median round, in this thread's CPU time where the system gives
 /// it (else wall time). On a shared machine whose load drifts over a criterion run, set-ups
 /// measured side by side compare better than set-ups measured minutes apart, and CPU time
 /// leaves out the time other processes held the core.
 fn interleaved(runtime: &tokio::runtime::Runtime, apps: &[(&str, Router)]) {
-    const ROUNDS: usize = 31;
     const PER_ROUND: usize = 20_000;
+    let rounds_wanted: usize = std::env::var("TOKENLEASE_BENCH_ROUNDS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(31);
     let clock = if thread_cpu_nanos().is_some() {
         "this thread's CPU time"
     } else {
         "wall time"
     };
     println!(
-        "\ninterleaved, median of {ROUNDS} rounds of {PER_ROUND} requests (ns per request, {clock}):"
+        "\ninterleaved, median of {rounds_wanted} rounds of {PER_ROUND} requests (ns per request, {clock}):"
     );
     println!(
         "| ids | {} |",
@@ -224,7 +230,7 @@ fn interleaved(runtime: &tokio::runtime::Runtime, apps: &[(&str, Router)]) {
             }
         });
         let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); apps.len()];
-        for _ in 0..ROUNDS {
+        for _ in 0..rounds_wanted {
             for (k, (_, app)) in apps.iter().enumerate() {
                 let start = std::time::Instant::now();
                 let cpu_start = thread_cpu_nanos();
@@ -287,33 +293,55 @@ fn tokenlease_code() -> (Router, Limiter) {
     (route().route_layer(layer), limiter)
 }
 
+/// Builds a set-up's router, and its limiter when it has one (kept alive while it is timed).
+type MakeApp<'a> = dyn Fn() -> (Router, Option<Limiter>) + 'a;
+
 fn main() {
     if std::env::var_os("TOKENLEASE_BENCH_INTERLEAVED").is_some() {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .expect("a runtime");
-        let (ours, _limiter) = runtime.block_on(async { tokenlease() });
-        let (ours_1, _limiter_1) = runtime.block_on(async { tokenlease_with(POLICY_1_LIMIT) });
-        let on_refusals = POLICY.replacen('{', r#"{ "fields_on": "refusals","#, 1);
-        let (ours_quiet, _limiter_quiet) =
-            runtime.block_on(async { tokenlease_with(&on_refusals) });
-        let (ours_code, _limiter_code) = runtime.block_on(async { tokenlease_code() });
         let only = std::env::var("TOKENLEASE_BENCH_ONLY").ok();
-        let apps: Vec<_> = [
-            ("bare", route()),
-            ("governor_1_limit", governor()),
-            ("governor_1_limit_headers", governor_with_headers()),
-            ("tokenlease_1_limit", ours_1),
-            ("tokenlease_2_limits", ours),
-            ("tokenlease_2_limits_on_refusals", ours_quiet),
-            ("tokenlease_code_2_limits_on_refusals", ours_code),
-        ]
-        .into_iter()
-        .map(|(name, app)| (name, served(app)))
-        .filter(|(name, _)| only.as_deref().is_none_or(|o| o == *name))
-        .collect();
+        // Only the set-ups timed are built: a limiter not timed would still run its lease
+        // actor's periodic work beside the rounds.
+        let on_refusals = POLICY.replacen('{', r#"{ "fields_on": "refusals","#, 1);
+        let setups: [(&str, &MakeApp); 7] = [
+            ("bare", &|| (route(), None)),
+            ("governor_1_limit", &|| (governor(), None)),
+            ("governor_1_limit_headers", &|| {
+                (governor_with_headers(), None)
+            }),
+            ("tokenlease_1_limit", &|| {
+                let (app, limiter) = tokenlease_with(POLICY_1_LIMIT);
+                (app, Some(limiter))
+            }),
+            ("tokenlease_2_limits", &|| {
+                let (app, limiter) = tokenlease();
+                (app, Some(limiter))
+            }),
+            ("tokenlease_2_limits_on_refusals", &|| {
+                let (app, limiter) = tokenlease_with(&on_refusals);
+                (app, Some(limiter))
+            }),
+            ("tokenlease_code_2_limits_on_refusals", &|| {
+                let (app, limiter) = tokenlease_code();
+                (app, Some(limiter))
+            }),
+        ];
+        let mut limiters = Vec::new();
+        let apps: Vec<_> = setups
+            .into_iter()
+            .filter(|(name, _)| only.as_deref().is_none_or(|o| o == *name))
+            .map(|(name, make)| {
+                // Built in the runtime: a limiter starts its lease actor on it.
+                let (app, limiter) = runtime.block_on(async { make() });
+                limiters.extend(limiter);
+                (name, served(app))
+            })
+            .collect();
         interleaved(&runtime, &apps);
+        drop(limiters);
         return;
     }
     let mut c = Criterion::default().configure_from_args();
