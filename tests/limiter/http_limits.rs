@@ -2,7 +2,7 @@
 //! header fields to each other's and the outer one gives back what it took when the inner one
 //! refuses; a refused key hammered for 5 s on the real PostgreSQL costs the database next to
 //! nothing and admits no more than its bucket; a plan of several limits shows each limit with
-//! its window.
+//! its window; a route of five limits reports each and gives back on the last one's refusal.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -339,5 +339,101 @@ async fn p8_ratelimit_policy_lists_each_limit_of_a_plan_with_its_window() {
         ratelimit.contains(&format!("\"api\";r=0;t={retry}")),
         "{ratelimit}"
     );
+    limiter.shutdown().await;
+}
+
+/// A route of five limits, more than a request keeps inline (three): the route, the booking,
+/// the customer's budget, the region's (header) and the client's (address), all leased but the
+/// last, which allows 2.
+const FIVE: &str = r#"{
+  "plans": {
+    "route": { "capacity": 100, "refill_per_second": 50, "lease": {} },
+    "booking": { "capacity": 100, "refill_per_second": 50, "lease": {} },
+    "customer": { "capacity": 100, "refill_per_second": 50, "lease": {} },
+    "region": { "capacity": 100, "refill_per_second": 50, "lease": {} },
+    "client": { "capacity": 2, "refill": { "tokens": 2, "period_ms": 60000 } }
+  },
+  "budgets": { "customer": { "header": "X-Customer-Id", "plan": "customer" } },
+  "routes": [ { "method": "GET", "path": "/bookings/{bookingId}", "limits": [
+    { "name": "api", "plan": "route" },
+    { "name": "entity", "path_param": "bookingId", "plan": "booking" },
+    { "budget": "customer" },
+    { "name": "region", "header": "X-Region", "plan": "region" },
+    { "name": "client", "client_ip": true, "plan": "client" } ] } ]
+}"#;
+
+/// A route of more limits than a request keeps inline: every answer lists all five in
+/// `RateLimit-Policy` and `RateLimit`, in the file's order, and when the fifth refuses, the four
+/// before it give their tokens back, so each of their buckets is charged only the admitted
+/// requests.
+#[tokio::test(start_paused = true)]
+async fn a_route_of_five_limits_reports_each_and_gives_back_on_the_last_ones_refusal() {
+    let policies = Policies::from_json_str(FIVE, None).unwrap();
+    let limiter = Limiter::builder(MemoryStore::new())
+        .policies(policies.clone())
+        .build();
+    let layer = RateLimitLayer::from_policies(&policies, limiter.clone()).unwrap();
+    let app = Router::new()
+        .route(BOOKING, get(|| async { "booking" }))
+        .route_layer(layer)
+        .into_service::<Body>();
+    let names = ["api", "entity", "customer", "region", "client"];
+    let request = || {
+        let mut req = Request::get("/bookings/7")
+            .header("x-customer-id", "C")
+            .header("x-region", "eu")
+            .body(Body::empty())
+            .unwrap();
+        req.extensions_mut()
+            .insert(axum::extract::ConnectInfo(std::net::SocketAddr::from((
+                [192, 0, 2, 1],
+                4000,
+            ))));
+        req
+    };
+    let send = |req| {
+        let app = app.clone();
+        async move { app.oneshot(req).await.expect("infallible") }
+    };
+    for i in 0..2 {
+        let r = send(request()).await;
+        assert_eq!(r.status(), StatusCode::OK, "request {i}");
+        let policy = header(&r, "ratelimit-policy").unwrap();
+        let ratelimit = header(&r, "ratelimit").unwrap();
+        let (mut in_policy, mut in_ratelimit) = (0, 0);
+        for name in names {
+            let at = policy.find(&format!("\"{name}\";q=")).expect(policy);
+            assert!(at >= in_policy, "{policy}: in order");
+            in_policy = at;
+            let at = ratelimit.find(&format!("\"{name}\";r=")).expect(ratelimit);
+            assert!(at >= in_ratelimit, "{ratelimit}: in order");
+            in_ratelimit = at;
+        }
+    }
+    // The client's 2 are spent: three refusals, each by the fifth limit, each giving back the
+    // four tokens the limits before it took.
+    for i in 0..3 {
+        let r = send(request()).await;
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS, "refusal {i}");
+        assert_eq!(body_json(r).await["limit"], "client");
+    }
+    // Each of the four leased limits was charged the two admissions only: its `RateLimit`
+    // item on the next admitted request (a new client) reports 97 of 100 left (the two, and
+    // this one), where the refusals' tokens kept would leave 94.
+    let mut req = request();
+    req.extensions_mut()
+        .insert(axum::extract::ConnectInfo(std::net::SocketAddr::from((
+            [192, 0, 2, 2],
+            4000,
+        ))));
+    let r = send(req).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let ratelimit = header(&r, "ratelimit").unwrap();
+    for name in ["api", "entity", "customer", "region"] {
+        assert!(
+            ratelimit.contains(&format!("\"{name}\";r=97;")),
+            "{name}: {ratelimit}"
+        );
+    }
     limiter.shutdown().await;
 }
