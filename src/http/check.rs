@@ -33,8 +33,11 @@ use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_WOULD_DENY};
 use crate::policy::{FallbackMode, route_shape};
 use crate::{DecidedBy, Decision};
 
-/// Per limit of a route, inline up to this many.
-const INLINE: usize = 4;
+/// Per limit of a route, inline up to this many (a route's own limit, its entity's and a
+/// budget); a route of more keeps its keys and reports on the heap. The progress moves with
+/// the response's future and is copied with it: at four, each copy was 64 bytes longer, about
+/// 107 instructions a request for two limits (`scripts/http-instructions.sh`).
+const INLINE: usize = 3;
 
 /// A limit's bucket key for one request.
 #[derive(Debug)]
@@ -47,7 +50,9 @@ pub(crate) enum KeyOf {
     Owned(String),
 }
 
-/// What the checks found so far: the route, each limit's key, the tokens taken and the reports.
+/// What the checks found so far: the route, each limit's key, the tokens taken and the reports;
+/// once every limit allowed the request, what its response needs (the fields, and the
+/// give-backs when an inner layer refuses it: [`apply`](Self::apply)).
 ///
 /// Kept small (it moves with the response's future): a code-built route's strings are boxed,
 /// and what a give-back needs of each take is one flag.
@@ -65,7 +70,11 @@ pub(crate) struct Progress {
     /// Bit `i`: limit `i`'s token may go back (not a fallback's grant).
     givable: u16,
     /// The next limit to check.
-    next: usize,
+    next: u8,
+    /// Whether an admitted response carries the fields (not when they go on refusals only).
+    fields: bool,
+    /// Whether the fields include `X-RateLimit-{Name}-Remaining`.
+    remaining: bool,
 }
 
 /// Whether the token `decision` took may go back: not one a fallback granted (the store did
@@ -141,6 +150,23 @@ impl Progress {
                 givable,
             );
             self.given_back(back, i);
+        }
+    }
+
+    /// Finishes an admitted request's response: when an inner layer's limit refused it, gives
+    /// back what this layer's limits took (without waiting); then writes the fields, unless
+    /// they go on refusals only.
+    pub(crate) fn apply<B>(&mut self, response: &mut Response<B>) {
+        if response.extensions().get::<RefusedByLimit>().is_some() {
+            self.give_back_all_detached();
+        }
+        if self.fields {
+            fields::write(
+                response.headers_mut(),
+                &self.limits,
+                &self.reports,
+                self.remaining,
+            );
         }
     }
 
@@ -304,6 +330,8 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
         taken: 0,
         givable: 0,
         next: 0,
+        fields: config.fields_on_admitted(&limits),
+        remaining: config.remaining_fields(&limits),
         limits,
     };
 
@@ -386,8 +414,8 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
     // Then each limit in order, from its lease while one answers: the lease table pinned once
     // for them all, a fixed key found through its limit's hint.
     let mut pinned = None;
-    while progress.next < progress.limits.limits.len() {
-        let i = progress.next;
+    while usize::from(progress.next) < progress.limits.limits.len() {
+        let i = usize::from(progress.next);
         let Some(key) = progress.key(i) else {
             progress.next += 1;
             continue;
@@ -419,8 +447,8 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
 
 /// The rest of the checks, from the first limit [`now`] could not decide.
 pub(crate) async fn finish(config: &Config, mut progress: Progress) -> Outcome {
-    while progress.next < progress.limits.limits.len() {
-        let i = progress.next;
+    while usize::from(progress.next) < progress.limits.limits.len() {
+        let i = usize::from(progress.next);
         progress.next += 1;
         let Some(key) = progress.key(i) else { continue };
         let limits = Arc::clone(&progress.limits);

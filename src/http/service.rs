@@ -10,8 +10,7 @@ use std::task::{Context, Poll};
 use axum::http::{Request, Response};
 use tower::Service;
 
-use super::check::{self, Outcome, Progress, RefusedByLimit};
-use super::fields;
+use super::check::{self, Outcome, Progress};
 use super::route::Config;
 
 /// The service [`RateLimitLayer`](super::RateLimitLayer) wraps around `S`.
@@ -53,46 +52,6 @@ impl<S> RateLimit<S> {
     }
 }
 
-/// The limits' part of a response: the header fields, and the give-backs when an inner layer
-/// refused the request. (Not the layer's `Config`: its count is one more that every core's
-/// requests would share.)
-#[derive(Debug)]
-struct After {
-    progress: Progress,
-    /// Whether to write the fields at all (not when they go on refusals only).
-    fields: bool,
-    /// Whether to write `X-RateLimit-{Name}-Remaining`.
-    remaining: bool,
-}
-
-impl After {
-    fn new(config: &Config, progress: Progress) -> After {
-        let fields = config.fields_on_admitted(&progress.limits);
-        let remaining = config.remaining_fields(&progress.limits);
-        After {
-            progress,
-            fields,
-            remaining,
-        }
-    }
-
-    fn apply<B>(&mut self, response: &mut Response<B>) {
-        // An inner layer's limit refused the request: what this layer's limits took goes back.
-        if response.extensions().get::<RefusedByLimit>().is_some() {
-            self.progress.give_back_all_detached();
-        }
-        if !self.fields {
-            return;
-        }
-        fields::write(
-            response.headers_mut(),
-            &self.progress.limits,
-            &self.progress.reports,
-            self.remaining,
-        );
-    }
-}
-
 pin_project_lite::pin_project! {
     /// The future of [`RateLimit`]: the inner service's, with the header fields added to its
     /// response; or the denial, ready; or, when a limit needed the store, the checks and then
@@ -109,7 +68,9 @@ pin_project_lite::pin_project! {
         Inner {
             #[pin]
             future: F,
-            after: Option<After>,
+            // The limits' part of the response (`Progress::apply`). (Not the layer's `Config`:
+            // its count is one more that every core's requests would share.)
+            after: Option<Progress>,
         },
         Ready {
             response: Option<Response<B>>,
@@ -183,7 +144,7 @@ where
             },
             Outcome::Allow(progress) => State::Inner {
                 future: self.inner.call(req),
-                after: Some(After::new(&self.config, progress)),
+                after: Some(progress),
             },
             Outcome::Deny(response) => State::Ready {
                 response: Some(response.map(ResBody::from)),
@@ -196,9 +157,9 @@ where
                 State::Slow {
                     future: Box::pin(async move {
                         match check::finish(&config, progress).await {
-                            Outcome::Allow(progress) => {
+                            Outcome::Allow(mut progress) => {
                                 let mut response = inner.call(req).await?;
-                                After::new(&config, progress).apply(&mut response);
+                                progress.apply(&mut response);
                                 Ok(response)
                             }
                             Outcome::Deny(response) => Ok(response.map(ResBody::from)),
