@@ -306,6 +306,7 @@ fn main() {
         // Only the set-ups timed are built: a limiter not timed would still run its lease
         // actor's periodic work beside the rounds.
         let on_refusals = POLICY.replacen('{', r#"{ "fields_on": "refusals","#, 1);
+        let with = |(app, limiter): (Router, Limiter)| (app, Some(limiter));
         let setups: [(&str, &MakeApp); 7] = [
             ("bare", &|| (route(), None)),
             ("governor_1_limit", &|| (governor(), None)),
@@ -313,20 +314,14 @@ fn main() {
                 (governor_with_headers(), None)
             }),
             ("tokenlease_1_limit", &|| {
-                let (app, limiter) = tokenlease_with(POLICY_1_LIMIT);
-                (app, Some(limiter))
+                with(tokenlease_with(POLICY_1_LIMIT))
             }),
-            ("tokenlease_2_limits", &|| {
-                let (app, limiter) = tokenlease();
-                (app, Some(limiter))
-            }),
+            ("tokenlease_2_limits", &|| with(tokenlease())),
             ("tokenlease_2_limits_on_refusals", &|| {
-                let (app, limiter) = tokenlease_with(&on_refusals);
-                (app, Some(limiter))
+                with(tokenlease_with(&on_refusals))
             }),
             ("tokenlease_code_2_limits_on_refusals", &|| {
-                let (app, limiter) = tokenlease_code();
-                (app, Some(limiter))
+                with(tokenlease_code())
             }),
         ];
         let mut limiters = Vec::new();

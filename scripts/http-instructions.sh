@@ -23,7 +23,6 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 command -v valgrind >/dev/null || { echo "http-instructions: valgrind is not on PATH (apt-get install valgrind)" >&2; exit 1; }
-IDS=1
 SETUPS="${SETUPS:-bare governor_1_limit governor_1_limit_headers tokenlease_1_limit tokenlease_2_limits tokenlease_2_limits_on_refusals tokenlease_code_2_limits_on_refusals}"
 if [[ -z "${BIN:-}" ]]; then
   BIN=$(cargo bench --bench http --all-features --no-run 2>&1 \
@@ -33,7 +32,7 @@ fi
 
 # Instructions of one run of `$1` rounds of set-up `$2`.
 count() {
-  TOKENLEASE_BENCH_INTERLEAVED=1 TOKENLEASE_BENCH_ONLY="$2" TOKENLEASE_BENCH_IDS="$IDS" \
+  TOKENLEASE_BENCH_INTERLEAVED=1 TOKENLEASE_BENCH_ONLY="$2" TOKENLEASE_BENCH_IDS=1 \
     TOKENLEASE_BENCH_ROUNDS="$1" valgrind --tool=callgrind --callgrind-out-file=/dev/null \
     "$BIN" --bench 2>&1 >/dev/null | sed -n 's/.*I *refs: *\([0-9,]*\).*/\1/p' | tr -d ,
 }

@@ -35,8 +35,9 @@ use crate::{DecidedBy, Decision};
 
 /// Per limit of a route, inline up to this many (a route's own limit, its entity's and a
 /// budget); a route of more keeps its keys and reports on the heap. The progress moves with
-/// the response's future and is copied with it: at four, each copy was 64 bytes longer, about
-/// 107 instructions a request for two limits (`scripts/http-instructions.sh`).
+/// the response's future and is copied with it: at four, each copy carried one more key and
+/// report (56 bytes), about 107 instructions a request for two limits
+/// (`scripts/http-instructions.sh`).
 const INLINE: usize = 3;
 
 /// A limit's bucket key for one request.
@@ -44,7 +45,7 @@ const INLINE: usize = 3;
 pub(crate) enum KeyOf {
     /// The request has no id for this limit: it is skipped.
     Skip,
-    /// The key made with the route ([`Progress::made_key`]): a whole-route limit's.
+    /// The key made with the route ([`Progress::made`]): a whole-route limit's.
     Fixed,
     /// Made for this request.
     Owned(String),
@@ -54,8 +55,8 @@ pub(crate) enum KeyOf {
 /// once every limit allowed the request, what its response needs (the fields, and the
 /// give-backs when an inner layer refuses it: [`apply`](Self::apply)).
 ///
-/// Kept small (it moves with the response's future): a code-built route's strings are boxed,
-/// and what a give-back needs of each take is one flag.
+/// Kept small (it moves with the response's future): a code-built route's strings are shared
+/// with its other requests, and what a give-back needs of each take is one flag.
 #[derive(Debug)]
 pub(crate) struct Progress {
     pub(crate) limits: Arc<RouteLimits>,
@@ -88,28 +89,30 @@ fn givable(decision: &Decision) -> bool {
 impl Progress {
     /// Limit `i`'s key for this request.
     fn key(&self, i: usize) -> Option<&str> {
+        self.key_and_hint(i).map(|(key, _)| key)
+    }
+
+    /// Limit `i`'s key for this request, with where the lease table last found it when it is
+    /// the key made with the route.
+    fn key_and_hint(&self, i: usize) -> Option<(&str, Option<&Hint>)> {
         match &self.keys[i] {
             KeyOf::Skip => None,
-            KeyOf::Fixed => self.made_key(i),
-            KeyOf::Owned(key) => Some(key),
+            KeyOf::Fixed => self.made(i).map(|(key, hint)| (key, Some(hint))),
+            KeyOf::Owned(key) => Some((key, None)),
         }
     }
 
-    /// Limit `i`'s key as made with its route: a whole-route limit's key, or an entity key's
-    /// part before the id. A policy file's route, and a budget, have it in the limit
-    /// ([`Limit::key`]); a code-built layer's route for this request's method and pattern has
-    /// the others ([`CodeRoute::keys`]), so every limit has one.
-    fn made_key(&self, i: usize) -> Option<&str> {
-        let own = self.limits.limits[i].key.as_deref();
-        own.or_else(|| self.code.as_ref()?.keys[i].as_deref())
-    }
-
-    /// Where the lease table last found limit `i`'s whole-route key ([`made_key`](Self::made_key)).
-    fn made_key_hint(&self, i: usize) -> Option<&Hint> {
+    /// Limit `i`'s key as made with its route (a whole-route limit's key, or an entity key's
+    /// part before the id), and the lease table's hint for it. A policy file's route, and a
+    /// budget, have them in the limit ([`Limit::key`]); a code-built layer's route for this
+    /// request's method and pattern has the others ([`CodeRoute::keys`]), so every limit has
+    /// one.
+    fn made(&self, i: usize) -> Option<(&str, &Hint)> {
         let limit = &self.limits.limits[i];
         match (&limit.key, &self.code) {
-            (Some(_), _) => Some(&limit.hint.0),
-            (None, code) => code.as_ref().map(|c| &c.hints[i].0),
+            (Some(key), _) => Some((key, &limit.hint.0)),
+            (None, Some(code)) => Some((code.keys[i].as_deref()?, &code.hints[i].0)),
+            (None, None) => None,
         }
     }
 
@@ -378,8 +381,8 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
                 match id {
                     // A borrowed id is a path segment as the client sent it (`segment_id`):
                     // the URI parser admitted no NUL byte in it.
-                    Ok(Some(id)) if !id.is_empty() => match progress.made_key(i) {
-                        Some(prefix) => {
+                    Ok(Some(id)) if !id.is_empty() => match progress.made(i) {
+                        Some((prefix, _)) => {
                             KeyOf::Owned(hashed_key(prefix, &id, matches!(id, Cow::Borrowed(_))))
                         }
                         None => KeyOf::Skip,
@@ -416,15 +419,11 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
     let mut pinned = None;
     while usize::from(progress.next) < progress.limits.limits.len() {
         let i = usize::from(progress.next);
-        let Some(key) = progress.key(i) else {
+        let Some((key, hint)) = progress.key_and_hint(i) else {
             progress.next += 1;
             continue;
         };
         let limit = &progress.limits.limits[i];
-        let hint = match progress.keys[i] {
-            KeyOf::Fixed => progress.made_key_hint(i),
-            _ => None,
-        };
         match config
             .limiter
             .take_now(&mut pinned, &limit.plan, limit.index, key, hint)

@@ -21,7 +21,7 @@ const MAX_PATTERNS: usize = 1024;
 /// What was made for each method (one of [`METHODS`]) and pattern. A clone starts empty: what
 /// it belongs to was changed.
 pub(crate) struct PerPattern<T> {
-    by_method: [papaya::HashMap<Box<str>, Arc<T>, foldhash::fast::RandomState>; 9],
+    by_method: [papaya::HashMap<Box<str>, Arc<T>, foldhash::fast::RandomState>; METHODS.len()],
 }
 
 impl<T> Default for PerPattern<T> {
@@ -53,7 +53,8 @@ impl<T> PerPattern<T> {
         pattern: &str,
         make: impl FnOnce(&'static str) -> T,
     ) -> Arc<T> {
-        let slot = METHODS.iter().position(|m| *m == method).unwrap_or(8);
+        let other = METHODS.len() - 1;
+        let slot = METHODS.iter().position(|m| *m == method).unwrap_or(other);
         let map = self.by_method[slot].pin();
         if let Some(found) = map.get(pattern) {
             return Arc::clone(found);
