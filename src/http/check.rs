@@ -25,7 +25,7 @@ use super::head::Head;
 use super::headers::{Report, malformed_problem, problem, retry_after_secs};
 use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
 use super::refund::{give_back, give_back_detached};
-use super::route::{CodeRoute, Config, Limit, RouteLimits, RouteTable, Routes, Scope};
+use super::route::{CodeRoute, Config, Limit, RouteLimits, RouteTable, Routes, Scope, Segment};
 use crate::bucket::Tokens;
 use crate::key::{validate_key, validate_key_shape};
 use crate::lease::Hint;
@@ -521,16 +521,36 @@ fn refused(limit: &Limit, wait: Duration) -> Decision {
 
 /// The id in segment `at` of the request's path (the whole path as the client sent it, which
 /// the router matched against the route's full pattern), percent-decoded; `None` when the
-/// path has no such segment.
+/// path has no such segment. The pattern's last segment is the path's part after its last `/`
+/// (the router matched the whole path), found from the end.
 fn segment_id<'a>(
     head: &'a impl Head,
-    at: usize,
+    at: Segment,
     name: &str,
 ) -> Result<Option<Cow<'a, str>>, MalformedId> {
     let path = match head.extensions().get::<OriginalUri>() {
         Some(OriginalUri(uri)) => uri.path(),
         None => head.uri().path(),
     };
+    if at.last {
+        // Back to the last `/`, noting a `%` on the way.
+        let bytes = path.as_bytes();
+        let (mut start, mut escaped) = (bytes.len(), false);
+        while start > 0 {
+            match bytes[start - 1] {
+                b'/' => break,
+                b'%' => escaped = true,
+                _ => {}
+            }
+            start -= 1;
+        }
+        let raw = &path[start..];
+        if !escaped {
+            return Ok(Some(Cow::Borrowed(raw)));
+        }
+        return decoded(raw, name).map(Some);
+    }
+    let at = at.at;
     // The segment after the `at`-th slash (past the leading ones), in one pass over the bytes
     // that also notes a `%`: what `split('/').nth(at)` gives.
     let bytes = path.as_bytes();
@@ -556,8 +576,16 @@ fn segment_id<'a>(
     if !escaped {
         return Ok(Some(Cow::Borrowed(raw)));
     }
+    decoded(raw, name).map(Some)
+}
+
+/// A path segment `raw` of parameter `name`, percent-decoded: borrowed when it holds no `%`.
+fn decoded<'a>(raw: &'a str, name: &str) -> Result<Cow<'a, str>, MalformedId> {
+    if !raw.as_bytes().contains(&b'%') {
+        return Ok(Cow::Borrowed(raw));
+    }
     percent_decode(raw)
-        .map(|id| Some(Cow::Owned(id)))
+        .map(Cow::Owned)
         .ok_or_else(|| MalformedId::PathNotUtf8 {
             name: Some(name.to_owned()),
         })
@@ -753,7 +781,7 @@ mod tests {
     use super::*;
 
     /// The id's segment is what `split('/').nth(at)` gives past the leading slashes, borrowed
-    /// unless it holds a `%`, decoded then.
+    /// unless it holds a `%`, decoded then; the last one the same found from the end.
     #[test]
     fn segment_ids_are_the_split_segments() {
         let paths = [
@@ -771,13 +799,17 @@ mod tests {
                 .body(())
                 .unwrap()
                 .into_parts();
+            let count = path.trim_start_matches('/').split('/').count();
             for at in 0..5 {
                 let split = path.trim_start_matches('/').split('/').nth(at);
                 let expected = split.map(|raw| percent_decode(raw).unwrap());
-                let got = segment_id(&parts, at, "id").unwrap();
-                assert_eq!(got.as_deref(), expected.as_deref(), "{path} {at}");
-                if let (Some(got), Some(raw)) = (&got, split) {
-                    assert_eq!(matches!(got, Cow::Borrowed(_)), !raw.contains('%'));
+                // Counted from the start, and for the last segment found from the end too.
+                for last in [false, at + 1 == count] {
+                    let got = segment_id(&parts, Segment { at, last }, "id").unwrap();
+                    assert_eq!(got.as_deref(), expected.as_deref(), "{path} {at} {last}");
+                    if let (Some(got), Some(raw)) = (&got, split) {
+                        assert_eq!(matches!(got, Cow::Borrowed(_)), !raw.contains('%'));
+                    }
                 }
             }
         }
@@ -785,7 +817,9 @@ mod tests {
             .body(())
             .unwrap()
             .into_parts();
-        assert!(segment_id(&parts, 1, "id").is_err());
+        for last in [false, true] {
+            assert!(segment_id(&parts, Segment { at: 1, last }, "id").is_err());
+        }
     }
 
     #[test]

@@ -365,8 +365,17 @@ pub(crate) enum Scope {
         /// For a file route whose parameter is a whole segment of its pattern (`/{id}/`), the
         /// segment's position in the path: the id is read from the request's path there,
         /// without collecting the request's parameters.
-        segment: Option<usize>,
+        segment: Option<Segment>,
     },
+}
+
+/// The segment of a route's pattern that a path parameter fills whole: its position among the
+/// pattern's segments (past the leading `/`), and whether it is the last one (the path's part
+/// after its last `/`, found without counting the others).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Segment {
+    pub(crate) at: usize,
+    pub(crate) last: bool,
 }
 
 /// A limit's metric handles on a file route: denied, errors, would deny.
@@ -436,7 +445,7 @@ pub(crate) struct CodeRoute {
     /// Per limit: the path segment its path parameter fills whole, if it does, in the router's
     /// own pattern (`MatchedPath`, which it matched against the whole path); `None` for every
     /// limit of a layer given its pattern (`route_pattern`), which may not be the whole path's.
-    pub(crate) segments: Box<[Option<usize>]>,
+    pub(crate) segments: Box<[Option<Segment>]>,
     /// Per limit: where the lease table last found its whole-route key.
     pub(crate) hints: Box<[KeyHint]>,
     /// Whether a limit reads the request's parts (an application's key function, a path
@@ -501,17 +510,20 @@ fn endpoint_key(
 }
 
 /// The segment of `pattern` that `key`'s path parameter fills whole, if it has one and does.
-fn whole_segment(key: &EntityKey, pattern: &str) -> Option<usize> {
+fn whole_segment(key: &EntityKey, pattern: &str) -> Option<Segment> {
     let whole = format!("{{{}}}", key.path_param_name()?);
-    pattern
-        .trim_start_matches('/')
-        .split('/')
-        .position(|seg| seg == whole)
+    let segments = pattern.trim_start_matches('/').split('/');
+    let count = segments.clone().count();
+    let at = segments.clone().position(|seg| seg == whole)?;
+    Some(Segment {
+        at,
+        last: at + 1 == count,
+    })
 }
 
 /// Whether `key`'s id is read from the request's parts: an application's key function's, or a
 /// path parameter's that fills no whole segment (`segment`), from axum's path parameters.
-fn reads_parts(key: &EntityKey, segment: Option<usize>) -> bool {
+fn reads_parts(key: &EntityKey, segment: Option<Segment>) -> bool {
     key.needs_parts() || (key.path_param_name().is_some() && segment.is_none())
 }
 
