@@ -197,10 +197,11 @@ impl Progress {
 
     /// Reports limit `i`'s token back in its lease when `back`.
     fn given_back(&mut self, back: bool, i: usize) {
-        let plan = &self.limits.limits[i].plan;
+        let limit = &self.limits.limits[i];
+        let plan = &limit.plan;
         if back && let Some(report) = self.reports.iter_mut().find(|r| r.limit == i) {
             let more = report
-                .numbers(plan)
+                .numbers(plan, limit.scale)
                 .0
                 .map(|r| Tokens::whole(r.saturating_add(1)));
             *report = Report::allowed(i, plan, more, None);

@@ -31,7 +31,7 @@ pub(crate) fn write(
         let Some(limit) = limits.limits.get(r.limit) else {
             continue;
         };
-        let (Some(remaining), t) = r.numbers(&limit.plan) else {
+        let (Some(remaining), t) = r.numbers(&limit.plan, limit.scale) else {
             continue;
         };
         if items.len > 0 {

@@ -74,6 +74,57 @@ fn refill_secs(missing: Tokens, rate: crate::bucket::Rate) -> u64 {
 /// The most seconds [`refill_secs`] reports, as [`seconds_up`].
 const MAX_SECS: u64 = 1_000_000_000_000;
 
+/// A plan of one limit whose capacity is a whole number of nanotokens (any capacity written in
+/// tokens or to nine decimals; the largest a plan may have, 8 billion tokens, fits 64 bits
+/// there), in the lease's unit: a lease take's report is then worked out in 64-bit integers.
+/// [`Report::allowed`]'s arithmetic is in attotokens, where more than 18 tokens missing needs a
+/// 128-bit division, a library call: 234 more instructions a request for two limits with
+/// fields (`scripts/http-instructions.sh`). Made once per limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct NanoScale {
+    /// The capacity in nanotokens.
+    capacity: u64,
+    /// The refill rate in nanotokens a second, not 0.
+    rate: u64,
+}
+
+impl NanoScale {
+    /// `plan`'s scale, when it has one.
+    pub(crate) fn of(plan: &Plan) -> Option<NanoScale> {
+        if plan.bucket().is_multi() {
+            return None;
+        }
+        let atto = plan.capacity().as_atto();
+        if !atto.is_multiple_of(u128::from(NANO)) {
+            return None;
+        }
+        let capacity = u64::try_from(atto / u128::from(NANO)).ok()?;
+        let rate = plan.rate().as_nanos_per_second();
+        (rate > 0).then_some(NanoScale { capacity, rate })
+    }
+
+    /// [`Report::allowed`]'s numbers for a take from a lease that left `left`: the same whole
+    /// tokens and seconds (`a_lease_report_is_the_allowed_decisions`).
+    fn numbers(self, left: LeaseLeft) -> (Option<u64>, u64) {
+        let remaining = left
+            .left
+            .saturating_add(left.store_remaining)
+            .min(self.capacity);
+        let missing = self.capacity - remaining;
+        // `refill_secs`: `missing / rate` seconds, whole ones and a fraction; rounded up unless
+        // the fraction is within the slack, i.e. up when ⌊fraction · 10⁹⌋ ns > the slack's ns,
+        // tested as a product (no division).
+        let whole = (missing / self.rate).min(MAX_SECS);
+        let fraction = missing % self.rate;
+        let slack = ROUNDING_SLACK.as_nanos() + 1;
+        let up = u128::from(fraction) * u128::from(NANO) >= slack * u128::from(self.rate);
+        (Some(remaining / NANO), whole + u64::from(up))
+    }
+}
+
+/// Nanotokens in a token, attotokens in a nanotoken, nanoseconds in a second.
+const NANO: u64 = 1_000_000_000;
+
 /// A limit's window: seconds to refill it from empty, rounded up, at least 1.
 fn window_secs(limit: &crate::bucket::BucketConfig) -> u64 {
     seconds_up(limit.capacity().as_f64() / limit.rate().as_f64()).max(1)
@@ -170,17 +221,18 @@ impl Report {
     }
 
     /// Whole tokens left (`None` when nobody knows) and the seconds for the `t` parameter;
-    /// `plan` is the limit's.
-    pub(crate) fn numbers(&self, plan: &Plan) -> (Option<u64>, u64) {
-        match self.value {
-            Value::Known { remaining, t } => (remaining, t),
-            Value::Lease(left) => Report::allowed(
+    /// `plan` is the limit's, and `scale` its [`NanoScale`] when it has one.
+    pub(crate) fn numbers(&self, plan: &Plan, scale: Option<NanoScale>) -> (Option<u64>, u64) {
+        match (self.value, scale) {
+            (Value::Known { remaining, t }, _) => (remaining, t),
+            (Value::Lease(left), Some(scale)) => scale.numbers(left),
+            (Value::Lease(left), None) => Report::allowed(
                 self.limit,
                 plan,
                 Some(left.remaining(plan.capacity())),
                 None,
             )
-            .numbers(plan),
+            .numbers(plan, None),
         }
     }
 
@@ -315,19 +367,19 @@ mod tests {
         let p = plan(100, 50.0);
         assert_eq!(
             Report::allowed(0, &p, Some(Tokens::whole(100)), None)
-                .numbers(&p)
+                .numbers(&p, None)
                 .1,
             0
         );
         assert_eq!(
             Report::allowed(0, &p, Some(Tokens::whole(99)), None)
-                .numbers(&p)
+                .numbers(&p, None)
                 .1,
             1
         );
         assert_eq!(
             Report::allowed(0, &p, Some(Tokens::whole(0)), None)
-                .numbers(&p)
+                .numbers(&p, None)
                 .1,
             2
         );
@@ -345,16 +397,16 @@ mod tests {
             .build()
             .expect("plan");
         let from_lease = Report::allowed(0, &p, Some(Tokens::whole(0)), None);
-        assert_eq!(from_lease.numbers(&p).1, 3_600);
+        assert_eq!(from_lease.numbers(&p, None).1, 3_600);
         let from_store = Report::allowed(
             0,
             &p,
             Some(Tokens::whole(3)),
             Some(Duration::from_secs(180)),
         );
-        assert_eq!(from_store.numbers(&p), (Some(3), 180));
+        assert_eq!(from_store.numbers(&p, None), (Some(3), 180));
         let full = Report::allowed(0, &p, Some(Tokens::whole(5)), Some(Duration::ZERO));
-        assert_eq!(full.numbers(&p).1, 0);
+        assert_eq!(full.numbers(&p, None).1, 0);
     }
 
     /// A take from a lease is reported, when written, as the allowed decision its counts make:
@@ -381,24 +433,104 @@ mod tests {
                     left,
                     store_remaining: store,
                 };
-                let eager =
-                    Report::allowed(2, &p, Some(left.remaining(p.capacity())), None).numbers(&p);
+                let eager = Report::allowed(2, &p, Some(left.remaining(p.capacity())), None)
+                    .numbers(&p, None);
                 let lazy = Report::leased(2, left);
-                assert_eq!((lazy.limit, lazy.numbers(&p)), (2, eager), "{left:?}");
+                assert_eq!((lazy.limit, lazy.numbers(&p, None)), (2, eager), "{left:?}");
             }
         }
         let left = LeaseLeft {
             left: nanos(3) + 999_999_999,
             store_remaining: 0,
         };
-        assert_eq!(Report::leased(0, left).numbers(&plan(100, 50.0)).0, Some(3));
+        assert_eq!(
+            Report::leased(0, left).numbers(&plan(100, 50.0), None).0,
+            Some(3)
+        );
         let over = LeaseLeft {
             left: nanos(90),
             store_remaining: nanos(90),
         };
         assert_eq!(
-            Report::leased(0, over).numbers(&plan(100, 50.0)),
+            Report::leased(0, over).numbers(&plan(100, 50.0), None),
             (Some(100), 0)
         );
+    }
+
+    /// A lease take's report worked out in nanotokens ([`NanoScale`]) is the one worked out in
+    /// attotokens, for plans from 1 token a minute to a billion a second and lease counts at
+    /// the edges (empty, full, within a nanotoken of a whole token or of the rounding slack)
+    /// and in between; a plan it cannot scale has none.
+    #[test]
+    fn a_lease_report_in_nanotokens_is_the_general_one() {
+        let plans = [
+            plan(1, 1.0 / 60.0),
+            plan(5, 5.0 / 60.0),
+            plan(100, 50.0),
+            plan(600, 10.0),
+            plan(7, 3.0),
+            plan(10_000, 0.5),
+            plan(8_000_000_000, 1_000_000_000.0),
+            plan(8_000_000_000, 1.0),
+        ];
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for p in plans {
+            let scale = NanoScale::of(&p).expect("a plan of one limit in whole tokens");
+            let cap = scale.capacity;
+            let mut counts = vec![
+                (0, 0),
+                (cap, 0),
+                (cap - 1, 0),
+                (0, cap),
+                (u64::MAX, u64::MAX),
+                (cap / 2, 1),
+            ];
+            // Where the refill's fraction of a second crosses the slack (1 ms).
+            for ms in [0, 1, 2] {
+                let missing = scale.rate / 1_000 * ms;
+                for d in [0, 1, 2] {
+                    let m = (missing + d).min(cap);
+                    counts.push((cap - m, 0));
+                    let m = missing.saturating_sub(d).min(cap);
+                    counts.push((cap - m, 0));
+                }
+            }
+            for _ in 0..2_000 {
+                counts.push((next() % (cap + 1), next() % (cap / 4 + 1)));
+            }
+            for (left, store_remaining) in counts {
+                let left = LeaseLeft {
+                    left,
+                    store_remaining,
+                };
+                let report = Report::leased(1, left);
+                assert_eq!(
+                    report.numbers(&p, Some(scale)),
+                    report.numbers(&p, None),
+                    "{p:?} {left:?}"
+                );
+            }
+        }
+        let several = Plan::builder("p")
+            .per_second(5)
+            .per_hour(20)
+            .build()
+            .expect("plan");
+        assert_eq!(NanoScale::of(&several), None);
+        let fraction = Plan::new(
+            "p",
+            BucketConfig::new(
+                Tokens::from_atto(1_000_000_000_000_000_001),
+                Rate::from_f64(1.0).unwrap(),
+            )
+            .unwrap(),
+        );
+        assert_eq!(NanoScale::of(&fraction), None);
     }
 }

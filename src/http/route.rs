@@ -14,7 +14,7 @@ use axum::http::{HeaderName, HeaderValue, Method};
 use metrics::Counter;
 use parking_lot::{Mutex, RwLock};
 
-use super::headers::policy_item;
+use super::headers::{NanoScale, policy_item};
 use super::key::{EntityKey, TrustedProxies};
 use super::memo::Memo;
 use super::patterns::PerPattern;
@@ -398,6 +398,8 @@ pub(crate) struct Limit {
     pub(crate) plan: Arc<Plan>,
     /// The plan's registry index, for the lease table's fast path.
     pub(crate) index: Option<u32>,
+    /// The plan's counts in the lease's unit, for the reports of its lease takes.
+    pub(crate) scale: Option<NanoScale>,
     pub(crate) scope: Scope,
     /// Shadow mode: a denial is reported and counted, and the request goes on.
     pub(crate) shadow: bool,
@@ -664,6 +666,7 @@ impl RouteLimits {
             limits.push(Limit {
                 item,
                 name,
+                scale: NanoScale::of(&plan),
                 plan,
                 index,
                 scope,
