@@ -27,8 +27,6 @@ use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
 use super::refund::{give_back, give_back_detached};
 use super::route::{CodeRoute, Config, Limit, RouteLimits, RouteTable, Routes, Scope, Segment};
 use crate::bucket::Tokens;
-use crate::key::{MAX_KEY_BYTES, RESERVED_KEY_PREFIX};
-#[cfg(test)]
 use crate::key::{validate_key, validate_key_shape};
 use crate::lease::Hint;
 use crate::metrics::{HTTP_DENIED, HTTP_ERRORS, HTTP_WOULD_DENY};
@@ -51,49 +49,6 @@ pub(crate) enum KeyOf {
     Fixed,
     /// Made for this request.
     Owned(String),
-    /// An entity key kept as its id alone, the key being the limit's part before the id
-    /// ([`Progress::made`]) and this: taken from its lease through a buffer on the stack
-    /// ([`Limiter::take_now_bytes`](crate::Limiter)), made a `String` only when a take, a
-    /// give-back or the memory of refused keys needs one.
-    Id(Id),
-}
-
-/// Bytes of an id [`KeyOf::Id`] keeps: with its length, the 16 bytes that keep [`KeyOf`] the
-/// size of a `String`. A longer id is in a key made for the request.
-const ID_INLINE: usize = 15;
-
-/// The longest entity key taken through a buffer on the stack (its route's part and the id).
-const KEY_BUF: usize = 128;
-
-const _: () = assert!(size_of::<KeyOf>() == size_of::<String>());
-
-/// An id of at most [`ID_INLINE`] bytes, kept inline.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Id {
-    len: u8,
-    bytes: [u8; ID_INLINE],
-}
-
-impl Id {
-    fn new(id: &str) -> Option<Id> {
-        let len = u8::try_from(id.len())
-            .ok()
-            .filter(|&n| usize::from(n) <= ID_INLINE)?;
-        let mut bytes = [0; ID_INLINE];
-        bytes[..id.len()].copy_from_slice(id.as_bytes());
-        Some(Id { len, bytes })
-    }
-
-    fn as_bytes(&self) -> &[u8] {
-        &self.bytes[..usize::from(self.len)]
-    }
-
-    /// The id as it came (the bytes of a `str`, whole).
-    fn as_str(&self) -> &str {
-        let id = std::str::from_utf8(self.as_bytes());
-        debug_assert!(id.is_ok());
-        id.unwrap_or_default()
-    }
 }
 
 /// What the checks found so far: the route, each limit's key, the tokens taken and the reports;
@@ -132,26 +87,16 @@ fn givable(decision: &Decision) -> bool {
 }
 
 impl Progress {
-    /// Limit `i`'s key for this request (made here for a key kept as its id).
-    fn key(&self, i: usize) -> Option<Cow<'_, str>> {
-        match &self.keys[i] {
-            KeyOf::Id(id) => {
-                let (prefix, _) = self.made(i)?;
-                let mut key = String::with_capacity(prefix.len() + id.as_bytes().len());
-                key.push_str(prefix);
-                key.push_str(id.as_str());
-                Some(Cow::Owned(key))
-            }
-            _ => self.key_and_hint(i).map(|(key, _)| Cow::Borrowed(key)),
-        }
+    /// Limit `i`'s key for this request.
+    fn key(&self, i: usize) -> Option<&str> {
+        self.key_and_hint(i).map(|(key, _)| key)
     }
 
     /// Limit `i`'s key for this request, with where the lease table last found it when it is
-    /// the key made with the route; `None` for a key kept as its id ([`key`](Self::key) makes
-    /// it).
+    /// the key made with the route.
     fn key_and_hint(&self, i: usize) -> Option<(&str, Option<&Hint>)> {
         match &self.keys[i] {
-            KeyOf::Skip | KeyOf::Id(_) => None,
+            KeyOf::Skip => None,
             KeyOf::Fixed => self.made(i).map(|(key, hint)| (key, Some(hint))),
             KeyOf::Owned(key) => Some((key, None)),
         }
@@ -179,17 +124,15 @@ impl Progress {
         for i in bits(taken) {
             let givable = givable & (1 << i) != 0;
             let limit = &limits.limits[i];
-            let back = {
-                let Some(key) = self.key(i) else { continue };
-                give_back(
-                    &limits.limiter,
-                    &limits.give_backs,
-                    &limit.plan,
-                    &key,
-                    givable,
-                )
-                .await
-            };
+            let Some(key) = self.key(i) else { continue };
+            let back = give_back(
+                &limits.limiter,
+                &limits.give_backs,
+                &limit.plan,
+                key,
+                givable,
+            )
+            .await;
             self.given_back(back, i);
         }
     }
@@ -201,16 +144,14 @@ impl Progress {
         for i in bits(taken) {
             let givable = givable & (1 << i) != 0;
             let limit = &limits.limits[i];
-            let back = {
-                let Some(key) = self.key(i) else { continue };
-                give_back_detached(
-                    &limits.limiter,
-                    &limits.give_backs,
-                    &limit.plan,
-                    &key,
-                    givable,
-                )
-            };
+            let Some(key) = self.key(i) else { continue };
+            let back = give_back_detached(
+                &limits.limiter,
+                &limits.give_backs,
+                &limit.plan,
+                key,
+                givable,
+            );
             self.given_back(back, i);
         }
     }
@@ -443,7 +384,7 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
                     // the URI parser admitted no NUL byte in it.
                     Ok(Some(id)) if !id.is_empty() => match progress.made(i) {
                         Some((prefix, _)) => {
-                            entity_key(prefix, &id, matches!(id, Cow::Borrowed(_)))
+                            KeyOf::Owned(hashed_key(prefix, &id, matches!(id, Cow::Borrowed(_))))
                         }
                         None => KeyOf::Skip,
                     },
@@ -462,12 +403,9 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
         if limit.shadow || limit.refused.is_empty() {
             continue;
         }
+        let Some(key) = progress.key(i) else { continue };
         let now = || *clock.get_or_insert_with(crate::clock::instant);
-        let wait = {
-            let Some(key) = progress.key(i) else { continue };
-            limit.refused.until(&key, now)
-        };
-        if let Some(wait) = wait {
+        if let Some(wait) = limit.refused.until(key, now) {
             let decision = refused(limit, wait);
             progress
                 .reports
@@ -482,41 +420,15 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
     let mut pinned = None;
     while usize::from(progress.next) < progress.limits.limits.len() {
         let i = usize::from(progress.next);
-        // A key kept as its id: its route's part and the id side by side on the stack.
-        let by_bytes = match (&progress.keys[i], progress.made(i)) {
-            (KeyOf::Id(id), Some((prefix, _))) if prefix.len() + id.as_bytes().len() <= KEY_BUF => {
-                let limit = &progress.limits.limits[i];
-                let (id, at) = (id.as_bytes(), prefix.len());
-                let mut key = [0; KEY_BUF];
-                key[..at].copy_from_slice(prefix.as_bytes());
-                key[at..at + id.len()].copy_from_slice(id);
-                let key = &key[..at + id.len()];
-                config
-                    .limiter
-                    .take_now_bytes(&mut pinned, &limit.plan, limit.index, key)
-            }
-            _ => None,
+        let Some((key, hint)) = progress.key_and_hint(i) else {
+            progress.next += 1;
+            continue;
         };
-        let taken = match by_bytes {
-            Some(taken) => taken,
-            None => {
-                if let KeyOf::Id(_) = progress.keys[i] {
-                    // Not in the lease table yet (or a check of the key or the cost has
-                    // something to say): made a `String`, kept for the rest of the request.
-                    let key = progress.key(i).map(Cow::into_owned);
-                    progress.keys[i] = key.map_or(KeyOf::Skip, KeyOf::Owned);
-                }
-                let Some((key, hint)) = progress.key_and_hint(i) else {
-                    progress.next += 1;
-                    continue;
-                };
-                let limit = &progress.limits.limits[i];
-                config
-                    .limiter
-                    .take_now(&mut pinned, &limit.plan, limit.index, key, hint)
-            }
-        };
-        match taken {
+        let limit = &progress.limits.limits[i];
+        match config
+            .limiter
+            .take_now(&mut pinned, &limit.plan, limit.index, key, hint)
+        {
             Ok(Some(left)) => {
                 progress.reports.push(Report::leased(i, left));
                 // A lease's token may go back (a lease decided, not a fallback).
@@ -538,16 +450,10 @@ pub(crate) async fn finish(config: &Config, mut progress: Progress) -> Outcome {
     while usize::from(progress.next) < progress.limits.limits.len() {
         let i = usize::from(progress.next);
         progress.next += 1;
-        let Some(key) = progress.key(i).map(Cow::into_owned) else {
-            continue;
-        };
+        let Some(key) = progress.key(i) else { continue };
         let limits = Arc::clone(&progress.limits);
         let limit = &limits.limits[i];
-        match config
-            .limiter
-            .try_acquire_with(&limit.plan, &key, 1.0)
-            .await
-        {
+        match config.limiter.try_acquire_with(&limit.plan, key, 1.0).await {
             Ok(d) if d.allowed && !d.would_deny => {
                 progress
                     .reports
@@ -565,7 +471,7 @@ pub(crate) async fn finish(config: &Config, mut progress: Progress) -> Outcome {
             Ok(d) => {
                 if d.decided_by == DecidedBy::Store && !d.retry_after.is_zero() {
                     let now = crate::clock::instant();
-                    limit.refused.remember(&key, now + d.retry_after, now);
+                    limit.refused.remember(key, now + d.retry_after, now);
                 }
                 progress.give_back_all().await;
                 progress
@@ -756,40 +662,19 @@ pub(crate) fn entity_bucket_key(endpoint: &str, id: &str) -> String {
     hashed_key(&format!("ratelimit:entity:{endpoint}:"), id, false)
 }
 
-/// Limit's key for entity `id` after its route's part `prefix`: kept as the id when it is short
-/// and the two make a usable key as they are ([`KeyOf::Id`]), else made ([`hashed_key`]).
-fn entity_key(prefix: &str, id: &str, no_nul: bool) -> KeyOf {
-    match Id::new(id) {
-        Some(short) if prefix.len() + id.len() <= KEY_BUF && usable(prefix, id, no_nul) => {
-            KeyOf::Id(short)
-        }
-        _ => KeyOf::Owned(hashed_key(prefix, id, no_nul)),
-    }
-}
-
-/// Whether `{prefix}{id}` is a usable key as it is: what `validate_key_shape` (and unless
-/// `no_nul`, `validate_key`) says of it, without making it, and an id that does not pose as
-/// a digest (`entity_keys_hash_ids_the_store_would_refuse`, `usable_is_the_key_checks`).
+/// `{prefix}{id}` (`prefix` ends in `:`), the id hashed when it would make the key unusable.
 /// `no_nul`: the id is known to hold no NUL byte, and is not scanned for one.
-fn usable(prefix: &str, id: &str, no_nul: bool) -> bool {
-    let len = prefix.len() + id.len();
-    let first = prefix.bytes().chain(id.bytes()).next();
-    let nul = !no_nul && (prefix.as_bytes().contains(&0) || id.as_bytes().contains(&0));
-    debug_assert!(!no_nul || !id.contains('\0'));
-    len > 0
-        && len <= MAX_KEY_BYTES
-        && first != Some(RESERVED_KEY_PREFIX as u8)
-        && !nul
-        && !id.starts_with(HASHED)
-}
-
-/// `{prefix}{id}` (`prefix` ends in `:`), the id hashed when it would make the key unusable
-/// ([`usable`]).
 fn hashed_key(prefix: &str, id: &str, no_nul: bool) -> String {
     let mut key = String::with_capacity(prefix.len() + id.len());
     key.push_str(prefix);
     key.push_str(id);
-    if usable(prefix, id, no_nul) {
+    let usable = if no_nul {
+        debug_assert!(!id.contains('\0'));
+        validate_key_shape(&key).is_ok()
+    } else {
+        validate_key(&key).is_ok()
+    };
+    if usable && !id.starts_with(HASHED) {
         return key;
     }
     let digest = Sha256::digest(id.as_bytes());
@@ -936,69 +821,6 @@ mod tests {
         for last in [false, true] {
             assert!(segment_id(&parts, Segment { at: 1, last }, "id").is_err());
         }
-    }
-
-    /// `usable` says what the key checks say of the key it does not make, over prefixes and
-    /// ids at each check's edge.
-    #[test]
-    fn usable_is_the_key_checks() {
-        let long = "p".repeat(crate::key::MAX_KEY_BYTES - 3);
-        let prefixes = [
-            "ratelimit:entity:GET:/b/{id}:",
-            "\u{1}x:",
-            "",
-            "a\0b:",
-            &long,
-        ];
-        let ids = [
-            "1",
-            "abc",
-            "a\0b",
-            "sha256:ff",
-            "sha256",
-            "é",
-            "",
-            "xyz",
-            "wxyz",
-        ];
-        for prefix in prefixes {
-            for id in ids {
-                let key = format!("{prefix}{id}");
-                for no_nul in [false, true] {
-                    if no_nul && id.contains('\0') {
-                        continue;
-                    }
-                    let checks = if no_nul {
-                        validate_key_shape(&key).is_ok()
-                    } else {
-                        validate_key(&key).is_ok()
-                    };
-                    let expected = checks && !id.starts_with(HASHED);
-                    assert_eq!(usable(prefix, id, no_nul), expected, "{key:?} {no_nul}");
-                }
-            }
-        }
-    }
-
-    /// An id is kept inline up to `ID_INLINE` bytes when its key is usable as it is; a longer
-    /// one, or one whose key is hashed, is a key made for the request, the same as before.
-    #[test]
-    fn short_usable_ids_are_kept_as_ids() {
-        let prefix = "ratelimit:entity:GET:/b/{id}:";
-        let fits = "x".repeat(ID_INLINE);
-        match entity_key(prefix, &fits, true) {
-            KeyOf::Id(id) => assert_eq!(id.as_str(), fits),
-            other => panic!("{other:?}"),
-        }
-        let over = "x".repeat(ID_INLINE + 1);
-        for (id, no_nul) in [(over.as_str(), true), ("a\0b", false), ("sha256:ab", true)] {
-            match entity_key(prefix, id, no_nul) {
-                KeyOf::Owned(key) => assert_eq!(key, hashed_key(prefix, id, no_nul)),
-                other => panic!("{other:?}"),
-            }
-        }
-        let huge = "p".repeat(KEY_BUF);
-        assert!(matches!(entity_key(&huge, "1", true), KeyOf::Owned(_)));
     }
 
     #[test]

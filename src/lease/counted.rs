@@ -85,7 +85,7 @@ pub(super) fn record_named(plans: &PlanRegistry, plan: &Plan) {
 }
 
 /// [`record_named`] for a plan the policies chose: on no counters once a reload removed it.
-#[inline(always)]
+#[inline]
 pub(super) fn record_given(plans: &PlanRegistry, plan: &Plan) {
     crate::metrics::record_lease_allowed_named(plan, || plans.counters_of_given(plan));
 }

@@ -46,22 +46,6 @@ impl Pinned<'_> {
         self.leases
             .try_take_in(&self.table, plan, chosen, key, cost, plans, hint)
     }
-
-    /// [`try_take`](Self::try_take) of the key whose bytes are `key` (held by the caller in a
-    /// buffer of its own), when the table has it; `None` when it does not, and nothing was
-    /// taken: the caller makes the key a `str` and takes through `try_take`, which adds it.
-    #[inline(always)]
-    pub(crate) fn try_take_bytes(
-        &self,
-        plan: &Plan,
-        chosen: Option<(&Arc<Plan>, u32)>,
-        key: &[u8],
-        cost: u64,
-        plans: &PlanRegistry,
-    ) -> Option<Fast> {
-        let (slot, hot) = self.table.get_bytes(key)?;
-        Some(self.leases.take_found(slot, hot, plan, chosen, cost, plans))
-    }
 }
 
 impl Leases {
@@ -119,38 +103,27 @@ impl Leases {
             Some(hint) => table.get_hinted(key, hint),
             None => table.get(key),
         };
-        match found {
-            Some((slot, hot)) => self.take_found(slot, hot, plan, chosen, cost, plans),
-            None => self.take_new(table, plan, chosen, key, cost, plans),
-        }
-    }
-
-    /// [`try_take_in`](Self::try_take_in) for a key found in the table: its plan recorded when
-    /// `chosen` says so, then `cost` spent from its lease's words.
-    #[inline(always)]
-    fn take_found(
-        &self,
-        slot: &SlotRef,
-        hot: &slab::Hot,
-        plan: &Plan,
-        chosen: Option<(&Arc<Plan>, u32)>,
-        cost: u64,
-        plans: &PlanRegistry,
-    ) -> Fast {
-        // A key first seen through a named plan (`try_acquire_with`, `try_acquire_now_with`)
-        // whose plan is the one the policies choose for it: from now on `try_acquire` finds that
-        // plan through the record, not by matching the key's prefixes.
-        // Recorded only while the registry still holds the plan at that index (a reader checks
-        // a reused entry against the slot's plan, `plans.rs`).
-        if let Some((shared, index)) = chosen
-            && hot.plan.load(Ordering::Relaxed) == slab::NO_PLAN
-            && (Arc::ptr_eq(&slot.plan, shared) || *slot.plan == **shared)
-            && plans
-                .entry_of(index as usize, shared, &plans.pin())
-                .is_some()
-        {
-            hot.plan.store(slab::record_plan(index), Ordering::Relaxed);
-        }
+        let (slot, hot) = match found {
+            Some((slot, hot)) => {
+                // A key first seen through a named plan (`try_acquire_with`,
+                // `try_acquire_now_with`) whose plan is the one the policies choose for it: from
+                // now on `try_acquire` finds that plan through the record, not by matching the
+                // key's prefixes.
+                // Recorded only while the registry still holds the plan at that index (a reader
+                // checks a reused entry against the slot's plan, `plans.rs`).
+                if let Some((shared, index)) = chosen
+                    && hot.plan.load(Ordering::Relaxed) == slab::NO_PLAN
+                    && (Arc::ptr_eq(&slot.plan, shared) || *slot.plan == **shared)
+                    && plans
+                        .entry_of(index as usize, shared, &plans.pin())
+                        .is_some()
+                {
+                    hot.plan.store(slab::record_plan(index), Ordering::Relaxed);
+                }
+                (slot, hot)
+            }
+            None => return self.take_new(table, plan, chosen, key, cost, plans),
+        };
         // The record alone: a quiet key's call does not read its slot.
         match slot
             .words_of(hot)

@@ -25,7 +25,7 @@
 //! by tombstones alone (more than an eighth of the live keys, and at least 256): the memory kept
 //! for removed keys stays a small fraction of the table's own.
 
-use std::hash::{BuildHasher, Hasher};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -111,10 +111,11 @@ impl Entry {
     /// (Comparing against a zero-padded copy of the key built once per lookup measured slower:
     /// the copy's variable-length write stalls the 16-byte load that follows it.)
     #[inline]
-    fn is(&self, tag: u8, bytes: &[u8], heads: &Heads) -> bool {
+    fn is(&self, tag: u8, key: &str, heads: &Heads) -> bool {
         if self.tag != tag {
             return false;
         }
+        let bytes = key.as_bytes();
         if self.head != NO_HEAD {
             let tail = usize::from(self.len);
             return bytes.len() > tail
@@ -126,7 +127,7 @@ impl Entry {
         if self.len == LONG {
             bytes.len() > INLINE
                 && same_short(&self.inline, &bytes[..INLINE])
-                && self.slot.key.as_bytes() == bytes
+                && *self.slot.key == *key
         } else {
             usize::from(self.len) == bytes.len() && same_short(&self.inline, bytes)
         }
@@ -270,13 +271,13 @@ impl Buckets {
 
     /// The entry for `key`, gone or not, or the index of the empty bucket its probe ended at.
     #[inline]
-    fn find(&self, hash: u64, key: &[u8], heads: &Heads) -> Result<&Entry, usize> {
+    fn find(&self, hash: u64, key: &str, heads: &Heads) -> Result<&Entry, usize> {
         self.find_at(hash, key, heads).map(|(_, e)| e)
     }
 
     /// [`find`](Self::find), with the position of the entry found.
     #[inline]
-    fn find_at(&self, hash: u64, key: &[u8], heads: &Heads) -> Result<(usize, &Entry), usize> {
+    fn find_at(&self, hash: u64, key: &str, heads: &Heads) -> Result<(usize, &Entry), usize> {
         let n = self.buckets.len();
         let mut i = self.home(hash);
         let tag = tag(hash);
@@ -394,16 +395,6 @@ impl Table {
         }
     }
 
-    /// The hash of a key's bytes: every lookup and insert of a key hashes it here, whether
-    /// the caller holds it as a `str` or as bytes in a buffer of its own
-    /// ([`TableRef::get_bytes`]).
-    #[inline]
-    fn hash_key(&self, key: &[u8]) -> u64 {
-        let mut hasher = self.hasher.build_hasher();
-        hasher.write(key);
-        hasher.finish()
-    }
-
     /// Live keys now.
     pub(crate) fn len(&self) -> usize {
         self.len.load(Ordering::Relaxed)
@@ -439,14 +430,7 @@ impl<'t> TableRef<'t> {
     /// load per bucket, and the record's address (the slot itself is not read).
     #[inline]
     pub(crate) fn get(&self, key: &str) -> Option<(&SlotRef, &Hot)> {
-        self.get_bytes(key.as_bytes())
-    }
-
-    /// [`get`](Self::get) of the key whose bytes are `key` (a caller that has them in a buffer
-    /// of its own, not as a `str`).
-    #[inline(always)]
-    pub(crate) fn get_bytes(&self, key: &[u8]) -> Option<(&SlotRef, &Hot)> {
-        let hash = self.table.hash_key(key);
+        let hash = self.table.hasher.hash_one(key);
         let entry = self.buckets().find(hash, key, &self.table.heads).ok()?;
         Some((&entry.slot, self.table.slab.get(entry.hot())?))
     }
@@ -463,13 +447,11 @@ impl<'t> TableRef<'t> {
         // the entry, and a bucket not yet seen filled is a miss.
         let seen = hint.load(Ordering::Relaxed);
         if let Some(entry) = buckets.at_hint(seen) {
-            debug_assert!(entry.is(entry.tag, key.as_bytes(), &self.table.heads));
+            debug_assert!(entry.is(entry.tag, key, &self.table.heads));
             return Some((&entry.slot, self.table.slab.get(entry.hot())?));
         }
-        let hash = self.table.hash_key(key.as_bytes());
-        let (at, entry) = buckets
-            .find_at(hash, key.as_bytes(), &self.table.heads)
-            .ok()?;
+        let hash = self.table.hasher.hash_one(key);
+        let (at, entry) = buckets.find_at(hash, key, &self.table.heads).ok()?;
         let found = buckets.hint(at);
         if found != seen {
             hint.store(found, Ordering::Relaxed);
@@ -484,13 +466,13 @@ impl<'t> TableRef<'t> {
         key: &str,
         make: impl FnOnce(HotRef) -> SlotRef,
     ) -> Option<&SlotRef> {
-        let hash = self.table.hash_key(key.as_bytes());
+        let hash = self.table.hasher.hash_one(key);
         let mut counts = self.table.writers.lock();
         let mut buckets = self.buckets();
         if (counts.used + 1) * 8 > buckets.buckets.len() * 7 {
             buckets = self.rebuild(&mut counts, 1);
         }
-        match buckets.find(hash, key.as_bytes(), &self.table.heads) {
+        match buckets.find(hash, key, &self.table.heads) {
             Ok(found) => Some(&found.slot),
             Err(empty) => {
                 let slot = make(self.table.slab.alloc()?);
@@ -509,10 +491,10 @@ impl<'t> TableRef<'t> {
 
     /// Removes `key`, returning its slot. Takes the writers' mutex.
     pub(crate) fn remove(&self, key: &str) -> Option<&SlotRef> {
-        let hash = self.table.hash_key(key.as_bytes());
+        let hash = self.table.hasher.hash_one(key);
         let mut counts = self.table.writers.lock();
         let buckets = self.buckets();
-        let found = buckets.find(hash, key.as_bytes(), &self.table.heads).ok()?;
+        let found = buckets.find(hash, key, &self.table.heads).ok()?;
         found.remove();
         counts.gone += 1;
         self.table.len.fetch_sub(1, Ordering::Relaxed);
@@ -555,7 +537,7 @@ impl<'t> TableRef<'t> {
         for entry in old.live() {
             // The entry keeps only a tag of its hash: hash the key again for its new home.
             let key = entry.key();
-            let hash = self.table.hash_key(key.as_bytes());
+            let hash = self.table.hasher.hash_one(key);
             // Keys are unique, so each goes to the first empty bucket of its probe.
             let n = fresh.buckets.len();
             let mut empty = fresh.home(hash);
@@ -623,7 +605,7 @@ mod tests {
         (0..=256)
             .map(make)
             .find_map(|k| {
-                let tag = tag(table.hash_key(k.as_bytes()));
+                let tag = tag(table.hasher.hash_one(&k));
                 seen.insert(tag, k.clone()).map(|first| (first, k))
             })
             .expect("two of 257 keys share a tag")
@@ -646,12 +628,12 @@ mod tests {
             assert_eq!(a.len(), b.len());
             assert_eq!(a[..INLINE.min(a.len() - 5)], b[..INLINE.min(b.len() - 5)]);
             // The entry of one is not the other, though the tag matches.
-            let (ha, hb) = (table.hash_key(a.as_bytes()), table.hash_key(b.as_bytes()));
+            let (ha, hb) = (table.hasher.hash_one(a), table.hasher.hash_one(b));
             assert_eq!(tag(ha), tag(hb));
             let entry = Entry::new(ha, a, slot(&slab, a), None);
             let heads = &table.heads;
             assert!(
-                entry.is(tag(ha), a.as_bytes(), heads) && !entry.is(tag(hb), b.as_bytes(), heads),
+                entry.is(tag(ha), a, heads) && !entry.is(tag(hb), b, heads),
                 "{a} {b}"
             );
             assert_eq!(entry.key(), a);
@@ -771,11 +753,11 @@ mod tests {
         check(&t);
         // Two keys of one head sharing a tag.
         let (a, b) = same_tag(&table, |i| format!("{}{i}", heads[0]));
-        let (ha, hb) = (table.hash_key(a.as_bytes()), table.hash_key(b.as_bytes()));
+        let (ha, hb) = (table.hasher.hash_one(&a), table.hasher.hash_one(&b));
         let at = heads[0].len();
         let entry = Entry::new(ha, &a, slot(&slab, &a), Some((0, at)));
-        assert!(entry.is(tag(ha), a.as_bytes(), &table.heads));
-        assert!(!entry.is(tag(hb), b.as_bytes(), &table.heads), "{a} {b}");
+        assert!(entry.is(tag(ha), &a, &table.heads));
+        assert!(!entry.is(tag(hb), &b, &table.heads), "{a} {b}");
         assert_eq!(entry.key(), a);
         t.rebuild(&mut table.writers.lock(), 0);
         assert_eq!(by_head(&t), keys.len() - 2);

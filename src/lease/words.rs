@@ -177,7 +177,7 @@ impl<'a> LeaseWords<'a> {
     /// Spends `cost` nanotokens: from the first word for a quiet key; for a hot key from the
     /// thread's own word, then the other extra words, then the first. `low_water` is for the
     /// whole lease; each extra word asks for a refill below its share of it.
-    #[inline(always)]
+    #[inline]
     pub(crate) fn try_take(&self, cost: u64, low_water: u64) -> Take {
         let Some(extra) = self.extra() else {
             return self.first().try_take(cost, low_water);

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use super::Limiter;
-use super::cost::{check_leased_call, lease_cost, validate_cost};
+use super::cost::{check_leased_call, lease_cost};
 use super::decisions::LeaseLeft;
 use crate::error::Error;
 use crate::lease::{Fast, Hint, MAX_LEASE_NANOS, Pinned};
@@ -60,47 +60,16 @@ impl Limiter {
         }
         let chosen = index.map(|i| (plan, i));
         let table = pinned.get_or_insert_with(|| self.leases().pin());
-        Ok(left_of(table.try_take(
-            plan,
-            chosen,
-            key,
-            nanos,
-            &self.inner.plans,
-            hint,
-        )))
-    }
-
-    /// [`take_now`](Self::take_now) of the key whose bytes are `key`, held by the caller in a
-    /// buffer of its own (the HTTP layer's entity key, its route's part and the id side by
-    /// side, not allocated), without a hint: `None` when the lease table has no such key, or
-    /// the key or the cost needs [`take_now`](Self::take_now)'s checks to say what is wrong,
-    /// and nothing was taken: the caller makes the key a `str` and calls `take_now`.
-    #[inline(always)]
-    pub(crate) fn take_now_bytes<'a>(
-        &'a self,
-        pinned: &mut Option<Pinned<'a>>,
-        plan: &Arc<Plan>,
-        index: Option<u32>,
-        key: &[u8],
-    ) -> Option<Result<Option<LeaseLeft>, Error>> {
-        if plan.lease().is_none() || plan.shadow() {
-            return Some(Ok(None));
+        match table.try_take(plan, chosen, key, nanos, &self.inner.plans, hint) {
+            Fast::Taken {
+                left,
+                store_remaining,
+            } => Ok(Some(LeaseLeft {
+                left,
+                store_remaining,
+            })),
+            _ => Ok(None),
         }
-        // `check_leased_call`'s checks; a key or a cost that fails one is `take_now`'s to report.
-        if key.is_empty()
-            || key.len() > crate::key::MAX_KEY_BYTES
-            || key[0] == crate::key::RESERVED_KEY_PREFIX as u8
-        {
-            return None;
-        }
-        let nanos = lease_cost(validate_cost(plan, 1.0).ok()?);
-        if nanos > MAX_LEASE_NANOS {
-            return Some(Ok(None));
-        }
-        let chosen = index.map(|i| (plan, i));
-        let table = pinned.get_or_insert_with(|| self.leases().pin());
-        let fast = table.try_take_bytes(plan, chosen, key, nanos, &self.inner.plans)?;
-        Some(Ok(left_of(fast)))
     }
 
     /// Gives one token of `key` back into this process's live lease under `plan` (a relaxed
@@ -121,20 +90,5 @@ impl Limiter {
             .leases
             .get()
             .is_some_and(|leases| leases.refund(key, lease_cost(cost)))
-    }
-}
-
-/// What a take from a lease left, when it took.
-#[inline(always)]
-fn left_of(fast: Fast) -> Option<LeaseLeft> {
-    match fast {
-        Fast::Taken {
-            left,
-            store_remaining,
-        } => Some(LeaseLeft {
-            left,
-            store_remaining,
-        }),
-        _ => None,
     }
 }
