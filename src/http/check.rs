@@ -533,27 +533,43 @@ fn segment_id<'a>(
         Some(OriginalUri(uri)) => uri.path(),
         None => head.uri().path(),
     };
-    if at.last {
-        // Back to the last `/`, noting a `%` on the way.
-        let bytes = path.as_bytes();
-        let (mut start, mut escaped) = (bytes.len(), false);
-        while start > 0 {
-            match bytes[start - 1] {
-                b'/' => break,
-                b'%' => escaped = true,
-                _ => {}
-            }
-            start -= 1;
-        }
-        let raw = &path[start..];
-        if !escaped {
-            return Ok(Some(Cow::Borrowed(raw)));
-        }
-        return decoded(raw, name).map(Some);
+    let found = if at.last {
+        Some(last_segment(path))
+    } else {
+        nth_segment(path, at.at)
+    };
+    let Some((raw, escaped)) = found else {
+        return Ok(None);
+    };
+    if !escaped {
+        return Ok(Some(Cow::Borrowed(raw)));
     }
-    let at = at.at;
-    // The segment after the `at`-th slash (past the leading ones), in one pass over the bytes
-    // that also notes a `%`: what `split('/').nth(at)` gives.
+    percent_decode(raw)
+        .map(|id| Some(Cow::Owned(id)))
+        .ok_or_else(|| MalformedId::PathNotUtf8 {
+            name: Some(name.to_owned()),
+        })
+}
+
+/// The part of `path` after its last `/`, and whether it holds a `%`: one pass back from the
+/// end.
+fn last_segment(path: &str) -> (&str, bool) {
+    let bytes = path.as_bytes();
+    let (mut start, mut escaped) = (bytes.len(), false);
+    while start > 0 {
+        match bytes[start - 1] {
+            b'/' => break,
+            b'%' => escaped = true,
+            _ => {}
+        }
+        start -= 1;
+    }
+    (&path[start..], escaped)
+}
+
+/// The segment after the `at`-th slash of `path` (past the leading ones), what
+/// `split('/').nth(at)` gives, and whether it holds a `%`: one pass over the bytes.
+fn nth_segment(path: &str, at: usize) -> Option<(&str, bool)> {
     let bytes = path.as_bytes();
     let mut start = bytes.iter().position(|&b| b != b'/').unwrap_or(bytes.len());
     let (mut seen, mut end, mut escaped) = (0, start, false);
@@ -570,26 +586,7 @@ fn segment_id<'a>(
         }
         end += 1;
     }
-    if seen != at {
-        return Ok(None);
-    }
-    let raw = &path[start..end];
-    if !escaped {
-        return Ok(Some(Cow::Borrowed(raw)));
-    }
-    decoded(raw, name).map(Some)
-}
-
-/// A path segment `raw` of parameter `name`, percent-decoded: borrowed when it holds no `%`.
-fn decoded<'a>(raw: &'a str, name: &str) -> Result<Cow<'a, str>, MalformedId> {
-    if !raw.as_bytes().contains(&b'%') {
-        return Ok(Cow::Borrowed(raw));
-    }
-    percent_decode(raw)
-        .map(Cow::Owned)
-        .ok_or_else(|| MalformedId::PathNotUtf8 {
-            name: Some(name.to_owned()),
-        })
+    (seen == at).then(|| (&path[start..end], escaped))
 }
 
 /// A request's path parameters, read once for all its limits.
