@@ -252,6 +252,16 @@ async fn e11_a_refused_key_hammered_for_five_seconds_costs_the_database_nothing(
     }
 }
 
+/// A limiter over a `MemoryStore` with the policies of file `json`, and its layer.
+fn from_file(json: &str) -> (Limiter, RateLimitLayer) {
+    let policies = Policies::from_json_str(json, None).unwrap();
+    let limiter = Limiter::builder(MemoryStore::new())
+        .policies(policies.clone())
+        .build();
+    let layer = RateLimitLayer::from_policies(&policies, limiter.clone()).unwrap();
+    (limiter, layer)
+}
+
 /// A route whose global limit is a plan of several limits, beside an entity limit of one.
 const SEVERAL: &str = r#"{
   "plans": {
@@ -275,11 +285,7 @@ const SEVERAL: &str = r#"{
 /// reports `t` as the time until every limit is full again (about 3,600 s).
 #[tokio::test(start_paused = true)]
 async fn p8_ratelimit_policy_lists_each_limit_of_a_plan_with_its_window() {
-    let policies = Policies::from_json_str(SEVERAL, None).unwrap();
-    let limiter = Limiter::builder(MemoryStore::new())
-        .policies(policies.clone())
-        .build();
-    let layer = RateLimitLayer::from_policies(&policies, limiter.clone()).unwrap();
+    let (limiter, layer) = from_file(SEVERAL);
     let app = Router::new()
         .route("/search/{q}", get(|| async { "found" }))
         .route_layer(layer);
@@ -368,11 +374,7 @@ const FIVE: &str = r#"{
 /// requests.
 #[tokio::test(start_paused = true)]
 async fn a_route_of_five_limits_reports_each_and_gives_back_on_the_last_ones_refusal() {
-    let policies = Policies::from_json_str(FIVE, None).unwrap();
-    let limiter = Limiter::builder(MemoryStore::new())
-        .policies(policies.clone())
-        .build();
-    let layer = RateLimitLayer::from_policies(&policies, limiter.clone()).unwrap();
+    let (limiter, layer) = from_file(FIVE);
     let app = Router::new()
         .route(BOOKING, get(|| async { "booking" }))
         .route_layer(layer)
