@@ -2,6 +2,10 @@
 //! (`Router::oneshot` on a current-thread runtime), with
 //!
 //! - `bare`: the route alone;
+//! - `passthrough` (the interleaved table only): the route behind a tower layer that does
+//!   nothing (`MapRequestLayer` with the identity): what axum's `route_layer` costs any layer
+//!   (the per-request clone of the layered service, its call, its future boxed and polled),
+//!   the floor under every other set-up's figure;
 //! - `governor_1_limit`: `tower_governor`'s `GovernorLayer`, one limit keyed by the booking id
 //!   (the path's last segment), on a quota too large to deny;
 //! - `governor_1_limit_headers` (the interleaved table only): the same with its header fields
@@ -29,7 +33,7 @@
 //! apply each route layer again on every request, a cost no served application pays.
 //!
 //! `cargo bench --bench http` (about a minute once built). With
-//! `TOKENLEASE_BENCH_INTERLEAVED=1` it prints instead a table of the seven set-ups measured in
+//! `TOKENLEASE_BENCH_INTERLEAVED=1` it prints instead a table of the eight set-ups measured in
 //! turn, round after round (the figures `benches/README.md` quotes): on a shared machine whose
 //! load drifts, set-ups measured side by side compare better than criterion's, minutes apart.
 //! `TOKENLEASE_BENCH_ONLY=<set-up>` with it times that set-up alone (for a profiler), and
@@ -51,6 +55,7 @@ use tokenlease::policy::FieldsOn;
 use tokenlease::policy::Policies;
 use tokenlease::store::MemoryStore;
 use tower::ServiceExt;
+use tower::util::MapRequestLayer;
 use tower_governor::GovernorLayer;
 use tower_governor::errors::GovernorError;
 use tower_governor::governor::GovernorConfigBuilder;
@@ -102,6 +107,12 @@ fn route() -> Router {
 /// once (what `Router::into_make_service` does), not on every request.
 fn served(router: Router) -> Router {
     router.with_state(())
+}
+
+/// The route behind a layer that does nothing: what any layer's service costs a request on an
+/// axum route (cloned, called, its future boxed and polled), beside what its checks cost.
+fn passthrough() -> Router {
+    route().route_layer(MapRequestLayer::new(|req: Request<Body>| req))
 }
 
 fn governor() -> Router {
@@ -307,8 +318,9 @@ fn main() {
         // actor's periodic work beside the rounds.
         let on_refusals = POLICY.replacen('{', r#"{ "fields_on": "refusals","#, 1);
         let with = |(app, limiter): (Router, Limiter)| (app, Some(limiter));
-        let setups: [(&str, &MakeApp); 7] = [
+        let setups: [(&str, &MakeApp); 8] = [
             ("bare", &|| (route(), None)),
+            ("passthrough", &|| (passthrough(), None)),
             ("governor_1_limit", &|| (governor(), None)),
             ("governor_1_limit_headers", &|| {
                 (governor_with_headers(), None)

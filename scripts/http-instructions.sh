@@ -23,7 +23,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 command -v valgrind >/dev/null || { echo "http-instructions: valgrind is not on PATH (apt-get install valgrind)" >&2; exit 1; }
-SETUPS="${SETUPS:-bare governor_1_limit governor_1_limit_headers tokenlease_1_limit tokenlease_2_limits tokenlease_2_limits_on_refusals tokenlease_code_2_limits_on_refusals}"
+SETUPS="${SETUPS:-bare passthrough governor_1_limit governor_1_limit_headers tokenlease_1_limit tokenlease_2_limits tokenlease_2_limits_on_refusals tokenlease_code_2_limits_on_refusals}"
 if [[ -z "${BIN:-}" ]]; then
   BIN=$(cargo bench --bench http --all-features --no-run 2>&1 \
     | sed -n 's/.*Executable benches\/http.rs (\(.*\))/\1/p' | tail -1)
