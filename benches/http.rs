@@ -42,6 +42,7 @@
 //! request as the difference between two round counts).
 
 use std::hint::black_box;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -203,20 +204,33 @@ fn bench(c: &mut Criterion) {
 /// it (else wall time). On a shared machine whose load drifts over a criterion run, set-ups
 /// measured side by side compare better than set-ups measured minutes apart, and CPU time
 /// leaves out the time other processes held the core.
-fn interleaved(runtime: &tokio::runtime::Runtime, apps: &[(&str, Router)]) {
+fn interleaved(runtime: &tokio::runtime::Runtime, apps: &[(&str, Router)], threads: usize) {
     const PER_ROUND: usize = 20_000;
     let rounds_wanted: usize = std::env::var("TOKENLEASE_BENCH_ROUNDS")
         .ok()
         .and_then(|n| n.parse().ok())
         .filter(|&n| n > 0)
         .unwrap_or(31);
-    let clock = if thread_cpu_nanos().is_some() {
-        "this thread's CPU time"
+    // One thread: its own CPU time. Several: the process's (every worker's, and the lease
+    // actor's, which runs among them), since a request's cost includes the cache lines the
+    // workers pass to each other.
+    let cpu_nanos = if threads > 1 {
+        process_cpu_nanos
     } else {
-        "wall time"
+        thread_cpu_nanos
+    };
+    let clock = match (cpu_nanos().is_some(), threads > 1) {
+        (true, false) => "this thread's CPU time",
+        (true, true) => "the process's CPU time",
+        (false, _) => "wall time",
+    };
+    let on = if threads > 1 {
+        format!(", {threads} worker threads each sending its share")
+    } else {
+        String::new()
     };
     println!(
-        "\ninterleaved, median of {rounds_wanted} rounds of {PER_ROUND} requests (ns per request, {clock}):"
+        "\ninterleaved, median of {rounds_wanted} rounds of {PER_ROUND} requests{on} (ns per request, {clock}):"
     );
     println!(
         "| ids | {} |",
@@ -229,12 +243,13 @@ fn interleaved(runtime: &tokio::runtime::Runtime, apps: &[(&str, Router)]) {
         if only_ids.is_some_and(|n| n != ids) {
             continue;
         }
-        let paths: Vec<String> = (0..ids).map(|i| format!("/bookings/{i}")).collect();
+        let paths: Arc<Vec<String>> =
+            Arc::new((0..ids).map(|i| format!("/bookings/{i}")).collect());
         // Every id of this count before timing, and no other: the keys exist and their leases
         // are live, and no lease of ids this count never asks for expires during its rounds.
         runtime.block_on(async {
             for (_, app) in apps {
-                for p in &paths {
+                for p in paths.iter() {
                     let req = Request::get(p.as_str()).body(Body::empty()).unwrap();
                     black_box(app.clone().oneshot(req).await.unwrap().status());
                 }
@@ -244,16 +259,28 @@ fn interleaved(runtime: &tokio::runtime::Runtime, apps: &[(&str, Router)]) {
         for _ in 0..rounds_wanted {
             for (k, (_, app)) in apps.iter().enumerate() {
                 let start = std::time::Instant::now();
-                let cpu_start = thread_cpu_nanos();
+                let cpu_start = cpu_nanos();
                 runtime.block_on(async {
-                    for i in 0..PER_ROUND {
-                        let req = Request::get(paths[i % ids].as_str())
-                            .body(Body::empty())
-                            .unwrap();
-                        black_box(app.clone().oneshot(req).await.unwrap().status());
+                    if threads == 1 {
+                        send(app, &paths, 0..PER_ROUND).await;
+                        return;
+                    }
+                    // Each worker its share, from its own place in the ids (at 1 id, the same).
+                    let share = PER_ROUND / threads;
+                    let senders: Vec<_> = (0..threads)
+                        .map(|t| {
+                            let (app, paths) = (app.clone(), Arc::clone(&paths));
+                            let from = t * ids / threads;
+                            tokio::spawn(async move {
+                                send(&app, &paths, from..from + share).await;
+                            })
+                        })
+                        .collect();
+                    for sender in senders {
+                        sender.await.expect("a sender");
                     }
                 });
-                let spent = match (cpu_start, thread_cpu_nanos()) {
+                let spent = match (cpu_start, cpu_nanos()) {
                     (Some(a), Some(b)) => b.saturating_sub(a) as f64,
                     _ => start.elapsed().as_nanos() as f64,
                 };
@@ -269,6 +296,41 @@ fn interleaved(runtime: &tokio::runtime::Runtime, apps: &[(&str, Router)]) {
             .collect();
         println!("| {ids} | {} |", medians.join(" | "));
     }
+}
+
+/// Sends the requests numbered `range` to `app`, request `i` to `paths[i % paths.len()]`.
+async fn send(app: &Router, paths: &[String], range: std::ops::Range<usize>) {
+    for i in range {
+        let req = Request::get(paths[i % paths.len()].as_str())
+            .body(Body::empty())
+            .unwrap();
+        black_box(app.clone().oneshot(req).await.unwrap().status());
+    }
+}
+
+/// The worker threads of `TOKENLEASE_BENCH_THREADS` (1 when unset: a current-thread runtime).
+fn bench_threads() -> usize {
+    std::env::var("TOKENLEASE_BENCH_THREADS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or(1)
+}
+
+/// The CPU time every thread of this process has run, in nanoseconds
+/// (`CLOCK_PROCESS_CPUTIME_ID`), or `None` where the clock is missing.
+#[allow(unsafe_code)] // One libc call, on a local it owns.
+fn process_cpu_nanos() -> Option<u64> {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid, writable `timespec` for the call's duration.
+    let r = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+    if r != 0 {
+        return None;
+    }
+    Some(u64::try_from(t.tv_sec).ok()? * 1_000_000_000 + u64::try_from(t.tv_nsec).ok()?)
 }
 
 /// The CPU time this thread has run, in nanoseconds (`CLOCK_THREAD_CPUTIME_ID`), or `None`
@@ -309,10 +371,18 @@ type MakeApp<'a> = dyn Fn() -> (Router, Option<Limiter>) + 'a;
 
 fn main() {
     if std::env::var_os("TOKENLEASE_BENCH_INTERLEAVED").is_some() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime");
+        let threads = bench_threads();
+        let runtime = if threads > 1 {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(threads)
+                .enable_all()
+                .build()
+        } else {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+        }
+        .expect("a runtime");
         let only = std::env::var("TOKENLEASE_BENCH_ONLY").ok();
         // Only the set-ups timed are built: a limiter not timed would still run its lease
         // actor's periodic work beside the rounds.
@@ -347,7 +417,7 @@ fn main() {
                 (name, served(app))
             })
             .collect();
-        interleaved(&runtime, &apps);
+        interleaved(&runtime, &apps, threads);
         drop(limiters);
         return;
     }
