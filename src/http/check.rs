@@ -25,7 +25,7 @@ use super::head::Head;
 use super::headers::{Report, malformed_problem, problem, retry_after_secs};
 use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
 use super::refund::{give_back, give_back_detached};
-use super::route::{CodeRoute, Config, Limit, RouteLimits, RouteTable, Routes, Scope, Segment};
+use super::route::{Config, Limit, RouteLimits, RouteTable, Routes, Scope, Segment};
 use crate::bucket::Tokens;
 use crate::key::{validate_key, validate_key_shape};
 use crate::lease::Hint;
@@ -59,10 +59,10 @@ pub(crate) enum KeyOf {
 /// with its other requests, and what a give-back needs of each take is one flag.
 #[derive(Debug)]
 pub(crate) struct Progress {
+    /// The route's limits: with a code-built layer's route for the request's method and
+    /// pattern, its endpoint, method, pattern and keys ([`RouteLimits::code`]; a file route's
+    /// are its own).
     pub(crate) limits: Arc<RouteLimits>,
-    /// A code-built layer's route: its endpoint, method, pattern and keys (a file route's are
-    /// its own).
-    code: Option<Arc<CodeRoute>>,
     keys: SmallVec<[KeyOf; INLINE]>,
     pub(crate) reports: SmallVec<[Report; INLINE]>,
     /// Bit `i`: limit `i` took a token (a route has at most
@@ -105,11 +105,11 @@ impl Progress {
     /// Limit `i`'s key as made with its route (a whole-route limit's key, or an entity key's
     /// part before the id), and the lease table's hint for it. A policy file's route, and a
     /// budget, have them in the limit ([`Limit::key`]); a code-built layer's route for this
-    /// request's method and pattern has the others ([`CodeRoute::keys`]), so every limit has
-    /// one.
+    /// request's method and pattern has the others
+    /// ([`CodeRoute::keys`](super::route::CodeRoute::keys)), so every limit has one.
     fn made(&self, i: usize) -> Option<(&str, &Hint)> {
         let limit = &self.limits.limits[i];
-        match (&limit.key, &self.code) {
+        match (&limit.key, &self.limits.code) {
             (Some(key), _) => Some((key, &limit.hint.0)),
             (None, Some(code)) => Some((code.keys[i].as_deref()?, &code.hints[i].0)),
             (None, None) => None,
@@ -252,23 +252,20 @@ fn key_method(method: &Method) -> &'static str {
     }
 }
 
-/// The route of a request, found in `config`, with a code-built layer's route for the request's
-/// method and pattern, or `None` when no limit applies.
-fn route_of(
-    config: &Config,
-    head: &impl Head,
-) -> Option<(Arc<RouteLimits>, Option<Arc<CodeRoute>>)> {
+/// The route of a request, found in `config` (a code-built layer's for the request's method and
+/// pattern), or `None` when no limit applies.
+fn route_of(config: &Config, head: &impl Head) -> Option<Arc<RouteLimits>> {
     let path = head.extensions().get::<MatchedPath>();
     let matched = path.map(MatchedPath::as_str);
     match &config.routes {
-        Routes::One(limits) => {
-            let pattern = limits.pattern.as_deref().or(matched)?;
-            let code = limits
-                .code_routes
-                .get(key_method(head.method()), pattern, |method| {
-                    CodeRoute::new(limits, method, pattern)
-                });
-            Some((Arc::clone(limits), Some(code)))
+        Routes::One(one) => {
+            let pattern = one.limits.pattern.as_deref().or(matched)?;
+            Some(
+                one.per_pattern
+                    .get(key_method(head.method()), pattern, |method| {
+                        one.limits.for_pattern(method, pattern)
+                    }),
+            )
         }
         Routes::Table(cell) => {
             let unmatched = |table: &RouteTable| {
@@ -279,7 +276,7 @@ fn route_of(
                 return None;
             };
             let method = head.method();
-            let found = cell.lookup(
+            cell.lookup(
                 method,
                 path,
                 |table| {
@@ -299,8 +296,7 @@ fn route_of(
                         .cloned()
                 },
                 unmatched,
-            );
-            found.map(|limits| (limits, None))
+            )
         }
     }
 }
@@ -309,26 +305,25 @@ fn route_of(
 /// route whose limits read the request's parts is [`Outcome::NeedsParts`], before anything is
 /// counted or taken.
 pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
-    let Some((limits, code)) = route_of(config, req) else {
+    let Some(limits) = route_of(config, req) else {
         return Outcome::Pass;
     };
     if limits.is_empty() {
         return Outcome::Pass;
     }
-    let needs_parts = code.as_ref().map_or(limits.needs_parts, |c| c.needs_parts);
+    let needs_parts = limits
+        .code
+        .as_ref()
+        .map_or(limits.needs_parts, |c| c.needs_parts);
     if needs_parts && req.parts().is_none() {
         return Outcome::NeedsParts;
     }
-    let code = match (&limits.file, code) {
-        (Some(file), _) => {
-            file.checked.increment(1);
-            None
-        }
-        (None, Some(code)) => Some(code),
+    match (&limits.file, &limits.code) {
+        (Some(file), _) => file.checked.increment(1),
+        (None, Some(_)) => {}
         (None, None) => return Outcome::Pass,
-    };
+    }
     let mut progress = Progress {
-        code,
         keys: SmallVec::with_capacity(limits.limits.len()),
         reports: SmallVec::new(),
         taken: 0,
@@ -356,7 +351,7 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
                 segment,
             } => {
                 // A code-built route's parameter: where its pattern has it.
-                let segment = segment.or_else(|| progress.code.as_ref()?.segments[i]);
+                let segment = segment.or_else(|| progress.limits.code.as_ref()?.segments[i]);
                 let id: Result<Option<Cow<'_, str>>, MalformedId> =
                     match (key.path_param_name(), segment, &params) {
                         (Some(name), Some(at), _) => segment_id(req, at, name),
@@ -489,7 +484,7 @@ pub(crate) async fn finish(config: &Config, mut progress: Progress) -> Outcome {
 impl Progress {
     /// `METHOD:pattern` of the route.
     fn endpoint(&self) -> &str {
-        match (&self.limits.file, &self.code) {
+        match (&self.limits.file, &self.limits.code) {
             (Some(file), _) => &file.endpoint,
             (None, Some(code)) => &code.endpoint,
             (None, None) => "",
@@ -498,7 +493,7 @@ impl Progress {
 
     /// The pattern the router matched, or the file's (for path parameters without axum).
     fn router_pattern(&self) -> &str {
-        match (&self.code, &self.limits.file) {
+        match (&self.limits.code, &self.limits.file) {
             (Some(code), _) => &code.pattern,
             (None, Some(file)) => &file.path,
             (None, None) => "",
@@ -710,7 +705,7 @@ enum Event {
 /// file's route, by the macro (its first event creates the series) for a layer built in code.
 fn count(progress: &Progress, i: usize, event: Event) {
     let limit = &progress.limits.limits[i];
-    match (&limit.counters, &progress.code) {
+    match (&limit.counters, &progress.limits.code) {
         (Some(c), _) => match event {
             Event::Denied => c.denied.increment(1),
             Event::WouldDeny => c.would_deny.increment(1),

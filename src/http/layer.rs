@@ -7,7 +7,9 @@ use tower::Layer;
 
 use super::key::{EntityKey, TrustedProxies};
 use super::refund::GiveBacks;
-use super::route::{Config, FileRoute, LimitSpec, RouteLimits, RouteTable, Routes, TableCell};
+use super::route::{
+    Config, FileRoute, LimitSpec, OneRoute, RouteLimits, RouteTable, Routes, TableCell,
+};
 use super::service::RateLimit;
 use crate::policy::error::RouteConfigError;
 use crate::policy::{
@@ -226,7 +228,7 @@ impl RouteLimitLayer {
         RouteLimitLayer {
             config: Arc::new(Config {
                 limiter,
-                routes: Routes::One(Arc::new(limits)),
+                routes: Routes::One(Box::new(OneRoute::new(limits))),
                 trusted: TrustedProxies::none(),
                 give_backs,
                 x_ratelimit_remaining: false,
@@ -401,7 +403,7 @@ impl RouteLimitLayer {
         );
         // Only `new` makes a `RouteLimitLayer`, always with one route.
         if let Routes::One(route) = &mut Arc::make_mut(&mut self.config).routes {
-            *route = Arc::new(limits);
+            **route = OneRoute::new(limits);
         }
         self
     }

@@ -63,8 +63,28 @@ pub(crate) enum Routes {
     /// Swapped whole by [`RateLimitLayer::reload`](super::RateLimitLayer::reload); a request
     /// reads its route without a lock once its pattern has been seen ([`TableCell`]).
     Table(Arc<TableCell>),
-    /// One route's limits, for every request the layer sees.
-    One(Arc<RouteLimits>),
+    /// One route's limits, for every request the layer sees (a layer built in code).
+    One(Box<OneRoute>),
+}
+
+/// A code-built layer's route: its limits, and a copy of them for each method and router
+/// pattern with what that pattern makes of them ([`CodeRoute`]), made at its first request
+/// (`patterns.rs`). A request holds one counted reference, to its pattern's copy: on several
+/// cores each count a request takes and drops is a cache line they pass to each other (the
+/// limits and the pattern's part, held apart, were two).
+#[derive(Clone, Debug)]
+pub(crate) struct OneRoute {
+    pub(crate) limits: RouteLimits,
+    pub(crate) per_pattern: PerPattern<RouteLimits>,
+}
+
+impl OneRoute {
+    pub(crate) fn new(limits: RouteLimits) -> Self {
+        OneRoute {
+            limits,
+            per_pattern: PerPattern::default(),
+        }
+    }
 }
 
 /// The most router patterns a table remembers per method: a router has as many patterns as
@@ -432,7 +452,7 @@ impl Clone for KeyHint {
 }
 
 /// A code-built layer's route for one method and router pattern.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct CodeRoute {
     /// `METHOD:pattern`.
     pub(crate) endpoint: String,
@@ -563,9 +583,10 @@ pub(crate) struct RouteLimits {
     /// needs to give tokens back when an inner layer refused, without holding the `Config`.
     pub(crate) limiter: Limiter,
     pub(crate) give_backs: Arc<GiveBacks>,
-    /// A layer built in code: its route per method and router pattern, made at the first
-    /// request of each (`patterns.rs`).
-    pub(crate) code_routes: PerPattern<CodeRoute>,
+    /// A code-built layer's route for one method and router pattern, in that pattern's copy of
+    /// the layer's limits ([`OneRoute`]); `None` for a policy file's route and for the layer's
+    /// own limits.
+    pub(crate) code: Option<CodeRoute>,
 }
 
 impl RouteLimits {
@@ -691,7 +712,17 @@ impl RouteLimits {
             fields_on: FieldsOn::EveryResponse,
             limiter: limiter.clone(),
             give_backs: Arc::clone(give_backs),
-            code_routes: PerPattern::default(),
+            code: None,
+        }
+    }
+
+    /// A code-built layer's limits as a request with `method` (`check::key_method`'s) and
+    /// `pattern` uses them: a copy with the pattern's [`CodeRoute`]. The copy shares each
+    /// limit's memory of refused keys; its hints start empty.
+    pub(crate) fn for_pattern(&self, method: &'static str, pattern: &str) -> RouteLimits {
+        RouteLimits {
+            code: Some(CodeRoute::new(self, method, pattern)),
+            ..self.clone()
         }
     }
 

@@ -1309,6 +1309,67 @@ async fn e6_method_rotation_on_an_any_route_shares_one_bucket() {
     assert_eq!(keys, ["ratelimit:api:GET:/x", "ratelimit:api:OTHER:/x"]);
 }
 
+/// E7: a code-built layer keeps a copy of its limits per method and router pattern, and every
+/// copy shares each limit's memory of refused keys: once customer A's budget is refused on one
+/// route, its requests on the others (other patterns, another method) are refused from that
+/// memory, without a store call, until the refusal's `retry_after`.
+#[tokio::test(start_paused = true)]
+async fn e7_a_budget_refused_on_one_route_is_refused_from_memory_on_the_others() {
+    let (store, tally) = counting(MemoryStore::new());
+    let limiter = Limiter::builder(store).build();
+    let layer = RouteLimitLayer::new(limiter.clone())
+        .entity_budget(
+            "customer",
+            EntityKey::header(HeaderName::from_static("x-api-key")),
+            plan("per-customer", 3, 0.001),
+        )
+        .expect("a valid budget name");
+    let app = Router::new()
+        .route("/bookings", get(|| async { "list" }))
+        .route(
+            BOOKING,
+            get(|| async { "one" }).post(|| async { "changed" }),
+        )
+        .route("/invoices", get(|| async { "invoices" }))
+        .route_layer(layer);
+    let call = |method: &str, path: &str| {
+        Request::builder()
+            .method(method)
+            .uri(path)
+            .header("x-api-key", "A")
+            .body(Body::empty())
+            .unwrap()
+    };
+    for _ in 0..3 {
+        assert_eq!(
+            send(&app, call("GET", "/bookings")).await.status(),
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        send(&app, call("GET", "/bookings")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let calls = tally.calls.lock().len();
+    for (method, path) in [
+        ("GET", "/invoices"),
+        ("GET", "/bookings/1"),
+        ("POST", "/bookings/2"),
+        ("GET", "/bookings"),
+    ] {
+        for _ in 0..5 {
+            let r = send(&app, call(method, path)).await;
+            assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS, "{method} {path}");
+            assert_eq!(body_json(r).await["limit"], "customer");
+        }
+    }
+    assert_eq!(
+        tally.calls.lock().len(),
+        calls,
+        "refusals on the other routes were answered from the budget's memory"
+    );
+}
+
 /// E7: one budget per customer across all endpoints (`RouteLimitLayer::entity_budget`): five
 /// requests of customer A spread over three routes and two methods spend one bucket of 5, the
 /// sixth is refused on whichever route it comes, with the budget's fields, named by the budget
