@@ -319,32 +319,27 @@ fn bench_threads() -> usize {
 
 /// The CPU time every thread of this process has run, in nanoseconds
 /// (`CLOCK_PROCESS_CPUTIME_ID`), or `None` where the clock is missing.
-#[allow(unsafe_code)] // One libc call, on a local it owns.
 fn process_cpu_nanos() -> Option<u64> {
-    let mut t = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `t` is a valid, writable `timespec` for the call's duration.
-    let r = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
-    if r != 0 {
-        return None;
-    }
-    Some(u64::try_from(t.tv_sec).ok()? * 1_000_000_000 + u64::try_from(t.tv_nsec).ok()?)
+    clock_nanos(libc::CLOCK_PROCESS_CPUTIME_ID)
 }
 
 /// The CPU time this thread has run, in nanoseconds (`CLOCK_THREAD_CPUTIME_ID`), or `None`
 /// where the clock is missing: on a shared machine, the time other processes hold the core is
 /// left out, which wall time counts. (Linux's `/proc/thread-self/schedstat` gives the same
 /// count, but only as of the last scheduler tick: 4 ms steps, 200 ns per request in a round.)
-#[allow(unsafe_code)] // One libc call, on a local it owns.
 fn thread_cpu_nanos() -> Option<u64> {
+    clock_nanos(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+/// `clock`'s time in nanoseconds, or `None` where it is missing.
+#[allow(unsafe_code)] // One libc call, on a local it owns.
+fn clock_nanos(clock: libc::clockid_t) -> Option<u64> {
     let mut t = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: `t` is a valid, writable `timespec` for the call's duration.
-    let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    let r = unsafe { libc::clock_gettime(clock, &mut t) };
     if r != 0 {
         return None;
     }

@@ -1309,6 +1309,19 @@ async fn e6_method_rotation_on_an_any_route_shares_one_bucket() {
     assert_eq!(keys, ["ratelimit:api:GET:/x", "ratelimit:api:OTHER:/x"]);
 }
 
+/// `GET /bookings`, `GET` and `POST` on [`BOOKING`], and `GET /invoices`, behind `layer`: three
+/// router patterns and two methods, for a budget the routes share.
+fn three_routes(layer: RouteLimitLayer) -> Router {
+    Router::new()
+        .route("/bookings", get(|| async { "list" }))
+        .route(
+            BOOKING,
+            get(|| async { "one" }).post(|| async { "changed" }),
+        )
+        .route("/invoices", get(|| async { "invoices" }))
+        .route_layer(layer)
+}
+
 /// E7: a code-built layer keeps a copy of its limits per method and router pattern, and every
 /// copy shares each limit's memory of refused keys: once customer A's budget is refused on one
 /// route, its requests on the others (other patterns, another method) are refused from that
@@ -1324,14 +1337,7 @@ async fn e7_a_budget_refused_on_one_route_is_refused_from_memory_on_the_others()
             plan("per-customer", 3, 0.001),
         )
         .expect("a valid budget name");
-    let app = Router::new()
-        .route("/bookings", get(|| async { "list" }))
-        .route(
-            BOOKING,
-            get(|| async { "one" }).post(|| async { "changed" }),
-        )
-        .route("/invoices", get(|| async { "invoices" }))
-        .route_layer(layer);
+    let app = three_routes(layer);
     let call = |method: &str, path: &str| {
         Request::builder()
             .method(method)
@@ -1386,14 +1392,7 @@ async fn e7_one_budget_per_customer_across_all_endpoints() {
         .entity_budget("customer", api_key(), plan("per-customer", 5, 0.001))
         .expect("a valid budget name")
         .x_ratelimit_remaining(true);
-    let app = Router::new()
-        .route("/bookings", get(|| async { "list" }))
-        .route(
-            BOOKING,
-            get(|| async { "one" }).post(|| async { "changed" }),
-        )
-        .route("/invoices", get(|| async { "invoices" }))
-        .route_layer(layer);
+    let app = three_routes(layer);
     let call = |method: &str, path: &str, customer: &str| {
         Request::builder()
             .method(method)
