@@ -2,7 +2,7 @@
 //! record in the lease table can name its plan by index and a call can read it without a lock
 //! or a reference count.
 //!
-//! Equal plans share one entry ([`PlanRegistry::intern`]), so reloading the same file again,
+//! Equal plans share one entry ([`PlanRegistry::intern_all`]), so reloading the same file again,
 //! or flipping between two versions of it, adds nothing. The registry is bounded
 //! ([`MAX_PLANS`] distinct plans at once); a reload interns its new plans beside those in
 //! force, all or none ([`PlanRegistry::intern_all`]: one that would pass the bound is refused
@@ -449,9 +449,9 @@ impl PlanRegistry {
         self.intern_all(std::slice::from_ref(plan)).ok()?.pop()
     }
 
-    /// The entry of each of `plans`, in their order, as [`intern`](Self::intern) finds or adds
-    /// it; all or nothing: when the plans no entry equals would take the registry past
-    /// [`MAX_PLANS`], nothing is added and [`Full`] says how many there are.
+    /// The entry of each of `plans`, in their order: the entry equal to it (the same `Arc`, or an
+    /// equal plan), or a new one; all or nothing: when the plans no entry equals would take the
+    /// registry past [`MAX_PLANS`], nothing is added and [`Full`] says how many there are.
     ///
     /// Takes time in the number of plans and, for each, in the entries of its [`Identity`],
     /// not in the registry's.

@@ -156,6 +156,8 @@ pub(crate) fn policy_item(name: &str, plan: &Plan) -> String {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Report {
     /// The limit's position in its route's [`RouteLimits::limits`].
+    ///
+    /// [`RouteLimits::limits`]: super::route::RouteLimits::limits
     pub(crate) limit: usize,
     value: Value,
 }

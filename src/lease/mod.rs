@@ -14,6 +14,8 @@
 //! back (idempotently, by return id), evicts idle keys to keep the table within its bound, and on
 //! shutdown gives every lease back. Its work follows what is due (a queue of expiry and idle
 //! checks, at most one entry per key), not the number of keys: an idle table costs nothing. See `docs/design/leases.md` for the overshoot bound.
+//!
+//! [`Slot`]: slot::Slot
 
 use std::hash::RandomState;
 use std::sync::Arc;

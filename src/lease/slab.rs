@@ -2,7 +2,7 @@
 //!
 //! A call on a key with a live lease reads its lease word, its low-water mark and the store's
 //! last remaining count, and CASes the word. Those fields live here, in a [`Hot`] record of 32
-//! bytes, and not in the key's [`Slot`](super::Slot): records sit side by side in chunks of
+//! bytes, and not in the key's [`Slot`]: records sit side by side in chunks of
 //! 1,024, and the table's bucket holds the record's index, so a call touches the bucket and one
 //! record and nothing else. With 100,000 keys the records take 3.2 MB, where the slots they came
 //! from (each with its key, its plan, its bookkeeping and its waiters) were spread over tens of
@@ -29,6 +29,8 @@
 //!
 //! The atomics and the mutex come from `super::sync`, so that the loom models can compile this
 //! file against loom's; `Arc` and `OnceLock` stay std's there (see `sync.rs`).
+//!
+//! [`Slot`]: super::slot::Slot
 
 use std::sync::Arc;
 
@@ -63,11 +65,14 @@ pub(crate) struct Hot {
     /// so a quiet key's call never reads its slot. Release (the actor, once the words are in
     /// place) and Acquire (callers): it publishes the extra words (`words.rs`).
     pub(crate) spread: AtomicBool,
-    /// The slot's [`Slot::evicted`](super::Slot::evicted): kept here, in the record's spare
-    /// bytes, to keep the slot within a smaller heap chunk (`docs/design/memory.md`). Not read by the
-    /// fast path.
+    /// The slot's [`Slot::evicted`]: kept here, in the record's spare bytes, to keep the slot
+    /// within a smaller heap chunk (`docs/design/memory.md`). Not read by the fast path.
+    ///
+    /// [`Slot::evicted`]: super::slot::Slot::evicted
     pub(crate) evicted: AtomicBool,
-    /// The slot's [`Slot::dry`](super::Slot::dry), for the same reason. Not read by the fast path.
+    /// The slot's [`Slot::dry`], for the same reason. Not read by the fast path.
+    ///
+    /// [`Slot::dry`]: super::slot::Slot::dry
     pub(crate) dry: AtomicBool,
     /// The key is sparse: its calls come less often than one per lease lifetime, so a call the
     /// lease cannot pay goes to the direct-mode coalescer (a batched store call, several in

@@ -24,6 +24,8 @@
 //! A gone entry still holds its `Arc<Slot>` until the next rebuild, so rebuilds are also triggered
 //! by tombstones alone (more than an eighth of the live keys, and at least 256): the memory kept
 //! for removed keys stays a small fraction of the table's own.
+//!
+//! [`Slot`]: super::slot::Slot
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};

@@ -72,7 +72,7 @@ impl FieldsOn {
 /// ([`rate`](Plan::rate)), whether callers hold in-process leases on it
 /// ([`lease`](Plan::lease), `None` = direct mode, one SQL statement per call) and what decides
 /// while the database cannot ([`fallback`](Plan::fallback)). Plans are shared as `Arc<Plan>` by
-/// [`Policies`](super::Policies).
+/// [`Policies`].
 ///
 /// Two plans are equal when their name, bucket, lease, fallback and shadow mode are. A plan
 /// holds no state: its decision counters are the limiter's (registered with the `metrics`

@@ -36,6 +36,8 @@
 //! again, from any node, open pools to new nodes, and send the refused keys once more
 //! ([`Citus::acquire_each`]). Each node's pool is warmed in `build`: its sessions prepare the
 //! node's statements and run each take once with no keys.
+//!
+//! [`hashtext`]: map::hashtext
 
 use std::collections::HashMap;
 use std::sync::Arc;
