@@ -311,11 +311,7 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
     if limits.is_empty() {
         return Outcome::Pass;
     }
-    let needs_parts = limits
-        .code
-        .as_ref()
-        .map_or(limits.needs_parts, |c| c.needs_parts);
-    if needs_parts && req.parts().is_none() {
+    if limits.needs_parts && req.parts().is_none() {
         return Outcome::NeedsParts;
     }
     match (&limits.file, &limits.code) {

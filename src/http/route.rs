@@ -476,15 +476,14 @@ pub(crate) struct CodeRoute {
     pub(crate) segments: Box<[Option<Segment>]>,
     /// Per limit: where the lease table last found its whole-route key.
     pub(crate) hints: Box<[KeyHint]>,
-    /// Whether a limit reads the request's parts (an application's key function, a path
-    /// parameter that is not a whole segment).
-    pub(crate) needs_parts: bool,
 }
 
 impl CodeRoute {
     /// The route of `limits` for `method` (`check::key_method`'s) and `pattern`: the layer's own
-    /// ([`RouteLimits::pattern`]) or else the router's.
-    pub(crate) fn new(limits: &RouteLimits, method: &'static str, pattern: &str) -> CodeRoute {
+    /// ([`RouteLimits::pattern`]) or else the router's; and whether a limit there reads the
+    /// request's parts (an application's key function, a path parameter that is not a whole
+    /// segment).
+    fn new(limits: &RouteLimits, method: &'static str, pattern: &str) -> (CodeRoute, bool) {
         let from_router = limits.pattern.is_none();
         let endpoint = format!("{method}:{pattern}");
         let mut needs_parts = false;
@@ -506,15 +505,15 @@ impl CodeRoute {
             keys.push(key);
             segments.push(segment);
         }
-        CodeRoute {
+        let code = CodeRoute {
             hints: limits.limits.iter().map(|_| KeyHint::default()).collect(),
             endpoint,
             method,
             pattern: pattern.to_owned(),
             keys: keys.into(),
             segments: segments.into(),
-            needs_parts,
-        }
+        };
+        (code, needs_parts)
     }
 }
 
@@ -582,7 +581,8 @@ pub(crate) struct RouteLimits {
     /// Whether any limit reads a path parameter.
     pub(crate) needs_params: bool,
     /// Whether a limit reads the request's parts themselves (axum's path parameters, an
-    /// application's key function): the request is then split into them (`head.rs`).
+    /// application's key function): the request is then split into them (`head.rs`). A
+    /// code-built layer's is its pattern's ([`for_pattern`](Self::for_pattern)).
     pub(crate) needs_parts: bool,
     /// Whether its responses carry `X-RateLimit-{Name}-Remaining` (the policy file's
     /// `x_ratelimit_remaining`).
@@ -679,8 +679,8 @@ impl RouteLimits {
                 (Some(key), Some(file)) => whole_segment(key, &file.path),
                 _ => None,
             };
-            // A layer built in code has no pattern yet, so no `segment`: its routes say for
-            // themselves whether they read the parts (`CodeRoute::needs_parts`).
+            // A layer built in code has no pattern yet, so no `segment`: each pattern's copy of
+            // its limits says whether they read the parts there (`for_pattern`).
             needs_parts |= spec
                 .entity
                 .as_ref()
@@ -727,11 +727,14 @@ impl RouteLimits {
     }
 
     /// A code-built layer's limits as a request with `method` (`check::key_method`'s) and
-    /// `pattern` uses them: a copy with the pattern's [`CodeRoute`]. The copy shares each
-    /// limit's memory of refused keys; its hints start empty.
+    /// `pattern` uses them: a copy with the pattern's [`CodeRoute`], reading the request's
+    /// parts only when a limit does there. The copy shares each limit's memory of refused keys;
+    /// its hints start empty.
     pub(crate) fn for_pattern(&self, method: &'static str, pattern: &str) -> RouteLimits {
+        let (code, needs_parts) = CodeRoute::new(self, method, pattern);
         RouteLimits {
-            code: Some(CodeRoute::new(self, method, pattern)),
+            code: Some(code),
+            needs_parts,
             ..self.clone()
         }
     }
