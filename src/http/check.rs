@@ -416,21 +416,20 @@ pub(crate) fn now(config: &Config, req: &mut impl Head) -> Outcome {
             continue;
         };
         let limit = &progress.limits.limits[i];
+        let Some(nanos) = limit.lease_nanos else {
+            return Outcome::Slow(progress);
+        };
         match config
             .limiter
-            .take_now(&mut pinned, &limit.plan, limit.index, key, hint)
+            .take_now(&mut pinned, &limit.plan, nanos, limit.index, key, hint)
         {
-            Ok(Some(left)) => {
+            Some(left) => {
                 progress.reports.push(Report::leased(i, left));
                 // A lease's token may go back (a lease decided, not a fallback).
                 progress.took_as(i, true);
                 progress.next += 1;
             }
-            Ok(None) => return Outcome::Slow(progress),
-            Err(_) => {
-                count(&progress, i, Event::Error);
-                progress.next += 1;
-            }
+            None => return Outcome::Slow(progress),
         }
     }
     Outcome::Allow(progress)
@@ -520,14 +519,23 @@ fn segment_id<'a>(
     at: Segment,
     name: &str,
 ) -> Result<Option<Cow<'a, str>>, MalformedId> {
-    let path = match head.extensions().get::<OriginalUri>() {
-        Some(OriginalUri(uri)) => uri.path(),
-        None => head.uri().path(),
-    };
-    let found = if at.last {
-        Some(last_segment(path))
-    } else {
-        nth_segment(path, at.at)
+    // The router's path, as the client sent it, is `OriginalUri`'s; a nested router's own
+    // `uri` lost the prefix it matched. The last segment of a path the prefix left some of is
+    // the same in both: read there, without looking the original up among the extensions.
+    let own = head.uri().path();
+    let found = match at.last.then(|| last_segment(own)) {
+        Some(found) if !found.0.is_empty() => Some(found),
+        _ => {
+            let path = match head.extensions().get::<OriginalUri>() {
+                Some(OriginalUri(uri)) => uri.path(),
+                None => own,
+            };
+            if at.last {
+                Some(last_segment(path))
+            } else {
+                nth_segment(path, at.at)
+            }
+        }
     };
     let Some((raw, escaped)) = found else {
         return Ok(None);

@@ -424,6 +424,9 @@ pub(crate) struct Limit {
     pub(crate) plan: Arc<Plan>,
     /// The plan's registry index, for the lease table's fast path.
     pub(crate) index: Option<u32>,
+    /// What a token costs the plan's lease, when its takes may come from one
+    /// ([`Limiter::lease_token_nanos`]): worked out here, not per request.
+    pub(crate) lease_nanos: Option<u64>,
     /// The plan's counts in the lease's unit, for the reports of its lease takes.
     pub(crate) scale: Option<NanoScale>,
     pub(crate) scope: Scope,
@@ -698,6 +701,7 @@ impl RouteLimits {
                 item,
                 name,
                 scale: NanoScale::of(&plan),
+                lease_nanos: Limiter::lease_token_nanos(&plan),
                 plan,
                 index,
                 scope,

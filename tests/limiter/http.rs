@@ -1651,7 +1651,8 @@ async fn e14_x_ratelimit_remaining_fields_are_written_only_when_asked_for() {
 
 /// A layer built in code finds each limit's key as the first request of its method and pattern
 /// made it: a path parameter that fills a segment of the router's pattern is read from the path
-/// (percent-decoded), in a nested router too (the pattern is the whole path's); a layer given
+/// (percent-decoded), in a nested router too (the pattern is the whole path's, and the id may
+/// be in the part the outer router matched); a layer given
 /// its pattern reads the parameter from axum's; `HEAD` shares `GET`'s buckets and `POST` has its
 /// own. Each request takes one token from each of its two buckets.
 #[tokio::test(start_paused = true)]
@@ -1675,12 +1676,19 @@ async fn a_code_built_layer_keys_each_method_and_pattern_as_it_first_made_them()
             "/n",
             Router::new().route("/c/{id}", get(|| async { "c" }).route_layer(layer())),
         )
+        // Nested at the id: the nested router's own path is `/`, and the id is only in the
+        // path the outer router matched.
+        .nest(
+            "/m/{id}",
+            Router::new().route("/", get(|| async { "m" }).route_layer(layer())),
+        )
         .route("/given/{id}", get(|| async { "g" }).route_layer(given));
     let cases = [
         ("GET", "/a/x%20y", "GET:/a/{id}", "x y"),
         ("HEAD", "/a/x%20y", "GET:/a/{id}", "x y"),
         ("POST", "/a/x%20y", "POST:/a/{id}", "x y"),
         ("GET", "/n/c/7", "GET:/n/c/{id}", "7"),
+        ("GET", "/m/8", "GET:/m/{id}", "8"),
         ("GET", "/given/%C3%A9", "GET:/given/{id}", "é"),
     ];
     for (method, path, endpoint, id) in cases {
