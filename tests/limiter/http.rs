@@ -24,7 +24,7 @@ use tokenlease::bucket::{BucketConfig, Rate, Tokens};
 use tokenlease::http::{
     EntityKey, RateLimitLayer, RouteConfigError, RouteLimitLayer, TrustedProxies, client_ip,
 };
-use tokenlease::policy::{FallbackMode, FallbackSettings, FieldsOn, Plan, Policies};
+use tokenlease::policy::{FallbackMode, FallbackSettings, FieldsOn, LeaseSettings, Plan, Policies};
 use tokenlease::store::{
     AcquireRequest, Acquired, BucketRow, GiveBack, MemoryStore, PostgresStore, Store, StoreError,
 };
@@ -1647,6 +1647,32 @@ async fn e14_x_ratelimit_remaining_fields_are_written_only_when_asked_for() {
             on
         );
     }
+}
+
+/// A route whose key the store would refuse (its pattern makes the route-wide key longer than a
+/// key may be) is let through by that limit as its error says, on a leased plan too: the lease
+/// table's path does not take the key in, so no lease is asked for it and no request is ever
+/// refused by a bucket the store could not hold.
+#[tokio::test(start_paused = true)]
+async fn e17_a_route_key_too_long_for_the_store_is_an_error_not_a_lease() {
+    let limiter = Limiter::builder(MemoryStore::new()).build();
+    let leased = Arc::new(
+        (*plan("g", 2, 0.001))
+            .clone()
+            .with_lease(LeaseSettings::default()),
+    );
+    let layer = RouteLimitLayer::new(limiter.clone()).global(leased);
+    // `ratelimit:api:GET:` and the pattern: over the 1,024 bytes a caller's key may have, within
+    // what the lease table admits for the limiter's own keys.
+    let pattern = format!("/{}", "a".repeat(1_030));
+    let app = Router::new().route(&pattern, get(|| async { "long" }).route_layer(layer));
+    for i in 0..5 {
+        let r = get_path(&app, &pattern).await;
+        assert_eq!(r.status(), StatusCode::OK, "request {i}");
+    }
+    // The table is made by the first call that reaches it: here none did.
+    let keys = limiter.lease_stats().map_or(0, |stats| stats.keys);
+    assert_eq!(keys, 0, "no lease for a key the store refuses");
 }
 
 /// A layer built in code finds each limit's key as the first request of its method and pattern
