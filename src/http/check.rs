@@ -25,7 +25,7 @@ use super::head::Head;
 use super::headers::{Report, malformed_problem, problem, retry_after_secs};
 use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
 use super::refund::{give_back, give_back_detached};
-use super::route::{Config, Limit, RouteLimits, RouteTable, Routes, Scope, Segment};
+use super::route::{Config, Limit, OneRoute, RouteLimits, RouteTable, Routes, Scope, Segment};
 use crate::bucket::Tokens;
 use crate::key::{validate_key, validate_key_shape};
 use crate::lease::Hint;
@@ -258,15 +258,7 @@ fn route_of(config: &Config, head: &impl Head) -> Option<Arc<RouteLimits>> {
     let path = head.extensions().get::<MatchedPath>();
     let matched = path.map(MatchedPath::as_str);
     match &config.routes {
-        Routes::One(one) => {
-            let pattern = one.limits.pattern.as_deref().or(matched)?;
-            Some(
-                one.per_pattern
-                    .get(key_method(head.method()), pattern, |method| {
-                        one.limits.for_pattern(method, pattern)
-                    }),
-            )
-        }
+        Routes::One(one) => code_route(one, head.method(), path),
         Routes::Table(cell) => {
             let unmatched = |table: &RouteTable| {
                 super::unmatched::unmatched(&table.all, head, matched);
@@ -299,6 +291,27 @@ fn route_of(config: &Config, head: &impl Head) -> Option<Arc<RouteLimits>> {
             )
         }
     }
+}
+
+/// A code-built layer's route for a request with `method` that the router matched as `path`
+/// (`None` outside a router): its limits' copy for the method and pattern. Apart from
+/// [`route_of`], which a file route's request runs: inlined there, it made that path's code
+/// larger and slower.
+#[inline(never)]
+fn code_route(
+    one: &OneRoute,
+    method: &Method,
+    path: Option<&MatchedPath>,
+) -> Option<Arc<RouteLimits>> {
+    let given = one.limits.pattern.as_deref();
+    let pattern = given.or(path.map(MatchedPath::as_str))?;
+    let from = if given.is_some() { None } else { path };
+    Some(
+        one.per_pattern
+            .get(key_method(method), from, pattern, |method| {
+                one.limits.for_pattern(method, pattern)
+            }),
+    )
 }
 
 /// The checks that need no waiting; see the [module docs](self). Given a whole request, a

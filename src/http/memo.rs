@@ -47,7 +47,7 @@ pub(crate) struct Memo<T> {
 }
 
 /// Whether `a` is the very string `b` (same address and length).
-fn same(a: &MatchedPath, b: &MatchedPath) -> bool {
+pub(crate) fn same(a: &MatchedPath, b: &MatchedPath) -> bool {
     let (a, b) = (a.as_str(), b.as_str());
     std::ptr::eq(a.as_ptr(), b.as_ptr()) && a.len() == b.len()
 }
@@ -117,7 +117,7 @@ impl<T> Memo<T> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use axum::Router;
     use axum::body::Body;
@@ -126,7 +126,8 @@ mod tests {
     use tower::ServiceExt;
 
     /// The `MatchedPath` the router gives a request to `uri` on `app`.
-    async fn matched(app: &Router, uri: &str) -> MatchedPath {
+    /// The `MatchedPath` `app` gives a request for `uri`.
+    pub(in crate::http) async fn matched(app: &Router, uri: &str) -> MatchedPath {
         let (tx, rx) = std::sync::mpsc::channel();
         let app = app.clone().layer(axum::middleware::from_fn(
             move |req: axum::extract::Request, next: axum::middleware::Next| {
@@ -143,7 +144,8 @@ mod tests {
         rx.recv().expect("sent").expect("a matched path")
     }
 
-    fn router() -> Router {
+    /// `/bookings/{id}` and `/customers/{id}`.
+    pub(in crate::http) fn router() -> Router {
         Router::new()
             .route("/bookings/{id}", route_get(|| async { "b" }))
             .route("/customers/{id}", route_get(|| async { "c" }))
