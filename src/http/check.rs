@@ -23,7 +23,7 @@ use smallvec::SmallVec;
 use super::fields;
 use super::head::Head;
 use super::headers::{Report, malformed_problem, problem, retry_after_secs};
-use super::key::{MalformedId, ParamValue, match_pattern, percent_decode};
+use super::key::{HASHED, MalformedId, ParamValue, match_pattern, percent_decode};
 use super::refund::{give_back, give_back_detached};
 use super::route::{Config, Limit, OneRoute, RouteLimits, RouteTable, Routes, Scope, Segment};
 use crate::bucket::Tokens;
@@ -707,9 +707,6 @@ fn bits(mut mask: u16) -> impl Iterator<Item = usize> {
     })
 }
 
-/// What marks a hashed id in an entity key.
-const HASHED: &str = "sha256:";
-
 /// What a limit's metrics count.
 #[derive(Clone, Copy)]
 enum Event {
@@ -830,6 +827,24 @@ mod tests {
         for last in [false, true] {
             assert!(segment_id(&parts, Segment { at: 1, last }, "id").is_err());
         }
+    }
+
+    /// A made key fits when every key made from it does: itself for a whole-route limit; for an
+    /// entity limit with the longest id kept (a digest), which `hashed_key` then makes valid.
+    #[test]
+    fn made_keys_fit_when_their_longest_key_does() {
+        use crate::http::key::{DIGEST_BYTES, made_keys_fit};
+        let max = crate::key::MAX_KEY_BYTES;
+        let fixed = |n: usize| format!("ratelimit:api:GET:/{}", "a".repeat(n - 19));
+        assert!(made_keys_fit(&fixed(max), false));
+        assert!(!made_keys_fit(&fixed(max + 1), false));
+        let digest = HASHED.len() + 2 * DIGEST_BYTES;
+        let prefix = |n: usize| format!("{}:", fixed(n - 1));
+        assert!(made_keys_fit(&prefix(max - digest), true));
+        assert!(!made_keys_fit(&prefix(max - digest + 1), true));
+        let longest = hashed_key(&prefix(max - digest), &"x".repeat(5000), false);
+        assert_eq!(longest.len(), max);
+        assert!(validate_key(&longest).is_ok());
     }
 
     #[test]

@@ -441,6 +441,25 @@ pub(crate) fn percent_decode(s: &str) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
+/// Whether every key made from `made` has the shape the store takes (not empty, not too long,
+/// not the reserved first character): `made` itself for a whole-route limit; for an entity limit
+/// each `made` and an id that `check::hashed_key` keeps, the longest of which is `made` and an id's
+/// digest.
+pub(crate) fn made_keys_fit(made: &str, entity: bool) -> bool {
+    let longest = if entity {
+        made.len() + HASHED.len() + 2 * DIGEST_BYTES
+    } else {
+        made.len()
+    };
+    crate::key::validate_key_shape(made).is_ok() && longest <= crate::key::MAX_KEY_BYTES
+}
+
+/// The bytes of a SHA-256 digest, written in `check::hashed_key` as twice as many hex digits.
+pub(crate) const DIGEST_BYTES: usize = 32;
+
+/// What marks a hashed id in an entity key (`check::hashed_key`).
+pub(crate) const HASHED: &str = "sha256:";
+
 #[cfg(test)]
 mod tests {
     use super::*;

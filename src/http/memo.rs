@@ -126,7 +126,6 @@ pub(super) mod tests {
     use tower::ServiceExt;
 
     /// The `MatchedPath` the router gives a request to `uri` on `app`.
-    /// The `MatchedPath` `app` gives a request for `uri`.
     pub(in crate::http) async fn matched(app: &Router, uri: &str) -> MatchedPath {
         let (tx, rx) = std::sync::mpsc::channel();
         let app = app.clone().layer(axum::middleware::from_fn(

@@ -15,7 +15,7 @@ use metrics::Counter;
 use parking_lot::{Mutex, RwLock};
 
 use super::headers::{NanoScale, policy_item};
-use super::key::{EntityKey, TrustedProxies};
+use super::key::{EntityKey, TrustedProxies, made_keys_fit};
 use super::memo::Memo;
 use super::patterns::PerPattern;
 use super::refund::GiveBacks;
@@ -425,7 +425,8 @@ pub(crate) struct Limit {
     /// The plan's registry index, for the lease table's fast path.
     pub(crate) index: Option<u32>,
     /// What a token costs the plan's lease, when its takes may come from one
-    /// ([`Limiter::lease_token_nanos`]): worked out here, not per request.
+    /// ([`Limiter::lease_token_nanos`], and every key the limit makes fits the store:
+    /// [`leasable`]): worked out here, not per request.
     pub(crate) lease_nanos: Option<u64>,
     /// The plan's counts in the lease's unit, for the reports of its lease takes.
     pub(crate) scale: Option<NanoScale>,
@@ -458,6 +459,16 @@ impl Clone for KeyHint {
     fn clone(&self) -> Self {
         KeyHint::default()
     }
+}
+
+/// Whether a limit's takes may come from a lease, given the key it makes with its route
+/// (`made`: a whole-route key, or an entity key's part before the id; `None` when not made
+/// yet): every key it makes must have the shape the store takes (`key::made_keys_fit`). A
+/// limit whose keys may not (a route pattern longer than a key may be) takes the full path,
+/// which refuses such a key with its error, and the lease table never takes the key in.
+fn leasable(scope: &Scope, made: Option<&str>) -> bool {
+    let entity = matches!(scope, Scope::Entity { .. });
+    made.is_none_or(|made| made_keys_fit(made, entity))
 }
 
 /// A code-built layer's route for one method and router pattern.
@@ -701,7 +712,8 @@ impl RouteLimits {
                 item,
                 name,
                 scale: NanoScale::of(&plan),
-                lease_nanos: Limiter::lease_token_nanos(&plan),
+                lease_nanos: Limiter::lease_token_nanos(&plan)
+                    .filter(|_| leasable(&scope, key.as_deref())),
                 plan,
                 index,
                 scope,
@@ -736,11 +748,17 @@ impl RouteLimits {
     /// its hints start empty.
     pub(crate) fn for_pattern(&self, method: &'static str, pattern: &str) -> RouteLimits {
         let (code, needs_parts) = CodeRoute::new(self, method, pattern);
-        RouteLimits {
-            code: Some(code),
+        let mut copy = RouteLimits {
             needs_parts,
             ..self.clone()
+        };
+        for (limit, made) in copy.limits.iter_mut().zip(code.keys.iter()) {
+            if !leasable(&limit.scope, made.as_deref()) {
+                limit.lease_nanos = None;
+            }
         }
+        copy.code = Some(code);
+        copy
     }
 
     pub(crate) fn is_empty(&self) -> bool {

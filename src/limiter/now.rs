@@ -44,9 +44,9 @@ impl Limiter {
     /// [`lease_token_nanos`](Self::lease_token_nanos) of `plan`, and `index` the plan's registry
     /// index from [`resolve_plan`](Self::resolve_plan), with the `Arc` it gave.
     ///
-    /// A key of the wrong shape (empty, too long, or with the reserved first character) is
-    /// `None`, and the caller's full path refuses it with its error; the scan for NUL bytes is
-    /// left to a key new to the lease table, which is checked in full before it goes in.
+    /// `key` has the shape the store takes (the HTTP layer takes this path only for limits
+    /// whose keys do: `route::leasable`); the scan for NUL bytes is left to a key new to the
+    /// lease table, which is checked in full before it goes in.
     ///
     /// `pinned` is the lease table as pinned by an earlier take of the same request, or `None`,
     /// pinned here then (and left for the next take): a request checked against several limits
@@ -62,9 +62,6 @@ impl Limiter {
         key: &str,
         hint: Option<&Hint>,
     ) -> Option<LeaseLeft> {
-        if crate::key::validate_key_shape(key).is_err() {
-            return None;
-        }
         let chosen = index.map(|i| (plan, i));
         let table = pinned.get_or_insert_with(|| self.leases().pin());
         match table.try_take(plan, chosen, key, nanos, &self.inner.plans, hint) {
